@@ -1,0 +1,22 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = {}
+exec(Path("tpframe/version.py").read_text(), version)
+
+setup(
+    name="tpframe",
+    version=version["__version__"],
+    description="Tensor-parallel GPT training on PyTorch: readable, resumable on any layout, fast on NVLink.",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tpframe", "tpframe.*"]),
+    package_data={"tpframe": ["comm/symm/thresholds.json", "training/data/*.txt"]},
+    python_requires=">=3.11",
+    install_requires=["torch>=2.11", "pyyaml"],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib"],
+        "wandb": ["wandb"],
+    },
+)
