@@ -1,0 +1,26 @@
+import os
+import sys
+
+import pytest
+
+# Worker functions live in test modules and are pickled by reference: make `tests` importable
+# the same way in the forkserver children.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped on CPU")
+    config.addinivalue_line("markers", "slow: a multi-process training run of several seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        need = marker.kwargs.get("count", 1)
+        if n_gpus < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {n_gpus}: run on the GPU device"))

@@ -1,0 +1,33 @@
+"""Comparison helpers for parallel-vs-reference tests."""
+
+from __future__ import annotations
+
+import torch
+
+FP32_TOL = 1e-5
+BF16_TOL = 2e-2  # bf16 keeps 8 bits of mantissa; partial sums are rounded before the reduce
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double(), ref.detach().double()
+    if got.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
+    if not torch.isfinite(got).all():
+        raise AssertionError("non-finite values")
+    denom = ref.norm().item()
+    return (got - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    err = rel_err(got, ref)
+    if not err <= tol:
+        raise AssertionError(f"{what}: relative error {err:.3e} > {tol:.1e}")
+
+
+def tol_for(dtype: torch.dtype) -> float:
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+def leaf(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A fresh leaf copy of `t` in `dtype` that records its gradient."""
+    return t.detach().clone().to(dtype).requires_grad_()

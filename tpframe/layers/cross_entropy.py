@@ -1,0 +1,104 @@
+"""Cross entropy over vocab-parallel logits, without ever gathering the vocabulary.
+
+Each TP rank holds logits [..., V/tp] for its vocabulary block. Three small all-reduces over
+[...]-shaped tensors replace a [..., V] gather: the max (for a stable softmax), then the target
+logit, the sum of exponentials and (for label smoothing) the sum of logits, in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpframe.comm import Communicator
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, comm, ignore_index, label_smoothing, vocab_size):
+        v_local = logits.shape[-1]
+        ctx_dtype = logits.dtype
+        start = comm.rank * v_local
+        logits = logits.float()
+        valid_vocab = None
+        if vocab_size is not None and start + v_local > vocab_size:
+            # Padding columns are not part of the distribution: treat them as -inf.
+            valid_vocab = torch.arange(start, start + v_local, device=logits.device) < vocab_size
+            logits = logits.masked_fill(~valid_vocab, float("-inf"))
+        n_valid = vocab_size if vocab_size is not None else v_local * comm.size
+
+        local_max = logits.max(dim=-1).values
+        global_max = comm.all_reduce(local_max, op="max")
+        shifted = logits - global_max.unsqueeze(-1)  # a fresh tensor: safe to exp_ in place below
+
+        ignored = target == ignore_index
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= v_local) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+        sums = [target_logit]
+        if label_smoothing > 0:
+            finite = shifted if valid_vocab is None else shifted.masked_fill(~valid_vocab, 0.0)
+            sums.append(finite.sum(dim=-1))
+        exp = shifted.exp_()
+        sums.append(exp.sum(dim=-1))
+        reduced = comm.all_reduce(torch.stack(sums))
+        target_logit, sum_exp = reduced[0], reduced[-1]
+
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        if label_smoothing > 0:
+            mean_logit = reduced[1] / n_valid
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - mean_logit)
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored, valid_vocab if valid_vocab is not None else torch.empty(0))
+        ctx.label_smoothing, ctx.n_valid, ctx.has_mask = label_smoothing, n_valid, valid_vocab is not None
+        ctx.input_dtype = ctx_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored, valid_vocab = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        # d loss / d logits = softmax - (1 - eps) * onehot(target) - eps / V   (over the real vocab)
+        grad = softmax  # reuse the buffer: backward runs once
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), (-(1.0 - eps) * hit).unsqueeze(-1))
+        if eps > 0:
+            grad.sub_(eps / ctx.n_valid)
+            if ctx.has_mask:
+                grad.masked_fill_(~valid_vocab, 0.0)
+        grad.mul_((grad_loss.float() * (~ignored).float()).unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    comm: Communicator | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token loss [...] (fp32) from local logits [..., V/tp] and global targets [...].
+
+    Equals F.cross_entropy(gathered_logits[..., :vocab_size], target, reduction="none"),
+    gradients included. `vocab_size` (the real vocabulary) excludes padding columns; targets
+    equal to `ignore_index` get zero loss and zero gradient.
+    """
+    if comm is None:
+        from tpframe.layers.linear import default_tp_comm
+
+        comm = default_tp_comm()
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target {tuple(target.shape)} "
+            "must agree on every dim but the last"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if vocab_size is not None and not 0 < vocab_size <= logits.shape[-1] * comm.size:
+        raise ValueError(f"vocab_size={vocab_size} does not fit the {logits.shape[-1] * comm.size} gathered logits")
+    return _VocabParallelCrossEntropy.apply(logits, target, comm, ignore_index, label_smoothing, vocab_size)

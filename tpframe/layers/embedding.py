@@ -1,0 +1,78 @@
+"""Vocab-parallel embedding: each TP rank holds a contiguous block of vocabulary rows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpframe.comm import Communicator
+from tpframe.layers.linear import default_tp_comm
+from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
+from tpframe.layers.utils import InitMethod, normal_init, tag_param
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """Smallest size >= vocab_size divisible by both tp and `multiple` (e.g. 128 for fast GEMMs).
+
+    With `multiple` a multiple of tp (128 and tp in 1..128, powers of two) the padded size does
+    not depend on tp, so checkpoints move between layouts unchanged.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    step = math.lcm(tp, max(1, multiple))
+    return -(-vocab_size // step) * step
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids -> embeddings, with the table split by vocabulary rows across TP.
+
+    weight: [V_padded/tp, H], rank r holds rows r*V_padded/tp:(r+1)*V_padded/tp. Rows past the real
+    vocabulary are zero padding. Output: ids.shape + [H], summed over TP (all-reduce), or
+    reduce-scattered along dim 0 with sequence parallelism (ids given sequence-first, [s, b]).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        sequence_parallel: bool = False,
+        pad_to_multiple_of: int = 1,
+        comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.comm = comm or default_tp_comm()
+        tp, rank = self.comm.size, self.comm.rank
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padded_num_embeddings = padded_vocab_size(num_embeddings, tp, pad_to_multiple_of)
+        self.rows_per_rank = self.padded_num_embeddings // tp
+        self.vocab_start = rank * self.rows_per_rank
+        self.sequence_parallel = sequence_parallel
+        # The master covers the real vocabulary only (same draws at any padding), then pads with zeros.
+        master = torch.empty(num_embeddings, embedding_dim, dtype=torch.float32)
+        (init_method or normal_init())(master)
+        master = F.pad(master, (0, 0, 0, self.padded_num_embeddings - num_embeddings))
+        shard = master[self.vocab_start : self.vocab_start + self.rows_per_rank]
+        device = device or self.comm.device
+        self.weight = tag_param(nn.Parameter(shard.to(device=device, dtype=dtype).contiguous()), tp_dim=0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            out = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.vocab_start
+            outside = (local < 0) | (local >= self.rows_per_rank)
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sp(out, self.comm) if self.sequence_parallel else reduce_from_tp(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings} (padded {self.padded_num_embeddings}, {self.rows_per_rank}/rank), "
+            f"{self.embedding_dim}, sp={self.sequence_parallel}"
+        )

@@ -1,0 +1,178 @@
+"""Column- and row-parallel linear layers (Megatron-LM's MLP/attention split).
+
+Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is split on the last dim.
+Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
+        then the full bias [out] is added once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpframe.comm import Communicator
+from tpframe.layers.mappings import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
+)
+from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
+
+
+def default_tp_comm() -> Communicator:
+    from tpframe.parallel.state import get_parallel_state
+
+    return get_parallel_state().tp_comm
+
+
+def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> None:
+    if x.shape[-1] != expected:
+        raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}")
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    comm: Communicator,
+    sequence_parallel: bool = False,
+    gather_output: bool = False,
+) -> torch.Tensor:
+    """y = x W^T + b with W split by output rows.
+
+    x: [s, b, h] replicated, or [s/tp, b, h] with sequence parallelism.
+    Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
+    Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
+    """
+    x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm)
+    y = F.linear(x, weight, bias)
+    return gather_from_tp(y, comm) if gather_output else y
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    comm: Communicator,
+    sequence_parallel: bool = False,
+    input_is_parallel: bool = True,
+) -> torch.Tensor:
+    """y = x W^T + b with W split by input columns.
+
+    x: [s, b, in/tp] (or [s, b, in], sliced here when not `input_is_parallel`).
+    Forward: all-reduce of the partial products (or reduce-scatter to [s/tp, b, out]).
+    """
+    if not input_is_parallel:
+        x = scatter_to_tp(x, comm)
+    y = F.linear(x, weight)
+    y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm)
+    return y + bias if bias is not None else y
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split across the TP group.
+
+    `fused_parts` (e.g. (("q", 64), ("k", 16), ("v", 16))) fuses several logical weights into one
+    GEMM: each part is row-split across TP on its own and the local weight is the concatenation
+    of this rank's part shards, so every part stays a plain row-shard of its own global tensor.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        fused_parts: tuple[tuple[str, int], ...] | None = None,
+    ):
+        super().__init__()
+        self.comm = comm or default_tp_comm()
+        tp, rank = self.comm.size, self.comm.rank
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        if fused_parts is not None:
+            if gather_output:
+                raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with fused_parts")
+            if sum(size for _, size in fused_parts) != out_features:
+                raise ValueError(f"fused_parts {fused_parts} must add up to out_features = {out_features}")
+            for name, size in fused_parts:
+                divide(size, tp, f"ColumnParallelLinear part {name!r} size")
+        parts = fused_parts or (("weight", out_features),)
+        device = device or self.comm.device
+        init_method = init_method or normal_init()
+        w = torch.cat([init_shard((size, in_features), 0, rank, tp, init_method, dtype, device) for _, size in parts])
+        self.weight = tag_param(nn.Parameter(w), tp_dim=0)
+        if fused_parts is not None:
+            self.weight.fused_parts = tuple(fused_parts)
+        if bias:
+            b = torch.cat([init_shard((size,), 0, rank, tp, nn.init.zeros_, dtype, device) for _, size in parts])
+            self.bias = tag_param(nn.Parameter(b), tp_dim=0)
+            if fused_parts is not None:
+                self.bias.fused_parts = tuple(fused_parts)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
+        return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split across the TP group."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.comm = comm or default_tp_comm()
+        tp, rank = self.comm.size, self.comm.rank
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, tp, "RowParallelLinear in_features")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        device = device or self.comm.device
+        init_method = init_method or normal_init()
+        w = init_shard((out_features, in_features), 1, rank, tp, init_method, dtype, device)
+        self.weight = tag_param(nn.Parameter(w), tp_dim=1)
+        if bias:
+            b = init_shard((out_features,), None, rank, tp, nn.init.zeros_, dtype, device)
+            self.bias = tag_param(nn.Parameter(b), tp_dim=None, sequence_parallel=sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expected = self.in_per_rank if self.input_is_parallel else self.in_features
+        _check_last_dim(x, expected, "RowParallelLinear", "in_features/tp" if self.input_is_parallel else "in_features")
+        return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}"
+        )

@@ -1,0 +1,149 @@
+"""The autograd communication mappings of tensor and sequence parallelism.
+
+Each is an autograd function whose forward and backward collectives go through the
+`Communicator` it is given (Megatron-LM paper, Shoeybi et al. 2019, section 3):
+
+    mapping                forward                         backward
+    copy_to_tp       (f)   identity                        all-reduce
+    reduce_from_tp   (g)   all-reduce                      identity
+    scatter_to_tp          keep my slice of the last dim   all-gather last dim
+    gather_from_tp         all-gather last dim             keep my slice of the last dim
+    scatter_to_sp          keep my slice of dim 0          all-gather dim 0
+    gather_from_sp   (g)   all-gather dim 0                reduce-scatter dim 0 (or slice)
+    reduce_scatter_to_sp   reduce-scatter dim 0            all-gather dim 0     (g-bar)
+
+Sequence-parallel activations are sequence-first, [s/tp, b, h], so the split is dim 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpframe.comm import Communicator
+
+
+def _slice(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    if x.shape[dim] % comm.size:
+        raise ValueError(
+            f"cannot split dim {dim} of shape {tuple(x.shape)} over {comm.size} tensor-parallel ranks"
+        )
+    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x) if comm.size > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _slice(x, comm, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, dim=-1), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice(grad, ctx.comm, -1), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _slice(x, comm, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, dim=0), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, reduce_grad):
+        ctx.comm, ctx.reduce_grad = comm, reduce_grad
+        return comm.all_gather(x, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return ctx.comm.reduce_scatter(grad, dim=0), None, None
+        return _slice(grad, ctx.comm, 0), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.reduce_scatter(x, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, dim=0), None
+
+
+def copy_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce the gradient."""
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return _ReduceFromTP.apply(x, comm)
+
+
+def scatter_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[..., h] -> [..., h/tp]: this rank's slice of the last dim; all-gather the gradient."""
+    return _ScatterToTP.apply(x, comm)
+
+
+def gather_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[..., h/tp] -> [..., h]: all-gather the last dim; slice the gradient."""
+    return _GatherFromTP.apply(x, comm)
+
+
+def scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[s, ...] -> [s/tp, ...]: this rank's sequence slice; all-gather the gradient."""
+    return _ScatterToSP.apply(x, comm)
+
+
+def gather_from_sp(x: torch.Tensor, comm: Communicator, reduce_grad: bool = True) -> torch.Tensor:
+    """[s/tp, ...] -> [s, ...]: all-gather the sequence.
+
+    Backward reduce-scatters when the gathered tensor fed TP-split work (each rank holds a
+    partial gradient of the full sequence); with `reduce_grad=False` it only slices.
+    """
+    return _GatherFromSP.apply(x, comm, reduce_grad)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """[s, ...] partial sums -> [s/tp, ...] summed: reduce-scatter; all-gather the gradient."""
+    return _ReduceScatterToSP.apply(x, comm)

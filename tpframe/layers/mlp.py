@@ -1,0 +1,62 @@
+"""The transformer MLP: column-parallel up-projection, activation, row-parallel down-projection.
+
+Only two collectives per direction: the input enters the TP region (identity, or all-gather of
+the sequence under SP) and the output leaves it (all-reduce, or reduce-scatter under SP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpframe.comm import Communicator
+from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpframe.layers.utils import InitMethod
+
+ACTIVATIONS = ("gelu", "swiglu", "relu")
+
+
+class ParallelMLP(nn.Module):
+    """[s, b, h] -> [s, b, h] (or [s/tp, b, h] in and out with sequence parallelism).
+
+    GELU/ReLU: fc1 [ffn/tp, h]. SwiGLU: fc1 fuses the logical `gate` and `up` weights (each a
+    row-shard of its own [ffn, h] tensor), out = fc2(silu(gate) * up).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
+        if activation == "swiglu":
+            self.fc1 = ColumnParallelLinear(
+                hidden, 2 * ffn_hidden, init_method=init_method, fused_parts=(("gate", ffn_hidden), ("up", ffn_hidden)), **common
+            )
+        else:
+            self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, init_method=init_method, **common)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, init_method=output_init_method or init_method, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "gelu":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            h = F.relu(h)
+        return self.fc2(h)

@@ -1,0 +1,50 @@
+"""LayerNorm and RMSNorm whose weights are replicated across TP.
+
+Under sequence parallelism each TP rank normalizes only its [s/tp, b, h] slice, so its weight
+gradient is partial: the parameters are tagged `sequence_parallel` and the trainer all-reduces
+their gradients over TP (see tpframe.parallel.data_parallel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpframe.layers.utils import tag_param
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        self.hidden, self.eps = hidden, eps
+        self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
+        if bias:
+            self.bias = tag_param(nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), None, sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        self.hidden, self.eps = hidden, eps
+        self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.hidden,), self.weight, self.eps)
+
+
+def build_norm(kind: str, hidden: int, eps: float = 1e-5, bias: bool = True, sequence_parallel: bool = False,
+               dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
+    """'layernorm' or 'rmsnorm'."""
+    if kind == "layernorm":
+        return LayerNorm(hidden, eps, bias, sequence_parallel, dtype, device)
+    if kind == "rmsnorm":
+        return RMSNorm(hidden, eps, sequence_parallel, dtype, device)
+    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")

@@ -1,0 +1,128 @@
+"""RNG states for tensor parallelism, and activation checkpointing that replays them.
+
+Two streams per process:
+  - the default generator, seeded identically on every TP rank: dropout on replicated
+    activations (e.g. after the row-parallel reduce) is the same on all TP ranks;
+  - the tracker's "tp" stream, seeded differently per TP rank: dropout on TP-split activations
+    (attention probabilities of this rank's heads) differs across TP ranks.
+`checkpoint` replays all of them for the recompute, so a checkpointed block draws the same
+dropout masks twice and gives bit-identical gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint
+
+TP_STREAM = "tp"
+
+
+def _get_device_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_device_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named RNG states for one device; `fork(name)` runs a block on that state and advances it."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        saved = _get_device_state(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _get_device_state(self.device)
+        _set_device_state(saved, self.device)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TP_STREAM):
+        if name not in self.states:
+            raise KeyError(f"RNG stream {name!r} was never added; call seed_parallel_rng() first")
+        saved = _get_device_state(self.device)
+        _set_device_state(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = _get_device_state(self.device)
+            _set_device_state(saved, self.device)
+
+
+def parallel_seeds(seed: int, tp_rank: int, pp_rank: int) -> tuple[int, int]:
+    """(default seed, tp-stream seed). Default: shared by a TP group; tp stream: one per TP rank."""
+    default = seed + 100 * pp_rank
+    return default, default + 2718 + tp_rank
+
+
+def seed_parallel_rng(seed: int, state=None) -> RNGStatesTracker:
+    """Seed the default generators and build the tracker; stored on the parallel state."""
+    from tpframe.parallel.state import get_parallel_state
+
+    state = state or get_parallel_state()
+    default, tp_seed = parallel_seeds(seed, state.tp_rank, state.pp_rank)
+    torch.manual_seed(default)  # CPU and every CUDA device
+    tracker = RNGStatesTracker(state.device)
+    tracker.add(TP_STREAM, tp_seed)
+    state.rng_tracker = tracker
+    return tracker
+
+
+# -- activation checkpointing -----------------------------------------------------------------
+
+
+def checkpoint(fn: Callable[..., Any], *args, tracker: RNGStatesTracker | None = None):
+    """Run `fn(*args)` without keeping its activations; recompute them in backward.
+
+    torch's non-reentrant checkpoint replays the CPU and CUDA default RNG states; the context
+    below replays the tracker's streams too, so every dropout mask matches the first pass.
+    `tracker` defaults to the parallel state's.
+    """
+    if tracker is None:
+        from tpframe.parallel.state import get_parallel_state, is_initialized
+
+        tracker = get_parallel_state().rng_tracker if is_initialized() else None
+    if tracker is None:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    saved: dict[str, dict] = {}
+
+    @contextlib.contextmanager
+    def forward_context():
+        saved["streams"] = tracker.get_states()
+        yield
+
+    @contextlib.contextmanager
+    def recompute_context():
+        current = tracker.get_states()
+        tracker.set_states(saved["streams"])
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: (forward_context(), recompute_context()),
+    )

@@ -1,0 +1,195 @@
+"""The one parallel state: TP, DP and PP process groups carved out of the world.
+
+Rank order is TP fastest, then DP, then PP:
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ranks of a TP group are adjacent and sit inside one NVLink node.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tpframe.comm import Communicator
+
+_STATE: ParallelState | None = None
+
+
+def rank_layout(world_size: int, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
+    """The global ranks of every group, by kind: 'tp', 'dp', 'pp', 'mp' (tp x pp) and 'embedding'.
+
+    Pure arithmetic, no communication: the single source of truth for the rank order.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("world size", world_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+            f"launch a multiple of {tp * pp} processes or change parallel.tp / parallel.pp"
+        )
+    dp = world_size // (tp * pp)
+
+    def rank(t: int, d: int, p: int) -> int:
+        return t + tp * (d + dp * p)
+
+    pp_groups = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    return {
+        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": pp_groups,
+        "mp": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "embedding": [sorted({g[0], g[-1]}) for g in pp_groups],
+    }
+
+
+def coords_of(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank."""
+    dp = world_size // (tp * pp)
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+@dataclass
+class ParallelState:
+    """Sizes, ranks, groups and communicators of this process. Built by `initialize_parallel`."""
+
+    world_size: int
+    rank: int
+    tp: int
+    dp: int
+    pp: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    device: torch.device
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # tp x pp: one model replica, for global grad norms
+    embedding_group: dist.ProcessGroup | None  # first and last stage; None off those stages
+    tp_comm: Communicator
+    dp_comm: Communicator
+    pp_ranks: list[int]
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    owns_world: bool = False
+    rng_tracker: object | None = None  # set by tpframe.parallel.random.seed_parallel_rng
+    _groups: list = field(default_factory=list, repr=False)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (the source for TP broadcasts)."""
+        return self.tp_ranks[0]
+
+
+def _init_world_from_env(backend: str) -> None:
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "torch.distributed is not initialized and the torchrun environment is missing "
+            f"({', '.join(missing)}): launch with `torchrun --nproc-per-node N ...` or call "
+            "torch.distributed.init_process_group() before initialize_parallel()"
+        )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def initialize_parallel(
+    tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto"
+) -> ParallelState:
+    """Build every process group from the world and return the one `ParallelState`.
+
+    `backend` is the torch.distributed backend used if the world is not up yet (default: nccl
+    with CUDA, else gloo). `comm_backend` picks the TP communicator backend (auto/nccl/symm).
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("initialize_parallel() was already called; call destroy_parallel() first")
+    owns_world = False
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        _init_world_from_env(backend)
+        owns_world = True
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = rank_layout(world, tp, pp)  # raises ValueError for a world tp*pp does not divide
+    dp = world // (tp * pp)
+    tp_rank, dp_rank, pp_rank = coords_of(rank, world, tp, pp)
+
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+
+    # Every rank must create every group, in the same order.
+    mine: dict[str, object] = {}
+    created = []
+    for kind in ("tp", "dp", "pp", "mp", "embedding"):
+        for ranks in layout[kind]:
+            group = dist.new_group(ranks)
+            created.append(group)
+            if rank in ranks:
+                mine[kind] = group
+    find = lambda kind: next(g for g in layout[kind] if rank in g)  # noqa: E731
+    state = ParallelState(
+        world_size=world,
+        rank=rank,
+        tp=tp,
+        dp=dp,
+        pp=pp,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+        device=device,
+        tp_group=mine["tp"],
+        dp_group=mine["dp"],
+        pp_group=mine["pp"],
+        mp_group=mine["mp"],
+        embedding_group=mine.get("embedding"),
+        tp_comm=Communicator(mine["tp"], backend=comm_backend, device=device),
+        dp_comm=Communicator(mine["dp"], backend="nccl", device=device),
+        tp_ranks=find("tp"),
+        dp_ranks=find("dp"),
+        pp_ranks=find("pp"),
+        owns_world=owns_world,
+        _groups=created,
+    )
+    _STATE = state
+    return state
+
+
+def get_parallel_state() -> ParallelState:
+    """The state built by `initialize_parallel`; a clear error if there is none."""
+    if _STATE is None:
+        raise RuntimeError("tpframe parallel state is not initialized: call tpframe.parallel.initialize_parallel() first")
+    return _STATE
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_parallel() -> None:
+    """Tear down the groups (and the world, if `initialize_parallel` created it)."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    state.tp_comm.close()
+    for group in state._groups:
+        dist.destroy_process_group(group)
+    if state.owns_world:
+        dist.destroy_process_group()
