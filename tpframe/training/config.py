@@ -1,0 +1,329 @@
+"""Typed run configuration: YAML file + `section.key=value` overrides, validated before any process group.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["parallel.tp=2", "train.steps=50"])
+    validate(cfg, world_size=2)   # ConfigError naming the key, the value and the fix
+
+Every section is a dataclass; unknown keys fail with a did-you-mean, wrong types fail naming the
+expected type, and impossible combinations (tp not dividing heads, batch sizes that do not divide)
+fail in `validate` before any process is wired up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, phrased for the user: the key, the value, and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"  # "gpt", or "package.module:build_fn" for a model of your own (README)
+    vocab_size: int = 256
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int | None = None  # grouped-query attention; None: as many as heads
+    ffn_hidden: int | None = None  # None: 4*hidden (GELU) or 8/3*hidden rounded to 64 (SwiGLU)
+    max_seq_len: int = 128
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    position: Literal["learned", "rotary"] = "learned"
+    rope_theta: float = 10000.0
+    activation: Literal["gelu", "swiglu", "relu"] = "gelu"
+    bias: bool = True
+    dropout: float = 0.0  # on the residual branches and embeddings
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (and of tp)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "stdlib", "tokens"] = "synthetic"
+    path: str | None = None  # source=tokens: a token file made by tools/prepare_data.py
+    valid_path: str | None = None  # source=tokens: held-out token file (default: the tail of `path`)
+    valid_fraction: float = 0.05  # held-out share when no separate validation file is given
+    synthetic_tokens: int = 2_000_000  # size of the generated corpus (source=synthetic)
+    seed: int = 1234  # data order; independent of the model seed
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 100
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    seq_len: int = 128
+    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 1234
+    eval_interval: int = 100  # 0 disables evaluation
+    eval_steps: int = 10
+    run_dir: str = "runs/default"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # default: <run_dir>/checkpoints
+    interval: int = 0  # save every N steps; 0: only at the end and on preemption signals
+    keep_last: int = 3
+    load: str | None = None  # a checkpoint directory to start from
+    auto_resume: bool = True  # resume from <dir>/latest when it exists
+    async_save: bool = False
+    save_on_signal: bool = True  # SIGTERM / SIGUSR1: save and exit cleanly
+    save_at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10
+    jsonl: bool = True  # <run_dir>/metrics.jsonl
+    progress: bool = True
+    wandb: bool = False
+    wandb_project: str = "tpframe"
+    wandb_name: str | None = None
+    peak_tflops: float | None = None  # per-device peak for MFU; None: a table by device name
+
+
+@dataclass
+class CommConfig:
+    backend: Literal["auto", "nccl", "symm"] = "auto"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(options))})"
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """`value` as the field's type, or a ConfigError naming the key and the expected type."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} must be a string")
+    raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
+
+
+def _section_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, checking every key and type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
+    sections = _section_types(Config)
+    kwargs = {}
+    for section, values in data.items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section '{section}'{_did_you_mean(section, sections)}")
+        cls = sections[section]
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {values!r}")
+        types_ = _section_types(cls)
+        fields = {}
+        for key, value in values.items():
+            if key not in types_:
+                raise ConfigError(f"unknown config key '{section}.{key}'{_did_you_mean(key, types_)}")
+            fields[key] = _coerce(value, types_[key], f"{section}.{key}")
+        kwargs[section] = cls(**fields)
+    return Config(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings (values parsed as YAML) to nested dicts."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"override key {dotted!r} must be section.key (e.g. parallel.tp=2)")
+        section, key = parts
+        value = yaml.safe_load(raw) if raw.strip() else None
+        if section not in data or data[section] is None:
+            data[section] = {}
+        data[section][key] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults when `path` is None) and apply the overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def ffn_hidden_size(m: ModelConfig) -> int:
+    if m.ffn_hidden is not None:
+        return m.ffn_hidden
+    if m.activation == "swiglu":
+        return 64 * -(-int(8 * m.hidden / 3) // 64)
+    return 4 * m.hidden
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every impossible combination, as one clear ConfigError, before any process group exists."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
+
+    def positive(key: str, value: int) -> None:
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+
+    for key, value in (
+        ("model.vocab_size", m.vocab_size), ("model.hidden", m.hidden), ("model.layers", m.layers),
+        ("model.heads", m.heads), ("model.max_seq_len", m.max_seq_len), ("model.vocab_multiple", m.vocab_multiple),
+        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps), ("train.seq_len", t.seq_len),
+        ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last), ("logging.interval", cfg.logging.interval),
+    ):
+        positive(key, value)
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available yet; use parallel.pp=1")
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {p.tp}*{p.pp}; "
+            f"launch a multiple of {p.tp * p.pp} processes (torchrun --nproc-per-node) or change parallel.tp"
+        )
+    dp = world_size // (p.tp * p.pp)
+    if m.hidden % m.heads:
+        raise ConfigError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
+    kv = m.kv_heads if m.kv_heads is not None else m.heads
+    if kv < 1 or m.heads % kv:
+        raise ConfigError(f"model.kv_heads={kv} must divide model.heads={m.heads}")
+    for key, value in (("model.heads", m.heads), ("model.kv_heads", kv), ("model.hidden", m.hidden),
+                       ("model.ffn_hidden", ffn_hidden_size(m))):
+        if value % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={value}; pick a tp that divides it")
+    if m.position == "rotary" and (m.hidden // m.heads) % 2:
+        raise ConfigError(f"rotary positions need an even head dim; model.hidden/model.heads = {m.hidden // m.heads}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}")
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size*dp = "
+            f"{t.micro_batch_size}*{dp} = {per_step}; make it a multiple of {per_step}"
+        )
+    for key, value in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}={value} must be in [0, 1)")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} need 0 <= min_lr <= lr and lr > 0")
+    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
+        raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must not be negative")
+    if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
+        raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
+    if cfg.data.source == "tokens" and not cfg.data.path:
+        raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
+    if not 0.0 < cfg.data.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
+    if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
+        raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
+
+
+def grad_accumulation_steps(cfg: Config, world_size: int) -> int:
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
