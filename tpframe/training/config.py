@@ -138,9 +138,11 @@ class Config:
 # -- parsing ----------------------------------------------------------------------------------
 
 
-def _did_you_mean(word: str, options) -> str:
+def _did_you_mean(word: str, options, prefix: str = "") -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(options))})"
+    if close:
+        return f" (did you mean '{prefix}{close[0]}'?)"
+    return f" (known: {', '.join(prefix + o for o in sorted(options))})"
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -212,7 +214,7 @@ def from_dict(data: dict[str, Any]) -> Config:
         fields = {}
         for key, value in values.items():
             if key not in types_:
-                raise ConfigError(f"unknown config key '{section}.{key}'{_did_you_mean(key, types_)}")
+                raise ConfigError(f"unknown config key '{section}.{key}'{_did_you_mean(key, types_, section + '.')}")
             fields[key] = _coerce(value, types_[key], f"{section}.{key}")
         kwargs[section] = cls(**fields)
     return Config(**kwargs)
