@@ -18,10 +18,14 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+def assert_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str, atol: float = 0.0) -> None:
+    """‖got - ref‖ <= tol * ‖ref‖ + atol (atol for tensors that are zero in exact arithmetic)."""
     err = rel_err(got, ref)
     if not err <= tol:
-        raise AssertionError(f"{what}: relative error {err:.3e} > {tol:.1e}")
+        abs_err = (got.detach().double() - ref.detach().double()).norm().item()
+        if abs_err <= tol * ref.detach().double().norm().item() + atol:
+            return
+        raise AssertionError(f"{what}: relative error {err:.3e} > {tol:.1e} (absolute {abs_err:.3e})")
 
 
 def tol_for(dtype: torch.dtype) -> float:

@@ -66,6 +66,16 @@ class Communicator:
         backend = self.backend_for("all_reduce", x) if op == "sum" else self.nccl
         return backend.all_reduce(x, op)
 
+    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a buffer the caller owns (gradient buffers); returns `x`."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+        if self.size > 1:
+            if not x.is_contiguous():
+                raise ValueError("all_reduce_ needs a contiguous tensor")
+            dist.all_reduce(x, op=REDUCE_OPS[op], group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
         if self.size == 1:

@@ -26,6 +26,20 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
+def init_vocab_shard(
+    vocab_size: int, hidden: int, padded: int, rank: int, tp: int, init_method: InitMethod, dtype, device
+) -> torch.Tensor:
+    """This rank's rows [padded/tp, hidden] of a vocabulary table.
+
+    The master covers the real vocabulary only (the same draws at any padding), padded with zeros.
+    """
+    master = torch.empty(vocab_size, hidden, dtype=torch.float32)
+    init_method(master)
+    master = F.pad(master, (0, 0, 0, padded - vocab_size))
+    rows = padded // tp
+    return master[rank * rows : (rank + 1) * rows].to(device=device, dtype=dtype).contiguous()
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token ids -> embeddings, with the table split by vocabulary rows across TP.
 
@@ -53,13 +67,12 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = self.padded_num_embeddings // tp
         self.vocab_start = rank * self.rows_per_rank
         self.sequence_parallel = sequence_parallel
-        # The master covers the real vocabulary only (same draws at any padding), then pads with zeros.
-        master = torch.empty(num_embeddings, embedding_dim, dtype=torch.float32)
-        (init_method or normal_init())(master)
-        master = F.pad(master, (0, 0, 0, self.padded_num_embeddings - num_embeddings))
-        shard = master[self.vocab_start : self.vocab_start + self.rows_per_rank]
-        device = device or self.comm.device
-        self.weight = tag_param(nn.Parameter(shard.to(device=device, dtype=dtype).contiguous()), tp_dim=0)
+        shard = init_vocab_shard(
+            num_embeddings, embedding_dim, self.padded_num_embeddings, rank, tp, init_method or normal_init(), dtype,
+            device or self.comm.device,
+        )
+        self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
+        self.weight.vocab_rows = num_embeddings  # rows past this are padding (not in checkpoints)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:

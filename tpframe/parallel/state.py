@@ -74,6 +74,7 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None  # first and last stage; None off those stages
     tp_comm: Communicator
     dp_comm: Communicator
+    mp_comm: Communicator
     pp_ranks: list[int]
     tp_ranks: list[int]
     dp_ranks: list[int]
@@ -161,6 +162,7 @@ def initialize_parallel(
         embedding_group=mine.get("embedding"),
         tp_comm=Communicator(mine["tp"], backend=comm_backend, device=device),
         dp_comm=Communicator(mine["dp"], backend="nccl", device=device),
+        mp_comm=Communicator(mine["mp"], backend="nccl", device=device),
         tp_ranks=find("tp"),
         dp_ranks=find("dp"),
         pp_ranks=find("pp"),

@@ -1,0 +1,100 @@
+"""Self-attention with heads split across TP, rotary positions, and grouped-query attention.
+
+    x [s, b, h] --qkv (column)--> q [s, b, nq/tp, d], k, v [s, b, nkv/tp, d]
+      --SDPA (causal, this rank's heads)--> [s, b, nq/tp * d] --proj (row)--> [s, b, h]
+
+With sequence parallelism x and the output are [s/tp, b, h]: qkv all-gathers the sequence and
+proj reduce-scatters it. The fused qkv weight keeps q, k and v as separate logical tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpframe.comm import Communicator
+from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, default_tp_comm
+from tpframe.layers.utils import InitMethod, divide
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary positions (GPT-NeoX rotate-half convention), [s, 1, 1, d]."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dim, got {head_dim}")
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.max_seq_len = max_seq_len
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds the rotary table's max_seq_len {self.max_seq_len}")
+        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [s, b, n, d] by position: x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class ParallelAttention(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int | None = None,
+        bias: bool = True,
+        attention_dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+        rng_tracker=None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        comm = comm or default_tp_comm()
+        kv_heads = kv_heads or heads
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+        self.head_dim = hidden // heads
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
+        self.heads_local = divide(heads, comm.size, "attention heads")
+        self.kv_local = divide(kv_heads, comm.size, "attention kv_heads")
+        self.attention_dropout = attention_dropout
+        self.rng_tracker = rng_tracker
+        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
+        common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
+        self.qkv = ColumnParallelLinear(
+            hidden, q_size + 2 * kv_size, init_method=init_method, fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)), **common
+        )
+        self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, (nq + 2 nkv)/tp * d]
+        s, b = qkv.shape[:2]
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
+        q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        # SDPA takes [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        dropout = self.attention_dropout if self.training else 0.0
+        gqa = self.kv_local != self.heads_local
+        if dropout > 0 and self.rng_tracker is not None:
+            with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
+        return self.proj(out)
