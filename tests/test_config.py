@@ -1,0 +1,56 @@
+"""Config parsing and validation: every mistake is one clear ConfigError naming the key."""
+
+import pytest
+
+from tpframe.training.config import ConfigError, grad_accumulation_steps, load_config, validate
+
+
+def _errors(overrides, world=2, path=None):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(path, overrides), world)
+    return str(info.value)
+
+
+def test_yaml_and_overrides_build_typed_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden: 64\n  heads: 4\noptim:\n  lr: 1e-3\ntrain:\n  global_batch_size: 32\n")
+    cfg = load_config(path, ["parallel.tp=2", "train.micro_batch_size=4", "model.kv_heads=2", "optim.min_lr=0"])
+    assert cfg.model.hidden == 64 and cfg.parallel.tp == 2 and cfg.model.kv_heads == 2
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.min_lr, float)  # YAML's "1e-3" string and int 0 coerced
+    validate(cfg, world_size=4)
+    assert grad_accumulation_steps(cfg, 4) == 32 // (4 * 2)
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["model.hiden=3"], 2, "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
+        (["modle.hidden=3"], 2, "unknown config section 'modle' (did you mean 'model'?)"),
+        (["train.steps=ten"], 2, "train.steps='ten' must be an integer"),
+        (["parallel.sequence_parallel=3"], 2, "parallel.sequence_parallel=3 must be true or false"),
+        (["model.norm=batchnorm"], 2, "model.norm='batchnorm' is not allowed; choose one of 'layernorm', 'rmsnorm'"),
+        (["parallel.tp=4"], 6, "world size 6 is not divisible by parallel.tp*parallel.pp = 4*1"),
+        (["parallel.tp=2", "model.heads=3", "model.hidden=96"], 2, "parallel.tp=2 does not divide model.heads=3"),
+        (["parallel.tp=2", "model.heads=4", "model.kv_heads=1"], 2, "parallel.tp=2 does not divide model.kv_heads=1"),
+        (["model.hidden=100", "model.heads=3"], 1, "model.hidden=100 is not divisible by model.heads=3"),
+        (["parallel.tp=4", "model.ffn_hidden=130"], 4, "parallel.tp=4 does not divide model.ffn_hidden=130"),
+        (["train.micro_batch_size=3", "train.global_batch_size=8"], 2, "train.global_batch_size=8 is not divisible by train.micro_batch_size*dp = 3*2"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=63", "model.max_seq_len=64"], 2, "needs train.seq_len=63 divisible by parallel.tp=2"),
+        (["train.seq_len=256"], 1, "train.seq_len=256 exceeds model.max_seq_len=128"),
+        (["parallel.pp=2"], 2, "pipeline parallelism is not available yet"),
+        (["data.source=tokens"], 1, "data.source=tokens needs data.path"),
+        (["optim.lr=-1"], 1, "optim.lr=-1.0"),
+        (["train.steps"], 1, "must look like section.key=value"),
+    ],
+)
+def test_bad_config_is_one_clear_error(overrides, world, message):
+    assert message in _errors(overrides, world)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    assert "does not exist" in _errors([], path=tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    assert "is not valid YAML" in _errors([], path=bad)
+    bad.write_text("model: 3\n")
+    assert "config section 'model' must be a mapping" in _errors([], path=bad)

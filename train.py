@@ -1,0 +1,114 @@
+"""tpframe's entry point.
+
+    torchrun --nproc-per-node N train.py --config configs/X.yaml [section.key=value ...]
+    python train.py --config configs/tiny_cpu.yaml          # one process, no torchrun needed
+
+The path of a token, top to bottom:
+    build_data (tpframe/training/data.py) -> Trainer.train_step (tpframe/training/trainer.py)
+    -> model(input_ids, labels) (tpframe/models/gpt.py: embedding -> blocks -> head)
+    -> vocab_parallel_cross_entropy (tpframe/layers/cross_entropy.py) -> per-token loss.
+
+Configuration mistakes stop here with one line and exit code 2, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+
+from tpframe.training.config import ConfigError, load_config, validate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (defaults when omitted)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
+    return parser.parse_args(argv)
+
+
+def _single_process_env() -> None:
+    """Let `python train.py` run without torchrun: a world of one process."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def prepare(argv: list[str] | None):
+    """Parse and check everything that can be checked before any process group is built."""
+    from tpframe.models import resolve_builder
+    from tpframe.parallel.state import coords_of
+    from tpframe.training.data import build_data
+
+    args = parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, world)
+    resolve_builder(cfg.model.name)
+    _, dp_rank, _ = coords_of(rank, world, cfg.parallel.tp, cfg.parallel.pp)
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    try:
+        train_data, valid_data, data_vocab = build_data(cfg.data, cfg.train.seq_len, cfg.train.micro_batch_size, dp_rank, dp)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    if data_vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the data has token ids up to {data_vocab - 1} but model.vocab_size={cfg.model.vocab_size}; "
+            f"set model.vocab_size={data_vocab} or more"
+        )
+    return cfg, train_data, valid_data
+
+
+def run(cfg, train_data, valid_data):
+    """Build the parallel state, model, trainer and checkpointer, then train. Returns the trainer."""
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.training.logging import MetricsLogger, peak_tflops
+    from tpframe.training.trainer import Trainer
+
+    state = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, comm_backend=cfg.comm.backend)
+    try:
+        tracker = seed_parallel_rng(cfg.train.seed)
+        dtype = DTYPES[cfg.train.dtype]
+        ctx = BuildContext(
+            state.tp_comm, cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing, tracker, dtype, state.device, cfg.train.seed
+        )
+        model = build_model(cfg.model, ctx)
+        logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict())
+        trainer = Trainer(cfg, state, model, train_data, valid_data, logger, peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
+        logger.info(
+            f"tpframe: {model.num_params() / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
+            f"x pp {state.pp} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, global batch "
+            f"{cfg.train.global_batch_size} ({trainer.accum} micro-batches of {cfg.train.micro_batch_size} per rank)"
+        )
+        try:
+            trainer.train()
+        finally:
+            logger.close()
+        return trainer
+    finally:
+        destroy_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, train_data, valid_data = prepare(argv)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tpframe: config error: {e}", file=sys.stderr)
+        return 2
+    _single_process_env()
+    run(cfg, train_data, valid_data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
