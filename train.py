@@ -46,6 +46,7 @@ def prepare(argv: list[str] | None):
     """Parse and check everything that can be checked before any process group is built."""
     from tpframe.models import resolve_builder
     from tpframe.parallel.state import coords_of
+    from tpframe.training.checkpoint import preflight
     from tpframe.training.data import build_data
 
     args = parse_args(argv)
@@ -64,13 +65,15 @@ def prepare(argv: list[str] | None):
             f"the data has token ids up to {data_vocab - 1} but model.vocab_size={cfg.model.vocab_size}; "
             f"set model.vocab_size={data_vocab} or more"
         )
-    return cfg, train_data, valid_data
+    resume = preflight(cfg, world)  # the checkpoint to resume from, checked before anything is built
+    return cfg, train_data, valid_data, resume
 
 
-def run(cfg, train_data, valid_data):
+def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.training.checkpoint import Checkpointer
     from tpframe.training.logging import MetricsLogger, peak_tflops
     from tpframe.training.trainer import Trainer
 
@@ -82,15 +85,20 @@ def run(cfg, train_data, valid_data):
             state.tp_comm, cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing, tracker, dtype, state.device, cfg.train.seed
         )
         model = build_model(cfg.model, ctx)
+        checkpointer = Checkpointer(cfg, state, resume)
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict())
         trainer = Trainer(cfg, state, model, train_data, valid_data, logger, peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
+        checkpointer.attach(trainer)  # resumes here: model, optimizer, data position, RNG, step
         logger.info(
             f"tpframe: {model.num_params() / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
             f"x pp {state.pp} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, global batch "
             f"{cfg.train.global_batch_size} ({trainer.accum} micro-batches of {cfg.train.micro_batch_size} per rank)"
         )
+        if checkpointer.loaded_from is not None:
+            logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}")
         try:
             trainer.train()
+            checkpointer.finish(trainer)
         finally:
             logger.close()
         return trainer
@@ -100,13 +108,13 @@ def run(cfg, train_data, valid_data):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, train_data, valid_data = prepare(argv)
+        cfg, train_data, valid_data, resume = prepare(argv)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"tpframe: config error: {e}", file=sys.stderr)
         return 2
     _single_process_env()
-    run(cfg, train_data, valid_data)
+    run(cfg, train_data, valid_data, resume)
     return 0
 
 

@@ -39,7 +39,9 @@ def _part_name(param_name: str, part: str) -> str:
     return f"{module}.{part}.{leaf}" if module else f"{part}.{leaf}"
 
 
-def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int) -> list[LogicalShard]:
+def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vocab: bool = True) -> list[LogicalShard]:
+    """The logical pieces of one local parameter. `trim_vocab=False` keeps vocabulary padding rows
+    (checkpoints store the padded table, so every rank's piece is an even chunk)."""
     tp_dim = getattr(p, "tp_dim", None)
     full = tuple(p.shape)
     whole = tuple(slice(None) for _ in full)
@@ -59,7 +61,7 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int) -> list
     offset = [0] * len(full)
     offset[tp_dim] = tp_rank * local
     index = list(whole)
-    vocab_rows = getattr(p, "vocab_rows", None)
+    vocab_rows = getattr(p, "vocab_rows", None) if trim_vocab else None
     if vocab_rows is not None:  # drop the padding rows from the logical tensor
         assert tp_dim == 0
         global_shape = (vocab_rows,) + full[1:]
@@ -69,11 +71,11 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int) -> list
     return [LogicalShard(name, name, global_shape, tuple(offset), tp_dim, tuple(index))]
 
 
-def logical_shards(model: nn.Module, tp_rank: int, tp_size: int) -> list[LogicalShard]:
+def logical_shards(model: nn.Module, tp_rank: int, tp_size: int, trim_vocab: bool = True) -> list[LogicalShard]:
     """Every logical tensor piece this rank holds, in parameter order."""
     out = []
     for name, p in model.named_parameters():
-        out.extend(param_shards(name, p, tp_rank, tp_size))
+        out.extend(param_shards(name, p, tp_rank, tp_size, trim_vocab))
     return out
 
 

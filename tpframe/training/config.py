@@ -97,8 +97,10 @@ class CheckpointConfig:
     dir: str | None = None  # default: <run_dir>/checkpoints
     interval: int = 0  # save every N steps; 0: only at the end and on preemption signals
     keep_last: int = 3
-    load: str | None = None  # a checkpoint directory to start from
+    load: str | None = None  # a checkpoint directory (or a checkpoints root with `latest`) to resume from
     auto_resume: bool = True  # resume from <dir>/latest when it exists
+    init_from: str | None = None  # start a new run from consolidated weights (tools/checkpoint.py export)
+    verify: Literal["size", "crc"] = "crc"  # how shard files are checked before loading
     async_save: bool = False
     save_on_signal: bool = True  # SIGTERM / SIGUSR1: save and exit cleanly
     save_at_end: bool = True

@@ -44,6 +44,13 @@ class MasterAdamW:
             if m is not p:
                 p.copy_(m)
 
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the model weights into the fp32 masters (after weights were loaded into the model)."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.copy_(p)
+
     def named_masters(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         """(name, model param, fp32 master) for every optimized parameter."""
         return list(zip(self.names, self.params, self.masters))

@@ -1,0 +1,80 @@
+"""Consolidated weights: a tpframe checkpoint -> one safetensors file with plain full tensor names,
+and such a file -> the shards of a model at any TP layout.
+
+Names are the logical ones of tpframe.parallel.sharding (fused q/k/v and gate/up split, the
+vocabulary without padding rows), e.g. `blocks.0.attn.qkv.q.weight`, `embedding.weight` [V, h].
+Exporting needs no process group: DCP reads the global tensors in one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from tpframe.parallel.sharding import param_shards
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise RuntimeError("safetensors is not installed: pip install safetensors (or tpframe[dev])") from None
+    return safetensors.torch
+
+
+def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint in full (vocabulary padding rows removed), on the CPU."""
+    path = Path(checkpoint)
+    meta = json.loads((path / "meta.json").read_text())
+    index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wanted = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in index.items()
+        if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
+    }
+    dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
+    vocab, vocab_tensors = meta["vocab"]["size"], set(meta["vocab"]["tensors"])
+    out = {}
+    for key, tensor in wanted.items():
+        name = key[len("model/") :]
+        out[name] = tensor[:vocab].contiguous() if name in vocab_tensors else tensor
+    return out
+
+
+def export_consolidated(checkpoint: str | Path, out_file: str | Path) -> dict[str, torch.Tensor]:
+    tensors = read_model_tensors(checkpoint)
+    meta = json.loads((Path(checkpoint) / "meta.json").read_text())
+    header = {"format": "tpframe", "tpframe_version": meta["tpframe_version"], "step": str(meta["step"]),
+              "model_config": json.dumps(meta["config"]["model"])}
+    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+    _safetensors().save_file(tensors, str(out_file), metadata=header)
+    return tensors
+
+
+@torch.no_grad()
+def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int) -> None:
+    """Copy this rank's shard of every logical tensor in `file` into `model` (any TP layout)."""
+    tensors = _safetensors().load_file(str(file))
+    expected = set()
+    for name, param in model.named_parameters():
+        for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
+            expected.add(shard.name)
+            if shard.name not in tensors:
+                raise ValueError(f"{file}: no tensor {shard.name!r}; was it exported from the same model architecture?")
+            full = tensors[shard.name]
+            if tuple(full.shape) != shard.global_shape:
+                raise ValueError(f"{file}: {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}")
+            target = shard.view(param.detach())
+            piece = full
+            if shard.tp_dim is not None:
+                piece = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])
+            target.copy_(piece)
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise ValueError(f"{file} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
