@@ -87,19 +87,21 @@ class HFTokenizer:
 # -- reading documents ------------------------------------------------------------------------
 
 
-def iter_documents(path: str | Path, jsonl_key: str = "text") -> Iterator[Iterator[str]]:
-    """Each document of a file as an iterator of text chunks. `.jsonl`: one JSON object per line,
-    the text under `jsonl_key`; any other file: one document, UTF-8 (bad bytes replaced), read in
-    chunks of whole lines so a large file is never held at once."""
+def iter_text(path: str | Path, jsonl_key: str = "text") -> Iterator[str | None]:
+    """The text of a file as chunks, with None after each document. `.jsonl`: one JSON object per
+    line, the text under `jsonl_key`; any other file: one UTF-8 document (bad bytes replaced), read
+    in chunks of whole lines so a large file is never held in memory at once."""
     path = Path(path)
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if path.suffix == ".jsonl":
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    yield iter((_jsonl_text(line, jsonl_key, f"{path}:{lineno}"),))
-    else:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            yield iter(lambda: "".join(f.readlines(_TEXT_CHUNK)), "")
+                    yield _jsonl_text(line, jsonl_key, f"{path}:{lineno}")
+                    yield None
+        else:
+            while chunk := "".join(f.readlines(_TEXT_CHUNK)):
+                yield chunk
+            yield None
 
 
 def _jsonl_text(line: str, key: str, where: str) -> str:
@@ -136,16 +138,16 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    digest, count, eot = hashlib.sha256(), 0, np.array([tok.eot_id], dtype=dtype)
+    digest, count, docs, eot = hashlib.sha256(), 0, 0, np.array([tok.eot_id], dtype=dtype)
     try:
         with open(tmp, "wb") as f:
             for path in inputs:
-                for chunks in iter_documents(path, jsonl_key):
-                    for text in chunks:
-                        count += _write(f, digest, tok.encode(text).astype(dtype))
-                    count += _write(f, digest, eot)
-        if count == 0:
-            raise ValueError("the inputs hold no text")
+                for text in iter_text(path, jsonl_key):
+                    ids = eot if text is None else tok.encode(text).astype(dtype)
+                    count += _write(f, digest, ids)
+                    docs += text is None
+        if count == docs:
+            raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no text")
         meta = {
             "format": FORMAT, "num_tokens": count, "dtype": dtype.name, "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id, "tokenizer": tok.info, "sha256": digest.hexdigest(),
