@@ -47,7 +47,7 @@ def test_console_line_has_every_metric_and_a_plain_progress_bar(tmp_path, capsys
     assert "\r" not in out and "\x1b" not in out  # not a TTY: plain lines only
     train, evl, info = out.splitlines()
     assert train == ("step  10/100 | loss 2.3100 | lr 3.00e-04 | grad 0.800 | 51.23k tok/s | 120.0 TFLOP/s | "
-                     "MFU 12.1% | mem 10.50 GiB | aux_loss 0.0123 | [##..................]  10% 0.50 steps/s ETA 3m00s")
+                     "MFU 12.1% | mem 10.50 GiB | aux_loss 0.0123 | [##..................]  10% 2.00 s/step ETA 3m00s")
     assert evl == "eval step 10 | loss 2.5000" and info == "saved checkpoint"
 
 

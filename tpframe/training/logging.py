@@ -139,7 +139,7 @@ class MetricsLogger:
         filled = int(done * _BAR_WIDTH)
         rate = self.steps_per_s()
         eta = format_duration((self.total_steps - step) / rate) if rate else "?"
-        speed = f"{rate:.2f} steps/s" if rate else "- steps/s"
+        speed = "- steps/s" if not rate else f"{rate:.2f} steps/s" if rate >= 1 else f"{1 / rate:.2f} s/step"
         return f"[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done:4.0%} {speed} ETA {eta}"
 
     def _draw_bar(self, step: int) -> None:
