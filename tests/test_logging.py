@@ -87,10 +87,10 @@ def test_jsonl_records_and_append_on_resume(tmp_path, clock):
     log.log_eval(3, {"loss": 1.5})
     # a crash before close: every record is already on disk
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 4
-    first = json.loads(lines[0])
+    assert len(lines) == 5 and json.loads(lines[0])["kind"] == "start"
+    first = json.loads(lines[1])
     assert first["step"] == 1 and first["kind"] == "train" and first["loss"] == 3.0 and first["lr"] == pytest.approx(1e-3)
-    assert isinstance(first["time"], float) and json.loads(lines[3])["kind"] == "eval"
+    assert isinstance(first["time"], float) and json.loads(lines[4])["kind"] == "eval"
     log.close()
     assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == {"model": {"hidden": 8}}
 
@@ -99,9 +99,13 @@ def test_jsonl_records_and_append_on_resume(tmp_path, clock):
     resumed.log_train(4, {"loss": 0.25})
     resumed.close()
     raw = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(raw) == 7 and raw[4] == {**raw[4], "kind": "resume", "step": 2}
+    assert len(raw) == 8 and raw[5] == {**raw[5], "kind": "start", "step": 2}
     kept = [(r["kind"], r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert kept == [("train", 1, 3.0), ("train", 2, 2.0), ("train", 3, 0.5), ("train", 4, 0.25)]
+    # a fresh run in the same directory starts the curve over
+    with MetricsLogger(LoggingConfig(), tmp_path, True, total_steps=10, config={}) as fresh:
+        fresh.log_train(1, {"loss": 9.0})
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 9.0)]
 
 
 def test_read_metrics_skips_a_torn_last_line_and_rejects_missing_or_empty(tmp_path):

@@ -162,7 +162,7 @@ def synthetic_corpus(num_tokens: int, seed: int) -> TokenStream:
 def synthetic_entropy_floor(num_tokens: int, seed: int) -> float:
     """Entropy of the generator's random choices per token, in nats: the text determines every
     choice, so this is the loss of an ideal model that sees each line from its start
-    (about 0.74 nats/token; a model whose window starts mid-line does slightly worse)."""
+    (about 0.59 nats/token at the default size; a model whose window starts mid-line does slightly worse)."""
     return _generate(num_tokens, seed)[1]
 
 

@@ -7,8 +7,8 @@
     log.close()
 
 Only the main rank writes anything. metrics.jsonl holds one JSON object per line: `step`, `kind`
-("train", "eval", or "resume": a resumed run's start, after which older records of later steps are
-stale; `read_metrics` drops them), `time` (unix seconds) and the metrics, flat.
+("train", "eval", or "start": a run (re)starting at that step, which makes earlier records of later
+steps stale; `read_metrics` drops them), `time` (unix seconds) and the metrics, flat.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ class MetricsLogger:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         if cfg.jsonl:
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
-            if start_step > 0:
-                self._write_record(start_step, "resume", {})
+            self._write_record(start_step, "start", {})  # records after this step from earlier runs are stale
         if cfg.wandb:
             self._wandb = _init_wandb(cfg, self.run_dir, config, self._warn)
 
@@ -198,8 +197,8 @@ def _as_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Records of a metrics.jsonl; after each "resume" record at step S, earlier records with steps
-    after S are dropped (the resumed run replaced them). ValueError if missing, empty or corrupt."""
+    """The train/eval records of a metrics.jsonl; a "start" record at step S drops the earlier records
+    of steps after S (the restarted run replaced them). ValueError if missing, empty or corrupt."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{str(path)!r} does not exist; a run writes it when logging.jsonl=true")
@@ -214,7 +213,7 @@ def read_metrics(path: str | Path) -> list[dict]:
                 if not line.endswith("\n"):  # a crash mid-write: ignore the torn last line
                     break
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if rec.get("kind") == "resume":
+            if rec.get("kind") == "start":
                 records = [r for r in records if r["step"] <= rec["step"]]
             else:
                 records.append(rec)

@@ -155,6 +155,7 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
         }
         sidecar_tmp = tmp.with_name(tmp.name + ".json")
         sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        sidecar_path(out).unlink(missing_ok=True)  # never pair an old sidecar with new tokens
         os.replace(tmp, out)
         os.replace(sidecar_tmp, sidecar_path(out))
         return meta
