@@ -135,6 +135,10 @@ def test_load_state_dict_rejects_another_seed_corpus_or_split():
 def test_bad_iterator_arguments_and_tiny_corpora_fail_clearly():
     with pytest.raises(ValueError, match="dp_rank"):
         build_data(SMALL, SEQ, 4, 2, 2)
+    with pytest.raises(ValueError, match="data.seed=-1 must be a non-negative"):
+        build_data(DataConfig(synthetic_tokens=1000, seed=-1), SEQ, 4, 0, 1)
+    with pytest.raises(ValueError, match="data.seed=-1 must be a non-negative"):
+        BatchIterator(TokenStream(np.zeros(40, np.int64), 256, "z"), SEQ, 1, seed=-1)
     with pytest.raises(ConfigError, match="data.synthetic_tokens"):
         build_data(DataConfig(synthetic_tokens=200), 64, 1, 0, 1)
     with pytest.raises(ConfigError, match="data.path"):

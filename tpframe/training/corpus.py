@@ -155,6 +155,8 @@ def synthetic_corpus(num_tokens: int, seed: int) -> TokenStream:
     """
     if num_tokens < 2:
         raise ValueError(f"data.synthetic_tokens={num_tokens} must be at least 2 (default 2000000)")
+    if seed < 0:
+        raise ValueError(f"data.seed={seed} must be a non-negative integer")
     tokens, _ = _generate(num_tokens, seed)
     return TokenStream(tokens, BYTE_VOCAB, content_fingerprint("synthetic", tokens))
 

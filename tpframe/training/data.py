@@ -34,6 +34,8 @@ class BatchIterator:
                 f"BatchIterator needs seq_len >= 1, micro_batch_size >= 1 and 0 <= dp_rank < dp_size; got "
                 f"seq_len={seq_len}, micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
             )
+        if seed < 0:
+            raise ValueError(f"data.seed={seed} must be a non-negative integer")
         if split not in _SPLIT_IDS:
             raise ValueError(f"split={split!r} must be one of {', '.join(_SPLIT_IDS)}")
         self.stream, self.seq_len, self.split, self.seed = stream, seq_len, split, seed
