@@ -158,13 +158,15 @@ def load_streams(cfg: DataConfig, seq_len: int) -> tuple[TokenStream, TokenStrea
         raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
     train, meta = open_token_file(cfg.path, "data.path")
     if cfg.valid_path is None:
-        return split_stream(train, cfg.valid_fraction, seq_len, f"prepare more text for {cfg.path} or lower train.seq_len")
+        fix = f"prepare more text for {cfg.path} or lower train.seq_len"
+        return split_stream(train, cfg.valid_fraction, seq_len, fix)
     valid, valid_meta = open_token_file(cfg.valid_path, "data.valid_path")
     mine, theirs = _tokenizer_id(meta), _tokenizer_id(valid_meta)
     if (mine, meta["vocab_size"]) != (theirs, valid_meta["vocab_size"]):
         raise ConfigError(
             f"data.valid_path={cfg.valid_path!r} was made with tokenizer {theirs} (vocab {valid_meta['vocab_size']}) "
-            f"but data.path={cfg.path!r} with {mine} (vocab {meta['vocab_size']}); prepare both with the same --tokenizer"
+            f"but data.path={cfg.path!r} with {mine} (vocab {meta['vocab_size']}); "
+            "prepare both with the same --tokenizer"
         )
     for stream, key, path in ((train, "data.path", cfg.path), (valid, "data.valid_path", cfg.valid_path)):
         if len(stream.tokens) < seq_len + 1:
@@ -187,5 +189,6 @@ def build_data(cfg: DataConfig, seq_len: int, micro_batch_size: int, dp_rank: in
     TP ranks with the same dp_rank get identical batches (everything here is deterministic).
     """
     train, valid = load_streams(cfg, seq_len)
-    make = lambda stream, split: BatchIterator(stream, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split)  # noqa: E731
-    return make(train, "train"), make(valid, "valid"), train.vocab_size
+    iterators = [BatchIterator(stream, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split)
+                 for stream, split in ((train, "train"), (valid, "valid"))]
+    return iterators[0], iterators[1], train.vocab_size

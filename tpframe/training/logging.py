@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import netrc
 import os
 import re

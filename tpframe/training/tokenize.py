@@ -62,7 +62,8 @@ class HFTokenizer:
             ) from None
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"tokenizer file {str(path)!r} does not exist; pass a tokenizer.json saved by `tokenizers`")
+            raise ValueError(f"tokenizer file {str(path)!r} does not exist; pass a tokenizer.json saved by "
+                             "the `tokenizers` package")
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises its own exception type
@@ -108,7 +109,9 @@ def _jsonl_text(line: str, key: str, where: str) -> str:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON object") from None
+        raise ValueError(
+            f"{where}: not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON object"
+        ) from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object with a {key!r} key, got {type(obj).__name__}")
     if key not in obj:
@@ -130,7 +133,8 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
     """
     missing = [str(p) for p in inputs if not Path(p).is_file()]
     if missing:
-        raise ValueError(f"input file {missing[0]!r} does not exist" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"input file {missing[0]!r} does not exist{more}")
     if not inputs:
         raise ValueError("no input files given; pass one or more .txt or .jsonl files")
     tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
