@@ -14,9 +14,9 @@ setup(
     packages=find_packages(include=["tpframe", "tpframe.*"]),
     package_data={"tpframe": ["comm/symm/thresholds.json", "training/data/*.txt"]},
     python_requires=">=3.11",
-    install_requires=["torch>=2.11", "pyyaml"],
+    install_requires=["torch>=2.11", "pyyaml", "numpy"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib"],
+        "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib", "tokenizers"],
         "wandb": ["wandb"],
     },
 )

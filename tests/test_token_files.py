@@ -1,0 +1,174 @@
+"""Token files made by tools/prepare_data.py: round trips (bytes, JSONL, HF tokenizers) and clear errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tpframe.training.config import ConfigError, DataConfig
+from tpframe.training.data import build_data
+from tpframe.training.tokenize import open_token_file, sidecar_path, write_token_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n" * 40
+
+
+def _inputs(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_text(TEXT)
+    jsonl = tmp_path / "b.jsonl"
+    jsonl.write_text(json.dumps({"text": "first doc \u00e9", "id": 1}) + "\n\n" + json.dumps({"text": "second"}) + "\n")
+    return txt, jsonl
+
+
+def test_byte_level_round_trip_of_txt_and_jsonl(tmp_path):
+    txt, jsonl = _inputs(tmp_path)
+    out = tmp_path / "data" / "c.bin"
+    meta = write_token_file([txt, jsonl], out)
+    expected = TEXT.encode() + b"\0" + "first doc \u00e9".encode() + b"\0" + b"second\0"
+    assert meta["num_tokens"] == len(expected) and meta["dtype"] == "uint16" and meta["vocab_size"] == 256
+    assert json.loads(sidecar_path(out).read_text()) == meta
+    stream, _ = open_token_file(out)
+    assert bytes(np.asarray(stream.tokens, dtype=np.uint8)) == expected
+    assert not list(out.parent.glob("*.tmp*"))
+    train, valid, vocab = build_data(DataConfig(source="tokens", path=str(out), valid_fraction=0.1), 32, 4, 0, 1)
+    x, y = train.next()
+    assert vocab == 256 and x.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    assert bytes(x[0].to(torch.uint8).numpy()) in expected
+    assert len(train.stream.tokens) + len(valid.stream.tokens) == len(expected)
+
+
+def test_separate_validation_file(tmp_path):
+    txt, jsonl = _inputs(tmp_path)
+    write_token_file([txt], tmp_path / "train.bin")
+    write_token_file([txt], tmp_path / "valid.bin")
+    cfg = DataConfig(source="tokens", path=str(tmp_path / "train.bin"), valid_path=str(tmp_path / "valid.bin"))
+    train, valid, _ = build_data(cfg, 32, 2, 0, 1)
+    assert len(train.stream.tokens) == len(valid.stream.tokens) == len(TEXT) + 1
+    write_token_file([jsonl], tmp_path / "short.bin")
+    with pytest.raises(ConfigError, match=r"data.valid_path=.*short.bin.*fewer than one window"):
+        build_data(DataConfig(source="tokens", path=cfg.path, valid_path=str(tmp_path / "short.bin")), 32, 2, 0, 1)
+
+
+def _tiny_hf_tokenizer(path, extra_words=0):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    words = sorted(set(TEXT.replace(".", " . ").split())) + [f"w{i}" for i in range(extra_words)]
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return tok
+
+
+def test_hf_tokenizer_round_trip(tmp_path):
+    tok = _tiny_hf_tokenizer(tmp_path / "tok.json")
+    txt, jsonl = _inputs(tmp_path)
+    out = tmp_path / "hf.bin"
+    meta = write_token_file([txt], out, tokenizer=tmp_path / "tok.json")
+    expected = tok.encode(TEXT).ids + [1]
+    assert meta["tokenizer"]["kind"] == "huggingface" and meta["eot_id"] == 1 and meta["dtype"] == "uint16"
+    stream, _ = open_token_file(out)
+    assert stream.vocab_size == tok.get_vocab_size() and np.asarray(stream.tokens).tolist() == expected
+    # a validation file made with another tokenizer is refused
+    write_token_file([txt], tmp_path / "bytes.bin")
+    cfg = DataConfig(source="tokens", path=str(out), valid_path=str(tmp_path / "bytes.bin"))
+    with pytest.raises(ConfigError, match="same --tokenizer"):
+        build_data(cfg, 8, 1, 0, 1)
+
+
+def test_vocab_above_65535_is_stored_as_uint32(tmp_path):
+    _tiny_hf_tokenizer(tmp_path / "big.json", extra_words=70_000)
+    txt, _ = _inputs(tmp_path)
+    meta = write_token_file([txt], tmp_path / "big.bin", tokenizer=tmp_path / "big.json")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65535
+    assert (tmp_path / "big.bin").stat().st_size == 4 * meta["num_tokens"]
+
+
+def test_hf_tokenizer_eot_token_must_exist(tmp_path):
+    tok = _tiny_hf_tokenizer(tmp_path / "tok.json")
+    txt, _ = _inputs(tmp_path)
+    with pytest.raises(ValueError, match="--eot-token"):
+        write_token_file([txt], tmp_path / "x.bin", tokenizer=tmp_path / "tok.json", eot_token="<eos>")
+    meta = write_token_file([txt], tmp_path / "x.bin", tokenizer=tmp_path / "tok.json", eot_token=".")
+    assert meta["eot_id"] == tok.token_to_id(".") and meta["tokenizer"]["eot_token"] == "."
+
+
+def test_bad_token_files_name_the_path_and_the_fix(tmp_path):
+    txt, _ = _inputs(tmp_path)
+    out = tmp_path / "c.bin"
+
+    def fails(match, path=out):
+        with pytest.raises(ValueError, match=match):
+            build_data(DataConfig(source="tokens", path=str(path)), 32, 2, 0, 1)
+
+    fails(r"data.path=.*missing.bin.*does not exist.*prepare_data.py", tmp_path / "missing.bin")
+    write_token_file([txt], out)
+    good = sidecar_path(out).read_text()
+    sidecar_path(out).write_text("{not json")
+    fails(r"c.bin.json.*not valid JSON.*prepare_data.py")
+    sidecar_path(out).write_text(json.dumps({**json.loads(good), "vocab_size": 70000}))
+    fails(r"dtype 'uint16' for vocab_size 70000")
+    sidecar_path(out).write_text(json.dumps({k: v for k, v in json.loads(good).items() if k != "num_tokens"}))
+    fails(r"lacks or mistypes num_tokens")
+    sidecar_path(out).unlink()
+    fails(r"sidecar .*c.bin.json.* is missing")
+    sidecar_path(out).write_text(good)
+    with open(out, "r+b") as f:
+        f.truncate(out.stat().st_size - 2)
+    fails(r"truncated")
+    write_token_file([txt], out)
+    sidecar_path(out).write_text(json.dumps({**json.loads(good), "vocab_size": 60}))
+    train, _, _ = build_data(DataConfig(source="tokens", path=str(out)), 32, 2, 0, 1)
+    with pytest.raises(ValueError, match="token id .* >= vocab_size 60"):
+        train.next()
+
+
+def test_bad_jsonl_names_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": 3}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: 'text' holds int"):
+        write_token_file([bad], tmp_path / "x.bin")
+    bad.write_text('{"text": "ok"}\n\n{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: no key 'text' \(keys: 'body'\); pass --jsonl-key"):
+        write_token_file([bad], tmp_path / "x.bin")
+    assert not (tmp_path / "x.bin").exists() and not list(tmp_path.glob("*.tmp*"))
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_data.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def test_prepare_data_cli_writes_a_file_or_exits_2_with_one_line(tmp_path):
+    txt, jsonl = _inputs(tmp_path)
+    ok = _cli(txt, jsonl, "--out", "out/c.bin", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "data.source=tokens data.path=out/c.bin" in ok.stdout and (tmp_path / "out/c.bin.json").is_file()
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    for args, message in (
+        (["bad.jsonl", "--out", "x.bin"], "bad.jsonl:2: not valid JSON"),
+        (["nope.txt", "--out", "x.bin"], "input file 'nope.txt' does not exist"),
+        (["a.txt", "--out", "x.bin", "--tokenizer", "nope.json"], "tokenizer file 'nope.json' does not exist"),
+    ):
+        result = _cli(*args, cwd=tmp_path)
+        assert result.returncode == 2 and result.stdout == ""
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"prepare_data.py: error: {message}"), result.stderr
+
+
+def test_text_files_are_read_in_chunks_and_joined_exactly(tmp_path, monkeypatch):
+    from tpframe.training import tokenize
+
+    monkeypatch.setattr(tokenize, "_TEXT_CHUNK", 100)  # force many chunks on a small file
+    txt, _ = _inputs(tmp_path)
+    *chunks, end = tokenize.iter_text(txt)
+    assert end is None and len(chunks) > 10 and "".join(chunks) == TEXT
+    meta = write_token_file([txt], tmp_path / "c.bin")
+    stream, _ = open_token_file(tmp_path / "c.bin")
+    assert meta["num_tokens"] == len(TEXT) + 1 and bytes(np.asarray(stream.tokens, np.uint8)) == TEXT.encode() + b"\0"

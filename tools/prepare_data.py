@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""Tokenize local text into a token file for `data.source=tokens`.
+
+    python tools/prepare_data.py notes.txt books/*.txt --out data/books.bin
+    python tools/prepare_data.py corpus.jsonl --jsonl-key text --tokenizer tokenizer.json --out data/c.bin
+
+`.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one
+UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar). The built-in
+tokenizer is byte-level (vocab 256, byte 0 ends each document); --tokenizer takes a Hugging Face
+`tokenizers` JSON file (its EOT token ends each document). Bad input: one error line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from tpframe.training.tokenize import sidecar_path, write_token_file  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt (or any text) and .jsonl files")
+    parser.add_argument("--out", required=True, help="the token file to write, e.g. data/foo.bin")
+    parser.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file (default: byte-level)")
+    parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
+    parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
+    args = parser.parse_args(argv)
+    try:
+        meta = write_token_file(args.inputs, args.out, args.tokenizer, args.jsonl_key, args.eot_token)
+    except (ValueError, OSError) as e:
+        print(f"prepare_data.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
+          f"tokenizer {meta['tokenizer']['kind']}) from {len(args.inputs)} file(s) to {args.out} "
+          f"and {sidecar_path(args.out)}")
+    print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Run metrics: a console line with progress and ETA, `<run_dir>/metrics.jsonl`, and wandb when asked.
+
+    log = MetricsLogger(cfg.logging, run_dir, is_main=rank == 0, total_steps=1000, config=cfg.to_dict())
+    log.log_train(step, {"loss": 2.31, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 5e4,
+                         "tflops": 120.0, "mfu": 0.12, "mem_gib": 10.5})
+    log.log_eval(step, {"loss": 2.40})
+    log.close()
+
+Only the main rank writes anything. metrics.jsonl holds one JSON object per line: `step`, `kind`
+("train", "eval", or "start": a run (re)starting at that step, which makes earlier records of later
+steps stale; `read_metrics` drops them), `time` (unix seconds) and the metrics, flat.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import netrc
+import os
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlparse
+
+import yaml
+
+from tpframe.training.config import LoggingConfig
+
+_RESERVED = ("step", "kind", "time")
+_BAR_WIDTH = 20
+_RATE_WINDOW = 10  # ETA: steps/s over the last this-many log calls
+
+
+class MetricsLogger:
+    """Console, JSONL and wandb logging for one run; a no-op on every rank but the main one."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: str | Path, is_main: bool, total_steps: int,
+                 config: dict, start_step: int = 0, stream: TextIO | None = None):
+        self.cfg, self.run_dir, self.is_main = cfg, Path(run_dir), is_main
+        self.total_steps, self.start_step = total_steps, start_step
+        self._out = stream or sys.stdout
+        self._tty = bool(getattr(self._out, "isatty", lambda: False)())
+        self._bar_shown = False
+        self._jsonl: TextIO | None = None
+        self._wandb = None
+        self._rate = collections.deque([(start_step, time.monotonic())], maxlen=_RATE_WINDOW)
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        if cfg.jsonl:
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._write_record(start_step, "start", {})  # records after this step from earlier runs are stale
+        if cfg.wandb:
+            self._wandb = _init_wandb(cfg, self.run_dir, config, self._warn)
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def log_train(self, step: int, metrics: dict[str, float]) -> None:
+        """One console line (+ progress and ETA), one JSONL record, one wandb point. `mfu` is a fraction."""
+        if not self.is_main:
+            return
+        metrics = _as_floats(metrics)
+        self._rate.append((step, time.monotonic()))
+        line = f"step {step:>{len(str(self.total_steps))}}/{self.total_steps} | " + format_metrics(metrics)
+        if self.cfg.progress and not self._tty:
+            line += " | " + self._progress(step)
+        self._print(line)
+        if self.cfg.progress and self._tty:
+            self._draw_bar(step)
+        self._write_record(step, "train", metrics)
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=step)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        metrics = _as_floats(metrics)
+        self._print(f"eval step {step} | " + format_metrics(metrics))
+        self._write_record(step, "eval", metrics)
+        if self._wandb is not None:
+            self._wandb.log({f"eval/{k}": v for k, v in metrics.items() if v is not None}, step=step)
+
+    def info(self, message: str) -> None:
+        """A plain console line (main rank only)."""
+        if self.is_main:
+            self._print(message)
+
+    def close(self) -> None:
+        if self._bar_shown:
+            self._out.write("\n")
+            self._out.flush()
+            self._bar_shown = False
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _write_record(self, step: int, kind: str, metrics: dict[str, float | None]) -> None:
+        if self._jsonl is not None:
+            record = {"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()  # a crash loses nothing
+
+    def _print(self, line: str) -> None:
+        if self._bar_shown:  # keep the progress bar below the scrolling lines
+            self._out.write("\r\x1b[K")
+        self._out.write(line + "\n")
+        if self._bar_shown:
+            self._draw_bar(self._rate[-1][0])
+        self._out.flush()
+
+    def _warn(self, message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def steps_per_s(self) -> float | None:
+        """Steps/s over the recent log calls; None before two points exist."""
+        (s0, t0), (s1, t1) = self._rate[0], self._rate[-1]
+        return (s1 - s0) / (t1 - t0) if s1 > s0 and t1 > t0 else None
+
+    def _progress(self, step: int) -> str:
+        total = max(self.total_steps, 1)
+        done = min(max(step / total, 0.0), 1.0)
+        filled = int(done * _BAR_WIDTH)
+        rate = self.steps_per_s()
+        eta = format_duration((self.total_steps - step) / rate) if rate else "?"
+        speed = "- steps/s" if not rate else f"{rate:.2f} steps/s" if rate >= 1 else f"{1 / rate:.2f} s/step"
+        return f"[{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] {done:4.0%} {speed} ETA {eta}"
+
+    def _draw_bar(self, step: int) -> None:
+        self._out.write("\r\x1b[K" + self._progress(step))
+        self._out.flush()
+        self._bar_shown = True
+
+
+# -- formatting -----------------------------------------------------------------------------------
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.1f}"
+
+
+_FORMATS = {  # known keys, in console order
+    "loss": lambda v: f"loss {v:.4f}",
+    "ppl": lambda v: f"ppl {v:.2f}",
+    "lr": lambda v: f"lr {v:.2e}",
+    "grad_norm": lambda v: f"grad {v:.3f}",
+    "tokens_per_s": lambda v: f"{_si(v)} tok/s",
+    "tflops": lambda v: f"{v:.1f} TFLOP/s",
+    "mfu": lambda v: f"MFU {v:.1%}",
+    "mem_gib": lambda v: f"mem {v:.2f} GiB",
+}
+
+
+def format_metrics(metrics: dict[str, float | None]) -> str:
+    """`loss 2.3100 | lr 3.00e-04 | ...`: known keys first in a fixed order, then the rest; None skipped."""
+    known = [_FORMATS[k](metrics[k]) for k in _FORMATS if metrics.get(k) is not None]
+    rest = [f"{k} {v:.4g}" for k, v in metrics.items() if k not in _FORMATS and v is not None]
+    return " | ".join(known + rest)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _as_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
+    out = {}
+    for key, value in metrics.items():
+        if key in _RESERVED:
+            raise ValueError(f"metric name {key!r} is reserved in metrics.jsonl ({', '.join(_RESERVED)}); rename it")
+        if value is not None and hasattr(value, "item"):  # a 0-d tensor or numpy scalar
+            value = value.item()
+        if value is not None and not isinstance(value, (int, float)):
+            raise ValueError(f"metric {key!r}={value!r} must be a number")
+        out[key] = None if value is None else float(value)
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The train/eval records of a metrics.jsonl; a "start" record at step S drops the earlier records
+    of steps after S (the restarted run replaced them). ValueError if missing, empty or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} does not exist; a run writes it when logging.jsonl=true")
+    records: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                if not line.endswith("\n"):  # a crash mid-write: ignore the torn last line
+                    break
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if rec.get("kind") == "start":
+                records = [r for r in records if r["step"] <= rec["step"]]
+            else:
+                records.append(rec)
+    if not records:
+        raise ValueError(f"{str(path)!r} holds no metrics yet")
+    return records
+
+
+# -- wandb ----------------------------------------------------------------------------------------
+
+
+def wandb_key_configured() -> bool:
+    """WANDB_API_KEY is set, or `wandb login` stored a key in ~/.netrc for the wandb host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _init_wandb(cfg: LoggingConfig, run_dir: Path, config: dict, warn):
+    """A wandb run (offline unless a key is configured or WANDB_MODE says otherwise), resumed
+    across restarts of the same run_dir; None, with one warning, when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        warn('logging.wandb=true but the wandb package is not installed (pip install -e ".[wandb]"); '
+             "continuing without wandb")
+        return None
+    mode = os.environ.get("WANDB_MODE") or ("online" if wandb_key_configured() else "offline")
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_name, config=config, dir=str(run_dir),
+                      mode=mode, id=run_id, resume="allow")
+
+
+# -- peak FLOP/s for MFU --------------------------------------------------------------------------
+
+# dense (no sparsity) tensor-core peaks in TFLOP/s per GPU from the vendor's data sheets:
+# (bf16/fp16, tf32, fp32 without tensor cores). The first pattern found in the device name wins.
+PEAK_TFLOPS = (
+    (r"\bH100\b.*\bPCIe\b", (756.0, 378.0, 51.0)),
+    (r"\bH100\b.*\bNVL\b", (835.0, 418.0, 60.0)),
+    (r"\b(H100|H200|GH200)\b", (989.0, 494.0, 67.0)),  # SXM
+    (r"\bA100\b", (312.0, 156.0, 19.5)),
+    (r"\bL40S\b", (362.0, 183.0, 91.6)),
+    (r"\bL4\b", (121.0, 60.0, 30.3)),
+    (r"\bA10\b", (125.0, 62.5, 31.2)),
+)
+
+
+def peak_tflops(device, dtype, override: float | None) -> float | None:
+    """Peak dense TFLOP/s of one `device` for matmuls in `dtype` (torch.dtype or its name), for MFU.
+
+    `override` (logging.peak_tflops) wins. float32 counts TF32 tensor cores only when PyTorch is
+    allowed to use them (e.g. torch.set_float32_matmul_precision("high")); by default fp32 matmuls
+    run at the plain fp32 peak (67 on H100 SXM). CPU or a GPU not in the table: None (no MFU).
+    """
+    if override is not None:
+        return float(override)
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for pattern, (half, tf32, fp32) in PEAK_TFLOPS:
+        if re.search(pattern, name):
+            if str(dtype).replace("torch.", "") in ("bfloat16", "float16"):
+                return half
+            return tf32 if _tf32_matmuls(torch) else fp32
+    return None
+
+
+def _tf32_matmuls(torch) -> bool:
+    """Whether fp32 CUDA matmuls may use TF32, under the new (torch >= 2.9) or the legacy API."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # the legacy and new APIs were mixed; torch refuses to answer
+        return False

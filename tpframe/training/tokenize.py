@@ -1,0 +1,217 @@
+"""Token files: local text / JSONL -> a flat memory-mapped token file plus a JSON sidecar, and back.
+
+    write_token_file(["a.txt", "b.jsonl"], "data/foo.bin")          # byte-level, vocab 256
+    write_token_file(["b.jsonl"], "data/foo.bin", tokenizer="tok.json")  # a Hugging Face tokenizer
+    stream, meta = open_token_file("data/foo.bin")                   # TokenStream over a memmap
+
+The token file is raw little-endian `uint16` (vocab <= 65535) or `uint32`; `<file>.json` holds
+format, num_tokens, dtype, vocab_size, the tokenizer, eot_id, sha256 of the tokens and the sources.
+Every document ends with the end-of-text id: byte 0 (NUL) for the byte-level tokenizer, which keeps
+vocab 256 (NUL bytes inside the text are dropped), or the tokenizer's own EOT token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from tpframe.training.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
+
+FORMAT = "tpframe.tokens/1"
+EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+_TEXT_CHUNK = 1 << 20  # characters per text read: bounds memory on large files
+
+
+def sidecar_path(path: str | Path) -> Path:
+    return Path(str(path) + ".json")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+# -- tokenizers -------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids (vocab 256); EOT is byte 0, so NULs in the text are dropped."""
+
+    vocab_size = BYTE_VOCAB
+    eot_id = EOD_BYTE
+    info = {"kind": "bytes"}
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8").replace(b"\0", b""), dtype=np.uint8)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` JSON file; EOT is `eot_token` or the first of EOT_CANDIDATES it knows."""
+
+    def __init__(self, path: str | Path, eot_token: str | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError(
+                f"--tokenizer {path} needs the 'tokenizers' package: pip install tokenizers "
+                "(or leave --tokenizer out for the built-in byte-level tokenizer)"
+            ) from None
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"tokenizer file {str(path)!r} does not exist; pass a tokenizer.json saved by "
+                             "the `tokenizers` package")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises its own exception type
+            raise ValueError(f"tokenizer file {str(path)!r} could not be loaded: {e}") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        names = [eot_token] if eot_token else list(EOT_CANDIDATES)
+        ids = [self._tok.token_to_id(n) for n in names]
+        found = [(n, i) for n, i in zip(names, ids) if i is not None]
+        if not found:
+            raise ValueError(
+                f"tokenizer {str(path)!r} has no end-of-text token among {', '.join(names)}; "
+                "pass --eot-token with a token it has"
+            )
+        eot_name, self.eot_id = found[0]
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.info = {"kind": "huggingface", "file": str(path), "sha256": digest, "eot_token": eot_name}
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+# -- reading documents ------------------------------------------------------------------------
+
+
+def iter_text(path: str | Path, jsonl_key: str = "text") -> Iterator[str | None]:
+    """The text of a file as chunks, with None after each document. `.jsonl`: one JSON object per
+    line, the text under `jsonl_key`; any other file: one UTF-8 document (bad bytes replaced), read
+    in chunks of whole lines so a large file is never held in memory at once."""
+    path = Path(path)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if path.suffix == ".jsonl":
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield _jsonl_text(line, jsonl_key, f"{path}:{lineno}")
+                    yield None
+        else:
+            while chunk := "".join(f.readlines(_TEXT_CHUNK)):
+                yield chunk
+            yield None
+
+
+def _jsonl_text(line: str, key: str, where: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{where}: not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON object"
+        ) from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object with a {key!r} key, got {type(obj).__name__}")
+    if key not in obj:
+        keys = ", ".join(map(repr, list(obj)[:8])) or "none"
+        raise ValueError(f"{where}: no key {key!r} (keys: {keys}); pass --jsonl-key NAME")
+    if not isinstance(obj[key], str):
+        raise ValueError(f"{where}: {key!r} holds {type(obj[key]).__name__}, expected a string")
+    return obj[key]
+
+
+# -- writing and opening token files ----------------------------------------------------------
+
+
+def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str | Path | None = None,
+                     jsonl_key: str = "text", eot_token: str | None = None) -> dict:
+    """Tokenize `inputs` into `out` (+ `out.json`), streaming; returns the sidecar dict.
+
+    Written to temporary names and renamed at the end, so a failed run leaves no half file behind.
+    """
+    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"input file {missing[0]!r} does not exist{more}")
+    if not inputs:
+        raise ValueError("no input files given; pass one or more .txt or .jsonl files")
+    tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
+    dtype = token_dtype(tok.vocab_size)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    digest, count, docs, eot = hashlib.sha256(), 0, 0, np.array([tok.eot_id], dtype=dtype)
+    try:
+        with open(tmp, "wb") as f:
+            for path in inputs:
+                for text in iter_text(path, jsonl_key):
+                    ids = eot if text is None else tok.encode(text).astype(dtype)
+                    count += _write(f, digest, ids)
+                    docs += text is None
+        if count == docs:
+            raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no text")
+        meta = {
+            "format": FORMAT, "num_tokens": count, "dtype": dtype.name, "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "tokenizer": tok.info, "sha256": digest.hexdigest(),
+            "sources": [str(p) for p in inputs],
+        }
+        sidecar_tmp = tmp.with_name(tmp.name + ".json")
+        sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        sidecar_path(out).unlink(missing_ok=True)  # never pair an old sidecar with new tokens
+        os.replace(tmp, out)
+        os.replace(sidecar_tmp, sidecar_path(out))
+        return meta
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + ".json")):
+            leftover.unlink(missing_ok=True)
+
+
+def _write(f, digest, ids: np.ndarray) -> int:
+    data = ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes()
+    digest.update(data)
+    f.write(data)
+    return len(ids)
+
+
+def read_sidecar(path: str | Path, key: str = "data.path") -> dict:
+    """The sidecar of token file `path`, checked against the file; errors name `key` and the fix."""
+    path, side = Path(path), sidecar_path(path)
+    fix = f"make it with: python tools/prepare_data.py INPUT... --out {path}"
+    if not path.is_file():
+        raise ValueError(f"{key}={str(path)!r}: the token file does not exist; {fix}")
+    if not side.is_file():
+        raise ValueError(f"{key}={str(path)!r}: its sidecar {str(side)!r} is missing; {fix}")
+    try:
+        meta = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} is not valid JSON ({e}); {fix}") from None
+    need = {"format": str, "num_tokens": int, "dtype": str, "vocab_size": int, "tokenizer": dict}
+    bad = [k for k, t in need.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
+    if bad or meta["format"] != FORMAT:
+        what = f"lacks or mistypes {', '.join(bad)}" if bad else f"has format {meta['format']!r}, expected {FORMAT!r}"
+        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} {what}; {fix}")
+    if meta["vocab_size"] < 1 or meta["dtype"] != token_dtype(meta["vocab_size"]).name:
+        raise ValueError(
+            f"{key}={str(path)!r}: sidecar says dtype {meta['dtype']!r} for vocab_size {meta['vocab_size']}, "
+            f"expected {token_dtype(max(meta['vocab_size'], 1)).name!r}; {fix}"
+        )
+    expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise ValueError(
+            f"{key}={str(path)!r} is {actual} bytes but its sidecar says {meta['num_tokens']} {meta['dtype']} tokens "
+            f"({expected} bytes): the file is truncated or the sidecar belongs to another file; {fix}"
+        )
+    return meta
+
+
+def open_token_file(path: str | Path, key: str = "data.path") -> tuple[TokenStream, dict]:
+    """A read-only memmap of a token file made by `write_token_file`, and its checked sidecar."""
+    meta = read_sidecar(path, key)
+    if meta["num_tokens"] == 0:
+        raise ValueError(f"{key}={str(path)!r} holds no tokens; re-run tools/prepare_data.py with non-empty inputs")
+    tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r", shape=(meta["num_tokens"],))
+    fingerprint = f"tokens-{str(meta.get('sha256', ''))[:16] or meta['num_tokens']}"
+    return TokenStream(tokens, meta["vocab_size"], fingerprint), meta
