@@ -86,7 +86,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         )
         model = build_model(cfg.model, ctx)
         checkpointer = Checkpointer(cfg, state, resume)
-        logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict())
+        start_step = resume[1]["step"] if resume[1] else 0
+        logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, train_data, valid_data, logger, peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
         checkpointer.attach(trainer)  # resumes here: model, optimizer, data position, RNG, step
         logger.info(

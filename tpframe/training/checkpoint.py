@@ -24,6 +24,7 @@ import shutil
 import signal
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,18 @@ def training_state(trainer, mesh: DeviceMesh) -> dict[str, Any]:
     return out
 
 
+def stage_to_cpu(state: dict[str, Any], cpu_mesh: DeviceMesh) -> dict[str, Any]:
+    """A CPU copy of a checkpoint state (DTensors stay DTensors, on a CPU mesh of the same group)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            local = value.to_local().detach().to("cpu", copy=True)
+            out[key] = DTensor.from_local(local, cpu_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+        else:
+            out[key] = value.detach().to("cpu", copy=True)
+    return out
+
+
 def rng_state(trainer) -> dict[str, Any]:
     device = trainer.state.device
     tracker = trainer.state.rng_tracker
@@ -228,6 +241,8 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
         self.mesh = DeviceMesh.from_group(state.tp_group, state.device.type)
+        self.cpu_mesh = DeviceMesh.from_group(state.tp_group, "cpu") if state.device.type != "cpu" else self.mesh
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpframe-ckpt") if cfg.checkpoint.async_save else None
         self.pending: tuple[Any, int, Path] | None = None  # (future, step, partial dir) of an async save
         self.signal_received: int | None = None
         self.last_saved_step = -1
@@ -298,7 +313,9 @@ class Checkpointer:
             self._fault_injection(step)
             self._publish(step, partial, final)
         else:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.async_group)
+            # Copy to CPU now (training may change the weights next step), write in the background.
+            staged = stage_to_cpu(state, self.cpu_mesh)
+            future = self.writer.submit(dcp.save, staged, checkpoint_id=str(partial), process_group=self.async_group)
             self.pending = (future, step, partial)
         self.last_saved_step = step
         return final

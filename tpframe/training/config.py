@@ -277,11 +277,13 @@ def validate(cfg: Config, world_size: int) -> None:
     for key, value in (
         ("model.vocab_size", m.vocab_size), ("model.hidden", m.hidden), ("model.layers", m.layers),
         ("model.heads", m.heads), ("model.max_seq_len", m.max_seq_len), ("model.vocab_multiple", m.vocab_multiple),
-        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.steps", t.steps), ("train.seq_len", t.seq_len),
+        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.seq_len", t.seq_len),
         ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last), ("logging.interval", cfg.logging.interval),
     ):
         positive(key, value)
+    if t.steps < 0:
+        raise ConfigError(f"train.steps={t.steps} must not be negative")
     if p.pp > 1:
         raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available yet; use parallel.pp=1")
     if world_size % (p.tp * p.pp):

@@ -34,7 +34,6 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
         self.peak_tflops = peak_tflops
-        self.valid_start = valid_data.state_dict() if valid_data is not None else None
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.skipped_steps = 0
@@ -72,7 +71,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the same `eval_steps` held-out micro-batches every time, averaged over DP."""
         self.model.eval()
-        self.valid_data.load_state_dict(self.valid_start)
+        self.valid_data.reset()
         total = torch.zeros((), dtype=torch.float32, device=self.state.device)
         for _ in range(self.cfg.train.eval_steps):
             input_ids, labels = self.valid_data.next()
@@ -94,7 +93,7 @@ class Trainer:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
                 record.update(self._throughput(elapsed / window_steps))
-                self.logger.log_train(self.step, record)
+                self.logger.log_train(self.step, {k: v for k, v in record.items() if k != "step"})
                 window_start, window_steps = time.perf_counter(), 0
             if eval_every and self.cfg.train.eval_steps and (self.step % eval_every == 0 or self.step == cfg.train.steps):
                 record["eval_loss"] = self.evaluate()

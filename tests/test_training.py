@@ -1,0 +1,119 @@
+"""train.py end to end on CPU: learning, and equal losses across TP, DP, SP and checkpointing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import REPO, train_in_process
+
+
+def _losses(overrides):
+    return [r["loss"] for r in train_in_process(overrides)]
+
+
+def _assert_same_losses(a, b, rtol, what):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * abs(y), f"{what}: step {i + 1} loss {x!r} vs {y!r}"
+
+
+def test_tp2_and_tp1_losses_agree(tmp_path):
+    tp1 = run_distributed(_losses, 1, ["parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
+    tp2 = run_distributed(_losses, 2, ["parallel.tp=2", f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(tp2, tp1, 1e-4, "TP=2 vs TP=1")
+    assert tp1[-1] < tp1[0]
+
+
+def test_tp4_with_sequence_parallel_agrees_with_tp1(tmp_path):
+    tp1 = run_distributed(_losses, 1, ["parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
+    tp4 = run_distributed(_losses, 4, ["parallel.tp=4", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(tp4, tp1, 1e-4, "TP=4+SP vs TP=1")
+
+
+def test_dp2_with_half_micro_batch_equals_dp1(tmp_path):
+    dp1 = run_distributed(_losses, 1, ["parallel.tp=1", "train.micro_batch_size=8", f"train.run_dir={tmp_path}/a"])[0]
+    dp2 = run_distributed(_losses, 2, ["parallel.tp=1", "train.micro_batch_size=4", f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(dp2, dp1, 1e-5, "DP=2 (micro 4) vs DP=1 (micro 8)")
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
+    big = run_distributed(_losses, 1, ["parallel.tp=1", "train.micro_batch_size=8", f"train.run_dir={tmp_path}/a"])[0]
+    accum = run_distributed(_losses, 1, ["parallel.tp=1", "train.micro_batch_size=2", f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(accum, big, 1e-5, "4 micro-batches of 2 vs 1 of 8")
+
+
+def test_sequence_parallel_on_equals_off(tmp_path):
+    off = run_distributed(_losses, 2, ["parallel.tp=2", f"train.run_dir={tmp_path}/a"])[0]
+    on = run_distributed(_losses, 2, ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(on, off, 1e-5, "SP on vs off")
+
+
+def test_activation_checkpointing_on_equals_off_with_dropout(tmp_path):
+    common = ["parallel.tp=2", "model.dropout=0.1", "model.attention_dropout=0.1"]
+    off = run_distributed(_losses, 2, [*common, f"train.run_dir={tmp_path}/a"])[0]
+    on = run_distributed(_losses, 2, [*common, "parallel.activation_checkpointing=true", f"train.run_dir={tmp_path}/b"])[0]
+    assert on == off, "activation checkpointing must not change a single bit"
+
+
+def test_user_model_from_examples_trains(tmp_path):
+    llama = ["model.name=examples.parallel_llama:build", "model.norm=rmsnorm", "model.position=rotary",
+             "model.activation=swiglu", "model.bias=false", "model.tie_embeddings=false", "model.kv_heads=2"]
+    tp1 = run_distributed(_losses, 1, [*llama, "parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
+    tp2 = run_distributed(_losses, 2, [*llama, "parallel.tp=2", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(tp2, tp1, 1e-4, "user model TP=2+SP vs TP=1")
+    assert tp1[-1] < tp1[0] - 0.5
+
+
+def _torchrun(nproc, args, cwd=REPO, timeout=600, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tiny_config_learns_under_torchrun(tmp_path, tp):
+    """The README's first command, shortened: the loss falls by more than 2 nats in 60 steps."""
+    out = _torchrun(
+        2, ["--config", "configs/tiny_cpu.yaml", f"parallel.tp={tp}", f"train.micro_batch_size={8 * tp}", "train.steps=60",
+            "train.eval_interval=30", "logging.interval=1",
+            f"train.run_dir={tmp_path}", "checkpoint.interval=0"],
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    from tpframe.training.logging import read_metrics
+
+    train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    first, last = train[0]["loss"], train[-1]["loss"]
+    assert first - last > 2.0, f"loss only fell from {first:.3f} to {last:.3f}"
+    assert any(r["kind"] == "eval" for r in read_metrics(tmp_path / "metrics.jsonl"))
+    assert (tmp_path / "checkpoints" / "latest").exists()
+
+
+BAD_CONFIGS = [
+    (["model.hiden=64"], {}, "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
+    (["train.steps=many"], {}, "train.steps='many' must be an integer"),
+    (["parallel.tp=3"], {"WORLD_SIZE": "3"}, "parallel.tp=3 does not divide model.heads=4"),
+    (["parallel.tp=2"], {"WORLD_SIZE": "3"}, "world size 3 is not divisible by parallel.tp*parallel.pp = 2*1"),
+    (["train.global_batch_size=20"], {}, "train.global_batch_size=20 is not divisible by train.micro_batch_size*dp"),
+    (["model.vocab_size=100"], {}, "the data has token ids up to 255 but model.vocab_size=100"),
+    (["data.source=tokens", "data.path=/nonexistent/tokens.bin"], {}, "/nonexistent/tokens.bin"),
+    (["checkpoint.load=/nonexistent/ckpt"], {}, "checkpoint '/nonexistent/ckpt' does not exist"),
+    (["model.name=nosuchmodule:build"], {}, "cannot import 'nosuchmodule'"),
+]
+
+
+@pytest.mark.parametrize("overrides,env,message", BAD_CONFIGS)
+def test_bad_config_exits_2_with_one_clear_line(overrides, env, message):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    full_env.update({"WORLD_SIZE": "2", **env})  # as torchrun would set it for the tp=2 config
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", "train.steps=1", *overrides],
+        cwd=REPO, capture_output=True, text=True, env=full_env, timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert message in lines[0]

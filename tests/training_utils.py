@@ -1,0 +1,27 @@
+"""Run train.py's own pipeline (prepare -> run) inside test processes, on a tiny model."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = [
+    "model.vocab_size=256", "model.hidden=32", "model.layers=2", "model.heads=4", "model.max_seq_len=32",
+    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=10",
+    "train.eval_interval=0", "data.synthetic_tokens=50000", "optim.warmup_steps=2", "optim.lr=1e-2",
+    "logging.interval=1", "logging.progress=false", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
+    "checkpoint.verify=crc",
+]
+
+
+def train_in_process(overrides: list[str], keep_trainer: bool = False):
+    """train.py's prepare + run in this (already distributed) process; returns per-step records."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import train
+
+    cfg, train_data, valid_data, resume = train.prepare(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), *TINY, *overrides])
+    trainer = train.run(cfg, train_data, valid_data, resume)
+    return trainer if keep_trainer else trainer.history
