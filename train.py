@@ -100,6 +100,12 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         try:
             trainer.train()
             checkpointer.finish(trainer)
+            last = trainer.history[-1] if trainer.history else {}
+            logger.info(
+                f"done at step {trainer.step}: loss {last.get('loss', float('nan')):.4f}"
+                + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
+                + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
+            )
         finally:
             logger.close()
         return trainer
