@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tpframe.comm.nccl import REDUCE_OPS, NcclBackend
+from tpframe.comm.select import choose, message_bytes
 
 BACKENDS = ("auto", "nccl", "symm")
 ENV_VAR = "TPFRAME_COMM_BACKEND"
@@ -42,19 +43,46 @@ class Communicator:
         self.requested = resolve_backend_name(backend)
         self.nccl = NcclBackend(self.group, self.size)
         self.symm = None
+        self._plans: dict = {}
         if self.requested in ("symm", "auto") and self.size > 1:
             self.symm = _try_symm(self.group, self.size, self.device, strict=False, requested=self.requested)
 
     # -- dispatch -------------------------------------------------------------------------------
     def backend_for(self, op: str, x: torch.Tensor):
-        """The backend that runs collective `op` on `x` (symm only where it supports the call)."""
-        if self.symm is None or not self.symm.supports(op, x):
+        """The backend that runs collective `op` on `x` (symm only where it supports the call).
+
+        "auto" asks `select.choose` (measured thresholds, keyed on size, dtype, world size and whether a
+        CUDA graph is being captured), and never picks symm for a group NVML reports as not NVLink."""
+        if self.symm is None:
+            return self.nccl
+        graph = self.requested == "auto" and torch.cuda.is_current_stream_capturing()
+        key = (op, x.numel(), x.dtype, x.device, graph)
+        backend = self._plans.get(key)
+        if backend is None:  # decided once per (op, size, dtype, device, mode): the eager hot path is a dict hit
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            backend = self._plans[key] = self._decide(op, x, graph)
+        return backend
+
+    def _decide(self, op: str, x: torch.Tensor, graph: bool):
+        if not self.symm.supports(op, x):
             return self.nccl
         if self.requested == "symm":
             return self.symm
-        from tpframe.comm.select import choose
+        if self.symm.nvlink is False:
+            return self.nccl
+        return self.symm if choose(op, message_bytes(op, x, self.size), x.dtype, self.size, graph) == "symm" else self.nccl
 
-        return self.symm if choose(op, x.numel() * x.element_size(), x.dtype, self.size) == "symm" else self.nccl
+    def input_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor to write the next collective's input into. With symmetric memory set up (and room for
+        `shape`) it lives in the symmetric buffer, so the symm kernels skip their staging copy; it is
+        only valid until the next collective on this communicator. Otherwise a plain new tensor."""
+        if self.symm is not None:
+            try:
+                return self.symm.input_buffer(shape, dtype)
+            except ValueError:
+                pass
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     # -- collectives ----------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -98,6 +126,7 @@ class Communicator:
         if self.symm is not None:
             self.symm.close()
             self.symm = None
+        self._plans.clear()
 
     def __repr__(self) -> str:
         active = "symm+nccl" if self.symm is not None else "nccl"

@@ -1,0 +1,367 @@
+"""Collective latency and bus bandwidth on one node: NCCL, torch's symm_mem all-reduce ops and tpframe's
+symm kernels, side by side, eager and under CUDA graph replay. Writes the thresholds `auto` uses.
+
+    torchrun --nproc-per-node 2 benchmarks/comm.py \
+        [--max-mib 256] [--results benchmarks/RESULTS.md] [--thresholds tpframe/comm/symm/thresholds.json]
+
+Per op, dtype and size (4 KiB .. --max-mib, x2 steps; random normal data) every implementation is timed
+as the median over R batches of K back-to-back calls: eager (launched from Python) and graph (the K calls
+captured in one CUDA graph and replayed). The slower rank's median is reported. Bus bandwidth:
+all-reduce 2(n-1)/n * bytes / t, all-gather and reduce-scatter (n-1)/n * bytes / t, where bytes is the
+collective's largest tensor (all-reduce input, all-gather output, reduce-scatter input).
+Thresholds: per (op, world, dtype, mode) the sizes where the faster of our one-/two-shot kernels beat
+tpframe's NCCL backend, and the one-shot/two-shot crossover; then `auto` is timed with them.
+Keep NVLink multicast off: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tpframe.comm import Communicator  # noqa: E402
+from tpframe.comm import select  # noqa: E402
+
+KIB, MIB = 1 << 10, 1 << 20
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+          "reduce_scatter": lambda n: (n - 1) / n}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--min-kib", type=int, default=4)
+    p.add_argument("--max-mib", type=int, default=256)
+    p.add_argument("--dtypes", default="bf16,fp16,fp32")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--results", default="benchmarks/RESULTS.md", help="markdown file the tables are appended to")
+    p.add_argument("--thresholds", default=str(select.DEFAULT_PATH), help="thresholds JSON to write (merged)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts (e.g. 0.3 for a smoke run)")
+    args = p.parse_args()
+    for d in args.dtypes.split(","):
+        if d not in DTYPES:
+            p.error(f"--dtypes: {d!r} is not one of {sorted(DTYPES)}")
+    for o in args.ops.split(","):
+        if o not in OPS:
+            p.error(f"--ops: {o!r} is not one of {OPS}")
+    return args
+
+
+def counts(nbytes: int, scale: float) -> tuple[int, int]:
+    """(K calls per timed batch, R batches): many small calls, few large ones."""
+    k, r = (20, 30) if nbytes <= MIB else (10, 10) if nbytes <= 16 * MIB else (3, 5)
+    return max(2, int(k * scale)), max(3, int(r * scale))
+
+
+def device_barrier(device):
+    torch.cuda.synchronize()
+    dist.barrier(device_ids=[device.index])
+
+
+def time_eager(fn, k, reps, device) -> float:
+    for _ in range(3):
+        fn()
+    device_barrier(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(k):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / k)
+    return statistics.median(times)
+
+
+def time_graph(fn, k, reps, device) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    device_barrier(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(k):
+            fn()
+    graph.replay()
+    device_barrier(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / k)
+    del graph
+    device_barrier(device)
+    return statistics.median(times)
+
+
+class Impls:
+    """The implementations of each op, as zero-argument calls on prepared inputs."""
+
+    def __init__(self, comm: Communicator, max_bytes: int, device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.comm, self.device = comm, device
+        self.group_name = dist.group.WORLD.group_name
+        self.torch_buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.torch_buf, self.group_name)
+        ops = torch.ops.symm_mem
+        self.has = {name: hasattr(ops, name) for name in
+                    ("one_shot_all_reduce", "one_shot_all_reduce_copy", "two_shot_all_reduce_", "two_shot_all_reduce_out")}
+
+    def for_op(self, op: str, x: torch.Tensor) -> dict:
+        comm, k = self.comm, self.comm.symm.kernels
+        if op == "all_gather":
+            return {"nccl": lambda: comm.nccl.all_gather(x),
+                    "ours": lambda: k.all_gather(x, x.new_empty((comm.size * x.numel(),))),
+                    "auto": lambda: comm.all_gather(x)}
+        if op == "reduce_scatter":
+            return {"nccl": lambda: comm.nccl.reduce_scatter(x),
+                    "ours": lambda: k.reduce_scatter(x, x.new_empty((x.numel() // comm.size,))),
+                    "auto": lambda: comm.reduce_scatter(x)}
+        inplace = x.clone()
+        impls = {"nccl-raw": lambda: dist.all_reduce(inplace), "nccl": lambda: comm.nccl.all_reduce(x)}
+        tview = self.torch_buf[: x.numel() * x.element_size()].view(x.dtype)
+        ops, name = torch.ops.symm_mem, self.group_name
+        if self.has["one_shot_all_reduce_copy"]:
+            impls["torch-1shot"] = lambda: ops.one_shot_all_reduce_copy(tview, x, "sum", name)
+        elif self.has["one_shot_all_reduce"]:
+            impls["torch-1shot"] = lambda: (tview.copy_(x), ops.one_shot_all_reduce(tview, "sum", name))[1]
+        if self.has["two_shot_all_reduce_out"]:
+            impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_out(tview.copy_(x), "sum", name, torch.empty_like(x))
+        elif self.has["two_shot_all_reduce_"]:
+            impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_(tview.copy_(x), "sum", name).clone()
+        impls["ours-1shot"] = lambda: k.all_reduce(x, torch.empty_like(x), "one_shot")
+        impls["ours-2shot"] = lambda: k.all_reduce(x, torch.empty_like(x), "two_shot")
+        impls["auto"] = lambda: comm.all_reduce(x)
+        return impls
+
+
+def close(a, b, dtype) -> bool:
+    tol = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}[dtype]
+    return bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * 4))
+
+
+def measure(impls: Impls, op, dtype, sizes, names, scale, device, world, rank) -> dict:
+    """{(size, impl, mode): us} (this rank) and {(size, impl): output matches NCCL}."""
+    times, ok = {}, {}
+    for nbytes in sizes:
+        numel = nbytes // dtype.itemsize // (world if op == "all_gather" else 1)
+        g = torch.Generator(device=device).manual_seed(1234 + rank + 17 * nbytes)
+        x = torch.randn(numel, device=device, generator=g, dtype=torch.float32).to(dtype)
+        calls = impls.for_op(op, x)
+        ref = calls["nccl"]()
+        k, reps = counts(nbytes, scale)
+        for name in names:
+            if name not in calls:
+                continue
+            out = calls[name]()
+            ok[(nbytes, name)] = name == "nccl-raw" or close(out, ref, dtype)
+            del out
+            times[(nbytes, name, "eager")] = time_eager(calls[name], k, reps, device)
+            times[(nbytes, name, "graph")] = time_graph(calls[name], k, reps, device)
+        del x, calls, ref
+        torch.cuda.empty_cache()
+    return {"times": times, "ok": ok}
+
+
+def slowest_rank(local: dict, world: int) -> dict:
+    everyone = [None] * world
+    dist.all_gather_object(everyone, local)
+    times = {key: max(r["times"][key] for r in everyone) for key in local["times"]}
+    ok = {key: all(r["ok"][key] for r in everyone) for key in local["ok"]}
+    return {"times": times, "ok": ok}
+
+
+def ours_best(times, op, nbytes, mode):
+    if op == "all_reduce":
+        return min(times[(nbytes, "ours-1shot", mode)], times[(nbytes, "ours-2shot", mode)])
+    return times[(nbytes, "ours", mode)]
+
+
+def thresholds_for(results: dict, world: int) -> dict:
+    """The thresholds entries measured at `world` ({section: {op: {world: {dtype: {mode: ...}}}}})."""
+    table = {"symm_ranges": {}, "one_shot_max_bytes": {}}
+    for (op, dname), res in results.items():
+        t, sizes = res["times"], res["sizes"]
+        dkey = select.DTYPE_NAMES[DTYPES[dname]]
+        for mode in ("eager", "graph"):
+            wins = [ours_best(t, op, s, mode) < t[(s, "nccl", mode)] for s in sizes]
+            table["symm_ranges"].setdefault(op, {}).setdefault(str(world), {}).setdefault(dkey, {})[mode] = \
+                select.ranges_from_winners(sizes, wins)
+            if op == "all_reduce":
+                one = [t[(s, "ours-1shot", mode)] <= t[(s, "ours-2shot", mode)] for s in sizes]
+                table["one_shot_max_bytes"].setdefault(op, {}).setdefault(str(world), {}).setdefault(dkey, {})[mode] = \
+                    select.one_shot_limit(sizes, one)
+    return table
+
+
+def merge_thresholds(path: Path, new: dict, world: int, meta: dict) -> dict:
+    """The file's table with this world size's entries replaced (other world sizes kept)."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    for section in ("symm_ranges", "one_shot_max_bytes"):
+        for op, by_world in new[section].items():
+            table.setdefault(section, {}).setdefault(op, {})[str(world)] = by_world[str(world)]
+    table.setdefault("measured", {})[str(world)] = meta
+    return table
+
+
+def fmt_size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def table_md(op, dname, res, world, mode) -> list[str]:
+    t, ok, sizes, names = res["times"], res["ok"], res["sizes"], res["names"]
+    base = "nccl-raw" if op == "all_reduce" else "nccl"
+    cols = [n for n in names if (sizes[0], n, mode) in t]
+    head = ["size"] + [f"{n} us" for n in cols] + [f"ours vs {base}", "auto vs best", "ours busbw GB/s"]
+    lines = [f"**{op} {dname}, {mode}** (world {world})", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for s in sizes:
+        best_ours = ours_best(t, op, s, mode)
+        best = min(best_ours, t[(s, "nccl", mode)])
+        row = [fmt_size(s)]
+        for n in cols:
+            cell = f"{t[(s, n, mode)]:.1f}"
+            row.append(cell if ok.get((s, n), True) else cell + " WRONG")
+        row.append(f"{t[(s, base, mode)] / best_ours:.2f}x")
+        row.append(f"{t[(s, 'auto', mode)] / best:.2f}")
+        row.append(f"{FACTOR[op](world) * s / best_ours / 1e3:.1f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def targets_md(res, world) -> list[str]:
+    """The issue's all-reduce bf16 targets, checked on these numbers."""
+    t, sizes = res["times"], res["sizes"]
+    lines = ["**Targets (all_reduce bf16)**", ""]
+    for mode in ("eager", "graph"):
+        small = [s for s in sizes if 4 * KIB <= s <= 256 * KIB]
+        mid = [s for s in sizes if MIB <= s <= 4 * MIB]
+        vs_nccl = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in small)
+        torch_names = [n for n in ("torch-1shot", "torch-2shot") if (small[0], n, mode) in t]
+        vs_torch = min(min(t[(s, n, mode)] for n in torch_names) / ours_best(t, "all_reduce", s, mode) for s in small) \
+            if torch_names else float("nan")
+        vs_nccl_mid = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in mid) if mid else float("nan")
+        auto_worst = max(t[(s, "auto", mode)] / min(ours_best(t, "all_reduce", s, mode), t[(s, "nccl", mode)]) for s in sizes)
+        lines.append(f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {'met' if vs_nccl >= 3 else 'NOT met'}); "
+                     f"vs torch symm min {vs_torch:.2f}x (target >= 1: {'met' if vs_torch >= 1 else 'NOT met'}); "
+                     f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {'met' if vs_nccl_mid >= 1.5 else 'NOT met'}); "
+                     f"auto worst {auto_worst:.2f} of the better backend (target <= 1.05: {'met' if auto_worst <= 1.05 else 'NOT met'})")
+    return lines + [""]
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    max_bytes = args.max_mib * MIB
+    os.environ["TPFRAME_SYMM_BUFFER_MB"] = str(args.max_mib + 1)
+    comm = Communicator(backend="auto")
+    if comm.symm is None:
+        raise SystemExit("symmetric memory did not set up on this machine: nothing to compare")
+    impls = Impls(comm, max_bytes, device)
+    sizes = []
+    s = args.min_kib * KIB
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 2
+
+    results = {}
+    ar_names = ["nccl-raw", "nccl", "torch-1shot", "torch-2shot", "ours-1shot", "ours-2shot"]
+    for dname in args.dtypes.split(","):  # bf16 first: the numbers that matter most come back first
+        for op in args.ops.split(","):
+            names = ar_names if op == "all_reduce" else ["nccl", "ours"]
+            if op == "all_reduce" and dname != "bf16":
+                names = [n for n in names if not n.startswith("torch")]
+            sz = [s for s in sizes if op != "reduce_scatter" or s % (world * 16) == 0]
+            local = measure(impls, op, DTYPES[dname], sz, names, args.scale, device, world, rank)
+            res = slowest_rank(local, world)
+            res.update(sizes=sz, names=names + ["auto"])
+            results[(op, dname)] = res
+            if rank == 0:  # partial results in the log, in case the run is cut short
+                res["times"].update({(s_, "auto", m): float("nan") for s_ in sz for m in ("eager", "graph")})
+                for mode in ("eager", "graph"):
+                    print("\n".join(table_md(op, dname, res, world, mode)), flush=True)
+
+    # thresholds from these numbers, then `auto` timed with them
+    new = thresholds_for(results, world)
+    props = torch.cuda.get_device_properties(device)
+    meta = {"device": f"{world}x {props.name}", "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "date": datetime.date.today().isoformat(), "command": " ".join(["benchmarks/comm.py"] + sys.argv[1:])}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    path = Path(args.thresholds)
+    if rank == 0:
+        table = merge_thresholds(path, new, world, meta)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    device_barrier(device)
+    os.environ[select.THRESHOLDS_ENV] = str(path.resolve())
+    select.clear_cache()
+    comm._plans.clear()
+    comm.symm._algos.clear()
+    for (op, dname), res in results.items():
+        local = measure(impls, op, DTYPES[dname], res["sizes"], ["auto"], args.scale, device, world, rank)
+        auto = slowest_rank(local, world)
+        for key, v in auto["times"].items():
+            if key[1] == "auto":
+                res["times"][key] = v
+                res["ok"][key[:2]] = auto["ok"][key[:2]]
+
+    if rank == 0:
+        cmd = "torchrun --nproc-per-node {} {}".format(world, meta["command"])
+        lines = [f"## Collectives: {meta['device']}, {meta['date']}", "",
+                 f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; {cmd}`  ",
+                 f"torch {meta['torch']}, triton {meta.get('triton', '-')}, NCCL {meta['nccl']}; NVLink multicast off; "
+                 f"symm: peer pointers and signal pads only.  ",
+                 "Latency (us): median over R batches of K back-to-back calls, slower rank; eager = launched from "
+                 "Python, graph = the K calls captured in one CUDA graph and replayed. Random normal data.  ",
+                 "Bus bandwidth = 2(n-1)/n * bytes / t for all-reduce, (n-1)/n * bytes / t for all-gather and "
+                 "reduce-scatter; bytes = the largest tensor (all-reduce input, all-gather output, reduce-scatter input).  ",
+                 "nccl-raw = dist.all_reduce in place; nccl = tpframe's NCCL backend (out of place: clone + all-reduce); "
+                 "torch-1shot = torch.ops.symm_mem.one_shot_all_reduce_copy (staging included); torch-2shot = copy into "
+                 "the symmetric buffer + two_shot_all_reduce_out; ours-1shot/ours-2shot/ours = tpframe symm kernels "
+                 "(staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
+                 "'ours vs X' = X time / our faster kernel's time; 'auto vs best' = auto time / min(ours, nccl).", ""]
+        if ("all_reduce", "bf16") in results:
+            lines += targets_md(results[("all_reduce", "bf16")], world)
+        for (op, dname), res in results.items():
+            for mode in ("eager", "graph"):
+                lines += table_md(op, dname, res, world, mode)
+        bad = [(op, d, key) for (op, d), res in results.items() for key, good in res["ok"].items() if not good]
+        lines.append(f"Correctness against NCCL in this run: {'all outputs matched' if not bad else bad}")
+        lines.append("")
+        text = "\n".join(lines)
+        print(text, flush=True)
+        with open(args.results, "a") as f:
+            f.write("\n" + text + "\n")
+    device_barrier(device)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
