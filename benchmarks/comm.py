@@ -147,10 +147,45 @@ class Impls:
             impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_out(tview.copy_(x), "sum", name, torch.empty_like(x))
         elif self.has["two_shot_all_reduce_"]:
             impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_(tview.copy_(x), "sum", name).clone()
-        impls["ours-1shot"] = lambda: k.all_reduce(x, torch.empty_like(x), "one_shot")
-        impls["ours-2shot"] = lambda: k.all_reduce(x, torch.empty_like(x), "two_shot")
+        for algo, label in OUR_ALGOS.items():
+            impls[label] = lambda algo=algo: k.all_reduce(x, torch.empty_like(x), algo)
         impls["auto"] = lambda: comm.all_reduce(x)
         return impls
+
+
+def cpu_overhead(impls: Impls, device) -> list[str]:
+    """Host microseconds per eager call of each layer of the symm path (8 KiB bf16), to see where the
+    launch time goes. Every rank runs the same calls (they are collectives)."""
+    import time
+
+    comm, k = impls.comm, impls.comm.symm.kernels
+    x = torch.randn(4096, device=device).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    plan = k._plans.get(("push", x.numel(), x.dtype, True, True))
+    probes = {
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "plan launch only (push)": (lambda: plan(x.data_ptr(), out.data_ptr())) if plan else None,
+        "kernels.all_reduce(push)": lambda: k.all_reduce(x, out, "push"),
+        "symm.all_reduce": lambda: comm.symm.all_reduce(x),
+        "Communicator.all_reduce (auto)": lambda: comm.all_reduce(x),
+        "torch one_shot_all_reduce_copy": impls.for_op("all_reduce", x).get("torch-1shot"),
+        "dist.all_reduce (in place)": lambda: dist.all_reduce(out),
+    }
+    lines = []
+    for name, fn in probes.items():
+        if fn is None:
+            continue
+        for _ in range(20):
+            fn()
+        device_barrier(device)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        host = (time.perf_counter() - t0) / 2000 * 1e6
+        device_barrier(device)
+        lines.append(f"- {name}: {host:.2f} us host time per call")
+    return lines
 
 
 def close(a, b, dtype) -> bool:
@@ -189,34 +224,39 @@ def slowest_rank(local: dict, world: int) -> dict:
     return {"times": times, "ok": ok}
 
 
+OUR_ALGOS = {"one_shot": "ours-1shot", "push": "ours-push", "two_shot": "ours-2shot"}
+
+
 def ours_best(times, op, nbytes, mode):
     if op == "all_reduce":
-        return min(times[(nbytes, "ours-1shot", mode)], times[(nbytes, "ours-2shot", mode)])
+        return min(times[(nbytes, name, mode)] for name in OUR_ALGOS.values())
     return times[(nbytes, "ours", mode)]
 
 
 def thresholds_for(results: dict, world: int) -> dict:
-    """The thresholds entries measured at `world` ({section: {op: {world: {dtype: {mode: ...}}}}})."""
-    table = {"symm_ranges": {}, "one_shot_max_bytes": {}}
+    """This world size's threshold entries: section -> op -> world -> dtype -> mode -> value."""
+    table = {"symm_ranges": {}, "all_reduce_algos": {}}
+
+    def put(section, op, dkey, mode, value):
+        table[section].setdefault(op, {}).setdefault(str(world), {}).setdefault(dkey, {})[mode] = value
+
     for (op, dname), res in results.items():
         t, sizes = res["times"], res["sizes"]
         dkey = select.DTYPE_NAMES[DTYPES[dname]]
         for mode in ("eager", "graph"):
             wins = [ours_best(t, op, s, mode) < t[(s, "nccl", mode)] for s in sizes]
-            table["symm_ranges"].setdefault(op, {}).setdefault(str(world), {}).setdefault(dkey, {})[mode] = \
-                select.ranges_from_winners(sizes, wins)
-            if op == "all_reduce":
-                one = [t[(s, "ours-1shot", mode)] <= t[(s, "ours-2shot", mode)] for s in sizes]
-                table["one_shot_max_bytes"].setdefault(op, {}).setdefault(str(world), {}).setdefault(dkey, {})[mode] = \
-                    select.one_shot_limit(sizes, one)
+            put("symm_ranges", op, dkey, mode, select.ranges_from_winners(sizes, wins))
+        if op == "all_reduce":  # the kernel choice by GPU time: graph replay
+            fastest = [min(OUR_ALGOS, key=lambda a: t[(s, OUR_ALGOS[a], "graph")]) for s in sizes]
+            put("all_reduce_algos", op, dkey, "graph", select.algos_from_winners(sizes, fastest))
     return table
 
 
 def merge_thresholds(path: Path, new: dict, world: int, meta: dict) -> dict:
     """The file's table with this world size's entries replaced (other world sizes kept)."""
     table = json.loads(path.read_text()) if path.exists() else {}
-    for section in ("symm_ranges", "one_shot_max_bytes"):
-        for op, by_world in new[section].items():
+    for section, by_op in new.items():
+        for op, by_world in by_op.items():
             table.setdefault(section, {}).setdefault(op, {})[str(world)] = by_world[str(world)]
     table.setdefault("measured", {})[str(world)] = meta
     return table
@@ -286,8 +326,13 @@ def main():
         sizes.append(s)
         s *= 2
 
+    impls.for_op("all_reduce", torch.zeros(4096, device=device, dtype=torch.bfloat16))["ours-push"]()  # a plan to probe
+    overhead = cpu_overhead(impls, device)
+    if rank == 0:
+        print("\n".join(["host overhead per call (8 KiB bf16 all-reduce):"] + overhead), flush=True)
+
     results = {}
-    ar_names = ["nccl-raw", "nccl", "torch-1shot", "torch-2shot", "ours-1shot", "ours-2shot"]
+    ar_names = ["nccl-raw", "nccl", "torch-1shot", "torch-2shot"] + list(OUR_ALGOS.values())
     for dname in args.dtypes.split(","):  # bf16 first: the numbers that matter most come back first
         for op in args.ops.split(","):
             names = ar_names if op == "all_reduce" else ["nccl", "ours"]
@@ -343,11 +388,12 @@ def main():
                  "reduce-scatter; bytes = the largest tensor (all-reduce input, all-gather output, reduce-scatter input).  ",
                  "nccl-raw = dist.all_reduce in place; nccl = tpframe's NCCL backend (out of place: clone + all-reduce); "
                  "torch-1shot = torch.ops.symm_mem.one_shot_all_reduce_copy (staging included); torch-2shot = copy into "
-                 "the symmetric buffer + two_shot_all_reduce_out; ours-1shot/ours-2shot/ours = tpframe symm kernels "
-                 "(staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
+                 "the symmetric buffer + two_shot_all_reduce_out; ours-1shot (pull from peers), ours-push (write into "
+                 "peers), ours-2shot, ours = tpframe symm kernels (staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
                  "'ours vs X' = X time / our faster kernel's time; 'auto vs best' = auto time / min(ours, nccl).", ""]
         if ("all_reduce", "bf16") in results:
             lines += targets_md(results[("all_reduce", "bf16")], world)
+        lines += ["**Host time per eager call** (8 KiB bf16 all-reduce; the eager floor)", ""] + overhead + [""]
         for (op, dname), res in results.items():
             for mode in ("eager", "graph"):
                 lines += table_md(op, dname, res, world, mode)

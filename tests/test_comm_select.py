@@ -25,7 +25,8 @@ TABLE = {
         },
         "all_gather": {"2": {"bfloat16": {"eager": [[64 * KIB, 512 * KIB]]}}},
     },
-    "one_shot_max_bytes": {"all_reduce": {"2": {"bfloat16": {"eager": 512 * KIB, "graph": 128 * KIB}}}},
+    "all_reduce_algos": {"all_reduce": {"2": {"bfloat16": {"graph": [[64 * KIB, "one_shot"], [512 * KIB, "push"],
+                                                                      [None, "two_shot"]]}}}},
 }
 
 
@@ -83,15 +84,21 @@ def test_choose_rejects_bad_arguments_by_name():
         select.choose("all_reduce", -5, torch.float32, 2, table=TABLE)
 
 
-def test_all_reduce_algorithm_switches_at_the_measured_one_shot_limit():
+def test_all_reduce_algorithm_follows_the_measured_bounds():
     bf16 = torch.bfloat16
-    assert select.all_reduce_algorithm(512 * KIB, bf16, 2, table=TABLE) == "one_shot"
+    assert select.all_reduce_algorithm(64 * KIB, bf16, 2, table=TABLE) == "one_shot"
+    assert select.all_reduce_algorithm(64 * KIB + 1, bf16, 2, table=TABLE) == "push"
+    assert select.all_reduce_algorithm(512 * KIB, bf16, 2, table=TABLE) == "push"
     assert select.all_reduce_algorithm(512 * KIB + 1, bf16, 2, table=TABLE) == "two_shot"
-    assert select.all_reduce_algorithm(256 * KIB, bf16, 2, graph=True, table=TABLE) == "two_shot"
-    assert select.all_reduce_algorithm(256 * KIB, bf16, 4, table=TABLE) == "one_shot"  # 512 KiB * 2/4
+    assert select.all_reduce_algorithm(256 * KIB, bf16, 4, table=TABLE) == "push"  # bounds scaled by 2/4
     assert select.all_reduce_algorithm(257 * KIB, bf16, 4, table=TABLE) == "two_shot"
-    default = select.DEFAULT_ONE_SHOT_MAX
+    assert select.all_reduce_algorithm(1 << 30, torch.float16, 2, table=TABLE) == "two_shot"  # borrows bf16
+
+
+def test_all_reduce_algorithm_defaults_without_a_measurement():
+    default = select.DEFAULT_ALGOS[0][0]
     assert select.all_reduce_algorithm(default, torch.float32, 2, table={}) == "one_shot"
+    assert select.all_reduce_algorithm(default + 1, torch.float32, 2, table={}) == "two_shot"
     assert select.all_reduce_algorithm(default // 4 + 1, torch.float32, 8, table={}) == "two_shot"
 
 
@@ -105,11 +112,13 @@ def test_ranges_from_winners_end_halfway_between_measurements():
         select.ranges_from_winners([2, 1], [True, True])
 
 
-def test_one_shot_limit_is_halfway_to_the_first_loss():
-    sizes = [4 * KIB, 16 * KIB, 64 * KIB]
-    assert select.one_shot_limit(sizes, [True, False, False]) == 8 * KIB
-    assert select.one_shot_limit(sizes, [True, True, True]) == 64 * KIB
-    assert select.one_shot_limit(sizes, [False, True, True]) == 0
+def test_algos_from_winners_merge_runs_and_split_halfway():
+    sizes = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB]
+    assert select.algos_from_winners(sizes, ["one_shot", "one_shot", "push", "two_shot"]) == \
+        [[32 * KIB, "one_shot"], [128 * KIB, "push"], [None, "two_shot"]]
+    assert select.algos_from_winners(sizes, ["push"] * 4) == [[None, "push"]]
+    with pytest.raises(ValueError, match="ascending"):
+        select.algos_from_winners([4, 4], ["push", "push"])
 
 
 def test_message_bytes_is_the_largest_tensor_of_the_collective():
@@ -149,9 +158,12 @@ def test_packaged_thresholds_are_well_formed():
                         assert lo >= 0 and (hi is None or hi >= lo)
                     starts = [lo for lo, _ in ranges]
                     assert starts == sorted(starts)
-    for world, by_dtype in table.get("one_shot_max_bytes", {}).get("all_reduce", {}).items():
+    for world, by_dtype in table.get("all_reduce_algos", {}).get("all_reduce", {}).items():
         for by_mode in by_dtype.values():
-            assert all(v >= 0 for v in by_mode.values())
+            for bounds in by_mode.values():
+                assert bounds[-1][0] is None and all(a in ("one_shot", "push", "two_shot") for _, a in bounds)
+                uppers = [u for u, _ in bounds[:-1]]
+                assert uppers == sorted(uppers)
 
 
 # -- backend resolution and the fallback path (gloo, 2 ranks) -------------------------------------------

@@ -49,7 +49,7 @@ def _every_kernel_matches_nccl():
             x = _rand(numel, dtype, seed * 100 + rank)
             before = x.clone()
             ref = _nccl(comm, "all_reduce", x)
-            for algo in ("one_shot", "two_shot"):
+            for algo in ("one_shot", "push", "two_shot"):
                 out = torch.full_like(x, float("nan"))
                 k.all_reduce(x, out, algo)
                 if not _close(out, ref, dtype):
@@ -103,10 +103,16 @@ def _thousand_calls():
     small = _rand(4096, torch.bfloat16, 1 + rank)  # one-shot
     big = _rand(1 << 20, torch.bfloat16, 2 + rank)  # two-shot
     shard = _rand(3000, torch.float32, 3 + rank)
-    first = [comm.all_reduce(small), comm.all_reduce(big), comm.all_gather(shard), comm.reduce_scatter(big)]
+    k = comm.symm.kernels
+
+    def calls():
+        return [comm.all_reduce(small), comm.all_reduce(big), comm.all_gather(shard), comm.reduce_scatter(big),
+                k.all_reduce(small, torch.empty_like(small), "push")]
+
+    first = calls()
     drift = torch.zeros((), device="cuda")
     for i in range(1000):
-        outs = [comm.all_reduce(small), comm.all_reduce(big), comm.all_gather(shard), comm.reduce_scatter(big)]
+        outs = calls()
         for o, f in zip(outs, first):
             drift = torch.maximum(drift, (o.float() - f.float()).abs().max())
         if i % 100 == 0:
@@ -114,7 +120,8 @@ def _thousand_calls():
     ok = [_close(first[0], _nccl(comm, "all_reduce", small), torch.bfloat16),
           _close(first[1], _nccl(comm, "all_reduce", big), torch.bfloat16),
           torch.equal(first[2], _nccl(comm, "all_gather", shard)),
-          _close(first[3], _nccl(comm, "reduce_scatter", big), torch.bfloat16)]
+          _close(first[3], _nccl(comm, "reduce_scatter", big), torch.bfloat16),
+          _close(first[4], first[0], torch.bfloat16)]
     return float(drift), ok, _pad_sum(comm)
 
 
@@ -175,7 +182,7 @@ def _zero_copy_and_auto():
         if buf.data_ptr() != comm.symm.buffer.data_ptr():
             failures.append("input_buffer is not the symmetric buffer")
         buf.copy_(x)
-        for algo in ("one_shot", "two_shot"):
+        for algo in ("one_shot", "push", "two_shot"):
             buf.copy_(x)
             out = torch.full_like(x, float("nan"))
             comm.symm.kernels.all_reduce(buf, out, algo)

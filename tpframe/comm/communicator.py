@@ -55,14 +55,16 @@ class Communicator:
         CUDA graph is being captured), and never picks symm for a group NVML reports as not NVLink."""
         if self.symm is None:
             return self.nccl
-        graph = self.requested == "auto" and torch.cuda.is_current_stream_capturing()
-        key = (op, x.numel(), x.dtype, x.device, graph)
-        backend = self._plans.get(key)
-        if backend is None:  # decided once per (op, size, dtype, device, mode): the eager hot path is a dict hit
+        key = (op, x.numel(), x.dtype, x.get_device())
+        plan = self._plans.get(key)
+        if plan is None:  # decided once per (op, size, dtype, device): the eager hot path is a dict hit
             if len(self._plans) > 4096:
                 self._plans.clear()
-            backend = self._plans[key] = self._decide(op, x, graph)
-        return backend
+            plan = self._plans[key] = (self._decide(op, x, graph=False), self._decide(op, x, graph=True))
+        eager, graph = plan
+        if eager is graph:
+            return eager
+        return graph if torch.cuda.is_current_stream_capturing() else eager
 
     def _decide(self, op: str, x: torch.Tensor, graph: bool):
         if not self.symm.supports(op, x):

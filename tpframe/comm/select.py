@@ -1,9 +1,13 @@
 """`auto` backend choice: symm or nccl per call, from thresholds measured on the device.
 
-The table (tpframe/comm/symm/thresholds.json, written by benchmarks/comm.py) holds, per op, world size,
-dtype and mode ("eager" or "graph": launched from Python or replayed from a CUDA graph):
-  - symm_ranges: byte ranges [lo, hi] (hi None: no upper end) where our symm kernels beat NCCL;
-  - one_shot_max_bytes: the all-reduce size up to which one-shot beats two-shot.
+The table (tpframe/comm/symm/thresholds.json, written by benchmarks/comm.py) holds
+  - symm_ranges, per op, world size, dtype and mode ("eager" or "graph": launched from Python or
+    replayed from a CUDA graph): byte ranges [lo, hi] (hi None: no upper end) where our symm
+    kernels beat NCCL;
+  - all_reduce_algos, per world size and dtype, mode "graph" only: [[up_to_bytes, algorithm], ...]
+    (last bound None), the fastest symm all-reduce kernel by size, measured on GPU time (graph
+    replay): in eager mode the launch, not the kernel, bounds small messages, so one table serves both.
+Every section is nested the same way: section -> op -> world size -> dtype -> mode -> value.
 Message size ("bytes") is the collective's largest tensor: the all-reduce input, the all-gather
 output, the reduce-scatter input. Between measured sizes, each range ends halfway (geometrically)
 between the last size symm won and the first it lost, so a call follows its nearest measurement.
@@ -116,16 +120,20 @@ def choose(op: str, nbytes: int, dtype, world_size: int, graph: bool = False, ta
     return "nccl"
 
 
-DEFAULT_ONE_SHOT_MAX = 256 * 1024  # at world size 2; scaled by 2/world like a measured value
+# Without a measurement: one-shot up to 256 KiB at world size 2 (scaled by 2/world), then two-shot.
+DEFAULT_ALGOS = [[256 * 1024, "one_shot"], [None, "two_shot"]]
 
 
-def all_reduce_algorithm(nbytes: int, dtype, world_size: int, graph: bool = False, table: dict | None = None) -> str:
-    """'one_shot' or 'two_shot': the faster symm all-reduce for this size, as measured."""
+def all_reduce_algorithm(nbytes: int, dtype, world_size: int, table: dict | None = None) -> str:
+    """The fastest measured symm all-reduce kernel ('one_shot', 'push' or 'two_shot') for this size."""
     name = _check("all_reduce", nbytes, world_size, dtype)
-    limit, scale = _lookup(table, "one_shot_max_bytes", "all_reduce", world_size, name, graph)
-    if limit is None:
-        limit, scale = DEFAULT_ONE_SHOT_MAX, min(1.0, 2 / world_size)
-    return "one_shot" if nbytes <= limit * scale else "two_shot"
+    bounds, scale = _lookup(table, "all_reduce_algos", "all_reduce", world_size, name, True)
+    if bounds is None:
+        bounds, scale = DEFAULT_ALGOS, min(1.0, 2 / world_size)
+    for upper, algo in bounds:
+        if upper is None or nbytes <= upper * scale:
+            return algo
+    return bounds[-1][1]
 
 
 def ranges_from_winners(sizes: list[int], symm_wins: list[bool]) -> list[list[int | None]]:
@@ -147,11 +155,14 @@ def ranges_from_winners(sizes: list[int], symm_wins: list[bool]) -> list[list[in
     return ranges
 
 
-def one_shot_limit(sizes: list[int], one_shot_wins: list[bool]) -> int:
-    """The largest size up to which one-shot kept winning (halfway to the first loss); 0 if it never won."""
-    if not one_shot_wins or not one_shot_wins[0]:
-        return 0
-    for i, win in enumerate(one_shot_wins):
-        if not win:
-            return math.floor(math.sqrt(sizes[i - 1] * sizes[i]))
-    return sizes[-1]
+def algos_from_winners(sizes: list[int], winners: list[str]) -> list[list]:
+    """[[up_to_bytes, algo], ...] from the fastest algorithm at each measured size (ascending); each
+    bound lies halfway (geometric mean) to the next measured size, the last is None."""
+    if not sizes or len(sizes) != len(winners) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"sizes must be ascending and match the winners: {sizes} / {winners}")
+    bounds = []
+    for i, algo in enumerate(winners):
+        last = i == len(winners) - 1
+        if last or winners[i + 1] != algo:
+            bounds.append([None if last else math.floor(math.sqrt(sizes[i] * sizes[i + 1])), algo])
+    return bounds

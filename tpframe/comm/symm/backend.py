@@ -36,7 +36,7 @@ class SymmBackend:
         self.rank = dist.get_rank(group)
         self.buffer, self.handle, self.kernels = buffer, handle, kernels
         self.nvlink = nvlink  # from NVML; None when it could not tell
-        self._algos: dict = {}  # (numel, dtype, graph) -> "one_shot" | "two_shot"
+        self._algos: dict = {}  # (numel, dtype) -> all-reduce algorithm
 
     # -- set-up ---------------------------------------------------------------------------------
     @classmethod
@@ -110,26 +110,31 @@ class SymmBackend:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op != "sum":
             raise ValueError(f"symm all_reduce supports op 'sum' only, got {op!r}")
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        key = (x.numel(), x.dtype, torch.cuda.is_current_stream_capturing())
+        key = (x.numel(), x.dtype)
         algo = self._algos.get(key)
         if algo is None:
-            if len(self._algos) > 4096:
-                self._algos.clear()
-            algo = self._algos[key] = select.all_reduce_algorithm(key[0] * x.element_size(), x.dtype, self.size, key[2])
-        return self.kernels.all_reduce(x, out, algo)
+            algo = self._algos[key] = self._pick_algorithm(*key)
+        return self.kernels.all_reduce(x, torch.empty_like(x, memory_format=torch.contiguous_format), algo)
+
+    def _pick_algorithm(self, numel: int, dtype: torch.dtype) -> str:
+        """The measured fastest all-reduce kernel for this size that fits the buffer (two-shot always fits
+        where `supports` said yes). Compiles every algorithm for `dtype` on first use: a CUDA graph
+        capture may choose one that eager calls never did, and must not compile."""
+        if len(self._algos) > 4096:
+            self._algos.clear()
+        self.kernels.warm_up(dtype)
+        algo = select.all_reduce_algorithm(numel * dtype.itemsize, dtype, self.size)
+        return algo if self.kernels.fits("all_reduce", numel, dtype, algo) else "two_shot"
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] -> [size * n, ...], rank r's rows at r*n."""
-        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        return self.kernels.all_gather(x, out)
+        return self.kernels.all_gather(x, x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:])))
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """[size * n, ...] -> [n, ...]: the sum over ranks of rank r's rows."""
         if x.shape[0] % self.size:
             raise ValueError(f"reduce_scatter needs dim 0 of {tuple(x.shape)} divisible by the group size {self.size}")
-        out = torch.empty((x.shape[0] // self.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        return self.kernels.reduce_scatter(x, out)
+        return self.kernels.reduce_scatter(x, x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:])))
 
     def barrier(self) -> None:
         """A device-side barrier on the current stream (no host synchronization)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 
 def interpreting() -> bool:
@@ -20,7 +19,7 @@ def interpreting() -> bool:
 
 
 class KernelLauncher:
-    """launch(grid, *runtime_args): one launch of `kernel` (fixed constexprs) on the current stream."""
+    """One kernel with fixed constexprs, compiled once; `bind(grid, *args)` gives the launch closure."""
 
     def __init__(self, kernel, constexprs: dict, num_warps: int, device: torch.device):
         names = list(kernel.arg_names)
@@ -36,6 +35,7 @@ class KernelLauncher:
         self._fast = None if interpreting() else self._compile()
 
     def _compile(self):
+        """The compiled kernel's C launch entry and its fixed arguments, or None (use the JIT call)."""
         with torch.cuda.device(self.device):
             compiled = self.kernel.warmup(*([0] * len(self.runtime_names)), grid=(1,), num_warps=self.num_warps,
                                           **self.constexprs)
@@ -44,26 +44,24 @@ class KernelLauncher:
             runner = compiled.run  # loads the module on this device
         scratch = getattr(runner, "global_scratch_size", 0) or getattr(runner, "profile_scratch_size", 0)
         raw = getattr(runner, "launch", None)
-        if raw is None or scratch:
-            # Not the launcher layout this fast path knows: the compiled kernel's own runner.
-            function, meta = compiled.function, compiled.packed_metadata
-            consts = self._const_values
+        if raw is None or scratch or not hasattr(runner, "launch_pdl"):
+            return None  # not the launcher layout this fast path knows
+        return raw, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, compiled.packed_metadata
 
-            def slow(grid, stream, *args):
-                runner(grid, 1, 1, stream, function, meta, None, None, None, *args, *consts)
-
-            return slow
-        function, meta = compiled.function, compiled.packed_metadata
-        coop, pdl = runner.launch_cooperative_grid, runner.launch_pdl
+    def bind(self, grid: int, *tail):
+        """A closure run(*head): one launch on the current stream with runtime args (*head, *tail)."""
         consts = self._const_values
+        if self._fast is None:
+            kernel, kw = self.kernel, dict(num_warps=self.num_warps, **self.constexprs)
 
-        def fast(grid, stream, *args):
-            raw(grid, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, *args, *consts)
+            def run_jit(*head):
+                kernel[(grid,)](*head, *tail, **kw)
 
-        return fast
+            return run_jit
+        raw, function, coop, pdl, meta = self._fast
+        stream_of, index = torch._C._cuda_getCurrentRawStream, self.device.index
 
-    def __call__(self, grid: int, *args) -> None:
-        if self._fast is not None:
-            self._fast(grid, torch._C._cuda_getCurrentRawStream(self.device.index), *args)
-        else:
-            self.kernel[(grid,)](*args, num_warps=self.num_warps, **self.constexprs)
+        def run(*head):
+            raw(grid, 1, 1, stream_of(index), function, coop, pdl, None, None, meta, None, None, None, *head, *tail, *consts)
+
+        return run

@@ -3,6 +3,8 @@
 `SymmKernels` knows only raw addresses: the device tables of every rank's symmetric buffer and
 signal pad, this rank's own buffer, rank and world size. `backend.py` builds it from torch's
 symmetric memory; the kernel tests build it from shared CPU memory under the Triton interpreter.
+A call is a cached plan per (kernel, size, dtype, input placement): a closure that launches the
+compiled kernel with two fresh addresses, so the eager path spends microseconds, not tens of them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import triton.language as tl
 
 from tpframe.comm.symm.allgather import all_gather_kernel
-from tpframe.comm.symm.allreduce import one_shot_all_reduce_kernel, two_shot_all_reduce_kernel
+from tpframe.comm.symm.allreduce import one_shot_all_reduce_kernel, push_all_reduce_kernel, two_shot_all_reduce_kernel
 from tpframe.comm.symm.barrier import barrier_kernel
 from tpframe.comm.symm.launch import KernelLauncher
 from tpframe.comm.symm.reduce_scatter import reduce_scatter_kernel
@@ -19,14 +21,15 @@ from tpframe.comm.symm.reduce_scatter import reduce_scatter_kernel
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 WORLD_SIZES = (2, 4, 8)
 NUM_WARPS = 8
+ALL_REDUCE_ALGOS = ("one_shot", "push", "two_shot")
 KERNELS = {
     "one_shot": one_shot_all_reduce_kernel,
+    "push": push_all_reduce_kernel,
     "two_shot": two_shot_all_reduce_kernel,
     "all_gather": all_gather_kernel,
     "reduce_scatter": reduce_scatter_kernel,
 }
 MAX_INDEX = 2**31 - 1  # kernels index with int32
-ALL_REDUCE_ALGOS = ("one_shot", "two_shot")
 
 
 def vec_elems(dtype: torch.dtype) -> int:
@@ -39,11 +42,13 @@ def block_elems(dtype: torch.dtype) -> int:
     return 2 * vec_elems(dtype) * 32 * NUM_WARPS
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def two_shot_chunk(n: int, world: int, dtype: torch.dtype) -> int:
     """Elements each rank reduces in the two-shot all-reduce: ceil(n / world), rounded up to 16 bytes."""
-    vec = vec_elems(dtype)
-    per_rank = -(-n // world)
-    return -(-per_rank // vec) * vec
+    return round_up(-(-n // world), vec_elems(dtype))
 
 
 class SymmKernels:
@@ -65,79 +70,102 @@ class SymmKernels:
         self.own_addr, self.own_bytes = own_addr, own_bytes
         self.rank, self.world, self.max_programs, self.device = rank, world, max_programs, device
         self._launchers: dict = {}
+        self._plans: dict = {}
         self._barrier = None
 
     # -- capacity -------------------------------------------------------------------------------
-    def fits(self, op: str, numel: int, dtype: torch.dtype) -> bool:
-        """Whether `op` on `numel` input elements fits the buffer and int32 indexing."""
+    def needed_bytes(self, kind: str, numel: int, dtype: torch.dtype) -> int:
+        """Symmetric-buffer bytes `kind` needs for an input of `numel` elements."""
+        vec = vec_elems(dtype)
+        if kind == "push":
+            return self.world * round_up(numel, vec) * dtype.itemsize
+        if kind == "two_shot":
+            return self.world * two_shot_chunk(numel, self.world, dtype) * dtype.itemsize
+        return numel * dtype.itemsize
+
+    def fits(self, op: str, numel: int, dtype: torch.dtype, kind: str | None = None) -> bool:
+        """Whether `op` (kernel `kind`; for all_reduce by default the two-shot, the smallest footprint)
+        on `numel` input elements fits the buffer and int32 indexing."""
         if dtype not in TRITON_DTYPES or numel <= 0:
             return False
-        slack = self.world * vec_elems(dtype)  # two-shot rounds its chunks up to 16 bytes
-        staged = numel + slack
-        total = numel * self.world if op == "all_gather" else numel
         if op == "reduce_scatter" and numel % self.world:
             return False
-        return staged * dtype.itemsize <= self.own_bytes and total + slack + block_elems(dtype) * self.world <= MAX_INDEX
+        kind = kind or ("two_shot" if op == "all_reduce" else op)
+        total = numel * self.world if op == "all_gather" else numel
+        index_limit = max(total, self.needed_bytes(kind, numel, dtype) // dtype.itemsize) + self.world * block_elems(dtype)
+        return self.needed_bytes(kind, numel, dtype) <= self.own_bytes and index_limit <= MAX_INDEX
 
     # -- collectives ----------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
-        """out[:] = sum over ranks of x (both n contiguous elements); algo 'one_shot' or 'two_shot'."""
-        x = self._input(x)
-        n = x.numel()
-        if algo == "one_shot":
-            chunk, tiles = 0, -(-n // block_elems(x.dtype))
-        elif algo == "two_shot":
-            chunk = two_shot_chunk(n, self.world, x.dtype)
-            tiles = -(-chunk // block_elems(x.dtype))
-        else:
-            raise ValueError(f"all_reduce algo must be 'one_shot' or 'two_shot', got {algo!r}")
-        self._launch(algo, x, out, n, chunk, tiles, n_aligned=False)
-        return out
+        """out[:] = sum over ranks of x (both n contiguous elements); algo: one of ALL_REDUCE_ALGOS."""
+        if algo not in ALL_REDUCE_ALGOS:
+            raise ValueError(f"all_reduce algo must be one of {ALL_REDUCE_ALGOS}, got {algo!r}")
+        return self._run(algo, x, out)
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out[p*n:(p+1)*n] = rank p's x (n elements)."""
-        x = self._input(x)
-        n = x.numel()
-        self._launch("all_gather", x, out, n, 0, -(-n // block_elems(x.dtype)), n_aligned=n % vec_elems(x.dtype) == 0)
-        return out
+        return self._run("all_gather", x, out)
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out[:m] = sum over ranks of x[rank*m:(rank+1)*m], x: world*m elements."""
-        x = self._input(x)
-        m = x.numel() // self.world
-        self._launch("reduce_scatter", x, out, m, 0, -(-m // block_elems(x.dtype)), n_aligned=m % vec_elems(x.dtype) == 0)
-        return out
+        return self._run("reduce_scatter", x, out)
 
     def barrier(self) -> None:
         """Every rank's stream reaches this point before any continues (one tiny kernel)."""
         if self._barrier is None:
-            self._barrier = KernelLauncher(barrier_kernel, {"WORLD": self.world}, 1, self.device)
-        self._barrier(1, self._pad, self.rank)
+            self._barrier = KernelLauncher(barrier_kernel, {"WORLD": self.world}, 1, self.device).bind(1)
+        self._barrier(self._pad, self.rank)
 
-    # -- internals ------------------------------------------------------------------------------
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
+    # -- plans ----------------------------------------------------------------------------------
+    def _run(self, kind: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if not x.is_contiguous():
-            return x.contiguous()
-        addr = x.data_ptr()
-        if addr != self.own_addr and self.own_addr <= addr < self.own_addr + self.own_bytes:
-            return x.clone()  # a view inside our own buffer would overlap the staging copy
-        return x
-
-    def _launch(self, kind: str, x: torch.Tensor, out: torch.Tensor, n: int, chunk: int, tiles: int, n_aligned: bool):
+            x = x.contiguous()
         xa = x.data_ptr()
-        copy_in = xa != self.own_addr
-        key = (kind, x.dtype, copy_in, xa % 16 == 0, n_aligned)
-        launcher = self._launchers.get(key)
-        if launcher is None:
-            launcher = self._launchers[key] = self._build(key)
-            other = (ALL_REDUCE_ALGOS[1 - ALL_REDUCE_ALGOS.index(kind)],) + key[1:] if kind in ALL_REDUCE_ALGOS else None
-            if other is not None and other not in self._launchers:  # compile the other algorithm now: a CUDA
-                self._launchers[other] = self._build(other)  # graph capture may pick it, and must not compile
-        grid = min(max(tiles, 1), self.max_programs)
-        launcher(grid, xa, out.data_ptr(), self._buf, self._pad, n, chunk, self.rank)
+        if xa != self.own_addr and self.own_addr <= xa < self.own_addr + self.own_bytes:
+            x = x.clone()  # a view elsewhere inside our own buffer would overlap the staging
+            xa = x.data_ptr()
+        key = (kind, x.numel(), x.dtype, xa != self.own_addr, xa % 16 == 0)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(*key)
+        plan(xa, out.data_ptr())
+        return out
 
-    def _build(self, key) -> KernelLauncher:
-        kind, dtype, copy_in, x_aligned, n_aligned = key
-        constexprs = dict(DT=TRITON_DTYPES[dtype], VEC=vec_elems(dtype), WORLD=self.world, BLOCK=block_elems(dtype),
+    def _plan(self, kind: str, numel: int, dtype: torch.dtype, copy_in: bool, x_aligned: bool):
+        """A closure (x_addr, out_addr) -> one launch of `kind` for this size, dtype and input placement."""
+        if not self.fits("all_reduce" if kind in ALL_REDUCE_ALGOS else kind, numel, dtype, kind):
+            raise ValueError(f"{kind} of {numel} {dtype} elements does not fit the {self.own_bytes}-byte symmetric buffer")
+        block, vec = block_elems(dtype), vec_elems(dtype)
+        n, chunk, n_aligned = numel, 0, False
+        if kind == "two_shot":
+            chunk = two_shot_chunk(numel, self.world, dtype)
+            tiles = -(-chunk // block)
+        elif kind == "push":
+            chunk = round_up(numel, vec)
+            tiles = -(-numel // block)
+        elif kind == "reduce_scatter":
+            n = numel // self.world
+            n_aligned = n % vec == 0
+            tiles = -(-n // block)
+        else:
+            n_aligned = kind == "all_gather" and n % vec == 0
+            tiles = -(-n // block)
+        constexprs = dict(DT=TRITON_DTYPES[dtype], VEC=vec, WORLD=self.world, BLOCK=block,
                           COPY_IN=copy_in, X_ALIGNED=x_aligned, N_ALIGNED=n_aligned)
-        return KernelLauncher(KERNELS[kind], constexprs, NUM_WARPS, self.device)
+        variant = (kind, dtype, copy_in, x_aligned, n_aligned)
+        launcher = self._launchers.get(variant)
+        if launcher is None:
+            launcher = self._launchers[variant] = KernelLauncher(KERNELS[kind], constexprs, NUM_WARPS, self.device)
+        grid = min(max(tiles, 1), self.max_programs)
+        return launcher.bind(grid, self._buf, self._pad, n, chunk, self.rank)
+
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile every all-reduce algorithm for `dtype` now (a CUDA graph capture must not compile)."""
+        for kind in ALL_REDUCE_ALGOS:
+            variant = (kind, dtype, True, True, False)
+            if variant not in self._launchers:
+                constexprs = dict(DT=TRITON_DTYPES[dtype], VEC=vec_elems(dtype), WORLD=self.world, BLOCK=block_elems(dtype),
+                                  COPY_IN=True, X_ALIGNED=True, N_ALIGNED=False)
+                self._launchers[variant] = KernelLauncher(KERNELS[kind], constexprs, NUM_WARPS, self.device)
