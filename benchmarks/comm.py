@@ -148,7 +148,8 @@ class Impls:
         elif self.has["two_shot_all_reduce_"]:
             impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_(tview.copy_(x), "sum", name).clone()
         for algo, label in OUR_ALGOS.items():
-            impls[label] = lambda algo=algo: k.all_reduce(x, torch.empty_like(x), algo)
+            if k.fits("all_reduce", x.numel(), x.dtype, algo):  # push needs world slots of the message
+                impls[label] = lambda algo=algo: k.all_reduce(x, torch.empty_like(x), algo)
         impls["auto"] = lambda: comm.all_reduce(x)
         return impls
 
@@ -161,14 +162,14 @@ def cpu_overhead(impls: Impls, device) -> list[str]:
     comm, k = impls.comm, impls.comm.symm.kernels
     x = torch.randn(4096, device=device).to(torch.bfloat16)
     out = torch.empty_like(x)
-    plan = k._plans.get(("push", x.numel(), x.dtype, True, True))
+    plan = k.plan("push", x.numel(), x.dtype)
     probes = {
         "torch.empty_like": lambda: torch.empty_like(x),
         "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
-        "plan launch only (push)": (lambda: plan(x.data_ptr(), out.data_ptr())) if plan else None,
+        "plan launch only (push)": lambda: plan(x.data_ptr(), out.data_ptr()),
         "kernels.all_reduce(push)": lambda: k.all_reduce(x, out, "push"),
         "symm.all_reduce": lambda: comm.symm.all_reduce(x),
-        "Communicator.all_reduce (auto)": lambda: comm.all_reduce(x),
+        f"Communicator.all_reduce (auto -> {comm.backend_for('all_reduce', x).name})": lambda: comm.all_reduce(x),
         "torch one_shot_all_reduce_copy": impls.for_op("all_reduce", x).get("torch-1shot"),
         "dist.all_reduce (in place)": lambda: dist.all_reduce(out),
     }
@@ -211,6 +212,9 @@ def measure(impls: Impls, op, dtype, sizes, names, scale, device, world, rank) -
             del out
             times[(nbytes, name, "eager")] = time_eager(calls[name], k, reps, device)
             times[(nbytes, name, "graph")] = time_graph(calls[name], k, reps, device)
+        if rank == 0:  # progress, in case the run is cut short
+            print(f"{op} {dtype} {nbytes}: " + " ".join(f"{n}={times[(nbytes, n, 'eager')]:.1f}/{times[(nbytes, n, 'graph')]:.1f}"
+                                                       for n in names if (nbytes, n, "eager") in times), flush=True)
         del x, calls, ref
         torch.cuda.empty_cache()
     return {"times": times, "ok": ok}
@@ -229,7 +233,7 @@ OUR_ALGOS = {"one_shot": "ours-1shot", "push": "ours-push", "two_shot": "ours-2s
 
 def ours_best(times, op, nbytes, mode):
     if op == "all_reduce":
-        return min(times[(nbytes, name, mode)] for name in OUR_ALGOS.values())
+        return min(times[(nbytes, name, mode)] for name in OUR_ALGOS.values() if (nbytes, name, mode) in times)
     return times[(nbytes, "ours", mode)]
 
 
@@ -247,7 +251,8 @@ def thresholds_for(results: dict, world: int) -> dict:
             wins = [ours_best(t, op, s, mode) < t[(s, "nccl", mode)] for s in sizes]
             put("symm_ranges", op, dkey, mode, select.ranges_from_winners(sizes, wins))
         if op == "all_reduce":  # the kernel choice by GPU time: graph replay
-            fastest = [min(OUR_ALGOS, key=lambda a: t[(s, OUR_ALGOS[a], "graph")]) for s in sizes]
+            fastest = [min((a for a in OUR_ALGOS if (s, OUR_ALGOS[a], "graph") in t),
+                           key=lambda a: t[(s, OUR_ALGOS[a], "graph")]) for s in sizes]
             put("all_reduce_algos", op, dkey, "graph", select.algos_from_winners(sizes, fastest))
     return table
 
@@ -270,14 +275,17 @@ def table_md(op, dname, res, world, mode) -> list[str]:
     t, ok, sizes, names = res["times"], res["ok"], res["sizes"], res["names"]
     base = "nccl-raw" if op == "all_reduce" else "nccl"
     cols = [n for n in names if (sizes[0], n, mode) in t]
-    head = ["size"] + [f"{n} us" for n in cols] + [f"ours vs {base}", "auto vs best", "ours busbw GB/s"]
+    head = ["size"] + [f"{n} us" for n in cols] + [f"ours vs {base}", "auto vs best comm", "ours busbw GB/s"]
     lines = [f"**{op} {dname}, {mode}** (world {world})", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for s in sizes:
         best_ours = ours_best(t, op, s, mode)
-        best = min(best_ours, t[(s, "nccl", mode)])
+        best = min(t.get((s, "comm-nccl", mode), t[(s, "nccl", mode)]), t.get((s, "comm-symm", mode), best_ours))
         row = [fmt_size(s)]
         for n in cols:
+            if (s, n, mode) not in t:
+                row.append("-")
+                continue
             cell = f"{t[(s, n, mode)]:.1f}"
             row.append(cell if ok.get((s, n), True) else cell + " WRONG")
         row.append(f"{t[(s, base, mode)] / best_ours:.2f}x")
@@ -299,7 +307,7 @@ def targets_md(res, world) -> list[str]:
         vs_torch = min(min(t[(s, n, mode)] for n in torch_names) / ours_best(t, "all_reduce", s, mode) for s in small) \
             if torch_names else float("nan")
         vs_nccl_mid = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in mid) if mid else float("nan")
-        auto_worst = max(t[(s, "auto", mode)] / min(ours_best(t, "all_reduce", s, mode), t[(s, "nccl", mode)]) for s in sizes)
+        auto_worst = max(t[(s, "auto", mode)] / min(t[(s, "comm-nccl", mode)], t[(s, "comm-symm", mode)]) for s in sizes)
         lines.append(f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {'met' if vs_nccl >= 3 else 'NOT met'}); "
                      f"vs torch symm min {vs_torch:.2f}x (target >= 1: {'met' if vs_torch >= 1 else 'NOT met'}); "
                      f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {'met' if vs_nccl_mid >= 1.5 else 'NOT met'}); "
@@ -315,7 +323,7 @@ def main():
     dist.init_process_group("nccl", device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
     max_bytes = args.max_mib * MIB
-    os.environ["TPFRAME_SYMM_BUFFER_MB"] = str(args.max_mib + 1)
+    os.environ["TPFRAME_SYMM_BUFFER_MB"] = str(world * args.max_mib + 1)  # push all-reduce: world slots
     comm = Communicator(backend="auto")
     if comm.symm is None:
         raise SystemExit("symmetric memory did not set up on this machine: nothing to compare")
@@ -325,11 +333,6 @@ def main():
     while s <= max_bytes:
         sizes.append(s)
         s *= 2
-
-    impls.for_op("all_reduce", torch.zeros(4096, device=device, dtype=torch.bfloat16))["ours-push"]()  # a plan to probe
-    overhead = cpu_overhead(impls, device)
-    if rank == 0:
-        print("\n".join(["host overhead per call (8 KiB bf16 all-reduce):"] + overhead), flush=True)
 
     results = {}
     ar_names = ["nccl-raw", "nccl", "torch-1shot", "torch-2shot"] + list(OUR_ALGOS.values())
@@ -368,15 +371,23 @@ def main():
     select.clear_cache()
     comm._plans.clear()
     comm.symm._algos.clear()
-    for (op, dname), res in results.items():
-        local = measure(impls, op, DTYPES[dname], res["sizes"], ["auto"], args.scale, device, world, rank)
-        auto = slowest_rank(local, world)
-        for key, v in auto["times"].items():
-            if key[1] == "auto":
-                res["times"][key] = v
-                res["ok"][key[:2]] = auto["ok"][key[:2]]
+    # auto against the two backends it chooses between, all through the same Communicator dispatch
+    for requested, label in (("nccl", "comm-nccl"), ("symm", "comm-symm"), ("auto", "auto")):
+        comm.requested = requested
+        comm._plans.clear()
+        for (op, dname), res in results.items():
+            local = measure(impls, op, DTYPES[dname], res["sizes"], ["auto"], args.scale, device, world, rank)
+            got = slowest_rank(local, world)
+            for (s_, name, mode), v in got["times"].items():
+                if name == "auto":
+                    res["times"][(s_, label, mode)] = v
+                    res["ok"][(s_, label)] = got["ok"][(s_, name)]
+            if requested == "auto":
+                res["names"] = res["names"][:-1] + ["comm-nccl", "comm-symm", "auto"]
 
+    overhead = cpu_overhead(impls, device)  # after the thresholds: auto takes its real path
     if rank == 0:
+        print("\n".join(["host overhead per call (8 KiB bf16 all-reduce):"] + overhead), flush=True)
         cmd = "torchrun --nproc-per-node {} {}".format(world, meta["command"])
         lines = [f"## Collectives: {meta['device']}, {meta['date']}", "",
                  f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; {cmd}`  ",
@@ -390,7 +401,9 @@ def main():
                  "torch-1shot = torch.ops.symm_mem.one_shot_all_reduce_copy (staging included); torch-2shot = copy into "
                  "the symmetric buffer + two_shot_all_reduce_out; ours-1shot (pull from peers), ours-push (write into "
                  "peers), ours-2shot, ours = tpframe symm kernels (staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
-                 "'ours vs X' = X time / our faster kernel's time; 'auto vs best' = auto time / min(ours, nccl).", ""]
+                 "comm-nccl / comm-symm = the same Communicator forced to one backend (same dispatch cost). "
+                 "'ours vs X' = X time / our fastest kernel's time; 'auto vs best comm' = auto time / "
+                 "min(comm-nccl, comm-symm).", ""]
         if ("all_reduce", "bf16") in results:
             lines += targets_md(results[("all_reduce", "bf16")], world)
         lines += ["**Host time per eager call** (8 KiB bf16 all-reduce; the eager floor)", ""] + overhead + [""]

@@ -194,6 +194,12 @@ def _zero_copy_and_auto():
             failures.append(f"zero-copy all_gather n={numel}")
         if not _close(comm.all_reduce(x), _nccl(comm, "all_reduce", x), torch.float16):
             failures.append(f"auto all_reduce n={numel}")
+    for numel in (4096, (1 << 20) + 1):  # an input 2 bytes past 16-byte alignment: the element-wise path
+        xu = _rand(numel + 1, torch.bfloat16, 77 + rank)[1:]
+        if not _close(comm.symm.all_reduce(xu), _nccl(comm, "all_reduce", xu), torch.bfloat16):
+            failures.append(f"unaligned all_reduce n={numel}")
+        if not torch.equal(comm.symm.all_gather(xu), _nccl(comm, "all_gather", xu)):
+            failures.append(f"unaligned all_gather n={numel}")
     for _ in range(100):
         comm.barrier()
     return failures, _pad_sum(comm)

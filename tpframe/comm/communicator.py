@@ -53,21 +53,27 @@ class Communicator:
 
         "auto" asks `select.choose` (measured thresholds, keyed on size, dtype, world size and whether a
         CUDA graph is being captured), and never picks symm for a group NVML reports as not NVLink."""
-        if self.symm is None:
-            return self.nccl
+        return self._route(op, x)[0] if self.symm is not None else self.nccl
+
+    def _route(self, op: str, x: torch.Tensor):
+        """(backend, call) for dim-0 `op` on `x`; call(x) runs it. Decided once per (op, size, dtype,
+        device) for eager and for graph capture, so the eager hot path is one dict hit."""
         key = (op, x.numel(), x.dtype, x.get_device())
         plan = self._plans.get(key)
-        if plan is None:  # decided once per (op, size, dtype, device): the eager hot path is a dict hit
+        if plan is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            plan = self._plans[key] = (self._decide(op, x, graph=False), self._decide(op, x, graph=True))
+            eager, graph = (self._decide(op, x, graph=g) for g in (False, True))
+            calls = {b: (self.symm.caller(op, x.numel(), x.dtype) if b is self.symm else getattr(self.nccl, op))
+                     for b in {eager, graph}}
+            plan = self._plans[key] = ((eager, calls[eager]), (graph, calls[graph]))
         eager, graph = plan
-        if eager is graph:
+        if eager[0] is graph[0]:
             return eager
         return graph if torch.cuda.is_current_stream_capturing() else eager
 
     def _decide(self, op: str, x: torch.Tensor, graph: bool):
-        if not self.symm.supports(op, x):
+        if self.requested == "nccl" or not self.symm.supports(op, x):
             return self.nccl
         if self.requested == "symm":
             return self.symm
@@ -93,8 +99,9 @@ class Communicator:
             raise ValueError(f"all_reduce op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
         if self.size == 1:
             return x
-        backend = self.backend_for("all_reduce", x) if op == "sum" else self.nccl
-        return backend.all_reduce(x, op)
+        if op != "sum" or self.symm is None:
+            return self.nccl.all_reduce(x, op)
+        return self._route("all_reduce", x)[1](x)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
@@ -102,7 +109,7 @@ class Communicator:
             return x
         dim = dim % x.dim()
         if dim == 0:
-            return self.backend_for("all_gather", x).all_gather(x)
+            return self._route("all_gather", x)[1](x) if self.symm is not None else self.nccl.all_gather(x)
         moved = x.movedim(dim, 0)
         return self.backend_for("all_gather", x).all_gather(moved.contiguous()).movedim(0, dim).contiguous()
 
@@ -117,7 +124,7 @@ class Communicator:
         if self.size == 1:
             return x
         if dim == 0:
-            return self.backend_for("reduce_scatter", x).reduce_scatter(x)
+            return self._route("reduce_scatter", x)[1](x) if self.symm is not None else self.nccl.reduce_scatter(x)
         moved = x.movedim(dim, 0).contiguous()
         return self.backend_for("reduce_scatter", x).reduce_scatter(moved).movedim(0, dim).contiguous()
 

@@ -37,6 +37,7 @@ class SymmBackend:
         self.buffer, self.handle, self.kernels = buffer, handle, kernels
         self.nvlink = nvlink  # from NVML; None when it could not tell
         self._algos: dict = {}  # (numel, dtype) -> all-reduce algorithm
+        self._callers: dict = {}  # (op, numel, dtype) -> eager fast path
 
     # -- set-up ---------------------------------------------------------------------------------
     @classmethod
@@ -110,11 +111,71 @@ class SymmBackend:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op != "sum":
             raise ValueError(f"symm all_reduce supports op 'sum' only, got {op!r}")
-        key = (x.numel(), x.dtype)
-        algo = self._algos.get(key)
-        if algo is None:
-            algo = self._algos[key] = self._pick_algorithm(*key)
+        algo = self._algorithm(x.numel(), x.dtype)
         return self.kernels.all_reduce(x, torch.empty_like(x, memory_format=torch.contiguous_format), algo)
+
+    def _algorithm(self, numel: int, dtype: torch.dtype) -> str:
+        algo = self._algos.get((numel, dtype))
+        if algo is None:
+            algo = self._algos[(numel, dtype)] = self._pick_algorithm(numel, dtype)
+        return algo
+
+    def caller(self, op: str, numel: int, dtype: torch.dtype):
+        """The eager fast path for `op` on contiguous inputs of `numel` elements of `dtype`: a closure
+        x -> out that allocates the output and launches a prepared plan (anything unusual, such as
+        a non-contiguous or unaligned input or one inside the symmetric buffer, takes the general path)."""
+        key = (op, numel, dtype)
+        call = self._callers.get(key)
+        if call is None:
+            if len(self._callers) > 4096:
+                self._callers.clear()
+            call = self._callers[key] = self._make_caller(op, numel, dtype)
+        return call
+
+    def _make_caller(self, op: str, numel: int, dtype: torch.dtype):
+        k, size = self.kernels, self.size
+        lo, hi = k.own_addr, k.own_addr + k.own_bytes
+        contiguous = torch.contiguous_format
+        if op == "all_reduce":
+            algo = self._algorithm(numel, dtype)
+            plan = k.plan(algo, numel, dtype)
+
+            def all_reduce(x):
+                out = torch.empty_like(x, memory_format=contiguous)
+                xa = x.data_ptr()
+                if xa & 15 or lo <= xa < hi or not x.is_contiguous():
+                    return k.all_reduce(x, out, algo)
+                plan(xa, out.data_ptr())
+                return out
+
+            return all_reduce
+        if op == "all_gather":
+            plan = k.plan("all_gather", numel, dtype)
+
+            def all_gather(x):
+                out = x.new_empty((size * x.shape[0],) + x.shape[1:])
+                xa = x.data_ptr()
+                if xa & 15 or lo <= xa < hi or not x.is_contiguous():
+                    return k.all_gather(x, out)
+                plan(xa, out.data_ptr())
+                return out
+
+            return all_gather
+        if op == "reduce_scatter":
+            plan = k.plan("reduce_scatter", numel, dtype)
+
+            def reduce_scatter(x):
+                if x.shape[0] % size:
+                    raise ValueError(f"reduce_scatter needs dim 0 of {tuple(x.shape)} divisible by the group size {size}")
+                out = x.new_empty((x.shape[0] // size,) + x.shape[1:])
+                xa = x.data_ptr()
+                if xa & 15 or lo <= xa < hi or not x.is_contiguous():
+                    return k.reduce_scatter(x, out)
+                plan(xa, out.data_ptr())
+                return out
+
+            return reduce_scatter
+        raise ValueError(f"op must be all_reduce, all_gather or reduce_scatter, got {op!r}")
 
     def _pick_algorithm(self, numel: int, dtype: torch.dtype) -> str:
         """The measured fastest all-reduce kernel for this size that fits the buffer (two-shot always fits

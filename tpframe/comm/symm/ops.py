@@ -124,17 +124,21 @@ class SymmKernels:
         if xa != self.own_addr and self.own_addr <= xa < self.own_addr + self.own_bytes:
             x = x.clone()  # a view elsewhere inside our own buffer would overlap the staging
             xa = x.data_ptr()
-        key = (kind, x.numel(), x.dtype, xa != self.own_addr, xa % 16 == 0)
+        self.plan(kind, x.numel(), x.dtype, xa != self.own_addr, xa % 16 == 0)(xa, out.data_ptr())
+        return out
+
+    def plan(self, kind: str, numel: int, dtype: torch.dtype, copy_in: bool = True, x_aligned: bool = True):
+        """A closure (x_addr, out_addr) -> one launch of `kind` for this size, dtype and input placement
+        (copy_in False: the input is this rank's buffer itself). Cached."""
+        key = (kind, numel, dtype, copy_in, x_aligned)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 4096:
                 self._plans.clear()
             plan = self._plans[key] = self._plan(*key)
-        plan(xa, out.data_ptr())
-        return out
+        return plan
 
     def _plan(self, kind: str, numel: int, dtype: torch.dtype, copy_in: bool, x_aligned: bool):
-        """A closure (x_addr, out_addr) -> one launch of `kind` for this size, dtype and input placement."""
         if not self.fits("all_reduce" if kind in ALL_REDUCE_ALGOS else kind, numel, dtype, kind):
             raise ValueError(f"{kind} of {numel} {dtype} elements does not fit the {self.own_bytes}-byte symmetric buffer")
         block, vec = block_elems(dtype), vec_elems(dtype)
