@@ -17,6 +17,7 @@ Keep NVLink multicast off: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -111,6 +112,16 @@ def time_graph(fn, k, reps, device) -> float:
     return statistics.median(times)
 
 
+COMM_NAMES = ["comm-nccl", "comm-symm", "auto"]
+
+
+def forced(comm: Communicator, backend: str) -> Communicator:
+    """A view of `comm` forced to one backend: same groups, same symm buffer, its own dispatch cache."""
+    view = copy.copy(comm)
+    view.requested, view._plans = backend, {}
+    return view
+
+
 class Impls:
     """The implementations of each op, as zero-argument calls on prepared inputs."""
 
@@ -118,6 +129,7 @@ class Impls:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.comm, self.device = comm, device
+        self.forced: dict[str, Communicator] = {}
         self.group_name = dist.group.WORLD.group_name
         self.torch_buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.torch_buf, self.group_name)
@@ -127,14 +139,15 @@ class Impls:
 
     def for_op(self, op: str, x: torch.Tensor) -> dict:
         comm, k = self.comm, self.comm.symm.kernels
+        via = {"auto": comm, **{f"comm-{b}": c for b, c in self.forced.items()}}
         if op == "all_gather":
             return {"nccl": lambda: comm.nccl.all_gather(x),
                     "ours": lambda: k.all_gather(x, x.new_empty((comm.size * x.numel(),))),
-                    "auto": lambda: comm.all_gather(x)}
+                    **{name: (lambda c=c: c.all_gather(x)) for name, c in via.items()}}
         if op == "reduce_scatter":
             return {"nccl": lambda: comm.nccl.reduce_scatter(x),
                     "ours": lambda: k.reduce_scatter(x, x.new_empty((x.numel() // comm.size,))),
-                    "auto": lambda: comm.reduce_scatter(x)}
+                    **{name: (lambda c=c: c.reduce_scatter(x)) for name, c in via.items()}}
         inplace = x.clone()
         impls = {"nccl-raw": lambda: dist.all_reduce(inplace), "nccl": lambda: comm.nccl.all_reduce(x)}
         tview = self.torch_buf[: x.numel() * x.element_size()].view(x.dtype)
@@ -150,7 +163,7 @@ class Impls:
         for algo, label in OUR_ALGOS.items():
             if k.fits("all_reduce", x.numel(), x.dtype, algo):  # push needs world slots of the message
                 impls[label] = lambda algo=algo: k.all_reduce(x, torch.empty_like(x), algo)
-        impls["auto"] = lambda: comm.all_reduce(x)
+        impls.update({name: (lambda c=c: c.all_reduce(x)) for name, c in via.items()})
         return impls
 
 
@@ -247,14 +260,35 @@ def thresholds_for(results: dict, world: int) -> dict:
     for (op, dname), res in results.items():
         t, sizes = res["times"], res["sizes"]
         dkey = select.DTYPE_NAMES[DTYPES[dname]]
+        usable = {s: [a for a in OUR_ALGOS if fits_default_buffer(a, s, world) and (s, OUR_ALGOS[a], "graph") in t]
+                  for s in sizes}
         for mode in ("eager", "graph"):
-            wins = [ours_best(t, op, s, mode) < t[(s, "nccl", mode)] for s in sizes]
-            put("symm_ranges", op, dkey, mode, select.ranges_from_winners(sizes, wins))
-        if op == "all_reduce":  # the kernel choice by GPU time: graph replay
-            fastest = [min((a for a in OUR_ALGOS if (s, OUR_ALGOS[a], "graph") in t),
-                           key=lambda a: t[(s, OUR_ALGOS[a], "graph")]) for s in sizes]
-            put("all_reduce_algos", op, dkey, "graph", select.algos_from_winners(sizes, fastest))
+            if op == "all_reduce":
+                ours = [min([t[(s, OUR_ALGOS[a], mode)] for a in usable[s]] or [float("inf")]) for s in sizes]
+            else:
+                ours = [t[(s, "ours", mode)] for s in sizes]
+            put("symm_ranges", op, dkey, mode,
+                select.ranges_from_winners(sizes, [o < t[(s, "nccl", mode)] for o, s in zip(ours, sizes)]))
+        if op == "all_reduce":  # the kernel choice by GPU time (graph replay), ties (< 3%) to the steadier pick
+            picks = []
+            for s in sizes:
+                best = min(t[(s, OUR_ALGOS[a], "graph")] for a in usable[s]) if usable[s] else None
+                near = [a for a in ALGO_PREFERENCE if a in usable[s] and t[(s, OUR_ALGOS[a], "graph")] <= 1.03 * best]
+                picks.append(near[0] if near else "two_shot")
+            put("all_reduce_algos", op, dkey, "graph", select.algos_from_winners(sizes, picks))
     return table
+
+
+ALGO_PREFERENCE = ("push", "one_shot", "two_shot")
+
+
+def fits_default_buffer(algo: str, nbytes: int, world: int) -> bool:
+    """Whether an all-reduce kernel runs at this size with tpframe's default symmetric buffer: the
+    thresholds describe the default set-up (a larger TPFRAME_SYMM_BUFFER_MB only adds headroom)."""
+    from tpframe.comm.symm.backend import DEFAULT_BUFFER_BYTES
+
+    need = world * nbytes if algo == "push" else nbytes + world * 16
+    return need <= DEFAULT_BUFFER_BYTES
 
 
 def merge_thresholds(path: Path, new: dict, world: int, meta: dict) -> dict:
@@ -371,19 +405,16 @@ def main():
     select.clear_cache()
     comm._plans.clear()
     comm.symm._algos.clear()
-    # auto against the two backends it chooses between, all through the same Communicator dispatch
-    for requested, label in (("nccl", "comm-nccl"), ("symm", "comm-symm"), ("auto", "auto")):
-        comm.requested = requested
-        comm._plans.clear()
-        for (op, dname), res in results.items():
-            local = measure(impls, op, DTYPES[dname], res["sizes"], ["auto"], args.scale, device, world, rank)
-            got = slowest_rank(local, world)
-            for (s_, name, mode), v in got["times"].items():
-                if name == "auto":
-                    res["times"][(s_, label, mode)] = v
-                    res["ok"][(s_, label)] = got["ok"][(s_, name)]
-            if requested == "auto":
-                res["names"] = res["names"][:-1] + ["comm-nccl", "comm-symm", "auto"]
+    # auto against the two backends it chooses between, all through the same Communicator dispatch and
+    # interleaved size by size (the machine drifts by ~10% between passes a minute apart)
+    comm._plans.clear()
+    impls.forced = {name: forced(comm, name) for name in ("nccl", "symm")}
+    for (op, dname), res in results.items():
+        local = measure(impls, op, DTYPES[dname], res["sizes"], COMM_NAMES, args.scale, device, world, rank)
+        got = slowest_rank(local, world)
+        res["times"].update(got["times"])
+        res["ok"].update(got["ok"])
+        res["names"] = [n for n in res["names"] if n != "auto"] + COMM_NAMES
 
     overhead = cpu_overhead(impls, device)  # after the thresholds: auto takes its real path
     if rank == 0:
