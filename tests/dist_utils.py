@@ -30,14 +30,17 @@ def _context():
     return _CTX
 
 
-def _child(rank: int, world_size: int, init_file: str, env: dict, fn: Callable, args, kwargs, results) -> None:
+def _child(rank: int, world_size: int, init_file: str, env: dict, backend: str, fn: Callable, args, kwargs,
+           results) -> None:
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), **env)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, before NCCL picks a device
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
             out = fn(*args, **kwargs)
         finally:
@@ -79,18 +82,22 @@ def _describe_failure(fn, errors: dict[int, str], results, procs, grace: float =
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args, timeout: float = 180.0, env: dict[str, str] | None = None, **kwargs
+    fn: Callable, world_size: int, *args, timeout: float = 180.0, env: dict[str, str] | None = None,
+    backend: str = "gloo", **kwargs
 ) -> list[Any]:
-    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the per-rank results.
+    """Run fn(*args, **kwargs) on `world_size` ranks of `backend` ("gloo", or "nccl" with rank r on
+    cuda:r); return the per-rank results.
 
     `env` is set in every rank (the children do not see later changes to this process's env).
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_distributed backend must be 'gloo' or 'nccl', got {backend!r}")
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, init_file, env or {}, fn, args, kwargs, results), daemon=True)
+            ctx.Process(target=_child, args=(r, world_size, init_file, env or {}, backend, fn, args, kwargs, results), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tpframe.comm.nccl import REDUCE_OPS, NcclBackend
+from tpframe.comm.select import choose, message_bytes
 
 BACKENDS = ("auto", "nccl", "symm")
 ENV_VAR = "TPFRAME_COMM_BACKEND"
@@ -42,19 +43,54 @@ class Communicator:
         self.requested = resolve_backend_name(backend)
         self.nccl = NcclBackend(self.group, self.size)
         self.symm = None
+        self._plans: dict = {}
         if self.requested in ("symm", "auto") and self.size > 1:
             self.symm = _try_symm(self.group, self.size, self.device, strict=False, requested=self.requested)
 
     # -- dispatch -------------------------------------------------------------------------------
     def backend_for(self, op: str, x: torch.Tensor):
-        """The backend that runs collective `op` on `x` (symm only where it supports the call)."""
-        if self.symm is None or not self.symm.supports(op, x):
+        """The backend that runs collective `op` on `x` (symm only where it supports the call).
+
+        "auto" asks `select.choose` (measured thresholds, keyed on size, dtype, world size and whether a
+        CUDA graph is being captured), and never picks symm for a group NVML reports as not NVLink."""
+        return self._route(op, x)[0] if self.symm is not None else self.nccl
+
+    def _route(self, op: str, x: torch.Tensor):
+        """(backend, call) for dim-0 `op` on `x`; call(x) runs it. Decided once per (op, size, dtype,
+        device) for eager and for graph capture, so the eager hot path is one dict hit."""
+        key = (op, x.numel(), x.dtype, x.get_device())
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            eager, graph = (self._decide(op, x, graph=g) for g in (False, True))
+            calls = {b: (self.symm.caller(op, x.numel(), x.dtype) if b is self.symm else getattr(self.nccl, op))
+                     for b in {eager, graph}}
+            plan = self._plans[key] = ((eager, calls[eager]), (graph, calls[graph]))
+        eager, graph = plan
+        if eager[0] is graph[0]:
+            return eager
+        return graph if torch.cuda.is_current_stream_capturing() else eager
+
+    def _decide(self, op: str, x: torch.Tensor, graph: bool):
+        if self.requested == "nccl" or not self.symm.supports(op, x):
             return self.nccl
         if self.requested == "symm":
             return self.symm
-        from tpframe.comm.select import choose
+        if self.symm.nvlink is False:
+            return self.nccl
+        return self.symm if choose(op, message_bytes(op, x, self.size), x.dtype, self.size, graph) == "symm" else self.nccl
 
-        return self.symm if choose(op, x.numel() * x.element_size(), x.dtype, self.size) == "symm" else self.nccl
+    def input_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor to write the next collective's input into. With symmetric memory set up (and room for
+        `shape`) it lives in the symmetric buffer, so the symm kernels skip their staging copy; it is
+        only valid until the next collective on this communicator. Otherwise a plain new tensor."""
+        if self.symm is not None:
+            try:
+                return self.symm.input_buffer(shape, dtype)
+            except ValueError:
+                pass
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     # -- collectives ----------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -63,8 +99,9 @@ class Communicator:
             raise ValueError(f"all_reduce op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
         if self.size == 1:
             return x
-        backend = self.backend_for("all_reduce", x) if op == "sum" else self.nccl
-        return backend.all_reduce(x, op)
+        if op != "sum" or self.symm is None:
+            return self.nccl.all_reduce(x, op)
+        return self._route("all_reduce", x)[1](x)
 
     def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of a buffer the caller owns (gradient buffers); returns `x`."""
@@ -82,7 +119,7 @@ class Communicator:
             return x
         dim = dim % x.dim()
         if dim == 0:
-            return self.backend_for("all_gather", x).all_gather(x)
+            return self._route("all_gather", x)[1](x) if self.symm is not None else self.nccl.all_gather(x)
         moved = x.movedim(dim, 0)
         return self.backend_for("all_gather", x).all_gather(moved.contiguous()).movedim(0, dim).contiguous()
 
@@ -97,7 +134,7 @@ class Communicator:
         if self.size == 1:
             return x
         if dim == 0:
-            return self.backend_for("reduce_scatter", x).reduce_scatter(x)
+            return self._route("reduce_scatter", x)[1](x) if self.symm is not None else self.nccl.reduce_scatter(x)
         moved = x.movedim(dim, 0).contiguous()
         return self.backend_for("reduce_scatter", x).reduce_scatter(moved).movedim(0, dim).contiguous()
 
@@ -108,6 +145,7 @@ class Communicator:
         if self.symm is not None:
             self.symm.close()
             self.symm = None
+        self._plans.clear()
 
     def __repr__(self) -> str:
         active = "symm+nccl" if self.symm is not None else "nccl"

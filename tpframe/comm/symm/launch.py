@@ -1,0 +1,95 @@
+"""Compile a Triton kernel once per variant and launch it with as little Python as possible.
+
+`triton.JITFunction.__getitem__(grid)(...)` binds and specializes every argument on every call
+(~10 us of Python per launch, measured on H200). A collective is one launch, so that overhead would
+dominate small messages. Here each variant (one set of constexprs) is compiled once with
+`warmup`, and a call goes straight to a C entry point with plain ints: fastlaunch.py's minimal
+cuLaunchKernel for the data kernels, else the compiled kernel's own Triton launcher.
+TPFRAME_SYMM_TRITON_LAUNCHER=1 forces Triton's launcher. Under TRITON_INTERPRET=1 (the CPU
+interpreter, used by the kernel tests) the normal JIT call is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class KernelLauncher:
+    """One kernel with fixed constexprs, compiled once; `bind(grid, *args)` gives the launch closure."""
+
+    def __init__(self, kernel, constexprs: dict, num_warps: int, device: torch.device):
+        names = list(kernel.arg_names)
+        self.runtime_names = [a for a in names if a not in constexprs]
+        if names[: len(self.runtime_names)] != self.runtime_names:
+            raise ValueError(f"{kernel.fn.__name__}: runtime arguments must precede the constexprs {sorted(constexprs)}")
+        self.kernel = kernel
+        self.constexprs = dict(constexprs)
+        self.num_warps = num_warps
+        self.device = device
+        # The C launcher takes every argument in signature order, constexprs included (and ignored).
+        self._const_values = tuple(constexprs[a] for a in names if a in constexprs)
+        self._minimal = None
+        self._fast = None if interpreting() else self._compile()
+
+    def _compile(self):
+        """The compiled kernel's C launch entry and its fixed arguments, or None (use the JIT call)."""
+        with torch.cuda.device(self.device):
+            compiled = self.kernel.warmup(*([0] * len(self.runtime_names)), grid=(1,), num_warps=self.num_warps,
+                                          **self.constexprs)
+            if hasattr(compiled, "result"):  # an async-compile future
+                compiled = compiled.result()
+            runner = compiled.run  # loads the module on this device
+        scratch = getattr(runner, "global_scratch_size", 0) or getattr(runner, "profile_scratch_size", 0)
+        raw = getattr(runner, "launch", None)
+        if raw is None or scratch or not hasattr(runner, "launch_pdl"):
+            return None  # not the launcher layout this fast path knows
+        self._minimal = self._minimal_launcher(compiled, runner)
+        return raw, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, compiled.packed_metadata
+
+    def _minimal_launcher(self, compiled, runner):
+        """(launch, function, threads, shared bytes) for fastlaunch's C launcher, or None where this kernel
+        is not the data-kernel signature it hard-codes (or it cannot be built here)."""
+        if os.environ.get("TPFRAME_SYMM_TRITON_LAUNCHER") == "1":
+            return None
+        if runner.launch_cooperative_grid or runner.launch_pdl or getattr(compiled.metadata, "num_ctas", 1) != 1:
+            return None
+        try:
+            from tpframe.comm.symm import fastlaunch
+
+            if fastlaunch.ptx_params(compiled.asm["ptx"]) != fastlaunch.PTX_PARAMS:
+                return None
+            return fastlaunch.module().launch, compiled.function, 32 * self.num_warps, compiled.metadata.shared
+        except Exception:  # noqa: BLE001 - no compiler or headers here: Triton's launcher still works
+            return None
+
+    def bind(self, grid: int, *tail):
+        """A closure run(*head): one launch on the current stream with runtime args (*head, *tail)."""
+        consts = self._const_values
+        if self._fast is None:
+            kernel, kw = self.kernel, dict(num_warps=self.num_warps, **self.constexprs)
+
+            def run_jit(*head):
+                kernel[(grid,)](*head, *tail, **kw)
+
+            return run_jit
+        stream_of, index = torch._C._cuda_getCurrentRawStream, self.device.index
+        if self._minimal is not None and len(tail) == 5:
+            launch, function, threads, shared = self._minimal
+            buf, pad, n, chunk, rank = tail
+
+            def run_minimal(x_addr, out_addr):
+                launch(function, grid, threads, shared, stream_of(index), x_addr, out_addr, buf, pad, n, chunk, rank)
+
+            return run_minimal
+        raw, function, coop, pdl, meta = self._fast
+
+        def run(*head):
+            raw(grid, 1, 1, stream_of(index), function, coop, pdl, None, None, meta, None, None, None, *head, *tail, *consts)
+
+        return run
