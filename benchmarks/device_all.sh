@@ -20,6 +20,6 @@ for shape in "$S125" "$S13"; do
   bench benchmarks/gpt.py TP=2 SP=0 COMM=nccl $shape
   bench benchmarks/gpt.py TP=2 SP=0 COMM=auto $shape
   bench benchmarks/gpt.py TP=2 SP=1 COMM=auto $shape
-  PYTHONPATH=/tmp/site bench .peers/bench_mcore_gpt.py TP=2 SP=0 $shape
+  bench .peers/bench_mcore_gpt.py PYTHONPATH=/tmp/site TP=2 SP=0 $shape
 done
 cp benchmarks/RESULTS.md $OUT/RESULTS.md
