@@ -65,7 +65,7 @@ def prepare(argv: list[str] | None):
             f"the data has token ids up to {data_vocab - 1} but model.vocab_size={cfg.model.vocab_size}; "
             f"set model.vocab_size={data_vocab} or more"
         )
-    resume = preflight(cfg, world)  # the checkpoint to resume from, checked before anything is built
+    resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     return cfg, train_data, valid_data, resume
 
 

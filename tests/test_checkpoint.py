@@ -42,6 +42,13 @@ def test_resume_continues_bit_for_bit_at_tp2(tmp_path):
         assert torch.equal(w_resumed[name], w_straight[name]), name
 
 
+def test_only_the_last_k_checkpoints_are_kept(tmp_path):
+    run_distributed(_run, 2, ["train.steps=8", "parallel.tp=2", "checkpoint.interval=2", "checkpoint.keep_last=2",
+                              "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"])
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["latest", "step_00000006", "step_00000008"]
+
+
 def test_auto_resume_from_latest(tmp_path):
     run_distributed(_run, 2, [*STEPS, "train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"])
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000010"

@@ -14,23 +14,31 @@ def _losses(overrides):
     return [r["loss"] for r in train_in_process(overrides)]
 
 
+def _losses_and_grad_norms(overrides):
+    history = train_in_process(overrides)
+    return [r["loss"] for r in history], [r["grad_norm"] for r in history]
+
+
 def _assert_same_losses(a, b, rtol, what):
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= rtol * abs(y), f"{what}: step {i + 1} loss {x!r} vs {y!r}"
 
 
-def test_tp2_and_tp1_losses_agree(tmp_path):
-    tp1 = run_distributed(_losses, 1, ["parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
-    tp2 = run_distributed(_losses, 2, ["parallel.tp=2", f"train.run_dir={tmp_path}/b"])[0]
+def test_tp2_and_tp1_losses_and_global_grad_norms_agree(tmp_path):
+    # optim.grad_clip=0.5 clips every step here, so a wrong global norm would change the updates too
+    tp1, norms1 = run_distributed(_losses_and_grad_norms, 1, ["parallel.tp=1", "optim.grad_clip=0.5", f"train.run_dir={tmp_path}/a"])[0]
+    tp2, norms2 = run_distributed(_losses_and_grad_norms, 2, ["parallel.tp=2", "optim.grad_clip=0.5", f"train.run_dir={tmp_path}/b"])[0]
     _assert_same_losses(tp2, tp1, 1e-4, "TP=2 vs TP=1")
-    assert tp1[-1] < tp1[0]
+    _assert_same_losses(norms2, norms1, 1e-4, "global grad norm TP=2 vs TP=1")
+    assert min(norms1) > 0.5 and tp1[-1] < tp1[0]
 
 
 def test_tp4_with_sequence_parallel_agrees_with_tp1(tmp_path):
-    tp1 = run_distributed(_losses, 1, ["parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
-    tp4 = run_distributed(_losses, 4, ["parallel.tp=4", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"])[0]
+    tp1, norms1 = run_distributed(_losses_and_grad_norms, 1, ["parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
+    tp4, norms4 = run_distributed(_losses_and_grad_norms, 4, ["parallel.tp=4", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"])[0]
     _assert_same_losses(tp4, tp1, 1e-4, "TP=4+SP vs TP=1")
+    _assert_same_losses(norms4, norms1, 1e-4, "global grad norm TP=4+SP vs TP=1")
 
 
 def test_dp2_with_half_micro_batch_equals_dp1(tmp_path):
@@ -117,3 +125,17 @@ def test_bad_config_exits_2_with_one_clear_line(overrides, env, message):
     lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert message in lines[0]
+
+
+def test_learning_rate_warms_up_then_decays_to_min_lr():
+    from tpframe.training.config import OptimConfig
+    from tpframe.training.schedule import lr_at
+
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay="cosine")
+    assert lr_at(0, cfg, 110) == 0.1 and lr_at(9, cfg, 110) == 1.0
+    assert abs(lr_at(60, cfg, 110) - 0.55) < 1e-12  # halfway through the cosine
+    assert lr_at(110, cfg, 110) == lr_at(500, cfg, 110) == 0.1
+    decays = [lr_at(s, cfg, 110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(decays, decays[1:]))
+    assert lr_at(60, OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear"), 110) == 0.5
+    assert lr_at(99, OptimConfig(lr=1.0, warmup_steps=0, decay="constant"), 110) == 1.0

@@ -112,7 +112,7 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
     return meta
 
 
-def check_compatible(cfg: Config, meta: dict[str, Any], world_size: int) -> None:
+def check_compatible(cfg: Config, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
     saved = meta["config"]["model"]
     saved_ffn = saved.get("ffn_hidden_resolved", saved.get("ffn_hidden"))
@@ -136,7 +136,7 @@ def check_compatible(cfg: Config, meta: dict[str, Any], world_size: int) -> None
         )
 
 
-def preflight(cfg: Config, world_size: int) -> tuple[Path | None, dict | None]:
+def preflight(cfg: Config) -> tuple[Path | None, dict | None]:
     """The checkpoint this run will resume from (explicit load, else `latest`), checked; or (None, None)."""
     if cfg.checkpoint.load:
         path = resolve(cfg.checkpoint.load)
@@ -148,7 +148,7 @@ def preflight(cfg: Config, world_size: int) -> tuple[Path | None, dict | None]:
             return None, None
         path = resolve(root)
     meta = verify(path, cfg.checkpoint.verify)
-    check_compatible(cfg, meta, world_size)
+    check_compatible(cfg, meta)
     return path, meta
 
 

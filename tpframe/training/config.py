@@ -99,7 +99,7 @@ class CheckpointConfig:
     keep_last: int = 3
     load: str | None = None  # a checkpoint directory (or a checkpoints root with `latest`) to resume from
     auto_resume: bool = True  # resume from <dir>/latest when it exists
-    init_from: str | None = None  # start a new run from consolidated weights (tools/checkpoint.py export)
+    init_from: str | None = None  # start a new run from consolidated weights (ignored when resuming)
     verify: Literal["size", "crc"] = "crc"  # how shard files are checked before loading
     async_save: bool = False
     save_on_signal: bool = True  # SIGTERM / SIGUSR1: save and exit cleanly
