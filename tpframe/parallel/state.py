@@ -190,7 +190,8 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None or not dist.is_initialized():
         return
-    state.tp_comm.close()
+    for comm in (state.tp_comm, state.dp_comm, state.mp_comm):
+        comm.close()  # frees symmetric memory where a communicator set it up
     for group in state._groups:
         dist.destroy_process_group(group)
     if state.owns_world:
