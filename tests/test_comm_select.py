@@ -219,7 +219,7 @@ def _backend_overrides_and_fallback():
     # a symm set-up that fails on a CUDA device (no triton/GPU here): one warning, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = _try_symm(dist.group.WORLD, size, torch.device("cuda", 0), strict=False, requested="auto")
+        got = _try_symm(dist.group.WORLD, size, torch.device("cuda", 0), requested="auto")
     report["setup_failure"] = (got, [str(w.message) for w in caught])
     return report
 

@@ -45,7 +45,7 @@ class Communicator:
         self.symm = None
         self._plans: dict = {}
         if self.requested in ("symm", "auto") and self.size > 1:
-            self.symm = _try_symm(self.group, self.size, self.device, strict=False, requested=self.requested)
+            self.symm = _try_symm(self.group, self.size, self.device, self.requested)
 
     # -- dispatch -------------------------------------------------------------------------------
     def backend_for(self, op: str, x: torch.Tensor):
@@ -158,7 +158,7 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _try_symm(group, size, device, strict: bool, requested: str):
+def _try_symm(group, size, device, requested: str):
     """Set up the symmetric-memory backend, or None (with one warning when it was asked for)."""
     if device.type != "cuda":
         if requested == "symm":
@@ -169,7 +169,5 @@ def _try_symm(group, size, device, strict: bool, requested: str):
 
         return SymmBackend.create(group, size, device)
     except Exception as exc:  # noqa: BLE001 - any set-up failure means: use NCCL
-        if strict:
-            raise
         warnings.warn(f"symmetric-memory communication unavailable ({exc}); falling back to nccl", stacklevel=3)
         return None

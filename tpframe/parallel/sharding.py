@@ -2,7 +2,7 @@
 
 Every parameter carries `tp_dim` (the dim split across TP, or None), optionally `fused_parts`
 (several logical tensors fused along dim 0, each row-split on its own) and `vocab_rows` (a
-vocabulary table padded past its real rows). `logical_shards` turns a rank's parameters into
+vocabulary table padded past its real rows). `param_shards` turns a rank's parameters into
 pieces of named global tensors (what checkpoints store, so any TP layout can read them):
 
     blocks.0.attn.qkv.weight  [(q+2kv)/tp, h]  ->  blocks.0.attn.qkv.q.weight [q, h] rows r*q/tp..
@@ -71,14 +71,6 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vo
     return [LogicalShard(name, name, global_shape, tuple(offset), tp_dim, tuple(index))]
 
 
-def logical_shards(model: nn.Module, tp_rank: int, tp_size: int, trim_vocab: bool = True) -> list[LogicalShard]:
-    """Every logical tensor piece this rank holds, in parameter order."""
-    out = []
-    for name, p in model.named_parameters():
-        out.extend(param_shards(name, p, tp_rank, tp_size, trim_vocab))
-    return out
-
-
 @torch.no_grad()
 def gather_full_tensors(model: nn.Module, comm: Communicator, source: str = "param") -> dict[str, torch.Tensor]:
     """Assemble every logical tensor in full on every TP rank (for tests, export and debugging).
@@ -88,14 +80,12 @@ def gather_full_tensors(model: nn.Module, comm: Communicator, source: str = "par
     full: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         local = p.detach() if source == "param" else getattr(p, source)
-        for shard in param_shards(name, p, comm.rank, comm.size):
+        # untrimmed pieces are equal-sized on every rank; the vocabulary padding is cut after the gather
+        for shard in param_shards(name, p, comm.rank, comm.size, trim_vocab=False):
             if shard.tp_dim is None:
                 full[shard.name] = local.clone()
                 continue
-            # pieces are equal-sized before the vocabulary trim: gather the untrimmed piece
-            index = list(shard.index)
-            if getattr(p, "vocab_rows", None) is not None:
-                index[0] = slice(None)
-            gathered = comm.all_gather(local[tuple(index)].contiguous(), dim=shard.tp_dim)
-            full[shard.name] = gathered[: shard.global_shape[0]] if getattr(p, "vocab_rows", None) else gathered
+            gathered = comm.all_gather(shard.view(local).contiguous(), dim=shard.tp_dim)
+            rows = getattr(p, "vocab_rows", None)
+            full[shard.name] = gathered[:rows] if rows is not None else gathered
     return full

@@ -243,7 +243,7 @@ class Checkpointer:
         self.mesh = DeviceMesh.from_group(state.tp_group, state.device.type)
         self.cpu_mesh = DeviceMesh.from_group(state.tp_group, "cpu") if state.device.type != "cpu" else self.mesh
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpframe-ckpt") if cfg.checkpoint.async_save else None
-        self.pending: tuple[Any, int, Path] | None = None  # (future, step, partial dir) of an async save
+        self.pending: tuple[Any, int, Path, dict] | None = None  # (future, step, partial dir, meta) of an async save
         self.signal_received: int | None = None
         self.last_saved_step = -1
 
@@ -306,26 +306,26 @@ class Checkpointer:
             partial.mkdir()
         dist.barrier(group=self.group)
         torch.save(rng_state(trainer), partial / f"rng_{self.state.rank}.pt")
-        self._extra = self._meta(trainer)
+        meta = self._meta(trainer)
         state = training_state(trainer, self.mesh)
         if blocking:
             dcp.save(state, checkpoint_id=str(partial), process_group=self.group)
             self._fault_injection(step)
-            self._publish(step, partial, final)
+            self._publish(partial, final, meta)
         else:
             # Copy to CPU now (training may change the weights next step), write in the background.
             staged = stage_to_cpu(state, self.cpu_mesh)
             future = self.writer.submit(dcp.save, staged, checkpoint_id=str(partial), process_group=self.async_group)
-            self.pending = (future, step, partial)
+            self.pending = (future, step, partial, meta)
         self.last_saved_step = step
         return final
 
     def _finish_async(self) -> None:
-        future, step, partial = self.pending
+        future, step, partial, meta = self.pending
         self.pending = None
         future.result()  # re-raises a failed background write
         self._fault_injection(step)
-        self._publish(step, partial, self.root / f"step_{step:08d}")
+        self._publish(partial, self.root / f"step_{step:08d}", meta)
 
     def _fault_injection(self, step: int) -> None:
         if os.environ.get(FAULT_ENV) == str(step) and self.state.rank == int(os.environ.get("TPFRAME_FAULT_RANK", "0")):
@@ -352,7 +352,7 @@ class Checkpointer:
             "config": config,
         }
 
-    def _publish(self, step: int, partial: Path, final: Path) -> None:
+    def _publish(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
         """Every rank is done: record sizes and CRCs, write meta.json, rename, point `latest` at it."""
         mine = {}
         for f in sorted(partial.iterdir()):
@@ -361,7 +361,7 @@ class Checkpointer:
         gathered: list[dict] = [None] * self.state.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, mine, group=self.group)
         if self.state.rank == 0:
-            meta = dict(self._extra, files={k: v for d in gathered for k, v in d.items()}, saved_at=time.time())
+            meta = dict(meta, files={k: v for d in gathered for k, v in d.items()}, saved_at=time.time())
             _write_atomic(partial / META, json.dumps(meta, indent=1))
             os.rename(partial, final)
             _write_atomic(self.root / LATEST, final.name)
