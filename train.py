@@ -47,7 +47,7 @@ def prepare(argv: list[str] | None):
     from tpframe.models import resolve_builder
     from tpframe.parallel.state import coords_of
     from tpframe.training.checkpoint import preflight
-    from tpframe.training.data import build_data
+    from tpframe.data.loader import build_data
 
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -73,8 +73,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.sharding import logical_numel
     from tpframe.training.checkpoint import Checkpointer
-    from tpframe.training.logging import MetricsLogger, peak_tflops
+    from tpframe.training.logger import MetricsLogger, peak_tflops
     from tpframe.training.trainer import Trainer
 
     state = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, comm_backend=cfg.comm.backend)
@@ -82,7 +83,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         tracker = seed_parallel_rng(cfg.train.seed)
         dtype = DTYPES[cfg.train.dtype]
         ctx = BuildContext(
-            state.tp_comm, cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing, tracker, dtype, state.device, cfg.train.seed
+            state.tp_comm, sequence_parallel=cfg.parallel.sequence_parallel,
+            activation_checkpointing=cfg.parallel.activation_checkpointing, rng_tracker=tracker, dtype=dtype,
+            device=state.device, seed=cfg.train.seed,
         )
         model = build_model(cfg.model, ctx)
         checkpointer = Checkpointer(cfg, state, resume)
@@ -91,7 +94,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         trainer = Trainer(cfg, state, model, train_data, valid_data, logger, peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
         checkpointer.attach(trainer)  # resumes here: model, optimizer, data position, RNG, step
         logger.info(
-            f"tpframe: {model.num_params() / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
+            f"tpframe: {logical_numel(model, state.tp) / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
             f"x pp {state.pp} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, global batch "
             f"{cfg.train.global_batch_size} ({trainer.accum} micro-batches of {cfg.train.micro_batch_size} per rank)"
         )

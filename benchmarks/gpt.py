@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpframe.models import BuildContext, build_model  # noqa: E402
 from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
-from tpframe.training.config import ModelConfig  # noqa: E402
+from tpframe.models.config import ModelConfig  # noqa: E402
 
 
 def env(name: str, default: int) -> int:
@@ -36,7 +36,8 @@ def main() -> None:
     V = 50304
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, max_seq_len=S, position="rotary", vocab_multiple=128)
     tracker = seed_parallel_rng(1234)
-    ctx = BuildContext(state.tp_comm, sp, os.environ.get("CKPT", "0") == "1", tracker, torch.bfloat16, state.device, 1234)
+    ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=os.environ.get("CKPT", "0") == "1",
+                       rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234)
     model = build_model(cfg, ctx)
     g = torch.Generator(device=state.device).manual_seed(state.dp_rank)  # TP ranks share the batch
     tokens = torch.randint(0, V, (MB, S + 1), device=state.device, generator=g)

@@ -9,7 +9,7 @@ Train it with the same entry point:
     (it sets model.name=examples.parallel_llama:build and the choices this model fixes)
 
 A builder takes (ModelConfig, BuildContext) and returns a module with forward(input_ids, labels) ->
-per-token loss [b, s], num_params() and flops_per_token(seq_len) (see tpframe/models/__init__.py).
+per-token loss [b, s] and flops_per_token(seq_len) (see tpframe/models/__init__.py).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpframe.layers import ParallelMLP, RMSNorm, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
+from tpframe.errors import ConfigError
+from tpframe.layers import ParallelLMHead, ParallelMLP, RMSNorm, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
-from tpframe.layers.embedding import init_vocab_shard
-from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
+from tpframe.layers.utils import normal_init, scaled_normal_init
 from tpframe.models import BuildContext
-from tpframe.models.gpt import seeded
-from tpframe.parallel import checkpoint
-from tpframe.training.config import ConfigError, ModelConfig, ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.models.gpt import layer_seed, seeded
+from tpframe.parallel import recompute
 
 
 class ParallelBlock(nn.Module):
@@ -32,14 +32,14 @@ class ParallelBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        sp = ctx.sequence_parallel
-        init, out_init = normal_init(cfg.init_std), scaled_normal_init(cfg.init_std, cfg.layers)
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, sp, ctx.dtype, ctx.device)
-        self.attn = ParallelAttention(
-            cfg.hidden, cfg.heads, cfg.kv_heads, False, cfg.attention_dropout, sp, ctx.comm, init, out_init,
-            ctx.rng_tracker, ctx.dtype, ctx.device,
+        common = dict(
+            bias=False, sequence_parallel=ctx.sequence_parallel, comm=ctx.comm, init_method=normal_init(cfg.init_std),
+            output_init_method=scaled_normal_init(cfg.init_std, cfg.layers), dtype=ctx.dtype, device=ctx.device,
         )
-        self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), "swiglu", False, sp, ctx.comm, init, out_init, ctx.dtype, ctx.device)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
+        self.attn = ParallelAttention(cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, attention_dropout=cfg.attention_dropout,
+                                      rng_tracker=ctx.rng_tracker, **common)
+        self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation="swiglu", **common)
 
     def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
         h = self.norm(x)
@@ -50,38 +50,27 @@ class ParallelLlama(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        comm, sp = ctx.comm, ctx.sequence_parallel
+        vocab = dict(sequence_parallel=ctx.sequence_parallel, pad_to_multiple_of=cfg.vocab_multiple, comm=ctx.comm,
+                     init_method=normal_init(cfg.init_std), dtype=ctx.dtype, device=ctx.device)
         with seeded(ctx.seed):
-            self.embedding = VocabParallelEmbedding(
-                cfg.vocab_size, cfg.hidden, sp, cfg.vocab_multiple, comm, normal_init(cfg.init_std), ctx.dtype, ctx.device
-            )
+            self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **vocab)
         self.rotary = RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta).to(ctx.device)
-        blocks = []
+        blocks = {}
         for i in range(cfg.layers):
-            with seeded(ctx.seed + 1000 * (i + 1)):
-                blocks.append(ParallelBlock(cfg, ctx))
-        self.blocks = nn.ModuleList(blocks)
-        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, sp, ctx.dtype, ctx.device)
+            with seeded(layer_seed(ctx.seed, i)):
+                blocks[str(i)] = ParallelBlock(cfg, ctx)
+        self.blocks = nn.ModuleDict(blocks)
+        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
         with seeded(ctx.seed + 2):
-            shard = init_vocab_shard(
-                cfg.vocab_size, cfg.hidden, self.embedding.padded_num_embeddings, comm.rank, comm.size,
-                normal_init(cfg.init_std), ctx.dtype, ctx.device,
-            )
-        self.head = tag_param(nn.Parameter(shard), tp_dim=0)
-        self.head.vocab_rows = cfg.vocab_size
+            self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, **vocab)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids.t())  # [s(/tp), b, h]
         rotary = self.rotary(input_ids.shape[1], x.dtype)
-        for block in self.blocks:
-            x = checkpoint(block, x, rotary) if self.ctx.activation_checkpointing and self.training else block(x, rotary)
-        logits = column_parallel_linear(self.final_norm(x), self.head, None, self.ctx.comm, self.ctx.sequence_parallel)
+        for block in self.blocks.values():
+            x = recompute(block, x, rotary) if self.ctx.activation_checkpointing and self.training else block(x, rotary)
+        logits = self.head(self.final_norm(x))  # [s, b, V/tp]
         return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.ctx.comm, vocab_size=self.cfg.vocab_size).t()
-
-    def num_params(self) -> int:
-        tp = self.ctx.comm.size
-        padding = 2 * (self.embedding.padded_num_embeddings - self.cfg.vocab_size) * self.cfg.hidden
-        return sum(p.numel() * (tp if p.tp_dim is not None else 1) for p in self.parameters()) - padding
 
     def flops_per_token(self, seq_len: int) -> float:
         c = self.cfg

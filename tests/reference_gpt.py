@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tpframe.training.config import ModelConfig
+from tpframe.models.config import ModelConfig
 
 
 def _norm(cfg: ModelConfig, x, P, prefix):
@@ -63,6 +63,6 @@ def reference_loss(cfg: ModelConfig, P: dict, input_ids, labels):
             h = F.gelu(h, approximate="tanh") if cfg.activation == "gelu" else F.relu(h)
         x = x + F.linear(h, P[f"{pre}.mlp.fc2.weight"], P.get(f"{pre}.mlp.fc2.bias"))
     x = _norm(cfg, x, P, "final_norm")
-    head = P["embedding.weight"] if cfg.tie_embeddings else P["head_weight"]
+    head = P["embedding.weight"] if cfg.tie_embeddings else P["head.weight"]
     logits = x @ head.t()
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="none").view(b, s)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tpframe.training import corpus
+from tpframe.data import corpus
 from tpframe.training.config import ConfigError, DataConfig
-from tpframe.training.corpus import TokenStream, stdlib_corpus, synthetic_corpus, synthetic_entropy_floor
-from tpframe.training.data import BatchIterator, build_data, split_stream
+from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus, synthetic_entropy_floor
+from tpframe.data.loader import BatchIterator, build_data, split_stream
 
 SEQ = 16
 SMALL = DataConfig(synthetic_tokens=40_000, seed=7)

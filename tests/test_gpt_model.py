@@ -8,7 +8,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close
 from tests.reference_gpt import reference_loss
-from tpframe.training.config import ModelConfig
+from tpframe.models.config import ModelConfig
 
 GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8)
 LLAMA_CFG = dataclasses.replace(
@@ -22,7 +22,7 @@ def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
     from tpframe.parallel.data_parallel import allreduce_sequence_parallel_grads
-    from tpframe.parallel.sharding import gather_full_tensors
+    from tpframe.parallel.sharding import gather_full_tensors, logical_numel
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
     tracker = seed_parallel_rng(0)
@@ -45,7 +45,7 @@ def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     for name in P:
         # atol: the key bias gets zero gradient in exact arithmetic (softmax is shift-invariant)
         assert_close(grads[name], P[name].grad, 1e-5, f"{case}: grad of {name}", atol=1e-7)
-    return {k: v for k, v in weights.items()}, model.num_params(), model.flops_per_token(S)
+    return {k: v for k, v in weights.items()}, logical_numel(model, state.tp), model.flops_per_token(S)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -64,12 +64,13 @@ def test_same_seed_gives_the_same_model_at_any_tp():
 
 
 def test_flops_per_token_matches_megatron_formula():
+    from tpframe.models import BuildContext
     from tpframe.models.gpt import GPT
 
     class FakeComm:
         size, rank, device = 1, 0, torch.device("cpu")
 
     cfg = ModelConfig(vocab_size=50304, hidden=256, layers=3, heads=4, max_seq_len=64, vocab_multiple=128)
-    model = GPT(cfg, FakeComm())
+    model = GPT(cfg, BuildContext(FakeComm()))
     L, h, s, V = 3, 256, 64, 50304
     assert model.flops_per_token(s) == 72 * L * h * h + 12 * L * h * s + 6 * h * V

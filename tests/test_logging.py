@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from tpframe.training import logging as tlog
+from tpframe.training import logger as tlog
 from tpframe.training.config import LoggingConfig
-from tpframe.training.logging import MetricsLogger, peak_tflops, read_metrics
+from tpframe.training.logger import MetricsLogger, peak_tflops, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {"loss": 2.31, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 51234.0, "tflops": 120.0,

@@ -62,7 +62,7 @@ def test_tracker_rejects_duplicate_and_unknown_streams():
 
 def _checkpointed_block_grads(use_checkpoint: bool):
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
-    from tpframe.parallel import checkpoint, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel import initialize_parallel, recompute, seed_parallel_rng
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def _checkpointed_block_grads(use_checkpoint: bool):
         return F.dropout(fc2(h), p=0.3)  # replicated activations: default stream
 
     x = torch.randn(8, 2, 16, requires_grad=True)
-    y = checkpoint(block, x) if use_checkpoint else block(x)
+    y = recompute(block, x) if use_checkpoint else block(x)
     y = y + F.dropout(torch.ones_like(y), p=0.3)  # the stream must continue as if no recompute happened
     y.square().sum().backward()
     with tracker.fork():

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tpframe.training.config import ConfigError, DataConfig
-from tpframe.training.data import build_data
-from tpframe.training.tokenize import open_token_file, sidecar_path, write_token_file
+from tpframe.data.loader import build_data
+from tpframe.data.tokenizer import open_token_file, sidecar_path, write_token_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n" * 40
@@ -163,7 +163,7 @@ def test_prepare_data_cli_writes_a_file_or_exits_2_with_one_line(tmp_path):
 
 
 def test_text_files_are_read_in_chunks_and_joined_exactly(tmp_path, monkeypatch):
-    from tpframe.training import tokenize
+    from tpframe.data import tokenizer as tokenize
 
     monkeypatch.setattr(tokenize, "_TEXT_CHUNK", 100)  # force many chunks on a small file
     txt, _ = _inputs(tmp_path)

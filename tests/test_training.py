@@ -91,7 +91,7 @@ def test_tiny_config_learns_under_torchrun(tmp_path, tp):
             f"train.run_dir={tmp_path}", "checkpoint.interval=0"],
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    from tpframe.training.logging import read_metrics
+    from tpframe.training.logger import read_metrics
 
     train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     first, last = train[0]["loss"], train[-1]["loss"]

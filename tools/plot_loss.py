@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tpframe.training.logging import read_metrics  # noqa: E402
+from tpframe.training.logger import read_metrics  # noqa: E402
 
 
 def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:

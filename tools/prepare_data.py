@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tpframe.training.tokenize import sidecar_path, write_token_file  # noqa: E402
+from tpframe.data.tokenizer import sidecar_path, write_token_file  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
-"""Tensor-parallel building blocks: mappings, linear, embedding, cross entropy, norms."""
+"""Tensor-parallel building blocks: mappings, linear, embedding and head, cross entropy, norms, attention, MLP."""
 
 from tpframe.layers.cross_entropy import vocab_parallel_cross_entropy
-from tpframe.layers.embedding import VocabParallelEmbedding, padded_vocab_size
+from tpframe.layers.embedding import ParallelLMHead, VocabParallelEmbedding, padded_vocab_size
 from tpframe.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -23,6 +23,7 @@ from tpframe.layers.norm import LayerNorm, RMSNorm, build_norm
 __all__ = [
     "ColumnParallelLinear",
     "LayerNorm",
+    "ParallelLMHead",
     "ParallelMLP",
     "RMSNorm",
     "RowParallelLinear",

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, default_tp_comm
+from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.utils import InitMethod, divide
 
 
@@ -49,6 +50,7 @@ class ParallelAttention(nn.Module):
         self,
         hidden: int,
         heads: int,
+        *,
         kv_heads: int | None = None,
         bias: bool = True,
         attention_dropout: float = 0.0,

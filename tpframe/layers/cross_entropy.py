@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tpframe.comm import Communicator
+from tpframe.parallel.state import default_tp_comm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -88,10 +89,7 @@ def vocab_parallel_cross_entropy(
     gradients included. `vocab_size` (the real vocabulary) excludes padding columns; targets
     equal to `ignore_index` get zero loss and zero gradient.
     """
-    if comm is None:
-        from tpframe.layers.linear import default_tp_comm
-
-        comm = default_tp_comm()
+    comm = comm or default_tp_comm()
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target {tuple(target.shape)} "

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.layers.linear import default_tp_comm
+from tpframe.parallel.state import default_tp_comm
+from tpframe.layers.linear import column_parallel_linear
 from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
 
@@ -27,7 +28,7 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 
 def init_vocab_shard(
-    vocab_size: int, hidden: int, padded: int, rank: int, tp: int, init_method: InitMethod, dtype, device
+    vocab_size: int, hidden: int, *, padded: int, rank: int, tp: int, init_method: InitMethod, dtype, device
 ) -> torch.Tensor:
     """This rank's rows [padded/tp, hidden] of a vocabulary table.
 
@@ -52,6 +53,7 @@ class VocabParallelEmbedding(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
+        *,
         sequence_parallel: bool = False,
         pad_to_multiple_of: int = 1,
         comm: Communicator | None = None,
@@ -68,8 +70,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * self.rows_per_rank
         self.sequence_parallel = sequence_parallel
         shard = init_vocab_shard(
-            num_embeddings, embedding_dim, self.padded_num_embeddings, rank, tp, init_method or normal_init(), dtype,
-            device or self.comm.device,
+            num_embeddings, embedding_dim, padded=self.padded_num_embeddings, rank=rank, tp=tp,
+            init_method=init_method or normal_init(), dtype=dtype, device=device or self.comm.device,
         )
         self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
         self.weight.vocab_rows = num_embeddings  # rows past this are padding (not in checkpoints)
@@ -89,3 +91,37 @@ class VocabParallelEmbedding(nn.Module):
             f"{self.num_embeddings} (padded {self.padded_num_embeddings}, {self.rows_per_rank}/rank), "
             f"{self.embedding_dim}, sp={self.sequence_parallel}"
         )
+
+
+class ParallelLMHead(nn.Module):
+    """The output layer: hidden [s(/tp), b, h] -> local logits [s, b, V_padded/tp] (column-parallel).
+
+    weight [V_padded/tp, h], split by vocabulary rows like `VocabParallelEmbedding` (padding rows are
+    zero and never a target). A tied head has no weight of its own: call `logits(x, embedding.weight)`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        vocab_size: int,
+        *,
+        sequence_parallel: bool = False,
+        pad_to_multiple_of: int = 1,
+        comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.comm = comm or default_tp_comm()
+        self.vocab_size, self.sequence_parallel = vocab_size, sequence_parallel
+        padded = padded_vocab_size(vocab_size, self.comm.size, pad_to_multiple_of)
+        shard = init_vocab_shard(
+            vocab_size, hidden, padded=padded, rank=self.comm.rank, tp=self.comm.size,
+            init_method=init_method or normal_init(), dtype=dtype, device=device or self.comm.device,
+        )
+        self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
+        self.weight.vocab_rows = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column_parallel_linear(x, self.weight, None, self.comm, self.sequence_parallel)

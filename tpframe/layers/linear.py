@@ -21,12 +21,7 @@ from tpframe.layers.mappings import (
     scatter_to_tp,
 )
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
-
-
-def default_tp_comm() -> Communicator:
-    from tpframe.parallel.state import get_parallel_state
-
-    return get_parallel_state().tp_comm
+from tpframe.parallel.state import default_tp_comm
 
 
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> None:
@@ -85,6 +80,7 @@ class ColumnParallelLinear(nn.Module):
         self,
         in_features: int,
         out_features: int,
+        *,
         bias: bool = True,
         gather_output: bool = False,
         sequence_parallel: bool = False,
@@ -140,6 +136,7 @@ class RowParallelLinear(nn.Module):
         self,
         in_features: int,
         out_features: int,
+        *,
         bias: bool = True,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,

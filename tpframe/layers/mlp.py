@@ -28,6 +28,7 @@ class ParallelMLP(nn.Module):
         self,
         hidden: int,
         ffn_hidden: int,
+        *,
         activation: str = "gelu",
         bias: bool = True,
         sequence_parallel: bool = False,

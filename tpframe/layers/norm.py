@@ -15,7 +15,7 @@ from tpframe.layers.utils import tag_param
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True, sequence_parallel: bool = False,
+    def __init__(self, hidden: int, eps: float = 1e-5, *, bias: bool = True, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         self.hidden, self.eps = hidden, eps
@@ -30,7 +30,7 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-5, sequence_parallel: bool = False,
+    def __init__(self, hidden: int, eps: float = 1e-5, *, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__()
         self.hidden, self.eps = hidden, eps
@@ -40,11 +40,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (self.hidden,), self.weight, self.eps)
 
 
-def build_norm(kind: str, hidden: int, eps: float = 1e-5, bias: bool = True, sequence_parallel: bool = False,
+def build_norm(kind: str, hidden: int, eps: float = 1e-5, *, bias: bool = True, sequence_parallel: bool = False,
                dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
     """'layernorm' or 'rmsnorm'."""
     if kind == "layernorm":
-        return LayerNorm(hidden, eps, bias, sequence_parallel, dtype, device)
+        return LayerNorm(hidden, eps, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
     if kind == "rmsnorm":
-        return RMSNorm(hidden, eps, sequence_parallel, dtype, device)
+        return RMSNorm(hidden, eps, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
     raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")

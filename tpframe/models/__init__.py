@@ -3,44 +3,62 @@
 A model builder has the signature `build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module`, and the
 module it returns must provide
     forward(input_ids [b, s], labels [b, s]) -> per-token loss [b, s] (fp32)
-    num_params() -> int                       parameters of the whole model (all TP shards)
-    flops_per_token(seq_len) -> float         training FLOPs per token, for TFLOP/s and MFU
+    flops_per_token(seq_len) -> float         training FLOPs per token of the whole model, for TFLOP/s and MFU
+and tag every parameter with `tp_dim` (tpframe.layers.utils.tag_param; the layers do it for theirs), so
+checkpoints know how each tensor is split. A model that supports pipeline parallelism also builds only
+`ctx.stage` (see `Stage` and tpframe/models/gpt.py).
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.training.config import ConfigError, ModelConfig
+from tpframe.errors import ConfigError
+from tpframe.models.config import ModelConfig
+from tpframe.parallel.rng import RNGStatesTracker
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one pipeline stage builds: its blocks (global layer indices, in order),
+    and whether it is the first stage (owns the embedding) and the last (final norm, head, loss)."""
+
+    layers: tuple[int, ...] | None = None  # None: every layer
+    first: bool = True
+    last: bool = True
+
+    def layer_ids(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(range(num_layers)) if self.layers is None else self.layers
 
 
 @dataclass
 class BuildContext:
-    """What a model builder needs from the run: the TP communicator, parallel switches, dtype."""
+    """What a model builder needs from the run: the TP communicator, parallel switches, dtype, stage."""
 
     comm: Communicator
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
-    rng_tracker: object = None
+    rng_tracker: RNGStatesTracker | None = None
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
     seed: int = 1234
+    stage: Stage = field(default_factory=Stage)
 
 
 def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     from tpframe.models.gpt import GPT
 
-    return GPT(cfg, ctx.comm, ctx.sequence_parallel, ctx.activation_checkpointing, ctx.rng_tracker, ctx.dtype, ctx.device, ctx.seed)
+    return GPT(cfg, ctx)
 
 
 BUILTIN = {"gpt": build_gpt}
-REQUIRED_METHODS = ("forward", "num_params", "flops_per_token")
+REQUIRED_METHODS = ("forward", "flops_per_token")
 
 
 def resolve_builder(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:
@@ -65,4 +83,10 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(model, m, None))]
     if missing:
         raise ConfigError(f"model.name={cfg.name!r} built a {type(model).__name__} without {', '.join(missing)}() (see tpframe/models/__init__.py)")
+    untagged = [n for n, p in model.named_parameters() if not hasattr(p, "tp_dim")]
+    if untagged:  # an untagged TP shard would be saved as if replicated: a silent wrong resume
+        raise ConfigError(
+            f"model.name={cfg.name!r}: parameters {untagged[:3]} carry no tp_dim; tag every parameter with "
+            "tpframe.layers.utils.tag_param (tp_dim=None for replicated ones)"
+        )
     return model

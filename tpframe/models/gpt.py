@@ -6,58 +6,66 @@
 
 Activations are sequence-first so that sequence parallelism is a contiguous dim-0 split:
 with it on, everything between the TP regions is [s/tp, b, h].
+
+Stage-aware for pipeline parallelism (`ctx.stage`): a stage builds only its blocks, kept under their
+*global* layer index (`blocks.17.*` on any stage, so checkpoint names do not depend on PP); the first
+stage owns the embedding, the last the final norm and head (and, with tied embeddings, a copy of the
+embedding table that the pipeline keeps equal to the first stage's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpframe.comm import Communicator
-from tpframe.layers import (
-    ParallelMLP,
-    VocabParallelEmbedding,
-    build_norm,
-    column_parallel_linear,
-    vocab_parallel_cross_entropy,
-)
+from tpframe.layers import ParallelLMHead, ParallelMLP, VocabParallelEmbedding, build_norm, column_parallel_linear
+from tpframe.layers import vocab_parallel_cross_entropy
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
-from tpframe.layers.embedding import init_vocab_shard
+from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
-from tpframe.parallel.random import RNGStatesTracker, checkpoint
-from tpframe.training.config import ModelConfig, ffn_hidden_size
+from tpframe.models import BuildContext
+from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.parallel.recompute import recompute
+from tpframe.parallel.rng import RNGStatesTracker
 
 
 @contextlib.contextmanager
 def seeded(seed: int):
     """Draw a submodule's master weights from its own seed (CPU generator), whatever was built before.
 
-    Layer i gets the same weights at any TP size and in any construction order.
+    Layer i gets the same weights at any TP size, on any pipeline stage, in any construction order.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
 
 
+def layer_seed(seed: int, layer: int) -> int:
+    return seed + 1000 * (layer + 1)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). [s(/tp), b, h] in and out."""
 
-    def __init__(self, cfg: ModelConfig, comm: Communicator, sequence_parallel: bool, tracker, dtype, device):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
+        sp, dtype, device = ctx.sequence_parallel, ctx.dtype, ctx.device
         init, out_init = normal_init(cfg.init_std), scaled_normal_init(cfg.init_std, cfg.layers)
-        norm = lambda: build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, cfg.bias, sequence_parallel, dtype, device)  # noqa: E731
-        self.norm1, self.norm2 = norm(), norm()
+        norm = dict(bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device)
+        self.norm1 = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
+        self.norm2 = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
+        common = dict(bias=cfg.bias, sequence_parallel=sp, comm=ctx.comm, init_method=init, output_init_method=out_init,
+                      dtype=dtype, device=device)
         self.attn = ParallelAttention(
-            cfg.hidden, cfg.heads, cfg.kv_heads, cfg.bias, cfg.attention_dropout, sequence_parallel, comm,
-            init, out_init, tracker, dtype, device,
+            cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, attention_dropout=cfg.attention_dropout,
+            rng_tracker=ctx.rng_tracker, **common,
         )
-        self.mlp = ParallelMLP(
-            cfg.hidden, ffn_hidden_size(cfg), cfg.activation, cfg.bias, sequence_parallel, comm, init, out_init, dtype, device
-        )
-        self.dropout = ResidualDropout(cfg.dropout, sequence_parallel, tracker)
+        self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
+        self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.norm1(x), rotary))
@@ -85,48 +93,37 @@ class ResidualDropout(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        comm: Communicator,
-        sequence_parallel: bool = False,
-        activation_checkpointing: bool = False,
-        rng_tracker: RNGStatesTracker | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        seed: int = 1234,
-    ):
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        self.cfg, self.comm = cfg, comm
-        self.sequence_parallel, self.activation_checkpointing = sequence_parallel, activation_checkpointing
-        device = device or comm.device
+        if ctx.device is None:
+            ctx = dataclasses.replace(ctx, device=ctx.comm.device)
+        self.cfg, self.ctx, self.comm = cfg, ctx, ctx.comm
+        self.stage = ctx.stage
+        self.sequence_parallel, self.activation_checkpointing = ctx.sequence_parallel, ctx.activation_checkpointing
+        sp, dtype, device, seed = ctx.sequence_parallel, ctx.dtype, ctx.device, ctx.seed
         init = normal_init(cfg.init_std)
-        with seeded(seed):
-            self.embedding = VocabParallelEmbedding(
-                cfg.vocab_size, cfg.hidden, sequence_parallel, cfg.vocab_multiple, comm, init, dtype, device
-            )
-        self.position = None
-        if cfg.position == "learned":
+        vocab = dict(pad_to_multiple_of=cfg.vocab_multiple, comm=ctx.comm, init_method=init, dtype=dtype, device=device)
+        self.embedding = self.position = self.final_norm = self.head = None
+        if self.stage.first or (self.stage.last and cfg.tie_embeddings):
+            with seeded(seed):  # the last stage's tied copy draws the same table
+                self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=sp, **vocab)
+        if self.stage.first and cfg.position == "learned":
             with seeded(seed + 1):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)
             # Replicated; under SP each rank embeds only its positions, so its gradient is partial.
-            self.position = tag_param(nn.Parameter(table.to(device=device, dtype=dtype)), None, sequence_parallel)
+            self.position = tag_param(nn.Parameter(table.to(device=device, dtype=dtype)), None, sp)
         self.rotary = RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta).to(device) if cfg.position == "rotary" else None
-        self.embed_dropout = ResidualDropout(cfg.dropout, sequence_parallel, rng_tracker)
-        blocks = []
-        for i in range(cfg.layers):
-            with seeded(seed + 1000 * (i + 1)):
-                blocks.append(TransformerBlock(cfg, comm, sequence_parallel, rng_tracker, dtype, device))
-        self.blocks = nn.ModuleList(blocks)
-        self.final_norm = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, cfg.bias, sequence_parallel, dtype, device)
-        self.head_weight = None  # tied: the head reuses the embedding table [V/tp, h]
-        if not cfg.tie_embeddings:
-            with seeded(seed + 2):
-                shard = init_vocab_shard(
-                    cfg.vocab_size, cfg.hidden, self.embedding.padded_num_embeddings, comm.rank, comm.size, init, dtype, device
-                )
-            self.head_weight = tag_param(nn.Parameter(shard), tp_dim=0)  # column-parallel: rows split
-            self.head_weight.vocab_rows = cfg.vocab_size
+        self.embed_dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
+        blocks = {}
+        for i in self.stage.layer_ids(cfg.layers):
+            with seeded(layer_seed(seed, i)):
+                blocks[str(i)] = TransformerBlock(cfg, ctx)
+        self.blocks = nn.ModuleDict(blocks)
+        if self.stage.last:
+            self.final_norm = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device)
+            if not cfg.tie_embeddings:
+                with seeded(seed + 2):
+                    self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, **vocab)
 
     # -- forward --------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -142,38 +139,40 @@ class GPT(nn.Module):
             x = x + positions.unsqueeze(1)
         return self.embed_dropout(x)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-token loss [b, s] in fp32 when `labels` is given, else local logits [b, s, V/tp]."""
-        b, s = input_ids.shape
-        if s > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        x = self.embed(input_ids)
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head: [s(/tp), b, h] -> local logits [s, b, V_padded/tp]."""
+        x = self.final_norm(x)
+        if self.head is not None:
+            return self.head(x)
+        return column_parallel_linear(x, self.embedding.weight, None, self.comm, self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: `x` is input_ids [b, s]; later stages: hidden states [s(/tp), b, h].
+
+        Returns hidden states [s(/tp), b, h] on a stage that is not the last; on the last, the
+        per-token loss [b, s] in fp32 when `labels` is given, else local logits [b, s, V/tp].
+        """
+        if self.stage.first:
+            if x.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            x = self.embed(x)
+        s = x.shape[0] * (self.comm.size if self.sequence_parallel else 1)
         rotary = self.rotary(s, x.dtype) if self.rotary is not None else None
-        for block in self.blocks:
+        for block in self.blocks.values():
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rotary)
+                x = recompute(block, x, rotary)
             else:
                 x = block(x, rotary)
-        x = self.final_norm(x)
-        weight = self.embedding.weight if self.head_weight is None else self.head_weight
-        logits = column_parallel_linear(x, weight, None, self.comm, self.sequence_parallel)  # [s, b, V/tp]
+        if not self.stage.last:
+            return x
+        logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm, vocab_size=self.cfg.vocab_size)
-        return loss.t()
+        return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm, vocab_size=self.cfg.vocab_size).t()
 
     # -- accounting -----------------------------------------------------------------------------
-    def num_params(self) -> int:
-        """Parameters of the whole model (all TP shards), padding rows of the vocabulary excluded."""
-        total = 0
-        for p in self.parameters():
-            total += p.numel() * (self.comm.size if getattr(p, "tp_dim", None) is not None else 1)
-        pad = self.embedding.padded_num_embeddings - self.cfg.vocab_size
-        total -= pad * self.cfg.hidden * (1 if self.head_weight is None else 2)
-        return total
-
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention.
+        """Training FLOPs per token of the whole model (forward + backward = 3x forward), matmuls and attention.
 
         For the standard GPT this is Megatron's 72*L*h^2 + 12*L*h*s + 6*h*V per token.
         """
@@ -183,4 +182,6 @@ class GPT(nn.Module):
         ffn = ffn_hidden_size(c)
         fc1 = 2 * ffn if c.activation == "swiglu" else ffn
         layer = 2 * (h * (h + 2 * kv) + h * h + h * fc1 + ffn * h) + 4 * seq_len * h
-        return 3.0 * (c.layers * layer + 2 * h * self.embedding.padded_num_embeddings)
+        padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
+        return 3.0 * (c.layers * layer + 2 * h * padded)
+

@@ -1,9 +1,11 @@
-"""Parallel state (TP/DP/PP groups), RNG streams and activation checkpointing."""
+"""Parallel state (TP/DP/PP groups), RNG streams and activation recompute."""
 
-from tpframe.parallel.random import RNGStatesTracker, checkpoint, seed_parallel_rng
+from tpframe.parallel.recompute import recompute
+from tpframe.parallel.rng import RNGStatesTracker, seed_parallel_rng
 from tpframe.parallel.state import (
     ParallelState,
     coords_of,
+    default_tp_comm,
     destroy_parallel,
     get_parallel_state,
     initialize_parallel,
@@ -14,12 +16,13 @@ from tpframe.parallel.state import (
 __all__ = [
     "ParallelState",
     "RNGStatesTracker",
-    "checkpoint",
     "coords_of",
+    "default_tp_comm",
     "destroy_parallel",
     "get_parallel_state",
     "initialize_parallel",
     "is_initialized",
     "rank_layout",
+    "recompute",
     "seed_parallel_rng",
 ]

@@ -12,6 +12,7 @@ pieces of named global tensors (what checkpoints store, so any TP layout can rea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,11 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vo
         index[0] = slice(0, keep)
         offset[0] = min(tp_rank * local, vocab_rows)
     return [LogicalShard(name, name, global_shape, tuple(offset), tp_dim, tuple(index))]
+
+
+def logical_numel(model: nn.Module, tp_size: int) -> int:
+    """Parameters of the TP-unsplit model that `model` is one TP shard of (vocabulary padding excluded)."""
+    return sum(math.prod(s.global_shape) for n, p in model.named_parameters() for s in param_shards(n, p, 0, tp_size))
 
 
 @torch.no_grad()

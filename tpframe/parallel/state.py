@@ -79,7 +79,7 @@ class ParallelState:
     tp_ranks: list[int]
     dp_ranks: list[int]
     owns_world: bool = False
-    rng_tracker: object | None = None  # set by tpframe.parallel.random.seed_parallel_rng
+    rng_tracker: object | None = None  # an RNGStatesTracker, set by tpframe.parallel.rng.seed_parallel_rng
     _groups: list = field(default_factory=list, repr=False)
 
     @property
@@ -178,6 +178,11 @@ def get_parallel_state() -> ParallelState:
     if _STATE is None:
         raise RuntimeError("tpframe parallel state is not initialized: call tpframe.parallel.initialize_parallel() first")
     return _STATE
+
+
+def default_tp_comm() -> Communicator:
+    """The parallel state's TP communicator: what a layer uses when it is not given `comm=`."""
+    return get_parallel_state().tp_comm
 
 
 def is_initialized() -> bool:

@@ -34,18 +34,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tpframe.layers.embedding import padded_vocab_size
+from tpframe.errors import ConfigError
+from tpframe.models.config import architecture, padded_vocab
+from tpframe.parallel.rng import rng_state, set_rng_state
 from tpframe.parallel.sharding import LogicalShard, param_shards
-from tpframe.training.config import Config, ConfigError, ffn_hidden_size
+from tpframe.training.config import Config
 from tpframe.version import __version__
 
-FORMAT = 1
+FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
 META = "meta.json"
 LATEST = "latest"
 FAULT_ENV = "TPFRAME_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL this rank mid-save at the given step
-# Model fields that fix tensor shapes or semantics: a checkpoint only loads into an equal model.
-ARCH_FIELDS = ("name", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "norm", "position",
-               "activation", "bias", "tie_embeddings", "max_seq_len")
 
 
 class CheckpointError(ConfigError):
@@ -114,20 +113,12 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
 
 def check_compatible(cfg: Config, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
-    saved = meta["config"]["model"]
-    saved_ffn = saved.get("ffn_hidden_resolved", saved.get("ffn_hidden"))
-    diffs = []
-    for key in ARCH_FIELDS:
-        mine, theirs = getattr(cfg.model, key), saved.get(key)
-        if key == "ffn_hidden":
-            mine, theirs = ffn_hidden_size(cfg.model), saved_ffn
-        if key == "max_seq_len" and cfg.model.position != "learned":
-            continue
-        if mine != theirs:
-            diffs.append(f"model.{key}: checkpoint {theirs!r}, config {mine!r}")
+    mine, theirs = architecture(cfg.model), meta["architecture"]
+    diffs = [f"model.{k}: checkpoint {theirs.get(k)!r}, config {mine.get(k)!r}" for k in sorted(set(mine) | set(theirs))
+             if mine.get(k) != theirs.get(k)]
     if diffs:
         raise CheckpointError("checkpoint and config describe different models: " + "; ".join(diffs))
-    padded = padded_vocab_size(cfg.model.vocab_size, cfg.parallel.tp, cfg.model.vocab_multiple)
+    padded = padded_vocab(cfg.model, cfg.parallel.tp)
     if padded != meta["vocab"]["padded"]:
         raise CheckpointError(
             f"the vocabulary was padded to {meta['vocab']['padded']} rows when saved but pads to {padded} at "
@@ -205,24 +196,6 @@ def stage_to_cpu(state: dict[str, Any], cpu_mesh: DeviceMesh) -> dict[str, Any]:
         else:
             out[key] = value.detach().to("cpu", copy=True)
     return out
-
-
-def rng_state(trainer) -> dict[str, Any]:
-    device = trainer.state.device
-    tracker = trainer.state.rng_tracker
-    return {
-        "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "tracker": tracker.get_states() if tracker is not None else None,
-    }
-
-
-def set_rng_state(trainer, saved: dict[str, Any]) -> None:
-    torch.set_rng_state(saved["cpu"])
-    if saved["cuda"] is not None and trainer.state.device.type == "cuda":
-        torch.cuda.set_rng_state(saved["cuda"], trainer.state.device)
-    if saved["tracker"] is not None and trainer.state.rng_tracker is not None:
-        trainer.state.rng_tracker.set_states(saved["tracker"])
 
 
 # -- the checkpointer ---------------------------------------------------------------------------
@@ -305,7 +278,7 @@ class Checkpointer:
                     shutil.rmtree(stale)
             partial.mkdir()
         dist.barrier(group=self.group)
-        torch.save(rng_state(trainer), partial / f"rng_{self.state.rank}.pt")
+        torch.save(rng_state(trainer.state.device, trainer.state.rng_tracker), partial / f"rng_{self.state.rank}.pt")
         meta = self._meta(trainer)
         state = training_state(trainer, self.mesh)
         if blocking:
@@ -334,7 +307,6 @@ class Checkpointer:
     def _meta(self, trainer) -> dict[str, Any]:
         cfg = self.cfg
         config = cfg.to_dict()
-        config["model"]["ffn_hidden_resolved"] = ffn_hidden_size(cfg.model)
         return {
             "format": FORMAT,
             "tpframe_version": __version__,
@@ -343,10 +315,11 @@ class Checkpointer:
             "tokens_seen": trainer.tokens_seen,
             "skipped_steps": trainer.skipped_steps,
             "data": trainer.train_data.state_dict(),
+            "architecture": architecture(cfg.model),
             "layout": {"world": self.state.world_size, "tp": self.state.tp, "dp": self.state.dp, "pp": self.state.pp},
             "vocab": {
                 "size": cfg.model.vocab_size,
-                "padded": padded_vocab_size(cfg.model.vocab_size, cfg.parallel.tp, cfg.model.vocab_multiple),
+                "padded": padded_vocab(cfg.model, cfg.parallel.tp),
                 "tensors": [n for n, p in trainer.model.named_parameters() if getattr(p, "vocab_rows", None)],
             },
             "config": config,
@@ -389,7 +362,7 @@ class Checkpointer:
         trainer.train_data.load_state_dict(meta["data"])
         same_layout = meta["layout"] == {"world": self.state.world_size, "tp": self.state.tp, "dp": self.state.dp, "pp": self.state.pp}
         if same_layout:
-            set_rng_state(trainer, torch.load(path / f"rng_{self.state.rank}.pt", weights_only=False))
+            set_rng_state(torch.load(path / f"rng_{self.state.rank}.pt", weights_only=False), self.state.device, self.state.rng_tracker)
         else:
             trainer.logger.info(
                 f"resharding checkpoint from layout {meta['layout']} to tp={self.state.tp} dp={self.state.dp}: "

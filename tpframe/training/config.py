@@ -20,33 +20,9 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration mistake, phrased for the user: the key, the value, and what to do."""
-
-
-@dataclass
-class ModelConfig:
-    name: str = "gpt"  # "gpt", or "package.module:build_fn" for a model of your own (README)
-    vocab_size: int = 256
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int | None = None  # grouped-query attention; None: as many as heads
-    ffn_hidden: int | None = None  # None: 4*hidden (GELU) or 8/3*hidden rounded to 64 (SwiGLU)
-    max_seq_len: int = 128
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = 1e-5
-    position: Literal["learned", "rotary"] = "learned"
-    rope_theta: float = 10000.0
-    activation: Literal["gelu", "swiglu", "relu"] = "gelu"
-    bias: bool = True
-    dropout: float = 0.0  # on the residual branches and embeddings
-    attention_dropout: float = 0.0
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (and of tp)
-
+from tpframe.data.config import DataConfig
+from tpframe.errors import ConfigError
+from tpframe.models.config import ModelConfig, ffn_hidden_size
 
 @dataclass
 class ParallelConfig:
@@ -54,16 +30,6 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
-
-
-@dataclass
-class DataConfig:
-    source: Literal["synthetic", "stdlib", "tokens"] = "synthetic"
-    path: str | None = None  # source=tokens: a token file made by tools/prepare_data.py
-    valid_path: str | None = None  # source=tokens: held-out token file (default: the tail of `path`)
-    valid_fraction: float = 0.05  # held-out share when no separate validation file is given
-    synthetic_tokens: int = 2_000_000  # size of the generated corpus (source=synthetic)
-    seed: int = 1234  # data order; independent of the model seed
 
 
 @dataclass
@@ -256,14 +222,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 # -- validation -------------------------------------------------------------------------------
-
-
-def ffn_hidden_size(m: ModelConfig) -> int:
-    if m.ffn_hidden is not None:
-        return m.ffn_hidden
-    if m.activation == "swiglu":
-        return 64 * -(-int(8 * m.hidden / 3) // 64)
-    return 4 * m.hidden
 
 
 def validate(cfg: Config, world_size: int) -> None:

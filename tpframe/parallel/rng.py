@@ -1,21 +1,21 @@
-"""RNG states for tensor parallelism, and activation checkpointing that replays them.
+"""RNG states for tensor parallelism (activation recompute replays them: tpframe.parallel.recompute).
 
 Two streams per process:
   - the default generator, seeded identically on every TP rank: dropout on replicated
     activations (e.g. after the row-parallel reduce) is the same on all TP ranks;
   - the tracker's "tp" stream, seeded differently per TP rank: dropout on TP-split activations
     (attention probabilities of this rank's heads) differs across TP ranks.
-`checkpoint` replays all of them for the recompute, so a checkpointed block draws the same
+`recompute` (tpframe.parallel.recompute) replays all of them, so a recomputed block draws the same
 dropout masks twice and gives bit-identical gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
 
 import torch
-import torch.utils.checkpoint
+
+from tpframe.parallel.state import ParallelState, get_parallel_state
 
 TP_STREAM = "tp"
 
@@ -74,10 +74,8 @@ def parallel_seeds(seed: int, tp_rank: int, pp_rank: int) -> tuple[int, int]:
     return default, default + 2718 + tp_rank
 
 
-def seed_parallel_rng(seed: int, state=None) -> RNGStatesTracker:
+def seed_parallel_rng(seed: int, state: ParallelState | None = None) -> RNGStatesTracker:
     """Seed the default generators and build the tracker; stored on the parallel state."""
-    from tpframe.parallel.state import get_parallel_state
-
     state = state or get_parallel_state()
     default, tp_seed = parallel_seeds(seed, state.tp_rank, state.pp_rank)
     torch.manual_seed(default)  # CPU and every CUDA device
@@ -87,42 +85,18 @@ def seed_parallel_rng(seed: int, state=None) -> RNGStatesTracker:
     return tracker
 
 
-# -- activation checkpointing -----------------------------------------------------------------
+def rng_state(device: torch.device, tracker: RNGStatesTracker | None) -> dict:
+    """Every RNG state of this process: CPU, the CUDA device's, and the tracker's streams."""
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "tracker": tracker.get_states() if tracker is not None else None,
+    }
 
 
-def checkpoint(fn: Callable[..., Any], *args, tracker: RNGStatesTracker | None = None):
-    """Run `fn(*args)` without keeping its activations; recompute them in backward.
-
-    torch's non-reentrant checkpoint replays the CPU and CUDA default RNG states; the context
-    below replays the tracker's streams too, so every dropout mask matches the first pass.
-    `tracker` defaults to the parallel state's.
-    """
-    if tracker is None:
-        from tpframe.parallel.state import get_parallel_state, is_initialized
-
-        tracker = get_parallel_state().rng_tracker if is_initialized() else None
-    if tracker is None:
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
-    saved: dict[str, dict] = {}
-
-    @contextlib.contextmanager
-    def forward_context():
-        saved["streams"] = tracker.get_states()
-        yield
-
-    @contextlib.contextmanager
-    def recompute_context():
-        current = tracker.get_states()
-        tracker.set_states(saved["streams"])
-        try:
-            yield
-        finally:
-            tracker.set_states(current)
-
-    return torch.utils.checkpoint.checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        context_fn=lambda: (forward_context(), recompute_context()),
-    )
+def set_rng_state(saved: dict, device: torch.device, tracker: RNGStatesTracker | None) -> None:
+    torch.set_rng_state(saved["cpu"])
+    if saved["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], device)
+    if saved["tracker"] is not None and tracker is not None:
+        tracker.set_states(saved["tracker"])

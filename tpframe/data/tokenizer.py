@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from tpframe.training.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
+from tpframe.data.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
 
 FORMAT = "tpframe.tokens/1"
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")

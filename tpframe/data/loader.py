@@ -16,9 +16,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpframe.training.config import ConfigError, DataConfig
-from tpframe.training.corpus import TokenStream, stdlib_corpus, synthetic_corpus
-from tpframe.training.tokenize import open_token_file
+from tpframe.data.config import DataConfig
+from tpframe.errors import ConfigError
+from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus
+from tpframe.data.tokenizer import open_token_file
 
 STATE_FORMAT = "tpframe.data/1"
 _SPLIT_IDS = {"train": 0, "valid": 1}  # separate shuffles for the two splits

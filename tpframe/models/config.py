@@ -1,0 +1,59 @@
+"""A model's shape and options (the `model:` section of a run config), beside the models that read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tpframe.layers.embedding import padded_vocab_size
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"  # "gpt", or "package.module:build_fn" for a model of your own (README)
+    vocab_size: int = 256
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int | None = None  # grouped-query attention; None: as many as heads
+    ffn_hidden: int | None = None  # None: 4*hidden (GELU) or 8/3*hidden rounded to 64 (SwiGLU)
+    max_seq_len: int = 128
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    position: Literal["learned", "rotary"] = "learned"
+    rope_theta: float = 10000.0
+    activation: Literal["gelu", "swiglu", "relu"] = "gelu"
+    bias: bool = True
+    dropout: float = 0.0  # on the residual branches and embeddings
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (and of tp)
+
+
+def ffn_hidden_size(m: ModelConfig) -> int:
+    if m.ffn_hidden is not None:
+        return m.ffn_hidden
+    if m.activation == "swiglu":
+        return 64 * -(-int(8 * m.hidden / 3) // 64)
+    return 4 * m.hidden
+
+
+# Fields that fix tensor shapes or semantics: a checkpoint loads only into a model with equal values.
+ARCH_FIELDS = ("name", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "norm", "position",
+               "activation", "bias", "tie_embeddings", "max_seq_len")
+
+
+def architecture(m: ModelConfig) -> dict:
+    """The fields two models must share for one's weights to load into the other (ffn size resolved;
+    max_seq_len only where it sizes a tensor, i.e. learned positions)."""
+    arch = {key: getattr(m, key) for key in ARCH_FIELDS}
+    arch["ffn_hidden"] = ffn_hidden_size(m)
+    if m.position != "learned":
+        arch.pop("max_seq_len")
+    return arch
+
+
+def padded_vocab(m: ModelConfig, tp: int) -> int:
+    """Rows of the vocabulary tables at TP size `tp` (a multiple of model.vocab_multiple and of tp)."""
+    return padded_vocab_size(m.vocab_size, tp, m.vocab_multiple)
