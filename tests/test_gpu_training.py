@@ -23,7 +23,7 @@ def _losses_and_backend(overrides):
 
     Communicator._route = counting_route
     trainer = train_in_process(overrides, keep_trainer=True)
-    return [r["loss"] for r in trainer.history], symm_calls[0], str(trainer.state.device)
+    return [r["loss"] for r in trainer.history], symm_calls[0], str(trainer.parallel.device)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
