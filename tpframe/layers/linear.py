@@ -8,7 +8,6 @@ Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
@@ -21,6 +20,7 @@ from tpframe.layers.mappings import (
     scatter_to_tp,
 )
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
+from tpframe.layers.weight_grad import linear
 from tpframe.parallel.state import default_tp_comm
 
 
@@ -44,7 +44,7 @@ def column_parallel_linear(
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     """
     x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm)
-    y = F.linear(x, weight, bias)
+    y = linear(x, weight, bias)  # F.linear; zero-bubble pipelines defer its weight gradient
     return gather_from_tp(y, comm) if gather_output else y
 
 
@@ -63,7 +63,7 @@ def row_parallel_linear(
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, comm)
-    y = F.linear(x, weight)
+    y = linear(x, weight)
     y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm)
     return y + bias if bias is not None else y
 

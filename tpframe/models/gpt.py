@@ -107,6 +107,8 @@ class GPT(nn.Module):
         if self.stage.first or (self.stage.last and cfg.tie_embeddings):
             with seeded(seed):  # the last stage's tied copy draws the same table
                 self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=sp, **vocab)
+            if cfg.tie_embeddings and not (self.stage.first and self.stage.last):
+                self.embedding.weight.pipeline_tied = True  # gradients summed over the first and last stage
         if self.stage.first and cfg.position == "learned":
             with seeded(seed + 1):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)

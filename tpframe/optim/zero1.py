@@ -35,7 +35,7 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import GradBuffer, allreduce_sequence_parallel_grads
+from tpframe.parallel.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.state import ParallelState
 
 # torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
@@ -112,9 +112,12 @@ class Zero1Strategy(GradStrategy):
         # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
         allreduce_sequence_parallel_grads(
             [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm)
+        # a tied weight has a bucket of its own: this slice is the same element range on both stages
+        allreduce_pipeline_tied_grads([sg.grad for sg in self.segments if getattr(sg.param, "pipeline_tied", False)],
+                                      self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        counted = [sg.grad for sg in self.segments if counts_once(sg.param, self.parallel.tp_rank)]
+        counted = [sg.grad for sg in self.segments if counts_once(sg.param, self.parallel.tp_rank, self.parallel.pp_rank)]
         comms = [self.parallel.dp_comm, self.parallel.mp_comm]  # shards over DP, then one model replica
         return clip_by_global_norm(counted, [self.grads.shard], max_norm, comms, self.grads.shard.device)
 

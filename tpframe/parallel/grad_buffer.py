@@ -45,6 +45,13 @@ def allreduce_sequence_parallel_grads(grads: list[torch.Tensor], tp_comm: Commun
             offset += g.numel()
 
 
+def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Communicator | None) -> None:
+    """Sum over the embedding group (first and last pipeline stage), in place, the gradients (or equal
+    gradient slices) of weights both stages hold: tied input embedding and output head."""
+    if embedding_comm is not None:
+        allreduce_sequence_parallel_grads(grads, embedding_comm)  # the same in-place sum, over another group
+
+
 def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") -> list[torch.Tensor]:
     """The gradients (`attr`: "grad" or "main_grad") of the sequence-parallel params among `params`."""
     return [getattr(p, attr) for p in params if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None]
@@ -84,15 +91,26 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         offset, current = 0, []
         limit = max(1, bucket_bytes // 4)
+
+        def close() -> None:
+            nonlocal offset, current
+            start = self.buckets[-1].stop if self.buckets else 0
+            stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
+            self.buckets.append(Bucket(start, stop, current, members=set(map(id, current))))
+            offset, current = stop, []
+
         for i, p in enumerate(self.params):
+            # a pipeline-tied weight (first and last stage) gets a bucket of its own, so its reduce-scatter
+            # slice is the same element range on both stages and the two can be summed slice by slice
+            tied = getattr(p, "pipeline_tied", False)
+            if tied and current:
+                close()
             self.offsets[p] = offset
             offset += p.numel()
             current.append(p)
             start = self.buckets[-1].stop if self.buckets else 0
-            if offset - start >= limit or i == len(self.params) - 1:
-                stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
-                self.buckets.append(Bucket(start, stop, current, members=set(map(id, current))))
-                offset, current = stop, []
+            if offset - start >= limit or i == len(self.params) - 1 or tied:
+                close()
         self.numel = self.buckets[-1].stop
         device = self.params[0].device
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
