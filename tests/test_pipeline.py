@@ -3,7 +3,10 @@ equal to PP=1 for every schedule, composed with TP+SP and DP, plus resharding ch
 
 The training runs share one module fixture (three spawned worlds, several layouts each); the tests
 below it each assert one claim on their results. Every run: 8 tiny layers, fp32, dropout 0, constant
-learning rate after warm-up (so a 10-step run is the first 10 steps of a 15-step one).
+learning rate after warm-up (so a 10-step run is the first 10 steps of a 15-step one), and no gradient
+clipping: clipping scales every gradient by max_norm/norm, whose last bits depend on the order the
+stages' squares are summed, and Adam amplifies those bits in the near-zero attention q/k gradients
+(up to 6e-5 after 10 steps with an untied head). The global norm itself is compared step by step.
 """
 
 from __future__ import annotations
@@ -145,15 +148,15 @@ PP4 = {  # at world 4
     "pp2-dp2": ["parallel.pp=2", "train.micro_batch_size=1"],
     "pp2-dp2-zero1-zb_h1": ["parallel.pp=2", "train.micro_batch_size=1", "parallel.dp_strategy=zero1",
                             "parallel.pp_schedule=zb_h1"],
+    "pp2-dp2-fsdp-interleaved": ["parallel.pp=2", "train.micro_batch_size=1", "parallel.dp_strategy=fsdp",
+                                 "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
     # 15 steps, a checkpoint at step 10 that the resharding runs resume from
     "tp2-pp2-sp": ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "train.steps=15",
                    "checkpoint.interval=10", "checkpoint.save_at_end=false"],
 }
 REFERENCE = {"pp1": ["train.steps=15", "checkpoint.interval=10", "checkpoint.save_at_end=false"],
              "pp1-untied": ["model.tie_embeddings=false"]}
-# TP changes the order of reductions (TP=2 vs TP=1 agree to ~1e-4, tests/test_training.py): TP=2xPP=2 is held
-# to 1e-5 against TP=2xPP=1, which the world-2 spawn runs
-PP2["tp2-pp1-sp"] = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+PP2["tp2-pp1-sp"] = ["parallel.tp=2", "parallel.sequence_parallel=true"]  # TP=2xPP=2's weights are held to this
 REFERENCE_OF = {"pp2-untied": "pp1-untied", "tp2-pp2-sp": "tp2-pp1-sp"}
 
 
@@ -199,11 +202,14 @@ def _weights(root, name, step=10):
 
 
 def _assert_equal_to_pp1(root, out, name):
+    """Losses, global grad norms and the step-10 eval loss within 1e-5 of PP=1; final weights within 1e-5
+    of PP=1 at the same TP (TP=2 reorders reductions: its weights sit ~7e-6 from TP=1's after 10 steps)."""
+    ref = "pp1-untied" if name == "pp2-untied" else "pp1"
+    mine, theirs = out[name][:10], out[ref][:10]
+    _assert_close(_losses(mine), _losses(theirs), f"{name} vs {ref} losses")
+    _assert_close([r["grad_norm"] for r in mine], [r["grad_norm"] for r in theirs], f"{name} vs {ref} grad norms")
+    assert "eval_loss" in mine[-1] and abs(mine[-1]["eval_loss"] - theirs[-1]["eval_loss"]) <= 1e-5 * theirs[-1]["eval_loss"]
     ref = REFERENCE_OF.get(name, "pp1")
-    _assert_close(_losses(out[name])[:10], _losses(out[ref])[:10], f"{name} vs {ref} losses")
-    evals = [(r["step"], r["eval_loss"]) for r in out[name] if "eval_loss" in r]
-    ref_evals = dict((r["step"], r["eval_loss"]) for r in out[ref] if "eval_loss" in r)
-    assert evals and all(abs(e - ref_evals[s]) <= 1e-5 * ref_evals[s] for s, e in evals), (name, evals, ref_evals)
     got, want = _weights(root, name), _weights(root, ref)
     assert got.keys() == want.keys(), (name, sorted(set(got) ^ set(want)))
     for key, w in want.items():
@@ -226,8 +232,8 @@ def test_pp4_schedule_equals_pp1(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2-pp2-sp", "pp2-dp2", "pp2-dp2-zero1-zb_h1", "pp2-recompute-zb_h1",
-                                  "pp2-untied", "pp2-uneven"])
+@pytest.mark.parametrize("name", ["tp2-pp2-sp", "pp2-dp2", "pp2-dp2-zero1-zb_h1", "pp2-dp2-fsdp-interleaved",
+                                  "pp2-recompute-zb_h1", "pp2-untied", "pp2-uneven"])
 def test_pp2_composed_with_tp_sp_dp_recompute_untied_head_and_uneven_stages_equals_pp1(runs, name):
     _assert_equal_to_pp1(*runs, name)
 

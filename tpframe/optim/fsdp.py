@@ -65,9 +65,10 @@ class FSDPStrategy(GradStrategy):
         mixed = compute_dtype != torch.float32
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32 if mixed else None)
         mesh = parallel.mesh["dp"]
-        for block in getattr(model, "blocks", {}).values() if hasattr(model, "blocks") else []:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
+            for block in root.blocks.values() if hasattr(root, "blocks") else []:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(root, mesh=mesh, mp_policy=policy)
         self.model = model
         self.named = named_trainable(model)
         for name, p in self.named:
