@@ -97,12 +97,15 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
             load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp, partial=p.pp > 1)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once
-        vocab_tensors = pipeline_union(state, [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)])
+        vocab_tables = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
+        vocab_tensors = pipeline_union(state, vocab_tables)  # every stage's (embedding first, head last)
         pipeline = None
         if p.pp > 1:
-            pipeline = build_pipeline(state, schedule=p.pp_schedule, virtual_stages=p.virtual_stages, seq_len=cfg.train.seq_len,
-                                      micro_batch_size=cfg.train.micro_batch_size, hidden=cfg.model.hidden,
-                                      sequence_parallel=p.sequence_parallel, dtype=dtype, timeout_s=p.pp_timeout_s)
+            pipeline = build_pipeline(
+                state, schedule=p.pp_schedule, virtual_stages=p.virtual_stages, seq_len=cfg.train.seq_len,
+                micro_batch_size=cfg.train.micro_batch_size, hidden=cfg.model.hidden,
+                sequence_parallel=p.sequence_parallel, dtype=dtype, timeout_s=p.pp_timeout_s,
+            )
         strategy = build_strategy(
             p.dp_strategy, model, cfg.optim, state, bucket_mb=p.grad_bucket_mb, overlap_grad_sync=p.overlap_grad_sync,
             overlap_param_gather=p.overlap_param_gather, compute_dtype=dtype,
@@ -110,15 +113,18 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
-                          forward_backward=get_forward_backward(p.pp, pipeline), forward_only=get_forward_only(p.pp, pipeline),
+                          forward_backward=get_forward_backward(p.pp, pipeline),
+                          forward_only=get_forward_only(p.pp, pipeline),
                           peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
         checkpointer = Checkpointer(cfg, state, tensors=strategy, meta={"train": trainer, "data": train_data},
                                     rng=RNGState(state.device, tracker), vocab_tensors=vocab_tensors, resume=resume, log=logger.info)
         checkpointer.load()  # model, optimizer, data position, RNG, step
+        schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
         logger.info(
             f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
-            f"x pp {state.pp}{f' ({p.pp_schedule})' if p.pp > 1 else ''} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, global batch "
-            f"{cfg.train.global_batch_size} ({trainer.accum} micro-batches of {cfg.train.micro_batch_size} per rank)"
+            f"x pp {state.pp}{schedule} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
+            f"global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
+            f"{cfg.train.micro_batch_size} per rank)"
         )
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if checkpointer.loaded_from is not None:

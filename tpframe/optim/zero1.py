@@ -117,7 +117,8 @@ class Zero1Strategy(GradStrategy):
                                       self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        counted = [sg.grad for sg in self.segments if counts_once(sg.param, self.parallel.tp_rank, self.parallel.pp_rank)]
+        tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
+        counted = [sg.grad for sg in self.segments if counts_once(sg.param, tp_rank, pp_rank)]
         comms = [self.parallel.dp_comm, self.parallel.mp_comm]  # shards over DP, then one model replica
         return clip_by_global_norm(counted, [self.grads.shard], max_norm, comms, self.grads.shard.device)
 

@@ -30,7 +30,8 @@ def forward_backward_no_pipelining(model: nn.Module, batches, num_micro_batches:
 
 
 @torch.no_grad()
-def forward_only_no_pipelining(model: nn.Module, batches, num_micro_batches: int, *, device: torch.device) -> torch.Tensor:
+def forward_only_no_pipelining(model: nn.Module, batches, num_micro_batches: int, *,
+                               device: torch.device) -> torch.Tensor:
     """Mean loss over `num_micro_batches` micro-batches, no gradients (evaluation)."""
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for _ in range(num_micro_batches):

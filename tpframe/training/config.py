@@ -246,7 +246,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if world_size % (p.tp * p.pp):
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {p.tp}*{p.pp}; "
-            f"launch a multiple of {p.tp * p.pp} processes (torchrun --nproc-per-node) or change parallel.tp / parallel.pp"
+            f"launch a multiple of {p.tp * p.pp} processes (torchrun --nproc-per-node) or change parallel.tp/pp"
         )
     dp = world_size // (p.tp * p.pp)
     if m.hidden % m.heads:
@@ -303,7 +303,7 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
     if p.pp == 1:
         return
     if schedule == "interleaved_1f1b" and v < 2:
-        raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2 (model chunks per rank)")
+        raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2 (chunks per rank)")
     if schedule != "interleaved_1f1b" and v > 1:
         raise ConfigError(f"parallel.virtual_stages={v} needs parallel.pp_schedule=interleaved_1f1b (got {schedule})")
     stages = p.pp * v

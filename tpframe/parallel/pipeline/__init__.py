@@ -50,7 +50,7 @@ def build_pipeline(state: ParallelState, *, schedule: str, virtual_stages: int =
 
 __all__ = [
     "DEFAULT_SCHEDULE", "SCHEDULES", "Action", "ModelChunks", "PipelineLinks", "PipelineSchedule", "PipelineTimeout",
-    "StageTimer", "build_pipeline", "build_stages", "local_stages", "min_micro_batches", "model_chunks", "pipeline_numel",
-    "pipeline_union",
+    "StageTimer", "build_pipeline", "build_stages", "local_stages", "min_micro_batches", "model_chunks",
+    "pipeline_numel", "pipeline_union",
     "schedule_order", "simulate", "split_layers", "splits_backward", "theoretical_bubble",
 ]

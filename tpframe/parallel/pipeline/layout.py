@@ -19,7 +19,7 @@ def split_layers(num_layers: int, stages: int, layers_per_stage: list[int] | Non
             raise ValueError(f"{num_layers} layers do not split evenly into {stages} pipeline stages")
         layers_per_stage = [num_layers // stages] * stages
     if len(layers_per_stage) != stages or sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
-        raise ValueError(f"layers per stage {layers_per_stage} must be {stages} counts >= 1 that add up to {num_layers}")
+        raise ValueError(f"layers per stage {layers_per_stage}: need {stages} counts >= 1 adding up to {num_layers}")
     out, start = [], 0
     for count in layers_per_stage:
         out.append(tuple(range(start, start + count)))
@@ -79,8 +79,8 @@ def pipeline_numel(model: nn.Module, state) -> int:
 
     from tpframe.parallel.sharding import param_shards
 
-    mine = sum(math.prod(s.global_shape) for n, p in model.named_parameters()
-               if not (getattr(p, "pipeline_tied", False) and state.pp_rank > 0) for s in param_shards(n, p, 0, state.tp))
+    held = [(n, p) for n, p in model.named_parameters() if not (getattr(p, "pipeline_tied", False) and state.pp_rank)]
+    mine = sum(math.prod(s.global_shape) for n, p in held for s in param_shards(n, p, 0, state.tp))
     if state.pp == 1:
         return mine
     return int(state.pp_comm.all_reduce(torch.tensor([mine], dtype=torch.float64, device=state.device)).item())

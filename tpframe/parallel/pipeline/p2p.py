@@ -54,6 +54,20 @@ class PipelineLinks:
         self.watchdog = Watchdog(timeout_s) if self.cuda else None
         self.idle: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # a StageTimer's idle()
         self.sends: list = []
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One tiny message over every link, link by link in the same order on every rank: NCCL sets up a
+        pair's communicator at its first message, blocking until both ends arrive, so first uses in
+        schedule order could wait on each other; here they cannot (and a broken link fails at start)."""
+        token = torch.zeros(1, device=self.state.device)
+        for kind, r in sorted(self.groups):
+            src, dst = (r, (r + 1) % self.pp) if kind == "act" else ((r + 1) % self.pp, r)
+            group = self.groups[(kind, r)]
+            if self.rank == src:
+                dist.send(token, self.state.pp_ranks[dst], group=group)
+            elif self.rank == dst:
+                dist.recv(token, self.state.pp_ranks[src], group=group)
 
     def _peer(self, kind: str, direction: str) -> tuple[dist.ProcessGroup, int]:
         """(group, global peer rank) for sending (direction "out") or receiving ("in") messages of `kind`."""
@@ -77,9 +91,9 @@ class PipelineLinks:
         work = dist.irecv(buffer, peer, group=group)
         peer_stage = stage - 1 if kind == "act" else stage + 1
         what = "activations" if kind == "act" else "output gradient"
-        message = (f"pipeline stage {stage} (rank {self.state.rank}) waited more than {self.timeout_s:g}s for the {what} "
-                   f"of micro-batch {mb} from stage {peer_stage} (rank {peer}); that rank stopped or hangs, see its "
-                   "log (parallel.pp_timeout_s sets the limit)")
+        message = (f"pipeline stage {stage} (rank {self.state.rank}) waited more than {self.timeout_s:g}s for the "
+                   f"{what} of micro-batch {mb} from stage {peer_stage} (rank {peer}); that rank stopped or hangs, "
+                   "see its log (parallel.pp_timeout_s sets the limit)")
         with self.idle():
             if self.cuda:  # the wait only orders the streams; the watchdog bounds it
                 self.watchdog.watch(work, message)

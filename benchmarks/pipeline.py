@@ -1,0 +1,221 @@
+"""Pipeline parallelism on 2 GPUs: PP=2 with each schedule next to TP=2+SP and DP=2, same global batch.
+
+    torchrun --nproc-per-node 2 benchmarks/pipeline.py                      # GPT-1.3B shapes, bf16
+    torchrun --nproc-per-node 2 benchmarks/pipeline.py hidden=64 layers=4 heads=4 seq=64 vocab=512 \\
+        dtype=float32 steps=3 warmup=1 append=0                              # CPU dry run (gloo)
+
+Every layout runs full optimizer steps as train.py does (Trainer.train_step: schedule, DP sync, clip,
+AdamW with fp32 masters, strategy ddp) on random tokens: `gbs` sequences of `seq` tokens per step, in
+micro-batches of `mb` (PP=2 and TP=2: gbs/mb micro-batches; DP=2: half as many per rank). Step time is
+the median of `steps` steps after `warmup`. FLOPs per step = flops_per_token * gbs * seq with
+flops_per_token = 3 * (L * (24 h^2 + 4 s h) + 2 h V) (Megatron's 72 L h^2 + 12 L h s + 6 h V per token).
+Bubble: each pipeline rank's idle time (waiting on its neighbours' activations/gradients, and for the
+loss at the end), timed with CUDA events around the waits, over the schedule's time; theory with equal
+F, B, W costs: (p-1)/(m+p-1) for 1F1B and AFAB, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1.
+Keys (argv key=value, or env in upper case): hidden layers heads seq vocab mb gbs steps warmup dtype
+layouts (comma-separated, from LAYOUTS) comm append (0: print only).
+Appends the table, the command and the device to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _key, _value in NO_MULTICAST.items():
+    os.environ.setdefault(_key, _value)  # never NVLink multicast on the GPU machines
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tpframe.models import BuildContext  # noqa: E402
+from tpframe.optim import build_strategy  # noqa: E402
+from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
+from tpframe.parallel.pipeline import StageTimer, build_pipeline, build_stages, theoretical_bubble  # noqa: E402
+from tpframe.parallel.schedules import forward_backward_no_pipelining  # noqa: E402
+from tpframe.training.config import from_dict, validate  # noqa: E402
+from tpframe.training.trainer import Trainer  # noqa: E402
+
+DEFAULTS = dict(hidden=2048, layers=24, heads=16, seq=2048, vocab=50304, mb=2, gbs=16, steps=10, warmup=3,
+                dtype="bfloat16", comm="auto", append=1,
+                layouts="pp2-afab,pp2-1f1b,pp2-interleaved,pp2-zb_h1,tp2-sp,dp2")
+# name -> (tp, pp, schedule, virtual stages)
+LAYOUTS = {
+    "pp2-afab": (1, 2, "afab", 1),
+    "pp2-1f1b": (1, 2, "1f1b", 1),
+    "pp2-interleaved": (1, 2, "interleaved_1f1b", 2),
+    "pp2-zb_h1": (1, 2, "zb_h1", 1),
+    "tp2-sp": (2, 1, None, 1),
+    "dp2": (1, 1, None, 1),
+}
+
+
+def options(argv: list[str]) -> dict:
+    opts = {k: type(v)(os.environ.get(k.upper(), v)) for k, v in DEFAULTS.items()}
+    for item in argv:
+        key, _, value = item.partition("=")
+        if key not in DEFAULTS:
+            raise SystemExit(f"unknown option {key!r}; known: {', '.join(DEFAULTS)}")
+        opts[key] = type(DEFAULTS[key])(value)
+    return opts
+
+
+class RandomBatches:
+    """Random tokens, one global stream sliced by DP rank like the trainer's data (so every layout
+    trains on the same sequences and logs the same loss)."""
+
+    def __init__(self, vocab: int, mb: int, seq: int, dp_rank: int, dp: int):
+        self.vocab, self.mb, self.seq, self.dp_rank, self.dp = vocab, mb, seq, dp_rank, dp
+        self.gen = torch.Generator().manual_seed(1234)
+
+    def next(self):
+        tokens = torch.randint(0, self.vocab, (self.mb * self.dp, self.seq + 1), generator=self.gen)
+        tokens = tokens[self.dp_rank * self.mb : (self.dp_rank + 1) * self.mb]
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class Quiet:
+    def info(self, message: str) -> None:
+        print(message, flush=True)
+
+
+def run_layout(name: str, o: dict, world: int) -> dict:
+    tp, pp, schedule, v = LAYOUTS[name]
+    dp = world // (tp * pp)
+    cfg = from_dict({
+        "model": dict(vocab_size=o["vocab"], hidden=o["hidden"], layers=o["layers"], heads=o["heads"],
+                      max_seq_len=o["seq"], position="rotary", vocab_multiple=128),
+        "parallel": dict(tp=tp, pp=pp, sequence_parallel=tp > 1, pp_schedule=schedule or "1f1b", virtual_stages=v),
+        "train": dict(steps=o["warmup"] + o["steps"], seq_len=o["seq"], micro_batch_size=o["mb"],
+                      global_batch_size=o["gbs"], dtype=o["dtype"]),
+        "optim": dict(warmup_steps=0, decay="constant", lr=1e-4),
+        "comm": dict(backend=o["comm"]),
+    })
+    validate(cfg, world)
+    dtype = getattr(torch, o["dtype"])
+    state = initialize_parallel(tp=tp, pp=pp, comm_backend=o["comm"])
+    try:
+        tracker = seed_parallel_rng(1234)
+        ctx = BuildContext(state.tp_comm, sequence_parallel=tp > 1, rng_tracker=tracker, dtype=dtype,
+                           device=state.device, seed=1234)
+        model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=pp, virtual_stages=v)
+        strategy = build_strategy("ddp", model, cfg.optim, state, compute_dtype=dtype)
+        timer = StageTimer(state.device)
+        forward_backward = forward_backward_no_pipelining
+        if pp > 1:
+            pipeline = build_pipeline(state, schedule=schedule, virtual_stages=v, seq_len=o["seq"],
+                                      micro_batch_size=o["mb"], hidden=o["hidden"], sequence_parallel=False,
+                                      dtype=dtype, timer=timer)
+            forward_backward = pipeline.forward_backward
+        trainer = Trainer(cfg, state, model, strategy, RandomBatches(o["vocab"], o["mb"], o["seq"], state.dp_rank, dp),
+                          None, Quiet(), forward_backward=forward_backward)
+        cuda = state.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times, bubbles, loss = [], [], float("nan")
+        for step in range(o["warmup"] + o["steps"]):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            loss = trainer.train_step()["loss"]
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            idle, span = timer.pop()
+            if step >= o["warmup"]:
+                times.append(elapsed)
+                bubbles.append(idle / span if span > 0 else float("nan"))
+        mine = {"stage": state.pp_rank, "bubble": statistics.median(bubbles) if pp > 1 else None,
+                "mem": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        step_time = statistics.median(times)
+        tokens = o["gbs"] * o["seq"]
+        return {
+            "name": name, "tp": tp, "pp": pp, "dp": dp, "schedule": schedule, "v": v,
+            "micro": o["gbs"] // (o["mb"] * dp), "step_ms": step_time * 1e3, "tokens_s": tokens / step_time,
+            "tflops": model.flops_per_token(o["seq"]) * tokens / step_time / world / 1e12,
+            "bubbles": [e["bubble"] for e in sorted(everyone, key=lambda e: e["stage"])] if pp > 1 else None,
+            "mem": max(e["mem"] for e in everyone), "loss": loss,
+        }
+    finally:
+        destroy_parallel()
+
+
+def table(rows: list[dict], o: dict, device: str, world: int) -> str:
+    base = min(r["step_ms"] for r in rows)
+    lines = [
+        f"GPT L={o['layers']} h={o['hidden']} heads={o['heads']} V={o['vocab']} seq={o['seq']}, {o['dtype']}, "
+        f"global batch {o['gbs']} x {o['seq']} tokens, micro-batch {o['mb']}, full optimizer steps (ddp, AdamW), "
+        f"median of {o['steps']} after {o['warmup']} warm-up, on {device} x{world}",
+        "",
+        "| layout | schedule | micro-batches per rank | step ms | vs best | tokens/s | TFLOP/s per GPU | peak mem GiB "
+        "| bubble per stage (measured) | bubble theory (p-1)/(m+p-1) | schedule theory | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["pp"] > 1:
+            m, p = r["micro"], r["pp"]
+            measured = " / ".join(f"{b:.3f}" for b in r["bubbles"]) + f" (mean {statistics.mean(r['bubbles']):.3f})"
+            theory = f"{(p - 1) / (m + p - 1):.3f}"
+            own = f"{theoretical_bubble(r['schedule'], p, m, r['v']):.3f}"
+            schedule = r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else "")
+        else:
+            measured = theory = own = "-"
+            schedule = "-"
+        layout = f"tp={r['tp']} pp={r['pp']} dp={r['dp']}" + (" sp" if r["tp"] > 1 else "")
+        lines.append(
+            f"| {layout} | {schedule} | {r['micro']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x "
+            f"| {r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mem']:.1f} | {measured} | {theory} | {own} "
+            f"| {r['loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    o = options(argv)
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    names = [n for n in o["layouts"].split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    if world != 2:
+        raise SystemExit(f"the layouts compared here are 2-GPU layouts; launch 2 processes (got {world})")
+    rows = []
+    for name in names:
+        rows.append(run_layout(name, o, world))
+        gc.collect()  # the layout's model, optimizer and activations, before the next one is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if rank == 0:
+            r = rows[-1]
+            print(f"{name}: step {r['step_ms']:.1f} ms, {r['tflops']:.1f} TFLOP/s per GPU, bubble {r['bubbles']}",
+                  flush=True)
+    if rank == 0:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (gloo)"
+        text = table(rows, o, device, world)
+        print("\n" + text, flush=True)
+        if o["append"]:
+            command = "torchrun --nproc-per-node {} benchmarks/pipeline.py {}".format(world, " ".join(argv)).strip()
+            with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
+                f.write(f"\n## Pipeline parallelism, {time.strftime('%Y-%m-%d')}\n\n`{command}` on {device} x{world}, "
+                        f"torch {torch.__version__}\n\n{text}\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
