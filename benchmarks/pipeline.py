@@ -1,19 +1,20 @@
-"""Pipeline parallelism on 2 GPUs: PP=2 with each schedule next to TP=2+SP and DP=2, same global batch.
+"""Pipeline parallelism on N GPUs: PP=N with each schedule next to TP=N+SP and DP=N, same global batch.
 
-    torchrun --nproc-per-node 2 benchmarks/pipeline.py                      # GPT-1.3B shapes, bf16
+    torchrun --nproc-per-node 2 benchmarks/pipeline.py                      # GPT-1.3B shapes, bf16 (also 4, 8)
     torchrun --nproc-per-node 2 benchmarks/pipeline.py hidden=64 layers=4 heads=4 seq=64 vocab=512 \\
         dtype=float32 steps=3 warmup=1 append=0                              # CPU dry run (gloo)
 
 Every layout runs full optimizer steps as train.py does (Trainer.train_step: schedule, DP sync, clip,
 AdamW with fp32 masters, strategy ddp) on random tokens: `gbs` sequences of `seq` tokens per step, in
-micro-batches of `mb` (PP=2 and TP=2: gbs/mb micro-batches; DP=2: half as many per rank). Step time is
+micro-batches of `mb` (PP=N and TP=N: gbs/mb micro-batches; DP=N: N times fewer per rank). Step time is
 the median of `steps` steps after `warmup`. FLOPs per step = flops_per_token * gbs * seq with
 flops_per_token = 3 * (L * (24 h^2 + 4 s h) + 2 h V) (Megatron's 72 L h^2 + 12 L h s + 6 h V per token).
 Bubble: each pipeline rank's idle time (waiting on its neighbours' activations/gradients, and for the
 loss at the end), timed with CUDA events around the waits, over the schedule's time; theory with equal
 F, B, W costs: (p-1)/(m+p-1) for 1F1B and AFAB, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1.
 Keys (argv key=value, or env in upper case): hidden layers heads seq vocab mb gbs steps warmup dtype
-layouts (comma-separated, from LAYOUTS) comm append (0: print only).
+layouts (comma-separated: pp-afab pp-1f1b pp-interleaved pp-zb_h1 tp-sp dp) virtual (chunks per rank for
+pp-interleaved) comm append (0: print only).
 Appends the table, the command and the device to benchmarks/RESULTS.md.
 """
 
@@ -40,21 +41,24 @@ from tpframe.optim import build_strategy  # noqa: E402
 from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
 from tpframe.parallel.pipeline import StageTimer, build_pipeline, build_stages, theoretical_bubble  # noqa: E402
 from tpframe.parallel.schedules import forward_backward_no_pipelining  # noqa: E402
+from tpframe.errors import ConfigError  # noqa: E402
 from tpframe.training.config import from_dict, validate  # noqa: E402
 from tpframe.training.trainer import Trainer  # noqa: E402
 
 DEFAULTS = dict(hidden=2048, layers=24, heads=16, seq=2048, vocab=50304, mb=2, gbs=16, steps=10, warmup=3,
                 dtype="bfloat16", comm="auto", append=1,
-                layouts="pp2-afab,pp2-1f1b,pp2-interleaved,pp2-zb_h1,tp2-sp,dp2")
-# name -> (tp, pp, schedule, virtual stages)
-LAYOUTS = {
-    "pp2-afab": (1, 2, "afab", 1),
-    "pp2-1f1b": (1, 2, "1f1b", 1),
-    "pp2-interleaved": (1, 2, "interleaved_1f1b", 2),
-    "pp2-zb_h1": (1, 2, "zb_h1", 1),
-    "tp2-sp": (2, 1, None, 1),
-    "dp2": (1, 1, None, 1),
-}
+                virtual=2, layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp")
+
+
+def layout(name: str, world: int, virtual: int) -> tuple[int, int, str | None, int]:
+    """(tp, pp, schedule, virtual stages) of a layout over `world` GPUs."""
+    if name.startswith("pp-"):
+        schedule = {"pp-interleaved": "interleaved_1f1b"}.get(name, name[3:])
+        return 1, world, schedule, virtual if schedule == "interleaved_1f1b" else 1
+    return {"tp-sp": (world, 1, None, 1), "dp": (1, 1, None, 1)}[name]
+
+
+LAYOUTS = ("pp-afab", "pp-1f1b", "pp-interleaved", "pp-zb_h1", "tp-sp", "dp")
 
 
 def options(argv: list[str]) -> dict:
@@ -87,7 +91,7 @@ class Quiet:
 
 
 def run_layout(name: str, o: dict, world: int) -> dict:
-    tp, pp, schedule, v = LAYOUTS[name]
+    tp, pp, schedule, v = layout(name, world, o["virtual"])
     dp = world // (tp * pp)
     cfg = from_dict({
         "model": dict(vocab_size=o["vocab"], hidden=o["hidden"], layers=o["layers"], heads=o["heads"],
@@ -192,11 +196,13 @@ def main(argv: list[str]) -> None:
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
-    if world != 2:
-        raise SystemExit(f"the layouts compared here are 2-GPU layouts; launch 2 processes (got {world})")
-    rows = []
+    rows, skipped = [], []
     for name in names:
-        rows.append(run_layout(name, o, world))
+        try:
+            rows.append(run_layout(name, o, world))
+        except ConfigError as e:  # raised by every rank alike, before any group is built
+            skipped.append(f"{name}: {e}")
+            continue
         gc.collect()  # the layout's model, optimizer and activations, before the next one is built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -206,7 +212,8 @@ def main(argv: list[str]) -> None:
                   flush=True)
     if rank == 0:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (gloo)"
-        text = table(rows, o, device, world)
+        text = table(rows, o, device, world) if rows else "no layout ran"
+        text += "".join(f"\n\nskipped {s}" for s in skipped)
         print("\n" + text, flush=True)
         if o["append"]:
             command = "torchrun --nproc-per-node {} benchmarks/pipeline.py {}".format(world, " ".join(argv)).strip()

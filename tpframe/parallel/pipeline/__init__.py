@@ -27,7 +27,6 @@ from tpframe.parallel.pipeline.orders import (
     DEFAULT_SCHEDULE,
     SCHEDULES,
     Action,
-    min_micro_batches,
     schedule_order,
     simulate,
     splits_backward,
@@ -50,7 +49,7 @@ def build_pipeline(state: ParallelState, *, schedule: str, virtual_stages: int =
 
 __all__ = [
     "DEFAULT_SCHEDULE", "SCHEDULES", "Action", "ModelChunks", "PipelineLinks", "PipelineSchedule", "PipelineTimeout",
-    "StageTimer", "build_pipeline", "build_stages", "local_stages", "min_micro_batches", "model_chunks",
+    "StageTimer", "build_pipeline", "build_stages", "local_stages", "model_chunks",
     "pipeline_numel", "pipeline_union",
     "schedule_order", "simulate", "split_layers", "splits_backward", "theoretical_bubble",
 ]

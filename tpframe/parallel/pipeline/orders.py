@@ -28,11 +28,6 @@ class Action:
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def min_micro_batches(schedule: str, pp: int) -> int:
-    """The fewest micro-batches per step a schedule runs with (it keeps every stage busy only past this)."""
-    return pp
-
-
 def splits_backward(schedule: str) -> bool:
     """Whether the schedule runs weight gradients (W) apart from input gradients (B)."""
     return schedule == "zb_h1"
