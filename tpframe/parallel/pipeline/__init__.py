@@ -24,7 +24,6 @@ from tpframe.parallel.pipeline.layout import (
     split_layers,
 )
 from tpframe.parallel.pipeline.orders import (
-    DEFAULT_SCHEDULE,
     SCHEDULES,
     Action,
     schedule_order,
@@ -48,7 +47,7 @@ def build_pipeline(state: ParallelState, *, schedule: str, virtual_stages: int =
 
 
 __all__ = [
-    "DEFAULT_SCHEDULE", "SCHEDULES", "Action", "ModelChunks", "PipelineLinks", "PipelineSchedule", "PipelineTimeout",
+    "SCHEDULES", "Action", "ModelChunks", "PipelineLinks", "PipelineSchedule", "PipelineTimeout",
     "StageTimer", "build_pipeline", "build_stages", "local_stages", "model_chunks",
     "pipeline_numel", "pipeline_union",
     "schedule_order", "simulate", "split_layers", "splits_backward", "theoretical_bubble",

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULES = ("1f1b", "afab", "interleaved_1f1b", "zb_h1")
-DEFAULT_SCHEDULE = "1f1b"
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,8 @@ class PipelineSchedule:
                         store.seal((a.chunk, a.mb))
                 else:
                     store.flush((a.chunk, a.mb))
-            self.links.wait_sends()
-            with self.timer.idle():  # the last stage holds the loss
+            with self.timer.idle():  # the sends drain; the last stage holds the loss
+                self.links.wait_sends()
                 loss = self.state.pp_comm.all_reduce(loss_sum)
         assert not saved and (store is None or len(store) == 0), "a pipeline order left work undone"
         return loss
