@@ -199,5 +199,6 @@ class Zero1Strategy(GradStrategy):
 
     def describe(self) -> str:
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
-        return f"zero1 (optimizer state sharded over dp={self.parallel.dp}, {len(self.grads.buckets)} buckets{gather})"
+        n = len(self.grads.buckets)
+        return f"zero1 (optimizer state sharded over dp={self.parallel.dp}, {n} gradient bucket{'s' * (n != 1)}{gather})"
 

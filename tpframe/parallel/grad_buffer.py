@@ -50,8 +50,9 @@ def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") 
     return [getattr(p, attr) for p in params if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None]
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
+    index: int
     start: int  # [start, stop) of the flat buffer; stop - start is a multiple of the DP size
     stop: int
     params: list[nn.Parameter]
@@ -91,7 +92,7 @@ class GradBuffer:
             start = self.buckets[-1].stop if self.buckets else 0
             if offset - start >= limit or i == len(self.params) - 1:
                 stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
-                self.buckets.append(Bucket(start, stop, current, members=set(map(id, current))))
+                self.buckets.append(Bucket(len(self.buckets), start, stop, current, members=set(map(id, current))))
                 offset, current = stop, []
         self.numel = self.buckets[-1].stop
         device = self.params[0].device
@@ -104,6 +105,7 @@ class GradBuffer:
                 shard_start += (b.stop - b.start) // dp_size
             self.shard = torch.zeros(shard_start, dtype=torch.float32, device=device)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._position = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
             p.main_grad = self.buffer[self.offsets[p] : self.offsets[p] + p.numel()].view_as(p)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
@@ -137,7 +139,7 @@ class GradBuffer:
         p.main_grad.add_(p.grad)
         p.grad = None
         if self.events is not None:
-            self.events.append(("grad", self.params.index(p)))
+            self.events.append(("grad", self._position[id(p)]))
         if self.syncing and self.overlap:
             b = self.bucket_of[p]
             b.pending -= 1
@@ -147,7 +149,7 @@ class GradBuffer:
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         if self.events is not None:
-            self.events.append(("launch", self.buckets.index(b)))
+            self.events.append(("launch", b.index))
         if self.dp_size == 1:
             return
         data = self.buffer[b.start : b.stop]
