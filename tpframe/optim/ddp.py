@@ -107,4 +107,5 @@ class DDPStrategy(GradStrategy):
         return masters + moments
 
     def describe(self) -> str:
-        return f"ddp ({len(self.grads.buckets)} gradient buckets, overlap {'on' if self.grads.overlap else 'off'})"
+        n = len(self.grads.buckets)
+        return f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'})"

@@ -9,7 +9,8 @@ Only after `start_sync()` (the schedule calls it before the last micro-batch's b
 bucket whose every gradient has arrived launch its DP collective, asynchronously, while backward
 goes on (`overlap=True`); earlier micro-batches cause no DP traffic. `finish_sync()` launches what
 is left and waits. The collective averages in fp32: an all-reduce (ddp: every rank gets every
-gradient) or a reduce-scatter (zero1: rank d gets slice d of each bucket, in `shard`).
+gradient) or a reduce-scatter (zero1: rank d gets slice d of each bucket, in place: the sum lands in
+the bucket's slice d of this rank's own buffer, so no second buffer is needed).
 
 Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
 so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
@@ -57,15 +58,15 @@ def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") 
     return [getattr(p, attr) for p in params if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None]
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
+    index: int
     start: int  # [start, stop) of the flat buffer; stop - start is a multiple of the DP size
     stop: int
     params: list[nn.Parameter]
     pending: int = 0  # gradients still to arrive in the synced backward
     work: object = None  # the in-flight collective
     launched: bool = False
-    shard_start: int = 0  # reduce-scatter: where this bucket's slice lives in `shard`
     members: set = field(default_factory=set)
 
 
@@ -77,7 +78,7 @@ class GradBuffer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce"):
+                 dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce"):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
@@ -86,7 +87,7 @@ class GradBuffer:
         if not params:
             raise ValueError("GradBuffer needs at least one parameter that requires grad")
         self.params = list(reversed(params))  # backward produces the last layers' grads first
-        self.dp_group, self.dp_size, self.overlap, self.mode = dp_group, dp_size, overlap, mode
+        self.dp_group, self.dp_size, self.dp_rank, self.overlap, self.mode = dp_group, dp_size, dp_rank, overlap, mode
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         offset, current = 0, []
@@ -96,7 +97,7 @@ class GradBuffer:
             nonlocal offset, current
             start = self.buckets[-1].stop if self.buckets else 0
             stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
-            self.buckets.append(Bucket(start, stop, current, members=set(map(id, current))))
+            self.buckets.append(Bucket(len(self.buckets), start, stop, current, members=set(map(id, current))))
             offset, current = stop, []
 
         for i, p in enumerate(self.params):
@@ -114,14 +115,8 @@ class GradBuffer:
         self.numel = self.buckets[-1].stop
         device = self.params[0].device
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.shard: torch.Tensor | None = None
-        if mode == "reduce_scatter":
-            shard_start = 0
-            for b in self.buckets:
-                b.shard_start = shard_start
-                shard_start += (b.stop - b.start) // dp_size
-            self.shard = torch.zeros(shard_start, dtype=torch.float32, device=device)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._position = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
             p.main_grad = self.buffer[self.offsets[p] : self.offsets[p] + p.numel()].view_as(p)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
@@ -155,7 +150,7 @@ class GradBuffer:
         p.main_grad.add_(p.grad)
         p.grad = None
         if self.events is not None:
-            self.events.append(("grad", self.params.index(p)))
+            self.events.append(("grad", self._position[id(p)]))
         if self.syncing and self.overlap:
             b = self.bucket_of[p]
             b.pending -= 1
@@ -165,22 +160,26 @@ class GradBuffer:
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         if self.events is not None:
-            self.events.append(("launch", self.buckets.index(b)))
+            self.events.append(("launch", b.index))
         if self.dp_size == 1:
             return
         data = self.buffer[b.start : b.stop]
         data.mul_(1.0 / self.dp_size)  # average in fp32 (exact for powers of two)
         if self.mode == "all_reduce":
             b.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
-        else:
-            out = self.shard[b.shard_start : b.shard_start + (b.stop - b.start) // self.dp_size]
-            b.work = _reduce_scatter(out, data, group=self.dp_group, async_op=True)
+        else:  # in place: this rank's slice of the bucket receives the sum (NCCL and gloo allow the alias)
+            lo, hi = self.shard_range(b)
+            b.work = _reduce_scatter(self.buffer[lo:hi], data, group=self.dp_group, async_op=True)
 
     # -- views -------------------------------------------------------------------------------------
-    def shard_range(self, b: Bucket, dp_rank: int) -> tuple[int, int]:
-        """[start, stop) of the flat buffer that DP rank `dp_rank` owns in bucket `b` (reduce-scatter)."""
+    def shard_range(self, b: Bucket) -> tuple[int, int]:
+        """[start, stop) of the flat buffer that this DP rank owns in bucket `b` (reduce-scatter)."""
         size = (b.stop - b.start) // self.dp_size
-        return b.start + dp_rank * size, b.start + (dp_rank + 1) * size
+        return b.start + self.dp_rank * size, b.start + (self.dp_rank + 1) * size
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
+        return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
