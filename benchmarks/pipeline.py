@@ -1,8 +1,12 @@
 """Pipeline parallelism on N GPUs: PP=N with each schedule next to TP=N+SP and DP=N, same global batch.
 
-    torchrun --nproc-per-node 2 benchmarks/pipeline.py                      # GPT-1.3B shapes, bf16 (also 4, 8)
-    torchrun --nproc-per-node 2 benchmarks/pipeline.py hidden=64 layers=4 heads=4 seq=64 vocab=512 \\
-        dtype=float32 steps=3 warmup=1 append=0                              # CPU dry run (gloo)
+    python benchmarks/pipeline.py                          # 2 GPUs, GPT-1.3B shapes, bf16; nproc=4 or 8 for more
+    python benchmarks/pipeline.py hidden=64 layers=4 heads=4 seq=64 vocab=512 dtype=float32 \\
+        steps=3 warmup=1 append=0                          # CPU dry run (gloo)
+
+The driver runs each layout as its own `torchrun --nproc-per-node nproc` worker (a fresh process group and
+GPU memory per row, a row that fails or hangs past `row_timeout` seconds is reported and skipped), collects
+the RESULT lines and prints one table.
 
 Every layout runs full optimizer steps as train.py does (Trainer.train_step: schedule, DP sync, clip,
 AdamW with fp32 masters, strategy ddp) on random tokens: `gbs` sequences of `seq` tokens per step, in
@@ -14,15 +18,16 @@ loss at the end), timed with CUDA events around the waits, over the schedule's t
 F, B, W costs: (p-1)/(m+p-1) for 1F1B and AFAB, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1.
 Keys (argv key=value, or env in upper case): hidden layers heads seq vocab mb gbs steps warmup dtype
 layouts (comma-separated: pp-afab pp-1f1b pp-interleaved pp-zb_h1 tp-sp dp) virtual (chunks per rank for
-pp-interleaved) comm append (0: print only).
+pp-interleaved) comm nproc row_timeout append (0: print only).
 Appends the table, the command and the device to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,7 +51,7 @@ from tpframe.training.config import from_dict, validate  # noqa: E402
 from tpframe.training.trainer import Trainer  # noqa: E402
 
 DEFAULTS = dict(hidden=2048, layers=24, heads=16, seq=2048, vocab=50304, mb=2, gbs=16, steps=10, warmup=3,
-                dtype="bfloat16", comm="auto", append=1,
+                dtype="bfloat16", comm="auto", append=1, nproc=2, row_timeout=600,
                 virtual=2, layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp")
 
 
@@ -149,17 +154,18 @@ def run_layout(name: str, o: dict, world: int) -> dict:
             "tflops": model.flops_per_token(o["seq"]) * tokens / step_time / world / 1e12,
             "bubbles": [e["bubble"] for e in sorted(everyone, key=lambda e: e["stage"])] if pp > 1 else None,
             "mem": max(e["mem"] for e in everyone), "loss": loss,
+            "device": torch.cuda.get_device_name() if cuda else "cpu (gloo)",
         }
     finally:
         destroy_parallel()
 
 
-def table(rows: list[dict], o: dict, device: str, world: int) -> str:
+def table(rows: list[dict], o: dict, device: str) -> str:
     base = min(r["step_ms"] for r in rows)
     lines = [
         f"GPT L={o['layers']} h={o['hidden']} heads={o['heads']} V={o['vocab']} seq={o['seq']}, {o['dtype']}, "
         f"global batch {o['gbs']} x {o['seq']} tokens, micro-batch {o['mb']}, full optimizer steps (ddp, AdamW), "
-        f"median of {o['steps']} after {o['warmup']} warm-up, on {device} x{world}",
+        f"median of {o['steps']} after {o['warmup']} warm-up, on {device}",
         "",
         "| layout | schedule | micro-batches per rank | step ms | vs best | tokens/s | TFLOP/s per GPU | peak mem GiB "
         "| bubble per stage (measured) | bubble theory (p-1)/(m+p-1) | schedule theory | loss |",
@@ -184,44 +190,63 @@ def table(rows: list[dict], o: dict, device: str, world: int) -> str:
     return "\n".join(lines)
 
 
+def worker(o: dict) -> None:
+    """Under torchrun: run the one layout `o["layouts"]` names; rank 0 prints its RESULT line."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        row = run_layout(o["layouts"], o, dist.get_world_size())
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+    except ConfigError as e:  # every rank alike, before any group is built
+        if dist.get_rank() == 0:
+            print("SKIPPED " + str(e), flush=True)
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     o = options(argv)
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    if "RANK" in os.environ:
+        return worker(o)
     names = [n for n in o["layouts"].split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
-    rows, skipped = [], []
+    world = o["nproc"]
+    rows, notes = [], []
     for name in names:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
+               *[a for a in argv if not a.startswith("layouts=")], f"layouts={name}"]
+        env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
-            rows.append(run_layout(name, o, world))
-        except ConfigError as e:  # raised by every rank alike, before any group is built
-            skipped.append(f"{name}: {e}")
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=o["row_timeout"], env=env)
+        except subprocess.TimeoutExpired:
+            notes.append(f"{name}: no result within row_timeout={o['row_timeout']}s")
+            print(notes[-1], flush=True)
             continue
-        gc.collect()  # the layout's model, optimizer and activations, before the next one is built
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if rank == 0:
+        lines = out.stdout.splitlines()
+        result = [line[len("RESULT "):] for line in lines if line.startswith("RESULT ")]
+        skipped = [line[len("SKIPPED "):] for line in lines if line.startswith("SKIPPED ")]
+        if result:
+            rows.append(json.loads(result[0]))
             r = rows[-1]
             print(f"{name}: step {r['step_ms']:.1f} ms, {r['tflops']:.1f} TFLOP/s per GPU, bubble {r['bubbles']}",
                   flush=True)
-    if rank == 0:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (gloo)"
-        text = table(rows, o, device, world) if rows else "no layout ran"
-        text += "".join(f"\n\nskipped {s}" for s in skipped)
-        print("\n" + text, flush=True)
-        if o["append"]:
-            command = "torchrun --nproc-per-node {} benchmarks/pipeline.py {}".format(world, " ".join(argv)).strip()
-            with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
-                f.write(f"\n## Pipeline parallelism, {time.strftime('%Y-%m-%d')}\n\n`{command}` on {device} x{world}, "
-                        f"torch {torch.__version__}\n\n{text}\n")
-    dist.barrier()
-    dist.destroy_process_group()
+        else:
+            notes.append(f"{name}: skipped ({skipped[0]})" if skipped else
+                         f"{name}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}")
+            print(notes[-1] + ("" if skipped else "\n" + out.stderr[-3000:]), flush=True)
+    device = f"{rows[0]['device'] if rows else '?'} x{world}"
+    text = table(rows, o, device) if rows else "no layout ran"
+    text += "".join(f"\n\n{n}" for n in notes)
+    print("\n" + text, flush=True)
+    if o["append"]:
+        command = " ".join(["python benchmarks/pipeline.py", *argv])
+        with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
+            f.write(f"\n## Pipeline parallelism, {time.strftime('%Y-%m-%d')}\n\n`{command}` on {device}, "
+                    f"torch {torch.__version__}\n\n{text}\n")
 
 
 if __name__ == "__main__":
