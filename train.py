@@ -85,9 +85,13 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         ctx = BuildContext(
             state.tp_comm, sequence_parallel=cfg.parallel.sequence_parallel,
             activation_checkpointing=cfg.parallel.activation_checkpointing, rng_tracker=tracker, dtype=dtype,
-            device=state.device, seed=cfg.train.seed,
+            device=state.device, seed=cfg.train.seed, async_tp=cfg.parallel.async_tp,
         )
         model = build_model(cfg.model, ctx)
+        if cfg.train.compile:
+            from tpframe.models.compile import compile_model
+
+            compile_model(model)
         checkpointer = Checkpointer(cfg, state, resume)
         start_step = resume[1]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)

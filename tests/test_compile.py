@@ -45,7 +45,8 @@ def _compiled_model_matches_eager(cases):
         models = []
         for _ in range(2):
             tracker = seed_parallel_rng(0)
-            models.append(build_model(cfg, BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=tracker, seed=5)))
+            ctx = BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=tracker, seed=5)
+            models.append(build_model(cfg, ctx))
         eager, compiled = models
         assert compile_model(compiled, backend=counting_aot_eager, fullgraph=True) == cfg.layers
         g = torch.Generator().manual_seed(7)

@@ -42,6 +42,7 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, backend: str = "auto", device: torch.device | None = None):
         self.group = group if group is not None else dist.group.WORLD
+        self.group_name = getattr(self.group, "group_name", "")  # what torch's symm_mem ops take
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.device = device if device is not None else _default_device()

@@ -122,5 +122,6 @@ def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int,
     if not HAVE_TRITON:
         raise RuntimeError("qkv_rotary needs Triton")
     if qkv.shape[-1] != (nq + 2 * nkv) * d or d % 2 or cos.numel() != qkv.shape[0] * d:
-        raise ValueError(f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)} do not match nq={nq}, nkv={nkv}, d={d}")
+        raise ValueError(f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)} do not match "
+                         f"nq={nq}, nkv={nkv}, d={d}")
     return _QKVRotary.apply(qkv, cos, sin, nq, nkv, d)

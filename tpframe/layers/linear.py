@@ -55,7 +55,7 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
-        name = comm.group.group_name
+        name = comm.group_name
         x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x.contiguous(), [weight.t()], 0, name)
         if bias is not None:
             y = y.add_(bias)
@@ -67,7 +67,7 @@ class _AllGatherLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x_full, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        gx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, weight, "sum", 0, ctx.comm.group.group_name)
+        gx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, weight, "sum", 0, ctx.comm.group_name)
         gw, gb = _mm_grads(grad, x_full, ctx.has_bias)
         return gx, gw, gb, None
 
@@ -77,7 +77,7 @@ class _LinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, comm):
-        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, comm.group.group_name)
+        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, comm.group_name)
         ctx.save_for_backward(x, weight)
         ctx.comm = comm
         return y
@@ -85,7 +85,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        name = ctx.comm.group.group_name
+        name = ctx.comm.group_name
         grad_full, (gx,) = torch.ops.symm_mem.fused_all_gather_matmul(grad.contiguous(), [weight], 0, name)
         gw, _ = _mm_grads(grad_full, x, False)
         return gx, gw, None

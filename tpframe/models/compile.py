@@ -18,7 +18,8 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", fullgraph: boo
     block (a custom model's) run with breaks instead of failing."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        raise ValueError(f"compile_model: {type(model).__name__} has no `blocks` to compile (see tpframe/models/gpt.py)")
+        raise ValueError(f"compile_model: {type(model).__name__} has no `blocks` to compile "
+                         "(see tpframe/models/gpt.py)")
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         block.compile(backend=backend, fullgraph=fullgraph)
     return len(blocks)
