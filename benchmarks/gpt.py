@@ -99,7 +99,11 @@ def run_one() -> None:
     if os.environ.get("PROFILE"):
         profile_step(step, os.environ["PROFILE"], state.rank)
     if state.rank == 0:
-        tags = f"compile={int(flag('COMPILE'))} async_tp={int(ctx.async_tp)} fused={int(ctx.fused_kernels)}"
+        from tpframe.layers.linear import async_tp_available
+
+        # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
+        ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
+        tags = f"compile={int(flag('COMPILE'))} async_tp={int(ran_async)} fused={int(ctx.fused_kernels)}"
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "

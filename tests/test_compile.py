@@ -140,6 +140,9 @@ def _async_tp_falls_back_on_cpu():
         loss = model(ids, ids)
         loss.mean().backward()
         out.append((loss.detach(), [p.grad for p in model.parameters()]))
+    from tpframe.layers import linear
+
+    assert linear._FUSED_OPS, "torch.ops.symm_mem's fused ops must be found (only the device rules async TP out here)"
     assert not async_tp_available(state.tp_comm, torch.zeros(1)), "CPU has no symmetric memory"
     assert torch.equal(out[0][0], out[1][0])
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))

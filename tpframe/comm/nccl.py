@@ -25,6 +25,11 @@ def _options(cls, **fields):
     return opts
 
 
+def _wait(work) -> None:
+    if work is not None:  # None: the backend already ordered the call on the current stream (blocking NCCL)
+        work.wait()
+
+
 class NcclBackend:
     """Collectives through torch.distributed on one group. Inputs are never modified unless donated."""
 
@@ -44,23 +49,23 @@ class NcclBackend:
     def all_reduce(self, x: torch.Tensor, op: str = "sum", donate: bool = False) -> torch.Tensor:
         """Out of place; with `donate` (the caller gives `x` up) a contiguous `x` is reduced in place."""
         out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-        self.group.allreduce([out], self._ar_opts[op]).wait()
+        _wait(self.group.allreduce([out], self._ar_opts[op]))
         return out
 
     def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self.group.allreduce([x], self._ar_opts[op]).wait()
+        _wait(self.group.allreduce([x], self._ar_opts[op]))
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] -> [size * n, ...], rank r's rows at r*n."""
         out = x.new_empty((self.size * x.shape[0],) + x.shape[1:])
-        self._ag(out, x if x.is_contiguous() else x.contiguous(), self._ag_opts).wait()
+        _wait(self._ag(out, x if x.is_contiguous() else x.contiguous(), self._ag_opts))
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """[size * n, ...] -> [n, ...]: the sum over ranks of rank r's rows."""
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
-        self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts).wait()
+        _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
 
     def barrier(self) -> None:

@@ -9,7 +9,7 @@ and its sequence collective are one autograd Function whose collective is micro-
 chunks (torch.ops.symm_mem fused ops: copy-engine peer copies, no multicast):
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
-Elsewhere (CPU, no symmetric memory, no SP) the same layers take the plain path below.
+Elsewhere (CPU, no symmetric memory, no SP, under torch.compile) the same layers take the plain path below.
 """
 
 from __future__ import annotations
@@ -36,12 +36,24 @@ def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> No
         raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}")
 
 
+def _load_fused_ops() -> bool:
+    """torch defines the symm_mem fused ops when torch.distributed._symmetric_memory is imported."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    ops = torch.ops.symm_mem
+    return hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
+
+
+_FUSED_OPS = _load_fused_ops()
+
+
 def async_tp_available(comm: Communicator, x: torch.Tensor) -> bool:
-    """Whether the fused (micro-pipelined) GEMM+collective ops can run for `x` on `comm`'s group."""
-    return comm.size > 1 and x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
-
-
-_FUSED_OPS = hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
+    """Whether the fused (micro-pipelined) GEMM+collective ops run for `x` on `comm`'s group: CUDA, symmetric
+    memory set up, eager mode (under torch.compile the plain path is traced, collectives as tpframe's ops)."""
+    return (comm.size > 1 and x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
+            and not torch.compiler.is_compiling())
 
 
 def _mm_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):
