@@ -20,6 +20,7 @@ eager and torch.compile at TP=1 (bench_torch_gpt.py), DTensor + compile with and
 installed to /tmp/site), and tpframe at TP=1 and TP=2 + SP, eager and compiled. The peers model only the GPT
 shapes (their env has no RMSNorm/SwiGLU/GQA), so the Llama shape runs tpframe alone. Prints the table with
 ratios against the strongest peer at the same TP and appends it, with the command and device, to RESULTS.md.
+One shape takes about 6 minutes on 2x H200 (the peers' torch.compile dominates): run one shape per device call.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def run_one() -> None:
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
 
-    state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))), comm_backend=os.environ.get("COMM", "auto"))
-    H, L, NH, S, MB, STEPS = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
+    state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
+                                comm_backend=os.environ.get("COMM", "auto"))
+    H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
+    S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and state.tp > 1
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
@@ -113,7 +116,8 @@ def run_one() -> None:
         if not flag("NO_APPEND"):
             with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
                 f.write(f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
-                        f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} x{state.world_size}, "
+                        f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
+                        f"x{state.world_size}, "
                         f"torch {torch.__version__}:\n  {line}\n")
     destroy_parallel()
 
@@ -185,12 +189,13 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
     if job["gpus"] == 1:
         environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         port = 29600 + gpu
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port), job["script"]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
+               job["script"]]
         if "bench_torch_gpt" in job["script"]:
             cmd = [sys.executable, job["script"]]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["gpus"]), "--master-port", "29500",
-               job["script"]]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["gpus"]),
+               "--master-port", "29500", job["script"]]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
@@ -219,8 +224,8 @@ def compare(args) -> None:
     peers = Path(args.peers) if args.peers and Path(args.peers).exists() else None
     wheel = sorted(glob.glob(str(Path(args.peers) / "megatron_core-*.whl"))) if peers else []
     if wheel and not (Path("/tmp/site") / "megatron").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site",
-                        wheel[-1]], check=False)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                        "/tmp/site", wheel[-1]], check=False)
     if (Path("/tmp/site") / "megatron").exists():
         os.environ["PYTHONPATH"] = "/tmp/site:" + os.environ.get("PYTHONPATH", "")
     n_gpus = torch.cuda.device_count()
@@ -256,8 +261,9 @@ def report(args, rows: dict, tp: int) -> None:
     lines = [f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
              f"{datetime.date.today().isoformat()}", "",
              f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --budget-s {args.budget_s:.0f}` "
-             f"(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per GPU).",
-             f"torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 timed, random "
+             "(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per "
+             f"GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 "
+             "timed, random "
              "tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T (GPT shapes; the "
              "Llama shape counts its SwiGLU and GQA matmuls), T = MB*S tokens per TP group; TFLOP/s per GPU = FLOPs / "
              "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
@@ -268,7 +274,8 @@ def report(args, rows: dict, tp: int) -> None:
     for key, shape_rows in rows.items():
         name = SHAPES[key]["name"]
         dims = SHAPES[key]
-        dims_text = f"{name}: L={dims['LAYERS']} H={dims['HIDDEN']} heads={dims['HEADS']} S={dims['SEQ']} MB={dims['MB']}"
+        dims_text = (f"{name}: L={dims['LAYERS']} H={dims['HIDDEN']} heads={dims['HEADS']} S={dims['SEQ']} "
+                     f"MB={dims['MB']}")
         best = {}
         for r in shape_rows:
             if "tflops" in r and not r["label"].startswith(("tpframe", "Megatron")):
@@ -278,8 +285,8 @@ def report(args, rows: dict, tp: int) -> None:
             tp_of = 1 if r["gpus"] == 1 else tp
             if "tflops" in r:
                 ratio = f"{r['tflops'] / best[tp_of]:.2f}x" if best.get(tp_of) else "-"
-                lines.append(f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | {r['tflops']:.1f} | "
-                             f"{r['mem']:.1f} | {r['loss']} | {ratio} |")
+                lines.append(f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | "
+                             f"{r['tflops']:.1f} | {r['mem']:.1f} | {r['loss']} | {ratio} |")
             else:
                 lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | | |")
     text = "\n".join(lines)
@@ -297,7 +304,8 @@ def main() -> None:
     p.add_argument("--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and the Megatron wheel")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout-s", type=float, default=240.0)
-    p.add_argument("--logs", default=os.environ.get("OUT", "/tmp"), help="folder for compare_logs.txt (every job's output)")
+    p.add_argument("--logs", default=os.environ.get("OUT", "/tmp"),
+                   help="folder for compare_logs.txt (every job's output)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = p.parse_args()
     if not args.compare:

@@ -4,8 +4,8 @@
     python benchmarks/host_overhead.py            # CPU: one process, torch's "fake" process group of 2 ranks
 
 Each probe is called back-to-back `iters` times per round, the probes interleaved round by round; the
-table gives the fastest round (the least disturbed by other processes) in host microseconds per call (on GPU, after a device sync, so the
-launch queue never fills: it is the Python + dispatch cost the caller pays, not the transfer time).
+table gives the fastest round (the least disturbed by other processes) in host microseconds per call (on GPU,
+after a device sync, so the launch queue never fills: the Python + dispatch cost the caller pays, not the transfer).
 "dist" rows are the raw torch.distributed calls; "comm" rows go through tpframe.comm.Communicator
 (backend nccl); "mapping" rows through the autograd mappings under no_grad. On CPU the process group is
 torch's fake backend (every collective returns at once, moving nothing), which isolates the Python and
@@ -91,8 +91,9 @@ def run(args) -> None:
         x = torch.randn(numel // 64, 64, device=device).to(dtype)
         rows[numel] = measure(comm, x, args.iters, args.rounds, sync)
     if dist.get_rank() == 0:
-        dev = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores), {dist.get_backend()} process group"
-        lines = [f"### Host time per eager collective call, {dev} x{dist.get_world_size()}, torch {torch.__version__}", "",
+        dev = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores), {dist.get_backend()} group"
+        lines = [f"### Host time per eager collective call, {dev} x{dist.get_world_size()}, "
+                 f"torch {torch.__version__}", "",
                  f"Command: `{args.command}`. Fastest of {args.rounds} rounds of {args.iters} back-to-back calls, "
                  "microseconds of host time per call (see the script's docstring).", "",
                  "| call | " + " | ".join(f"{n} elements us" for n in rows) + " |", "|---|" + "---|" * len(rows)]
