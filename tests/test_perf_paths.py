@@ -1,8 +1,12 @@
-"""torch.compile over TP code: the Communicator's collectives are custom ops, so a block traces whole.
+"""The performance paths on CPU (gloo), each against the plain path it replaces.
 
-On CPU with gloo at TP=2, with the aot_eager backend (AOTAutograd traces forward and backward through
-the ops' fake implementations; no C++ toolchain needed): fullgraph=True (any graph break is an error),
-one frame per block, the collectives visible in the graph, and loss and gradients equal to eager.
+- torch.compile over TP code: the Communicator's collectives are custom ops, so a block traces whole. At TP=2 with
+  the aot_eager backend (AOTAutograd traces forward and backward through the ops' fake implementations; no C++
+  toolchain needed): fullgraph=True (any graph break is an error), one frame per block, the collectives visible in
+  the graph, loss and gradients equal to eager; train.compile=true trains like eager.
+- The fused head + cross entropy equals the head GEMM + vocab_parallel_cross_entropy (TP 1/2, SP on/off).
+- Async TP: its autograd Functions' math (with torch's reference implementations of the fused symm_mem ops standing
+  in for the CUDA ones) equals the plain SP layers; without symmetric memory the layers fall back.
 """
 
 from __future__ import annotations
@@ -189,3 +193,51 @@ def test_train_compile_and_async_tp_train_like_eager_at_tp2(tmp_path):
     assert len(eager) == len(compiled) == 3
     for step, (a, b) in enumerate(zip(compiled, eager), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: compiled loss {a!r} vs eager {b!r}"
+
+
+def _async_tp_functions_match_plain():
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+    from tpframe.layers import linear
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    # torch's reference (all-gather / reduce-scatter, then matmul) versions of the fused ops; CPU has no CUDA kernels
+    torch.ops.symm_mem.fused_all_gather_matmul = symm_mem._fused_all_gather_matmul_fallback
+    torch.ops.symm_mem.fused_matmul_reduce_scatter = symm_mem._fused_matmul_reduce_scatter_fallback
+    linear.async_tp_available = lambda comm, x: True
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(16, 32, sequence_parallel=True, comm=comm)
+    fc2 = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm)
+    with torch.no_grad():
+        fc1.bias.normal_(), fc2.bias.normal_()
+    g = torch.Generator().manual_seed(1)
+    x_full, grad_full = torch.randn(8, 3, 16, generator=g), torch.randn(8, 3, 16, generator=g)
+    x0, grad = scatter_to_sp(x_full, comm), scatter_to_sp(grad_full, comm)
+    results = []
+    for async_tp in (False, True):
+        fc1.async_tp = fc2.async_tp = async_tp
+        x = x0.clone().requires_grad_()
+        for p in (*fc1.parameters(), *fc2.parameters()):
+            p.grad = None
+        y = fc2(torch.tanh(fc1(x)))
+        y.backward(grad)
+        fn_names = {type(t.grad_fn).__name__ for t in (y,)} | {type(fc1(x0).grad_fn).__name__}
+        results.append(([y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())], fn_names))
+    (plain, plain_fns), (fused, fused_fns) = results
+    assert any("AllGatherLinear" in n for n in fused_fns), f"the async path did not run: {fused_fns}"
+    for what, a, b in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), fused, plain):
+        assert_close(a, b, 1e-5, f"async TP vs plain: {what}", atol=1e-7)
+    return True
+
+
+def test_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
+        import pytest
+
+        pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
+    run_distributed(_async_tp_functions_match_plain, 2)
