@@ -90,10 +90,15 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         ctx = BuildContext(
             state.tp_comm, sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
             rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
-            device=state.device, seed=cfg.train.seed,
+            device=state.device, seed=cfg.train.seed, async_tp=p.async_tp,
         )
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
                              layers_per_stage=p.layers_per_stage)  # pp=1: the whole model
+        if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
+            from tpframe.models.compile import compile_model
+
+            for chunk in getattr(model, "chunks", [model]):
+                compile_model(chunk)
         if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
             load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp, partial=p.pp > 1)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once

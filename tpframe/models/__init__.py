@@ -57,6 +57,8 @@ class BuildContext:
     device: torch.device | None = None
     seed: int = 1234
     stage: Stage = field(default_factory=Stage)
+    async_tp: bool = False  # with sequence_parallel: GEMMs micro-pipelined with their collectives (layers/linear.py)
+    fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
 
 
 def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:

@@ -39,6 +39,7 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
+    async_tp: bool = False  # with sequence_parallel on CUDA + symmetric memory: GEMMs overlap their TP collectives
 
 
 @dataclass
@@ -52,6 +53,7 @@ class TrainConfig:
     eval_interval: int = 100  # 0 disables evaluation
     eval_steps: int = 10
     run_dir: str = "runs/default"
+    compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
 
 
 @dataclass
@@ -262,6 +264,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rotary positions need an even head dim; model.hidden/model.heads = {m.hidden // m.heads}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if p.async_tp and not p.sequence_parallel:
+        raise ConfigError("parallel.async_tp overlaps the sequence-parallel collectives; "
+                          "set parallel.sequence_parallel=true")
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}")
     per_step = t.micro_batch_size * dp
