@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 
 def _env_int(name: str, default: int) -> int:
@@ -93,7 +93,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None)
-    checks.check_run_dir(cfg)
+    checks.check_run_dir(cfg, resuming=resume[0] is not None)
     return cfg, train_data, valid_data, resume
 
 
@@ -145,11 +145,11 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
-                          forward_backward=get_forward_backward(p.pp), peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops),
-                          progress=progress)
-        checkpointer = Checkpointer(cfg, state, tensors=strategy, meta={"train": trainer, "data": train_data, "health": trainer.guard},
-                                    rng=RNGState(state.device, tracker), vocab_tensors=vocab_tensors, resume=resume, log=logger.info,
-                                    health=trainer.guard)
+                          forward_backward=get_forward_backward(p.pp), progress=progress,
+                          peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
+        checkpointer = Checkpointer(cfg, state, tensors=strategy, rng=RNGState(state.device, tracker),
+                                    meta={"train": trainer, "data": train_data, "health": trainer.guard},
+                                    vocab_tensors=vocab_tensors, resume=resume, log=logger.info, health=trainer.guard)
         progress.mark(0, "load")
         checkpointer.load()  # model, optimizer, data position, RNG, step
         logger.info(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 EXIT_TIMEOUT = 4
 TRACE_PREFIX_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+_TRACE_PREFIX: str | None = None  # the dump prefix configure_flight_recorder set (a user's own is kept)
 
 # phase -> (the groups its collectives run on, what they are)
 PHASES = {
@@ -86,12 +87,13 @@ def is_comm_failure(error: BaseException) -> bool:
 def configure_flight_recorder(run_dir: str | Path) -> None:
     """Turn PyTorch's NCCL flight recorder on (unless the user set it) with its dump under the run dir.
     Must run before the NCCL process groups are created."""
+    global _TRACE_PREFIX
     trace_dir = Path(run_dir) / "nccl_trace"
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if TRACE_PREFIX_ENV not in os.environ:
+    if os.environ.get(TRACE_PREFIX_ENV, _TRACE_PREFIX) == _TRACE_PREFIX:  # unset, or set by an earlier run here
         trace_dir.mkdir(parents=True, exist_ok=True)
-        os.environ[TRACE_PREFIX_ENV] = str(trace_dir / "rank_")
+        _TRACE_PREFIX = os.environ[TRACE_PREFIX_ENV] = str(trace_dir / "rank_")
 
 
 def dump_flight_recorder(rank: int) -> Path | None:

@@ -153,9 +153,10 @@ def initialize_parallel(
                 created.append(group)
                 if rank in ranks:
                     mp_group, embedding_group = (group, embedding_group) if kind == "mp" else (mp_group, group)
-    if timeout is not None:  # the mesh builds its groups with torch's default timeout
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if timeout is not None and set_timeout is not None:  # the mesh builds its groups with torch's default timeout
         for group in {tp_group, dp_group, pp_group} - {dist.group.WORLD}:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            set_timeout(timeout, group)
     find = lambda kind: next(g for g in layout[kind] if rank in g)  # noqa: E731
     state = ParallelState(
         world_size=world,

@@ -53,7 +53,8 @@ def parse_fault_spec(spec: str | None) -> tuple[int, str, int] | None:
         if len(parts) > 3 or mode not in FAULT_MODES or step < 1 or micro < 0:
             raise ValueError
     except (ValueError, IndexError):
-        raise ConfigError(f"env var {FAULT_NAN_ENV}={spec!r} must be <step>:<{'|'.join(FAULT_MODES)}>[:<micro-batch>]") from None
+        raise ConfigError(f"env var {FAULT_NAN_ENV}={spec!r} must be "
+                          f"<step>:<{'|'.join(FAULT_MODES)}>[:<micro-batch>]") from None
     return step, mode, micro
 
 
@@ -172,7 +173,8 @@ class StepGuard:
             self._observe(step, loss)
             return loss, norm, True
         self.last_incident = step
-        what = f"step {step}: the re-run is non-finite too ({self._describe(loss, norm)}): deterministic (the batch or the model state)"
+        what = (f"step {step}: the re-run is non-finite too ({self._describe(loss, norm)}): "
+                "deterministic (the batch or the model state)")
         if self.on_nonfinite == "abort":
             raise TrainingAborted(f"{what}; training stopped (train.on_nonfinite=abort)")
         self.consecutive_skips += 1
@@ -180,7 +182,8 @@ class StepGuard:
         if self.consecutive_skips > self.max_skipped:
             raise TrainingAborted(f"{what}; {self.consecutive_skips} non-finite steps in a row exceed "
                                   f"train.max_skipped_steps={self.max_skipped}: training stopped")
-        self.log(f"{what}; update skipped ({self.consecutive_skips} in a row, train.max_skipped_steps={self.max_skipped})")
+        self.log(f"{what}; update skipped ({self.consecutive_skips} in a row, "
+                 f"train.max_skipped_steps={self.max_skipped})")
         return loss, norm, False
 
     def _observe(self, step: int, loss: float) -> None:
@@ -195,8 +198,9 @@ class StepGuard:
 
     def _describe(self, loss: float, norm: float) -> str:
         """What was non-finite, and where: the first bad micro-batch of every DP rank (one tiny all-reduce)."""
-        parts = [f"loss {loss}" if not math.isfinite(loss) else "", f"gradient norm {norm}" if not math.isfinite(norm) else ""]
-        text = "non-finite " + " and ".join(p for p in parts if p)
+        parts = [f"loss {loss}"] if not math.isfinite(loss) else []
+        parts += [f"gradient norm {norm}"] if not math.isfinite(norm) else []
+        text = "non-finite " + " and ".join(parts)
         mine = self.watch.first_nonfinite()
         dp, dp_rank = self.dp_comm.size, self.dp_comm.rank
         found = torch.full((dp,), -1.0, device=self.dp_comm.device)

@@ -150,7 +150,9 @@ def check_fits(cfg, est: MemoryEstimate, *, device_type: str, local_rank: int = 
     if need <= capacity:
         return
     p = cfg.parallel
-    per = f"{gib(est.total)} per rank" + (f" x {local_world} ranks on this host" if device_type == "cpu" and local_world > 1 else "")
+    per = f"{gib(est.total)} per rank"
+    if device_type == "cpu" and local_world > 1:
+        per += f" x {local_world} ranks on this host"
     fixes = ["a smaller train.micro_batch_size or model", "a larger parallel.tp"]
     if not p.activation_checkpointing:
         fixes.append("parallel.activation_checkpointing=true")

@@ -12,6 +12,7 @@ run before any process group exists and before anything is written. Each failure
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ def dry_build(cfg) -> nn.Module | None:
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"model.name={cfg.model.name!r}: building the model failed: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"model.name={cfg.model.name!r}: building the model failed: "
+                          f"{type(e).__name__}: {e}") from None
     except Exception:  # noqa: BLE001 - a builder that needs real tensors: checked when the run builds it
         return None
     if not isinstance(model, nn.Module):
@@ -85,8 +87,6 @@ def _check_writable_dir(key: str, path: Path) -> None:
             probe = probe.parent
         if not probe.is_dir():
             raise ConfigError(f"{key}={str(path)!r} cannot be created: {str(probe)!r} is a file")
-    import os
-
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}={str(path)!r}: no permission to write in {str(probe)!r}")
 
@@ -108,7 +108,8 @@ def identity(config: dict) -> dict[str, Any]:
 
 def differences(saved: dict, current: dict, where: str) -> list[str]:
     a, b = identity(saved), identity(current)
-    return [f"{k} is {a.get(k)!r} {where} but {b.get(k)!r} now" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [f"{k} is {a.get(k)!r} {where} but {b.get(k)!r} now"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def _paths_differ(saved: dict, current: dict) -> list[str]:
@@ -120,8 +121,9 @@ def _paths_differ(saved: dict, current: dict) -> list[str]:
     return out
 
 
-def check_run_dir(cfg) -> None:
-    """The run directory (and checkpoint dir) can be written, and holds no other run."""
+def check_run_dir(cfg, resuming: bool = False) -> None:
+    """The run directory (and checkpoint dir) can be written, and holds no other run. When resuming, the
+    checkpoint's data position has already proven the data the same, wherever its file now lives."""
     run_dir = Path(cfg.train.run_dir)
     _check_writable_dir("train.run_dir", run_dir)
     if cfg.checkpoint.dir:
@@ -138,7 +140,7 @@ def check_run_dir(cfg) -> None:
                           "pick another train.run_dir") from None
     current = cfg.to_dict()
     diffs = differences(saved, current, "there")
-    if cfg.data.source == "tokens":
+    if cfg.data.source == "tokens" and not resuming:
         diffs += _paths_differ(saved, current)
     if diffs:
         raise ConfigError(
@@ -182,10 +184,12 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
         saved = meta["config"]
         diffs = [d for d in differences(saved, cfg.to_dict(), "in the checkpoint") if not d.startswith("model.")]
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}/meta.json is malformed ({type(e).__name__}: {e}); use an older step_* directory") from None
+        raise CheckpointError(f"{path}/meta.json is malformed ({type(e).__name__}: {e}); "
+                              "use an older step_* directory") from None
     if diffs:
-        raise CheckpointError(f"checkpoint {str(path)!r} belongs to another run: {'; '.join(diffs)}; resume with the "
-                              "same settings, or start a new run (a new train.run_dir, checkpoint.init_from for the weights)")
+        raise CheckpointError(f"checkpoint {str(path)!r} belongs to another run: {'; '.join(diffs)}; resume with "
+                              "the same settings, or start a new run (a new train.run_dir; checkpoint.init_from "
+                              "for the weights)")
     try:
         train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
     except ValueError as e:
@@ -215,7 +219,8 @@ def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
     want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
             for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
     missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-    wrong = [f"{k} {shapes[k]} (the model's is {want[k]})" for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
+    wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
+             for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
     if missing or extra or wrong:
         what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
                 else f"has other shapes: {'; '.join(wrong[:3])}")

@@ -33,8 +33,9 @@ class Trainer:
         self.cfg, self.parallel, self.model, self.strategy = cfg, parallel, model, strategy
         self.train_data, self.valid_data, self.logger = train_data, valid_data, logger
         self.forward_backward = forward_backward
-        self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=RNGState(parallel.device, parallel.rng_tracker),
-                                        dp_comm=parallel.dp_comm, rank=parallel.rank, log=logger.info)
+        rng = RNGState(parallel.device, parallel.rng_tracker)
+        self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=rng, dp_comm=parallel.dp_comm,
+                                        rank=parallel.rank, log=logger.info)
         self.progress = progress or Progress()  # what this rank is doing, for timeout reports
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len

@@ -72,8 +72,8 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     except ConfigError as e:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     if data is None:
-        raise ConfigError(f"config file {str(path)!r} is empty; give it at least one section (see configs/tiny_cpu.yaml), "
-                          "or leave --config out to run on the defaults")
+        raise ConfigError(f"config file {str(path)!r} is empty; give it at least one section "
+                          "(see configs/tiny_cpu.yaml), or leave --config out to run on the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections (model:, train:, ...), "
                           f"not a {type(data).__name__}")
