@@ -10,7 +10,7 @@ The path of a token, top to bottom:
     -> vocab_parallel_cross_entropy (tpframe/layers/cross_entropy.py) -> per-token loss.
 
 Configuration mistakes stop here with one line and exit code 2, before any process group exists and
-before anything is written (`prepare`); exit codes 3 and 4 are tpframe/training/exits.py's.
+before anything is written (`prepare`); exit codes 3 and 4 are tpframe/exits.py's.
 """
 
 from __future__ import annotations
@@ -192,9 +192,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train; the exit code (0, 2, 3, 4) and the one line each failure prints are tpframe/training/exits.py's."""
+    """Train; the exit code (0, 2, 3, 4) and the one line each failure prints are tpframe/exits.py's."""
     from tpframe.parallel.heartbeat import CommFailure
-    from tpframe.training import exits
+    from tpframe import exits
     from tpframe.training.health import TrainingAborted
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0

@@ -85,7 +85,8 @@ def test_a_transient_nan_is_rerun_and_training_continues_bit_for_bit(tmp_path, c
 
 def test_divergence_skips_then_stops_and_the_healthy_checkpoint_survives_and_loads(tmp_path, clean):
     env = {"TPFRAME_FAULT_NAN": "5:always"}
-    args = [*ARGS, f"train.run_dir={tmp_path}", "train.max_skipped_steps=2", "checkpoint.interval=2", "checkpoint.keep_last=1"]
+    args = [*ARGS, f"train.run_dir={tmp_path}", "train.max_skipped_steps=2", "checkpoint.interval=2",
+            "checkpoint.keep_last=1"]
     (code, err, out), (code1, err1, _) = run_distributed(_main, 2, args, env=env)
     root = tmp_path / "checkpoints"
     assert code == code1 == 3 and err1 == "", (err, err1)
@@ -97,7 +98,8 @@ def test_divergence_skips_then_stops_and_the_healthy_checkpoint_survives_and_loa
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
     assert json.loads((root / "step_00000004/meta.json").read_text())["healthy"] is True
     assert json.loads((root / "step_00000006/meta.json").read_text())["healthy"] is False
-    resumed = run_distributed(_losses, 2, [f"checkpoint.load={root}/step_00000004", f"train.run_dir={tmp_path}/resumed"])[0]
+    resumed = run_distributed(_losses, 2, [f"checkpoint.load={root}/step_00000004",
+                                           f"train.run_dir={tmp_path}/resumed"])[0]
     assert resumed == clean[4:], "the healthy checkpoint resumes the fault-free run"
 
 
@@ -106,7 +108,8 @@ def test_a_non_finite_state_is_never_published(tmp_path):
     (code, err, out), _ = run_distributed(_poison_after_step_4, 2, args)
     root = tmp_path / "checkpoints"
     assert code == 3, err
-    assert f"step 4: the model or optimizer state holds non-finite values: no checkpoint is written; the last one is {root}/step_00000002" in out
+    assert ("step 4: the model or optimizer state holds non-finite values: no checkpoint is written; "
+            f"the last one is {root}/step_00000002") in out
     assert "train.max_skipped_steps=0: training stopped" in err and f"{root}/step_00000002" in err
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
 
@@ -132,7 +135,8 @@ def _guard(**train):
 
     data, log = _Data(), []
     rng = type("RNG", (), {"state_dict": lambda self: {}, "load_state_dict": lambda self, s: None})()
-    return StepGuard(TrainConfig(**train), nn.Linear(1, 1), data=data, rng=rng, dp_comm=_Comm(), log=log.append), data, log
+    guard = StepGuard(TrainConfig(**train), nn.Linear(1, 1), data=data, rng=rng, dp_comm=_Comm(), log=log.append)
+    return guard, data, log
 
 
 def _attempts(data, results):
@@ -235,14 +239,19 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     assert act("parallel.tp=1", "train.dtype=bfloat16") < act("parallel.tp=1")
     # Korthikanti et al.: s*b*h*(10 + 24/t) per layer at 2 bytes without scores (CUDA), plus embedding and loss
     s, b, h, L, V = 128, 8, 128, 2, 256  # configs/tiny_cpu.yaml
-    assert act("parallel.tp=2", "train.dtype=bfloat16") == s * b * h * (10 + 24 / 2) * L + s * b * V / 2 * (2 + 8) + s * b * h * 2
+    layers, loss, embedding = s * b * h * (10 + 24 / 2) * L, s * b * V / 2 * (2 + 8), s * b * h * 2
+    assert act("parallel.tp=2", "train.dtype=bfloat16") == layers + loss + embedding
 
 
 # -- launcher drills: preemption and a stopped rank ---------------------------------------------------------
 
 
+SCRIPT = ["train.py", "--config", "configs/tiny_cpu.yaml", *TINY, *COMMON]
+
+
 def _launch(args, env=None):
-    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", "train.py", *args]
+    """The README's launcher, 2 workers; --no-check: the parent's pre-flight is test_ops_inputs.py's business."""
+    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", "--no-check", *args]
     full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
     full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
@@ -275,7 +284,7 @@ def _is_step(n):
 
 
 def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path, clean):
-    proc = _launch(["--config", "configs/tiny_cpu.yaml", *TINY, *COMMON, f"train.run_dir={tmp_path}"])
+    proc = _launch([*SCRIPT, f"train.run_dir={tmp_path}"])
     try:
         _read_until(proc, _is_step(2))
         proc.send_signal(signal.SIGTERM)
@@ -293,8 +302,7 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path,
 
 def test_a_stopped_rank_ends_the_others_within_the_timeout_with_a_message(tmp_path):
     timeout_s = 3
-    proc = _launch(["--config", "configs/tiny_cpu.yaml", *TINY, *COMMON, "train.steps=100000", f"comm.timeout_s={timeout_s}",
-                    f"train.run_dir={tmp_path}"])
+    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"])
     stopped = None
     try:
         _read_until(proc, _is_step(3))
@@ -338,8 +346,7 @@ def test_memory_check_compares_with_the_cuda_device(monkeypatch):
 @pytest.mark.gpu(count=2)
 def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
     timeout_s = 20
-    proc = _launch(["--config", "configs/tiny_cpu.yaml", *TINY, *COMMON, "train.steps=100000", f"comm.timeout_s={timeout_s}",
-                    f"train.run_dir={tmp_path}"],
+    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
                    env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     stopped = None
     try:

@@ -48,7 +48,8 @@ def _safetensors(tmp: Path, wrong_shape: bool) -> str:
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [*TINY, "parallel.tp=1"])
     model = preflight.dry_build(cfg)
-    tensors = {s.name: torch.zeros(s.global_shape) for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)}
+    tensors = {s.name: torch.zeros(s.global_shape)
+               for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)}
     if wrong_shape:
         tensors["blocks.0.attn.proj.weight"] = torch.zeros(3, 3)
     save_file(tensors, str(tmp / "w.safetensors"))
@@ -59,7 +60,8 @@ def _safetensors(tmp: Path, wrong_shape: bool) -> str:
 def saved_run(tmp_path_factory):
     """A finished 2-step run (world of one) with its checkpoint, config.yaml and metrics.jsonl."""
     root = tmp_path_factory.mktemp("saved")
-    run_distributed(train_in_process, 1, ["parallel.tp=1", "train.steps=2", "checkpoint.save_at_end=true", f"train.run_dir={root}"])
+    run_distributed(train_in_process, 1, ["parallel.tp=1", "train.steps=2", "checkpoint.save_at_end=true",
+                                          f"train.run_dir={root}"])
     return root
 
 
@@ -77,28 +79,37 @@ CASES = [
     # YAML files
     ("dup-key", lambda t, s: (["--config", _file(t, "c.yaml", "model:\n  hidden: 32\n  hidden: 64\n")], {}),
      "key 'hidden' appears twice in one mapping (lines 2 and 3)"),
-    ("dup-section", lambda t, s: (["--config", _file(t, "c.yaml", "optim:\n  lr: 1.0e-3\ntrain:\n  steps: 2\noptim:\n  min_lr: 0\n")], {}),
+    ("dup-section", lambda t, s: (["--config", _file(t, "c.yaml",
+     "optim:\n  lr: 1.0e-3\ntrain:\n  steps: 2\noptim:\n  min_lr: 0\n")], {}),
      "key 'optim' appears twice in one mapping (lines 1 and 5)"),
     ("empty-file", lambda t, s: (["--config", _file(t, "c.yaml", "")], {}), "is empty"),
     ("comments-only", lambda t, s: (["--config", _file(t, "c.yaml", "# nothing\n")], {}), "is empty"),
-    ("not-utf8", lambda t, s: (["--config", _file(t, "c.yaml", b"model:\n  name: caf\xe9\n")], {}), "is not UTF-8 text"),
-    ("top-level-list", lambda t, s: (["--config", _file(t, "c.yaml", "- model\n- train\n")], {}), "must hold a mapping of sections"),
+    ("not-utf8", lambda t, s: (["--config", _file(t, "c.yaml", b"model:\n  name: caf\xe9\n")], {}),
+     "is not UTF-8 text"),
+    ("top-level-list", lambda t, s: (["--config", _file(t, "c.yaml", "- model\n- train\n")], {}),
+     "must hold a mapping of sections"),
     ("int-section", lambda t, s: (["--config", _file(t, "c.yaml", "1: 2\n")], {}), "config section names are words"),
-    ("int-key", lambda t, s: (["--config", _file(t, "c.yaml", "model:\n  1: 2\n")], {}), "keys of config section 'model' are words"),
-    ("scalar-section", lambda t, s: (["--config", _file(t, "c.yaml", "model: 3\n")], {}), "config section 'model' must be a mapping"),
+    ("int-key", lambda t, s: (["--config", _file(t, "c.yaml", "model:\n  1: 2\n")], {}),
+     "keys of config section 'model' are words"),
+    ("scalar-section", lambda t, s: (["--config", _file(t, "c.yaml", "model: 3\n")], {}),
+     "config section 'model' must be a mapping"),
     ("scalar-section-override", lambda t, s: (["--config", _file(t, "c.yaml", "model: 3\n"), "model.hidden=8"], {}),
      "config section 'model' must be a mapping"),
     ("bad-yaml", lambda t, s: (["--config", _file(t, "c.yaml", "model: [1, 2\n")], {}), "is not valid YAML"),
-    ("list-key", lambda t, s: (["--config", _file(t, "c.yaml", "? [a, b]\n: 1\n")], {}), "a mapping key must be a name"),
+    ("list-key", lambda t, s: (["--config", _file(t, "c.yaml", "? [a, b]\n: 1\n")], {}),
+     "a mapping key must be a name"),
     ("config-is-dir", lambda t, s: (["--config", str(t)], {}), "is not a file"),
     ("config-missing", lambda t, s: (["--config", str(t / "nope.yaml")], {}), "does not exist"),
     # overrides and arguments
-    ("override-unparsable", lambda t, s: (["model.hidden=="], {}), "override 'model.hidden==': the value '=' is not valid YAML"),
+    ("override-unparsable", lambda t, s: (["model.hidden=="], {}),
+     "override 'model.hidden==': the value '=' is not valid YAML"),
     ("override-open-bracket", lambda t, s: (["train.run_dir=[x"], {}), "is not valid YAML"),
-    ("override-python-tag", lambda t, s: (["train.run_dir=!!python/object/apply:os.system ['true']"], {}), "is not valid YAML"),
+    ("override-python-tag", lambda t, s: (["train.run_dir=!!python/object/apply:os.system ['true']"], {}),
+     "is not valid YAML"),
     ("override-no-equals", lambda t, s: (["train.steps"], {}), "must look like section.key=value"),
     ("override-three-parts", lambda t, s: (["train.steps.x=1"], {}), "must be section.key"),
-    ("unknown-key", lambda t, s: (["model.hiden=64"], {}), "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
+    ("unknown-key", lambda t, s: (["model.hiden=64"], {}),
+     "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
     ("unknown-section", lambda t, s: (["modle.hidden=64"], {}), "unknown config section 'modle'"),
     ("wrong-type", lambda t, s: (["train.steps=ten"], {}), "train.steps='ten' must be an integer"),
     ("bad-flag", lambda t, s: (["--confg", "x.yaml"], {}), "unrecognized arguments: --confg"),
@@ -111,21 +122,28 @@ CASES = [
     ("grad-clip-nan", lambda t, s: (["optim.grad_clip=nan"], {}), "optim.grad_clip=nan must be a finite number"),
     ("eps-negative", lambda t, s: (["optim.eps=-1e-8"], {}), "optim.eps=-1e-08 must be > 0"),
     ("init-std-negative", lambda t, s: (["model.init_std=-0.02"], {}), "model.init_std=-0.02 must be > 0"),
-    ("rope-theta-zero", lambda t, s: (["model.position=rotary", "model.rope_theta=0"], {}), "model.rope_theta=0 must be > 0"),
+    ("rope-theta-zero", lambda t, s: (["model.position=rotary", "model.rope_theta=0"], {}),
+     "model.rope_theta=0 must be > 0"),
     ("timeout-zero", lambda t, s: (["comm.timeout_s=0"], {}), "comm.timeout_s=0 must be > 0"),
     ("dropout-range", lambda t, s: (["model.dropout=1.5"], {}), "model.dropout=1.5 must be in [0, 1)"),
     ("beta-range", lambda t, s: (["optim.beta2=1.0"], {}), "must be in [0, 1)"),
-    ("skips-negative", lambda t, s: (["train.max_skipped_steps=-1"], {}), "train.max_skipped_steps=-1 must not be negative"),
+    ("skips-negative", lambda t, s: (["train.max_skipped_steps=-1"], {}),
+     "train.max_skipped_steps=-1 must not be negative"),
     # models and layouts
-    ("not-a-builder", lambda t, s: (["model.name=json:dumps"], {}), "model.name='json:dumps': building the model failed"),
+    ("not-a-builder", lambda t, s: (["model.name=json:dumps"], {}),
+     "model.name='json:dumps': building the model failed"),
     ("no-module", lambda t, s: (["model.name=nosuchmodule:build"], {}), "cannot import 'nosuchmodule'"),
-    ("plugin-own-check", lambda t, s: (["model.name=examples.parallel_llama:build"], {}), "examples.parallel_llama needs"),
-    ("tp-divides-nothing", lambda t, s: (["parallel.tp=3"], {"WORLD_SIZE": "3"}), "parallel.tp=3 does not divide model.heads=4"),
-    ("batch-not-divisible", lambda t, s: (["train.global_batch_size=10"], {}), "train.global_batch_size=10 is not divisible"),
+    ("plugin-own-check", lambda t, s: (["model.name=examples.parallel_llama:build"], {}),
+     "examples.parallel_llama needs"),
+    ("tp-divides-nothing", lambda t, s: (["parallel.tp=3"], {"WORLD_SIZE": "3"}),
+     "parallel.tp=3 does not divide model.heads=4"),
+    ("batch-not-divisible", lambda t, s: (["train.global_batch_size=10"], {}),
+     "train.global_batch_size=10 is not divisible"),
     # sizes that cannot fit
     ("hidden-65536", lambda t, s: (["model.hidden=65536", "model.heads=64"], {}), "this run needs about"),
     ("vocab-1e10", lambda t, s: (["model.vocab_size=1e10"], {}), "this run needs about"),
-    ("micro-batch-1e9", lambda t, s: (["train.micro_batch_size=1e9", "train.global_batch_size=1e9"], {}), "this run needs about"),
+    ("micro-batch-1e9", lambda t, s: (["train.micro_batch_size=1e9", "train.global_batch_size=1e9"], {}),
+     "this run needs about"),
     ("max-seq-1e11", lambda t, s: (["model.max_seq_len=1e11"], {}), "this run needs about"),
     # environment
     ("env-comm-backend", lambda t, s: ([], {"TPFRAME_COMM_BACKEND": "bogus"}), "env var TPFRAME_COMM_BACKEND='bogus'"),
@@ -138,11 +156,13 @@ CASES = [
     ("ckpt-dir-is-file", lambda t, s: ([f"checkpoint.dir={_file(t, 'taken', 'x')}"], {}), "checkpoint.dir="),
     ("run-dir-of-another-run", lambda t, s: ([f"train.run_dir={s}", "model.hidden=64"], {}),
      "holds another run (model.ffn_hidden is 128 there but 256 now; model.hidden is 32 there but 64 now)"),
-    ("auto-resume-other-data", lambda t, s: ([f"train.run_dir={s}", "checkpoint.auto_resume=true", "data.source=stdlib"], {}),
+    ("auto-resume-other-data", lambda t, s: ([f"train.run_dir={s}", "checkpoint.auto_resume=true",
+     "data.source=stdlib"], {}),
      "data.source is 'synthetic' in the checkpoint but 'stdlib' now"),
     # data
     ("tokens-without-path", lambda t, s: (["data.source=tokens"], {}), "data.source=tokens needs data.path"),
-    ("tokens-missing", lambda t, s: (["data.source=tokens", f"data.path={t}/none.bin"], {}), "the token file does not exist"),
+    ("tokens-missing", lambda t, s: (["data.source=tokens", f"data.path={t}/none.bin"], {}),
+     "the token file does not exist"),
     ("token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path={_token_file(t, 300)}"], {}),
      "holds token id 300 but its sidecar declares vocab_size 256"),
     ("vocab-smaller-than-data", lambda t, s: (["model.vocab_size=100"], {}), "the data has token ids up to 255"),
@@ -155,7 +175,8 @@ CASES = [
      "train.seq_len is 32 in the checkpoint but 16 now"),
     ("resume-other-model", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "model.layers=3"], {}),
      "model.layers: checkpoint 2, config 3"),
-    ("init-from-not-safetensors", lambda t, s: ([f"checkpoint.init_from={_file(t, 'w.safetensors', 'not weights')}"], {}),
+    ("init-from-not-safetensors",
+     lambda t, s: ([f"checkpoint.init_from={_file(t, 'w.safetensors', 'not weights')}"], {}),
      "is not a safetensors file"),
     ("init-from-wrong-shape", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, True)}"], {}),
      "blocks.0.attn.proj.weight (3, 3)"),
@@ -204,6 +225,9 @@ LAUNCH_CASES = [
 ]
 
 
+SCRIPT = ["train.py", "--config", "configs/tiny_cpu.yaml", *TINY]
+
+
 def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
     cmd = [sys.executable, *launcher, f"--nproc-per-node={nproc}", *args]
     full = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
@@ -213,7 +237,7 @@ def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
 
 @pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env"])
 def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp_path):
-    out = _launch(["train.py", "--config", "configs/tiny_cpu.yaml", *TINY, f"train.run_dir={tmp_path}/run", *overrides], env)
+    out = _launch([*SCRIPT, f"train.run_dir={tmp_path}/run", *overrides], env)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr
     assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "run").exists()
@@ -221,8 +245,7 @@ def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp
 
 def test_a_mistake_found_by_the_workers_is_still_one_line(tmp_path):
     """--no-check: the workers find it; rank 0 prints, rank 1 waits to be stopped, the launch exits 2."""
-    out = _launch(["--no-check", "train.py", "--config", "configs/tiny_cpu.yaml", *TINY, f"train.run_dir={tmp_path}/run",
-                   "optim.weight_decay=nan"])
+    out = _launch(["--no-check", *SCRIPT, f"train.run_dir={tmp_path}/run", "optim.weight_decay=nan"])
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "optim.weight_decay=nan" in lines[0], out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
@@ -231,8 +254,9 @@ def test_a_mistake_found_by_the_workers_is_still_one_line(tmp_path):
 def test_under_torchrun_every_rank_exits_2_and_the_line_is_printed_once(tmp_path):
     """torchrun still prints its own failure summary (documented in README); ours is the first line, once,
     and the summary names it for both ranks instead of a link."""
-    out = _launch(["--standalone", "train.py", "--config", "configs/tiny_cpu.yaml", *TINY, f"train.run_dir={tmp_path}/run",
-                   "model.hiden=64"], launcher=("-m", "torch.distributed.run"))
+    out = _launch(["--standalone", *SCRIPT, f"train.run_dir={tmp_path}/run", "model.hiden=64"],
+                  launcher=("-m", "torch.distributed.run"))
     ours = [line for line in out.stderr.splitlines() if line.startswith("tpframe:")]
     assert out.returncode == 1 and len(ours) == 1 and "model.hiden" in ours[0], out.stderr
-    assert out.stderr.count("exitcode  : 2") == 2 and out.stderr.count("traceback : tpframe: config error") == 2, out.stderr
+    assert out.stderr.count("exitcode  : 2") == 2, out.stderr
+    assert out.stderr.count("traceback : tpframe: config error") == 2, out.stderr

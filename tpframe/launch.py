@@ -10,7 +10,7 @@ forward preemption signals, and exit with the workers' code and no traceback of 
 3. SIGTERM and SIGUSR1 are forwarded to the workers, which save a checkpoint at the end of the step and
    exit 0; the launcher then exits 0. SIGINT (Ctrl-C) stops them without saving (exit 130).
 4. A worker's failure ends the launch with that worker's exit code (2 config, 3 non-finite steps,
-   4 a stopped rank or failed collective: tpframe/training/exits.py); the worker printed the line. Any
+   4 a stopped rank or failed collective: tpframe/exits.py); the worker printed the line. Any
    other failure adds one line naming the rank and its exit code.
 """
 
@@ -128,9 +128,10 @@ def launch(args: argparse.Namespace) -> int:
         elastic_launch(config, sys.executable)("-u", args.script, *args.script_args)
     except ChildFailedError as e:
         rank, first = e.get_first_failure()
+        ours = sorted((f.timestamp, f.exitcode) for f in e.failures.values() if f.exitcode in TPFRAME_CODES)
+        if ours:  # a worker printed its one line; the others' deaths (killed once it failed) are echoes
+            return ours[0][1]
         code = first.exitcode
-        if code in TPFRAME_CODES:
-            return code  # the worker printed its one line
         what = f"signal {-code} ({first.signal_name()})" if code < 0 else f"exit code {code}"
         print(f"tpframe.launch: rank {rank} failed with {what}; its output is above", file=sys.stderr, flush=True)
         return 1

@@ -14,14 +14,13 @@ by the trainer). A rank frozen by SIGSTOP or wedged in a call that holds the GIL
 
 When a peer has not beaten for `timeout_s`, the thread reports it itself (the lowest-ranked live rank
 prints one line) and ends the process with exit code 4, whether the main thread is in a gloo or an
-NCCL wait. On CUDA, PyTorch's NCCL flight recorder is on (`configure_flight_recorder`) and its trace is
+NCCL wait (exit code 4, tpframe/exits.py). On CUDA, PyTorch's NCCL flight recorder is on (`configure_flight_recorder`) and its trace is
 dumped to `<run_dir>/nccl_trace/rank_<r>` before the exit.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-EXIT_TIMEOUT = 4
+from tpframe import exits
+
 TRACE_PREFIX_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 _TRACE_PREFIX: str | None = None  # the dump prefix configure_flight_recorder set (a user's own is kept)
 
@@ -223,10 +223,8 @@ class Heartbeat:
         dumped = dump_flight_recorder(self.rank)
         if dumped is not None:
             line += f"; NCCL flight recorder: {dumped.parent}"
-        if report:
-            print(f"tpframe: {line}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_TIMEOUT)
+        exits.report(line, show=report)
+        os._exit(exits.EXIT_COMM)
 
     # -- the main thread's failures ----------------------------------------------------------------
     def explain(self, error: BaseException) -> BaseException:
