@@ -39,8 +39,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                         help="worker processes on this node (one per GPU)")
-    parser.add_argument("--shutdown-timeout", type=float, default=15.0,
-                        help="seconds a failed launch waits for the other workers before killing them")
     parser.add_argument("--no-check", action="store_true", help="skip the parent's pre-flight check")
     parser.add_argument("script", help="the training script, e.g. train.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -122,7 +120,6 @@ def launch(args: argparse.Namespace) -> int:
         min_nodes=1, max_nodes=1, nproc_per_node=args.nproc_per_node, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
         start_method="spawn", signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1: forwarded above
-        shutdown_timeout=max(1, int(args.shutdown_timeout)),
     )
     try:
         elastic_launch(config, sys.executable)("-u", args.script, *args.script_args)

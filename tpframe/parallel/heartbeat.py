@@ -12,7 +12,7 @@ by the trainer). A rank frozen by SIGSTOP or wedged in a call that holds the GIL
     raise beat.explain(error)   # a communication failure -> CommFailure naming group, operation, missing ranks
     beat.stop()
 
-When a peer has not beaten for `timeout_s`, the thread reports it itself (the lowest-ranked live rank
+When a peer has not beaten for 0.9 x `timeout_s`, the thread reports it itself (the lowest-ranked live rank
 prints one line) and ends the process with exit code 4, whether the main thread is in a gloo or an
 NCCL wait (exit code 4, tpframe/exits.py). On CUDA, PyTorch's NCCL flight recorder is on (`configure_flight_recorder`) and its trace is
 dumped to `<run_dir>/nccl_trace/rank_<r>` before the exit.
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tpframe import exits
 
 TRACE_PREFIX_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+SILENCE = 0.9  # a peer silent this share of comm.timeout_s is reported before any collective's own timeout fires
 _TRACE_PREFIX: str | None = None  # the dump prefix configure_flight_recorder set (a user's own is kept)
 
 # phase -> (the groups its collectives run on, what they are)
@@ -174,7 +175,7 @@ class Heartbeat:
                 self.store_ok_at = time.monotonic()
             except Exception:  # noqa: BLE001 - the store itself is unreachable: judged below by its age
                 pass
-            silent = self.silent(self.timeout_s)
+            silent = self.silent(SILENCE * self.timeout_s)
             if silent and not self._stop.is_set():
                 self._report_and_exit(silent)
 
