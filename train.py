@@ -76,8 +76,9 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device_check or device == "cpu":
-        checks.check_memory(cfg, world, model, device_type=device, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                            local_world=local_world_size(world) if world_size is None else world)
+        local_world = local_world_size(world) if world_size is None else world
+        checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
+                            local_world=local_world)
     _, dp_rank, _ = coords_of(rank, world, cfg.parallel.tp, cfg.parallel.pp)
     dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     try:
@@ -105,12 +106,13 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     from tpframe.models import BuildContext, build_model
     from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.heartbeat import CommFailure, Heartbeat, Progress, configure_flight_recorder, is_comm_failure
+    from tpframe.parallel.heartbeat import (CommFailure, Heartbeat, Progress, configure_flight_recorder,
+                                            is_comm_failure)
     from tpframe.parallel.rng import RNGState
     from tpframe.parallel.schedules import get_forward_backward
     from tpframe.parallel.sharding import logical_numel
-    from tpframe.training.logger import MetricsLogger, peak_tflops
     from tpframe.training.health import TrainingAborted
+    from tpframe.training.logger import MetricsLogger, peak_tflops
     from tpframe.training.trainer import Trainer
 
     p = cfg.parallel
@@ -172,7 +174,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                 + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
             )
         except TrainingAborted as e:
-            checkpointer.finish(trainer.step, stopped=True)  # a background save of an earlier, healthy step publishes
+            checkpointer.finish(trainer.step, stopped=True)  # an earlier, healthy step's background save publishes
             healthy = last_healthy(checkpointer.root)
             raise TrainingAborted(f"{e}; " + (f"the last healthy checkpoint is {healthy} (checkpoint.load={healthy})"
                                               if healthy else "no healthy checkpoint was saved")) from None
@@ -193,8 +195,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
 
 def main(argv: list[str] | None = None) -> int:
     """Train; the exit code (0, 2, 3, 4) and the one line each failure prints are tpframe/exits.py's."""
-    from tpframe.parallel.heartbeat import CommFailure
     from tpframe import exits
+    from tpframe.parallel.heartbeat import CommFailure
     from tpframe.training.health import TrainingAborted
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0

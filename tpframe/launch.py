@@ -100,10 +100,8 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _quiet_torchelastic()
-    forwarded: list[int] = []
 
     def forward(signum, frame) -> None:
-        forwarded.append(signum)
         for pid in _children():
             try:
                 os.kill(pid, signum)
