@@ -13,9 +13,9 @@ by the trainer). A rank frozen by SIGSTOP or wedged in a call that holds the GIL
     beat.stop()
 
 When a peer has not beaten for 0.9 x `timeout_s`, the thread reports it itself (the lowest-ranked live rank
-prints one line) and ends the process with exit code 4, whether the main thread is in a gloo or an
-NCCL wait (exit code 4, tpframe/exits.py). On CUDA, PyTorch's NCCL flight recorder is on (`configure_flight_recorder`) and its trace is
-dumped to `<run_dir>/nccl_trace/rank_<r>` before the exit.
+prints one line) and ends the process with exit code 4 (tpframe/exits.py), whether the main thread is in a
+gloo or an NCCL wait. On CUDA, PyTorch's NCCL flight recorder is on (`configure_flight_recorder`) and its
+trace is dumped to `<run_dir>/nccl_trace/rank_<r>` before the exit.
 """
 
 from __future__ import annotations
@@ -185,14 +185,13 @@ class Heartbeat:
         now = time.monotonic()
         return sorted(r for r, p in self.peers.items() if now - p.changed > seconds)
 
-    def _waiting_for(self, group_names) -> tuple[list[int], list[int]]:
-        """(members of this phase's groups, those not where this rank is: silent, or at another step/phase)."""
+    def _waiting_for(self, group_names) -> list[int]:
+        """The members of this phase's groups that are not where this rank is: silent, or at another step/phase."""
         members = sorted({r for name in group_names for r in self.groups.get(name, [])})
         silent = set(self.silent(max(3 * self.period, 2.0)))
         me = (self.progress.step, self.progress.phase)
-        missing = [r for r in members if r != self.rank
-                   and (r in silent or (self.peers[r].step, self.peers[r].phase) != me)]
-        return members, missing
+        return [r for r in members if r != self.rank
+                and (r in silent or (self.peers[r].step, self.peers[r].phase) != me)]
 
     def _describe_peer(self, r: int) -> str:
         p, age = self.peers[r], time.monotonic() - self.peers[r].changed
@@ -204,14 +203,15 @@ class Heartbeat:
     def message(self, head: str, silent_only: list[int] | None = None) -> tuple[str, bool]:
         """(one line, whether this rank prints it: the lowest-ranked rank that is not silent)."""
         groups, what = PHASES.get(self.progress.phase, (("world",), self.progress.phase))
-        members, missing = self._waiting_for(groups)
-        if silent_only is not None:
-            missing = silent_only
+        missing = self._waiting_for(groups) if silent_only is None else silent_only
         names = " and ".join(f"{g} group {self.groups.get(g)}" for g in groups)
         where = (f"rank {self.rank} waited {time.monotonic() - self.progress.since:.0f} s at step {self.progress.step} "
                  f"in {what} on the {names}")
         who = ("; did not arrive: " + ", ".join(self._describe_peer(r) for r in missing)) if missing else \
               "; every rank of the group was alive and at the same place (a collective mismatch?)"
+        store_age = time.monotonic() - self.store_ok_at
+        if store_age > max(3 * self.period, 2.0):
+            who += f"; the store the heartbeats go through has not answered for {store_age:.0f} s"
         live = [r for r in range(self.world) if r == self.rank or r not in self.silent(max(3 * self.period, 2.0))]
         return f"{head}: {where}{who}; comm.timeout_s={self.timeout_s:g}", self.rank == min(live)
 
