@@ -1,14 +1,16 @@
 """tpframe's entry point.
 
-    torchrun --nproc-per-node N train.py --config configs/X.yaml [section.key=value ...]
-    python train.py --config configs/tiny_cpu.yaml          # one process, no torchrun needed
+    python -m tpframe.launch --nproc-per-node N train.py --config configs/X.yaml [section.key=value ...]
+    torchrun --nproc-per-node N train.py ...                # works too; its own failure summary is longer
+    python train.py --config configs/tiny_cpu.yaml          # one process, no launcher needed
 
 The path of a token, top to bottom:
-    build_data (tpframe/training/data.py) -> Trainer.train_step (tpframe/training/trainer.py)
-    -> model(input_ids, labels) (tpframe/models/gpt.py: embedding -> blocks -> head)
+    build_data (tpframe/data/loader.py) -> Trainer.train_step (tpframe/training/trainer.py) -> the schedule
+    (tpframe/parallel/schedules.py) -> model(input_ids, labels) (tpframe/models/gpt.py: embedding -> blocks -> head)
     -> vocab_parallel_cross_entropy (tpframe/layers/cross_entropy.py) -> per-token loss.
 
-Configuration mistakes stop here with one line and exit code 2, before any process group exists.
+Configuration mistakes stop here with one line and exit code 2, before any process group exists and
+before anything is written (`prepare`); exit codes 3 and 4 are tpframe/exits.py's.
 """
 
 from __future__ import annotations
@@ -25,11 +27,24 @@ from tpframe.training.config import ConfigError, load_config, validate
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other mistake (argparse prints usage + error)
+        raise ConfigError(f"{message} (usage: train.py [--config FILE] [section.key=value ...])")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"env var {name}={raw!r} must be an integer") from None
 
 
 def _single_process_env() -> None:
@@ -42,18 +57,30 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def prepare(argv: list[str] | None):
-    """Parse and check everything that can be checked before any process group is built."""
+def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int | None = None,
+            device_check: bool = True):
+    """Parse and check everything that can be checked before any process group is built, and write nothing.
+    `world_size`/`rank` default to the launcher's env; `device_check=False` skips the device-memory check
+    (tpframe.launch's parent process, which must not touch the GPUs)."""
     from tpframe.checkpoint import preflight
     from tpframe.data import build_data
     from tpframe.models import check_pipeline_support, resolve_builder
     from tpframe.parallel.state import coords_of
+    from tpframe.training import preflight as checks
+    from tpframe.training.memory import local_world_size
 
     args = parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    world = world_size or _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0) if rank is None else rank
     cfg = load_config(args.config, args.overrides)
-    validate(cfg, world)
+    validate(cfg, world)  # the env vars that override the config too
     check_pipeline_support(cfg.model.name, resolve_builder(cfg.model.name), cfg.parallel.pp)
+    model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_check or device == "cpu":
+        local_world = local_world_size(world) if world_size is None else world
+        checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
+                            local_world=local_world)
     _, dp_rank, _ = coords_of(rank, world, cfg.parallel.tp, cfg.parallel.pp)
     dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     try:
@@ -65,7 +92,11 @@ def prepare(argv: list[str] | None):
             f"the data has token ids up to {data_vocab - 1} but model.vocab_size={cfg.model.vocab_size}; "
             f"set model.vocab_size={data_vocab} or more"
         )
+    checks.check_token_ids(cfg, train_data, valid_data)
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
+    checks.check_resume(cfg, *resume, train_data)
+    checks.check_init_from(cfg, model, resuming=resume[0] is not None)
+    checks.check_run_dir(cfg, resuming=resume[0] is not None)
     return cfg, train_data, valid_data, resume
 
 
@@ -73,17 +104,31 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
     from tpframe.checkpoint.export import load_consolidated
+    from tpframe.checkpoint.files import last_healthy
     from tpframe.models import BuildContext
     from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.heartbeat import (CommFailure, Heartbeat, Progress, configure_flight_recorder,
+                                            is_comm_failure)
     from tpframe.parallel.pipeline import build_pipeline, build_stages, pipeline_numel, pipeline_union
     from tpframe.parallel.rng import RNGState
     from tpframe.parallel.schedules import get_forward_backward, get_forward_only
+    from tpframe.training.health import TrainingAborted
     from tpframe.training.logger import MetricsLogger, peak_tflops
     from tpframe.training.trainer import Trainer
 
     p = cfg.parallel
-    state = initialize_parallel(tp=p.tp, pp=p.pp, comm_backend=cfg.comm.backend)
+    if torch.cuda.is_available():
+        configure_flight_recorder(cfg.train.run_dir)  # before the NCCL groups exist
+    try:
+        state = initialize_parallel(tp=p.tp, pp=p.pp, comm_backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
+    except Exception as e:
+        if not is_comm_failure(e):
+            raise
+        raise CommFailure(f"the process groups could not be set up within comm.timeout_s={cfg.comm.timeout_s:g}: "
+                          f"{str(e).strip().splitlines()[0][:200]}") from None
+    progress = Progress()  # what this rank is doing, for the heartbeat's reports
+    beat = Heartbeat.start(state, timeout_s=cfg.comm.timeout_s, progress=progress)
     try:
         tracker = seed_parallel_rng(cfg.train.seed)
         dtype = DTYPES[cfg.train.dtype]
@@ -119,10 +164,12 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
                           forward_backward=get_forward_backward(p.pp, pipeline),
-                          forward_only=get_forward_only(p.pp, pipeline),
+                          forward_only=get_forward_only(p.pp, pipeline), progress=progress,
                           peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
-        checkpointer = Checkpointer(cfg, state, tensors=strategy, meta={"train": trainer, "data": train_data},
-                                    rng=RNGState(state.device, tracker), vocab_tensors=vocab_tensors, resume=resume, log=logger.info)
+        checkpointer = Checkpointer(cfg, state, tensors=strategy, rng=RNGState(state.device, tracker),
+                                    meta={"train": trainer, "data": train_data, "health": trainer.guard},
+                                    vocab_tensors=vocab_tensors, resume=resume, log=logger.info, health=trainer.guard)
+        progress.mark(0, "load")
         checkpointer.load()  # model, optimizer, data position, RNG, step
         schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
         logger.info(
@@ -145,25 +192,58 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                 + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
                 + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
             )
+        except TrainingAborted as e:
+            checkpointer.finish(trainer.step, stopped=True)  # an earlier, healthy step's background save publishes
+            healthy = last_healthy(checkpointer.root)
+            raise TrainingAborted(f"{e}; " + (f"the last healthy checkpoint is {healthy} (checkpoint.load={healthy})"
+                                              if healthy else "no healthy checkpoint was saved")) from None
         finally:
             logger.close()
         trainer.checkpointer = checkpointer
         return trainer
+    except Exception as e:
+        failure = beat.explain(e) if beat is not None else e  # a communication failure, explained in one line
+        if failure is e:
+            raise
+        raise failure from None
     finally:
+        if beat is not None:
+            beat.stop()
         destroy_parallel()
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; the exit code (0, 2, 3, 4) and the one line each failure prints are tpframe/exits.py's."""
+    from tpframe import exits
+    from tpframe.parallel.heartbeat import CommFailure
+    from tpframe.training.health import TrainingAborted
+
+    rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
     try:
-        cfg, train_data, valid_data, resume = prepare(argv)
+        prepared = prepare(argv)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"tpframe: config error: {e}", file=sys.stderr)
-        return 2
+        return exits.config_error(str(e), rank)
     _single_process_env()
-    run(cfg, train_data, valid_data, resume)
+    try:
+        run(*prepared)
+    except ConfigError as e:  # found once the process groups exist (e.g. a model that builds only for real)
+        exits.report(f"config error: {e}", show=rank == 0)
+        return exits.EXIT_CONFIG
+    except TrainingAborted as e:
+        exits.report(f"training stopped: {e}", show=rank == 0)
+        return exits.EXIT_DIVERGED
+    except CommFailure as e:
+        exits.report(str(e), show=e.report)
+        return exits.EXIT_COMM
+    except KeyboardInterrupt:
+        return exits.EXIT_INTERRUPTED
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 4:  # a peer is gone: skip the interpreter's teardown of process groups that may block on it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tpframe.checkpoint import dcp_io
+from tpframe.checkpoint.finite import all_finite
 from tpframe.checkpoint.files import (
     FORMAT,
     LATEST,
@@ -32,6 +34,7 @@ from tpframe.checkpoint.files import (
     CheckpointError,
     checkpoint_root,
     file_record,
+    last_healthy,
     prune,
     remove_stale_partials,
     write_atomic,
@@ -44,17 +47,19 @@ FAULT_ENV = "TPFRAME_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL this rank mid
 
 class Checkpointer:
     def __init__(self, cfg, parallel, *, tensors, meta: dict[str, Any], rng, vocab_tensors: list[str],
-                 resume: tuple = (None, None), log: Callable[[str], None] = print):
+                 resume: tuple = (None, None), log: Callable[[str], None] = print, health=None):
         self.cfg, self.parallel, self.log = cfg, parallel, log
         self.vocab_tensors = vocab_tensors  # logical names of the padded vocabulary tables (export trims them)
         self.tensors, self.meta_states, self.rng = tensors, meta, rng
+        self.health = health  # a StepGuard (tpframe/training/health.py): whether a step may be called healthy
         self.root = checkpoint_root(cfg)
         self.resume_path, self.resume_meta = resume
         self.loaded_from: Path | None = None
         # Bookkeeping runs over gloo groups of its own: object collectives need no GPU, and the
         # background writer of an async save must not share a group with the main thread.
-        self.group = dist.new_group(backend="gloo")
-        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        timeout = timedelta(seconds=cfg.comm.timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.async_group = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
         self.pending: tuple[Any, int, Path, dict] | None = None  # (future, step, partial dir, meta) of an async save
         self.signal_received: int | None = None
         self.last_saved_step = -1
@@ -93,9 +98,15 @@ class Checkpointer:
             self._finish_async()
 
     # -- saving ----------------------------------------------------------------------------------
-    def save(self, step: int, blocking: bool = True) -> Path:
+    def save(self, step: int, blocking: bool = True) -> Path | None:
+        """Write step `step` (None when its state is not finite on some rank: never published)."""
         if self.pending is not None:  # one write in flight at a time
             self._finish_async()
+        state = self.tensors.state_dict()
+        if not all_finite(state, self.group):
+            self.log(f"step {step}: the model or optimizer state holds non-finite values: no checkpoint is written; "
+                     f"the last one is {last_healthy(self.root) or 'none'}")
+            return None
         final, partial = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.partial"
         if self.parallel.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -106,7 +117,6 @@ class Checkpointer:
         dist.barrier(group=self.group)
         torch.save(self.rng.state_dict(), partial / f"rng_{self.parallel.rank}.pt")
         meta = self._meta(step)
-        state = self.tensors.state_dict()
         if blocking:
             dcp_io.save(state, partial, self.group)
             self._fault_injection(step)
@@ -139,6 +149,7 @@ class Checkpointer:
             "layout": self.layout(),
             "vocab": {"size": cfg.model.vocab_size, "padded": padded_vocab(cfg.model, p.tp), "tensors": self.vocab_tensors},
             "config": cfg.to_dict(),
+            "healthy": self.health.healthy_since(self.last_saved_step) if self.health is not None else True,
         }
 
     def layout(self) -> dict[str, Any]:
@@ -174,7 +185,8 @@ class Checkpointer:
         dcp_io.load(state, path, self.group)
         self.tensors.load_state_dict(state)
         for name, obj in self.meta_states.items():
-            obj.load_state_dict(meta[name])
+            if name in meta:  # a checkpoint older than a state (e.g. "health") leaves it fresh
+                obj.load_state_dict(meta[name])
         if meta["layout"] == self.layout():
             self.rng.load_state_dict(torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False))
         else:

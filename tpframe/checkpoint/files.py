@@ -26,6 +26,7 @@ from tpframe.models.config import architecture, padded_vocab
 FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
 META = "meta.json"
 LATEST = "latest"
+META_KEYS = ("step", "train", "data", "architecture", "layout", "vocab", "config", "files")
 
 
 class CheckpointError(ConfigError):
@@ -72,8 +73,16 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_file} is corrupt ({e}); use an older step_* directory") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{str(path)!r} has checkpoint format {meta.get('format')!r}; this tpframe reads format {FORMAT}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{str(path)!r} has checkpoint format {found!r}; this tpframe reads format {FORMAT}")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{meta_file} lacks {', '.join(missing)}: it was not written by a complete save; "
+                              "use an older step_* directory")
+    if not isinstance(meta["files"], dict) or not all(isinstance(v, dict) and {"size", "crc32"} <= set(v)
+                                                      for v in meta["files"].values()):
+        raise CheckpointError(f"{meta_file} has a malformed 'files' record; use an older step_* directory")
     for name, info in meta["files"].items():
         f = path / name
         if not f.exists():
@@ -138,9 +147,27 @@ def published_steps(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
 
 
+def is_healthy(step_dir: Path) -> bool:
+    """What meta.json says (`healthy`: no skipped step or loss spike since the previous save); older
+    checkpoints, written before health was recorded, count as healthy."""
+    try:
+        return bool(json.loads((step_dir / META).read_text()).get("healthy", True))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def last_healthy(root: Path) -> Path | None:
+    healthy = [p for p in published_steps(root) if is_healthy(p)]
+    return healthy[-1] if healthy else None
+
+
 def prune(root: Path, keep_last: int) -> None:
-    for old in published_steps(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Keep the newest `keep_last` checkpoints, and the newest healthy one even when it is older."""
+    steps = published_steps(root)
+    keep = set(steps[-keep_last:]) | {last_healthy(root)}
+    for old in steps:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale_partials(root: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -100,7 +101,7 @@ class ParallelState:
         return self.tp_ranks[0]
 
 
-def _init_world_from_env(backend: str) -> None:
+def _init_world_from_env(backend: str, timeout: timedelta | None) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -110,24 +111,26 @@ def _init_world_from_env(backend: str) -> None:
         )
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
 
 
 def initialize_parallel(
-    tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto"
+    tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto", timeout_s: float | None = None
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
     `backend` is the torch.distributed backend used if the world is not up yet (default: nccl
     with CUDA, else gloo). `comm_backend` picks the TP communicator backend (auto/nccl/symm).
+    `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
     if _STATE is not None:
         raise RuntimeError("initialize_parallel() was already called; call destroy_parallel() first")
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     owns_world = False
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        _init_world_from_env(backend)
+        _init_world_from_env(backend, timeout)
         owns_world = True
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world, tp, pp)  # raises ValueError for a world tp*pp does not divide
@@ -148,10 +151,14 @@ def initialize_parallel(
     if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
         for kind in ("mp", "embedding"):
             for ranks in layout[kind]:
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 created.append(group)
                 if rank in ranks:
                     mp_group, embedding_group = (group, embedding_group) if kind == "mp" else (mp_group, group)
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if timeout is not None and set_timeout is not None:  # the mesh builds its groups with torch's default timeout
+        for group in {tp_group, dp_group, pp_group} - {dist.group.WORLD}:
+            set_timeout(timeout, group)
     find = lambda kind: next(g for g in layout[kind] if rank in g)  # noqa: E731
     state = ParallelState(
         world_size=world,

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from tpframe.data.config import DataConfig
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, ffn_hidden_size
 from tpframe.optim.config import OptimConfig
+from tpframe.training.validate import check_env, check_numbers, parse_override_value, read_yaml_file
+
 
 @dataclass
 class ParallelConfig:
@@ -54,6 +54,10 @@ class TrainConfig:
     eval_steps: int = 10
     run_dir: str = "runs/default"
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
+    on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
+    max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
+    loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
+    check_memory: bool = True  # refuse a layout whose memory estimate exceeds the device's (README: operations)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class LoggingConfig:
 @dataclass
 class CommConfig:
     backend: Literal["auto", "nccl", "symm"] = "auto"
+    timeout_s: float = 300.0  # every process group: a collective waiting longer ends the run (exit code 4)
 
 
 @dataclass
@@ -139,6 +144,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):  # YAML reads 1e10 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise ConfigError(f"{key}={value!r} must be an integer")
@@ -174,6 +184,8 @@ def from_dict(data: dict[str, Any]) -> Config:
     sections = _section_types(Config)
     kwargs = {}
     for section, values in data.items():
+        if not isinstance(section, str):
+            raise ConfigError(f"config section names are words (model, train, ...), got {section!r}")
         if section not in sections:
             raise ConfigError(f"unknown config section '{section}'{_did_you_mean(section, sections)}")
         cls = sections[section]
@@ -184,6 +196,8 @@ def from_dict(data: dict[str, Any]) -> Config:
         types_ = _section_types(cls)
         fields = {}
         for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"keys of config section '{section}' are words, got {key!r}")
             if key not in types_:
                 raise ConfigError(f"unknown config key '{section}.{key}'{_did_you_mean(key, types_, section + '.')}")
             fields[key] = _coerce(value, types_[key], f"{section}.{key}")
@@ -201,26 +215,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"override key {dotted!r} must be section.key (e.g. parallel.tp=2)")
         section, key = parts
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_override_value(item, raw)
         if section not in data or data[section] is None:
             data[section] = {}
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {data[section]!r}")
         data[section][key] = value
     return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or start from defaults when `path` is None) and apply the overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    data: dict[str, Any] = read_yaml_file(path) if path is not None else {}
     return from_dict(apply_overrides(data, overrides or []))
 
 
@@ -230,6 +236,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 def validate(cfg: Config, world_size: int) -> None:
     """Every impossible combination, as one clear ConfigError, before any process group exists."""
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optim
+    check_numbers(cfg)  # every float finite and in range (tpframe/training/validate.py)
+    check_env(cfg.comm.backend)
 
     def positive(key: str, value: int) -> None:
         if value < 1:

@@ -5,12 +5,13 @@ One optimizer step, in order:
      accumulate in fp32 and the strategy starts syncing them during the last backward;
   2. `strategy.finish_grad_sync()`: DP reduction done, sequence-parallel grads summed over TP;
   3. `strategy.clip_grad_norm()`: the global norm (each TP shard, DP shard and replicated param once);
-  4. `strategy.step(lr)`: AdamW on fp32 masters (skipped, and counted, when the norm is not finite).
+  4. `strategy.step(lr)`: AdamW on fp32 masters.
+Steps 1-3 are one try; a try whose loss or norm is not finite is re-run once and then applied, skipped
+or ends training, as `guard` (tpframe/training/health.py) decides.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable
 
@@ -18,19 +19,26 @@ import torch
 from torch import nn
 
 from tpframe.optim import GradStrategy, lr_at
+from tpframe.parallel.heartbeat import Progress
+from tpframe.parallel.rng import RNGState
 from tpframe.parallel.schedules import forward_only_no_pipelining
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
+from tpframe.training.health import StepGuard
 
 
 class Trainer:
     def __init__(self, cfg: Config, parallel: ParallelState, model: nn.Module, strategy: GradStrategy, train_data,
                  valid_data, logger, *, forward_backward: Callable, forward_only: Callable | None = None,
-                 peak_tflops: float | None = None):
+                 peak_tflops: float | None = None, guard: StepGuard | None = None, progress: Progress | None = None):
         self.cfg, self.parallel, self.model, self.strategy = cfg, parallel, model, strategy
         self.train_data, self.valid_data, self.logger = train_data, valid_data, logger
         self.forward_backward = forward_backward
         self.forward_only = forward_only or forward_only_no_pipelining  # evaluation
+        rng = RNGState(parallel.device, parallel.rng_tracker)
+        self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=rng, dp_comm=parallel.dp_comm,
+                                        rank=parallel.rank, log=logger.info)
+        self.progress = progress or Progress()  # what this rank is doing, for timeout reports
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
@@ -51,27 +59,37 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, parallel = self.cfg, self.parallel
+        cfg = self.cfg
         self.model.train()
-        self.strategy.zero_grad()
-        loss_sum = self.forward_backward(self.model, self.train_data, self.accum, grad_sync=self.strategy,
-                                         device=parallel.device)
-        self.strategy.finish_grad_sync()
-        grad_norm = self.strategy.clip_grad_norm(cfg.optim.grad_clip)
+        loss, grad_norm, apply = self.guard.run_step(self.step + 1, self._attempt)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
-        if math.isfinite(grad_norm):
+        if apply:
+            self.progress.mark(self.step + 1, "optimizer")
             self.strategy.step(lr)
         else:
             self.skipped_steps += 1
-            self.logger.info(f"step {self.step + 1}: non-finite gradient norm ({grad_norm}); update skipped")
-        loss = parallel.dp_comm.all_reduce(loss_sum).item() / parallel.dp
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
 
+    def _attempt(self) -> tuple[float, float]:
+        """One try of the step: (loss averaged over DP, global gradient norm); no update yet."""
+        parallel, mark, step = self.parallel, self.progress.mark, self.step + 1
+        self.strategy.zero_grad()
+        mark(step, "forward_backward")
+        loss_sum = self.forward_backward(self.model, self.train_data, self.accum, grad_sync=self.strategy,
+                                         device=parallel.device)
+        mark(step, "grad_sync")
+        self.strategy.finish_grad_sync()
+        mark(step, "grad_norm")
+        grad_norm = self.strategy.clip_grad_norm(self.cfg.optim.grad_clip)
+        mark(step, "loss")
+        return parallel.dp_comm.all_reduce(loss_sum).item() / parallel.dp, grad_norm
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the same `eval_steps` held-out micro-batches every time, averaged over DP."""
+        self.progress.mark(self.step, "eval")
         self.model.eval()
         self.valid_data.reset()
         mean = self.forward_only(self.model, self.valid_data, self.cfg.train.eval_steps, device=self.parallel.device)
@@ -99,6 +117,7 @@ class Trainer:
                 self.logger.log_eval(self.step, {"loss": record["eval_loss"]})
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             self.history.append(record)
+            self.progress.mark(self.step, "checkpoint")
             if checkpointer is not None and checkpointer.after_step(self.step):
                 self.stop_requested = True
         return self.history

@@ -1,0 +1,367 @@
+"""Faults: non-finite steps (re-run, skip, abort), healthy checkpoints, the memory estimate, a stopped rank,
+and preemption through the launcher."""
+
+import contextlib
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import REPO, TINY, train_in_process
+
+STEPS = 8
+# 2 ranks at DP=2, 2 micro-batches of 2 per rank and step
+COMMON = ["parallel.tp=1", "train.micro_batch_size=2", f"train.steps={STEPS}"]
+ARGS = ["--config", os.path.join(REPO, "configs/tiny_cpu.yaml"), *TINY, *COMMON]
+
+
+def _losses(overrides):
+    return [r["loss"] for r in train_in_process([*COMMON, *overrides])]
+
+
+def _main(args):
+    """train.main in this (already distributed) process: (exit code, stderr, stdout)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import train
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = train.main(args)
+    return code, err.getvalue(), out.getvalue()
+
+
+def _poison_after_step_4(args):
+    """rank 1 turns its weights into NaN right after step 4's update (before step 4's checkpoint)."""
+    from tpframe.training.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self):
+        out = original(self)
+        if self.step == 4 and self.parallel.rank == 1:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.fill_(float("nan"))
+        return out
+
+    Trainer.train_step = train_step
+    return _main(args)
+
+
+def _train_losses(run_dir: Path) -> list[float]:
+    from tpframe.training.logger import read_metrics
+
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The losses of the fault-free run every test below is compared with."""
+    return run_distributed(_losses, 2, [f"train.run_dir={tmp_path_factory.mktemp('clean')}"])[0]
+
+
+# -- non-finite steps -------------------------------------------------------------------------------------
+
+
+def test_a_transient_nan_is_rerun_and_training_continues_bit_for_bit(tmp_path, clean):
+    env = {"TPFRAME_FAULT_NAN": "3:once:1", "TPFRAME_FAULT_RANK": "1"}
+    (code, err, out), _ = run_distributed(_main, 2, [*ARGS, f"train.run_dir={tmp_path}"], env=env)
+    assert code == 0 and err == "", err
+    assert "step 3: non-finite loss nan and gradient norm nan; first in micro-batch 1 of DP rank 1; re-running" in out
+    assert "step 3: the re-run is finite" in out and "a transient fault" in out
+    assert _train_losses(tmp_path) == clean, "the re-run's update is the one a fault-free step makes"
+
+
+def test_divergence_skips_then_stops_and_the_healthy_checkpoint_survives_and_loads(tmp_path, clean):
+    env = {"TPFRAME_FAULT_NAN": "5:always"}
+    args = [*ARGS, f"train.run_dir={tmp_path}", "train.max_skipped_steps=2", "checkpoint.interval=2",
+            "checkpoint.keep_last=1"]
+    (code, err, out), (code1, err1, _) = run_distributed(_main, 2, args, env=env)
+    root = tmp_path / "checkpoints"
+    assert code == code1 == 3 and err1 == "", (err, err1)
+    assert "step 5: the re-run is non-finite too" in out and "update skipped (2 in a row" in out
+    line = err.strip()
+    assert len(err.strip().splitlines()) == 1 and line.startswith("tpframe: training stopped: step 7:"), err
+    assert "3 non-finite steps in a row exceed train.max_skipped_steps=2" in line and f"{root}/step_00000004" in line
+    # keep_last=1 keeps the newest (step 6, saved while skipping: finite but unhealthy) and the last healthy one
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
+    assert json.loads((root / "step_00000004/meta.json").read_text())["healthy"] is True
+    assert json.loads((root / "step_00000006/meta.json").read_text())["healthy"] is False
+    resumed = run_distributed(_losses, 2, [f"checkpoint.load={root}/step_00000004",
+                                           f"train.run_dir={tmp_path}/resumed"])[0]
+    assert resumed == clean[4:], "the healthy checkpoint resumes the fault-free run"
+
+
+def test_a_non_finite_state_is_never_published(tmp_path):
+    args = [*ARGS, f"train.run_dir={tmp_path}", "train.max_skipped_steps=0", "checkpoint.interval=2"]
+    (code, err, out), _ = run_distributed(_poison_after_step_4, 2, args)
+    root = tmp_path / "checkpoints"
+    assert code == 3, err
+    assert ("step 4: the model or optimizer state holds non-finite values: no checkpoint is written; "
+            f"the last one is {root}/step_00000002") in out
+    assert "train.max_skipped_steps=0: training stopped" in err and f"{root}/step_00000002" in err
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+
+
+class _Data:
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class _Comm:
+    size, rank, device = 1, 0, torch.device("cpu")
+
+
+def _guard(**train):
+    from tpframe.training.config import TrainConfig
+    from tpframe.training.health import StepGuard
+
+    data, log = _Data(), []
+    rng = type("RNG", (), {"state_dict": lambda self: {}, "load_state_dict": lambda self, s: None})()
+    guard = StepGuard(TrainConfig(**train), nn.Linear(1, 1), data=data, rng=rng, dp_comm=_Comm(), log=log.append)
+    return guard, data, log
+
+
+def _attempts(data, results):
+    """An attempt function consuming a batch (data.position += 1) and returning the next (loss, norm)."""
+    results, seen = list(results), []
+
+    def attempt():
+        seen.append(data.position)
+        data.position += 1
+        return results.pop(0)
+
+    return attempt, seen
+
+
+def test_step_guard_decides_transient_skip_and_abort():
+    from tpframe.training.health import TrainingAborted
+
+    guard, data, log = _guard(max_skipped_steps=1)
+    attempt, seen = _attempts(data, [(math.nan, 1.0), (2.0, 1.0)])
+    assert guard.run_step(1, attempt) == (2.0, 1.0, True) and seen == [0, 0], "the re-run reads the same batch"
+    assert guard.transient_faults == 1 and guard.healthy_since(0)
+    attempt, _ = _attempts(data, [(1.0, math.inf), (1.0, math.inf)] * 2)
+    assert guard.run_step(2, attempt)[2] is False and guard.consecutive_skips == 1 and not guard.healthy_since(1)
+    with pytest.raises(TrainingAborted, match="2 non-finite steps in a row exceed train.max_skipped_steps=1"):
+        guard.run_step(3, attempt)
+    guard, data, _ = _guard(on_nonfinite="abort")
+    attempt, _ = _attempts(data, [(math.nan, math.nan)] * 2)
+    with pytest.raises(TrainingAborted, match="train.on_nonfinite=abort"):
+        guard.run_step(1, attempt)
+
+
+def test_loss_spikes_are_flagged_by_robust_z_score():
+    from tpframe.training.health import SpikeDetector, robust_z
+
+    assert robust_z(5.0, [1.0, 2.0, 3.0])[0] == pytest.approx((5.0 - 2.0) / (1.4826 * 1.0))
+    detector = SpikeDetector(z=6.0, window=50, min_points=20)
+    losses = [2.0 + 0.01 * math.sin(i) for i in range(30)]
+    assert [detector.observe(x) for x in losses] == [None] * 30
+    z, median = detector.observe(2.5)
+    assert z > 6 and median == pytest.approx(2.0, abs=0.01)
+    assert detector.observe(1.9) is None, "a drop is not a spike"
+
+
+def test_prune_never_deletes_the_last_healthy_checkpoint(tmp_path):
+    from tpframe.checkpoint.files import last_healthy, prune
+
+    for step, healthy in ((2, True), (4, True), (6, False), (8, False)):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}/meta.json").write_text(json.dumps({"healthy": healthy}))
+    assert last_healthy(tmp_path).name == "step_00000004"
+    prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000008"]
+
+
+def test_all_finite_sees_nan_and_inf_in_any_piece():
+    from tpframe.checkpoint.finite import all_finite
+    from tpframe.parallel.sharding import LogicalChunks
+
+    big = torch.full((4, 4), 1e30)  # huge but finite: a max-abs reduction does not overflow
+    state = {"model/w": LogicalChunks((8, 4), [((0, 0), big)]), "optim/step": torch.tensor([3.0])}
+    assert all_finite(state)
+    for bad in (float("nan"), float("inf")):
+        poisoned = big.clone()
+        poisoned[2, 1] = bad
+        assert not all_finite({**state, "model/v": LogicalChunks((4, 4), [((0, 0), poisoned)])})
+
+
+# -- the memory estimate ------------------------------------------------------------------------------------
+
+
+def _cfg(*overrides):
+    from tpframe.training.config import load_config
+
+    return load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), list(overrides))
+
+
+def test_memory_estimate_bytes_per_parameter_by_strategy():
+    from tpframe.training.memory import estimate
+
+    def static(world, *o):
+        e = estimate(_cfg(*o), world, params=10**6, device_type="cuda")
+        return (e.params + e.grads + e.optimizer) / 1e6
+
+    assert static(2, "parallel.tp=2") == 16.0  # fp32: weights 4 + grads 4 + moments 8
+    assert static(2, "parallel.tp=2", "train.dtype=bfloat16") == 18.0  # + fp32 masters, bf16 weights
+    assert static(8, "parallel.tp=2", "train.dtype=bfloat16", "parallel.dp_strategy=zero1") == 9.0  # 2 + 4 + 12/4
+    deep = ("parallel.tp=2", "model.layers=24")  # fsdp also holds a gathered layer or two, in full
+    assert static(8, *deep, "parallel.dp_strategy=fsdp") < 0.5 * static(8, *deep, "parallel.dp_strategy=zero1")
+
+
+def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
+    from tpframe.training.memory import activation_bytes
+
+    def act(*o):
+        return activation_bytes(_cfg("train.micro_batch_size=8", "model.vocab_size=256", *o), "cuda")
+
+    assert act("parallel.tp=2") < act("parallel.tp=1")
+    assert act("parallel.tp=2", "parallel.sequence_parallel=true") < act("parallel.tp=2")
+    assert act("parallel.tp=2", "parallel.activation_checkpointing=true") < act("parallel.tp=2")
+    assert act("parallel.tp=1", "train.dtype=bfloat16") < act("parallel.tp=1")
+    # Korthikanti et al.: s*b*h*(10 + 24/t) per layer at 2 bytes without scores (CUDA), plus embedding and loss
+    s, b, h, L, V = 128, 8, 128, 2, 256  # configs/tiny_cpu.yaml
+    layers, loss, embedding = s * b * h * (10 + 24 / 2) * L, s * b * V / 2 * (2 + 8), s * b * h * 2
+    assert act("parallel.tp=2", "train.dtype=bfloat16") == layers + loss + embedding
+
+
+# -- launcher drills: preemption and a stopped rank ---------------------------------------------------------
+
+
+SCRIPT = ["train.py", "--config", "configs/tiny_cpu.yaml", *TINY, *COMMON]
+
+
+def _launch(args, env=None):
+    """The README's launcher, 2 workers; --no-check: the parent's pre-flight is test_ops_inputs.py's business."""
+    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", "--no-check", *args]
+    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
+    full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """local rank -> pid of the launcher's workers."""
+    out = {}
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"LOCAL_RANK=")), None)
+            if rank is not None:
+                out[int(rank)] = int(pid)
+    return out
+
+
+def _read_until(proc, predicate, timeout=180):
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if predicate(lines[-1]):
+            return lines
+        assert time.monotonic() < deadline, "\n".join(lines[-30:])
+    raise AssertionError("the launch ended early:\n" + "\n".join(lines[-30:]))
+
+
+def _is_step(n):
+    return lambda line: line.replace(" ", "").startswith(f"step{n}/")
+
+
+def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path, clean):
+    proc = _launch([*SCRIPT, f"train.run_dir={tmp_path}"])
+    try:
+        _read_until(proc, _is_step(2))
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert rest.count("tpframe.launch: SIGTERM forwarded to the workers") == 1 and "Traceback" not in rest, rest
+    saved = (tmp_path / "checkpoints" / "latest").read_text()
+    step = int(saved.split("_")[1])
+    assert 2 <= step < STEPS and f"preemption signal received: saving step {step} and stopping" in rest, rest
+    resumed = run_distributed(_losses, 2, [f"checkpoint.load={tmp_path}/checkpoints", f"train.run_dir={tmp_path}/r"])[0]
+    assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
+
+
+def test_a_stopped_rank_ends_the_others_within_the_timeout_with_a_message(tmp_path):
+    timeout_s = 3
+    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"])
+    stopped = None
+    try:
+        _read_until(proc, _is_step(3))
+        stopped = _workers(proc.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        lines = _read_until(proc, lambda line: line.startswith("tpframe:"), timeout=60)
+        waited = time.monotonic() - t0
+        os.kill(stopped, signal.SIGKILL)  # the launcher would wait out its shutdown timeout for a frozen rank
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+        proc.kill()
+    line = lines[-1]
+    assert waited < timeout_s + 4, f"rank 0 gave up after {waited:.1f} s"
+    assert "did not arrive: rank 1 (no heartbeat for" in line and "group [0, 1]" in line and "step " in line, line
+    assert f"comm.timeout_s={timeout_s}" in line and proc.returncode == 4, (line, rest)
+    assert "Traceback" not in rest and not any(x.startswith("tpframe:") for x in rest.splitlines()), rest
+
+
+# -- GPU: the device's memory, and the NCCL flight recorder --------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_memory_check_compares_with_the_cuda_device(monkeypatch):
+    import train
+    from tpframe.training.config import ConfigError
+
+    monkeypatch.chdir(REPO)
+    base = ["--config", "configs/gpt_125m.yaml", "train.steps=1", "parallel.tp=1"]
+    with pytest.raises(ConfigError, match=r"this run needs about .* but cuda:0 \(.*\) has .* GiB"):
+        train.prepare([*base, "model.hidden=16384", "model.heads=128"], world_size=1, rank=0)
+    train.prepare([*base, "train.run_dir=/tmp/tpframe_gpu_memory_ok"], world_size=1, rank=0)  # 125M fits
+    cfg = train.prepare([*base, "model.hidden=16384", "model.heads=128", "train.check_memory=false",
+                         "train.run_dir=/tmp/tpframe_gpu_memory_skip"], world_size=1, rank=0)[0]
+    assert cfg.train.check_memory is False
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
+    timeout_s = 20
+    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
+                   env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    stopped = None
+    try:
+        _read_until(proc, _is_step(3))
+        stopped = _workers(proc.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        lines = _read_until(proc, lambda line: line.startswith("tpframe:"), timeout=timeout_s + 60)
+        waited = time.monotonic() - t0
+        os.kill(stopped, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+        proc.kill()
+    assert waited < timeout_s + 10 and "rank 1" in lines[-1] and proc.returncode == 4, (waited, lines[-5:])
+    assert (tmp_path / "nccl_trace" / "rank_0").is_file(), lines[-1]

@@ -1,0 +1,262 @@
+"""Every mistake is one line and exit code 2, with nothing written: 60 bad inputs through train.main in this
+process, a few through the README's launcher (and torchrun) with 2 processes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import REPO, TINY, train_in_process
+
+BASE = ["--config", "configs/tiny_cpu.yaml", *TINY, "parallel.tp=1", "train.steps=2"]
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPFRAME_COMM_BACKEND", "TPFRAME_FAULT_NAN",
+            "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+
+
+def _file(tmp: Path, name: str, content) -> str:
+    path = tmp / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+def _token_file(tmp: Path, bad_id: int | None = None) -> str:
+    from tpframe.data.tokenizer import write_token_file
+
+    text = tmp / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    out = tmp / "tokens.bin"
+    write_token_file([text], out)
+    if bad_id is not None:
+        ids = bytearray(out.read_bytes())
+        ids[100:102] = int(bad_id).to_bytes(2, "little")
+        out.write_bytes(bytes(ids))
+    return str(out)
+
+
+def _safetensors(tmp: Path, wrong_shape: bool) -> str:
+    from safetensors.torch import save_file
+
+    from tpframe.parallel.sharding import param_shards
+    from tpframe.training import preflight
+    from tpframe.training.config import load_config
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [*TINY, "parallel.tp=1"])
+    model = preflight.dry_build(cfg)
+    tensors = {s.name: torch.zeros(s.global_shape)
+               for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)}
+    if wrong_shape:
+        tensors["blocks.0.attn.proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(tmp / "w.safetensors"))
+    return str(tmp / "w.safetensors")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A finished 2-step run (world of one) with its checkpoint, config.yaml and metrics.jsonl."""
+    root = tmp_path_factory.mktemp("saved")
+    run_distributed(train_in_process, 1, ["parallel.tp=1", "train.steps=2", "checkpoint.save_at_end=true",
+                                          f"train.run_dir={root}"])
+    return root
+
+
+def _meta_without(saved: Path, tmp: Path, key: str) -> str:
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    meta = json.loads((step / "meta.json").read_text())
+    del meta[key]
+    (step / "meta.json").write_text(json.dumps(meta))
+    return str(step)
+
+
+# (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
+CASES = [
+    # YAML files
+    ("dup-key", lambda t, s: (["--config", _file(t, "c.yaml", "model:\n  hidden: 32\n  hidden: 64\n")], {}),
+     "key 'hidden' appears twice in one mapping (lines 2 and 3)"),
+    ("dup-section", lambda t, s: (["--config", _file(t, "c.yaml",
+     "optim:\n  lr: 1.0e-3\ntrain:\n  steps: 2\noptim:\n  min_lr: 0\n")], {}),
+     "key 'optim' appears twice in one mapping (lines 1 and 5)"),
+    ("empty-file", lambda t, s: (["--config", _file(t, "c.yaml", "")], {}), "is empty"),
+    ("comments-only", lambda t, s: (["--config", _file(t, "c.yaml", "# nothing\n")], {}), "is empty"),
+    ("not-utf8", lambda t, s: (["--config", _file(t, "c.yaml", b"model:\n  name: caf\xe9\n")], {}),
+     "is not UTF-8 text"),
+    ("top-level-list", lambda t, s: (["--config", _file(t, "c.yaml", "- model\n- train\n")], {}),
+     "must hold a mapping of sections"),
+    ("int-section", lambda t, s: (["--config", _file(t, "c.yaml", "1: 2\n")], {}), "config section names are words"),
+    ("int-key", lambda t, s: (["--config", _file(t, "c.yaml", "model:\n  1: 2\n")], {}),
+     "keys of config section 'model' are words"),
+    ("scalar-section", lambda t, s: (["--config", _file(t, "c.yaml", "model: 3\n")], {}),
+     "config section 'model' must be a mapping"),
+    ("scalar-section-override", lambda t, s: (["--config", _file(t, "c.yaml", "model: 3\n"), "model.hidden=8"], {}),
+     "config section 'model' must be a mapping"),
+    ("bad-yaml", lambda t, s: (["--config", _file(t, "c.yaml", "model: [1, 2\n")], {}), "is not valid YAML"),
+    ("list-key", lambda t, s: (["--config", _file(t, "c.yaml", "? [a, b]\n: 1\n")], {}),
+     "a mapping key must be a name"),
+    ("config-is-dir", lambda t, s: (["--config", str(t)], {}), "is not a file"),
+    ("config-missing", lambda t, s: (["--config", str(t / "nope.yaml")], {}), "does not exist"),
+    # overrides and arguments
+    ("override-unparsable", lambda t, s: (["model.hidden=="], {}),
+     "override 'model.hidden==': the value '=' is not valid YAML"),
+    ("override-open-bracket", lambda t, s: (["train.run_dir=[x"], {}), "is not valid YAML"),
+    ("override-python-tag", lambda t, s: (["train.run_dir=!!python/object/apply:os.system ['true']"], {}),
+     "is not valid YAML"),
+    ("override-no-equals", lambda t, s: (["train.steps"], {}), "must look like section.key=value"),
+    ("override-three-parts", lambda t, s: (["train.steps.x=1"], {}), "must be section.key"),
+    ("unknown-key", lambda t, s: (["model.hiden=64"], {}),
+     "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
+    ("unknown-section", lambda t, s: (["modle.hidden=64"], {}), "unknown config section 'modle'"),
+    ("wrong-type", lambda t, s: (["train.steps=ten"], {}), "train.steps='ten' must be an integer"),
+    ("bad-flag", lambda t, s: (["--confg", "x.yaml"], {}), "unrecognized arguments: --confg"),
+    ("bad-literal", lambda t, s: (["model.norm=batchnorm"], {}), "model.norm='batchnorm' is not allowed"),
+    # numbers
+    ("lr-inf", lambda t, s: (["optim.lr=.inf"], {}), "optim.lr=inf must be a finite number"),
+    ("lr-nan", lambda t, s: (["optim.lr=nan"], {}), "optim.lr=nan must be a finite number"),
+    ("wd-nan", lambda t, s: (["optim.weight_decay=nan"], {}), "optim.weight_decay=nan must be a finite number"),
+    ("norm-eps-nan", lambda t, s: (["model.norm_eps=.nan"], {}), "model.norm_eps=nan must be a finite number"),
+    ("grad-clip-nan", lambda t, s: (["optim.grad_clip=nan"], {}), "optim.grad_clip=nan must be a finite number"),
+    ("eps-negative", lambda t, s: (["optim.eps=-1e-8"], {}), "optim.eps=-1e-08 must be > 0"),
+    ("init-std-negative", lambda t, s: (["model.init_std=-0.02"], {}), "model.init_std=-0.02 must be > 0"),
+    ("rope-theta-zero", lambda t, s: (["model.position=rotary", "model.rope_theta=0"], {}),
+     "model.rope_theta=0 must be > 0"),
+    ("timeout-zero", lambda t, s: (["comm.timeout_s=0"], {}), "comm.timeout_s=0 must be > 0"),
+    ("dropout-range", lambda t, s: (["model.dropout=1.5"], {}), "model.dropout=1.5 must be in [0, 1)"),
+    ("beta-range", lambda t, s: (["optim.beta2=1.0"], {}), "must be in [0, 1)"),
+    ("skips-negative", lambda t, s: (["train.max_skipped_steps=-1"], {}),
+     "train.max_skipped_steps=-1 must not be negative"),
+    # models and layouts
+    ("not-a-builder", lambda t, s: (["model.name=json:dumps"], {}),
+     "model.name='json:dumps': building the model failed"),
+    ("no-module", lambda t, s: (["model.name=nosuchmodule:build"], {}), "cannot import 'nosuchmodule'"),
+    ("plugin-own-check", lambda t, s: (["model.name=examples.parallel_llama:build"], {}),
+     "examples.parallel_llama needs"),
+    ("tp-divides-nothing", lambda t, s: (["parallel.tp=3"], {"WORLD_SIZE": "3"}),
+     "parallel.tp=3 does not divide model.heads=4"),
+    ("batch-not-divisible", lambda t, s: (["train.global_batch_size=10"], {}),
+     "train.global_batch_size=10 is not divisible"),
+    # sizes that cannot fit
+    ("hidden-65536", lambda t, s: (["model.hidden=65536", "model.heads=64"], {}), "this run needs about"),
+    ("vocab-1e10", lambda t, s: (["model.vocab_size=1e10"], {}), "this run needs about"),
+    ("micro-batch-1e9", lambda t, s: (["train.micro_batch_size=1e9", "train.global_batch_size=1e9"], {}),
+     "this run needs about"),
+    ("max-seq-1e11", lambda t, s: (["model.max_seq_len=1e11"], {}), "this run needs about"),
+    # environment
+    ("env-comm-backend", lambda t, s: ([], {"TPFRAME_COMM_BACKEND": "bogus"}), "env var TPFRAME_COMM_BACKEND='bogus'"),
+    ("env-world-size", lambda t, s: ([], {"WORLD_SIZE": "two"}), "env var WORLD_SIZE='two' must be an integer"),
+    ("env-fault-spec", lambda t, s: ([], {"TPFRAME_FAULT_NAN": "soon"}), "env var TPFRAME_FAULT_NAN='soon'"),
+    ("env-symm-buffer", lambda t, s: ([], {"TPFRAME_SYMM_BUFFER_MB": "-4"}), "TPFRAME_SYMM_BUFFER_MB='-4'"),
+    # the run directory
+    ("run-dir-is-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}"], {}), "is a file, not a directory"),
+    ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
+    ("ckpt-dir-is-file", lambda t, s: ([f"checkpoint.dir={_file(t, 'taken', 'x')}"], {}), "checkpoint.dir="),
+    ("run-dir-of-another-run", lambda t, s: ([f"train.run_dir={s}", "model.hidden=64"], {}),
+     "holds another run (model.ffn_hidden is 128 there but 256 now; model.hidden is 32 there but 64 now)"),
+    ("auto-resume-other-data", lambda t, s: ([f"train.run_dir={s}", "checkpoint.auto_resume=true",
+     "data.source=stdlib"], {}),
+     "data.source is 'synthetic' in the checkpoint but 'stdlib' now"),
+    # data
+    ("tokens-without-path", lambda t, s: (["data.source=tokens"], {}), "data.source=tokens needs data.path"),
+    ("tokens-missing", lambda t, s: (["data.source=tokens", f"data.path={t}/none.bin"], {}),
+     "the token file does not exist"),
+    ("token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path={_token_file(t, 300)}"], {}),
+     "holds token id 300 but its sidecar declares vocab_size 256"),
+    ("vocab-smaller-than-data", lambda t, s: (["model.vocab_size=100"], {}), "the data has token ids up to 255"),
+    # checkpoints
+    ("load-missing", lambda t, s: ([f"checkpoint.load={t}/nope"], {}), "does not exist"),
+    ("meta-missing-key", lambda t, s: ([f"checkpoint.load={_meta_without(s, t, 'data')}"], {}), "meta.json lacks data"),
+    ("resume-other-seed", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "data.seed=7"], {}),
+     "data.seed is 1234 in the checkpoint but 7 now"),
+    ("resume-other-seq-len", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "train.seq_len=16"], {}),
+     "train.seq_len is 32 in the checkpoint but 16 now"),
+    ("resume-other-model", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "model.layers=3"], {}),
+     "model.layers: checkpoint 2, config 3"),
+    ("init-from-not-safetensors",
+     lambda t, s: ([f"checkpoint.init_from={_file(t, 'w.safetensors', 'not weights')}"], {}),
+     "is not a safetensors file"),
+    ("init-from-wrong-shape", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, True)}"], {}),
+     "blocks.0.attn.proj.weight (3, 3)"),
+]
+
+
+def _snapshot(path: Path) -> dict:
+    if path.is_file():
+        return {path: path.read_bytes()}
+    return {p: p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_run, capsys, monkeypatch):
+    import train
+
+    name, build, expected = case
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("pre-flight passed a bad input"))
+    extra, env = build(tmp_path, saved_run)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    run_dir = tmp_path / "run"
+    before = {p: _snapshot(p) for p in (saved_run, *(tmp_path.iterdir()))}
+    code = train.main([*BASE, f"train.run_dir={run_dir}", *extra])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    assert lines[0].startswith("tpframe: config error: ") and expected in lines[0], lines[0]
+    assert not run_dir.exists(), "nothing may be written before pre-flight passed"
+    assert {p: _snapshot(p) for p in before} == before, "an existing file or run was modified"
+
+
+def test_there_are_at_least_forty_bad_inputs():
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+# -- the same through the README's launcher, with 2 processes ---------------------------------------------
+
+LAUNCH_CASES = [
+    (["model.hiden=64"], {}, "unknown config key 'model.hiden'"),
+    (["optim.lr=nan"], {}, "optim.lr=nan must be a finite number"),
+    ([], {"TPFRAME_COMM_BACKEND": "bogus"}, "env var TPFRAME_COMM_BACKEND='bogus'"),
+]
+
+
+SCRIPT = ["train.py", "--config", "configs/tiny_cpu.yaml", *TINY]
+
+
+def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
+    cmd = [sys.executable, *launcher, f"--nproc-per-node={nproc}", *args]
+    full = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=full)
+
+
+@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env"])
+def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp_path):
+    out = _launch([*SCRIPT, f"train.run_dir={tmp_path}/run", *overrides], env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr
+    assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_mistake_found_by_the_workers_is_still_one_line(tmp_path):
+    """--no-check: the workers find it; rank 0 prints, rank 1 waits to be stopped, the launch exits 2."""
+    out = _launch(["--no-check", *SCRIPT, f"train.run_dir={tmp_path}/run", "optim.weight_decay=nan"])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "optim.weight_decay=nan" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_under_torchrun_every_rank_exits_2_and_the_line_is_printed_once(tmp_path):
+    """torchrun still prints its own failure summary (documented in README); ours is the first line, once,
+    and the summary names it for both ranks instead of a link."""
+    out = _launch(["--standalone", *SCRIPT, f"train.run_dir={tmp_path}/run", "model.hiden=64"],
+                  launcher=("-m", "torch.distributed.run"))
+    ours = [line for line in out.stderr.splitlines() if line.startswith("tpframe:")]
+    assert out.returncode == 1 and len(ours) == 1 and "model.hiden" in ours[0], out.stderr
+    assert out.stderr.count("exitcode  : 2") == 2, out.stderr
+    assert out.stderr.count("traceback : tpframe: config error") == 2, out.stderr

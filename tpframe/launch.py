@@ -1,0 +1,158 @@
+"""The launcher: check the config once, start the workers through torch.distributed's launcher API,
+forward preemption signals, and exit with the workers' code and no traceback of its own.
+
+    python -m tpframe.launch --nproc-per-node 2 train.py --config configs/tiny_cpu.yaml [section.key=value ...]
+
+1. The parent runs train.py's `prepare` for the whole world (config, env vars, model shapes, memory on
+   CPU, data, run directory, checkpoint) before any worker exists: a mistake is one line, exit code 2.
+2. Workers start through `torch.distributed.launcher.api.elastic_launch` on one node (what
+   `torchrun --standalone` and `accelerate launch` use), with torchelastic's own logging silenced.
+3. SIGTERM and SIGUSR1 are forwarded to the workers, which save a checkpoint at the end of the step and
+   exit 0; the launcher then exits 0. SIGINT (Ctrl-C) stops them without saving (exit 130).
+4. A worker's failure ends the launch with that worker's exit code (2 config, 3 non-finite steps,
+   4 a stopped rank or failed collective: tpframe/exits.py); the worker printed the line. Any
+   other failure adds one line naming the rank and its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
+TPFRAME_CODES = {2: "config error", 3: "training stopped on non-finite steps", 4: "a rank stopped responding"}
+
+
+class LaunchError(Exception):
+    """A mistake in the launcher's own arguments."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tpframe.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                        help="worker processes on this node (one per GPU)")
+    parser.add_argument("--no-check", action="store_true", help="skip the parent's pre-flight check")
+    parser.add_argument("script", help="the training script, e.g. train.py")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    parser.error = lambda message: (_ for _ in ()).throw(LaunchError(message))  # one line, not usage + error
+    args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        raise LaunchError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
+    if not Path(args.script).is_file():
+        raise LaunchError(f"training script {args.script!r} does not exist")
+    return args
+
+
+def _defines_prepare(path: Path) -> bool:
+    """Whether the script defines a top-level `prepare` (read, not run: other scripts may act on import)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    return any(isinstance(node, ast.FunctionDef) and node.name == "prepare" for node in tree.body)
+
+
+def preflight(script: str, script_args: list[str], world_size: int) -> None:
+    """The script's own pre-flight for the whole world, when it has one (train.py's `prepare`)."""
+    path = Path(script).resolve()
+    if not _defines_prepare(path):
+        return
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("_tpframe_launched_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # train.py only defines functions when not __main__
+    prepare = getattr(module, "prepare", None)
+    if prepare is not None:
+        prepare(script_args, world_size=world_size, rank=0, device_check=False)
+
+
+def _children() -> list[int]:
+    """Pids of this process's children (the workers): /proc/<pid>/task/*/children."""
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def _quiet_torchelastic() -> None:
+    """torchelastic logs worker deaths and restarts at WARNING; the workers' own lines say it better."""
+    if os.environ.get("LOGLEVEL"):
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_torchelastic()
+
+    def forward(signum, frame) -> None:
+        for pid in _children():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        print(f"tpframe.launch: {signal.Signals(signum).name} forwarded to the workers: "
+              "they save a checkpoint and stop", file=sys.stderr, flush=True)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    if args.nproc_per_node > 1:  # as torchrun does: N processes each with every core's threads would thrash
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc_per_node, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn", signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1: forwarded above
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", args.script, *args.script_args)
+    except ChildFailedError as e:
+        rank, first = e.get_first_failure()
+        ours = sorted((f.timestamp, f.exitcode) for f in e.failures.values() if f.exitcode in TPFRAME_CODES)
+        if ours:  # a worker printed its one line; the others' deaths (killed once it failed) are echoes
+            return ours[0][1]
+        code = first.exitcode
+        what = f"signal {-code} ({first.signal_name()})" if code < 0 else f"exit code {code}"
+        print(f"tpframe.launch: rank {rank} failed with {what}; its output is above", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:
+        print(f"tpframe.launch: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except LaunchError as e:
+        print(f"tpframe.launch: {e} (usage: python -m tpframe.launch --nproc-per-node N train.py ARGS...)",
+              file=sys.stderr)
+        return 2
+    if not args.no_check:
+        from tpframe.errors import ConfigError
+
+        try:
+            preflight(args.script, args.script_args, args.nproc_per_node)
+        except ConfigError as e:
+            print(f"tpframe: config error: {e}", file=sys.stderr)
+            return 2
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

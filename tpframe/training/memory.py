@@ -1,0 +1,168 @@
+"""How much memory one rank needs for a layout, estimated before anything is allocated.
+
+    est = estimate(cfg, world_size, params=local_param_count, buffer_bytes=..., device_type="cuda")
+    check_fits(cfg, est, device_type="cuda", local_rank=0, local_world=8)   # ConfigError naming both numbers
+
+Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size):
+  ddp    params P*b + fp32 grads 4P + (bf16: fp32 masters 4P) + AdamW moments 8P   (16 B/param fp32, 18 bf16)
+  zero1  params P*b + fp32 grads 4P + (masters + moments) / d
+  fsdp   (fp32 params 4P + grads 4P + moments 8P) / d, plus a gathered layer or two in compute dtype
+Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activations, per layer):
+  s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t; s*b*h*(34 + 5*a*s/h)/t with sequence parallelism;
+  2*s*b*h (/t with SP) per layer plus one layer's worth with activation checkpointing. The 5*a*s/h term
+  (attention scores) is left out where SDPA's fused kernels keep no scores (CUDA; CPU without
+  attention dropout). fp32 activations count twice. The vocabulary-parallel loss keeps
+  s*b*V/t logits in the compute dtype plus fp32 softmax and gradient.
+It is an estimate meant to refuse what cannot fit (a 65536-wide model on one GPU, a micro-batch of a
+billion), not to pack a device to the last GiB: runs near the limit may still fail to allocate.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tpframe.errors import ConfigError
+from tpframe.models.config import padded_vocab
+
+GIB = 2**30
+# CUDA context, NCCL buffers, allocator slack; the interpreter, torch and the data on CPU.
+OVERHEAD = {"cuda": 1.5 * GIB, "cpu": 0.5 * GIB}
+
+
+@dataclass
+class MemoryEstimate:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
+
+    def describe(self) -> str:
+        parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                 ("activations", self.activations), ("buffers", self.buffers), ("overhead", self.overhead)]
+        return " + ".join(f"{name} {gib(v)}" for name, v in parts if v >= 0.005 * GIB)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB" if n < 1e5 * GIB else f"{n / GIB:.3g} GiB"
+
+
+def activation_bytes(cfg, device_type: str) -> float:
+    """Activations one micro-batch keeps for backward on one rank (all layers, head and loss)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    s, b, h, a, L, tp = t.seq_len, t.micro_batch_size, m.hidden, m.heads, m.layers, p.tp
+    scale = 2 if t.dtype == "float32" else 1  # the formula counts 2-byte activations
+    scores_kept = device_type == "cpu" and m.attention_dropout > 0
+    score_term = 5 * a * s / h if scores_kept else 0.0
+    sbh = float(s) * b * h
+    if p.sequence_parallel:
+        per_layer = sbh * (34 + score_term) / tp
+    else:
+        per_layer = sbh * (10 + 24 / tp + score_term / tp)
+    if p.activation_checkpointing:
+        layers = L * 2 * sbh / (tp if p.sequence_parallel else 1) + per_layer
+    else:
+        layers = L * per_layer
+    act_bytes = 2 * scale
+    vocab = padded_vocab(m, tp)
+    loss = float(s) * b * vocab / tp * (act_bytes + 8)
+    embedding = sbh * act_bytes
+    return layers * scale + loss + embedding
+
+
+def estimate(cfg, world_size: int, *, params: int, buffer_bytes: int = 0, device_type: str = "cuda") -> MemoryEstimate:
+    """Bytes one rank needs: `params` is its parameter count (TP-sharded, before any DP sharding)."""
+    p = cfg.parallel
+    dp = max(1, world_size // (p.tp * p.pp))
+    compute = 2 if cfg.train.dtype == "bfloat16" else 4
+    P = float(params)
+    if p.dp_strategy == "fsdp":
+        layer = P / max(1, cfg.model.layers)
+        weights = 4 * P / dp + 2 * layer * compute  # fp32 shards + the gathered layer (and the next, prefetched)
+        grads = 4 * P / dp + layer * 4
+        optimizer = 8 * P / dp
+    else:
+        weights, grads = P * compute, 4 * P
+        state = (4 * P if compute == 2 else 0.0) + 8 * P
+        optimizer = state / dp if p.dp_strategy == "zero1" else state
+    return MemoryEstimate(weights, grads, optimizer, activation_bytes(cfg, device_type), float(buffer_bytes),
+                          OVERHEAD.get(device_type, OVERHEAD["cpu"]))
+
+
+# -- what the device has -----------------------------------------------------------------------------
+
+
+def _cgroup_available() -> float | None:
+    """Bytes the container may still use (cgroup v2, then v1), or None without a limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw == "max" or int(raw) >= 2**60:
+                return None
+            return float(int(raw) - int(Path(usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_ram() -> float | None:
+    """MemAvailable, lowered to the container's remaining allowance; None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = float(line.split()[1]) * 1024
+                limit = _cgroup_available()
+                return min(avail, limit) if limit is not None else avail
+    except OSError:
+        pass
+    return None
+
+
+def device_memory(device_type: str, local_rank: int) -> tuple[float, str] | None:
+    """(bytes one rank may use, how they were found), or None when unknown."""
+    if device_type == "cuda":
+        props = torch.cuda.get_device_properties(local_rank)
+        return float(props.total_memory), f"cuda:{local_rank} ({props.name}) has {gib(props.total_memory)}"
+    ram = available_ram()
+    if ram is None:
+        return None
+    return ram, f"this host has {gib(ram)} of RAM available"
+
+
+def check_fits(cfg, est: MemoryEstimate, *, device_type: str, local_rank: int = 0, local_world: int = 1) -> None:
+    """ConfigError when the estimate does not fit; CPU ranks of one host share its RAM."""
+    have = device_memory(device_type, local_rank)
+    if have is None:
+        return
+    capacity, what = have
+    need = est.total * (local_world if device_type == "cpu" else 1)
+    if need <= capacity:
+        return
+    p = cfg.parallel
+    per = f"{gib(est.total)} per rank"
+    if device_type == "cpu" and local_world > 1:
+        per += f" x {local_world} ranks on this host"
+    fixes = ["a smaller train.micro_batch_size or model", "a larger parallel.tp"]
+    if not p.activation_checkpointing:
+        fixes.append("parallel.activation_checkpointing=true")
+    if p.dp_strategy == "ddp":
+        fixes.append("parallel.dp_strategy=zero1 or fsdp")
+    raise ConfigError(
+        f"this run needs about {per} ({est.describe()}) but {what}; try {', '.join(fixes)} "
+        "(train.check_memory=false skips this estimate)"
+    )
+
+
+def local_world_size(world_size: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -1,0 +1,227 @@
+"""Pre-flight: every check that needs the model's shapes, the data, the run directory or a checkpoint,
+run before any process group exists and before anything is written. Each failure is one ConfigError.
+
+    model = dry_build(cfg)                        # the model of TP rank 0 on the meta device (no memory)
+    check_memory(cfg, world, model, ...)          # the estimate against the device (train.check_memory)
+    check_run_dir(cfg)                            # a file, not writable, or another run's directory
+    check_token_ids(train_data, valid_data, cfg)  # token files whose ids exceed their sidecar's vocab
+    check_resume(cfg, meta, train_data)           # the checkpoint's config and data position fit this run
+    check_init_from(cfg, model)                   # consolidated weights: a safetensors file of this model
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+
+from tpframe.errors import ConfigError
+from tpframe.models.config import ModelConfig, architecture
+
+# What makes two runs the same run: a run directory holds one; a checkpoint resumes only into it.
+DATA_IDENTITY = ("source", "seed", "synthetic_tokens", "valid_fraction")
+
+
+class _ShapeComm:
+    """Stands in for a Communicator while a model is built on the meta device: sizes, no collectives."""
+
+    def __init__(self, size: int):
+        self.size, self.rank, self.device = size, 0, torch.device("meta")
+
+
+def dry_build(cfg) -> nn.Module | None:
+    """TP rank 0's model built on the meta device: the builder's own checks run, shapes and parameter
+    counts are known, nothing is allocated. None when the builder cannot build on meta (the checks
+    that need shapes are then skipped)."""
+    from tpframe.models import BuildContext, build_model
+
+    p = cfg.parallel
+    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" and p.dp_strategy != "fsdp" else torch.float32
+    ctx = BuildContext(_ShapeComm(p.tp), sequence_parallel=p.sequence_parallel,
+                       activation_checkpointing=p.activation_checkpointing, rng_tracker=None, dtype=dtype,
+                       device=torch.device("meta"), seed=cfg.train.seed)
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, ctx)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model.name={cfg.model.name!r}: building the model failed: "
+                          f"{type(e).__name__}: {e}") from None
+    except Exception:  # noqa: BLE001 - a builder that needs real tensors: checked when the run builds it
+        return None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name={cfg.model.name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: str, local_rank: int,
+                 local_world: int) -> None:
+    from tpframe.training.memory import check_fits, estimate
+
+    if not cfg.train.check_memory or model is None:
+        return
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    est = estimate(cfg, world_size, params=params, buffer_bytes=buffers, device_type=device_type)
+    check_fits(cfg, est, device_type=device_type, local_rank=local_rank, local_world=local_world)
+
+
+# -- the run directory ------------------------------------------------------------------------------
+
+
+def _check_writable_dir(key: str, path: Path) -> None:
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{key}={str(path)!r} is a file, not a directory; pick another {key}")
+        probe = path
+    else:
+        probe = path.parent
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise ConfigError(f"{key}={str(path)!r} cannot be created: {str(probe)!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={str(path)!r}: no permission to write in {str(probe)!r}")
+
+
+def identity(config: dict) -> dict[str, Any]:
+    """The fields (flattened, `section.key`) that make a run the run it is, from a config dict."""
+    model = config.get("model") or {}
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        arch = architecture(ModelConfig(**{k: v for k, v in model.items() if k in known}))
+    except (TypeError, ValueError):
+        arch = {k: model.get(k) for k in sorted(known)}
+    data, train = config.get("data") or {}, config.get("train") or {}
+    out = {f"model.{k}": v for k, v in arch.items()}
+    out.update({f"data.{k}": data.get(k) for k in DATA_IDENTITY})
+    out["train.seq_len"] = train.get("seq_len")
+    return out
+
+
+def differences(saved: dict, current: dict, where: str) -> list[str]:
+    a, b = identity(saved), identity(current)
+    return [f"{k} is {a.get(k)!r} {where} but {b.get(k)!r} now"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _paths_differ(saved: dict, current: dict) -> list[str]:
+    out = []
+    for key in ("path", "valid_path"):
+        a, b = (saved.get("data") or {}).get(key), (current.get("data") or {}).get(key)
+        if (a is None) != (b is None) or (a is not None and Path(a).resolve() != Path(b).resolve()):
+            out.append(f"data.{key} is {a!r} there but {b!r} now")
+    return out
+
+
+def check_run_dir(cfg, resuming: bool = False) -> None:
+    """The run directory (and checkpoint dir) can be written, and holds no other run. When resuming, the
+    checkpoint's data position has already proven the data the same, wherever its file now lives."""
+    run_dir = Path(cfg.train.run_dir)
+    _check_writable_dir("train.run_dir", run_dir)
+    if cfg.checkpoint.dir:
+        _check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir))
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.exists():
+        return
+    try:
+        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
+        if not isinstance(saved, dict):
+            raise ValueError("not a mapping")
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a config.yaml that cannot be read ({e}); "
+                          "pick another train.run_dir") from None
+    current = cfg.to_dict()
+    diffs = differences(saved, current, "there")
+    if cfg.data.source == "tokens" and not resuming:
+        diffs += _paths_differ(saved, current)
+    if diffs:
+        raise ConfigError(
+            f"train.run_dir={str(run_dir)!r} holds another run ({'; '.join(diffs[:3])}"
+            f"{'; ...' if len(diffs) > 3 else ''}): pick another train.run_dir, or delete that one to start over"
+        )
+
+
+# -- data -------------------------------------------------------------------------------------------
+
+
+def max_token_id(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
+    return max(int(np.max(tokens[i : i + chunk])) for i in range(0, len(tokens), chunk))
+
+
+def check_token_ids(cfg, *iterators) -> None:
+    """Token files: every id below the vocabulary their sidecar declares (one pass over the files)."""
+    if cfg.data.source != "tokens":
+        return
+    for it, key in zip(iterators, ("data.path", "data.valid_path" if cfg.data.valid_path else "data.path")):
+        stream = it.stream
+        top = max_token_id(stream.tokens)
+        if top >= stream.vocab_size:
+            raise ConfigError(
+                f"{key}={getattr(cfg.data, key.split('.')[1])!r} holds token id {top} but its sidecar declares "
+                f"vocab_size {stream.vocab_size}: the token file and its sidecar disagree; re-run tools/prepare_data.py"
+            )
+
+
+# -- resuming and initializing ----------------------------------------------------------------------
+
+
+def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
+    """A checkpoint resumes only the run it belongs to: same data, sequence length and data position."""
+    if meta is None:
+        return
+    from tpframe.checkpoint.files import CheckpointError, check_compatible
+
+    try:
+        check_compatible(cfg, meta)
+        saved = meta["config"]
+        diffs = [d for d in differences(saved, cfg.to_dict(), "in the checkpoint") if not d.startswith("model.")]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}/meta.json is malformed ({type(e).__name__}: {e}); "
+                              "use an older step_* directory") from None
+    if diffs:
+        raise CheckpointError(f"checkpoint {str(path)!r} belongs to another run: {'; '.join(diffs)}; resume with "
+                              "the same settings, or start a new run (a new train.run_dir; checkpoint.init_from "
+                              "for the weights)")
+    try:
+        train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {e}") from None
+
+
+def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
+    """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes."""
+    file = cfg.checkpoint.init_from
+    if not file or resuming:
+        return
+    key = f"checkpoint.init_from={file!r}"
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ConfigError(f"{key} needs the safetensors package: pip install safetensors") from None
+    try:
+        with safe_open(file, framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ConfigError(f"{key} is not a safetensors file ({str(e).splitlines()[0][:120]}); export one with "
+                          "python tools/checkpoint.py export") from None
+    if model is None:
+        return
+    from tpframe.parallel.sharding import param_shards
+
+    want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
+            for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
+    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+    wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
+             for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
+    if missing or extra or wrong:
+        what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
+                else f"has other shapes: {'; '.join(wrong[:3])}")
+        raise ConfigError(f"{key} {what}; was it exported from a model with this config's architecture?")
