@@ -8,10 +8,11 @@ START=$SECONDS
 { nvidia-smi --query-gpu=name,memory.total --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
 } > $OUT/env.txt 2>&1
-timeout ${T_TESTS:-100} python3 -m pytest -q tests/test_lamport_gpu.py tests/test_generation_gpu.py -p no:cacheprovider -rs \
-  2>&1 | tee $OUT/gpu_tests.log | tail -12
-echo "tests rc=$? at $((SECONDS - START)) s"
-timeout ${T_COMM:-40} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/comm.py --ops all_reduce --dtypes bf16 \
+for t in tests/test_lamport_gpu.py tests/test_generation_gpu.py; do
+  timeout ${T_TESTS:-55} python3 -m pytest -q $t -p no:cacheprovider -rs --durations=5 2>&1 | tee -a $OUT/gpu_tests.log | tail -12
+  echo "$t rc=$? at $((SECONDS - START)) s"
+done
+timeout ${T_COMM:-35} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/comm.py --ops all_reduce --dtypes bf16 \
   --max-mib 1 --scale 0.5 > $OUT/comm.log 2>&1
 echo "comm rc=$? at $((SECONDS - START)) s"; grep -E "^- (eager|graph)" $OUT/comm.log
 timeout ${T_DECODE:-90} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --hf eager --hf-reps 2 \
