@@ -60,6 +60,9 @@ def parse_args():
     p.add_argument("--heads", type=int, default=SHAPE["heads"])
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
     p.add_argument("--results", default="benchmarks/RESULTS.md")
+    p.add_argument("--tp1", action=argparse.BooleanOptionalAction, default=True, help="the TP=1 and HF rows")
+    p.add_argument("--modes", default="nccl-eager,nccl-graph,symm-eager,symm-graph",
+                   help="TP>1 rows; '@b' keeps a mode to batch b only, e.g. nccl-eager@1")
     return p.parse_args()
 
 
@@ -166,7 +169,7 @@ def main():
             print(msg, flush=True)
 
     singles = [dist.new_group([r]) for r in range(world)]
-    if rank == 0:  # TP=1 and Hugging Face on one GPU
+    if rank == 0 and args.tp1:  # TP=1 and Hugging Face on one GPU
         comm1 = Communicator(singles[0], backend="nccl", device=device)
         model = GPT(cfg, BuildContext(comm1, dtype=dtype, device=device, seed=1234)).eval()
         ref = {}
@@ -197,11 +200,13 @@ def main():
     if world > 1:
         comm = Communicator(dist.group.WORLD, backend="auto", device=device)
         model = GPT(cfg, BuildContext(comm, dtype=dtype, device=device, seed=1234)).eval()
-        modes = [("NCCL eager", "nccl", False), ("NCCL graph", "nccl", True), ("symm eager", "auto", False),
-                 ("symm graph", "auto", True)]
+        modes = {"nccl-eager": ("NCCL eager", "nccl", False), "nccl-graph": ("NCCL graph", "nccl", True),
+                 "symm-eager": ("symm eager", "auto", False), "symm-graph": ("symm graph", "auto", True)}
+        chosen = [m.split("@") for m in args.modes.split(",") if m]
         for b in batches:
-            for impl, backend, graph in modes:
-                if graph and not cuda:
+            for name, *only in chosen:
+                impl, backend, graph = modes[name]
+                if (graph and not cuda) or (only and int(only[0]) != b):
                     continue
                 comm.requested, comm._plans = backend, {}  # same model, the other backend
                 pre, tok, _ = time_tpframe(model, comm, prompts[b], args, graph)

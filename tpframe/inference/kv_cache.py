@@ -46,6 +46,7 @@ class KVCache:
         shape = (batch, kv_heads, max_len, head_dim)
         self.layers = {str(i): LayerCache(self, torch.zeros(shape, dtype=dtype, device=device),
                                           torch.zeros(shape, dtype=dtype, device=device)) for i in layer_ids}
+        self.dtype = dtype
         self.slot = torch.zeros((), dtype=torch.long, device=device)  # the next slot to write
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         self._slots = torch.arange(max_len, device=device)
@@ -58,7 +59,8 @@ class KVCache:
 
     def begin(self, seq_len: int) -> None:
         """Prepare the next `seq_len` tokens of every row: their slots `index` [s], positions [b, s]
-        and the attention mask [b, 1, s, L] (True: the query may attend to that slot)."""
+        and the attention mask [b, 1, s, L], additive in the cache's dtype (0 where the query may attend,
+        -inf elsewhere): made once per step, not converted from booleans by every layer's SDPA."""
         index = self.slot + self._slots[:seq_len]
         keys = self._slots.view(1, 1, -1)
         causal = keys <= index.view(1, -1, 1)
@@ -66,7 +68,8 @@ class KVCache:
         itself = keys == index.view(1, -1, 1)
         self.index = index
         self.positions = (index.view(1, -1) - self.start.view(-1, 1)).clamp_(min=0)
-        self.mask = (causal & (real | itself)).unsqueeze(1)
+        visible = (causal & (real | itself)).unsqueeze(1)
+        self.mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
     def advance(self, seq_len: int) -> None:
         self.slot += seq_len
