@@ -316,7 +316,10 @@ def merge_thresholds(path: Path, new: dict, world: int, meta: dict, covered: dic
                     top = covered[(op, dkey)]
                     splice = splice_algos if section == "all_reduce_algos" else splice_ranges
                     old[mode] = splice(value, old.get(mode), top) if old.get(mode) else value
-    table.setdefault("measured", {})[str(world)] = meta
+    earlier = table.setdefault("measured", {}).get(str(world))
+    if earlier is not None:  # a partial run keeps the record of the run that measured the rest
+        meta = dict(meta, earlier={k: v for k, v in earlier.items() if k != "earlier"})
+    table["measured"][str(world)] = meta
     return table
 
 
@@ -444,7 +447,8 @@ def nccl_window(args, device, world: int, rank: int) -> None:
     if rank == 0:
         props = torch.cuda.get_device_properties(device)
         head = [f"## NCCL on symmetric windows: {world}x {props.name}, {datetime.date.today().isoformat()}", "",
-                f"Command: `torchrun --nproc-per-node {world} benchmarks/comm.py --nccl-window --max-mib {args.max_mib}`  ",
+                f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; torchrun "
+                f"--nproc-per-node {world} benchmarks/comm.py {' '.join(sys.argv[1:])}`  ",
                 f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; bf16 all-reduce in place "
                 "(dist.all_reduce), us, slower rank, median of R batches of K calls. window = a buffer from "
                 "torch's symmetric memory with its NCCL backend (ncclCommWindowRegister).", "",

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+ALL_REDUCE_ALGORITHMS = ("lamport", "one_shot", "push", "two_shot")  # the symm all-reduce kernels
 MODES = ("eager", "graph")
 THRESHOLDS_ENV = "TPFRAME_COMM_THRESHOLDS"
 DEFAULT_PATH = Path(__file__).parent / "symm" / "thresholds.json"
