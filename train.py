@@ -44,10 +44,10 @@ def _single_process_env() -> None:
 
 def prepare(argv: list[str] | None):
     """Parse and check everything that can be checked before any process group is built."""
+    from tpframe.checkpoint import preflight
+    from tpframe.data import build_data
     from tpframe.models import resolve_builder
     from tpframe.parallel.state import coords_of
-    from tpframe.training.checkpoint import preflight
-    from tpframe.data.loader import build_data
 
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -70,39 +70,57 @@ def prepare(argv: list[str] | None):
 
 
 def run(cfg, train_data, valid_data, resume=(None, None)):
-    """Build the parallel state, model, trainer and checkpointer, then train. Returns the trainer."""
+    """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
+    from tpframe.checkpoint.checkpointer import Checkpointer
+    from tpframe.checkpoint.export import load_consolidated
     from tpframe.models import BuildContext, build_model
+    from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.rng import RNGState
+    from tpframe.parallel.schedules import get_forward_backward
     from tpframe.parallel.sharding import logical_numel
-    from tpframe.training.checkpoint import Checkpointer
     from tpframe.training.logger import MetricsLogger, peak_tflops
     from tpframe.training.trainer import Trainer
 
-    state = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, comm_backend=cfg.comm.backend)
+    p = cfg.parallel
+    state = initialize_parallel(tp=p.tp, pp=p.pp, comm_backend=cfg.comm.backend)
     try:
         tracker = seed_parallel_rng(cfg.train.seed)
         dtype = DTYPES[cfg.train.dtype]
         ctx = BuildContext(
-            state.tp_comm, sequence_parallel=cfg.parallel.sequence_parallel,
-            activation_checkpointing=cfg.parallel.activation_checkpointing, rng_tracker=tracker, dtype=dtype,
+            state.tp_comm, sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
+            rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
             device=state.device, seed=cfg.train.seed,
         )
         model = build_model(cfg.model, ctx)
-        checkpointer = Checkpointer(cfg, state, resume)
-        start_step = resume[1]["step"] if resume[1] else 0
+        if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
+            load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp)
+        num_params = logical_numel(model, state.tp)
+        vocab_tensors = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
+        strategy = build_strategy(
+            p.dp_strategy, model, cfg.optim, state, bucket_mb=p.grad_bucket_mb, overlap_grad_sync=p.overlap_grad_sync,
+            overlap_param_gather=p.overlap_param_gather, compute_dtype=dtype,
+        )
+        start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
-        trainer = Trainer(cfg, state, model, train_data, valid_data, logger, peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
-        checkpointer.attach(trainer)  # resumes here: model, optimizer, data position, RNG, step
+        trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
+                          forward_backward=get_forward_backward(p.pp), peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
+        checkpointer = Checkpointer(cfg, state, tensors=strategy, meta={"train": trainer, "data": train_data},
+                                    rng=RNGState(state.device, tracker), vocab_tensors=vocab_tensors, resume=resume, log=logger.info)
+        checkpointer.load()  # model, optimizer, data position, RNG, step
         logger.info(
-            f"tpframe: {logical_numel(model, state.tp) / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
+            f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
             f"x pp {state.pp} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, global batch "
             f"{cfg.train.global_batch_size} ({trainer.accum} micro-batches of {cfg.train.micro_batch_size} per rank)"
         )
+        logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if checkpointer.loaded_from is not None:
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}")
+        elif cfg.checkpoint.init_from:
+            logger.info(f"initialized the weights from {cfg.checkpoint.init_from}")
         try:
-            trainer.train()
-            checkpointer.finish(trainer)
+            trainer.train(checkpointer)
+            checkpointer.finish(trainer.step, trainer.stop_requested)
             last = trainer.history[-1] if trainer.history else {}
             logger.info(
                 f"done at step {trainer.step}: loss {last.get('loss', float('nan')):.4f}"
@@ -111,6 +129,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             )
         finally:
             logger.close()
+        trainer.checkpointer = checkpointer
         return trainer
     finally:
         destroy_parallel()

@@ -24,7 +24,7 @@ def _final_weights(overrides):
     from tpframe.parallel.sharding import gather_full_tensors
 
     trainer = train_in_process(overrides, keep_trainer=True)
-    return [r["loss"] for r in trainer.history], {k: v for k, v in gather_full_tensors(trainer.model, trainer.state.tp_comm).items()}
+    return [r["loss"] for r in trainer.history], {k: v for k, v in gather_full_tensors(trainer.model, trainer.parallel.tp_comm).items()}
 
 
 def test_resume_continues_bit_for_bit_at_tp2(tmp_path):
@@ -62,7 +62,7 @@ def _loss_and_next_step(overrides):
 
     trainer = train_in_process([*overrides, "train.steps=11"], keep_trainer=True)
     batch_loss = trainer.history[0]["loss"]
-    return batch_loss, gather_full_tensors(trainer.model, trainer.state.tp_comm)
+    return batch_loss, gather_full_tensors(trainer.model, trainer.parallel.tp_comm)
 
 
 @pytest.mark.parametrize("world,layout", [(1, ["parallel.tp=1", "train.micro_batch_size=8"]),
@@ -88,7 +88,7 @@ def test_reshard_tp2_checkpoint_to_another_layout(tmp_path, world, layout):
 def test_async_save_equals_sync_save(tmp_path):
     run_distributed(_run, 2, ["train.steps=6", "parallel.tp=2", "checkpoint.interval=3", f"train.run_dir={tmp_path}/s"])
     run_distributed(_run, 2, ["train.steps=6", "parallel.tp=2", "checkpoint.interval=3", "checkpoint.async_save=true", f"train.run_dir={tmp_path}/a"])
-    from tpframe.training.export import read_model_tensors
+    from tpframe.checkpoint.export import read_model_tensors
 
     for step in ("step_00000003",):
         sync, asyn = read_model_tensors(tmp_path / "s/checkpoints" / step), read_model_tensors(tmp_path / "a/checkpoints" / step)
@@ -104,7 +104,7 @@ def _signal_at_step_5(overrides):
 
     def train_step(self):
         out = original(self)
-        if self.step == 5 and self.state.rank == 1:
+        if self.step == 5 and self.parallel.rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)  # preemption reaches one rank first
         return out
 

@@ -24,7 +24,7 @@ PROMPTS = ["1 2 3 ", "The cat", "a", "x = 17 + "]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny model trained for 20 steps at TP=2, its checkpoint root and a safetensors export."""
-    from tpframe.training.export import export_consolidated
+    from tpframe.checkpoint.export import export_consolidated
 
     run = tmp_path_factory.mktemp("gen")
     run_distributed(train_in_process, 2, [*ARCH, "parallel.tp=2", "train.steps=20", "checkpoint.save_at_end=true",

@@ -21,7 +21,7 @@ B, S = 2, 8
 def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.data_parallel import allreduce_sequence_parallel_grads
+    from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
     from tpframe.parallel.sharding import gather_full_tensors, logical_numel
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
@@ -32,7 +32,7 @@ def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     loss = model(ids, labels)
     loss.mean().backward()
-    allreduce_sequence_parallel_grads(model.parameters(), state.tp_comm)
+    allreduce_sequence_parallel_grads(sequence_parallel_grads(model.parameters()), state.tp_comm)
     weights = gather_full_tensors(model, state.tp_comm)
     grads = gather_full_tensors(model, state.tp_comm, source="grad")
 

@@ -23,7 +23,7 @@ def _losses_and_backend(overrides):
 
     Communicator._route = counting_route
     trainer = train_in_process(overrides, keep_trainer=True)
-    return [r["loss"] for r in trainer.history], symm_calls[0], str(trainer.state.device)
+    return [r["loss"] for r in trainer.history], symm_calls[0], str(trainer.parallel.device)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
@@ -48,3 +48,20 @@ def test_bf16_training_resumes_from_an_async_checkpoint_on_gpu(tmp_path):
     # flash attention's backward accumulates with atomics, so GPU runs agree to bf16 rounding, not bit for bit
     for step, (a, b) in enumerate(zip(resumed, straight[5:]), 6):
         assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: resumed loss {a!r} vs uninterrupted {b!r}"
+
+
+def _strategy_losses(root: str):
+    out = {}
+    for s in ("ddp", "zero1", "fsdp"):
+        out[s] = [r["loss"] for r in train_in_process(
+            ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.dtype=bfloat16", "train.steps=10", "train.micro_batch_size=2",
+             "parallel.grad_bucket_mb=0.05", "checkpoint.save_at_end=true", f"train.run_dir={root}/{s}"])]
+    return out
+
+
+def test_every_dp_strategy_trains_the_same_on_gpu(tmp_path):
+    losses = run_distributed(_strategy_losses, 2, str(tmp_path), backend="nccl")[0]
+    for s in ("zero1", "fsdp"):  # bf16 compute: equal to bf16 rounding, not to the bit
+        for step, (a, b) in enumerate(zip(losses[s], losses["ddp"]), 1):
+            assert abs(a - b) <= 2e-2 * abs(b), f"{s} step {step}: loss {a!r} vs ddp {b!r}"
+    assert losses["ddp"][-1] < losses["ddp"][0] - 0.5

@@ -41,7 +41,7 @@ def _batch(step: int):
 def _train_parallel_mlp(activation: str, sp: bool, seed: int = 3):
     from tpframe.layers import ParallelMLP
     from tpframe.parallel import initialize_parallel
-    from tpframe.parallel.data_parallel import allreduce_sequence_parallel_grads
+    from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
 
     comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
     tp, r = comm.size, comm.rank
@@ -57,7 +57,7 @@ def _train_parallel_mlp(activation: str, sp: bool, seed: int = 3):
             x, y = x.chunk(tp, 0)[r], y.chunk(tp, 0)[r]
         out = mlp(x)
         F.mse_loss(out, y, reduction="sum").div(S * B * H).backward()
-        allreduce_sequence_parallel_grads(mlp.parameters(), comm)
+        allreduce_sequence_parallel_grads(sequence_parallel_grads(mlp.parameters()), comm)
         opt.step()
         opt.zero_grad()
 

@@ -55,6 +55,7 @@ def _groups_of_every_layout():
             "stage": (state.is_first_stage, state.is_last_stage),
             "tp_src": state.tp_src_rank,
             "tp_comm": (state.tp_comm.size, state.tp_comm.rank),
+            "mesh": tuple(state.mesh.shape),
         }
         # A real collective on each group: the TP group sums to the sum of its members.
         import torch
@@ -77,8 +78,9 @@ def test_process_groups_match_layout_at_world_8():
                 (expected,) = [g for g in layout[kind] if rank in g]
                 assert got[kind] == expected, (tp, pp, rank, kind)
             (pp_group,) = [g for g in layout["pp"] if rank in g]
-            expected_emb = sorted({pp_group[0], pp_group[-1]}) if rank in (pp_group[0], pp_group[-1]) else None
-            assert got["embedding"] == expected_emb
+            on_ends = pp > 1 and rank in (pp_group[0], pp_group[-1])  # no size-1 groups at pp=1
+            assert got["embedding"] == (sorted({pp_group[0], pp_group[-1]}) if on_ends else None)
+            assert got["mesh"] == (pp, dp, tp)
             assert got["coords"] == (t, d, p) and got["sizes"] == (tp, dp, pp)
             assert got["stage"] == (p == 0, p == pp - 1)
             assert got["tp_src"] == rank - t

@@ -128,8 +128,7 @@ def test_bad_config_exits_2_with_one_clear_line(overrides, env, message):
 
 
 def test_learning_rate_warms_up_then_decays_to_min_lr():
-    from tpframe.training.config import OptimConfig
-    from tpframe.training.schedule import lr_at
+    from tpframe.optim import OptimConfig, lr_at
 
     cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay="cosine")
     assert lr_at(0, cfg, 110) == 0.1 and lr_at(9, cfg, 110) == 1.0

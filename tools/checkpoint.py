@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.training.checkpoint import CheckpointError, resolve, verify  # noqa: E402
+from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -24,7 +24,7 @@ def inspect(path: Path) -> str:
     meta = verify(path, "size")
     lines = [
         f"checkpoint  {path}",
-        f"step        {meta['step']}   tokens seen {meta['tokens_seen']:,}",
+        f"step        {meta['step']}   tokens seen {meta['train']['tokens_seen']:,}",
         f"layout      " + " ".join(f"{k}={v}" for k, v in meta["layout"].items()),
         f"versions    tpframe {meta['tpframe_version']}, torch {meta['torch_version']}",
         f"data        {meta['data']}",
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         if args.command == "inspect":
             print(inspect(path))
         else:
-            from tpframe.training.export import export_consolidated
+            from tpframe.checkpoint.export import export_consolidated
 
             verify(path, "crc")
             tensors = export_consolidated(path, args.out)

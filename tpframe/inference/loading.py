@@ -46,7 +46,7 @@ def model_config_from(d: dict, where: str) -> ModelConfig:
 def open_source(path: str | Path) -> ModelSource:
     """Find and check the weights at `path` (a step directory, a checkpoints root with `latest`, or a
     .safetensors export); ConfigError when they cannot be used."""
-    from tpframe.training.checkpoint import resolve, verify
+    from tpframe.checkpoint import resolve, verify
 
     p = Path(path)
     if p.is_file():
@@ -83,7 +83,7 @@ def read_weights(source: ModelSource) -> dict[str, torch.Tensor]:
         import safetensors.torch
 
         return safetensors.torch.load_file(str(source.path))
-    from tpframe.training.export import read_model_tensors
+    from tpframe.checkpoint.export import read_model_tensors
 
     with warnings.catch_warnings():  # DCP notes that it reads without a process group: that is the intent
         warnings.simplefilter("ignore", UserWarning)

@@ -100,3 +100,16 @@ def set_rng_state(saved: dict, device: torch.device, tracker: RNGStatesTracker |
         torch.cuda.set_rng_state(saved["cuda"], device)
     if saved["tracker"] is not None and tracker is not None:
         tracker.set_states(saved["tracker"])
+
+
+class RNGState:
+    """This process's RNG streams as a checkpointable object (state_dict / load_state_dict)."""
+
+    def __init__(self, device: torch.device, tracker: RNGStatesTracker | None):
+        self.device, self.tracker = device, tracker
+
+    def state_dict(self) -> dict:
+        return rng_state(self.device, self.tracker)
+
+    def load_state_dict(self, saved: dict) -> None:
+        set_rng_state(saved, self.device, self.tracker)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tpframe.comm import Communicator
 
@@ -67,11 +68,12 @@ class ParallelState:
     dp_rank: int
     pp_rank: int
     device: torch.device
+    mesh: DeviceMesh  # (pp, dp, tp), same rank order: mesh["dp"] for FSDP2, mesh["tp"], ...
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup  # tp x pp: one model replica, for global grad norms
-    embedding_group: dist.ProcessGroup | None  # first and last stage; None off those stages
+    embedding_group: dist.ProcessGroup | None  # first and last stage (pp > 1); None elsewhere
     tp_comm: Communicator
     dp_comm: Communicator
     mp_comm: Communicator
@@ -135,15 +137,19 @@ def initialize_parallel(
     else:
         device = torch.device("cpu")
 
-    # Every rank must create every group, in the same order.
-    mine: dict[str, object] = {}
+    # The mesh builds the tp, dp and pp groups (every rank takes part in building every group);
+    # torch's rank order for it, the last dim fastest, is ours: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    tp_group, dp_group, pp_group = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp")
     created = []
-    for kind in ("tp", "dp", "pp", "mp", "embedding"):
-        for ranks in layout[kind]:
-            group = dist.new_group(ranks)
-            created.append(group)
-            if rank in ranks:
-                mine[kind] = group
+    mp_group, embedding_group = tp_group, None
+    if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
+        for kind in ("mp", "embedding"):
+            for ranks in layout[kind]:
+                group = dist.new_group(ranks)
+                created.append(group)
+                if rank in ranks:
+                    mp_group, embedding_group = (group, embedding_group) if kind == "mp" else (mp_group, group)
     find = lambda kind: next(g for g in layout[kind] if rank in g)  # noqa: E731
     state = ParallelState(
         world_size=world,
@@ -155,19 +161,20 @@ def initialize_parallel(
         dp_rank=dp_rank,
         pp_rank=pp_rank,
         device=device,
-        tp_group=mine["tp"],
-        dp_group=mine["dp"],
-        pp_group=mine["pp"],
-        mp_group=mine["mp"],
-        embedding_group=mine.get("embedding"),
-        tp_comm=Communicator(mine["tp"], backend=comm_backend, device=device),
-        dp_comm=Communicator(mine["dp"], backend="nccl", device=device),
-        mp_comm=Communicator(mine["mp"], backend="nccl", device=device),
+        mesh=mesh,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        mp_group=mp_group,
+        embedding_group=embedding_group,
+        tp_comm=Communicator(tp_group, backend=comm_backend, device=device),
+        dp_comm=Communicator(dp_group, backend="nccl", device=device),
+        mp_comm=Communicator(mp_group, backend="nccl", device=device),
         tp_ranks=find("tp"),
         dp_ranks=find("dp"),
         pp_ranks=find("pp"),
         owns_world=owns_world,
-        _groups=created,
+        _groups=created + [g for g in {tp_group, dp_group, pp_group} if g is not dist.group.WORLD],
     )
     _STATE = state
     return state

@@ -23,6 +23,7 @@ import yaml
 from tpframe.data.config import DataConfig
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.optim.config import OptimConfig
 
 @dataclass
 class ParallelConfig:
@@ -30,19 +31,10 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    warmup_steps: int = 100
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    dp_strategy: Literal["ddp", "zero1", "fsdp"] = "ddp"  # gradients + optimizer over DP (README: data parallelism)
+    grad_bucket_mb: float = 40.0  # ddp/zero1: gradients are synced in buckets of about this many MiB (fp32)
+    overlap_grad_sync: bool = True  # ddp/zero1: launch each bucket's collective during the last backward
+    overlap_param_gather: bool = False  # zero1: all-gather updated params in the background, waited for in forward
 
 
 @dataclass
@@ -284,6 +276,10 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
+    if not p.grad_bucket_mb > 0 or p.grad_bucket_mb != p.grad_bucket_mb:
+        raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
+    if p.overlap_param_gather and p.dp_strategy != "zero1":
+        raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
 

@@ -1,36 +1,34 @@
-"""The training loop: micro-batches -> backward -> grad sync -> clip -> AdamW, with eval and logging.
+"""The training loop: it only sequences the parts of a step, evaluates, logs and asks the checkpointer.
 
 One optimizer step, in order:
-  1. for each of the `accum` micro-batches: forward (per-token loss), backward; the GradBuffer hooks
-     accumulate every gradient in fp32 (`param.main_grad`);
-  2. sum the partial grads of sequence-parallel params over TP; average all grads over DP;
-  3. clip by the global norm (each TP shard and each replicated param counted once);
-  4. AdamW on the fp32 masters with this step's learning rate.
+  1. `forward_backward` (a schedule from tpframe.parallel.schedules) runs the micro-batches; gradients
+     accumulate in fp32 and the strategy starts syncing them during the last backward;
+  2. `strategy.finish_grad_sync()`: DP reduction done, sequence-parallel grads summed over TP;
+  3. `strategy.clip_grad_norm()`: the global norm (each TP shard, DP shard and replicated param once);
+  4. `strategy.step(lr)`: AdamW on fp32 masters (skipped, and counted, when the norm is not finite).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from tpframe.parallel.data_parallel import GradBuffer
+from tpframe.optim import GradStrategy, lr_at
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
-from tpframe.training.optim import MasterAdamW, clip_grad_norm_
-from tpframe.training.schedule import lr_at
 
 
 class Trainer:
-    def __init__(self, cfg: Config, state: ParallelState, model: nn.Module, train_data, valid_data, logger, peak_tflops: float | None = None):
-        self.cfg, self.state, self.model = cfg, state, model
+    def __init__(self, cfg: Config, parallel: ParallelState, model: nn.Module, strategy: GradStrategy, train_data,
+                 valid_data, logger, *, forward_backward: Callable, peak_tflops: float | None = None):
+        self.cfg, self.parallel, self.model, self.strategy = cfg, parallel, model, strategy
         self.train_data, self.valid_data, self.logger = train_data, valid_data, logger
-        self.grads = GradBuffer(model.parameters())
-        self.optimizer = MasterAdamW(list(model.named_parameters()), cfg.optim)
-        self.accum = grad_accumulation_steps(cfg, state.world_size)
+        self.forward_backward = forward_backward
+        self.accum = grad_accumulation_steps(cfg, parallel.world_size)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
         self.peak_tflops = peak_tflops
@@ -38,31 +36,32 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.history: list[dict[str, Any]] = []
-        self.checkpointer = None  # set by train.py; called after every step
-        self.stop_requested = False  # set by a preemption signal handler
+        self.stop_requested = False  # set when the checkpointer saw a preemption signal
+
+    # -- checkpointed counters (the Stateful protocol) -------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)
 
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, state = self.cfg, self.state
+        cfg, parallel = self.cfg, self.parallel
         self.model.train()
-        self.grads.zero()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=state.device)
-        for _ in range(self.accum):
-            input_ids, labels = self.train_data.next()
-            input_ids, labels = input_ids.to(state.device, non_blocking=True), labels.to(state.device, non_blocking=True)
-            loss = self.model(input_ids, labels).mean() / self.accum
-            loss.backward()
-            loss_sum += loss.detach()
-        self.grads.sync_sequence_parallel(state.tp_comm)
-        self.grads.allreduce_data_parallel(state.dp_comm)
-        grad_norm = clip_grad_norm_(self.grads, cfg.optim.grad_clip, state.mp_comm, state.tp_rank)
+        self.strategy.zero_grad()
+        loss_sum = self.forward_backward(self.model, self.train_data, self.accum, grad_sync=self.strategy,
+                                         device=parallel.device)
+        self.strategy.finish_grad_sync()
+        grad_norm = self.strategy.clip_grad_norm(cfg.optim.grad_clip)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         if math.isfinite(grad_norm):
-            self.optimizer.step(lr)
+            self.strategy.step(lr)
         else:
             self.skipped_steps += 1
             self.logger.info(f"step {self.step + 1}: non-finite gradient norm ({grad_norm}); update skipped")
-        loss = state.dp_comm.all_reduce(loss_sum).item() / state.dp
+        loss = parallel.dp_comm.all_reduce(loss_sum).item() / parallel.dp
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
@@ -72,15 +71,15 @@ class Trainer:
         """Mean loss over the same `eval_steps` held-out micro-batches every time, averaged over DP."""
         self.model.eval()
         self.valid_data.reset()
-        total = torch.zeros((), dtype=torch.float32, device=self.state.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.parallel.device)
         for _ in range(self.cfg.train.eval_steps):
             input_ids, labels = self.valid_data.next()
-            total += self.model(input_ids.to(self.state.device), labels.to(self.state.device)).mean()
+            total += self.model(input_ids.to(self.parallel.device), labels.to(self.parallel.device)).mean()
         self.model.train()
-        return self.state.dp_comm.all_reduce(total).item() / (self.state.dp * max(1, self.cfg.train.eval_steps))
+        return self.parallel.dp_comm.all_reduce(total).item() / (self.parallel.dp * max(1, self.cfg.train.eval_steps))
 
     # -- the loop ---------------------------------------------------------------------------------
-    def train(self) -> list[dict[str, Any]]:
+    def train(self, checkpointer=None) -> list[dict[str, Any]]:
         cfg = self.cfg
         interval, eval_every = cfg.logging.interval, cfg.train.eval_interval
         window_start, window_steps = time.perf_counter(), 0
@@ -89,28 +88,28 @@ class Trainer:
             window_steps += 1
             record = {"step": self.step, **metrics}
             if self.step % interval == 0 or self.step == cfg.train.steps:
-                if self.state.device.type == "cuda":
+                if self.parallel.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
                 record.update(self._throughput(elapsed / window_steps))
                 self.logger.log_train(self.step, {k: v for k, v in record.items() if k != "step"})
                 window_start, window_steps = time.perf_counter(), 0
-            if eval_every and self.cfg.train.eval_steps and (self.step % eval_every == 0 or self.step == cfg.train.steps):
+            if eval_every and cfg.train.eval_steps and (self.step % eval_every == 0 or self.step == cfg.train.steps):
                 record["eval_loss"] = self.evaluate()
                 self.logger.log_eval(self.step, {"loss": record["eval_loss"]})
                 window_start = time.perf_counter()  # evaluation time is not training throughput
             self.history.append(record)
-            if self.checkpointer is not None:
-                self.checkpointer.after_step(self)
+            if checkpointer is not None and checkpointer.after_step(self.step):
+                self.stop_requested = True
         return self.history
 
     def _throughput(self, seconds_per_step: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / seconds_per_step
-        tflops = self.flops_per_step / seconds_per_step / self.state.world_size / 1e12  # per device
+        tflops = self.flops_per_step / seconds_per_step / self.parallel.world_size / 1e12  # per device
         out = {"tokens_per_s": tokens_per_s, "tflops": tflops, "step_time": seconds_per_step}
         if self.peak_tflops:
             out["mfu"] = tflops / self.peak_tflops
-        if self.state.device.type == "cuda":
+        if self.parallel.device.type == "cuda":
             out["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         else:
             import resource

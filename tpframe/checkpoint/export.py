@@ -12,11 +12,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tpframe.checkpoint.dcp_io import read_full_tensors
 from tpframe.parallel.sharding import param_shards
 
 
@@ -32,16 +30,9 @@ def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint in full (vocabulary padding rows removed), on the CPU."""
     path = Path(checkpoint)
     meta = json.loads((path / "meta.json").read_text())
-    index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    wanted = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in index.items()
-        if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
-    }
-    dcp.load(wanted, checkpoint_id=str(path), no_dist=True)
     vocab, vocab_tensors = meta["vocab"]["size"], set(meta["vocab"]["tensors"])
     out = {}
-    for key, tensor in wanted.items():
+    for key, tensor in read_full_tensors(path, "model/").items():
         name = key[len("model/") :]
         out[name] = tensor[:vocab].contiguous() if name in vocab_tensors else tensor
     return out

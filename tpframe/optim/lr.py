@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tpframe.training.config import OptimConfig
+from tpframe.optim.config import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -1,0 +1,141 @@
+"""Data-parallel strategies, full optimizer steps: step time and peak memory per GPU, ours side by side.
+
+    python benchmarks/data_parallel.py                 # driver: DP=1, then DP=2 with each strategy; table -> RESULTS.md
+    NPROC=4 python benchmarks/data_parallel.py         # DP=4 (and DP=1) on a 4-GPU machine
+    LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64 MB=2 STEPS=3 python benchmarks/data_parallel.py   # CPU dry run (gloo)
+
+Each row is one `torchrun` worker run: a GPT (LayerNorm, rotary, GELU, biases, tied, V=50304; GPT-1.3B
+shape by default: L=24 H=2048 16 heads, seq 2048, micro-batch 8 per GPU, bf16) trained on random
+tokens with the real step (schedule -> grad sync -> clip -> AdamW), 3 warm-up steps, then the median
+of STEPS timed steps. Every GPU does the same work in every row (micro-batch MB, ACCUM micro-batches),
+so a perfect DP=N step takes as long as DP=1's. FLOPs per step per GPU: (72*L*H^2*T + 12*L*H*S*T +
+6*H*V*T) with T = MB*ACCUM*SEQ tokens. Peak memory is torch.cuda.max_memory_allocated on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC)
+    ("DP=1", "ddp", True, "1"),
+    ("ddp, overlap off", "ddp", False, "N"),
+    ("ddp, overlap on", "ddp", True, "N"),
+    ("zero1", "zero1", True, "N"),
+    ("fsdp", "fsdp", True, "N"),
+]
+
+
+def env(name: str, default) -> int:
+    return type(default)(os.environ.get(name, default))
+
+
+def worker(strategy: str, overlap: bool) -> None:
+    import torch
+
+    from tpframe.models import BuildContext, build_model
+    from tpframe.models.config import ModelConfig
+    from tpframe.optim import OptimConfig, build_strategy
+    from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.schedules import forward_backward_no_pipelining
+
+    state = initialize_parallel(tp=1)
+    cuda = state.device.type == "cuda"
+    H, L, NH, S, MB, ACCUM, STEPS = (env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048),
+                                     env("MB", 8), env("ACCUM", 1), env("STEPS", 10))
+    V = 50304
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, max_seq_len=S, position="rotary", vocab_multiple=128)
+    tracker = seed_parallel_rng(1234)
+    model = build_model(cfg, BuildContext(state.tp_comm, rng_tracker=tracker, device=state.device,
+                                          dtype=torch.float32 if strategy == "fsdp" else dtype))
+    opt = build_strategy(strategy, model, OptimConfig(lr=1e-4, warmup_steps=0), state, bucket_mb=env("BUCKET_MB", 40.0),
+                         overlap_grad_sync=overlap, compute_dtype=dtype)
+
+    class RandomBatches:  # random tokens, a fresh batch every micro-step
+        g = torch.Generator(device=state.device).manual_seed(state.dp_rank)
+
+        def next(self):
+            t = torch.randint(0, V, (MB, S + 1), device=state.device, generator=self.g)
+            return t[:, :-1], t[:, 1:]
+
+    batches = RandomBatches()
+
+    def step():
+        opt.zero_grad()
+        loss = forward_backward_no_pipelining(model, batches, ACCUM, grad_sync=opt, device=state.device)
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(1.0)
+        opt.step(1e-4)
+        return loss
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(STEPS):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
+    T = MB * ACCUM * S
+    flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
+    if state.rank == 0:
+        print("RESULT " + json.dumps({
+            "strategy": strategy, "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+            "opt_state_gib": opt.state_bytes() / 2**30, "loss": loss.item(),
+        }), flush=True)
+    destroy_parallel()
+
+
+def main() -> None:
+    nproc = env("NPROC", 2)
+    results = []
+    for name, strategy, overlap, n in ROWS:
+        procs = 1 if n == "1" else nproc
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
+               "--worker", strategy, str(int(overlap))]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=env("ROW_TIMEOUT", 300))
+        lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode or not lines:
+            print(f"{name}: failed (exit {out.returncode})\n{out.stderr[-2000:]}", flush=True)
+            continue
+        results.append((name, json.loads(lines[-1][len("RESULT "):])))
+        print(name, results[-1][1], flush=True)
+    base = next((r for n, r in results if n == "DP=1"), None)
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    shape = (f"L={env('LAYERS', 24)} H={env('HIDDEN', 2048)} heads={env('HEADS', 16)} seq={env('SEQ', 2048)} "
+             f"micro-batch {env('MB', 8)} x {env('ACCUM', 1)} per GPU")
+    head = [f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
+            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS') if k in os.environ)} "
+            "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
+            "", "| run | dp | step (s) | vs DP=1 | TFLOP/s per GPU | peak GiB | optimizer state GiB |", "|---|---|---|---|---|---|---|"]
+    rows = [f"| {n} | {r['dp']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | {r['tflops']:.0f} | "
+            f"{r['peak_gib']:.1f} | {r['opt_state_gib']:.2f} |" for n, r in results] if base else []
+    table = "\n".join(head + rows)
+    print(table)
+    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3] == "1")
+    else:
+        main()

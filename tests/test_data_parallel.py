@@ -1,0 +1,178 @@
+"""Data-parallel strategies (ddp, zero1, fsdp) against one process: losses, final weights, overlap, memory, resharding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import train_in_process
+
+STRATEGIES = ("ddp", "zero1", "fsdp")
+COMMON = ["train.steps=10", "checkpoint.save_at_end=true", "parallel.grad_bucket_mb=0.02"]  # several buckets
+
+
+def _runs(runs: list[tuple[str, list[str]]], root: str) -> dict[str, list[float]]:
+    """Train each (name, overrides) in turn in this world; the final weights land in <root>/<name>."""
+    return {name: [r["loss"] for r in train_in_process([*COMMON, *ov, f"train.run_dir={root}/{name}"])]
+            for name, ov in runs}
+
+
+def _weights(root, name):
+    from tpframe.checkpoint.export import read_model_tensors
+
+    return read_model_tensors(root / name / "checkpoints" / "step_00000010")
+
+
+def _assert_same_run(root, got: str, ref: str, losses: dict, rtol: float = 1e-5) -> None:
+    for i, (a, b) in enumerate(zip(losses[got], losses[ref])):
+        assert abs(a - b) <= rtol * abs(b), f"{got} vs {ref}: step {i + 1} loss {a!r} vs {b!r}"
+    wa, wb = _weights(root, got), _weights(root, ref)
+    assert wa.keys() == wb.keys()
+    diff = torch.cat([(wa[k] - wb[k]).reshape(-1) for k in wb]).norm()
+    total = torch.cat([wb[k].reshape(-1) for k in wb]).norm()
+    assert diff <= rtol * total, f"{got} vs {ref}: final weights differ by {diff / total:.2e} (relative, whole model)"
+    for k in wb:  # and no single tensor is off (a wrong shard is off by O(1)); near-zero biases are noisier, and
+        # the key bias gets zero gradient in exact arithmetic (softmax is shift-invariant): an absolute floor
+        d = (wa[k] - wb[k]).norm()
+        assert d <= 20 * rtol * wb[k].norm() + 1e-5 * wb[k].numel() ** 0.5, f"{got} vs {ref}: final {k} differs by {d:.2e}"
+
+
+def test_dp2_equals_dp1_for_every_strategy_with_accumulation_tp_and_sp(tmp_path):
+    # one global batch of 8 sequences per step everywhere: dp1 x micro 8; dp2 x micro 4; dp2 x (2 micro-batches of 2)
+    losses = run_distributed(_runs, 1, [("dp1", ["parallel.tp=1", "train.micro_batch_size=8"])], str(tmp_path))[0]
+    runs2 = [("tp2dp1", ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=8"])]
+    for s in STRATEGIES:
+        runs2 += [(f"{s}-dp2", ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.micro_batch_size=4"]),
+                  (f"{s}-dp2-accum", ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.micro_batch_size=2"])]
+    losses.update(run_distributed(_runs, 2, runs2, str(tmp_path), timeout=300)[0])
+    runs4 = [(f"{s}-tp2dp2-sp", ["parallel.tp=2", "parallel.sequence_parallel=true", f"parallel.dp_strategy={s}",
+                                 "train.micro_batch_size=2"]) for s in STRATEGIES]
+    losses.update(run_distributed(_runs, 4, runs4, str(tmp_path), timeout=300)[0])
+    for s in STRATEGIES:
+        _assert_same_run(tmp_path, f"{s}-dp2", "dp1", losses)
+        _assert_same_run(tmp_path, f"{s}-dp2-accum", "dp1", losses)
+        _assert_same_run(tmp_path, f"{s}-tp2dp2-sp", "tp2dp1", losses)
+    assert losses["dp1"][-1] < losses["dp1"][0] - 1.0, "the reference run must learn"
+
+
+def _bucket_events(accum: int):
+    """Events of one step's backward on a tiny GPT at dp=2 with small buckets: ('grad', i) / ('launch', b)."""
+    from tpframe.data import build_data
+    from tpframe.data.config import DataConfig
+    from tpframe.models import BuildContext, build_model
+    from tpframe.models.config import ModelConfig
+    from tpframe.optim import OptimConfig, build_strategy
+    from tpframe.parallel import initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.schedules import forward_backward_no_pipelining
+
+    state = initialize_parallel(tp=1)
+    seed_parallel_rng(0)
+    model = build_model(ModelConfig(hidden=32, layers=3, heads=4, max_seq_len=16), BuildContext(state.tp_comm))
+    strategy = build_strategy("ddp", model, OptimConfig(), state, bucket_mb=0.01)
+    data, _, _ = build_data(DataConfig(synthetic_tokens=20000), 16, 2, state.dp_rank, state.dp)
+    strategy.grads.events = []
+    strategy.zero_grad()
+    starts = []
+    orig = strategy.start_grad_sync
+    strategy.start_grad_sync = lambda: (starts.append(len(strategy.grads.events)), orig())
+    forward_backward_no_pipelining(model, data, accum, grad_sync=strategy, device=state.device)
+    launched_by_hooks = list(strategy.grads.events)
+    strategy.finish_grad_sync()
+    return launched_by_hooks, starts[0], len(strategy.grads.buckets)
+
+
+def test_buckets_launch_during_the_last_backward_and_never_before():
+    events, sync_start, n_buckets = run_distributed(_bucket_events, 2, 3)[0]
+    assert n_buckets >= 3
+    launches = [i for i, (kind, _) in enumerate(events) if kind == "launch"]
+    grads = [i for i, (kind, _) in enumerate(events) if kind == "grad"]
+    assert all(i > sync_start for i in launches), "no DP traffic on the first micro-batches"
+    assert len(launches) == n_buckets, "every bucket launched from a gradient hook"
+    assert launches[0] < grads[-1], "the first bucket's all-reduce starts while backward is still running"
+    assert sorted(events[i][1] for i in launches) == list(range(n_buckets)), "each bucket launched once"
+    assert all(events[i - 1][0] == "grad" for i in launches), "a bucket launches from the hook of its last gradient"
+
+
+def _state_bytes(dtype: str) -> dict[str, tuple[int, int]]:
+    """{strategy: (optimizer-state bytes on this rank, params)} for a tiny GPT at this world's dp."""
+    from tpframe.models import BuildContext, build_model
+    from tpframe.models.config import ModelConfig
+    from tpframe.optim import OptimConfig, build_strategy
+    from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+
+    out = {}
+    for name in STRATEGIES:
+        state = initialize_parallel(tp=1)
+        seed_parallel_rng(0)
+        dt = getattr(torch, dtype)
+        model = build_model(ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256),
+                            BuildContext(state.tp_comm, dtype=torch.float32 if name == "fsdp" else dt))
+        n = sum(p.numel() for p in model.parameters())
+        out[name] = (build_strategy(name, model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=dt).state_bytes(), n)
+        destroy_parallel()
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_zero1_and_fsdp_at_dp2_hold_half_the_optimizer_state_of_ddp(dtype):
+    ranks = run_distributed(_state_bytes, 2, dtype)
+    ddp, n = ranks[0]["ddp"]
+    assert ddp == n * (12 if dtype == "bfloat16" else 8)  # two fp32 moments, and an fp32 master for bf16 params
+    assert sum(r["zero1"][0] for r in ranks) == ddp, "zero1's DP shards add up to ddp's state exactly"
+    for r in ranks:  # each half, up to the padding of the buckets to a multiple of dp
+        assert abs(r["zero1"][0] - ddp / 2) <= 12 * 64, (r["zero1"][0], ddp / 2)
+    assert sum(r["fsdp"][0] for r in ranks) == n * 8  # moments only: the fp32 shards are the params
+    assert max(r["fsdp"][0] for r in ranks) <= ddp / 2
+
+
+BAD = [
+    (["parallel.dp_strategy=zero3"], "parallel.dp_strategy='zero3' is not allowed; choose one of 'ddp', 'zero1', 'fsdp'"),
+    (["parallel.grad_bucket_mb=0"], "parallel.grad_bucket_mb=0.0 must be a positive number of MiB"),
+    (["parallel.grad_bucket_mb=-3"], "parallel.grad_bucket_mb=-3.0 must be a positive number of MiB"),
+    (["parallel.dp_strategy=fsdp", "parallel.overlap_param_gather=true"],
+     "parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got fsdp)"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_bad_data_parallel_keys_are_one_line_and_exit_2(overrides, message, capsys, tmp_path, monkeypatch):
+    from tests.training_utils import REPO
+
+    monkeypatch.syspath_prepend(REPO)
+    import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for the tp=2 config
+    code = train.main(["--config", f"{REPO}/configs/tiny_cpu.yaml", f"train.run_dir={tmp_path}/run", *overrides])
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_zero1_overlapped_param_gather_equals_the_blocking_one(tmp_path):
+    common = ["parallel.tp=1", "parallel.dp_strategy=zero1", "train.micro_batch_size=2"]
+    losses = run_distributed(_runs, 2, [("blocking", common), ("overlap", [*common, "parallel.overlap_param_gather=true"]),
+                                        ("no-overlap", [*common, "parallel.overlap_grad_sync=false"])], str(tmp_path))[0]
+    assert losses["overlap"] == losses["blocking"] == losses["no-overlap"]
+
+
+def test_checkpoint_moves_between_strategies_and_dp_sizes(tmp_path):
+    # zero1 at dp=2 checkpoints step 5; the uninterrupted run's steps 6-10 are the reference
+    straight = run_distributed(_runs, 2, [("z", ["parallel.tp=1", "parallel.dp_strategy=zero1", "checkpoint.interval=5",
+                                                 "train.micro_batch_size=4"])], str(tmp_path))[0]["z"]
+    ckpt = tmp_path / "z" / "checkpoints" / "step_00000005"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["config"]["parallel"]["dp_strategy"] == "zero1" and meta["layout"]["dp"] == 2
+    load = [f"checkpoint.load={ckpt}", "parallel.tp=1"]
+    resumed = run_distributed(_runs, 1, [("ddp1", [*load, "parallel.dp_strategy=ddp", "train.micro_batch_size=8"])],
+                              str(tmp_path))[0]
+    resumed.update(run_distributed(_runs, 2, [("fsdp2", [*load, "parallel.dp_strategy=fsdp", "train.micro_batch_size=4"])],
+                                   str(tmp_path))[0])
+    resumed.update(run_distributed(_runs, 4, [("zero1-4", [*load, "parallel.dp_strategy=zero1", "train.micro_batch_size=2"])],
+                                   str(tmp_path), timeout=300)[0])
+    for name, losses in resumed.items():
+        assert len(losses) == 5, name
+        for i, (a, b) in enumerate(zip(losses, straight[5:])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {i + 6} loss {a!r} vs the uninterrupted run's {b!r}"

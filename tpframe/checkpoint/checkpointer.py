@@ -1,0 +1,186 @@
+"""The checkpointer: saves on an interval, at the end and on SIGTERM/SIGUSR1; resumes any layout.
+
+It is handed the objects whose state a checkpoint holds, each with `state_dict()`/`load_state_dict()`
+(torchtitan's Stateful pattern), and reaches into nothing else:
+  - `tensors`: the gradient/optimizer strategy, whose state_dict is the model and optimizer as
+    pieces of global logical tensors (tpframe/optim/strategy.py), written through DCP;
+  - `meta`: small JSON-able states (the trainer's counters, the data position), in meta.json;
+  - `rng`: this rank's RNG streams, in rng_<rank>.pt (restored only on the same layout).
+Writing goes to `step_N.partial`; only when every rank has finished are sizes and CRC32s recorded in
+meta.json, the directory renamed and `latest` rewritten, so a crash mid-save leaves the previous
+checkpoint as `latest`. An async save copies the state to CPU and writes it with `dcp.async_save`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from tpframe.checkpoint import dcp_io
+from tpframe.checkpoint.files import (
+    FORMAT,
+    LATEST,
+    META,
+    CheckpointError,
+    checkpoint_root,
+    file_record,
+    prune,
+    remove_stale_partials,
+    write_atomic,
+)
+from tpframe.models.config import architecture, padded_vocab
+from tpframe.version import __version__
+
+FAULT_ENV = "TPFRAME_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL this rank mid-save at the given step
+
+
+class Checkpointer:
+    def __init__(self, cfg, parallel, *, tensors, meta: dict[str, Any], rng, vocab_tensors: list[str],
+                 resume: tuple = (None, None), log: Callable[[str], None] = print):
+        self.cfg, self.parallel, self.log = cfg, parallel, log
+        self.vocab_tensors = vocab_tensors  # logical names of the padded vocabulary tables (export trims them)
+        self.tensors, self.meta_states, self.rng = tensors, meta, rng
+        self.root = checkpoint_root(cfg)
+        self.resume_path, self.resume_meta = resume
+        self.loaded_from: Path | None = None
+        # Bookkeeping runs over gloo groups of its own: object collectives need no GPU, and the
+        # background writer of an async save must not share a group with the main thread.
+        self.group = dist.new_group(backend="gloo")
+        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        self.pending: tuple[Any, int, Path, dict] | None = None  # (future, step, partial dir, meta) of an async save
+        self.signal_received: int | None = None
+        self.last_saved_step = -1
+        if cfg.checkpoint.save_on_signal:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._on_signal)
+        if parallel.rank == 0:
+            remove_stale_partials(self.root)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_received = signum
+
+    # -- the hooks the trainer calls -------------------------------------------------------------
+    def after_step(self, step: int) -> bool:
+        """Save if due (or on a preemption signal); True when training must stop."""
+        # One tiny all-reduce: did any rank get a signal; has every rank finished its async write?
+        busy = self.pending is not None and not self.pending[0].done()
+        flags = torch.tensor([float(self.signal_received is not None), float(busy)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if self.pending is not None and flags[1] == 0:
+            self._finish_async()
+        if flags[0] > 0:
+            self.log(f"preemption signal received: saving step {step} and stopping")
+            self.save(step, blocking=True)
+            return True
+        interval = self.cfg.checkpoint.interval
+        if interval and step % interval == 0 and step < self.cfg.train.steps:
+            self.save(step, blocking=not self.cfg.checkpoint.async_save)
+        return False
+
+    def finish(self, step: int, stopped: bool) -> None:
+        """End of training: write the final checkpoint and wait for any background write."""
+        if self.cfg.checkpoint.save_at_end and step != self.last_saved_step and not stopped:
+            self.save(step, blocking=True)
+        if self.pending is not None:
+            self._finish_async()
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, step: int, blocking: bool = True) -> Path:
+        if self.pending is not None:  # one write in flight at a time
+            self._finish_async()
+        final, partial = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.partial"
+        if self.parallel.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in (partial, final):
+                if stale.exists():
+                    shutil.rmtree(stale)
+            partial.mkdir()
+        dist.barrier(group=self.group)
+        torch.save(self.rng.state_dict(), partial / f"rng_{self.parallel.rank}.pt")
+        meta = self._meta(step)
+        state = self.tensors.state_dict()
+        if blocking:
+            dcp_io.save(state, partial, self.group)
+            self._fault_injection(step)
+            self._publish(partial, final, meta)
+        else:  # staged to CPU now (the next step changes the weights), written in the background
+            self.pending = (dcp_io.async_save(state, partial, self.async_group), step, partial, meta)
+        self.last_saved_step = step
+        return final
+
+    def _finish_async(self) -> None:
+        future, step, partial, meta = self.pending
+        self.pending = None
+        future.result()  # re-raises a failed background write
+        self._fault_injection(step)
+        self._publish(partial, self.root / f"step_{step:08d}", meta)
+
+    def _fault_injection(self, step: int) -> None:
+        if os.environ.get(FAULT_ENV) == str(step) and self.parallel.rank == int(os.environ.get("TPFRAME_FAULT_RANK", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)  # a real kill: the shards are written, nothing is published
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        cfg, p = self.cfg, self.parallel
+        return {
+            "format": FORMAT,
+            "tpframe_version": __version__,
+            "torch_version": torch.__version__,
+            "step": step,
+            **{name: obj.state_dict() for name, obj in self.meta_states.items()},
+            "architecture": architecture(cfg.model),
+            "layout": self.layout(),
+            "vocab": {"size": cfg.model.vocab_size, "padded": padded_vocab(cfg.model, p.tp), "tensors": self.vocab_tensors},
+            "config": cfg.to_dict(),
+        }
+
+    def layout(self) -> dict[str, Any]:
+        p = self.parallel
+        return {"world": p.world_size, "tp": p.tp, "dp": p.dp, "pp": p.pp}
+
+    def _publish(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
+        """Every rank is done: record sizes and CRCs, write meta.json, rename, point `latest` at it."""
+        rank = self.parallel.rank
+        mine = {f.name: file_record(f) for f in sorted(partial.iterdir())
+                if f.name.startswith(f"__{rank}_") or f.name == f"rng_{rank}.pt" or (rank == 0 and f.name == ".metadata")}
+        gathered: list[dict] = [None] * self.parallel.world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, mine, group=self.group)
+        if rank == 0:
+            meta = dict(meta, files={k: v for d in gathered for k, v in d.items()}, saved_at=time.time())
+            write_atomic(partial / META, json.dumps(meta, indent=1))
+            os.rename(partial, final)
+            write_atomic(self.root / LATEST, final.name)
+            prune(self.root, self.cfg.checkpoint.keep_last)
+        dist.barrier(group=self.group)
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self) -> int | None:
+        """Resume from the checkpoint preflight chose (if any): every state, resharded to this layout.
+        Returns the step resumed at, or None."""
+        if self.resume_path is None:
+            return None
+        path, meta = self.resume_path, self.resume_meta
+        try:
+            state = self.tensors.state_dict(available=dcp_io.saved_keys(path))
+        except KeyError as e:
+            raise CheckpointError(f"{path}: {e.args[0]}") from None
+        dcp_io.load(state, path, self.group)
+        self.tensors.load_state_dict(state)
+        for name, obj in self.meta_states.items():
+            obj.load_state_dict(meta[name])
+        if meta["layout"] == self.layout():
+            self.rng.load_state_dict(torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False))
+        else:
+            self.log(f"resharding checkpoint from layout {meta['layout']} to {self.layout()}: model and optimizer "
+                     "restored; dropout RNG streams continue from this run's seed")
+        self.loaded_from = path
+        self.last_saved_step = meta["step"]
+        dist.barrier(group=self.group)
+        return meta["step"]

@@ -1,0 +1,148 @@
+"""Finding, checking and publishing checkpoint directories: filesystem only, no process group.
+
+    <root>/step_00000100/            published only when complete
+        __0_0.distcp ...             DCP shards: every rank writes only its own pieces
+        .metadata                    DCP's index of every global tensor and its chunks
+        rng_<rank>.pt                per-rank RNG states (CPU, CUDA, tracker streams)
+        meta.json                    step, data position, layout, architecture, config, file sizes + CRC32
+    <root>/latest                    the name of the newest published checkpoint
+
+Checks run in `preflight`, before any process group exists: a missing, half-written or corrupt
+checkpoint, or one of another architecture, is one clear CheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+from tpframe.errors import ConfigError
+from tpframe.models.config import architecture, padded_vocab
+
+FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
+META = "meta.json"
+LATEST = "latest"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used, explained: what is wrong and what to do."""
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.run_dir) / "checkpoints"
+
+
+def resolve(path: str | Path) -> Path:
+    """A step directory, or a root holding `latest` -> the step directory it names."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if (path / META).exists() or (path / ".metadata").exists() or path.name.endswith(".partial"):
+        return path
+    marker = path / LATEST
+    if not marker.exists():
+        raise CheckpointError(f"{str(path)!r} is neither a checkpoint (no {META}) nor a checkpoint root (no '{LATEST}')")
+    target = path / marker.read_text().strip()
+    if not (target / META).exists():
+        raise CheckpointError(f"{marker} names {target.name!r}, which is missing or incomplete; point checkpoint.load at an older step_* directory")
+    return target
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
+    """Read meta.json and check every recorded file (size, and CRC32 with mode="crc")."""
+    meta_file = path / META
+    if not meta_file.exists():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete (no {META}): the save that wrote it never finished; "
+            "it will not be loaded. Use an older step_* directory."
+        )
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_file} is corrupt ({e}); use an older step_* directory") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{str(path)!r} has checkpoint format {meta.get('format')!r}; this tpframe reads format {FORMAT}")
+    for name, info in meta["files"].items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {str(path)!r} is missing its file {name}; it cannot be loaded")
+        size = f.stat().st_size
+        if size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint file {f} is {size} bytes, expected {info['size']} (truncated or overwritten); "
+                "this checkpoint cannot be loaded, use an older step_* directory"
+            )
+        if mode == "crc" and _crc32(f) != info["crc32"]:
+            raise CheckpointError(f"checkpoint file {f} fails its CRC32 check (corrupt); use an older step_* directory")
+    return meta
+
+
+def check_compatible(cfg, meta: dict[str, Any]) -> None:
+    """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
+    mine, theirs = architecture(cfg.model), meta["architecture"]
+    diffs = [f"model.{k}: checkpoint {theirs.get(k)!r}, config {mine.get(k)!r}" for k in sorted(set(mine) | set(theirs))
+             if mine.get(k) != theirs.get(k)]
+    if diffs:
+        raise CheckpointError("checkpoint and config describe different models: " + "; ".join(diffs))
+    padded = padded_vocab(cfg.model, cfg.parallel.tp)
+    if padded != meta["vocab"]["padded"]:
+        raise CheckpointError(
+            f"the vocabulary was padded to {meta['vocab']['padded']} rows when saved but pads to {padded} at "
+            f"parallel.tp={cfg.parallel.tp} with model.vocab_multiple={cfg.model.vocab_multiple}; set "
+            f"model.vocab_multiple={meta['config']['model']['vocab_multiple']} (a multiple of both tp sizes)"
+        )
+
+
+def preflight(cfg) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run will resume from (explicit load, else `latest`), checked; or (None, None)."""
+    if cfg.checkpoint.load:
+        path = resolve(cfg.checkpoint.load)
+    else:
+        root = checkpoint_root(cfg)
+        if not (cfg.checkpoint.auto_resume and (root / LATEST).exists()):
+            if cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_file():
+                raise CheckpointError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} does not exist")
+            return None, None
+        path = resolve(root)
+    meta = verify(path, cfg.checkpoint.verify)
+    check_compatible(cfg, meta)
+    return path, meta
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_record(path: Path) -> dict[str, int]:
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def published_steps(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
+def prune(root: Path, keep_last: int) -> None:
+    for old in published_steps(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_partials(root: Path) -> None:
+    for stale in root.glob("step_*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)

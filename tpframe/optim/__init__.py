@@ -1,0 +1,44 @@
+"""Gradient-and-optimizer strategies (one per `parallel.dp_strategy`), AdamW and the learning-rate schedule.
+
+    strategy = build_strategy("zero1", model, cfg.optim, parallel, bucket_mb=40, overlap_grad_sync=True)
+
+`ddp` (tpframe/optim/ddp.py): replicated optimizer, bucketed all-reduce overlapped with backward.
+`zero1` (zero1.py): masters and moments sharded over DP, reduce-scatter + all-gather.
+`fsdp` (fsdp.py): PyTorch's FSDP2 over the DP mesh dimension, composed with tpframe's TP layers.
+The interface they share is in strategy.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpframe.optim.config import OptimConfig
+from tpframe.optim.lr import lr_at
+from tpframe.optim.strategy import GradStrategy
+
+STRATEGIES = ("ddp", "zero1", "fsdp")
+
+
+def build_strategy(name: str, model: nn.Module, cfg: OptimConfig, parallel, *, bucket_mb: float = 40.0,
+                   overlap_grad_sync: bool = True, overlap_param_gather: bool = False,
+                   compute_dtype: torch.dtype = torch.float32) -> GradStrategy:
+    """The strategy `name` over `model` (built already; fsdp shards it in place)."""
+    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    if name == "ddp":
+        from tpframe.optim.ddp import DDPStrategy
+
+        return DDPStrategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync)
+    if name == "zero1":
+        from tpframe.optim.zero1 import Zero1Strategy
+
+        return Zero1Strategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync,
+                             overlap_param_gather=overlap_param_gather)
+    if name == "fsdp":
+        from tpframe.optim.fsdp import FSDPStrategy
+
+        return FSDPStrategy(model, cfg, parallel, compute_dtype=compute_dtype)
+    raise ValueError(f"parallel.dp_strategy={name!r} is not a strategy; choose one of {', '.join(STRATEGIES)}")
+
+
+__all__ = ["STRATEGIES", "GradStrategy", "OptimConfig", "build_strategy", "lr_at"]

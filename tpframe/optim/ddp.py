@@ -1,0 +1,109 @@
+"""`ddp`: every DP rank holds the whole model and optimizer; gradients averaged by bucketed all-reduces.
+
+Buckets launch their all-reduce while the last micro-batch's backward is still running
+(tpframe.parallel.grad_buffer), so the DP traffic hides behind compute. AdamW runs on fp32 masters
+(bf16 params get an fp32 copy; fp32 params are their own master).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpframe.optim.config import OptimConfig
+from tpframe.optim.strategy import (
+    MOMENTS,
+    STEP_KEY,
+    GradStrategy,
+    add_chunks,
+    adamw_step_count,
+    clip_by_global_norm,
+    counts_once,
+    ensure_adamw_state,
+    make_adamw,
+    named_trainable,
+    needed_keys,
+    set_adamw_lr,
+    set_adamw_step_count,
+    weights_key,
+)
+from tpframe.parallel.grad_buffer import GradBuffer, allreduce_sequence_parallel_grads
+from tpframe.parallel.state import ParallelState
+
+
+class DDPStrategy(GradStrategy):
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
+                 bucket_bytes: int = 40 * 2**20, overlap: bool = True):
+        self.parallel = parallel
+        self.named = named_trainable(model)
+        self.params = [p for _, p in self.named]
+        self.grads = GradBuffer(self.params, parallel.dp_group, dp_size=parallel.dp, bucket_bytes=bucket_bytes,
+                                overlap=overlap, mode="all_reduce")
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        decay = [m for m, p in zip(self.masters, self.params) if p.dim() >= 2]
+        no_decay = [m for m, p in zip(self.masters, self.params) if p.dim() < 2]
+        self.optimizer = make_adamw(decay, no_decay, cfg)
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def start_grad_sync(self) -> None:
+        self.grads.start_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.grads.finish_sync()
+        sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
+        allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # grads are equal on every DP replica: sum over one model replica (tp x pp) only
+        counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank)]
+        return clip_by_global_norm(counted, [self.grads.buffer], max_norm, [self.parallel.mp_comm], self.grads.buffer.device)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        set_adamw_lr(self.optimizer, lr)
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.main_grad
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            m.grad = None
+            if m is not p:
+                p.copy_(m)
+
+    def state_dict(self, available: set[str] | None = None) -> dict:
+        ensure_adamw_state(self.optimizer)
+        tp_rank, tp = self.parallel.tp_rank, self.parallel.tp
+        out: dict = {}
+        for (name, p), m in zip(self.named, self.masters):
+            add_chunks(out, "model/{}" if m is not p else weights_key(available), name, p, tp_rank, tp, p.detach().view(-1))
+            if m is not p:
+                add_chunks(out, "optim/{}/master", name, p, tp_rank, tp, m.view(-1))
+            for key in MOMENTS:
+                add_chunks(out, "optim/{}/" + key, name, p, tp_rank, tp, self.optimizer.state[m][key].view(-1))
+        out[STEP_KEY] = adamw_step_count(self.optimizer)
+        return needed_keys(out, available)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        set_adamw_step_count(self.optimizer, state[STEP_KEY])
+        loaded_masters = any(k.endswith("/master") for k in state)
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                if loaded_masters:
+                    p.copy_(m)  # the weights the fp32 masters round to
+                else:
+                    m.copy_(p)  # an fp32 checkpoint into a bf16 run, or weights only
+        self.grads.zero()
+
+    def state_bytes(self) -> int:
+        ensure_adamw_state(self.optimizer)
+        masters = sum(m.numel() * 4 for m, p in zip(self.masters, self.params) if m is not p)
+        moments = sum(self.optimizer.state[m][k].numel() * 4 for m in self.masters for k in MOMENTS)
+        return masters + moments
+
+    def describe(self) -> str:
+        n = len(self.grads.buckets)
+        return f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'})"

@@ -1,0 +1,129 @@
+"""`fsdp`: PyTorch's own FSDP2 (`fully_shard`) over the DP dimension, composed with tpframe's TP layers.
+
+TP lives inside a replica (the layers hold plain local shards), FSDP2 shards each TP-local param by
+rows across DP ranks (`mesh["dp"]`): every block is one FSDP unit, the root holds the embedding,
+positions, final norm and head. Params are stored in fp32 (they are the masters); with
+`train.dtype=bfloat16` FSDP2 all-gathers them as bf16 for compute and reduce-scatters gradients in
+fp32 (`MixedPrecisionPolicy`). Gradients are reduce-scattered after every micro-batch, so the sharded
+fp32 grads accumulate across micro-batches (no unsharded bf16 accumulation). AdamW runs on the shards.
+
+FSDP2 replaces the parameter objects, so the TP tags (`tp_dim`, ...) are recorded by name first and
+put back on the sharded params: checkpoints hold the same global logical tensors as ddp and zero1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tpframe.optim.config import OptimConfig
+from tpframe.optim.strategy import (
+    MOMENTS,
+    STEP_KEY,
+    GradStrategy,
+    ParamTags,
+    add_chunks,
+    adamw_step_count,
+    clip_by_global_norm,
+    counts_once,
+    ensure_adamw_state,
+    make_adamw,
+    named_trainable,
+    needed_keys,
+    set_adamw_lr,
+    set_adamw_step_count,
+    weights_key,
+)
+from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads
+from tpframe.parallel.state import ParallelState
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _row_start(p: torch.Tensor) -> int:
+    """Global row (of the TP-local param) where this rank's FSDP2 shard starts."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] if offset else 0
+
+
+class FSDPStrategy(GradStrategy):
+    name = "fsdp"
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *, compute_dtype: torch.dtype):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.parallel, self.compute_dtype = parallel, compute_dtype
+        tags = {n: ParamTags.of(p) for n, p in model.named_parameters()}
+        bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
+        if bad:
+            raise ValueError(f"fsdp keeps fp32 params (the masters) and computes in train.dtype; build the model in fp32, got {bad}")
+        mixed = compute_dtype != torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32 if mixed else None)
+        mesh = parallel.mesh["dp"]
+        for block in getattr(model, "blocks", {}).values() if hasattr(model, "blocks") else []:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.model = model
+        self.named = named_trainable(model)
+        for name, p in self.named:
+            tags[name].apply(p)
+        params = [p for _, p in self.named]
+        self.optimizer = make_adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_grad_sync(self) -> None:
+        # FSDP2 reduce-scattered every micro-batch; DP ranks shard every TP rank's param the same way,
+        # so the partial sequence-parallel shards line up across TP
+        sp = [_local(p.grad) for _, p in self.named if p.grad is not None and p.sequence_parallel]
+        allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        grads = [_local(p.grad) for _, p in self.named if p.grad is not None]
+        counted = [_local(p.grad) for _, p in self.named if p.grad is not None and counts_once(p, self.parallel.tp_rank)]
+        comms = [self.parallel.dp_comm, self.parallel.mp_comm]
+        return clip_by_global_norm(counted, grads, max_norm, comms, self.parallel.device)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        set_adamw_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def _pieces(self, out: dict, key: str, name: str, p: torch.Tensor, data: torch.Tensor) -> None:
+        local = _local(data)
+        assert local.is_contiguous()
+        cols = p.shape[1] if p.dim() == 2 else 1
+        add_chunks(out, key, name, p, self.parallel.tp_rank, self.parallel.tp, local.view(-1), _row_start(p) * cols)
+
+    def state_dict(self, available: set[str] | None = None) -> dict:
+        ensure_adamw_state(self.optimizer)
+        mixed = self.compute_dtype != torch.float32
+        out: dict = {}
+        for name, p in self.named:
+            if available is None:  # saving: the weights computed with, and (bf16 runs) the fp32 master
+                self._pieces(out, "model/{}", name, p, _local(p.detach()).to(self.compute_dtype) if mixed else p.detach())
+                if mixed:
+                    self._pieces(out, "optim/{}/master", name, p, p.detach())
+            else:  # loading: the fp32 param is the master, so it takes the checkpoint's master where there is one
+                self._pieces(out, weights_key(available), name, p, p.detach())
+            for key in MOMENTS:
+                self._pieces(out, "optim/{}/" + key, name, p, self.optimizer.state[p][key])
+        out[STEP_KEY] = adamw_step_count(self.optimizer)
+        return needed_keys(out, available)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_adamw_step_count(self.optimizer, state[STEP_KEY])
+
+    def state_bytes(self) -> int:
+        ensure_adamw_state(self.optimizer)
+        moments = sum(_local(self.optimizer.state[p][k]).numel() * 4 for _, p in self.named for k in MOMENTS)
+        return moments  # the sharded fp32 params are the masters and the model at once
+
+    def describe(self) -> str:
+        return f"fsdp (FSDP2 over dp={self.parallel.dp}, fp32 shards, compute in {str(self.compute_dtype).replace('torch.', '')})"

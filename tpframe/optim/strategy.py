@@ -1,0 +1,188 @@
+"""The interface every gradient-and-optimizer strategy (`parallel.dp_strategy`) implements, and what they share.
+
+One optimizer step, as the trainer sequences it:
+
+    strategy.zero_grad()
+    forward_backward(...)            # the schedule calls strategy.start_grad_sync() before the last backward
+    strategy.finish_grad_sync()      # DP reduction done, sequence-parallel grads summed over TP
+    norm = strategy.clip_grad_norm(max_norm)
+    strategy.step(lr)                # skipped by the trainer when norm is not finite
+
+`state_dict()` gives the model and optimizer state as pieces of *global logical tensors*
+(`LogicalChunks`, named by tpframe.parallel.sharding): `model/<name>`, `optim/<name>/master` (bf16
+runs), `optim/<name>/exp_avg`, `optim/<name>/exp_avg_sq`, `optim/step`. The names and shapes are the
+same for every strategy and layout, so any checkpoint loads into any strategy, TP, DP or PP size.
+The strategy owns the model's tensors in checkpoints because it owns their storage (ZeRO-1 moves
+params into a flat buffer, FSDP2 shards them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tpframe.comm import Communicator
+from tpframe.optim.config import OptimConfig
+from tpframe.parallel.sharding import LogicalChunks, chunks_of
+
+STEP_KEY = "optim/step"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class ParamTags:
+    """What checkpoints and grad sync need to know about a parameter (tpframe.layers.utils.tag_param),
+    kept by name for strategies (FSDP2) that replace the parameter objects."""
+
+    tp_dim: int | None
+    sequence_parallel: bool
+    fused_parts: tuple | None
+    vocab_rows: int | None
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> ParamTags:
+        return cls(getattr(p, "tp_dim", None), getattr(p, "sequence_parallel", False),
+                   getattr(p, "fused_parts", None), getattr(p, "vocab_rows", None))
+
+    def apply(self, p: torch.Tensor) -> None:
+        p.tp_dim, p.sequence_parallel = self.tp_dim, self.sequence_parallel
+        if self.fused_parts is not None:
+            p.fused_parts = self.fused_parts
+        if self.vocab_rows is not None:
+            p.vocab_rows = self.vocab_rows
+
+
+def counts_once(p: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of `p` enters the global norm: TP shards always, replicated params on TP rank 0."""
+    return getattr(p, "tp_dim", None) is not None or tp_rank == 0
+
+
+def make_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch's AdamW over fp32 tensors: weight decay on matrices, none on biases and norm weights."""
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    first = (decay or no_decay)[0]
+    on_cuda = first.device.type == "cuda"
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        fused=on_cuda, foreach=None if on_cuda else True,
+    )
+
+
+def ensure_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """Create AdamW's state (zeros, step 0) where torch has not yet, exactly as its first step would,
+    so a checkpoint load has somewhere to write."""
+    fused = bool(optimizer.defaults.get("fused"))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                device = p.device if fused else "cpu"
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                for key in MOMENTS:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def set_adamw_lr(optimizer: torch.optim.AdamW, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def adamw_step_count(optimizer: torch.optim.AdamW) -> torch.Tensor:
+    ensure_adamw_state(optimizer)
+    first = next(iter(optimizer.state.values()))["step"]
+    return first.detach().reshape(1).to("cpu", copy=True)
+
+
+def set_adamw_step_count(optimizer: torch.optim.AdamW, step: torch.Tensor) -> None:
+    for state in optimizer.state.values():
+        state["step"].fill_(step.item())
+
+
+@torch.no_grad()
+def clip_by_global_norm(counted: list[torch.Tensor], scaled: list[torch.Tensor], max_norm: float,
+                        comms: list[Communicator], device: torch.device) -> float:
+    """L2 norm of all `counted` gradients summed over `comms`; scale `scaled` in place so it is at most `max_norm`
+    (0 disables clipping). Returns the norm before clipping (non-finite if any gradient is)."""
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    if counted:
+        sq += torch.stack(torch._foreach_norm(counted)).float().square().sum()
+    for comm in comms:
+        comm.all_reduce_(sq)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(scaled, coef.reshape(()))
+    return norm.item()
+
+
+def add_chunks(out: dict, key_fmt: str, name: str, param: torch.Tensor, tp_rank: int, tp: int, flat: torch.Tensor,
+               start: int = 0) -> None:
+    """Add `flat`'s pieces (elements [start, start+numel) of a tensor shaped like `param`) under `key_fmt`."""
+    for logical, (shape, rects) in chunks_of(name, param, tp_rank, tp, flat, start).items():
+        key = key_fmt.format(logical)
+        if key in out:  # a second range of the same tensor (cannot happen for one flat range; kept safe)
+            out[key] = LogicalChunks(shape, out[key].pieces + rects)
+        else:
+            out[key] = LogicalChunks(shape, rects)
+
+
+def weights_key(available: set[str] | None) -> str:
+    """Where an fp32 param that is its own master loads from: the checkpoint's exact fp32 masters when it
+    has them (it was saved by a bf16 run), else its model weights."""
+    if available is not None and any(k.endswith("/master") for k in available):
+        return "optim/{}/master"
+    return "model/{}"
+
+
+def needed_keys(state: dict, available: set[str] | None) -> dict:
+    """The entries of `state` a load should fill: all of them, or with `available` (the checkpoint's keys)
+    every one it holds; a missing model or moment tensor is an error naming it."""
+    if available is None:
+        return state
+    missing = sorted(k for k in state if k not in available and not k.endswith("/master"))
+    if missing:
+        raise KeyError(f"the checkpoint lacks {len(missing)} tensors this model needs, e.g. {missing[:3]}")
+    return {k: v for k, v in state.items() if k in available}
+
+
+class GradStrategy:
+    """Base of ddp / zero1 / fsdp. Subclasses set `name` and implement the methods below."""
+
+    name = "?"
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def start_grad_sync(self) -> None:
+        """The next backward is the step's last: gradient sync may start as buckets fill."""
+
+    def finish_grad_sync(self) -> None:
+        raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        raise NotImplementedError
+
+    def step(self, lr: float) -> None:
+        raise NotImplementedError
+
+    def state_dict(self, available: set[str] | None = None) -> dict:
+        """Logical tensor pieces (views into live storage). With `available` (the keys a checkpoint holds),
+        the pieces a load of that checkpoint should fill."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        """After a load filled `state` (as returned by state_dict(available)): refresh what derives from it."""
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (fp32 masters held apart from the params, and moments) on this rank."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,204 @@
+"""`zero1`, the distributed optimizer: fp32 masters and both AdamW moments sharded over DP.
+
+Params live in one flat buffer laid out like the fp32 gradient buffer (reverse order, buckets padded
+to a multiple of dp). Each bucket's gradients are reduce-scattered (fp32, averaged), so DP rank d
+gets slice d of every bucket; it keeps masters and moments for exactly that slice (a "segment" of
+each param the slice touches), updates them, writes the result into its slice of the param buffer
+and all-gathers the buckets over DP. With `overlap_param_gather` the all-gathers run in the
+background and each module waits for its bucket in a forward pre-hook (the next step's forward).
+
+Optimizer state per rank: 12 bytes per parameter / dp (8 when params are fp32 and their own master).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpframe.optim.config import OptimConfig
+from tpframe.optim.strategy import (
+    MOMENTS,
+    STEP_KEY,
+    GradStrategy,
+    add_chunks,
+    adamw_step_count,
+    clip_by_global_norm,
+    counts_once,
+    ensure_adamw_state,
+    make_adamw,
+    named_trainable,
+    needed_keys,
+    set_adamw_lr,
+    set_adamw_step_count,
+    weights_key,
+)
+from tpframe.parallel.grad_buffer import GradBuffer, allreduce_sequence_parallel_grads
+from tpframe.parallel.state import ParallelState
+
+# torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class Segment:
+    """The part [start, stop) of param `name` (offsets within the param, flattened) this DP rank owns."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    stop: int
+    flat: torch.Tensor  # the param buffer's elements for this segment
+    master: torch.Tensor  # fp32: `flat` itself for fp32 params, else a copy
+    grad: torch.Tensor  # fp32 view into the reduce-scattered gradient shard
+
+
+class Zero1Strategy(GradStrategy):
+    name = "zero1"
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
+                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, overlap_param_gather: bool = False):
+        self.parallel = parallel
+        self.named = named_trainable(model)
+        params = [p for _, p in self.named]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
+        self.grads = GradBuffer(params, parallel.dp_group, dp_size=parallel.dp, bucket_bytes=bucket_bytes,
+                                overlap=overlap, mode="reduce_scatter")
+        # move every param into one flat buffer with the gradient buffer's layout
+        self.param_buffer = torch.zeros(self.grads.numel, dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for p in params:
+                off = self.grads.offsets[p]
+                view = self.param_buffer[off : off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+        name_of = {p: n for n, p in self.named}
+        self.segments: list[Segment] = []
+        for b in self.grads.buckets:
+            lo, hi = self.grads.shard_range(b, parallel.dp_rank)
+            for p in b.params:
+                off = self.grads.offsets[p]
+                s, e = max(lo, off), min(hi, off + p.numel())
+                if s >= e:
+                    continue
+                flat = self.param_buffer[s:e]
+                master = flat if flat.dtype == torch.float32 else flat.float().clone()
+                grad = self.grads.shard[b.shard_start + s - lo : b.shard_start + e - lo]
+                self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
+        decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
+        no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
+        self.optimizer = make_adamw(decay, no_decay, cfg) if self.segments else None
+        self.overlap_param_gather = overlap_param_gather
+        self._gathers: dict[int, object] = {}  # bucket index -> in-flight all-gather
+        self._hooks = []
+        if overlap_param_gather and parallel.dp > 1:
+            self._install_wait_hooks(model)
+
+    # -- gradients -------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def start_grad_sync(self) -> None:
+        self.grads.start_sync()
+
+    def finish_grad_sync(self) -> None:
+        self.grads.finish_sync()
+        if self.parallel.dp == 1:  # no reduce-scatter ran: the shard is the whole buffer
+            self.grads.shard.copy_(self.grads.buffer)
+        # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
+        allreduce_sequence_parallel_grads(
+            [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        counted = [sg.grad for sg in self.segments if counts_once(sg.param, self.parallel.tp_rank)]
+        comms = [self.parallel.dp_comm, self.parallel.mp_comm]  # shards over DP, then one model replica
+        return clip_by_global_norm(counted, [self.grads.shard], max_norm, comms, self.grads.shard.device)
+
+    # -- the update ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        if self.optimizer is not None:
+            set_adamw_lr(self.optimizer, lr)
+            for sg in self.segments:
+                sg.master.grad = sg.grad
+            self.optimizer.step()
+            for sg in self.segments:
+                sg.master.grad = None
+                if sg.master is not sg.flat:
+                    sg.flat.copy_(sg.master)
+        self.gather_params(background=self.overlap_param_gather)
+
+    def gather_params(self, background: bool = False) -> None:
+        """All-gather every bucket of the param buffer over DP (each rank contributes its updated slice)."""
+        if self.parallel.dp == 1:
+            return
+        for i, b in enumerate(self.grads.buckets):
+            lo, hi = self.grads.shard_range(b, self.parallel.dp_rank)
+            work = _all_gather(self.param_buffer[b.start : b.stop], self.param_buffer[lo:hi].clone(),
+                               group=self.parallel.dp_group, async_op=background)
+            if background:
+                self._gathers[i] = work
+
+    def wait_params(self, buckets: list[int] | None = None) -> None:
+        """Wait for background all-gathers (all, or those of `buckets`)."""
+        for i in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(i, None)
+            if work is not None:
+                work.wait()
+
+    def _install_wait_hooks(self, model: nn.Module) -> None:
+        index = {id(p): i for i, b in enumerate(self.grads.buckets) for p in b.params}
+        for module in model.modules():
+            mine = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
+            if mine:
+                self._hooks.append(module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_params(mine)))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self, available: set[str] | None = None) -> dict:
+        self.wait_params()
+        tp_rank, tp = self.parallel.tp_rank, self.parallel.tp
+        out: dict = {}
+        fp32 = self.param_buffer.dtype == torch.float32
+        for name, p in self.named:  # the whole (TP-local) model on every DP rank
+            add_chunks(out, weights_key(available) if fp32 else "model/{}", name, p, tp_rank, tp, p.detach().view(-1))
+        if self.optimizer is not None:
+            ensure_adamw_state(self.optimizer)
+            for sg in self.segments:
+                if sg.master is not sg.flat:
+                    add_chunks(out, "optim/{}/master", sg.name, sg.param, tp_rank, tp, sg.master, sg.start)
+                for key in MOMENTS:
+                    add_chunks(out, "optim/{}/" + key, sg.name, sg.param, tp_rank, tp,
+                               self.optimizer.state[sg.master][key], sg.start)
+            out[STEP_KEY] = adamw_step_count(self.optimizer)
+        return needed_keys(out, available)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is not None and STEP_KEY in state:
+            set_adamw_step_count(self.optimizer, state[STEP_KEY])
+        loaded_masters = any(k.endswith("/master") for k in state)
+        for sg in self.segments:
+            if sg.master is not sg.flat:
+                if loaded_masters:
+                    sg.flat.copy_(sg.master)
+                else:
+                    sg.master.copy_(sg.flat)
+        self.gather_params()
+        self.grads.zero()
+
+    def state_bytes(self) -> int:
+        if self.optimizer is None:
+            return 0
+        ensure_adamw_state(self.optimizer)
+        masters = sum(sg.master.numel() * 4 for sg in self.segments if sg.master is not sg.flat)
+        return masters + sum(sg.master.numel() * 4 * len(MOMENTS) for sg in self.segments)
+
+    def describe(self) -> str:
+        gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
+        n = len(self.grads.buckets)
+        return f"zero1 (optimizer state sharded over dp={self.parallel.dp}, {n} gradient bucket{'s' * (n != 1)}{gather})"
+

@@ -1,0 +1,172 @@
+"""Gradient buffers: fp32 accumulation in one flat buffer, split into buckets synced over DP as they fill.
+
+`GradBuffer` gives every parameter a `main_grad`: an fp32 view into one flat buffer, laid out in
+reverse parameter order (roughly the order backward produces gradients) and cut into buckets of
+about `bucket_bytes`. A post-accumulate hook adds each backward's `param.grad` into `main_grad`
+(so micro-batches accumulate in fp32 even for bf16 params) and frees `param.grad`.
+
+Only after `start_sync()` (the schedule calls it before the last micro-batch's backward) does a
+bucket whose every gradient has arrived launch its DP collective, asynchronously, while backward
+goes on (`overlap=True`); earlier micro-batches cause no DP traffic. `finish_sync()` launches what
+is left and waits. The collective averages in fp32: an all-reduce (ddp: every rank gets every
+gradient) or a reduce-scatter (zero1: rank d gets slice d of each bucket, in `shard`).
+
+Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
+so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpframe.comm import Communicator
+
+# torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def allreduce_sequence_parallel_grads(grads: list[torch.Tensor], tp_comm: Communicator) -> None:
+    """Sum over TP, in place, the partial gradients (or gradient pieces) of sequence-parallel params."""
+    if tp_comm.size == 1 or not grads:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = tp_comm.all_reduce(torch.cat([g.reshape(-1) for g in same]))
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") -> list[torch.Tensor]:
+    """The gradients (`attr`: "grad" or "main_grad") of the sequence-parallel params among `params`."""
+    return [getattr(p, attr) for p in params if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None]
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    start: int  # [start, stop) of the flat buffer; stop - start is a multiple of the DP size
+    stop: int
+    params: list[nn.Parameter]
+    pending: int = 0  # gradients still to arrive in the synced backward
+    work: object = None  # the in-flight collective
+    launched: bool = False
+    shard_start: int = 0  # reduce-scatter: where this bucket's slice lives in `shard`
+    members: set = field(default_factory=set)
+
+
+class GradBuffer:
+    """Flat fp32 gradient buffer for `params`, bucketed, synced over `dp_group`.
+
+    `mode` is "all_reduce" (ddp) or "reduce_scatter" (zero1). `offsets[p]` is where param p starts
+    in the flat buffer; the same layout can carry the params themselves (zero1's param buffer).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
+                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce"):
+        if mode not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("GradBuffer needs at least one parameter that requires grad")
+        self.params = list(reversed(params))  # backward produces the last layers' grads first
+        self.dp_group, self.dp_size, self.overlap, self.mode = dp_group, dp_size, overlap, mode
+        self.offsets: dict[nn.Parameter, int] = {}
+        self.buckets: list[Bucket] = []
+        offset, current = 0, []
+        limit = max(1, bucket_bytes // 4)
+        for i, p in enumerate(self.params):
+            self.offsets[p] = offset
+            offset += p.numel()
+            current.append(p)
+            start = self.buckets[-1].stop if self.buckets else 0
+            if offset - start >= limit or i == len(self.params) - 1:
+                stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
+                self.buckets.append(Bucket(len(self.buckets), start, stop, current, members=set(map(id, current))))
+                offset, current = stop, []
+        self.numel = self.buckets[-1].stop
+        device = self.params[0].device
+        self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.shard: torch.Tensor | None = None
+        if mode == "reduce_scatter":
+            shard_start = 0
+            for b in self.buckets:
+                b.shard_start = shard_start
+                shard_start += (b.stop - b.start) // dp_size
+            self.shard = torch.zeros(shard_start, dtype=torch.float32, device=device)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._position = {id(p): i for i, p in enumerate(self.params)}
+        for p in self.params:
+            p.main_grad = self.buffer[self.offsets[p] : self.offsets[p] + p.numel()].view_as(p)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
+        self.syncing = False
+        self.events: list[tuple[str, int]] | None = None  # set to [] to record ("grad", i) / ("launch", b)
+
+    # -- the per-step protocol ---------------------------------------------------------------------
+    def zero(self) -> None:
+        """Start a step: clear the gradients; backward passes accumulate without DP traffic."""
+        self.buffer.zero_()
+        self.syncing = False
+        for b in self.buckets:
+            b.launched, b.work, b.pending = False, None, len(b.params)
+
+    def start_sync(self) -> None:
+        """The coming backward is the step's last: launch each bucket's collective once it is full."""
+        self.syncing = True
+
+    def finish_sync(self) -> None:
+        """Launch the buckets not launched yet (no overlap, or params without grads) and wait for all."""
+        self.syncing = True
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+
+    def _accumulate(self, p: nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if self.events is not None:
+            self.events.append(("grad", self._position[id(p)]))
+        if self.syncing and self.overlap:
+            b = self.bucket_of[p]
+            b.pending -= 1
+            if b.pending == 0:
+                self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        if self.events is not None:
+            self.events.append(("launch", b.index))
+        if self.dp_size == 1:
+            return
+        data = self.buffer[b.start : b.stop]
+        data.mul_(1.0 / self.dp_size)  # average in fp32 (exact for powers of two)
+        if self.mode == "all_reduce":
+            b.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
+        else:
+            out = self.shard[b.shard_start : b.shard_start + (b.stop - b.start) // self.dp_size]
+            b.work = _reduce_scatter(out, data, group=self.dp_group, async_op=True)
+
+    # -- views -------------------------------------------------------------------------------------
+    def shard_range(self, b: Bucket, dp_rank: int) -> tuple[int, int]:
+        """[start, stop) of the flat buffer that DP rank `dp_rank` owns in bucket `b` (reduce-scatter)."""
+        size = (b.stop - b.start) // self.dp_size
+        return b.start + dp_rank * size, b.start + (dp_rank + 1) * size
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

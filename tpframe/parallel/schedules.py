@@ -1,0 +1,35 @@
+"""Schedules: how one optimizer step's micro-batches run forward and backward on this rank.
+
+A schedule is a plain function `(model, batches, num_micro_batches, *, grad_sync, device) -> loss`,
+where `batches.next()` gives (input_ids, labels) on the CPU and `grad_sync` is the gradient strategy
+(its `start_grad_sync()` is called right before the step's last backward, so DP traffic can overlap
+it and no earlier micro-batch syncs). The returned loss is the mean over micro-batches (a 0-dim fp32
+tensor on `device`). Pipeline schedules are siblings of `forward_backward_no_pipelining`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def forward_backward_no_pipelining(model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
+                                   device: torch.device) -> torch.Tensor:
+    """Every micro-batch forward then backward on the whole model; gradients accumulate."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for i in range(num_micro_batches):
+        input_ids, labels = batches.next()
+        input_ids, labels = input_ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        loss = model(input_ids, labels).mean() / num_micro_batches
+        if i == num_micro_batches - 1:
+            grad_sync.start_grad_sync()
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def get_forward_backward(pp: int = 1):
+    """The schedule function for a pipeline size (pp=1: no pipelining)."""
+    if pp == 1:
+        return forward_backward_no_pipelining
+    raise ValueError(f"pipeline parallelism (pp={pp}) has no schedule yet")
