@@ -33,8 +33,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="step directory, checkpoints root (with `latest`) or .safetensors")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default and only choice: the world size)")
+    p.add_argument("--checkpoint", required=True,
+                   help="step directory, checkpoints root (with `latest`) or .safetensors")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default and only choice: the world size)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", help="a file of prompts: one per line, or .jsonl ('prompt' or 'text' key, or strings)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -43,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same tokens at any TP size)")
-    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)")
+    p.add_argument("--tokenizer",
+                   help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
@@ -92,7 +95,8 @@ def prepare(argv: list[str] | None) -> Plan:
         raise ConfigError(str(e)) from None
     source = open_source(args.checkpoint)
     if source.model.name != "gpt":
-        raise ConfigError(f"the checkpoint's model.name is {source.model.name!r}; generate.py runs the built-in GPT only")
+        raise ConfigError(f"the checkpoint's model.name is {source.model.name!r}; "
+                          "generate.py runs the built-in GPT only")
     check_tp(source.model, tp)
     tok = resolve_tokenizer(source, args.tokenizer)
     prompts = read_prompts(args.prompt, args.prompts)

@@ -447,12 +447,15 @@ def nccl_window(args, device, world: int, rank: int) -> None:
     if rank == 0:
         props = torch.cuda.get_device_properties(device)
         head = [f"## NCCL on symmetric windows: {world}x {props.name}, {datetime.date.today().isoformat()}", "",
-                f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; torchrun "
+                "Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; "
+                f"torchrun "
                 f"--nproc-per-node {world} benchmarks/comm.py {' '.join(sys.argv[1:])}`  ",
-                f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; bf16 all-reduce in place "
+                f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; "
+                "bf16 all-reduce in place "
                 "(dist.all_reduce), us, slower rank, median of R batches of K calls. window = a buffer from "
                 "torch's symmetric memory with its NCCL backend (ncclCommWindowRegister).", "",
-                "| size | plain eager | plain graph | window eager | window graph | matches |", "|---|---|---|---|---|---|"]
+                "| size | plain eager | plain graph | window eager | window graph | matches |",
+                "|---|---|---|---|---|---|"]
         text = "\n".join(head + lines + [""])
         print(text, flush=True)
         with open(args.results, "a") as f:

@@ -191,7 +191,8 @@ def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
     tok.save(str(tmp_path / "tok.json"))
     (tmp_path / "a.txt").write_text("hello world hello")
     write_token_file([tmp_path / "a.txt"], tmp_path / "d.bin", tokenizer=tmp_path / "tok.json")
-    source = ModelSource(tmp_path, "checkpoint", ModelConfig(vocab_size=8), data={"source": "tokens", "path": str(tmp_path / "d.bin")})
+    source = ModelSource(tmp_path, "checkpoint", ModelConfig(vocab_size=8),
+                         data={"source": "tokens", "path": str(tmp_path / "d.bin")})
     found = resolve_tokenizer(source)
     assert isinstance(found, HFTokenizer) and found.eot_id == 1
     assert found.decode(found.encode("hello world")) == "hello world"

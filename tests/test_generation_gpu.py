@@ -44,8 +44,8 @@ def _graph_and_eager_decode(backend: str):
 @pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("backend", ["nccl", "auto"])
 def test_graph_decode_equals_eager_decode_token_for_token(backend, tmp_path):
-    table = {"symm_ranges": {op: {"2": {d: {"eager": [[0, None]], "graph": [[0, None]]} for d in ("bfloat16", "float32")}}
-                             for op in ("all_reduce", "all_gather", "reduce_scatter")},
+    everywhere = {d: {"eager": [[0, None]], "graph": [[0, None]]} for d in ("bfloat16", "float32")}
+    table = {"symm_ranges": {op: {"2": everywhere} for op in ("all_reduce", "all_gather", "reduce_scatter")},
              "all_reduce_algos": {"all_reduce": {"2": {d: {"graph": [[262144, "lamport"], [None, "two_shot"]]}
                                                        for d in ("bfloat16", "float32")}}}}
     (tmp_path / "thresholds.json").write_text(json.dumps(table))

@@ -12,7 +12,8 @@ import torch
 
 from tests.test_symm_kernels_interpreter import _interpreter_unusable
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+              pytest.mark.slow]
 
 SEG = 32 << 10  # bytes per segment: messages up to 32 KiB
 CALLS = [(7, torch.bfloat16), (4097, torch.float32), (1, torch.float16), (3000, torch.bfloat16), (2048, torch.float32),
@@ -62,8 +63,8 @@ def test_lamport_all_reduce_matches_reference_in_interpreter(world):
     from tpframe.comm.symm.lamport import SENTINEL_WORD, LamportAllReduce
 
     ctx = tmp.get_context("spawn")
-    bufs = [torch.full((LamportAllReduce.buffer_bytes(world, SEG) // 4,), SENTINEL_WORD, dtype=torch.int32).share_memory_()
-            for _ in range(world)]
+    words = LamportAllReduce.buffer_bytes(world, SEG) // 4
+    bufs = [torch.full((words,), SENTINEL_WORD, dtype=torch.int32).share_memory_() for _ in range(world)]
     states = [torch.zeros(8, dtype=torch.int32).share_memory_() for _ in range(world)]
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, bufs, states, results), daemon=True) for r in range(world)]

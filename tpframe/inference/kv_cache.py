@@ -69,7 +69,8 @@ class KVCache:
         self.index = index
         self.positions = (index.view(1, -1) - self.start.view(-1, 1)).clamp_(min=0)
         visible = (causal & (real | itself)).unsqueeze(1)
-        self.mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+        self.mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+        self.mask.masked_fill_(~visible, float("-inf"))
 
     def advance(self, seq_len: int) -> None:
         self.slot += seq_len

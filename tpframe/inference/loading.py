@@ -69,7 +69,8 @@ def _safetensors_header(path: Path) -> dict:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise ConfigError("reading a .safetensors export needs the safetensors package: pip install safetensors") from None
+        raise ConfigError("reading a .safetensors export needs the safetensors package: "
+                          "pip install safetensors") from None
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
@@ -100,13 +101,16 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], tp_rank: in
             expected.add(shard.name)
             full = tensors.get(shard.name)
             if full is None:
-                raise ConfigError(f"the weights have no tensor {shard.name!r}; were they written by this model architecture?")
+                raise ConfigError(f"the weights have no tensor {shard.name!r}; "
+                                  "were they written by this model architecture?")
             if tuple(full.shape) != shard.global_shape:
-                raise ConfigError(f"weight {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}")
+                raise ConfigError(f"weight {shard.name} has shape {tuple(full.shape)}, "
+                                  f"this model needs {shard.global_shape}")
             target = shard.view(param)
             if shard.tp_dim is not None:
                 full = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])
             target.copy_(full)
     extra = sorted(set(tensors) - expected)
     if extra:
-        raise ConfigError(f"the weights hold tensors this model does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        more = " ..." if len(extra) > 5 else ""
+        raise ConfigError(f"the weights hold tensors this model does not have: {extra[:5]}{more}")

@@ -26,7 +26,8 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
     recorded, expected, why = None, None, ""
     data = source.data
     if data is not None and data.get("source") in BYTE_SOURCES:
-        recorded, expected, why = {"kind": "bytes"}, ByteTokenizer.vocab_size, f"data.source={data['source']} is byte-level"
+        recorded, expected = {"kind": "bytes"}, ByteTokenizer.vocab_size
+        why = f"data.source={data['source']} is byte-level"
     elif data is not None and data.get("source") == "tokens":
         try:
             side = read_sidecar(data.get("path") or "", key="the checkpoint's data.path")
@@ -47,7 +48,8 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
             tok = ByteTokenizer()
         else:
             tok = HFTokenizer(recorded["file"], recorded.get("eot_token"))
-            if recorded.get("sha256") and hashlib.sha256(Path(recorded["file"]).read_bytes()).hexdigest() != recorded["sha256"]:
+            digest = hashlib.sha256(Path(recorded["file"]).read_bytes()).hexdigest()
+            if recorded.get("sha256") and digest != recorded["sha256"]:
                 raise ConfigError(f"tokenizer {recorded['file']!r} changed since the data was prepared (sha256 differs); "
                                   "pass --tokenizer with the original file")
     except ConfigError:

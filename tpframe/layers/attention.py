@@ -39,7 +39,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int, dtype: torch.dtype, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions offset..offset+seq_len-1: [s, 1, 1, d] each."""
         if offset + seq_len > self.max_seq_len:
-            raise ValueError(f"positions up to {offset + seq_len - 1} exceed the rotary table's max_seq_len {self.max_seq_len}")
+            raise ValueError(f"positions up to {offset + seq_len - 1} exceed the rotary table's "
+                             f"max_seq_len {self.max_seq_len}")
         return self.cos[offset : offset + seq_len].to(dtype), self.sin[offset : offset + seq_len].to(dtype)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,14 +108,16 @@ class SymmBackend:
         ok = bool(torch.allclose(ours.float(), ref, rtol=2e-2, atol=2e-2))
         lamport_ok = self.lamport is not None
         if lamport_ok:
-            lamport_ok = all(bool(torch.allclose(self.lamport.all_reduce(x, torch.empty_like(x)).float(), ref, rtol=2e-2,
-                                                 atol=2e-2)) for _ in range(4))  # four calls: the slots rotate
+            lamport_ok = all(bool(torch.allclose(self.lamport.all_reduce(x, torch.empty_like(x)).float(), ref,
+                                                 rtol=2e-2, atol=2e-2)) for _ in range(4))  # four calls: slots rotate
         verdicts = _gather(self.group, self.size, (ok, lamport_ok))
         if not all(v[0] for v in verdicts):
-            raise RuntimeError(f"symm self-test disagreed with NCCL on ranks {[r for r, v in enumerate(verdicts) if not v[0]]}")
+            bad = [r for r, v in enumerate(verdicts) if not v[0]]
+            raise RuntimeError(f"symm self-test disagreed with NCCL on ranks {bad}")
         if not all(v[1] for v in verdicts):
             if self.lamport is not None:
-                warnings.warn("the Lamport all-reduce disagreed with NCCL in its self-test; it will not be used", stacklevel=3)
+                warnings.warn("the Lamport all-reduce disagreed with NCCL in its self-test; it will not be used",
+                              stacklevel=3)
             self.lamport = None
 
     # -- the Communicator interface -------------------------------------------------------------

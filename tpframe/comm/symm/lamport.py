@@ -42,7 +42,8 @@ _SENTINEL_WORD = tl.constexpr(SENTINEL_WORD)  # the same, for the kernel
 NUM_WARPS = 4
 STATE_WORDS = 8
 DEFAULT_SEGMENT_BYTES = 1 << 20  # the largest message, per rank and slot
-_BITS = {torch.bfloat16: (tl.int16, tl.bfloat16), torch.float16: (tl.int16, tl.float16), torch.float32: (tl.int32, tl.float32)}
+_BITS = {torch.bfloat16: (tl.int16, tl.bfloat16), torch.float16: (tl.int16, tl.float16),
+         torch.float32: (tl.int32, tl.float32)}  # dtype -> (the integer type its bits travel as, the float type)
 
 
 @triton.jit
