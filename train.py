@@ -46,14 +46,14 @@ def prepare(argv: list[str] | None):
     """Parse and check everything that can be checked before any process group is built."""
     from tpframe.checkpoint import preflight
     from tpframe.data import build_data
-    from tpframe.models import resolve_builder
+    from tpframe.models import check_pipeline_support, resolve_builder
     from tpframe.parallel.state import coords_of
 
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world)
-    resolve_builder(cfg.model.name)
+    check_pipeline_support(cfg.model.name, resolve_builder(cfg.model.name), cfg.parallel.pp)
     _, dp_rank, _ = coords_of(rank, world, cfg.parallel.tp, cfg.parallel.pp)
     dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     try:
@@ -73,12 +73,12 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
     from tpframe.checkpoint.export import load_consolidated
-    from tpframe.models import BuildContext, build_model
+    from tpframe.models import BuildContext
     from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.pipeline import build_pipeline, build_stages, pipeline_numel, pipeline_union
     from tpframe.parallel.rng import RNGState
-    from tpframe.parallel.schedules import get_forward_backward
-    from tpframe.parallel.sharding import logical_numel
+    from tpframe.parallel.schedules import get_forward_backward, get_forward_only
     from tpframe.training.logger import MetricsLogger, peak_tflops
     from tpframe.training.trainer import Trainer
 
@@ -90,13 +90,27 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         ctx = BuildContext(
             state.tp_comm, sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
             rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
-            device=state.device, seed=cfg.train.seed,
+            device=state.device, seed=cfg.train.seed, async_tp=p.async_tp,
         )
-        model = build_model(cfg.model, ctx)
+        model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
+                             layers_per_stage=p.layers_per_stage)  # pp=1: the whole model
+        if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
+            from tpframe.models.compile import compile_model
+
+            for chunk in getattr(model, "chunks", [model]):
+                compile_model(chunk)
         if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
-            load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp)
-        num_params = logical_numel(model, state.tp)
-        vocab_tensors = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
+            load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp, partial=p.pp > 1)
+        num_params = pipeline_numel(model, state)  # every stage's, the tied copy once
+        vocab_tables = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
+        vocab_tensors = pipeline_union(state, vocab_tables)  # every stage's (embedding first, head last)
+        pipeline = None
+        if p.pp > 1:
+            pipeline = build_pipeline(
+                state, schedule=p.pp_schedule, virtual_stages=p.virtual_stages, seq_len=cfg.train.seq_len,
+                micro_batch_size=cfg.train.micro_batch_size, hidden=cfg.model.hidden,
+                sequence_parallel=p.sequence_parallel, dtype=dtype, timeout_s=p.pp_timeout_s,
+            )
         strategy = build_strategy(
             p.dp_strategy, model, cfg.optim, state, bucket_mb=p.grad_bucket_mb, overlap_grad_sync=p.overlap_grad_sync,
             overlap_param_gather=p.overlap_param_gather, compute_dtype=dtype,
@@ -104,14 +118,18 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
-                          forward_backward=get_forward_backward(p.pp), peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
+                          forward_backward=get_forward_backward(p.pp, pipeline),
+                          forward_only=get_forward_only(p.pp, pipeline),
+                          peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
         checkpointer = Checkpointer(cfg, state, tensors=strategy, meta={"train": trainer, "data": train_data},
                                     rng=RNGState(state.device, tracker), vocab_tensors=vocab_tensors, resume=resume, log=logger.info)
         checkpointer.load()  # model, optimizer, data position, RNG, step
+        schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
         logger.info(
             f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
-            f"x pp {state.pp} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, global batch "
-            f"{cfg.train.global_batch_size} ({trainer.accum} micro-batches of {cfg.train.micro_batch_size} per rank)"
+            f"x pp {state.pp}{schedule} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
+            f"global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
+            f"{cfg.train.micro_batch_size} per rank)"
         )
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if checkpointer.loaded_from is not None:

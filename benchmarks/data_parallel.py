@@ -25,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC)
+ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1 runs)
     ("DP=1", "ddp", True, "1"),
+    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN"),
     ("ddp, overlap off", "ddp", False, "N"),
     ("ddp, overlap on", "ddp", True, "N"),
     ("zero1", "zero1", True, "N"),
@@ -106,13 +107,19 @@ def main() -> None:
     nproc = env("NPROC", 2)
     results = []
     for name, strategy, overlap, n in ROWS:
-        procs = 1 if n == "1" else nproc
+        procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
                "--worker", strategy, str(int(overlap))]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=env("ROW_TIMEOUT", 300))
-        lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode or not lines:
-            print(f"{name}: failed (exit {out.returncode})\n{out.stderr[-2000:]}", flush=True)
+        # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
+        copies = nproc if n == "1xN" else 1
+        gpus = [{"CUDA_VISIBLE_DEVICES": str(i)} if copies > 1 else {} for i in range(copies)]
+        running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    env={**os.environ, **g}) for g in gpus]
+        outs = [(p.communicate(timeout=env("ROW_TIMEOUT", 300)), p.returncode) for p in running]
+        (stdout, stderr), code = outs[0]
+        lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        if any(c for _, c in outs) or not lines:
+            print(f"{name}: failed (exit {[c for _, c in outs]})\n{stderr[-2000:]}", flush=True)
             continue
         results.append((name, json.loads(lines[-1][len("RESULT "):])))
         print(name, results[-1][1], flush=True)

@@ -1,44 +1,79 @@
-"""tpframe GPT forward+backward throughput under torchrun, on the peer harness's terms.
+"""tpframe GPT forward+backward throughput, alone or side by side with the peers.
 
-    torchrun --nproc-per-node 2 benchmarks/gpt.py          # env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM CKPT
+    torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
+                                                      #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS PROFILE
+    python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
 
-Same model shape (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304), same timing (3 warm-up
-steps, then STEPS timed fwd+bwd with grads dropped, no optimizer) and same FLOP formula as
-../shared/peers/bench_mcore_gpt.py, so the two RESULT lines compare directly:
-    FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T   (T = MB*S tokens per TP group)
-Appends its line, the command and the device to benchmarks/RESULTS.md.
+One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
+the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
+dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
+COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps the SP collectives with the
+GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off. PROFILE=path writes a torch.profiler
+table of one more step there.
+    FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
+    (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
+
+--compare runs, in one call on one machine, each shape's jobs in priority order until --budget-s is spent
+(each job is a subprocess with its own timeout; single-GPU jobs run two at a time, one per GPU): plain torch
+eager and torch.compile at TP=1 (bench_torch_gpt.py), DTensor + compile with and without async TP at TP=2
+(bench_dtensor_gpt.py, torchtitan's way), Megatron-Core local at TP=2 (bench_mcore_gpt.py; its wheel is
+installed to /tmp/site), and tpframe at TP=1 and TP=2 + SP, eager and compiled. The peers model only the GPT
+shapes (their env has no RMSNorm/SwiGLU/GQA), so the Llama shape runs tpframe alone. Prints the table with
+ratios against the strongest peer at the same TP and appends it, with the command and device, to RESULTS.md.
+One shape takes about 6 minutes on 2x H200 (the peers' torch.compile dominates): run one shape per device call.
 """
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import datetime
+import glob
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from tpframe.models import BuildContext, build_model  # noqa: E402
-from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
-from tpframe.models.config import ModelConfig  # noqa: E402
+V = 50304
 
 
 def env(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def main() -> None:
-    state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))), comm_backend=os.environ.get("COMM", "auto"))
-    H, L, NH, S, MB, STEPS = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
-    sp = os.environ.get("SP", "0") == "1" and state.tp > 1
-    V = 50304
-    cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, max_seq_len=S, position="rotary", vocab_multiple=128)
+def flag(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default) == "1"
+
+
+# -- one run (under torchrun) ---------------------------------------------------------------------
+def run_one() -> None:
+    from tpframe.models import BuildContext, build_model
+    from tpframe.models.compile import compile_model
+    from tpframe.models.config import ModelConfig
+    from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+
+    state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
+                                comm_backend=os.environ.get("COMM", "auto"))
+    H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
+    S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
+    sp = flag("SP") and state.tp > 1
+    cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
+                      position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
+                      activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"))
     tracker = seed_parallel_rng(1234)
-    ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=os.environ.get("CKPT", "0") == "1",
-                       rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234)
+    ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=flag("CKPT"), rng_tracker=tracker,
+                       dtype=torch.bfloat16, device=state.device, seed=1234, async_tp=flag("ASYNC_TP") and sp,
+                       fused_kernels=flag("FUSED", "1"))
     model = build_model(cfg, ctx)
+    if flag("COMPILE"):
+        compile_model(model)
     g = torch.Generator(device=state.device).manual_seed(state.dp_rank)  # TP ranks share the batch
     tokens = torch.randint(0, V, (MB, S + 1), device=state.device, generator=g)
     inp, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -50,30 +85,236 @@ def main() -> None:
             p.grad = None
         return loss
 
+    cuda = state.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    sync()
     torch.distributed.barrier()
     t0 = time.perf_counter()
     for _ in range(STEPS):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     dt = (time.perf_counter() - t0) / STEPS
     T = MB * S
-    flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
+    flops = model.flops_per_token(S) * T
+    mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    if os.environ.get("PROFILE"):
+        profile_step(step, os.environ["PROFILE"], state.rank)
     if state.rank == 0:
+        from tpframe.layers.linear import async_tp_available
+
+        # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
+        ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
+        tags = f"compile={int(flag('COMPILE'))} async_tp={int(ran_async)} fused={int(ctx.fused_kernels)}"
         line = (
-            f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} world={state.world_size} mb={MB} "
-            f"seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
-            f"{flops / dt / state.tp / 1e12:.1f} TFLOP/s per GPU, mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "
-            f"loss {loss.item():.3f}"
+            f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
+            f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
+            f"{flops / dt / state.tp / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}"
         )
         print(line, flush=True)
-        with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
-            f.write(f"\n- `{' '.join(['torchrun', 'benchmarks/gpt.py'])}` env TP={state.tp} SP={int(sp)} MB={MB} SEQ={S} "
-                    f"LAYERS={L} HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name()} x{state.world_size}, "
-                    f"torch {torch.__version__}:\n  {line}\n")
+        if not flag("NO_APPEND"):
+            with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
+                f.write(f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
+                        f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
+                        f"x{state.world_size}, "
+                        f"torch {torch.__version__}:\n  {line}\n")
     destroy_parallel()
+
+
+def profile_step(step, path: str, rank: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        averages = prof.key_averages()
+        for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
+            try:
+                table = averages.table(sort_by=key, row_limit=45, max_name_column_width=80)
+                break
+            except (AttributeError, KeyError, ValueError):
+                table = averages.table(row_limit=45)
+        Path(path).write_text(table)
+        print(f"profile of one step written to {path}", flush=True)
+
+
+# -- --compare ------------------------------------------------------------------------------------
+SHAPES = {
+    "125m": dict(name="GPT-125M", LAYERS=12, HIDDEN=768, HEADS=12, SEQ=1024, MB=16),
+    "1.3b": dict(name="GPT-1.3B", LAYERS=24, HIDDEN=2048, HEADS=16, SEQ=2048, MB=8),
+    "llama": dict(name="Llama-style (RMSNorm, SwiGLU, GQA 4 kv heads, no bias)", LAYERS=8, HIDDEN=4096, HEADS=32,
+                  KV_HEADS=4, NORM="rmsnorm", ACT="swiglu", BIAS=0, SEQ=2048, MB=8),
+    "tiny": dict(name="tiny (a CPU smoke test of the driver)", LAYERS=2, HIDDEN=64, HEADS=4, SEQ=32, MB=2),
+}
+RESULT = re.compile(r"step ([\d.]+) ms, (\d+) tok/s.*?, ([\d.]+) TFLOP/s.*?mem ([\d.]+) GiB, loss ([\d.na]+)")
+
+
+def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
+    """Each shape's runs, most important first. `gpus` 1 runs on one GPU (two such jobs may pair up)."""
+    gpt = shape != "llama"
+    out = []
+
+    def add(label, script, gpus, **extra):
+        out.append(dict(label=label, script=script, gpus=gpus, env={"STEPS": "10", "ROPE": "1", **extra}))
+
+    ours = str(ROOT / "benchmarks" / "gpt.py")
+    if gpt and peers:
+        add("plain torch, 1 GPU, eager", str(peers / "bench_torch_gpt.py"), 1)
+    add("tpframe TP=1, eager", ours, 1, TP="1")
+    if gpt and peers:
+        add("plain torch, 1 GPU, torch.compile", str(peers / "bench_torch_gpt.py"), 1, COMPILE="1")
+    add("tpframe TP=1, compile", ours, 1, TP="1", COMPILE="1")
+    if gpt and peers:
+        add(f"DTensor TP={tp} + SP, compile", str(peers / "bench_dtensor_gpt.py"), tp, TP=str(tp), SP="1", COMPILE="1")
+        add(f"DTensor TP={tp} + SP, compile + async TP", str(peers / "bench_dtensor_gpt.py"), tp, TP=str(tp), SP="1",
+            COMPILE="1", ASYNC_TP="1")
+    add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
+    add(f"tpframe TP={tp} + SP, eager + async TP", ours, tp, TP=str(tp), SP="1", ASYNC_TP="1")
+    add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")
+    add(f"tpframe TP={tp} + SP, compile + async TP", ours, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
+    if gpt and peers and (Path("/tmp/site") / "megatron").exists():
+        add(f"Megatron-Core local, TP={tp}", str(peers / "bench_mcore_gpt.py"), tp, TP=str(tp))
+    return out
+
+
+def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Path) -> dict:
+    environ = dict(os.environ, NO_APPEND="1", PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
+                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    environ.update({k: str(v) for k, v in shape.items() if k != "name"})
+    environ.update(job["env"])
+    if job["gpus"] == 1:
+        environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        port = 29600 + gpu
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
+               job["script"]]
+        if "bench_torch_gpt" in job["script"]:
+            cmd = [sys.executable, job["script"]]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["gpus"]),
+               "--master-port", "29500", job["script"]]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
+        text = proc.stdout + proc.stderr
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        status = f"timeout after {timeout:.0f} s"
+    with open(log_dir / "compare_logs.txt", "a") as f:  # one file: the device returns few files
+        f.write(f"\n===== {shape['name']} | {job['label']} | {status} | {' '.join(cmd)} | env {job['env']}\n")
+        f.write("\n".join(text.splitlines()[-120:]) + "\n")
+    result = [ln for ln in text.splitlines() if ln.startswith("RESULT")]
+    m = RESULT.search(result[-1]) if result else None
+    row = dict(job, wall=time.time() - t0, status=status if m or status != "ok" else "no RESULT line")
+    if m:
+        row.update(step_ms=float(m[1]), tokens=int(m[2]), tflops=float(m[3]), mem=float(m[4]), loss=m[5], status="ok")
+    else:
+        tail = [ln for ln in text.splitlines() if ln.strip()][-1:] or [""]
+        row["error"] = tail[0][-160:]
+    print(f"  [{row['wall']:5.0f} s] {job['label']}: " + (f"{row['tflops']} TFLOP/s per GPU, {row['mem']} GiB" if m
+                                                           else f"{row['status']}: {row.get('error', '')}"), flush=True)
+    return row
+
+
+def compare(args) -> None:
+    peers = Path(args.peers) if args.peers and Path(args.peers).exists() else None
+    wheel = sorted(glob.glob(str(Path(args.peers) / "megatron_core-*.whl"))) if peers else []
+    if wheel and not (Path("/tmp/site") / "megatron").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                        "/tmp/site", wheel[-1]], check=False)
+    if (Path("/tmp/site") / "megatron").exists():
+        os.environ["PYTHONPATH"] = "/tmp/site:" + os.environ.get("PYTHONPATH", "")
+    n_gpus = torch.cuda.device_count()
+    tp = min(args.tp, n_gpus) if n_gpus else args.tp  # no GPU: a smoke test on gloo
+    log_dir = Path(args.logs)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + args.budget_s
+    rows: dict[str, list[dict]] = {}
+    for key in args.shapes.split(","):
+        shape = SHAPES[key]
+        print(f"{shape['name']}:", flush=True)
+        rows[key] = []
+        pending = jobs_for(key, peers, tp)
+        while pending and time.time() < deadline - 20:
+            left = deadline - time.time()
+            job = pending.pop(0)
+            mate = next((j for j in pending if j["gpus"] == 1), None) if job["gpus"] == 1 and n_gpus > 1 else None
+            if mate is not None:
+                pending.remove(mate)
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    futures = [pool.submit(launch, j, shape, gpu, min(args.job_timeout_s, left), log_dir)
+                               for gpu, j in enumerate((job, mate))]
+                    rows[key].extend(f.result() for f in futures)
+            else:
+                rows[key].append(launch(job, shape, 0, min(args.job_timeout_s, left), log_dir))
+        for job in pending:
+            rows[key].append(dict(job, status="not run (budget spent)"))
+    report(args, rows, tp)
+
+
+def report(args, rows: dict, tp: int) -> None:
+    device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+    lines = [f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
+             f"{datetime.date.today().isoformat()}", "",
+             f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --budget-s {args.budget_s:.0f}` "
+             "(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per "
+             f"GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 "
+             "timed, random "
+             "tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T (GPT shapes; the "
+             "Llama shape counts its SwiGLU and GQA matmuls), T = MB*S tokens per TP group; TFLOP/s per GPU = FLOPs / "
+             "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
+             "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2). Peak GiB = "
+             "torch.cuda.max_memory_allocated on rank 0.", "",
+             "| shape | run | step ms | tokens/s per TP group | TFLOP/s per GPU | peak GiB | loss | vs peer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, shape_rows in rows.items():
+        name = SHAPES[key]["name"]
+        dims = SHAPES[key]
+        dims_text = (f"{name}: L={dims['LAYERS']} H={dims['HIDDEN']} heads={dims['HEADS']} S={dims['SEQ']} "
+                     f"MB={dims['MB']}")
+        best = {}
+        for r in shape_rows:
+            if "tflops" in r and not r["label"].startswith(("tpframe", "Megatron")):
+                tp_of = 1 if r["gpus"] == 1 else tp
+                best[tp_of] = max(best.get(tp_of, 0.0), r["tflops"])
+        for r in shape_rows:
+            tp_of = 1 if r["gpus"] == 1 else tp
+            if "tflops" in r:
+                ratio = f"{r['tflops'] / best[tp_of]:.2f}x" if best.get(tp_of) else "-"
+                lines.append(f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | "
+                             f"{r['tflops']:.1f} | {r['mem']:.1f} | {r['loss']} | {ratio} |")
+            else:
+                lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | | |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n" + text + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", action="store_true", help="run ours and the peers side by side (see above)")
+    p.add_argument("--shapes", default="1.3b,125m,llama", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--tp", type=int, default=2, help="TP size of the multi-GPU runs")
+    p.add_argument("--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and the Megatron wheel")
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")
+    p.add_argument("--job-timeout-s", type=float, default=240.0)
+    p.add_argument("--logs", default=os.environ.get("OUT", "/tmp"),
+                   help="folder for compare_logs.txt (every job's output)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    args = p.parse_args()
+    if not args.compare:
+        run_one()
+        return
+    for key in args.shapes.split(","):
+        if key not in SHAPES:
+            p.error(f"--shapes: {key!r} is not one of {sorted(SHAPES)}")
+    compare(args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,11 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpframe.layers", "tpframe.parallel"])
+        # What train.py's run imports too (DCP, dynamo through torch.optim, the trainer): paid once per
+        # session here instead of once per rank per spawned test.
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpframe.layers", "tpframe.parallel",
+                                     "torch._dynamo", "torch.distributed.checkpoint", "tpframe.optim",
+                                     "tpframe.checkpoint.checkpointer", "tpframe.training.trainer", "tpframe.data"])
     return _CTX
 
 

@@ -37,7 +37,7 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         (["train.micro_batch_size=3", "train.global_batch_size=8"], 2, "train.global_batch_size=8 is not divisible by train.micro_batch_size*dp = 3*2"),
         (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=63", "model.max_seq_len=64"], 2, "needs train.seq_len=63 divisible by parallel.tp=2"),
         (["train.seq_len=256"], 1, "train.seq_len=256 exceeds model.max_seq_len=128"),
-        (["parallel.pp=2"], 2, "pipeline parallelism is not available yet"),
+        (["parallel.pp=2"], 2, "parallel.pp_schedule=1f1b needs the micro-batches per step"),
         (["data.source=tokens"], 1, "data.source=tokens needs data.path"),
         (["optim.lr=-1"], 1, "optim.lr=-1.0"),
         (["train.steps"], 1, "must look like section.key=value"),

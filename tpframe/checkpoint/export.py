@@ -49,8 +49,9 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path) -> dict[st
 
 
 @torch.no_grad()
-def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int) -> None:
-    """Copy this rank's shard of every logical tensor in `file` into `model` (any TP layout)."""
+def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int, partial: bool = False) -> None:
+    """Copy this rank's shard of every logical tensor in `file` into `model` (any TP layout). `partial`:
+    the model is one pipeline stage, so the file may hold tensors it does not."""
     tensors = _safetensors().load_file(str(file))
     expected = set()
     for name, param in model.named_parameters():
@@ -67,5 +68,5 @@ def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int)
                 piece = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])
             target.copy_(piece)
     extra = sorted(set(tensors) - expected)
-    if extra:
+    if extra and not partial:
         raise ValueError(f"{file} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")

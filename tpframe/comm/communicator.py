@@ -5,7 +5,10 @@ A Communicator wraps one process group and one backend choice:
   - "symm": Triton kernels over symmetric memory (single NVLink node, CUDA only);
   - "auto": per call, symm where it is measured to be faster, else nccl.
 The env var TPFRAME_COMM_BACKEND overrides the constructor's choice.
-All methods are out-of-place: inputs are never modified (autograd may have saved them).
+All methods are out-of-place: inputs are never modified (autograd may have saved them), except where
+the caller donates its input (`all_reduce(x, donate=True)`, for a fresh tensor nobody else reads).
+Under torch.compile the collectives become the custom ops of tpframe.comm.ops (traced, no graph breaks);
+eager calls take the direct path below.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from tpframe.comm import ops as comm_ops
 from tpframe.comm.nccl import REDUCE_OPS, NcclBackend
 from tpframe.comm.select import choose, message_bytes
 
 BACKENDS = ("auto", "nccl", "symm")
+_compiling = torch.compiler.is_compiling
 ENV_VAR = "TPFRAME_COMM_BACKEND"
 
 
@@ -37,6 +42,7 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, backend: str = "auto", device: torch.device | None = None):
         self.group = group if group is not None else dist.group.WORLD
+        self.group_name = getattr(self.group, "group_name", "")  # what torch's symm_mem ops take
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.device = device if device is not None else _default_device()
@@ -46,6 +52,12 @@ class Communicator:
         self._plans: dict = {}
         if self.requested in ("symm", "auto") and self.size > 1:
             self.symm = _try_symm(self.group, self.size, self.device, self.requested)
+        self.name = comm_ops.register(self)  # the key of this communicator in the compile-visible ops
+
+    @property
+    def has_symmetric_memory(self) -> bool:
+        """Whether symmetric memory is set up on this group (the condition for async TP's fused ops)."""
+        return self.symm is not None
 
     # -- dispatch -------------------------------------------------------------------------------
     def backend_for(self, op: str, x: torch.Tensor):
@@ -93,15 +105,21 @@ class Communicator:
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)
 
     # -- collectives ----------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Elementwise reduction over the group; same shape as `x`."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", *, donate: bool = False) -> torch.Tensor:
+        """Elementwise reduction over the group; same shape as `x`.
+
+        `donate=True`: the caller gives `x` up (a fresh tensor nobody else reads, e.g. a GEMM output),
+        so the NCCL path reduces it in place instead of copying it first; the result may be `x` itself."""
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
         if self.size == 1:
             return x
+        if _compiling():
+            return torch.ops.tpframe.all_reduce(x, self.name, op)
         if op != "sum" or self.symm is None:
-            return self.nccl.all_reduce(x, op)
-        return self._route("all_reduce", x)[1](x)
+            return self.nccl.all_reduce(x, op, donate)
+        backend, call = self._route("all_reduce", x)
+        return self.nccl.all_reduce(x, op, donate) if backend is self.nccl else call(x)
 
     def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of a buffer the caller owns (gradient buffers); returns `x`."""
@@ -110,38 +128,41 @@ class Communicator:
         if self.size > 1:
             if not x.is_contiguous():
                 raise ValueError("all_reduce_ needs a contiguous tensor")
-            dist.all_reduce(x, op=REDUCE_OPS[op], group=self.group)
+            self.nccl.all_reduce_(x, op)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
         if self.size == 1:
             return x
-        dim = dim % x.dim()
-        if dim == 0:
+        if dim == 0 or dim == -x.dim():
+            if _compiling():
+                return torch.ops.tpframe.all_gather(x, self.name)
             return self._route("all_gather", x)[1](x) if self.symm is not None else self.nccl.all_gather(x)
-        moved = x.movedim(dim, 0)
-        return self.backend_for("all_gather", x).all_gather(moved.contiguous()).movedim(0, dim).contiguous()
+        moved = x.movedim(dim, 0).contiguous()
+        return self.all_gather(moved, 0).movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/size slice of `dim`."""
-        dim = dim % x.dim()
         if x.shape[dim] % self.size:
             raise ValueError(
-                f"reduce_scatter needs dim {dim} of shape {tuple(x.shape)} divisible by the group size {self.size} "
-                "(with sequence parallelism: make the sequence length a multiple of tp)"
+                f"reduce_scatter needs dim {dim % x.dim()} of shape {tuple(x.shape)} divisible by the group size "
+                f"{self.size} (with sequence parallelism: make the sequence length a multiple of tp)"
             )
         if self.size == 1:
             return x
-        if dim == 0:
+        if dim == 0 or dim == -x.dim():
+            if _compiling():
+                return torch.ops.tpframe.reduce_scatter(x, self.name)
             return self._route("reduce_scatter", x)[1](x) if self.symm is not None else self.nccl.reduce_scatter(x)
         moved = x.movedim(dim, 0).contiguous()
-        return self.backend_for("reduce_scatter", x).reduce_scatter(moved).movedim(0, dim).contiguous()
+        return self.reduce_scatter(moved, 0).movedim(0, dim).contiguous()
 
     def barrier(self) -> None:
         (self.symm or self.nccl).barrier()
 
     def close(self) -> None:
+        comm_ops.unregister(self.name)
         if self.symm is not None:
             self.symm.close()
             self.symm = None

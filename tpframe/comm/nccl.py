@@ -1,41 +1,71 @@
-"""The torch.distributed backend: NCCL on GPUs, gloo on CPUs. Out-of-place, dim-0 collectives."""
+"""The torch.distributed backend: NCCL on GPUs, gloo on CPUs. Out-of-place, dim-0 collectives.
+
+The hot path skips torch.distributed's Python wrappers (argument checks, coalescing-manager lookups,
+option objects built per call) and calls the process group's C++ methods with options built once:
+a few microseconds less per eager call than `dist.all_reduce` itself. All-gather and reduce-scatter
+write straight into a fresh output; the all-reduce, which NCCL runs in place, copies its input first
+unless the caller donates it.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
+_C10D = torch._C._distributed_c10d
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _options(cls, **fields):
+    opts = cls()
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    if hasattr(opts, "asyncOp"):  # torch >= 2.8: a blocking call may run NCCL on the current stream
+        opts.asyncOp = False
+    return opts
+
+
+def _wait(work) -> None:
+    if work is not None:  # None: the backend already ordered the call on the current stream (blocking NCCL)
+        work.wait()
+
+
 class NcclBackend:
-    """Collectives through torch.distributed on one group. Inputs are never modified."""
+    """Collectives through torch.distributed on one group. Inputs are never modified unless donated."""
 
     name = "nccl"
 
     def __init__(self, group: dist.ProcessGroup, size: int):
         self.group = group
         self.size = size
+        self._ar_opts = {op: _options(_C10D.AllreduceOptions, reduceOp=red) for op, red in REDUCE_OPS.items()}
+        self._ag_opts = _options(_C10D.AllgatherOptions)
+        self._rs_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+        # torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single; 2.11 has
+        # only the underscored names.
+        self._ag = getattr(group, "all_gather_single", None) or group._allgather_base
+        self._rs = getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
 
-    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, op=REDUCE_OPS[op], group=self.group)
+    def all_reduce(self, x: torch.Tensor, op: str = "sum", donate: bool = False) -> torch.Tensor:
+        """Out of place; with `donate` (the caller gives `x` up) a contiguous `x` is reduced in place."""
+        out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+        _wait(self.group.allreduce([out], self._ar_opts[op]))
         return out
+
+    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        _wait(self.group.allreduce([x], self._ar_opts[op]))
+        return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n, ...] -> [size * n, ...], rank r's rows at r*n."""
-        out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-        _all_gather_single(out, x.contiguous(), group=self.group)
+        out = x.new_empty((self.size * x.shape[0],) + x.shape[1:])
+        _wait(self._ag(out, x if x.is_contiguous() else x.contiguous(), self._ag_opts))
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """[size * n, ...] -> [n, ...]: the sum over ranks of rank r's rows."""
-        out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
-        _reduce_scatter_single(out, x.contiguous(), group=self.group)
+        out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
+        _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
 
     def barrier(self) -> None:

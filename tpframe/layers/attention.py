@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
+from tpframe.kernels import use_triton
+from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.utils import InitMethod, divide
@@ -56,6 +58,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused: bool = True):
+    """qkv [s, b, (nq + 2 nkv) d] -> SDPA's q [b, nq, s, d], k, v [b, nkv, s, d], rotary applied to q and k.
+
+    On CUDA (outside compile tracing) one Triton kernel does the split, the rotation and the layout change
+    (tpframe/kernels/rotary.py); elsewhere, or with `fused=False`, plain torch ops compute the same. The kernel
+    takes tables shared by the batch ([s, 1, 1, d]); per-row tables (generation, [s, b, 1, d]) take the torch ops."""
+    if fused and rotary is not None and rotary[0].shape[1] == 1 and use_triton(qkv):
+        return qkv_rotary(qkv, *rotary, nq, nkv, d)
+    s, b = qkv.shape[:2]
+    q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
+
+
 class ParallelAttention(nn.Module):
     def __init__(
         self,
@@ -91,6 +109,7 @@ class ParallelAttention(nn.Module):
             hidden, q_size + 2 * kv_size, init_method=init_method, fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)), **common
         )
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
+        self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. `cache`: one layer's view of a KV cache (`append(k, v)` -> every
@@ -98,12 +117,8 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # [s, b, (nq + 2 nkv)/tp * d]
         s, b = qkv.shape[:2]
         d = self.head_dim
-        q, k, v = qkv.split([self.heads_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
-        q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         # SDPA takes [b, n, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary)
         dropout = self.attention_dropout if self.training else 0.0
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows

@@ -84,7 +84,10 @@ class VocabParallelEmbedding(nn.Module):
             outside = (local < 0) | (local >= self.rows_per_rank)
             out = F.embedding(local.masked_fill(outside, 0), self.weight)
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_to_sp(out, self.comm) if self.sequence_parallel else reduce_from_tp(out, self.comm)
+        # the masked lookup is fresh and not saved for backward: NCCL may reduce it in place
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(out, self.comm)
+        return reduce_from_tp(out, self.comm, donate=True)
 
     def extra_repr(self) -> str:
         return (

@@ -3,12 +3,18 @@
 Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is split on the last dim.
 Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
         then the full bias [out] is added once.
+
+Async TP (`async_tp=True`, with sequence parallelism, where the group has symmetric memory): each GEMM
+and its sequence collective are one autograd Function whose collective is micro-pipelined with the GEMM
+chunks (torch.ops.symm_mem fused ops: copy-engine peer copies, no multicast):
+    column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
+    row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
+Elsewhere (CPU, no symmetric memory, no SP, under torch.compile) the same layers take the plain path below.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
@@ -21,12 +27,80 @@ from tpframe.layers.mappings import (
     scatter_to_tp,
 )
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
+from tpframe.layers.weight_grad import linear
 from tpframe.parallel.state import default_tp_comm
 
 
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> None:
     if x.shape[-1] != expected:
         raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}")
+
+
+def _load_fused_ops() -> bool:
+    """torch defines the symm_mem fused ops when torch.distributed._symmetric_memory is imported."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    ops = torch.ops.symm_mem
+    return hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
+
+
+_FUSED_OPS = _load_fused_ops()
+
+
+def async_tp_available(comm: Communicator, x: torch.Tensor) -> bool:
+    """Whether the fused (micro-pipelined) GEMM+collective ops run for `x` on `comm`'s group: CUDA, symmetric
+    memory set up, eager mode (under torch.compile the plain path is traced, collectives as tpframe's ops)."""
+    return (comm.size > 1 and x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
+            and not torch.compiler.is_compiling())
+
+
+def _mm_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):
+    """dW = grad^T x and db = sum(grad) over all leading dims; grad [..., out], x [..., in]."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    return g2.t() @ x.reshape(-1, x.shape[-1]), (g2.sum(0) if has_bias else None)
+
+
+class _AllGatherLinear(torch.autograd.Function):
+    """y = all_gather_sp(x) W^T + b, the all-gather pipelined with the GEMM (async TP, column layer)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        name = comm.group_name
+        x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x.contiguous(), [weight.t()], 0, name)
+        if bias is not None:
+            y = y.add_(bias)
+        ctx.save_for_backward(x_full, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_full, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        gx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, weight, "sum", 0, ctx.comm.group_name)
+        gw, gb = _mm_grads(grad, x_full, ctx.has_bias)
+        return gx, gw, gb, None
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """y = reduce_scatter_sp(x W^T), the reduce-scatter pipelined with the GEMM (async TP, row layer)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm):
+        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, comm.group_name)
+        ctx.save_for_backward(x, weight)
+        ctx.comm = comm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        name = ctx.comm.group_name
+        grad_full, (gx,) = torch.ops.symm_mem.fused_all_gather_matmul(grad.contiguous(), [weight], 0, name)
+        gw, _ = _mm_grads(grad_full, x, False)
+        return gx, gw, None
 
 
 def column_parallel_linear(
@@ -36,6 +110,8 @@ def column_parallel_linear(
     comm: Communicator,
     sequence_parallel: bool = False,
     gather_output: bool = False,
+    *,
+    async_tp: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by output rows.
 
@@ -43,8 +119,12 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     """
-    x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm)
-    y = F.linear(x, weight, bias)
+    if sequence_parallel and async_tp and async_tp_available(comm, x):
+        y = _AllGatherLinear.apply(x, weight, bias, comm)
+    else:
+        # copy_to_tp's output feeds only this GEMM: its gradient is fresh and may be all-reduced in place
+        x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
+        y = linear(x, weight, bias)  # F.linear; zero-bubble pipelines defer its weight gradient
     return gather_from_tp(y, comm) if gather_output else y
 
 
@@ -55,6 +135,8 @@ def row_parallel_linear(
     comm: Communicator,
     sequence_parallel: bool = False,
     input_is_parallel: bool = True,
+    *,
+    async_tp: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by input columns.
 
@@ -63,8 +145,12 @@ def row_parallel_linear(
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, comm)
-    y = F.linear(x, weight)
-    y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm)
+    if sequence_parallel and async_tp and async_tp_available(comm, x):
+        y = _LinearReduceScatter.apply(x, weight, comm)  # computes its weight gradient itself (not deferred)
+    else:
+        y = linear(x, weight)
+        # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
+        y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm, donate=True)
     return y + bias if bias is not None else y
 
 
@@ -89,6 +175,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         fused_parts: tuple[tuple[str, int], ...] | None = None,
+        async_tp: bool = False,
     ):
         super().__init__()
         self.comm = comm or default_tp_comm()
@@ -96,6 +183,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.async_tp = async_tp
         if fused_parts is not None:
             if gather_output:
                 raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with fused_parts")
@@ -120,12 +208,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
-        return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output)
+        return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output,
+                                      async_tp=self.async_tp)
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}"
+            + (", async_tp=True" if self.async_tp else "")
         )
 
 
@@ -144,6 +234,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        async_tp: bool = False,
     ):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -153,6 +244,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, tp, "RowParallelLinear in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.async_tp = async_tp
         device = device or self.comm.device
         init_method = init_method or normal_init()
         w = init_shard((out_features, in_features), 1, rank, tp, init_method, dtype, device)
@@ -166,10 +258,25 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear", "in_features/tp" if self.input_is_parallel else "in_features")
-        return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel)
+        return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel,
+                                   async_tp=self.async_tp)
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}"
+            + (", async_tp=True" if self.async_tp else "")
         )
+
+
+def enable_async_tp(model: nn.Module, enabled: bool = True) -> int:
+    """Switch async TP on (or off) in every sequence-parallel linear layer of `model`; returns how many.
+
+    Layers fall back to the plain path per call where `async_tp_available` says no (CPU, no symmetric
+    memory on the group)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
+            m.async_tp = enabled
+            n += 1
+    return n

@@ -13,6 +13,8 @@ Each is an autograd function whose forward and backward collectives go through t
     reduce_scatter_to_sp   reduce-scatter dim 0            all-gather dim 0     (g-bar)
 
 Sequence-parallel activations are sequence-first, [s/tp, b, h], so the split is dim 0.
+The all-reduces take `donate` flags: a layer that knows the tensor is a fresh GEMM output nobody else
+reads lets NCCL reduce it in place (no copy). Under torch.compile every collective is a traced custom op.
 """
 
 from __future__ import annotations
@@ -34,23 +36,28 @@ def _slice(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, donate_grad):
+        ctx.comm, ctx.donate_grad = comm, donate_grad
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad), None
+        return ctx.comm.all_reduce(grad, donate=ctx.donate_grad), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x) if comm.size > 1 else x.view_as(x)
+    def forward(ctx, x, comm, donate):
+        if comm.size == 1:
+            return x.view_as(x)
+        out = comm.all_reduce(x, donate=donate)
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -110,28 +117,43 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return ctx.comm.all_gather(grad, dim=0), None
 
 
-def copy_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Enter a TP region with a replicated input: identity forward, all-reduce the gradient."""
-    return _CopyToTP.apply(x, comm)
+def copy_to_tp(x: torch.Tensor, comm: Communicator, donate_grad: bool = False) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce the gradient.
+
+    `donate_grad`: the output feeds exactly one GEMM, so its incoming gradient is a fresh tensor that
+    may be reduced in place."""
+    if comm.size == 1:
+        return x
+    return _CopyToTP.apply(x, comm, donate_grad)
 
 
-def reduce_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, comm)
+def reduce_from_tp(x: torch.Tensor, comm: Communicator, donate: bool = False) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward.
+
+    `donate`: `x` is a fresh tensor nobody else reads (not saved for backward): reduce it in place."""
+    if comm.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, comm, donate)
 
 
 def scatter_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[..., h] -> [..., h/tp]: this rank's slice of the last dim; all-gather the gradient."""
+    if comm.size == 1:
+        return x
     return _ScatterToTP.apply(x, comm)
 
 
 def gather_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[..., h/tp] -> [..., h]: all-gather the last dim; slice the gradient."""
+    if comm.size == 1:
+        return x
     return _GatherFromTP.apply(x, comm)
 
 
 def scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[s, ...] -> [s/tp, ...]: this rank's sequence slice; all-gather the gradient."""
+    if comm.size == 1:
+        return x
     return _ScatterToSP.apply(x, comm)
 
 
@@ -141,9 +163,13 @@ def gather_from_sp(x: torch.Tensor, comm: Communicator, reduce_grad: bool = True
     Backward reduce-scatters when the gathered tensor fed TP-split work (each rank holds a
     partial gradient of the full sequence); with `reduce_grad=False` it only slices.
     """
+    if comm.size == 1:
+        return x
     return _GatherFromSP.apply(x, comm, reduce_grad)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[s, ...] partial sums -> [s/tp, ...] summed: reduce-scatter; all-gather the gradient."""
+    if comm.size == 1:
+        return x
     return _ReduceScatterToSP.apply(x, comm)

@@ -5,8 +5,16 @@ module it returns must provide
     forward(input_ids [b, s], labels [b, s]) -> per-token loss [b, s] (fp32)
     flops_per_token(seq_len) -> float         training FLOPs per token of the whole model, for TFLOP/s and MFU
 and tag every parameter with `tp_dim` (tpframe.layers.utils.tag_param; the layers do it for theirs), so
-checkpoints know how each tensor is split. A model that supports pipeline parallelism also builds only
-`ctx.stage` (see `Stage` and tpframe/models/gpt.py).
+checkpoints know how each tensor is split.
+
+A model that supports pipeline parallelism (parallel.pp > 1) says so with `build.supports_pipeline = True`
+and builds only `ctx.stage` (see `Stage` and tpframe/models/gpt.py): the blocks of `stage.layers` under
+their global layer index, the embedding only on the first stage, the final norm, head and loss only on
+the last. Its forward then takes input_ids on the first stage and hidden states [s(/tp), b, h] (in the
+compute dtype) on the others, and returns hidden states of that shape on every stage but the last
+(labels are passed to the last stage only). A weight held by both the first and the last stage (a tied
+embedding) is drawn identically on both and tagged `pipeline_tied = True`: its gradients are summed
+over the two stages every step.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ class BuildContext:
     device: torch.device | None = None
     seed: int = 1234
     stage: Stage = field(default_factory=Stage)
+    async_tp: bool = False  # with sequence_parallel: GEMMs micro-pipelined with their collectives (layers/linear.py)
+    fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
 
 
 def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
@@ -57,8 +67,19 @@ def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     return GPT(cfg, ctx)
 
 
+build_gpt.supports_pipeline = True  # builds only ctx.stage (see the module docstring)
+
 BUILTIN = {"gpt": build_gpt}
 REQUIRED_METHODS = ("forward", "flops_per_token")
+
+
+def check_pipeline_support(name: str, builder: Callable, pp: int) -> None:
+    """A ConfigError when parallel.pp > 1 asks a model that cannot build pipeline stages."""
+    if pp > 1 and not getattr(builder, "supports_pipeline", False):
+        raise ConfigError(
+            f"model.name={name!r} does not build pipeline stages, so parallel.pp={pp} cannot split it; use "
+            "parallel.pp=1, or make its builder honour ctx.stage and set supports_pipeline = True on it (README)"
+        )
 
 
 def resolve_builder(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:

@@ -24,6 +24,8 @@ from torch import nn
 
 from tpframe.layers import ParallelLMHead, ParallelMLP, VocabParallelEmbedding, build_norm, column_parallel_linear
 from tpframe.layers import vocab_parallel_cross_entropy
+from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
+from tpframe.layers.linear import enable_async_tp
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
 from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
@@ -65,6 +67,7 @@ class TransformerBlock(nn.Module):
             rng_tracker=ctx.rng_tracker, **common,
         )
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
+        self.attn.fused_rotary = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
@@ -107,6 +110,8 @@ class GPT(nn.Module):
         if self.stage.first or (self.stage.last and cfg.tie_embeddings):
             with seeded(seed):  # the last stage's tied copy draws the same table
                 self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=sp, **vocab)
+            if cfg.tie_embeddings and not (self.stage.first and self.stage.last):
+                self.embedding.weight.pipeline_tied = True  # gradients summed over the first and last stage
         if self.stage.first and cfg.position == "learned":
             with seeded(seed + 1):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)
@@ -124,6 +129,9 @@ class GPT(nn.Module):
             if not cfg.tie_embeddings:
                 with seeded(seed + 2):
                     self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, **vocab)
+        self.fused_head_loss = ctx.fused_kernels
+        if ctx.async_tp:
+            enable_async_tp(self)
 
     # -- forward --------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,6 +188,12 @@ class GPT(nn.Module):
             return x
         if cache is not None:
             return self.logits(x[-1:])[0]  # [b, V/tp]
+        if labels is not None and self.fused_head_loss:  # head + loss without the fp32 logits
+            weight = self.head.weight if self.head is not None else self.embedding.weight
+            return vocab_parallel_head_cross_entropy(
+                self.final_norm(x), weight, labels.t(), comm=self.comm, sequence_parallel=self.sequence_parallel,
+                vocab_size=self.cfg.vocab_size,
+            ).t()
         logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)

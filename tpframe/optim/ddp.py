@@ -27,7 +27,7 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import GradBuffer, allreduce_sequence_parallel_grads
+from tpframe.parallel.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.state import ParallelState
 
 
@@ -56,10 +56,12 @@ class DDPStrategy(GradStrategy):
         self.grads.finish_sync()
         sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
         allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
+        tied = [p.main_grad for p in self.params if getattr(p, "pipeline_tied", False)]
+        allreduce_pipeline_tied_grads(tied, self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # grads are equal on every DP replica: sum over one model replica (tp x pp) only
-        counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank)]
+        counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank)]
         return clip_by_global_norm(counted, [self.grads.buffer], max_norm, [self.parallel.mp_comm], self.grads.buffer.device)
 
     @torch.no_grad()

@@ -35,7 +35,7 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads
+from tpframe.parallel.grad_buffer import allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.state import ParallelState
 
 
@@ -65,9 +65,10 @@ class FSDPStrategy(GradStrategy):
         mixed = compute_dtype != torch.float32
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32 if mixed else None)
         mesh = parallel.mesh["dp"]
-        for block in getattr(model, "blocks", {}).values() if hasattr(model, "blocks") else []:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
+            for block in root.blocks.values() if hasattr(root, "blocks") else []:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(root, mesh=mesh, mp_policy=policy)
         self.model = model
         self.named = named_trainable(model)
         for name, p in self.named:
@@ -83,10 +84,14 @@ class FSDPStrategy(GradStrategy):
         # so the partial sequence-parallel shards line up across TP
         sp = [_local(p.grad) for _, p in self.named if p.grad is not None and p.sequence_parallel]
         allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
+        # FSDP2 shards each param on its own: a tied weight's rows split alike on the first and last stage
+        tied = [_local(p.grad) for _, p in self.named if p.grad is not None and p.pipeline_tied]
+        allreduce_pipeline_tied_grads(tied, self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = [_local(p.grad) for _, p in self.named if p.grad is not None]
-        counted = [_local(p.grad) for _, p in self.named if p.grad is not None and counts_once(p, self.parallel.tp_rank)]
+        tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
+        counted = [_local(p.grad) for _, p in self.named if p.grad is not None and counts_once(p, tp_rank, pp_rank)]
         comms = [self.parallel.dp_comm, self.parallel.mp_comm]
         return clip_by_global_norm(counted, grads, max_norm, comms, self.parallel.device)
 

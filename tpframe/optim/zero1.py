@@ -35,7 +35,7 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import GradBuffer, allreduce_sequence_parallel_grads
+from tpframe.parallel.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.state import ParallelState
 
 # torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
@@ -52,7 +52,7 @@ class Segment:
     stop: int
     flat: torch.Tensor  # the param buffer's elements for this segment
     master: torch.Tensor  # fp32: `flat` itself for fp32 params, else a copy
-    grad: torch.Tensor  # fp32 view into the reduce-scattered gradient shard
+    grad: torch.Tensor  # fp32 view into the gradient buffer, where the reduce-scatter leaves this rank's sum
 
 
 class Zero1Strategy(GradStrategy):
@@ -66,8 +66,8 @@ class Zero1Strategy(GradStrategy):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        self.grads = GradBuffer(params, parallel.dp_group, dp_size=parallel.dp, bucket_bytes=bucket_bytes,
-                                overlap=overlap, mode="reduce_scatter")
+        self.grads = GradBuffer(params, parallel.dp_group, dp_size=parallel.dp, dp_rank=parallel.dp_rank,
+                                bucket_bytes=bucket_bytes, overlap=overlap, mode="reduce_scatter")
         # move every param into one flat buffer with the gradient buffer's layout
         self.param_buffer = torch.zeros(self.grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
@@ -79,7 +79,7 @@ class Zero1Strategy(GradStrategy):
         name_of = {p: n for n, p in self.named}
         self.segments: list[Segment] = []
         for b in self.grads.buckets:
-            lo, hi = self.grads.shard_range(b, parallel.dp_rank)
+            lo, hi = self.grads.shard_range(b)
             for p in b.params:
                 off = self.grads.offsets[p]
                 s, e = max(lo, off), min(hi, off + p.numel())
@@ -87,7 +87,7 @@ class Zero1Strategy(GradStrategy):
                     continue
                 flat = self.param_buffer[s:e]
                 master = flat if flat.dtype == torch.float32 else flat.float().clone()
-                grad = self.grads.shard[b.shard_start + s - lo : b.shard_start + e - lo]
+                grad = self.grads.buffer[s:e]  # reduce-scattered in place
                 self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
         decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
         no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
@@ -107,16 +107,18 @@ class Zero1Strategy(GradStrategy):
 
     def finish_grad_sync(self) -> None:
         self.grads.finish_sync()
-        if self.parallel.dp == 1:  # no reduce-scatter ran: the shard is the whole buffer
-            self.grads.shard.copy_(self.grads.buffer)
         # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
         allreduce_sequence_parallel_grads(
             [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm)
+        # a tied weight has a bucket of its own: this slice is the same element range on both stages
+        allreduce_pipeline_tied_grads([sg.grad for sg in self.segments if getattr(sg.param, "pipeline_tied", False)],
+                                      self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        counted = [sg.grad for sg in self.segments if counts_once(sg.param, self.parallel.tp_rank)]
+        tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
+        counted = [sg.grad for sg in self.segments if counts_once(sg.param, tp_rank, pp_rank)]
         comms = [self.parallel.dp_comm, self.parallel.mp_comm]  # shards over DP, then one model replica
-        return clip_by_global_norm(counted, [self.grads.shard], max_norm, comms, self.grads.shard.device)
+        return clip_by_global_norm(counted, self.grads.shards(), max_norm, comms, self.grads.buffer.device)
 
     # -- the update ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -137,7 +139,7 @@ class Zero1Strategy(GradStrategy):
         if self.parallel.dp == 1:
             return
         for i, b in enumerate(self.grads.buckets):
-            lo, hi = self.grads.shard_range(b, self.parallel.dp_rank)
+            lo, hi = self.grads.shard_range(b)
             work = _all_gather(self.param_buffer[b.start : b.stop], self.param_buffer[lo:hi].clone(),
                                group=self.parallel.dp_group, async_op=background)
             if background:

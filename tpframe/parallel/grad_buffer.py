@@ -9,7 +9,8 @@ Only after `start_sync()` (the schedule calls it before the last micro-batch's b
 bucket whose every gradient has arrived launch its DP collective, asynchronously, while backward
 goes on (`overlap=True`); earlier micro-batches cause no DP traffic. `finish_sync()` launches what
 is left and waits. The collective averages in fp32: an all-reduce (ddp: every rank gets every
-gradient) or a reduce-scatter (zero1: rank d gets slice d of each bucket, in `shard`).
+gradient) or a reduce-scatter (zero1: rank d gets slice d of each bucket, in place: the sum lands in
+the bucket's slice d of this rank's own buffer, so no second buffer is needed).
 
 Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
 so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
@@ -45,6 +46,13 @@ def allreduce_sequence_parallel_grads(grads: list[torch.Tensor], tp_comm: Commun
             offset += g.numel()
 
 
+def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Communicator | None) -> None:
+    """Sum over the embedding group (first and last pipeline stage), in place, the gradients (or equal
+    gradient slices) of weights both stages hold: tied input embedding and output head."""
+    if embedding_comm is not None:
+        allreduce_sequence_parallel_grads(grads, embedding_comm)  # the same in-place sum, over another group
+
+
 def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") -> list[torch.Tensor]:
     """The gradients (`attr`: "grad" or "main_grad") of the sequence-parallel params among `params`."""
     return [getattr(p, attr) for p in params if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None]
@@ -59,7 +67,6 @@ class Bucket:
     pending: int = 0  # gradients still to arrive in the synced backward
     work: object = None  # the in-flight collective
     launched: bool = False
-    shard_start: int = 0  # reduce-scatter: where this bucket's slice lives in `shard`
     members: set = field(default_factory=set)
 
 
@@ -71,7 +78,7 @@ class GradBuffer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce"):
+                 dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce"):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
@@ -80,30 +87,34 @@ class GradBuffer:
         if not params:
             raise ValueError("GradBuffer needs at least one parameter that requires grad")
         self.params = list(reversed(params))  # backward produces the last layers' grads first
-        self.dp_group, self.dp_size, self.overlap, self.mode = dp_group, dp_size, overlap, mode
+        self.dp_group, self.dp_size, self.dp_rank, self.overlap, self.mode = dp_group, dp_size, dp_rank, overlap, mode
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         offset, current = 0, []
         limit = max(1, bucket_bytes // 4)
+
+        def close() -> None:
+            nonlocal offset, current
+            start = self.buckets[-1].stop if self.buckets else 0
+            stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
+            self.buckets.append(Bucket(len(self.buckets), start, stop, current, members=set(map(id, current))))
+            offset, current = stop, []
+
         for i, p in enumerate(self.params):
+            # a pipeline-tied weight (first and last stage) gets a bucket of its own, so its reduce-scatter
+            # slice is the same element range on both stages and the two can be summed slice by slice
+            tied = getattr(p, "pipeline_tied", False)
+            if tied and current:
+                close()
             self.offsets[p] = offset
             offset += p.numel()
             current.append(p)
             start = self.buckets[-1].stop if self.buckets else 0
-            if offset - start >= limit or i == len(self.params) - 1:
-                stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
-                self.buckets.append(Bucket(len(self.buckets), start, stop, current, members=set(map(id, current))))
-                offset, current = stop, []
+            if offset - start >= limit or i == len(self.params) - 1 or tied:
+                close()
         self.numel = self.buckets[-1].stop
         device = self.params[0].device
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.shard: torch.Tensor | None = None
-        if mode == "reduce_scatter":
-            shard_start = 0
-            for b in self.buckets:
-                b.shard_start = shard_start
-                shard_start += (b.stop - b.start) // dp_size
-            self.shard = torch.zeros(shard_start, dtype=torch.float32, device=device)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._position = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -156,15 +167,19 @@ class GradBuffer:
         data.mul_(1.0 / self.dp_size)  # average in fp32 (exact for powers of two)
         if self.mode == "all_reduce":
             b.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
-        else:
-            out = self.shard[b.shard_start : b.shard_start + (b.stop - b.start) // self.dp_size]
-            b.work = _reduce_scatter(out, data, group=self.dp_group, async_op=True)
+        else:  # in place: this rank's slice of the bucket receives the sum (NCCL and gloo allow the alias)
+            lo, hi = self.shard_range(b)
+            b.work = _reduce_scatter(self.buffer[lo:hi], data, group=self.dp_group, async_op=True)
 
     # -- views -------------------------------------------------------------------------------------
-    def shard_range(self, b: Bucket, dp_rank: int) -> tuple[int, int]:
-        """[start, stop) of the flat buffer that DP rank `dp_rank` owns in bucket `b` (reduce-scatter)."""
+    def shard_range(self, b: Bucket) -> tuple[int, int]:
+        """[start, stop) of the flat buffer that this DP rank owns in bucket `b` (reduce-scatter)."""
         size = (b.stop - b.start) // self.dp_size
-        return b.start + dp_rank * size, b.start + (dp_rank + 1) * size
+        return b.start + self.dp_rank * size, b.start + (self.dp_rank + 1) * size
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
+        return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

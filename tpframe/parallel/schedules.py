@@ -4,7 +4,8 @@ A schedule is a plain function `(model, batches, num_micro_batches, *, grad_sync
 where `batches.next()` gives (input_ids, labels) on the CPU and `grad_sync` is the gradient strategy
 (its `start_grad_sync()` is called right before the step's last backward, so DP traffic can overlap
 it and no earlier micro-batch syncs). The returned loss is the mean over micro-batches (a 0-dim fp32
-tensor on `device`). Pipeline schedules are siblings of `forward_backward_no_pipelining`.
+tensor on `device`), on every rank. Pipeline schedules (tpframe.parallel.pipeline: `PipelineSchedule`,
+its `forward_backward` and `forward_only`) are siblings of the two functions here.
 """
 
 from __future__ import annotations
@@ -28,8 +29,30 @@ def forward_backward_no_pipelining(model: nn.Module, batches, num_micro_batches:
     return loss_sum
 
 
-def get_forward_backward(pp: int = 1):
-    """The schedule function for a pipeline size (pp=1: no pipelining)."""
+@torch.no_grad()
+def forward_only_no_pipelining(model: nn.Module, batches, num_micro_batches: int, *,
+                               device: torch.device) -> torch.Tensor:
+    """Mean loss over `num_micro_batches` micro-batches, no gradients (evaluation)."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for _ in range(num_micro_batches):
+        input_ids, labels = batches.next()
+        loss_sum += model(input_ids.to(device), labels.to(device)).mean()
+    return loss_sum / max(1, num_micro_batches)
+
+
+def get_forward_backward(pp: int = 1, pipeline=None):
+    """The schedule function for a pipeline size (pp=1: no pipelining; else `pipeline`, a PipelineSchedule)."""
     if pp == 1:
         return forward_backward_no_pipelining
-    raise ValueError(f"pipeline parallelism (pp={pp}) has no schedule yet")
+    if pipeline is None:
+        raise ValueError(f"pp={pp} needs a pipeline schedule (tpframe.parallel.pipeline.build_pipeline)")
+    return pipeline.forward_backward
+
+
+def get_forward_only(pp: int = 1, pipeline=None):
+    """The evaluation sibling of `get_forward_backward`."""
+    if pp == 1:
+        return forward_only_no_pipelining
+    if pipeline is None:
+        raise ValueError(f"pp={pp} needs a pipeline schedule (tpframe.parallel.pipeline.build_pipeline)")
+    return pipeline.forward_only

@@ -77,6 +77,8 @@ class ParallelState:
     tp_comm: Communicator
     dp_comm: Communicator
     mp_comm: Communicator
+    pp_comm: Communicator  # the pipeline: the loss from the last stage to every rank
+    embedding_comm: Communicator | None  # tied-embedding gradients between first and last stage; None elsewhere
     pp_ranks: list[int]
     tp_ranks: list[int]
     dp_ranks: list[int]
@@ -170,6 +172,8 @@ def initialize_parallel(
         tp_comm=Communicator(tp_group, backend=comm_backend, device=device),
         dp_comm=Communicator(dp_group, backend="nccl", device=device),
         mp_comm=Communicator(mp_group, backend="nccl", device=device),
+        pp_comm=Communicator(pp_group, backend="nccl", device=device),
+        embedding_comm=Communicator(embedding_group, backend="nccl", device=device) if embedding_group else None,
         tp_ranks=find("tp"),
         dp_ranks=find("dp"),
         pp_ranks=find("pp"),
@@ -202,8 +206,9 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None or not dist.is_initialized():
         return
-    for comm in (state.tp_comm, state.dp_comm, state.mp_comm):
-        comm.close()  # frees symmetric memory where a communicator set it up
+    for comm in (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm):
+        if comm is not None:
+            comm.close()  # frees symmetric memory where a communicator set it up
     for group in state._groups:
         dist.destroy_process_group(group)
     if state.owns_world:

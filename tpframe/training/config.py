@@ -35,6 +35,11 @@ class ParallelConfig:
     grad_bucket_mb: float = 40.0  # ddp/zero1: gradients are synced in buckets of about this many MiB (fp32)
     overlap_grad_sync: bool = True  # ddp/zero1: launch each bucket's collective during the last backward
     overlap_param_gather: bool = False  # zero1: all-gather updated params in the background, waited for in forward
+    pp_schedule: Literal["1f1b", "afab", "interleaved_1f1b", "zb_h1"] = "1f1b"  # README: pipeline parallelism
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
+    layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
+    pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
+    async_tp: bool = False  # with sequence_parallel on CUDA + symmetric memory: GEMMs overlap their TP collectives
 
 
 @dataclass
@@ -48,6 +53,7 @@ class TrainConfig:
     eval_interval: int = 100  # 0 disables evaluation
     eval_steps: int = 10
     run_dir: str = "runs/default"
+    compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
 
 
 @dataclass
@@ -149,6 +155,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}={value!r} must be a string")
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(value, (list, tuple)):
+            return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(f"{key}={value!r} must be a list, e.g. [4, 4]")
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
 
@@ -234,12 +245,10 @@ def validate(cfg: Config, world_size: int) -> None:
         positive(key, value)
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must not be negative")
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available yet; use parallel.pp=1")
     if world_size % (p.tp * p.pp):
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {p.tp}*{p.pp}; "
-            f"launch a multiple of {p.tp * p.pp} processes (torchrun --nproc-per-node) or change parallel.tp"
+            f"launch a multiple of {p.tp * p.pp} processes (torchrun --nproc-per-node) or change parallel.tp/pp"
         )
     dp = world_size // (p.tp * p.pp)
     if m.hidden % m.heads:
@@ -255,6 +264,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rotary positions need an even head dim; model.hidden/model.heads = {m.hidden // m.heads}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if p.async_tp and not p.sequence_parallel:
+        raise ConfigError("parallel.async_tp overlaps the sequence-parallel collectives; "
+                          "set parallel.sequence_parallel=true")
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}")
     per_step = t.micro_batch_size * dp
@@ -282,6 +294,49 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
+    _validate_pipeline(cfg, dp)
+
+
+def _validate_pipeline(cfg: Config, dp: int) -> None:
+    """parallel.pp, pp_schedule, virtual_stages and layers_per_stage against the model and the batch."""
+    p, layers = cfg.parallel, cfg.model.layers
+    v, schedule = p.virtual_stages, p.pp_schedule
+    if v < 1:
+        raise ConfigError(f"parallel.virtual_stages={v} must be at least 1")
+    if p.pp == 1 and (v > 1 or p.layers_per_stage is not None):
+        raise ConfigError("parallel.virtual_stages and parallel.layers_per_stage split a pipeline; set parallel.pp > 1")
+    if p.pp == 1:
+        return
+    if schedule == "interleaved_1f1b" and v < 2:
+        raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.virtual_stages >= 2 (chunks per rank)")
+    if schedule != "interleaved_1f1b" and v > 1:
+        raise ConfigError(f"parallel.virtual_stages={v} needs parallel.pp_schedule=interleaved_1f1b (got {schedule})")
+    stages = p.pp * v
+    if p.layers_per_stage is None and layers % stages:
+        raise ConfigError(
+            f"model.layers={layers} is not divisible by parallel.pp*parallel.virtual_stages = {p.pp}*{v} = {stages}; "
+            f"change them or give parallel.layers_per_stage ({stages} counts that add up to {layers})"
+        )
+    if p.layers_per_stage is not None:
+        counts = p.layers_per_stage
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != layers:
+            raise ConfigError(
+                f"parallel.layers_per_stage={counts} must be {stages} counts (parallel.pp*parallel.virtual_stages), "
+                f"each at least 1, adding up to model.layers={layers} (they add up to {sum(counts)})"
+            )
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    if micro < p.pp or (schedule == "interleaved_1f1b" and micro % p.pp):
+        need = f"a multiple of parallel.pp={p.pp}" if schedule == "interleaved_1f1b" else f"at least parallel.pp={p.pp}"
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} needs the micro-batches per step, train.global_batch_size/"
+            f"(train.micro_batch_size*dp) = {micro}, to be {need}; raise train.global_batch_size or lower "
+            "train.micro_batch_size"
+        )
+    if p.dp_strategy == "fsdp" and schedule == "zb_h1":
+        raise ConfigError("parallel.pp_schedule=zb_h1 defers weight gradients past FSDP's reduce-scatter; use "
+                          "parallel.dp_strategy=ddp or zero1 with it")
+    if not p.pp_timeout_s > 0:
+        raise ConfigError(f"parallel.pp_timeout_s={p.pp_timeout_s} must be a positive number of seconds")
 
 
 def grad_accumulation_steps(cfg: Config, world_size: int) -> int:

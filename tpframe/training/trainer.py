@@ -18,16 +18,19 @@ import torch
 from torch import nn
 
 from tpframe.optim import GradStrategy, lr_at
+from tpframe.parallel.schedules import forward_only_no_pipelining
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
 
 
 class Trainer:
     def __init__(self, cfg: Config, parallel: ParallelState, model: nn.Module, strategy: GradStrategy, train_data,
-                 valid_data, logger, *, forward_backward: Callable, peak_tflops: float | None = None):
+                 valid_data, logger, *, forward_backward: Callable, forward_only: Callable | None = None,
+                 peak_tflops: float | None = None):
         self.cfg, self.parallel, self.model, self.strategy = cfg, parallel, model, strategy
         self.train_data, self.valid_data, self.logger = train_data, valid_data, logger
         self.forward_backward = forward_backward
+        self.forward_only = forward_only or forward_only_no_pipelining  # evaluation
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
@@ -71,12 +74,9 @@ class Trainer:
         """Mean loss over the same `eval_steps` held-out micro-batches every time, averaged over DP."""
         self.model.eval()
         self.valid_data.reset()
-        total = torch.zeros((), dtype=torch.float32, device=self.parallel.device)
-        for _ in range(self.cfg.train.eval_steps):
-            input_ids, labels = self.valid_data.next()
-            total += self.model(input_ids.to(self.parallel.device), labels.to(self.parallel.device)).mean()
+        mean = self.forward_only(self.model, self.valid_data, self.cfg.train.eval_steps, device=self.parallel.device)
         self.model.train()
-        return self.parallel.dp_comm.all_reduce(total).item() / (self.parallel.dp * max(1, self.cfg.train.eval_steps))
+        return self.parallel.dp_comm.all_reduce(mean).item() / self.parallel.dp
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self, checkpointer=None) -> list[dict[str, Any]]:

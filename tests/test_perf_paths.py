@@ -1,0 +1,243 @@
+"""The performance paths on CPU (gloo), each against the plain path it replaces.
+
+- torch.compile over TP code: the Communicator's collectives are custom ops, so a block traces whole. At TP=2 with
+  the aot_eager backend (AOTAutograd traces forward and backward through the ops' fake implementations; no C++
+  toolchain needed): fullgraph=True (any graph break is an error), one frame per block, the collectives visible in
+  the graph, loss and gradients equal to eager; train.compile=true trains like eager.
+- The fused head + cross entropy equals the head GEMM + vocab_parallel_cross_entropy (TP 1/2, SP on/off).
+- Async TP: its autograd Functions' math (with torch's reference implementations of the fused symm_mem ops standing
+  in for the CUDA ones) equals the plain SP layers; without symmetric memory the layers fall back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.reference import assert_close
+from tpframe.models.config import ModelConfig
+
+GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8, position="rotary")
+LLAMA_CFG = dataclasses.replace(GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", activation="swiglu",
+                                bias=False, tie_embeddings=False)
+B, S = 2, 8
+
+
+def _graph_code(gm: torch.fx.GraphModule) -> str:
+    return "\n".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+
+
+def _compiled_model_matches_eager(cases):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from tpframe.models import BuildContext, build_model
+    from tpframe.models.compile import compile_model
+    from tpframe.parallel import initialize_parallel, seed_parallel_rng
+
+    state = initialize_parallel(tp=torch.distributed.get_world_size())
+    report = []
+    for cfg, sp in cases:
+        torch._dynamo.reset()
+        graphs = []
+
+        def counting_aot_eager(gm, example_inputs):
+            graphs.append(gm)
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        models = []
+        for _ in range(2):
+            tracker = seed_parallel_rng(0)
+            ctx = BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=tracker, seed=5)
+            models.append(build_model(cfg, ctx))
+        eager, compiled = models
+        assert compile_model(compiled, backend=counting_aot_eager, fullgraph=True) == cfg.layers
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+        labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+        losses = []
+        for model in (eager, compiled):
+            loss = model(ids, labels)
+            loss.mean().backward()
+            losses.append(loss)
+        case = f"{cfg.norm}/{cfg.activation} tp={state.tp} sp={sp}"
+        assert_close(losses[1], losses[0], 1e-5, f"{case}: compiled loss")
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert_close(q.grad, p.grad, 1e-5, f"{case}: grad of {name}", atol=1e-7)
+        # identical blocks share one graph; fullgraph=True already turned any break into an error
+        assert len(graphs) == 1, f"{case}: {len(graphs)} graphs compiled, expected 1"
+        code = _graph_code(graphs[0])
+        wanted = ("tpframe.all_gather", "tpframe.reduce_scatter") if sp else ("tpframe.all_reduce",)
+        missing = [op for op in wanted if op not in code]
+        assert not missing, f"{case}: {missing} not traced into the graph"
+        explained = torch._dynamo.explain(eager.blocks["0"])(eager.embed(ids), eager.rotary(S, torch.float32))
+        report.append((case, explained.graph_break_count))
+    assert all(n == 0 for _, n in report), f"graph breaks: {report}"
+    return report
+
+
+def test_compiled_blocks_match_eager_with_no_graph_breaks_at_tp2():
+    run_distributed(_compiled_model_matches_eager, 2, [(GPT_CFG, False), (LLAMA_CFG, True)], timeout=300)
+
+
+def _head_loss_matches_unfused(sp: bool, chunk: int):
+    from tpframe.layers import ParallelLMHead, vocab_parallel_cross_entropy
+    from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    state = initialize_parallel(tp=torch.distributed.get_world_size())
+    comm, tp = state.tp_comm, state.tp
+    vocab, hidden, s, b = 45, 16, 6, 3  # padded to 48 at multiple 8: the last rank holds padding columns
+    torch.manual_seed(0)
+    head = ParallelLMHead(hidden, vocab, pad_to_multiple_of=8, sequence_parallel=sp, comm=comm)
+    g = torch.Generator().manual_seed(1)
+    x_full = torch.randn(s * tp, b, hidden, generator=g)
+    target = torch.randint(0, vocab, (s * tp, b), generator=g)
+    target[0, 0] = target[3, 2] = -100  # ignored tokens
+    grad_out = torch.rand(s * tp, b, generator=g)
+    results = {}
+    for smoothing in (0.0, 0.1):
+        for fused in (False, True):
+            x = (scatter_to_sp(x_full, comm) if sp else x_full).clone().requires_grad_()
+            head.weight.grad = None
+            if fused:
+                loss = vocab_parallel_head_cross_entropy(x, head.weight, target, comm=comm, sequence_parallel=sp,
+                                                         vocab_size=vocab, label_smoothing=smoothing, chunk=chunk)
+            else:
+                loss = vocab_parallel_cross_entropy(head(x), target, comm=comm, vocab_size=vocab,
+                                                    label_smoothing=smoothing)
+            (loss * grad_out).sum().backward()
+            results[fused] = (loss.detach(), x.grad, head.weight.grad.clone())
+        case = f"tp={tp} sp={sp} smoothing={smoothing} chunk={chunk}"
+        for what, got, want in zip(("loss", "grad x", "grad W"), results[True], results[False]):
+            assert_close(got, want, 1e-5, f"{case}: {what}", atol=1e-7)
+        assert torch.all(results[True][0][0, 0] == 0)
+    return True
+
+
+def test_head_cross_entropy_equals_unfused_path_at_tp1():
+    run_distributed(_head_loss_matches_unfused, 1, False, 4)
+
+
+def test_head_cross_entropy_equals_unfused_path_at_tp2_with_and_without_sp():
+    run_distributed(_head_loss_matches_unfused, 2, False, 5)
+    run_distributed(_head_loss_matches_unfused, 2, True, 7)
+
+
+def _async_tp_falls_back_on_cpu():
+    from tpframe.layers.linear import ColumnParallelLinear, async_tp_available
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import initialize_parallel, seed_parallel_rng
+
+    state = initialize_parallel(tp=torch.distributed.get_world_size())
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=g)
+    out = []
+    for async_tp in (False, True):
+        tracker = seed_parallel_rng(0)
+        ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, async_tp=async_tp)
+        model = build_model(GPT_CFG, ctx)
+        linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
+        assert all(m.async_tp == async_tp for m in linears)
+        loss = model(ids, ids)
+        loss.mean().backward()
+        out.append((loss.detach(), [p.grad for p in model.parameters()]))
+    from tpframe.layers import linear
+
+    assert linear._FUSED_OPS, "torch.ops.symm_mem's fused ops must be found (only the device rules async TP out here)"
+    assert not async_tp_available(state.tp_comm, torch.zeros(1)), "CPU has no symmetric memory"
+    assert torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    return True
+
+
+def test_async_tp_falls_back_to_the_plain_path_without_symmetric_memory():
+    run_distributed(_async_tp_falls_back_on_cpu, 2)
+
+
+def test_compile_and_async_tp_keys_parse_and_async_tp_needs_sequence_parallel():
+    import pytest
+
+    from tpframe.training.config import ConfigError, load_config, validate
+
+    cfg = load_config(None, ["train.compile=true", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "parallel.async_tp=true"])
+    validate(cfg, 2)
+    assert cfg.train.compile is True and cfg.parallel.async_tp is True
+    with pytest.raises(ConfigError, match="parallel.async_tp .* set parallel.sequence_parallel=true"):
+        validate(load_config(None, ["parallel.tp=2", "parallel.async_tp=true"]), 2)
+
+
+def _train_compiled_and_eager(tmp):
+    from tests.training_utils import train_in_process
+    from tpframe.models import compile as compile_module
+
+    inductor, compiled_blocks = compile_module.compile_model, []
+    # aot_eager: AOTAutograd traces forward and backward through the collectives' fake implementations without
+    # needing a C++ toolchain; train.py's wiring is what is under test here
+    compile_module.compile_model = lambda model, **kw: compiled_blocks.append(
+        inductor(model, backend="aot_eager", fullgraph=True))
+    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
+    losses = {}
+    for name, extra in (("eager", []), ("compiled + async_tp", ["train.compile=true", "parallel.async_tp=true"])):
+        losses[name] = [r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{name[:4]}"])]
+    return losses, compiled_blocks
+
+
+def test_train_compile_and_async_tp_train_like_eager_at_tp2(tmp_path):
+    losses, compiled_blocks = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), timeout=300)[0]
+    assert compiled_blocks == [2], f"train.compile=true must compile the 2 blocks once, got {compiled_blocks}"
+    eager, compiled = losses["eager"], losses["compiled + async_tp"]
+    assert len(eager) == len(compiled) == 3
+    for step, (a, b) in enumerate(zip(compiled, eager), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: compiled loss {a!r} vs eager {b!r}"
+
+
+def _async_tp_functions_match_plain():
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+    from tpframe.layers import linear
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    # torch's reference (all-gather / reduce-scatter, then matmul) versions of the fused ops; CPU has no CUDA kernels
+    torch.ops.symm_mem.fused_all_gather_matmul = symm_mem._fused_all_gather_matmul_fallback
+    torch.ops.symm_mem.fused_matmul_reduce_scatter = symm_mem._fused_matmul_reduce_scatter_fallback
+    linear.async_tp_available = lambda comm, x: True
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(16, 32, sequence_parallel=True, comm=comm)
+    fc2 = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm)
+    with torch.no_grad():
+        fc1.bias.normal_(), fc2.bias.normal_()
+    g = torch.Generator().manual_seed(1)
+    x_full, grad_full = torch.randn(8, 3, 16, generator=g), torch.randn(8, 3, 16, generator=g)
+    x0, grad = scatter_to_sp(x_full, comm), scatter_to_sp(grad_full, comm)
+    results = []
+    for async_tp in (False, True):
+        fc1.async_tp = fc2.async_tp = async_tp
+        x = x0.clone().requires_grad_()
+        for p in (*fc1.parameters(), *fc2.parameters()):
+            p.grad = None
+        y = fc2(torch.tanh(fc1(x)))
+        y.backward(grad)
+        fn_names = {type(t.grad_fn).__name__ for t in (y,)} | {type(fc1(x0).grad_fn).__name__}
+        results.append(([y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())], fn_names))
+    (plain, plain_fns), (fused, fused_fns) = results
+    assert any("AllGatherLinear" in n for n in fused_fns), f"the async path did not run: {fused_fns}"
+    for what, a, b in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), fused, plain):
+        assert_close(a, b, 1e-5, f"async TP vs plain: {what}", atol=1e-7)
+    return True
+
+
+def test_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
+        import pytest
+
+        pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
+    run_distributed(_async_tp_functions_match_plain, 2)

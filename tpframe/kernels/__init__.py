@@ -1,0 +1,24 @@
+"""Fused GPU kernels (Triton) for the places where eager PyTorch makes several passes over memory.
+
+    rotary.py         qkv [s, b, (nq + 2 nkv) d] -> q, k rotated and v, each [b, n, s, d], in one pass (and back)
+    cross_entropy.py  per-row softmax statistics and the in-place logits gradient of the head + loss path
+
+Every kernel has a plain-torch twin that computes the same function (the CPU path, and the tests' oracle);
+callers pick the kernel only for CUDA tensors, outside torch.compile tracing (Inductor fuses those itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel should run on `x`: a CUDA tensor, Triton importable, not under compile tracing."""
+    return HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling()
