@@ -9,8 +9,11 @@ as the median over R batches of K back-to-back calls: eager (launched from Pytho
 captured in one CUDA graph and replayed). The slower rank's median is reported. Bus bandwidth:
 all-reduce 2(n-1)/n * bytes / t, all-gather and reduce-scatter (n-1)/n * bytes / t, where bytes is the
 collective's largest tensor (all-reduce input, all-gather output, reduce-scatter input).
-Thresholds: per (op, world, dtype, mode) the sizes where the faster of our one-/two-shot kernels beat
-tpframe's NCCL backend, and the one-shot/two-shot crossover; then `auto` is timed with them.
+Thresholds: per (op, world, dtype, mode) the sizes where the fastest of our kernels beat tpframe's NCCL
+backend, and the fastest all-reduce kernel by size (one-shot, push, two-shot, or the barrier-free Lamport);
+then `auto` is timed with them. A run over fewer ops, dtypes or sizes updates only what it measured.
+--nccl-window adds NCCL on buffers registered as symmetric windows (torch symmetric memory with its NCCL
+backend, NCCL >= 2.27), in a process of its own: torch fixes one symmetric-memory backend per process.
 Keep NVLink multicast off: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
 
@@ -49,6 +52,8 @@ def parse_args():
     p.add_argument("--results", default="benchmarks/RESULTS.md", help="markdown file the tables are appended to")
     p.add_argument("--thresholds", default=str(select.DEFAULT_PATH), help="thresholds JSON to write (merged)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts (e.g. 0.3 for a smoke run)")
+    p.add_argument("--nccl-window", action="store_true",
+                   help="only: NCCL all-reduce on symmetric-window buffers vs plain buffers (bf16, eager and graph)")
     args = p.parse_args()
     for d in args.dtypes.split(","):
         if d not in DTYPES:
@@ -160,8 +165,12 @@ class Impls:
             impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_out(tview.copy_(x), "sum", name, torch.empty_like(x))
         elif self.has["two_shot_all_reduce_"]:
             impls["torch-2shot"] = lambda: ops.two_shot_all_reduce_(tview.copy_(x), "sum", name).clone()
+        lamport = comm.symm.lamport
         for algo, label in OUR_ALGOS.items():
-            if k.fits("all_reduce", x.numel(), x.dtype, algo):  # push needs world slots of the message
+            if algo == "lamport":
+                if lamport is not None and lamport.fits(x.numel(), x.dtype):
+                    impls[label] = lambda: lamport.all_reduce(x, torch.empty_like(x))
+            elif k.fits("all_reduce", x.numel(), x.dtype, algo):  # push needs world slots of the message
                 impls[label] = lambda algo=algo: k.all_reduce(x, torch.empty_like(x), algo)
         impls.update({name: (lambda c=c: c.all_reduce(x)) for name, c in via.items()})
         return impls
@@ -241,7 +250,7 @@ def slowest_rank(local: dict, world: int) -> dict:
     return {"times": times, "ok": ok}
 
 
-OUR_ALGOS = {"one_shot": "ours-1shot", "push": "ours-push", "two_shot": "ours-2shot"}
+OUR_ALGOS = {"one_shot": "ours-1shot", "push": "ours-push", "two_shot": "ours-2shot", "lamport": "ours-lamport"}
 
 
 def ours_best(times, op, nbytes, mode):
@@ -279,26 +288,68 @@ def thresholds_for(results: dict, world: int) -> dict:
     return table
 
 
-ALGO_PREFERENCE = ("push", "one_shot", "two_shot")
+ALGO_PREFERENCE = ("push", "one_shot", "two_shot", "lamport")  # ties (< 3%) go to the earlier
 
 
 def fits_default_buffer(algo: str, nbytes: int, world: int) -> bool:
     """Whether an all-reduce kernel runs at this size with tpframe's default symmetric buffer: the
     thresholds describe the default set-up (a larger TPFRAME_SYMM_BUFFER_MB only adds headroom)."""
     from tpframe.comm.symm.backend import DEFAULT_BUFFER_BYTES
+    from tpframe.comm.symm.lamport import DEFAULT_SEGMENT_BYTES
 
+    if algo == "lamport":
+        return nbytes <= DEFAULT_SEGMENT_BYTES
     need = world * nbytes if algo == "push" else nbytes + world * 16
     return need <= DEFAULT_BUFFER_BYTES
 
 
-def merge_thresholds(path: Path, new: dict, world: int, meta: dict) -> dict:
-    """The file's table with this world size's entries replaced (other world sizes kept)."""
+def merge_thresholds(path: Path, new: dict, world: int, meta: dict, covered: dict) -> dict:
+    """The file's table with what this run measured replaced: per (op, dtype) of this world size, the sizes
+    up to the largest measured one (covered[(op, dtype name)] bytes); the file's entries above it are kept."""
     table = json.loads(path.read_text()) if path.exists() else {}
     for section, by_op in new.items():
         for op, by_world in by_op.items():
-            table.setdefault(section, {}).setdefault(op, {})[str(world)] = by_world[str(world)]
-    table.setdefault("measured", {})[str(world)] = meta
+            mine = table.setdefault(section, {}).setdefault(op, {}).setdefault(str(world), {})
+            for dkey, by_mode in by_world[str(world)].items():
+                old = mine.setdefault(dkey, {})
+                for mode, value in by_mode.items():
+                    top = covered[(op, dkey)]
+                    splice = splice_algos if section == "all_reduce_algos" else splice_ranges
+                    old[mode] = splice(value, old.get(mode), top) if old.get(mode) else value
+    earlier = table.setdefault("measured", {}).get(str(world))
+    if earlier is not None:  # a partial run keeps the record of the run that measured the rest
+        meta = dict(meta, earlier={k: v for k, v in earlier.items() if k != "earlier"})
+    table["measured"][str(world)] = meta
     return table
+
+
+def splice_ranges(new: list, old: list, top: int) -> list:
+    """Byte ranges: `new` (measured up to `top` bytes) below, `old` above, touching ranges joined."""
+    out = [[lo, top if hi is None else min(hi, top)] for lo, hi in new if lo <= top]
+    for lo, hi in old:
+        if hi is None or hi > top:
+            lo = max(lo, top + 1)
+            if out and out[-1][1] >= lo - 1:
+                out[-1][1] = hi
+            else:
+                out.append([lo, hi])
+    return out
+
+
+def splice_algos(new: list, old: list, top: int) -> list:
+    """[[up_to_bytes, algo], ...]: `new` (measured up to `top`) below, `old` above, equal neighbours joined."""
+    out = []
+    for up, algo in new:  # `new` ends with None, so this reaches `top`
+        out.append([top if up is None else min(up, top), algo])
+        if out[-1][0] >= top:
+            break
+    for up, algo in old:
+        if up is None or up > top:
+            if out[-1][1] == algo:
+                out[-1][0] = up
+            else:
+                out.append([up, algo])
+    return out
 
 
 def fmt_size(nbytes: int) -> str:
@@ -342,11 +393,73 @@ def targets_md(res, world) -> list[str]:
             if torch_names else float("nan")
         vs_nccl_mid = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in mid) if mid else float("nan")
         auto_worst = max(t[(s, "auto", mode)] / min(t[(s, "comm-nccl", mode)], t[(s, "comm-symm", mode)]) for s in sizes)
+        decode = [s for s in sizes if 4 * KIB <= s <= 64 * KIB]
+        if mode == "graph" and decode:
+            vs = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in decode)
+            ours = ", ".join(f"{ours_best(t, 'all_reduce', s, mode):.1f}" for s in decode)
+            nccl = ", ".join(f"{t[(s, 'nccl-raw', mode)]:.1f}" for s in decode)
+            lines.append(f"- graph, decode sizes 4-64 KiB: ours {ours} us, NCCL {nccl} us; min {vs:.2f}x "
+                         f"(target >= 2x: {'met' if vs >= 2 else 'NOT met'})")
         lines.append(f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {'met' if vs_nccl >= 3 else 'NOT met'}); "
                      f"vs torch symm min {vs_torch:.2f}x (target >= 1: {'met' if vs_torch >= 1 else 'NOT met'}); "
                      f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {'met' if vs_nccl_mid >= 1.5 else 'NOT met'}); "
                      f"auto worst {auto_worst:.2f} of the better backend (target <= 1.05: {'met' if auto_worst <= 1.05 else 'NOT met'})")
     return lines + [""]
+
+
+def nccl_window(args, device, world: int, rank: int) -> None:
+    """NCCL all-reduce (bf16, in place) on torch symmetric-memory buffers of its NCCL backend (registered as
+    NCCL symmetric windows) against ordinary buffers, eager and graph; appends one table."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    lines = []
+    try:
+        symm_mem.set_backend("NCCL")
+        sizes, s = [], args.min_kib * KIB
+        while s <= args.max_mib * MIB:
+            sizes.append(s)
+            s *= 2
+        name = dist.group.WORLD.group_name
+        for nbytes in sizes:
+            n = nbytes // 2
+            win = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
+            symm_mem.rendezvous(win, name)
+            plain = torch.empty(n, dtype=torch.bfloat16, device=device)
+            for buf in (win, plain):
+                buf.copy_(torch.randn(n, device=device))
+            ref = win.float()
+            dist.all_reduce(ref)
+            dist.all_reduce(win)
+            ok = close(win, ref, torch.bfloat16)
+            k, reps = counts(nbytes, args.scale)
+            row = [fmt_size(nbytes)]
+            for buf in (plain, win):
+                for mode, timer in (("eager", time_eager), ("graph", time_graph)):
+                    local = timer(lambda buf=buf: dist.all_reduce(buf), k, reps, device)
+                    everyone = [None] * world
+                    dist.all_gather_object(everyone, local)
+                    row.append(f"{max(everyone):.1f}")
+            lines.append("| " + " | ".join(row + ["yes" if ok else "WRONG"]) + " |")
+            if rank == 0:
+                print(lines[-1], flush=True)
+    except Exception as e:  # noqa: BLE001 - report what this torch / NCCL cannot do, and stop
+        lines.append(f"(stopped: {type(e).__name__}: {e})")
+    if rank == 0:
+        props = torch.cuda.get_device_properties(device)
+        head = [f"## NCCL on symmetric windows: {world}x {props.name}, {datetime.date.today().isoformat()}", "",
+                "Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; "
+                f"torchrun "
+                f"--nproc-per-node {world} benchmarks/comm.py {' '.join(sys.argv[1:])}`  ",
+                f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; "
+                "bf16 all-reduce in place "
+                "(dist.all_reduce), us, slower rank, median of R batches of K calls. window = a buffer from "
+                "torch's symmetric memory with its NCCL backend (ncclCommWindowRegister).", "",
+                "| size | plain eager | plain graph | window eager | window graph | matches |",
+                "|---|---|---|---|---|---|"]
+        text = "\n".join(head + lines + [""])
+        print(text, flush=True)
+        with open(args.results, "a") as f:
+            f.write("\n" + text + "\n")
 
 
 def main():
@@ -356,6 +469,10 @@ def main():
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if args.nccl_window:
+        nccl_window(args, device, world, rank)
+        dist.destroy_process_group()
+        return
     max_bytes = args.max_mib * MIB
     os.environ["TPFRAME_SYMM_BUFFER_MB"] = str(world * args.max_mib + 1)  # push all-reduce: world slots
     comm = Communicator(backend="auto")
@@ -387,6 +504,7 @@ def main():
 
     # thresholds from these numbers, then `auto` timed with them
     new = thresholds_for(results, world)
+    covered = {(op, select.DTYPE_NAMES[DTYPES[d]]): res["sizes"][-1] for (op, d), res in results.items()}
     props = torch.cuda.get_device_properties(device)
     meta = {"device": f"{world}x {props.name}", "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "date": datetime.date.today().isoformat(), "command": " ".join(["benchmarks/comm.py"] + sys.argv[1:])}
@@ -398,7 +516,7 @@ def main():
         pass
     path = Path(args.thresholds)
     if rank == 0:
-        table = merge_thresholds(path, new, world, meta)
+        table = merge_thresholds(path, new, world, meta, covered)
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     device_barrier(device)
     os.environ[select.THRESHOLDS_ENV] = str(path.resolve())

@@ -161,7 +161,7 @@ def test_packaged_thresholds_are_well_formed():
     for world, by_dtype in table.get("all_reduce_algos", {}).get("all_reduce", {}).items():
         for by_mode in by_dtype.values():
             for bounds in by_mode.values():
-                assert bounds[-1][0] is None and all(a in ("one_shot", "push", "two_shot") for _, a in bounds)
+                assert bounds[-1][0] is None and all(a in select.ALL_REDUCE_ALGORITHMS for _, a in bounds)
                 uppers = [u for u, _ in bounds[:-1]]
                 assert uppers == sorted(uppers)
 

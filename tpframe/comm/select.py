@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+ALL_REDUCE_ALGORITHMS = ("lamport", "one_shot", "push", "two_shot")  # the symm all-reduce kernels
 MODES = ("eager", "graph")
 THRESHOLDS_ENV = "TPFRAME_COMM_THRESHOLDS"
 DEFAULT_PATH = Path(__file__).parent / "symm" / "thresholds.json"
@@ -125,7 +126,8 @@ DEFAULT_ALGOS = [[256 * 1024, "one_shot"], [None, "two_shot"]]
 
 
 def all_reduce_algorithm(nbytes: int, dtype, world_size: int, table: dict | None = None) -> str:
-    """The fastest measured symm all-reduce kernel ('one_shot', 'push' or 'two_shot') for this size."""
+    """The fastest measured symm all-reduce kernel ('lamport', 'one_shot', 'push' or 'two_shot') for this size
+    ('lamport' needs the backend's Lamport buffer; without it the backend takes 'push')."""
     name = _check("all_reduce", nbytes, world_size, dtype)
     bounds, scale = _lookup(table, "all_reduce_algos", "all_reduce", world_size, name, True)
     if bounds is None:

@@ -48,6 +48,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8").replace(b"\0", b""), dtype=np.uint8)
 
+    def decode(self, ids) -> str:
+        """UTF-8 text of byte ids (an incomplete or invalid sequence becomes U+FFFD)."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` JSON file; EOT is `eot_token` or the first of EOT_CANDIDATES it knows."""
@@ -83,6 +87,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 # -- reading documents ------------------------------------------------------------------------

@@ -5,6 +5,9 @@
 
 With sequence parallelism x and the output are [s/tp, b, h]: qkv all-gathers the sequence and
 proj reduce-scatters it. The fused qkv weight keeps q, k and v as separate logical tensors.
+Generation passes a `cache` (tpframe.inference.kv_cache): this step's keys and values are appended
+to it and the queries attend over the whole cache under its mask (causal, and correct when the
+query is shorter than the keys).
 """
 
 from __future__ import annotations
@@ -35,10 +38,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.max_seq_len = max_seq_len
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq_len > self.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds the rotary table's max_seq_len {self.max_seq_len}")
-        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+    def forward(self, seq_len: int, dtype: torch.dtype, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions offset..offset+seq_len-1: [s, 1, 1, d] each."""
+        if offset + seq_len > self.max_seq_len:
+            raise ValueError(f"positions up to {offset + seq_len - 1} exceed the rotary table's "
+                             f"max_seq_len {self.max_seq_len}")
+        return self.cos[offset : offset + seq_len].to(dtype), self.sin[offset : offset + seq_len].to(dtype)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence at its own positions: positions [b, s] -> [s, b, 1, d] each (no bounds check:
+        a device tensor, e.g. inside a CUDA graph; the caller keeps positions < max_seq_len)."""
+        idx = positions.t()
+        return self.cos.flatten(1)[idx].unsqueeze(2).to(dtype), self.sin.flatten(1)[idx].unsqueeze(2).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,8 +62,9 @@ def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused
     """qkv [s, b, (nq + 2 nkv) d] -> SDPA's q [b, nq, s, d], k, v [b, nkv, s, d], rotary applied to q and k.
 
     On CUDA (outside compile tracing) one Triton kernel does the split, the rotation and the layout change
-    (tpframe/kernels/rotary.py); elsewhere, or with `fused=False`, plain torch ops compute the same."""
-    if fused and rotary is not None and use_triton(qkv):
+    (tpframe/kernels/rotary.py); elsewhere, or with `fused=False`, plain torch ops compute the same. The kernel
+    takes tables shared by the batch ([s, 1, 1, d]); per-row tables (generation, [s, b, 1, d]) take the torch ops."""
+    if fused and rotary is not None and rotary[0].shape[1] == 1 and use_triton(qkv):
         return qkv_rotary(qkv, *rotary, nq, nkv, d)
     s, b = qkv.shape[:2]
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -99,7 +111,9 @@ class ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]. `cache`: one layer's view of a KV cache (`append(k, v)` -> every
+        slot's keys and values [b, nkv/tp, L, d]; `mask` [b, 1, s, L], True where a query may look)."""
         qkv = self.qkv(x)  # [s, b, (nq + 2 nkv)/tp * d]
         s, b = qkv.shape[:2]
         d = self.head_dim
@@ -107,7 +121,10 @@ class ParallelAttention(nn.Module):
         q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary)
         dropout = self.attention_dropout if self.training else 0.0
         gqa = self.kv_local != self.heads_local
-        if dropout > 0 and self.rng_tracker is not None:
+        if cache is not None:  # generation: attend over every cached slot the mask allows
+            k, v = cache.append(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+        elif dropout > 0 and self.rng_tracker is not None:
             with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
         else:

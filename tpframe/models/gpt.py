@@ -70,8 +70,8 @@ class TransformerBlock(nn.Module):
         self.attn.fused_rotary = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x), rotary))
+    def forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), rotary, cache))
         return x + self.dropout(self.mlp(self.norm2(x)))
 
 
@@ -134,11 +134,14 @@ class GPT(nn.Module):
             enable_async_tp(self)
 
     # -- forward --------------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] ids -> [s, b, h] (or this rank's [s/tp, b, h] under SP)."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, s] ids -> [s, b, h] (or this rank's [s/tp, b, h] under SP). `positions` [b, s]: each
+        token's position (generation); default 0..s-1."""
         ids = input_ids.t()
         x = self.embedding(ids)
-        if self.position is not None:
+        if self.position is not None and positions is not None:
+            x = x + self.position[positions.t()]  # [s, b, h]
+        elif self.position is not None:
             s, tp = ids.shape[0], self.comm.size
             if self.sequence_parallel:
                 positions = self.position[self.comm.rank * (s // tp) : (self.comm.rank + 1) * (s // tp)]
@@ -154,25 +157,37 @@ class GPT(nn.Module):
             return self.head(x)
         return column_parallel_linear(x, self.embedding.weight, None, self.comm, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None) -> torch.Tensor:
         """First stage: `x` is input_ids [b, s]; later stages: hidden states [s(/tp), b, h].
 
         Returns hidden states [s(/tp), b, h] on a stage that is not the last; on the last, the
         per-token loss [b, s] in fp32 when `labels` is given, else local logits [b, s, V/tp].
+        Generation passes a KV cache (tpframe.inference.kv_cache.KVCache, its `begin` already called
+        for these tokens): tokens sit at the cache's positions, attention appends to and reads the
+        cache, and the result is the local logits of the last position only, [b, V/tp].
         """
+        positions = cache.positions if cache is not None else None
         if self.stage.first:
             if x.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-            x = self.embed(x)
-        s = x.shape[0] * (self.comm.size if self.sequence_parallel else 1)
-        rotary = self.rotary(s, x.dtype) if self.rotary is not None else None
-        for block in self.blocks.values():
-            if self.activation_checkpointing and self.training:
+            x = self.embed(x, positions)
+        if self.rotary is None:
+            rotary = None
+        elif positions is not None:
+            rotary = self.rotary.at(positions, x.dtype)
+        else:
+            rotary = self.rotary(x.shape[0] * (self.comm.size if self.sequence_parallel else 1), x.dtype)
+        for i, block in self.blocks.items():
+            if cache is not None:
+                x = block(x, rotary, cache.layer(i))
+            elif self.activation_checkpointing and self.training:
                 x = recompute(block, x, rotary)
             else:
                 x = block(x, rotary)
         if not self.stage.last:
             return x
+        if cache is not None:
+            return self.logits(x[-1:])[0]  # [b, V/tp]
         if labels is not None and self.fused_head_loss:  # head + loss without the fp32 logits
             weight = self.head.weight if self.head is not None else self.embedding.weight
             return vocab_parallel_head_cross_entropy(

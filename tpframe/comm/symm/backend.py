@@ -3,7 +3,9 @@
 Set-up (collective over the group, all ranks agree or all raise): the group must be one host with
 peer-to-peer access between its GPUs and 2, 4 or 8 ranks; a buffer from
 `torch.distributed._symmetric_memory` is rendezvoused and every rank's buffer and signal pad
-address is put in a device table; a small all-reduce is checked against NCCL before use.
+address is put in a device table; a small all-reduce is checked against NCCL before use. A second,
+smaller buffer serves the barrier-free Lamport all-reduce (lamport.py), chosen by `auto` for the sizes
+where it was measured fastest (its own self-test must pass, or it is left out).
 Calls: out-of-place, dim-0 contract of `Communicator`. Inputs are staged into the symmetric buffer
 inside the kernel; a caller that writes its input into `input_buffer(...)` skips that copy.
 All calls on one backend must be ordered on one stream (they share the buffer).
@@ -36,6 +38,7 @@ class SymmBackend:
         self.rank = dist.get_rank(group)
         self.buffer, self.handle, self.kernels = buffer, handle, kernels
         self.nvlink = nvlink  # from NVML; None when it could not tell
+        self.lamport = None  # the barrier-free all-reduce (lamport.py), when set up
         self._algos: dict = {}  # (numel, dtype) -> all-reduce algorithm
         self._callers: dict = {}  # (op, numel, dtype) -> eager fast path
 
@@ -59,6 +62,10 @@ class SymmBackend:
                 raise RuntimeError(f"the group spans hosts {hosts}; symm needs one NVLink node")
             nvlink = _nvlink_verdict(reports)
             backend = cls._rendezvous(group, size, device, buffer_bytes, nvlink)
+            from tpframe.comm.symm.lamport import LamportAllReduce
+
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            backend.lamport = LamportAllReduce.create(group, backend.rank, size, device, sms)
             backend._self_test()
         return backend
 
@@ -99,9 +106,19 @@ class SymmBackend:
         ref = x.float()
         dist.all_reduce(ref, group=self.group)
         ok = bool(torch.allclose(ours.float(), ref, rtol=2e-2, atol=2e-2))
-        verdicts = _gather(self.group, self.size, ok)
-        if not all(verdicts):
-            raise RuntimeError(f"symm self-test disagreed with NCCL on ranks {[r for r, v in enumerate(verdicts) if not v]}")
+        lamport_ok = self.lamport is not None
+        if lamport_ok:
+            lamport_ok = all(bool(torch.allclose(self.lamport.all_reduce(x, torch.empty_like(x)).float(), ref,
+                                                 rtol=2e-2, atol=2e-2)) for _ in range(4))  # four calls: slots rotate
+        verdicts = _gather(self.group, self.size, (ok, lamport_ok))
+        if not all(v[0] for v in verdicts):
+            bad = [r for r, v in enumerate(verdicts) if not v[0]]
+            raise RuntimeError(f"symm self-test disagreed with NCCL on ranks {bad}")
+        if not all(v[1] for v in verdicts):
+            if self.lamport is not None:
+                warnings.warn("the Lamport all-reduce disagreed with NCCL in its self-test; it will not be used",
+                              stacklevel=3)
+            self.lamport = None
 
     # -- the Communicator interface -------------------------------------------------------------
     def supports(self, op: str, x: torch.Tensor) -> bool:
@@ -112,7 +129,10 @@ class SymmBackend:
         if op != "sum":
             raise ValueError(f"symm all_reduce supports op 'sum' only, got {op!r}")
         algo = self._algorithm(x.numel(), x.dtype)
-        return self.kernels.all_reduce(x, torch.empty_like(x, memory_format=torch.contiguous_format), algo)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if algo == "lamport":
+            return self.lamport.all_reduce(x, out)
+        return self.kernels.all_reduce(x, out, algo)
 
     def _algorithm(self, numel: int, dtype: torch.dtype) -> str:
         algo = self._algos.get((numel, dtype))
@@ -136,6 +156,17 @@ class SymmBackend:
         k, size = self.kernels, self.size
         lo, hi = k.own_addr, k.own_addr + k.own_bytes
         contiguous = torch.contiguous_format
+        if op == "all_reduce" and self._algorithm(numel, dtype) == "lamport":
+            plan, lamport = self.lamport.plan(numel, dtype), self.lamport
+
+            def all_reduce_lamport(x):  # reads x wherever it is: no staging, no symmetric-buffer check
+                out = torch.empty_like(x, memory_format=contiguous)
+                if x.data_ptr() & 15 or not x.is_contiguous():
+                    return lamport.all_reduce(x, out)
+                plan(x.data_ptr(), out.data_ptr())
+                return out
+
+            return all_reduce_lamport
         if op == "all_reduce":
             algo = self._algorithm(numel, dtype)
             plan = k.plan(algo, numel, dtype)
@@ -184,7 +215,13 @@ class SymmBackend:
         if len(self._algos) > 4096:
             self._algos.clear()
         self.kernels.warm_up(dtype)
+        if self.lamport is not None:
+            self.lamport.warm_up(dtype)
         algo = select.all_reduce_algorithm(numel * dtype.itemsize, dtype, self.size)
+        if algo == "lamport":
+            if self.lamport is not None and self.lamport.fits(numel, dtype):
+                return algo
+            algo = "push"  # the measured pick for small messages before the Lamport kernel existed
         return algo if self.kernels.fits("all_reduce", numel, dtype, algo) else "two_shot"
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +251,7 @@ class SymmBackend:
         return self.buffer[:nbytes].view(dtype).view(tuple(shape))
 
     def close(self) -> None:
+        self.lamport = None
         self.kernels = None
         self.handle = None
         self.buffer = None

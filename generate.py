@@ -1,0 +1,170 @@
+"""Generate text from a tpframe checkpoint, tensor-parallel.
+
+    torchrun --nproc-per-node N generate.py --checkpoint DIR [--tp N] --prompt "..." [--prompt ...] \
+        [--prompts FILE] [--max-new-tokens 64] [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--json]
+    python generate.py --checkpoint DIR --prompt "..."          # one process, no torchrun needed
+
+DIR is a checkpoint step directory, a checkpoints root with `latest`, or a .safetensors export
+(tools/checkpoint.py export). The checkpoint may have been saved at any TP/PP/DP layout; its weights are
+resharded to this run's TP size (the number of processes). Prints one generated text per prompt, or with
+--json one JSON object per line: prompt, text, token_ids (the generated ids) and tokens_per_s.
+
+The path of a prompt: text.py (tokenizer, prompts) -> loading.py (weights, this rank's shards) ->
+Generator (tpframe/inference/generate.py: prefill, then CUDA-graphed decode steps with the KV cache and
+the vocab-parallel sampler) -> text. Mistakes in the arguments, the checkpoint, the tokenizer or the
+prompts stop here with one line and exit code 2, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from tpframe.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="step directory, checkpoints root (with `latest`) or .safetensors")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default and only choice: the world size)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts", help="a file of prompts: one per line, or .jsonl ('prompt' or 'text' key, or strings)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature, top-k, top-p)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same tokens at any TP size)")
+    p.add_argument("--tokenizer",
+                   help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="capture the decode step in a CUDA graph (GPU only; default on)")
+    p.add_argument("--comm", choices=("auto", "nccl", "symm"), default="auto", help="TP communication backend")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Plan:
+    """Everything checked before any process group: what to load, how to tokenize, what to generate."""
+
+    args: argparse.Namespace
+    source: object  # tpframe.inference.loading.ModelSource
+    tokenizer: object
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    tp: int
+
+
+def check_tp(cfg, tp: int) -> None:
+    from tpframe.models.config import ffn_hidden_size
+
+    kv = cfg.kv_heads or cfg.heads
+    for key, value in (("model.heads", cfg.heads), ("model.kv_heads", kv), ("the FFN size", ffn_hidden_size(cfg))):
+        if value % tp:
+            raise ConfigError(f"tensor-parallel size {tp} does not divide {key} = {value}; run with fewer processes")
+
+
+def prepare(argv: list[str] | None) -> Plan:
+    from tpframe.inference.loading import open_source
+    from tpframe.inference.text import encode_prompts, read_prompts, resolve_tokenizer
+
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = args.tp if args.tp is not None else world
+    if tp != world:
+        raise ConfigError(f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "
+                          f"launch with torchrun --nproc-per-node {tp}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    try:
+        sampling(args).validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    source = open_source(args.checkpoint)
+    if source.model.name != "gpt":
+        raise ConfigError(f"the checkpoint's model.name is {source.model.name!r}; "
+                          "generate.py runs the built-in GPT only")
+    check_tp(source.model, tp)
+    tok = resolve_tokenizer(source, args.tokenizer)
+    prompts = read_prompts(args.prompt, args.prompts)
+    ids = encode_prompts(tok, prompts, context=source.model.max_seq_len, max_new_tokens=args.max_new_tokens)
+    return Plan(args, source, tok, prompts, ids, tp)
+
+
+def sampling(args):
+    from tpframe.inference.sampling import SamplingConfig
+
+    return SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def run(plan: Plan) -> list[dict]:
+    """Build the TP group and the model, load this rank's shards, generate; returns one record per prompt."""
+    from tpframe.inference import Generator
+    from tpframe.inference.loading import load_weights, read_weights
+    from tpframe.models import BuildContext
+    from tpframe.models.gpt import GPT
+    from tpframe.parallel import destroy_parallel, initialize_parallel
+
+    args, cfg = plan.args, plan.source.model
+    tensors = read_weights(plan.source)  # every rank reads the full tensors (CPU), no process group needed
+    state = initialize_parallel(tp=plan.tp, comm_backend=args.comm)
+    try:
+        cuda = state.device.type == "cuda"
+        dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
+        model = GPT(cfg, BuildContext(state.tp_comm, dtype=dtype, device=state.device)).eval()
+        load_weights(model, tensors, state.tp_rank, state.tp)
+        del tensors
+        gen = Generator(model, state.tp_comm, sampling=sampling(args),
+                        vocab_size=min(cfg.vocab_size, plan.tokenizer.vocab_size),
+                        eos_id=None if args.ignore_eos else int(plan.tokenizer.eot_id), seed=args.seed,
+                        cuda_graph=args.cuda_graph)
+        out = gen.generate(plan.prompt_ids, args.max_new_tokens)
+        seconds = out.prefill_s + out.decode_s
+        return [{"prompt": prompt, "text": plan.tokenizer.decode(ids), "token_ids": ids,
+                 "tokens_per_s": round(len(ids) / seconds, 2) if seconds > 0 else None}
+                for prompt, ids in zip(plan.prompts, out.tokens)]
+    finally:
+        destroy_parallel()
+
+
+def _single_process_env() -> None:
+    """Let `python generate.py` run without torchrun: a world of one process (as train.py does)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        plan = prepare(argv)
+        _single_process_env()
+        records = run(plan)
+    except ConfigError as e:
+        if rank0:
+            print(f"tpframe: error: {e}", file=sys.stderr)
+        return 2
+    if rank0:
+        for r in records:
+            print(json.dumps(r, ensure_ascii=False) if plan.args.json else r["text"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Generation on CPU (gloo): TP=2 equals TP=1 from one checkpoint, the KV cache equals recomputing the
+whole sequence, seeded sampling repeats, a mixed-length batch equals its prompts one at a time, and bad
+input to generate.py is one clear line with exit code 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import REPO, train_in_process
+
+# A small model with every decode-relevant option on: rotary positions, GQA, SwiGLU, RMSNorm, untied head.
+ARCH = ["model.position=rotary", "model.kv_heads=2", "model.activation=swiglu", "model.norm=rmsnorm",
+        "model.tie_embeddings=false", "model.bias=false"]
+PROMPTS = ["1 2 3 ", "The cat", "a", "x = 17 + "]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny model trained for 20 steps at TP=2, its checkpoint root and a safetensors export."""
+    from tpframe.checkpoint.export import export_consolidated
+
+    run = tmp_path_factory.mktemp("gen")
+    run_distributed(train_in_process, 2, [*ARCH, "parallel.tp=2", "train.steps=20", "checkpoint.save_at_end=true",
+                                          f"train.run_dir={run}"])
+    export_consolidated(run / "checkpoints" / "step_00000020", run / "model.safetensors")
+    return run
+
+
+def _generate_at_tp1_and_tp2(root: str, exported: str):
+    """generate.py's own prepare + run, at TP=2 and (on each rank's own group of one) at TP=1."""
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    def both(argv):
+        plan = cli.prepare(argv)
+        return cli.run(dataclasses.replace(plan, tp=1)), cli.run(plan)
+
+    prompt_args = [a for p in PROMPTS for a in ("--prompt", p)]
+    greedy = both(["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--greedy", "--ignore-eos"])
+    from_export = cli.run(cli.prepare(["--checkpoint", exported, *prompt_args, "--max-new-tokens", "12", "--greedy",
+                                       "--ignore-eos"]))
+    sample = ["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40",
+              "--top-p", "0.95", "--ignore-eos"]
+    seeded = both([*sample, "--seed", "3"])
+    again = cli.run(cli.prepare([*sample, "--seed", "3"]))
+    other = cli.run(cli.prepare([*sample, "--seed", "4"]))
+    top_p_only = both(["--checkpoint", root, *prompt_args, "--max-new-tokens", "8", "--top-p", "0.8", "--seed", "5",
+                       "--ignore-eos"])
+    return greedy, from_export, seeded, again, other, top_p_only
+
+
+def test_tp2_generates_the_tokens_of_tp1_and_seeded_sampling_repeats(checkpoint):
+    ids = lambda records: [r["token_ids"] for r in records]  # noqa: E731
+    results = run_distributed(_generate_at_tp1_and_tp2, 2, str(checkpoint / "checkpoints"),
+                              str(checkpoint / "model.safetensors"), timeout=120)
+    assert ids(results[0][0][0]) == ids(results[1][0][0]), "TP=1 ranks must agree"
+    (tp1, tp2), from_export, (s_tp1, s_tp2), again, other, (p_tp1, p_tp2) = results[0]
+    assert all(len(r["token_ids"]) == 12 for r in tp2)
+    assert ids(tp2) == ids(tp1), "greedy at TP=2 must give exactly TP=1's tokens"
+    assert ids(from_export) == ids(tp2), "a safetensors export must generate what its checkpoint does"
+    assert ids(again) == ids(s_tp2), "the same seed must sample the same tokens"
+    assert ids(s_tp1) == ids(s_tp2), "the sampling noise does not depend on the TP size"
+    assert ids(other) != ids(s_tp2), "another seed should sample differently"
+    assert ids(p_tp1) == ids(p_tp2), "top-p alone (gathered vocabulary) at TP=2 equals TP=1"
+    assert [r["text"] for r in tp2] == [bytes(r["token_ids"]).decode("utf-8", "replace") for r in tp2]
+
+
+def _cache_and_batch_checks(arch: dict):
+    """Per step of a mixed-length batch: cached logits vs recomputing each row's whole sequence; and the
+    batch's greedy tokens vs each prompt alone."""
+    from tpframe.inference import Generator, KVCache, SamplingConfig
+    from tpframe.models import BuildContext
+    from tpframe.models.config import ModelConfig
+    from tpframe.models.gpt import GPT
+    from tpframe.parallel import initialize_parallel
+
+    state = initialize_parallel(tp=2)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, hidden=64, layers=2, heads=4, max_seq_len=48, init_std=0.2, **arch)
+    model = GPT(cfg, BuildContext(state.tp_comm, seed=11)).eval()
+    prompts = [[5, 9, 200, 3, 77, 12, 1], [44], [7, 7, 8, 250]]
+    attn = model.blocks["0"].attn
+    cache = KVCache(model.blocks.keys(), batch=3, kv_heads=attn.kv_local, head_dim=attn.head_dim, max_len=32,
+                    dtype=torch.float32, device="cpu")
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    cache.reset(torch.tensor([longest - len(p) for p in prompts]))
+    seqs = [list(p) for p in prompts]
+    worst = 0.0
+    with torch.no_grad():
+        step_input = ids
+        for step in range(6):
+            cache.begin(step_input.shape[1])
+            cached = model(step_input, cache=cache)  # [b, V/tp]
+            cache.advance(step_input.shape[1])
+            for row, seq in enumerate(seqs):
+                full = model(torch.tensor([seq]))[0, -1]  # recompute the row's whole sequence, no padding
+                worst = max(worst, (cached[row] - full).abs().max().item())
+            nxt = [int(t) for t in torch.randint(0, 256, (3,))]  # any next tokens (the same on both ranks)
+            for seq, t in zip(seqs, nxt):
+                seq.append(t)
+            step_input = torch.tensor(nxt).view(3, 1)
+        gen = Generator(model, state.tp_comm, sampling=SamplingConfig(greedy=True), vocab_size=256)
+        batch = gen.generate(prompts, max_new_tokens=10).tokens
+        alone = [gen.generate([p], max_new_tokens=10).tokens[0] for p in prompts]
+    return worst, batch, alone
+
+
+@pytest.mark.parametrize("arch", [{}, {"position": "rotary", "kv_heads": 2, "activation": "swiglu", "norm": "rmsnorm",
+                                       "tie_embeddings": False}], ids=["learned-mha", "rotary-gqa"])
+def test_kv_cache_equals_recompute_and_mixed_batch_equals_one_at_a_time(arch):
+    for worst, batch, alone in run_distributed(_cache_and_batch_checks, 2, arch, timeout=120):
+        assert worst < 1e-5, f"cached logits differ from the full recompute by {worst}"
+        assert batch == alone, "a prompt's tokens must not depend on the other prompts in its batch"
+        assert all(len(t) == 10 for t in batch)
+
+
+def _cli(argv, capsys):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, capsys):
+    root = str(checkpoint / "checkpoints")
+    cases = {
+        "does not exist": ["--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"],
+        "model's context is 32": ["--checkpoint", root, "--prompt", "y" * 40],
+        "use --max-new-tokens 22 or less": ["--checkpoint", root, "--prompt", "0123456789", "--max-new-tokens", "30"],
+        "--top-p must be in (0, 1]": ["--checkpoint", root, "--prompt", "hi", "--top-p", "1.5"],
+        "--tp 4 but 1 process": ["--checkpoint", root, "--prompt", "hi", "--tp", "4"],
+        "no prompts": ["--checkpoint", root],
+        "--prompts": ["--checkpoint", root, "--prompts", str(tmp_path / "missing.txt")],
+        "not a .safetensors export": ["--checkpoint", str(checkpoint / "checkpoints" / "latest"), "--prompt", "hi"],
+    }
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "<|endoftext|>": 1, "hello": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    cases["vocabulary of 3 but data.source=synthetic is byte-level"] = ["--checkpoint", root, "--prompt", "hello",
+                                                                        "--tokenizer", str(tmp_path / "tok.json")]
+    for needle, argv in cases.items():
+        code, err = _cli(argv, capsys)
+        assert code == 2, (needle, code, err)
+        assert needle in err and len(err.splitlines()) == 1, (needle, err)
+    # and through a real process
+    out = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "does not exist" in out.stderr
+
+
+def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1 2 3 "}\n"The cat"\n\n{"text": ""}\n')
+    out = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(checkpoint / "checkpoints"), "--prompts",
+                          str(prompts), "--prompt", "a", "--max-new-tokens", "5", "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["a", "1 2 3 ", "The cat", ""]
+    for r in records:
+        assert set(r) == {"prompt", "text", "token_ids", "tokens_per_s"} and len(r["token_ids"]) <= 5
+        assert 0 not in r["token_ids"] and r["tokens_per_s"] >= 0  # stops before the end-of-text byte
+
+
+def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    from tpframe.data.tokenizer import HFTokenizer, write_token_file
+    from tpframe.errors import ConfigError
+    from tpframe.inference.loading import ModelSource
+    from tpframe.inference.text import resolve_tokenizer
+    from tpframe.models.config import ModelConfig
+
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, "hello": 2, "world": 3}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "a.txt").write_text("hello world hello")
+    write_token_file([tmp_path / "a.txt"], tmp_path / "d.bin", tokenizer=tmp_path / "tok.json")
+    source = ModelSource(tmp_path, "checkpoint", ModelConfig(vocab_size=8),
+                         data={"source": "tokens", "path": str(tmp_path / "d.bin")})
+    found = resolve_tokenizer(source)
+    assert isinstance(found, HFTokenizer) and found.eot_id == 1
+    assert found.decode(found.encode("hello world")) == "hello world"
+    with pytest.raises(ConfigError, match="vocabulary of 4 but the model only 2"):
+        resolve_tokenizer(dataclasses.replace(source, model=ModelConfig(vocab_size=2)))
+    (tmp_path / "d.bin.json").unlink()
+    with pytest.raises(ConfigError, match="pass --tokenizer"):
+        resolve_tokenizer(source)
+    assert isinstance(resolve_tokenizer(source, str(tmp_path / "tok.json")), HFTokenizer)

@@ -1,0 +1,116 @@
+"""Where generation's weights come from: a training checkpoint (any TP/PP/DP layout) or a consolidated
+safetensors export, read in full and cut into this rank's shards for the TP size of the run.
+
+    source = open_source("runs/x/checkpoints")     # filesystem only, before any process group
+    tensors = read_weights(source)                 # {logical name: full tensor} on the CPU
+    load_weights(model, tensors, tp_rank, tp)      # this rank's piece of each into the model
+
+Logical names are those of tpframe.parallel.sharding (fused q/k/v and gate/up split, vocabulary tables
+without padding rows), which do not depend on the layout the checkpoint was written at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tpframe.errors import ConfigError
+from tpframe.models.config import ModelConfig
+from tpframe.parallel.sharding import param_shards
+
+
+@dataclass
+class ModelSource:
+    path: Path  # a checkpoint step directory, or a .safetensors file
+    kind: str  # "checkpoint" or "safetensors"
+    model: ModelConfig
+    data: dict | None = None  # the run's data config (checkpoints only): how its tokens were made
+    step: int | None = None
+
+
+def model_config_from(d: dict, where: str) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{where}: model settings {unknown} are unknown to this tpframe; "
+                          "generate with the tpframe version that wrote it")
+    return ModelConfig(**d)
+
+
+def open_source(path: str | Path) -> ModelSource:
+    """Find and check the weights at `path` (a step directory, a checkpoints root with `latest`, or a
+    .safetensors export); ConfigError when they cannot be used."""
+    from tpframe.checkpoint import resolve, verify
+
+    p = Path(path)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ConfigError(f"--checkpoint {str(p)!r} is a file but not a .safetensors export; pass a checkpoint "
+                              "directory or a file written by `tools/checkpoint.py export`")
+        header = _safetensors_header(p)
+        if "model_config" not in header:
+            raise ConfigError(f"--checkpoint {str(p)!r} has no model_config in its header: not a tpframe export "
+                              "(make one with `python tools/checkpoint.py export DIR --out FILE`)")
+        cfg = model_config_from(json.loads(header["model_config"]), str(p))
+        return ModelSource(p, "safetensors", cfg, step=int(header["step"]) if "step" in header else None)
+    step_dir = resolve(p)  # CheckpointError (a ConfigError) when it does not exist or names nothing
+    meta = verify(step_dir, "crc")
+    cfg = model_config_from(meta["config"]["model"], str(step_dir / "meta.json"))
+    return ModelSource(step_dir, "checkpoint", cfg, data=meta["config"].get("data"), step=meta.get("step"))
+
+
+def _safetensors_header(path: Path) -> dict:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ConfigError("reading a .safetensors export needs the safetensors package: "
+                          "pip install safetensors") from None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - the Rust side raises its own types
+        raise ConfigError(f"--checkpoint {str(path)!r} is not a readable safetensors file ({e})") from None
+
+
+def read_weights(source: ModelSource) -> dict[str, torch.Tensor]:
+    """Every model tensor in full, on the CPU, by logical name (vocabulary padding removed)."""
+    if source.kind == "safetensors":
+        import safetensors.torch
+
+        return safetensors.torch.load_file(str(source.path))
+    from tpframe.checkpoint.export import read_model_tensors
+
+    with warnings.catch_warnings():  # DCP notes that it reads without a process group: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        return read_model_tensors(source.path)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], tp_rank: int, tp: int) -> None:
+    """Copy this rank's shard of every logical tensor into `model` (built for TP size `tp`). Vocabulary
+    padding rows keep their zeros. ConfigError when a tensor is missing, extra or of another shape."""
+    expected = set()
+    for name, param in model.named_parameters():
+        for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
+            expected.add(shard.name)
+            full = tensors.get(shard.name)
+            if full is None:
+                raise ConfigError(f"the weights have no tensor {shard.name!r}; "
+                                  "were they written by this model architecture?")
+            if tuple(full.shape) != shard.global_shape:
+                raise ConfigError(f"weight {shard.name} has shape {tuple(full.shape)}, "
+                                  f"this model needs {shard.global_shape}")
+            target = shard.view(param)
+            if shard.tp_dim is not None:
+                full = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])
+            target.copy_(full)
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        more = " ..." if len(extra) > 5 else ""
+        raise ConfigError(f"the weights hold tensors this model does not have: {extra[:5]}{more}")

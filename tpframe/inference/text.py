@@ -1,0 +1,112 @@
+"""Text in and out of generation: the tokenizer a checkpoint's data was made with, and the prompts.
+
+The tokenizer follows the run's data config: `synthetic` and `stdlib` are byte-level; `tokens` names a
+token file whose sidecar records its tokenizer (byte-level, or a Hugging Face `tokenizers` JSON file with
+its sha256). `--tokenizer FILE` overrides it; a tokenizer whose vocabulary differs from the one the data
+was made with, or exceeds the model's, is refused. A safetensors export records no data: byte-level when
+the model's vocabulary is 256, else `--tokenizer` is required.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tpframe.data.tokenizer import ByteTokenizer, HFTokenizer, read_sidecar
+from tpframe.errors import ConfigError
+from tpframe.inference.loading import ModelSource
+
+BYTE_SOURCES = ("synthetic", "stdlib")
+
+
+def resolve_tokenizer(source: ModelSource, override: str | None = None):
+    """The tokenizer to encode prompts and decode generations with (ByteTokenizer or HFTokenizer)."""
+    vocab = source.model.vocab_size
+    recorded, expected, why = None, None, ""
+    data = source.data
+    if data is not None and data.get("source") in BYTE_SOURCES:
+        recorded, expected = {"kind": "bytes"}, ByteTokenizer.vocab_size
+        why = f"data.source={data['source']} is byte-level"
+    elif data is not None and data.get("source") == "tokens":
+        try:
+            side = read_sidecar(data.get("path") or "", key="the checkpoint's data.path")
+            recorded, expected = side["tokenizer"], side["vocab_size"]
+            why = f"the checkpoint's data {data.get('path')!r} was made with a tokenizer of vocabulary {expected}"
+        except ValueError as e:
+            if override is None:
+                raise ConfigError(f"{e}; or pass --tokenizer FILE (the tokenizer the data was prepared with)") from None
+    try:
+        if override is not None:
+            tok = HFTokenizer(override)
+        elif recorded is None:
+            if vocab != ByteTokenizer.vocab_size:
+                raise ConfigError(f"{str(source.path)!r} records no tokenizer and its vocabulary is {vocab}, not "
+                                  "byte-level (256); pass --tokenizer FILE")
+            tok = ByteTokenizer()
+        elif recorded.get("kind") == "bytes":
+            tok = ByteTokenizer()
+        else:
+            tok = HFTokenizer(recorded["file"], recorded.get("eot_token"))
+            digest = hashlib.sha256(Path(recorded["file"]).read_bytes()).hexdigest()
+            if recorded.get("sha256") and digest != recorded["sha256"]:
+                raise ConfigError(f"tokenizer {recorded['file']!r} changed since the data was prepared (sha256 differs); "
+                                  "pass --tokenizer with the original file")
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if expected is not None and tok.vocab_size != expected:
+        raise ConfigError(f"the tokenizer has a vocabulary of {tok.vocab_size} but {why}; pass the tokenizer "
+                          "the data was prepared with (or leave --tokenizer out)")
+    if tok.vocab_size > vocab:
+        raise ConfigError(f"the tokenizer has a vocabulary of {tok.vocab_size} but the model only {vocab} "
+                          "(model.vocab_size); pass the tokenizer the model was trained with")
+    return tok
+
+
+def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
+    """--prompt values, then those of --prompts FILE: one per line, or JSONL (`.jsonl`: per line an object
+    with a "prompt" or "text" key, or a JSON string). Blank lines are skipped."""
+    out = list(prompts or [])
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts {file!r} does not exist")
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            out.append(_jsonl_prompt(line, f"{file}:{lineno}") if path.suffix == ".jsonl" else line)
+    if not out:
+        raise ConfigError("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE")
+    return out
+
+
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be a JSON object or string") from None
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, dict):
+        for key in ("prompt", "text"):
+            if isinstance(obj.get(key), str):
+                return obj[key]
+    raise ConfigError(f"{where}: expected a JSON string or an object with a string 'prompt' (or 'text') key")
+
+
+def encode_prompts(tok, prompts: list[str], *, context: int, max_new_tokens: int) -> list[list[int]]:
+    """Token ids of each prompt (an empty prompt starts a document: the end-of-text id), checked to fit
+    the model's context together with the tokens to generate."""
+    out = []
+    for i, text in enumerate(prompts):
+        ids = [int(t) for t in tok.encode(text)] or [int(tok.eot_id)]
+        if len(ids) >= context:
+            raise ConfigError(f"prompt {i + 1} is {len(ids)} tokens but the model's context is {context} "
+                              "(model.max_seq_len); shorten it")
+        if len(ids) + max_new_tokens > context:
+            raise ConfigError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                              f"model's context of {context} tokens; use --max-new-tokens {context - len(ids)} or less")
+        out.append(ids)
+    return out
