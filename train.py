@@ -72,7 +72,7 @@ def prepare(argv: list[str] | None):
 def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
-    from tpframe.checkpoint.export import load_consolidated
+    from tpframe.checkpoint.init_from import load_init_from
     from tpframe.models import BuildContext, build_model
     from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
@@ -93,8 +93,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             device=state.device, seed=cfg.train.seed,
         )
         model = build_model(cfg.model, ctx)
+        initialized = None
         if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
-            load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp)
+            initialized = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp)
         num_params = logical_numel(model, state.tp)
         vocab_tensors = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
         strategy = build_strategy(
@@ -116,8 +117,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if checkpointer.loaded_from is not None:
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}")
-        elif cfg.checkpoint.init_from:
-            logger.info(f"initialized the weights from {cfg.checkpoint.init_from}")
+        elif initialized:
+            logger.info(f"initialized the weights from {initialized}")
         try:
             trainer.train(checkpointer)
             checkpointer.finish(trainer.step, trainer.stop_requested)
