@@ -1,10 +1,10 @@
 """tpframe's entry point.
 
     torchrun --nproc-per-node N train.py --config configs/X.yaml [section.key=value ...]
-    python train.py --config configs/tiny_cpu.yaml          # one process, no torchrun needed
+    python train.py --config configs/tiny_cpu.yaml parallel.tp=1     # one process, no torchrun needed
 
 The path of a token, top to bottom:
-    build_data (tpframe/training/data.py) -> Trainer.train_step (tpframe/training/trainer.py)
+    build_data (tpframe/data/loader.py) -> Trainer.train_step (tpframe/training/trainer.py)
     -> model(input_ids, labels) (tpframe/models/gpt.py: embedding -> blocks -> head)
     -> vocab_parallel_cross_entropy (tpframe/layers/cross_entropy.py) -> per-token loss.
 
@@ -26,7 +26,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tpframe.training.config_help import help_table
+
+    parser = argparse.ArgumentParser(description=__doc__, epilog=help_table(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
     return parser.parse_args(argv)
@@ -79,7 +82,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     from tpframe.parallel.rng import RNGState
     from tpframe.parallel.schedules import get_forward_backward
     from tpframe.parallel.sharding import logical_numel
-    from tpframe.training.logger import MetricsLogger, peak_tflops
+    from tpframe.training.flops import peak_tflops
+    from tpframe.training.logger import MetricsLogger
     from tpframe.training.trainer import Trainer
 
     p = cfg.parallel
@@ -116,18 +120,24 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         )
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if checkpointer.loaded_from is not None:
-            logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}")
+            ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
+            logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
         elif initialized:
             logger.info(f"initialized the weights from {initialized}")
+        if trainer.step >= cfg.train.steps:  # e.g. a finished run launched again
+            logger.info(f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
+                        "nothing to train; raise train.steps to continue it, or use another train.run_dir"
+                        if trainer.step else "train.steps=0: nothing to train")
         try:
             trainer.train(checkpointer)
             checkpointer.finish(trainer.step, trainer.stop_requested)
-            last = trainer.history[-1] if trainer.history else {}
-            logger.info(
-                f"done at step {trainer.step}: loss {last.get('loss', float('nan')):.4f}"
-                + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
-                + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
-            )
+            if trainer.history:
+                last = trainer.history[-1]
+                logger.info(
+                    f"done at step {trainer.step}: loss {last['loss']:.4f}"
+                    + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
+                    + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
+                )
         finally:
             logger.close()
         trainer.checkpointer = checkpointer
