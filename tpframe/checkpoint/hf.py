@@ -365,8 +365,7 @@ def check_hf_dir(m: ModelConfig, path: str | Path) -> None:
     where = f"checkpoint.init_from={str(path)!r}: its {CONFIG}"
     config = read_config(path)
     check_model_matches(m, config, where)
-    hf_architecture(m)  # the model section now describes the HF model; this cannot refuse, but keeps one path
-    HFWeights(path, m).check()
+    HFWeights(path, m).check()  # the model section describes the HF model: now its tensors and shapes
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -386,8 +385,8 @@ def to_hf(tensors: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
     return out
 
 
-def _tokenizer_of(config: dict[str, Any], warn: Callable[[str], None]) -> dict | None:
-    """The HF tokenizer a run's token file was made with (its sidecar's record), if any and still on disk."""
+def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None]) -> dict | None:
+    """The HF tokenizer a run's token file was made with (its sidecar's record), if any and unchanged on disk."""
     data = config.get("data", {})
     if data.get("source") != "tokens" or not data.get("path"):
         return None
@@ -395,14 +394,23 @@ def _tokenizer_of(config: dict[str, Any], warn: Callable[[str], None]) -> dict |
     if not sidecar.is_file():
         warn(f"no tokenizer files: the token file's sidecar {sidecar} is gone")
         return None
-    info = json.loads(sidecar.read_text()).get("tokenizer", {})
+    meta = json.loads(sidecar.read_text())
+    info = meta.get("tokenizer", {})
     if info.get("kind") != "huggingface":
         return None
     file = Path(info["file"])
     if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != info.get("sha256"):
         warn(f"no tokenizer files: {file}, recorded in {sidecar}, is missing or has changed since the data was made")
         return None
-    return {"file": file, "eot_token": info.get("eot_token"), "eot_id": json.loads(sidecar.read_text()).get("eot_id")}
+    return {"file": file, "eot_token": info.get("eot_token"), "eot_id": meta.get("eot_id")}
+
+
+def write_tokenizer(out_dir: Path, record: dict, model_max_length: int) -> None:
+    """tokenizer.json + tokenizer_config.json: what AutoTokenizer.from_pretrained(out_dir) reads."""
+    shutil.copyfile(record["file"], out_dir / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+              "eos_token": record["eot_token"], "bos_token": record["eot_token"]}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print) -> dict[str, Any]:
@@ -418,7 +426,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     meta = json.loads((checkpoint / "meta.json").read_text())
     m = from_dict({"model": meta["config"]["model"]}).model
     arch = hf_architecture(m)  # refuse before reading or writing anything
-    tokenizer = _tokenizer_of(meta["config"], warn)
+    tokenizer = tokenizer_record(meta["config"], warn)
     tensors = to_hf(read_model_tensors(checkpoint), m)
     dtype = next(iter(tensors.values())).dtype
     config = hf_config(m, dtype=dtype, eos_token_id=tokenizer["eot_id"] if tokenizer else None)
@@ -426,9 +434,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     (out_dir / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     safetensors_module().save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
     if tokenizer:
-        shutil.copyfile(tokenizer["file"], out_dir / "tokenizer.json")
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": m.max_seq_len,
-                      "eos_token": tokenizer["eot_token"], "bos_token": tokenizer["eot_token"]}
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        write_tokenizer(out_dir, tokenizer, m.max_seq_len)
     return {"architecture": arch, "tensors": len(tensors), "params": sum(t.numel() for t in tensors.values()),
             "dtype": _DTYPES[dtype], "step": meta["step"], "tokenizer": str(tokenizer["file"]) if tokenizer else None}
