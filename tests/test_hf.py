@@ -9,8 +9,8 @@ import importlib.util
 import io
 import json
 import os
-import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,17 +131,19 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
             assert f"initialized the weights from Hugging Face {name} model {directory}" in got[f"console_{name}"]
     assert not (tmp_path / "llama" / "hf" / "tokenizer.json").exists()  # byte-level data: no tokenizer to ship
 
-    # the command as a user runs it: one summary line, no torch warnings, the same files
-    cli = subprocess.run([sys.executable, "tools/checkpoint.py", "export", str(tmp_path / "llama/checkpoints"), "--format",
-                          "hf", "--out", str(tmp_path / "cli")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0 and cli.stderr == "", cli.stderr
-    assert cli.stdout.splitlines() == [f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, float32, "
-                                       f"no tokenizer files (byte-level data)) to {tmp_path / 'cli'}"]
+    # the export command: one summary line, no warnings (README's runner runs it as a user would, too)
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _tool().main(["export", str(tmp_path / "llama/checkpoints"), "--format", "hf", "--out", str(tmp_path / "cli")]) == 0
+    assert [str(w.message) for w in caught] == []
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines() == [f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, "
+                                              f"float32, no tokenizer files (byte-level data)) to {tmp_path / 'cli'}"]
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "llama" / "hf" / name).read_bytes()
 
     # an unmappable model: one line, exit 2, nothing written
-    capsys.readouterr()
     assert _tool().main(["export", str(tmp_path / "unmappable/checkpoints"), "--format", "hf", "--out", str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["tpframe: model.norm=rmsnorm with model.position=learned has no Hugging Face equivalent: GPT-2 is "

@@ -7,11 +7,12 @@ Every ```bash and ```python block in README.md has a marker on the line before i
 A block without a marker fails the test, so a new README section is either covered or deliberately excluded.
 
 The blocks run in order, in one scratch copy of the repository (later blocks use earlier ones' runs), with
-OMP_NUM_THREADS=1 and these rewrites, so that the whole README takes seconds and tests what it says:
+OMP_NUM_THREADS=1 and these rewrites, so that the README takes under a minute and tests what it says:
   - `pip install ...` commands are dropped: the environment under test is the installed one;
   - `python -m pytest ...` commands are dropped: the suite is what runs this test;
-  - every `train.py` training command gets SHORT appended (later overrides win): a couple of steps;
+  - every `train.py` training command gets SHORT appended (later overrides win): one step;
   - the files a user would bring are made first: USER_FILES (text, a JSONL corpus, a `tokenizers` JSON).
+A block passes when it exits 0 and prints no `...Warning` line to stderr (a console people can read).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SHORT = ["train.steps=2", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
+SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
 MARKER = re.compile(r"^<!-- readme-test: (run(?: torchrun=(\d+))?|skip: (.+)) -->$")
 FENCE = re.compile(r"^```(bash|python)\s*$")
 TEXT = "The cat sat on the mat. The dog sat on the log. A bird sang in the tree by the house.\n"
@@ -132,4 +133,6 @@ def test_readme_blocks_run_as_written(tmp_path):
         result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n"
                                         f"{cmd[-1]}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+        warned = [line for line in result.stderr.splitlines() if "Warning" in line]
+        assert not warned, f"README.md:{b.line} ({b.lang}) printed warnings a user would see: {warned[:3]}"
     assert (work / "runs/tiny_cpu/loss.png").is_file() and (work / "hf_model/config.json").is_file()
