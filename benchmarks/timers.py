@@ -33,7 +33,8 @@ def run_mode(mode: str, run_dir: str, steps: int, extra: list[str]) -> list[dict
     config = os.environ.get("CONFIG", str(ROOT / "configs" / "gpt_125m.yaml"))
     tp = os.environ.get("TP", os.environ.get("WORLD_SIZE", "1"))
     args = ["--config", config, f"parallel.tp={tp}", f"train.steps={steps}", "train.eval_interval=0",
-            "logging.interval=10", "logging.progress=false", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
+            "logging.interval=10", "logging.progress=false", "checkpoint.save_at_end=false",
+            "checkpoint.auto_resume=false",
             f"logging.timers={mode}", f"train.run_dir={run_dir}/{mode}", *extra]
     cfg, train_data, valid_data, resume = train.prepare(args)
     train.run(cfg, train_data, valid_data, resume)
@@ -69,15 +70,18 @@ def main() -> None:
     header = (f"phase timers on {device} x{os.environ.get('WORLD_SIZE', '1')}, {steps} steps per mode, median of the "
               f"10-step windows after the first; `none` ran first and last ({rows['none'][0][0]:.2f} / "
               f"{rows['none'][-1][0]:.2f} ms)")
-    lines = [header, "", "| timers | step ms | vs none | phases / step | data | fwd+bwd | grad sync | optim | ckpt (ms) |",
+    lines = [header, "",
+             "| timers | step ms | vs none | phases / step | data | fwd+bwd | grad sync | optim | ckpt (ms) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode in ("none", "auto", "sync"):
         step, coverage, phases = rows[mode][0]
         cells = " | ".join(f"{phases[p]:.2f}" if p in phases else "-" for p in PHASES)
-        lines.append(f"| {mode} | {step:.2f} | {step / base:.3f}x | {'-' if coverage is None else f'{coverage:.1%}'} | {cells} |")
+        cover = "-" if coverage is None else f"{coverage:.1%}"
+        lines.append(f"| {mode} | {step:.2f} | {step / base:.3f}x | {cover} | {cells} |")
     table = "\n".join(lines)
     print(table)
-    command = f"torchrun --nproc-per-node {os.environ.get('WORLD_SIZE', '1')} benchmarks/timers.py {' '.join(extra)}".strip()
+    world = os.environ.get("WORLD_SIZE", "1")
+    command = f"torchrun --nproc-per-node {world} benchmarks/timers.py {' '.join(extra)}".strip()
     with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
         f.write(f"\n- `{command}` (STEPS={steps}), torch {torch.__version__}:\n\n{table}\n")
 

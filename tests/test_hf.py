@@ -67,7 +67,8 @@ def _round_trip(tmp: str):
                       f"train.run_dir={tmp}/unmappable"])
     if rank == 0:
         for arch in ARCHS:
-            assert _tool().main(["export", f"{tmp}/{arch}/checkpoints", "--format", "hf", "--out", f"{tmp}/{arch}/hf"]) == 0
+            argv = ["export", f"{tmp}/{arch}/checkpoints", "--format", "hf", "--out", f"{tmp}/{arch}/hf"]
+            assert _tool().main(argv) == 0
     dist.barrier()
     state = initialize_parallel(tp=1)  # TP=1 (DP=2) models: tpframe's single-device forward
     try:
@@ -97,8 +98,9 @@ def _round_trip(tmp: str):
     for arch, (config, overrides) in ARCHS.items():
         console = io.StringIO()
         with contextlib.redirect_stdout(console):
-            history = train_in_process([*overrides, "parallel.tp=2", "train.steps=1", f"checkpoint.init_from={tmp}/{arch}/hf",
-                                        f"train.run_dir={tmp}/{arch}_imported"], config=config)
+            imported = [*overrides, "parallel.tp=2", "train.steps=1", f"checkpoint.init_from={tmp}/{arch}/hf",
+                        f"train.run_dir={tmp}/{arch}_imported"]
+            history = train_in_process(imported, config=config)
         out["first_loss"][arch], out[f"console_{arch}"] = history[0]["loss"], console.getvalue()
     return out
 
@@ -108,7 +110,8 @@ def _first_batch(config, overrides):
     sys.path.insert(0, REPO)
     import train
 
-    cfg, data, _, _ = train.prepare(["--config", os.path.join(REPO, "configs", config), *TINY, *overrides, "parallel.tp=1"])
+    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides, "parallel.tp=1"]
+    cfg, data, _, _ = train.prepare(argv)
     batches = [data.next() for _ in range(cfg.train.global_batch_size // cfg.train.micro_batch_size)]
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
@@ -135,16 +138,19 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
     capsys.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert _tool().main(["export", str(tmp_path / "llama/checkpoints"), "--format", "hf", "--out", str(tmp_path / "cli")]) == 0
+        argv = ["export", str(tmp_path / "llama/checkpoints"), "--format", "hf", "--out", str(tmp_path / "cli")]
+        assert _tool().main(argv) == 0
     assert [str(w.message) for w in caught] == []
     out, err = capsys.readouterr()
-    assert err == "" and out.splitlines() == [f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, "
-                                              f"float32, no tokenizer files (byte-level data)) to {tmp_path / 'cli'}"]
+    assert err == "" and out.splitlines() == [
+        f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, float32, no tokenizer files "
+        f"(byte-level data)) to {tmp_path / 'cli'}"]
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "llama" / "hf" / name).read_bytes()
 
     # an unmappable model: one line, exit 2, nothing written
-    assert _tool().main(["export", str(tmp_path / "unmappable/checkpoints"), "--format", "hf", "--out", str(tmp_path / "no")]) == 2
+    argv = ["export", str(tmp_path / "unmappable/checkpoints"), "--format", "hf", "--out", str(tmp_path / "no")]
+    assert _tool().main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["tpframe: model.norm=rmsnorm with model.position=learned has no Hugging Face equivalent: GPT-2 is "
                    "layernorm + learned, Llama is rmsnorm + rotary"]
@@ -154,8 +160,8 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
     sys.path.insert(0, REPO)
     import train
 
-    argv = ["--config", os.path.join(REPO, "configs", "llama_hf_cpu.yaml"), *TINY, *ARCHS["llama"][1], "model.hidden=64",
-            "model.ffn_hidden=128", "parallel.tp=1", f"checkpoint.init_from={tmp_path / 'llama/hf'}",
+    argv = ["--config", os.path.join(REPO, "configs", "llama_hf_cpu.yaml"), *TINY, *ARCHS["llama"][1],
+            "model.hidden=64", "model.ffn_hidden=128", "parallel.tp=1", f"checkpoint.init_from={tmp_path / 'llama/hf'}",
             f"train.run_dir={tmp_path / 'mismatch'}"]
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

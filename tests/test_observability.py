@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import sys
 import time
 import typing
@@ -69,7 +68,8 @@ def test_jsonl_phase_times_tensorboard_console_and_relaunch_on_cpu(tmp_path):
     events = [f for f in sorted((tmp_path / "tensorboard").iterdir())]
     acc = EventAccumulator(str(events[0]))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(r["step"], pytest.approx(r["loss"])) for r in train]
+    logged = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"])) for r in train]
     assert "train/fwd_bwd_ms" in acc.Tags()["scalars"]
 
     lines = [line for line in first.splitlines() if line.startswith("step ")]
@@ -162,7 +162,8 @@ def _gpu_run(run_dir: str, timers: str):
     return train_in_process(["parallel.tp=2", "train.steps=30", "logging.interval=10", f"logging.timers={timers}",
                              "model.hidden=1024", "model.layers=8", "model.heads=16", "model.max_seq_len=512",
                              "train.seq_len=512", "train.micro_batch_size=16", "train.global_batch_size=32",
-                             "data.synthetic_tokens=200000", "checkpoint.interval=20", f"train.run_dir={run_dir}/{timers}"])
+                             "data.synthetic_tokens=200000", "checkpoint.interval=20",
+                             f"train.run_dir={run_dir}/{timers}"])
 
 
 @pytest.mark.gpu(count=2)

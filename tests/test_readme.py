@@ -108,7 +108,8 @@ def test_every_readme_block_is_marked():
 def test_train_help_single_process_command_is_in_readme():
     """`train.py --help` shows a one-process command; the README runs the same command."""
     doc = (ROOT / "train.py").read_text().split('"""')[1]
-    command = next(line.split("#")[0].strip() for line in doc.splitlines() if line.strip().startswith("python train.py"))
+    command = next(line.split("#")[0].strip() for line in doc.splitlines()
+                   if line.strip().startswith("python train.py"))
     runs = "".join(b.code for b in readme_blocks(README.read_text()) if b.action == "run")
     assert command in runs, f"train.py's docstring shows {command!r}, which no README run block has"
 
@@ -132,7 +133,8 @@ def test_readme_blocks_run_as_written(tmp_path):
             cmd = [*(launcher if b.nproc else [sys.executable]), str(script)]
         result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n"
-                                        f"{cmd[-1]}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+                                        f"{cmd[-1]}\n--- stdout\n{result.stdout[-3000:]}\n"
+                                        f"--- stderr\n{result.stderr[-3000:]}")
         warned = [line for line in result.stderr.splitlines() if "Warning" in line]
         assert not warned, f"README.md:{b.line} ({b.lang}) printed warnings a user would see: {warned[:3]}"
     assert (work / "runs/tiny_cpu/loss.png").is_file() and (work / "hf_model/config.json").is_file()

@@ -23,6 +23,7 @@ def train_in_process(overrides: list[str], keep_trainer: bool = False, config: s
         sys.path.insert(0, REPO)
     import train
 
-    cfg, train_data, valid_data, resume = train.prepare(["--config", os.path.join(REPO, "configs", config), *TINY, *overrides])
+    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides]
+    cfg, train_data, valid_data, resume = train.prepare(argv)
     trainer = train.run(cfg, train_data, valid_data, resume)
     return trainer if keep_trainer else trainer.history

@@ -64,10 +64,12 @@ def copy_logical_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], 
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
             expected.add(shard.name)
             if shard.name not in tensors:
-                raise ValueError(f"{source}: no tensor {shard.name!r}; was it exported from the same model architecture?")
+                raise ValueError(f"{source}: no tensor {shard.name!r}; was it exported from the same model "
+                                 "architecture?")
             full = tensors[shard.name]
             if tuple(full.shape) != shard.global_shape:
-                raise ValueError(f"{source}: {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}")
+                raise ValueError(f"{source}: {shard.name} has shape {tuple(full.shape)}, this model needs "
+                                 f"{shard.global_shape}")
             target = shard.view(param.detach())
             piece = full
             if shard.tp_dim is not None:

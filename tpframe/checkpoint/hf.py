@@ -134,9 +134,9 @@ def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         b = f"blocks.{i}."
         for leaf in norm_leaves:
             shapes[f"{b}norm1.{leaf}"] = shapes[f"{b}norm2.{leaf}"] = (h,)
-        for name, out_dim, in_dim in (("attn.qkv.q", heads * d, h), ("attn.qkv.k", kv * d, h), ("attn.qkv.v", kv * d, h),
-                                      ("attn.proj", h, heads * d), *((f"mlp.{n}", f, h) for n, f in mlp_in),
-                                      ("mlp.fc2", h, ffn)):
+        linears = (("attn.qkv.q", heads * d, h), ("attn.qkv.k", kv * d, h), ("attn.qkv.v", kv * d, h),
+                   ("attn.proj", h, heads * d), *((f"mlp.{n}", f, h) for n, f in mlp_in), ("mlp.fc2", h, ffn))
+        for name, out_dim, in_dim in linears:
             shapes[f"{b}{name}.weight"] = (out_dim, in_dim)
             if "bias" in leaves:
                 shapes[f"{b}{name}.bias"] = (out_dim,)
@@ -209,7 +209,8 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "layers": config.get("n_layer", 12), "heads": config.get("n_head", 12),
                 "kv_heads": config.get("n_head", 12), "ffn_hidden": config.get("n_inner") or 4 * hidden,
                 "max_seq_len": config.get("n_positions", 1024), "norm": "layernorm",
-                "norm_eps": config.get("layer_norm_epsilon", 1e-5), "position": "learned", "activation": _GPT2_ACT_BACK[act],
+                "norm_eps": config.get("layer_norm_epsilon", 1e-5), "position": "learned",
+                "activation": _GPT2_ACT_BACK[act],
                 "bias": True, "tie_embeddings": config.get("tie_word_embeddings", True)}
     if kind == "llama":
         if config.get("hidden_act", "silu") != "silu":
@@ -232,7 +233,8 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "ffn_hidden": config.get("intermediate_size", 11008), "norm": "rmsnorm",
                 "norm_eps": config.get("rms_norm_eps", 1e-6), "position": "rotary",
                 "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)), "activation": "swiglu",
-                "bias": bool(config.get("attention_bias", False)), "tie_embeddings": config.get("tie_word_embeddings", False)}
+                "bias": bool(config.get("attention_bias", False)),
+                "tie_embeddings": config.get("tie_word_embeddings", False)}
     raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2' and 'llama'")
 
 

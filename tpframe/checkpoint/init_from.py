@@ -41,7 +41,8 @@ def check_init_from(cfg) -> None:
         return
     if path.is_dir():
         raise CheckpointError(f"{key} is a directory without {hf.CONFIG}: give a Hugging Face model directory, a "
-                              "safetensors file from tools/checkpoint.py export, or use checkpoint.load for a checkpoint")
+                              "safetensors file from tools/checkpoint.py export, or resume a checkpoint with "
+                              "checkpoint.load")
     if not path.is_file():
         raise CheckpointError(f"{key} does not exist")
     recorded = _consolidated_model(path)
@@ -49,8 +50,8 @@ def check_init_from(cfg) -> None:
         from tpframe.training.config import from_dict
 
         theirs, mine = architecture(from_dict({"model": recorded}).model), architecture(cfg.model)
-        diffs = [f"model.{k}={mine.get(k)!r} but the file has {theirs.get(k)!r}" for k in sorted(set(mine) | set(theirs))
-                 if mine.get(k) != theirs.get(k)]
+        diffs = [f"model.{k}={mine.get(k)!r} but the file has {theirs.get(k)!r}"
+                 for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
         if diffs:
             raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
 
