@@ -97,6 +97,7 @@ def test_phase_timers_charge_each_phase_on_cpu():
 
     timers = PhaseTimers(torch.device("cpu"))
     batches = TimedBatches(Batches(), timers)
+    start = time.perf_counter()
     for _ in range(2):
         timers.begin()
         assert batches.next() == "batch" and batches.position == 7  # the wrapped iterator shows through
@@ -107,9 +108,10 @@ def test_phase_timers_charge_each_phase_on_cpu():
         timers.mark("optim")
         timers.mark("ckpt")
         time.sleep(0.05)  # between steps (logging): charged to no phase
+    wall_ms = (time.perf_counter() - start) * 1e3
     ms = timers.window()
     assert ms["data_ms"] >= 20 and ms["fwd_bwd_ms"] >= 10 and ms["optim_ms"] >= 30, ms
-    assert ms["data_ms"] + ms["fwd_bwd_ms"] + ms["grad_sync_ms"] + ms["optim_ms"] + ms["ckpt_ms"] < 100 + 40, ms
+    assert 2 * sum(ms.values()) <= wall_ms - 2 * 50 + 1, (ms, wall_ms)  # the sleeps between steps are in no phase
     assert timers.window() == {}  # a new window
     off = PhaseTimers(torch.device("cpu"), "none")
     off.begin()
