@@ -119,11 +119,21 @@ def test_phase_timers_charge_each_phase_on_cpu():
     assert off.window() == {}
 
 
-def test_energy_meter_is_absent_on_cpu():
+def test_energy_is_absent_on_cpu_and_per_step_and_token_from_the_counter():
+    from types import SimpleNamespace
+
     from tpframe.training.energy import EnergyMeter, sum_over_ranks
+    from tpframe.training.trainer import Trainer
 
     assert EnergyMeter.open(torch.device("cpu")) is None
     assert sum_over_ranks(None, torch.device("cpu")) is None
+    readings = iter([1_000, 41_000, 50_000, 52_000])  # NVML's counter, mJ: opened, logged, reset (eval), logged
+    meter = EnergyMeter(lambda: next(readings))
+    trainer = SimpleNamespace(energy=meter, parallel=SimpleNamespace(device=torch.device("cpu")), tokens_per_step=4096)
+    assert Trainer._energy(trainer, 10) == {"energy_j": 4.0, "energy_j_per_token": 4.0 / 4096}  # 40 J over 10 steps
+    meter.reset()
+    assert Trainer._energy(trainer, 2) == {"energy_j": 1.0, "energy_j_per_token": 1.0 / 4096}
+    assert Trainer._energy(SimpleNamespace(energy=None, parallel=trainer.parallel), 2) == {}
 
 
 def test_tensorboard_missing_warns_once_and_logging_goes_on(tmp_path, monkeypatch, capsys):

@@ -19,21 +19,22 @@ import torch.distributed as dist
 
 
 def _nvml_handle(pynvml, device: torch.device):
-    """This CUDA device's NVML handle (NVML counts all GPUs; CUDA only the visible ones, renumbered)."""
+    """This CUDA device's NVML handle. NVML numbers every GPU, CUDA only the visible ones, so look it up
+    by UUID, else by PCI bus id, else by torch's CUDA_VISIBLE_DEVICES-aware index."""
     props = torch.cuda.get_device_properties(device)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        try:
-            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        except pynvml.NVMLError:
-            pass
+    lookups = []
+    if getattr(props, "uuid", None) is not None:
+        lookups.append(lambda: pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}"))
     if hasattr(props, "pci_bus_id"):
         bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        lookups.append(lambda: pynvml.nvmlDeviceGetHandleByPciBusId(bus))
+    lookups.append(lambda: pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device)))
+    for lookup in lookups[:-1]:
         try:
-            return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
-        except pynvml.NVMLError:
+            return lookup()
+        except Exception:  # noqa: BLE001 - NVMLError, or bindings that want bytes: try the next way
             pass
-    return pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))
+    return lookups[-1]()
 
 
 class EnergyMeter:
@@ -55,7 +56,7 @@ class EnergyMeter:
             pynvml.nvmlInit()
             handle = _nvml_handle(pynvml, device)
             return cls(lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-        except pynvml.NVMLError as e:  # e.g. NVML_ERROR_NOT_SUPPORTED before Volta
+        except Exception as e:  # noqa: BLE001 - e.g. NVML_ERROR_NOT_SUPPORTED before Volta, no driver
             warn(f"NVML cannot read this GPU's energy counter ({e}); continuing without energy per step")
             return None
 
