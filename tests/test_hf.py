@@ -212,3 +212,27 @@ def test_the_runs_tokenizer_ships_with_the_export(tmp_path):
     (tmp_path / "tok.json").write_text((tmp_path / "tok.json").read_text().replace("mat", "rug"))
     assert tokenizer_record({"data": {"source": "tokens", "path": str(tmp_path / "data.bin")}}, warnings.append) is None
     assert len(warnings) == 1 and "has changed since the data was made" in warnings[0]
+
+
+def test_init_from_is_checked_before_anything_starts(tmp_path):
+    """A consolidated export of another model, a directory that is neither export nor HF model: one clear error."""
+    from safetensors.torch import save_file
+
+    from tpframe.checkpoint.files import CheckpointError
+    from tpframe.checkpoint.init_from import check_init_from
+    from tpframe.training.config import load_config
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny_cpu.yaml"),
+                      [f"checkpoint.init_from={tmp_path / 'm.safetensors'}"])
+    other = dict(cfg.to_dict()["model"], hidden=64)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"),
+              metadata={"format": "tpframe", "model_config": json.dumps(other)})
+    with pytest.raises(CheckpointError, match="holds another model: model.ffn_hidden=512 but the file has 256; "
+                                              "model.hidden=128 but the file has 64"):
+        check_init_from(cfg)
+    cfg.checkpoint.init_from = str(tmp_path)
+    with pytest.raises(CheckpointError, match="a directory without config.json"):
+        check_init_from(cfg)
+    cfg.checkpoint.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        check_init_from(cfg)
