@@ -3,11 +3,13 @@
 Every ```bash and ```python block in README.md has a marker on the line before it (blank lines allowed):
     <!-- readme-test: run -->                bash: the block in one `bash -e` shell; python: `python block.py`
     <!-- readme-test: run torchrun=2 -->     python: `torchrun --standalone --nproc-per-node 2 block.py`
+    <!-- readme-test: run independent -->    as `run`, for a block that uses nothing an earlier block made
     <!-- readme-test: skip: <why> -->        not run (GPU only, a long run, ...): the reason is required
 A block without a marker fails the test, so a new README section is either covered or deliberately excluded.
 
-The blocks run in order, in one scratch copy of the repository (later blocks use earlier ones' runs), with
-OMP_NUM_THREADS=1 and these rewrites, so that the README takes under a minute and tests what it says:
+The blocks run in one scratch copy of the repository: the `run` blocks in README order (later ones use earlier
+ones' runs), and beside them, one after another, the `independent` ones (two chains on two cores). They run
+with OMP_NUM_THREADS=1 and these rewrites, so that the README takes about a minute and tests what it says:
   - `pip install ...` commands are dropped: the environment under test is the installed one;
   - `python -m pytest ...` commands are dropped: the suite is what runs this test;
   - every `train.py` training command gets SHORT appended (later overrides win): one step;
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
-MARKER = re.compile(r"^<!-- readme-test: (run(?: torchrun=(\d+))?|skip: (.+)) -->$")
+MARKER = re.compile(r"^<!-- readme-test: (run(?: torchrun=(\d+))?( independent)?|skip: (.+)) -->$")
 FENCE = re.compile(r"^```(bash|python)\s*$")
 TEXT = "The cat sat on the mat. The dog sat on the log. A bird sang in the tree by the house.\n"
 USER_FILES = {
@@ -48,6 +51,7 @@ class Block:
     action: str  # "run" or "skip"
     nproc: int | None = None  # python under torchrun
     reason: str = ""
+    independent: bool = False  # uses nothing an earlier block made
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -68,7 +72,8 @@ def readme_blocks(text: str) -> list[Block]:
                              "'<!-- readme-test: run -->' or '<!-- readme-test: skip: <why> -->' on the line before it")
         run = marker.group(1).startswith("run")
         blocks.append(Block(i + 1, fence.group(1), "\n".join(lines[i + 1 : end]) + "\n", "run" if run else "skip",
-                            int(marker.group(2)) if marker.group(2) else None, marker.group(3) or ""))
+                            int(marker.group(2)) if marker.group(2) else None, marker.group(4) or "",
+                            bool(marker.group(3))))
         i = end + 1
     return blocks
 
@@ -114,6 +119,33 @@ def test_train_help_single_process_command_is_in_readme():
     assert command in runs, f"train.py's docstring shows {command!r}, which no README run block has"
 
 
+def _run_block(b: Block, work: Path, env: dict) -> str | None:
+    """None if the block ran cleanly, else what went wrong."""
+    if b.lang == "bash":
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", rewrite_bash(b.code)]
+    else:
+        script = work / f"readme_block_{b.line}.py"
+        script.write_text(b.code)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={b.nproc}"]
+        cmd = [*(launcher if b.nproc else [sys.executable]), str(script)]
+    result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        return (f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n{cmd[-1]}\n"
+                f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+    warned = [line for line in result.stderr.splitlines() if "Warning" in line]
+    if warned:
+        return f"README.md:{b.line} ({b.lang}) printed warnings a user would see: {warned[:3]}"
+    return None
+
+
+def _run_chain(blocks: list[Block], work: Path, env: dict) -> str | None:
+    for b in blocks:
+        failure = _run_block(b, work, env)
+        if failure:
+            return failure
+    return None
+
+
 @pytest.mark.slow
 def test_readme_blocks_run_as_written(tmp_path):
     pytest.importorskip("transformers", reason="the README's Hugging Face example needs transformers (dev extras)")
@@ -121,20 +153,9 @@ def test_readme_blocks_run_as_written(tmp_path):
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".wt", "*.egg-info"))
     _user_files(work)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work), PYTHONUNBUFFERED="1")
-    for b in readme_blocks(README.read_text()):
-        if b.action == "skip":
-            continue
-        if b.lang == "bash":
-            cmd = ["bash", "-e", "-o", "pipefail", "-c", rewrite_bash(b.code)]
-        else:
-            script = work / f"readme_block_{b.line}.py"
-            script.write_text(b.code)
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={b.nproc}"]
-            cmd = [*(launcher if b.nproc else [sys.executable]), str(script)]
-        result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, (f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n"
-                                        f"{cmd[-1]}\n--- stdout\n{result.stdout[-3000:]}\n"
-                                        f"--- stderr\n{result.stderr[-3000:]}")
-        warned = [line for line in result.stderr.splitlines() if "Warning" in line]
-        assert not warned, f"README.md:{b.line} ({b.lang}) printed warnings a user would see: {warned[:3]}"
+    runs = [b for b in readme_blocks(README.read_text()) if b.action == "run"]
+    chains = [[b for b in runs if not b.independent], [b for b in runs if b.independent]]
+    with ThreadPoolExecutor(2) as pool:
+        failures = [f for f in pool.map(lambda chain: _run_chain(chain, work, env), chains) if f]
+    assert not failures, "\n\n".join(failures)
     assert (work / "runs/tiny_cpu/loss.png").is_file() and (work / "hf_model/config.json").is_file()
