@@ -16,7 +16,9 @@ setup(
     python_requires=">=3.11",
     install_requires=["torch>=2.11", "pyyaml", "numpy"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib", "tokenizers"],
+        # transformers: the Hugging Face export/import tests; tensorboard: logging.tensorboard and its test
+        "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib", "tokenizers", "transformers>=4.45",
+                "tensorboard"],
         "wandb": ["wandb"],
     },
 )

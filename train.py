@@ -2,7 +2,7 @@
 
     python -m tpframe.launch --nproc-per-node N train.py --config configs/X.yaml [section.key=value ...]
     torchrun --nproc-per-node N train.py ...                # works too; its own failure summary is longer
-    python train.py --config configs/tiny_cpu.yaml          # one process, no launcher needed
+    python train.py --config configs/tiny_cpu.yaml parallel.tp=1     # one process, no launcher needed
 
 The path of a token, top to bottom:
     build_data (tpframe/data/loader.py) -> Trainer.train_step (tpframe/training/trainer.py) -> the schedule
@@ -33,7 +33,9 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tpframe.training.config_help import help_table
+
+    parser = _ArgumentParser(description=__doc__, epilog=help_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
@@ -103,8 +105,8 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
 def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
-    from tpframe.checkpoint.export import load_consolidated
     from tpframe.checkpoint.files import last_healthy
+    from tpframe.checkpoint.init_from import load_init_from
     from tpframe.models import BuildContext
     from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
@@ -113,8 +115,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     from tpframe.parallel.pipeline import build_pipeline, build_stages, pipeline_numel, pipeline_union
     from tpframe.parallel.rng import RNGState
     from tpframe.parallel.schedules import get_forward_backward, get_forward_only
+    from tpframe.training.flops import peak_tflops
     from tpframe.training.health import TrainingAborted
-    from tpframe.training.logger import MetricsLogger, peak_tflops
+    from tpframe.training.logger import MetricsLogger
     from tpframe.training.trainer import Trainer
 
     p = cfg.parallel
@@ -144,8 +147,10 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
 
             for chunk in getattr(model, "chunks", [model]):
                 compile_model(chunk)
+        initialized = None
         if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
-            load_consolidated(model, cfg.checkpoint.init_from, state.tp_rank, state.tp, partial=p.pp > 1)
+            initialized = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp,
+                                         partial=p.pp > 1 or p.virtual_stages > 1)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once
         vocab_tables = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
         vocab_tensors = pipeline_union(state, vocab_tables)  # every stage's (embedding first, head last)
@@ -180,18 +185,24 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         )
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if checkpointer.loaded_from is not None:
-            logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}")
-        elif cfg.checkpoint.init_from:
-            logger.info(f"initialized the weights from {cfg.checkpoint.init_from}")
+            ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
+            logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
+        elif initialized:
+            logger.info(f"initialized the weights from {initialized}")
+        if trainer.step >= cfg.train.steps:  # e.g. a finished run launched again
+            logger.info(f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
+                        "nothing to train; raise train.steps to continue it, or use another train.run_dir"
+                        if trainer.step else "train.steps=0: nothing to train")
         try:
             trainer.train(checkpointer)
             checkpointer.finish(trainer.step, trainer.stop_requested)
-            last = trainer.history[-1] if trainer.history else {}
-            logger.info(
-                f"done at step {trainer.step}: loss {last.get('loss', float('nan')):.4f}"
-                + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
-                + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
-            )
+            if trainer.history:
+                last = trainer.history[-1]
+                logger.info(
+                    f"done at step {trainer.step}: loss {last['loss']:.4f}"
+                    + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
+                    + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
+                )
         except TrainingAborted as e:
             checkpointer.finish(trainer.step, stopped=True)  # an earlier, healthy step's background save publishes
             healthy = last_healthy(checkpointer.root)

@@ -14,7 +14,9 @@ import yaml
 
 from tpframe.training import logger as tlog
 from tpframe.training.config import LoggingConfig
-from tpframe.training.logger import MetricsLogger, peak_tflops, read_metrics
+from tpframe.training import flops
+from tpframe.training.flops import peak_tflops
+from tpframe.training.logger import MetricsLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {"loss": 2.31, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 51234.0, "tflops": 120.0,
@@ -224,7 +226,7 @@ def test_peak_tflops_table(monkeypatch):
     ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         assert peak_tflops(torch.device("cuda", 0), dtype, None) == want, name
-    monkeypatch.setattr(tlog, "_tf32_matmuls", lambda torch_module: True)
+    monkeypatch.setattr(flops, "_tf32_matmuls", lambda torch_module: True)
     assert peak_tflops(torch.device("cuda", 0), torch.float32, None) is None  # still the L40 name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert peak_tflops(torch.device("cuda", 0), torch.float32, None) == 494.0

@@ -16,12 +16,14 @@ TINY = [
 ]
 
 
-def train_in_process(overrides: list[str], keep_trainer: bool = False):
-    """train.py's prepare + run in this (already distributed) process; returns per-step records."""
+def train_in_process(overrides: list[str], keep_trainer: bool = False, config: str = "tiny_cpu.yaml"):
+    """train.py's prepare + run in this (already distributed) process, from configs/<config> made TINY;
+    returns per-step records."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import train
 
-    cfg, train_data, valid_data, resume = train.prepare(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), *TINY, *overrides])
+    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides]
+    cfg, train_data, valid_data, resume = train.prepare(argv)
     trainer = train.run(cfg, train_data, valid_data, resume)
     return trainer if keep_trainer else trainer.history

@@ -1,9 +1,11 @@
-"""Inspect a tpframe checkpoint, or export its weights to one consolidated safetensors file.
+"""Inspect a tpframe checkpoint, or export its weights: one consolidated safetensors file, or a
+Hugging Face model directory (GPT-2 or Llama) that transformers' from_pretrained loads.
 
     python tools/checkpoint.py inspect runs/x/checkpoints            # `latest`, or a step_* directory
     python tools/checkpoint.py export runs/x/checkpoints --out model.safetensors
+    python tools/checkpoint.py export runs/x/checkpoints --format hf --out hf_model/
 
-Import: start any layout from an exported file with `checkpoint.init_from=model.safetensors`.
+Import: start any layout from either with `checkpoint.init_from=model.safetensors` (or `=hf_model`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
+from tpframe.checkpoint import resolve, verify  # noqa: E402
+from tpframe.errors import ConfigError  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -40,26 +43,41 @@ def inspect(path: Path) -> str:
     return "\n".join(lines)
 
 
+def export(path: Path, out: str, fmt: str) -> str:
+    if fmt == "hf":
+        from tpframe.checkpoint.hf import export_hf
+
+        info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr))
+        tokenizer = (f", tokenizer from {info['tokenizer']}" if info["tokenizer"]
+                     else ", no tokenizer files (byte-level data)")
+        return (f"wrote a Hugging Face {info['architecture']} model (step {info['step']}: {info['tensors']} tensors, "
+                f"{info['params']:,} parameters, {info['dtype']}{tokenizer}) to {out}")
+    from tpframe.checkpoint.export import export_consolidated
+
+    tensors = export_consolidated(path, out)
+    return f"wrote {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()):,} parameters to {out}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="step, layout, tensors and shapes")
     p_inspect.add_argument("checkpoint")
-    p_export = sub.add_parser("export", help="consolidated safetensors with plain full tensor names")
+    p_export = sub.add_parser("export", help="consolidated safetensors (default) or a Hugging Face model directory")
     p_export.add_argument("checkpoint")
-    p_export.add_argument("--out", required=True)
+    p_export.add_argument("--out", required=True, help="the .safetensors file, or the directory with --format hf")
+    p_export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                          help="safetensors: tpframe's logical tensor names; hf: config.json + model.safetensors "
+                               "(+ tokenizer files) for transformers' AutoModelForCausalLM")
     args = parser.parse_args(argv)
     try:
         path = resolve(args.checkpoint)
         if args.command == "inspect":
             print(inspect(path))
         else:
-            from tpframe.checkpoint.export import export_consolidated
-
             verify(path, "crc")
-            tensors = export_consolidated(path, args.out)
-            print(f"wrote {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()):,} parameters to {args.out}")
-    except CheckpointError as e:
+            print(export(path, args.out, args.format))
+    except ConfigError as e:  # CheckpointError, HFMappingError
         print(f"tpframe: {e}", file=sys.stderr)
         return 2
     return 0

@@ -9,6 +9,7 @@ Exporting needs no process group: DCP reads the global tensors in one process.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from tpframe.checkpoint.dcp_io import read_full_tensors
 from tpframe.parallel.sharding import param_shards
 
 
-def _safetensors():
+def safetensors_module():
     try:
         import safetensors.torch
     except ImportError:
@@ -44,29 +45,40 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path) -> dict[st
     header = {"format": "tpframe", "tpframe_version": meta["tpframe_version"], "step": str(meta["step"]),
               "model_config": json.dumps(meta["config"]["model"])}
     Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-    _safetensors().save_file(tensors, str(out_file), metadata=header)
+    safetensors_module().save_file(tensors, str(out_file), metadata=header)
     return tensors
 
 
-@torch.no_grad()
-def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int, partial: bool = False) -> None:
+def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int, partial: bool = False) -> int:
     """Copy this rank's shard of every logical tensor in `file` into `model` (any TP layout). `partial`:
-    the model is one pipeline stage, so the file may hold tensors it does not."""
-    tensors = _safetensors().load_file(str(file))
-    expected = set()
+    the model is one pipeline stage (or chunks of several), so the file may hold tensors it does not."""
+    return copy_logical_tensors(model, safetensors_module().load_file(str(file)), tp_rank, tp, source=str(file),
+                                partial=partial)
+
+
+@torch.no_grad()
+def copy_logical_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp_rank: int, tp: int, *,
+                         source: str, partial: bool = False) -> int:
+    """Copy this rank's shard of each full logical tensor in `tensors` (read lazily, name by name) into
+    `model`; returns the number of logical parameters loaded. A pipeline stage (`partial`) takes only its own."""
+    expected, loaded = set(), 0
     for name, param in model.named_parameters():
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
             expected.add(shard.name)
             if shard.name not in tensors:
-                raise ValueError(f"{file}: no tensor {shard.name!r}; was it exported from the same model architecture?")
+                raise ValueError(f"{source}: no tensor {shard.name!r}; was it exported from the same model "
+                                 "architecture?")
             full = tensors[shard.name]
             if tuple(full.shape) != shard.global_shape:
-                raise ValueError(f"{file}: {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}")
+                raise ValueError(f"{source}: {shard.name} has shape {tuple(full.shape)}, this model needs "
+                                 f"{shard.global_shape}")
             target = shard.view(param.detach())
             piece = full
             if shard.tp_dim is not None:
                 piece = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])
             target.copy_(piece)
+            loaded += full.numel()
     extra = sorted(set(tensors) - expected)
-    if extra and not partial:
-        raise ValueError(f"{file} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    if extra and not partial:  # a pipeline stage holds only some of the tensors
+        raise ValueError(f"{source} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    return loaded

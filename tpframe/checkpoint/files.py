@@ -121,8 +121,10 @@ def preflight(cfg) -> tuple[Path | None, dict | None]:
     else:
         root = checkpoint_root(cfg)
         if not (cfg.checkpoint.auto_resume and (root / LATEST).exists()):
-            if cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_file():
-                raise CheckpointError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} does not exist")
+            if cfg.checkpoint.init_from:
+                from tpframe.checkpoint.init_from import check_init_from
+
+                check_init_from(cfg)  # a file or HF directory that can become this model
             return None, None
         path = resolve(root)
     meta = verify(path, cfg.checkpoint.verify)

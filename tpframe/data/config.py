@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "stdlib", "tokens"] = "synthetic"
+    source: Literal["synthetic", "stdlib", "tokens"] = "synthetic"  # the token stream (README: Data)
     path: str | None = None  # source=tokens: a token file made by tools/prepare_data.py
     valid_path: str | None = None  # source=tokens: held-out token file (default: the tail of `path`)
     valid_fraction: float = 0.05  # held-out share when no separate validation file is given

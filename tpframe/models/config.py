@@ -11,23 +11,23 @@ from tpframe.layers.embedding import padded_vocab_size
 @dataclass
 class ModelConfig:
     name: str = "gpt"  # "gpt", or "package.module:build_fn" for a model of your own (README)
-    vocab_size: int = 256
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 4
+    vocab_size: int = 256  # token ids 0..vocab_size-1 (at least the data's vocabulary)
+    hidden: int = 128  # model width h
+    layers: int = 2  # transformer blocks
+    heads: int = 4  # attention heads (split across TP)
     kv_heads: int | None = None  # grouped-query attention; None: as many as heads
     ffn_hidden: int | None = None  # None: 4*hidden (GELU) or 8/3*hidden rounded to 64 (SwiGLU)
-    max_seq_len: int = 128
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = 1e-5
-    position: Literal["learned", "rotary"] = "learned"
-    rope_theta: float = 10000.0
-    activation: Literal["gelu", "swiglu", "relu"] = "gelu"
-    bias: bool = True
+    max_seq_len: int = 128  # longest sequence; sizes the learned position table
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # layernorm (GPT-2) or rmsnorm (Llama)
+    norm_eps: float = 1e-5  # epsilon of every norm
+    position: Literal["learned", "rotary"] = "learned"  # learned table (GPT-2) or rotary, rotate-half (Llama)
+    rope_theta: float = 10000.0  # rotary base wavelength
+    activation: Literal["gelu", "swiglu", "relu"] = "gelu"  # MLP: gelu (tanh approximation), swiglu (gated), relu
+    bias: bool = True  # biases in the linear layers and LayerNorm
     dropout: float = 0.0  # on the residual branches and embeddings
-    attention_dropout: float = 0.0
-    tie_embeddings: bool = True
-    init_std: float = 0.02
+    attention_dropout: float = 0.0  # on the attention probabilities
+    tie_embeddings: bool = True  # the output head reuses the embedding table
+    init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*layers))
     vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (and of tp)
 
 

@@ -8,12 +8,12 @@ from typing import Literal
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 3e-4  # peak learning rate (after warmup)
+    min_lr: float = 3e-5  # the schedule decays to this
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    eps: float = 1e-8  # AdamW
     grad_clip: float = 1.0  # 0 disables clipping
-    warmup_steps: int = 100
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 100  # linear warmup from 0 to lr
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # from lr to min_lr over the remaining steps

@@ -27,10 +27,10 @@ from tpframe.training.validate import check_env, check_numbers, parse_override_v
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    sequence_parallel: bool = False
-    activation_checkpointing: bool = False
+    tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
+    pp: int = 1  # pipeline-parallel size
+    sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
+    activation_checkpointing: bool = False  # recompute each block in backward (less memory, ~1/3 more compute)
     dp_strategy: Literal["ddp", "zero1", "fsdp"] = "ddp"  # gradients + optimizer over DP (README: data parallelism)
     grad_bucket_mb: float = 40.0  # ddp/zero1: gradients are synced in buckets of about this many MiB (fp32)
     overlap_grad_sync: bool = True  # ddp/zero1: launch each bucket's collective during the last backward
@@ -44,15 +44,15 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
-    seq_len: int = 128
+    steps: int = 1000  # optimizer steps to train for (the run's last step)
+    seq_len: int = 128  # tokens per sequence
     micro_batch_size: int = 8  # sequences per rank per forward/backward
     global_batch_size: int = 8  # sequences per optimizer step over all DP ranks
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 1234
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (fp32 masters and grad accumulation either way)
+    seed: int = 1234  # weights, dropout
     eval_interval: int = 100  # 0 disables evaluation
-    eval_steps: int = 10
-    run_dir: str = "runs/default"
+    eval_steps: int = 10  # held-out micro-batches per evaluation
+    run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
@@ -64,30 +64,32 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str | None = None  # default: <run_dir>/checkpoints
     interval: int = 0  # save every N steps; 0: only at the end and on preemption signals
-    keep_last: int = 3
+    keep_last: int = 3  # published checkpoints kept; older ones are deleted
     load: str | None = None  # a checkpoint directory (or a checkpoints root with `latest`) to resume from
     auto_resume: bool = True  # resume from <dir>/latest when it exists
-    init_from: str | None = None  # start a new run from consolidated weights (ignored when resuming)
+    init_from: str | None = None  # a new run's weights: exported .safetensors or an HF dir (ignored when resuming)
     verify: Literal["size", "crc"] = "crc"  # how shard files are checked before loading
-    async_save: bool = False
+    async_save: bool = False  # write in a background thread while training goes on
     save_on_signal: bool = True  # SIGTERM / SIGUSR1: save and exit cleanly
-    save_at_end: bool = True
+    save_at_end: bool = True  # save after the last step
 
 
 @dataclass
 class LoggingConfig:
-    interval: int = 10
+    interval: int = 10  # log every N steps (and always the first step of a launch)
     jsonl: bool = True  # <run_dir>/metrics.jsonl
-    progress: bool = True
-    wandb: bool = False
-    wandb_project: str = "tpframe"
-    wandb_name: str | None = None
+    progress: bool = True  # progress bar and ETA on the console
+    wandb: bool = False  # also log to Weights & Biases (pip install -e ".[wandb]")
+    wandb_project: str = "tpframe"  # wandb project
+    wandb_name: str | None = None  # wandb run name; None: wandb picks one
     peak_tflops: float | None = None  # per-device peak for MFU; None: a table by device name
+    tensorboard: bool = False  # also write every metric to <run_dir>/tensorboard (pip install tensorboard)
+    timers: Literal["auto", "sync", "none"] = "auto"  # phase times per step: CUDA events or CPU clock; sync; none
 
 
 @dataclass
 class CommConfig:
-    backend: Literal["auto", "nccl", "symm"] = "auto"
+    backend: Literal["auto", "nccl", "symm"] = "auto"  # TP collectives; env TPFRAME_COMM_BACKEND overrides
     timeout_s: float = 300.0  # every process group: a collective waiting longer ends the run (exit code 4)
 
 

@@ -1,14 +1,19 @@
-"""Run metrics: a console line with progress and ETA, `<run_dir>/metrics.jsonl`, and wandb when asked.
+"""Run metrics: a console line with progress and ETA, `<run_dir>/metrics.jsonl`, and TensorBoard and
+wandb when asked.
 
     log = MetricsLogger(cfg.logging, run_dir, is_main=rank == 0, total_steps=1000, config=cfg.to_dict())
-    log.log_train(step, {"loss": 2.31, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 5e4,
+    log.log_train(step, {"loss": 2.31, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 5e4, "step_ms": 412.0,
                          "tflops": 120.0, "mfu": 0.12, "mem_gib": 10.5})
     log.log_eval(step, {"loss": 2.40})
     log.close()
 
 Only the main rank writes anything. metrics.jsonl holds one JSON object per line: `step`, `kind`
 ("train", "eval", or "start": a run (re)starting at that step, which makes earlier records of later
-steps stale; `read_metrics` drops them), `time` (unix seconds) and the metrics, flat.
+steps stale; `read_metrics` drops them), `time` (unix seconds) and the metrics, flat. TensorBoard
+(`<run_dir>/tensorboard`) and wandb get the same scalars as `train/<name>` and `eval/<name>`.
+
+The console prints every number with its unit (`step 412 ms`, `51.2k tok/s`, `mem 10.50 GiB`); the
+per-phase times (`data_ms`, `fwd_bwd_ms`, ... see tpframe/training/timers.py) go to the files only.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import collections
 import json
 import netrc
 import os
-import re
 import sys
 import time
 import uuid
@@ -46,6 +50,7 @@ class MetricsLogger:
         self._bar_shown = False
         self._jsonl: TextIO | None = None
         self._wandb = None
+        self._tensorboard = None
         self._rate = collections.deque([(start_step, time.monotonic())], maxlen=_RATE_WINDOW)
         if not is_main:
             return
@@ -56,6 +61,8 @@ class MetricsLogger:
             self._write_record(start_step, "start", {})  # records after this step from earlier runs are stale
         if cfg.wandb:
             self._wandb = _init_wandb(cfg, self.run_dir, config, self._warn)
+        if getattr(cfg, "tensorboard", False):
+            self._tensorboard = _init_tensorboard(self.run_dir, start_step, self._warn)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -72,8 +79,7 @@ class MetricsLogger:
         if self.cfg.progress and self._tty:
             self._draw_bar(step)
         self._write_record(step, "train", metrics)
-        if self._wandb is not None:
-            self._wandb.log({f"train/{k}": v for k, v in metrics.items() if v is not None}, step=step)
+        self._write_scalars(step, "train", metrics)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_main:
@@ -81,8 +87,7 @@ class MetricsLogger:
         metrics = _as_floats(metrics)
         self._print(f"eval step {step} | " + format_metrics(metrics))
         self._write_record(step, "eval", metrics)
-        if self._wandb is not None:
-            self._wandb.log({f"eval/{k}": v for k, v in metrics.items() if v is not None}, step=step)
+        self._write_scalars(step, "eval", metrics)
 
     def info(self, message: str) -> None:
         """A plain console line (main rank only)."""
@@ -100,6 +105,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -114,6 +122,14 @@ class MetricsLogger:
             record = {"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()  # a crash loses nothing
+
+    def _write_scalars(self, step: int, kind: str, metrics: dict[str, float | None]) -> None:
+        scalars = {f"{kind}/{k}": v for k, v in metrics.items() if v is not None}
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        if self._tensorboard is not None:
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, step)
 
     def _print(self, line: str) -> None:
         if self._bar_shown:  # keep the progress bar below the scrolling lines
@@ -156,22 +172,47 @@ def _si(value: float) -> str:
     return f"{value:.1f}"
 
 
+def _ms(value: float) -> str:
+    return f"{value:.0f} ms" if value >= 100 else f"{value:.1f} ms" if value >= 1 else f"{value:.2f} ms"
+
+
+def _joules(value: float) -> str:
+    for unit, scale in (("kJ", 1e3), ("J", 1.0), ("mJ", 1e-3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value * 1e6:.3g} uJ"
+
+
 _FORMATS = {  # known keys, in console order
     "loss": lambda v: f"loss {v:.4f}",
     "ppl": lambda v: f"ppl {v:.2f}",
     "lr": lambda v: f"lr {v:.2e}",
     "grad_norm": lambda v: f"grad {v:.3f}",
     "tokens_per_s": lambda v: f"{_si(v)} tok/s",
+    "step_ms": lambda v: f"step {_ms(v)}",
     "tflops": lambda v: f"{v:.1f} TFLOP/s",
     "mfu": lambda v: f"MFU {v:.1%}",
+    "energy_j": lambda v: f"{_joules(v)}/step",
+    "energy_j_per_token": lambda v: f"{_joules(v)}/tok",
     "mem_gib": lambda v: f"mem {v:.2f} GiB",
 }
+FILES_ONLY = ("data_ms", "fwd_bwd_ms", "grad_sync_ms", "optim_ms", "ckpt_ms")  # tpframe/training/timers.py
+_UNITS = (("_ms", _ms), ("_s", lambda v: f"{v:.3g} s"), ("_j", _joules), ("_gib", lambda v: f"{v:.2f} GiB"),
+          ("_w", lambda v: f"{v:.0f} W"))
+
+
+def _other(key: str, value: float) -> str:
+    for suffix, fmt in _UNITS:
+        if key.endswith(suffix):
+            return f"{key[: -len(suffix)]} {fmt(value)}"
+    return f"{key} {value:.4g}"
 
 
 def format_metrics(metrics: dict[str, float | None]) -> str:
-    """`loss 2.3100 | lr 3.00e-04 | ...`: known keys first in a fixed order, then the rest; None skipped."""
+    """`loss 2.3100 | lr 3.00e-04 | ...`: known keys first in a fixed order, then the rest (a unit taken
+    from a `_ms`/`_s`/`_j`/`_gib`/`_w` suffix); None values and the per-phase times skipped."""
     known = [_FORMATS[k](metrics[k]) for k in _FORMATS if metrics.get(k) is not None]
-    rest = [f"{k} {v:.4g}" for k, v in metrics.items() if k not in _FORMATS and v is not None]
+    rest = [_other(k, v) for k, v in metrics.items() if k not in _FORMATS and k not in FILES_ONLY and v is not None]
     return " | ".join(known + rest)
 
 
@@ -252,50 +293,17 @@ def _init_wandb(cfg: LoggingConfig, run_dir: Path, config: dict, warn):
                       mode=mode, id=run_id, resume="allow")
 
 
-# -- peak FLOP/s for MFU --------------------------------------------------------------------------
-
-# dense (no sparsity) tensor-core peaks in TFLOP/s per GPU from the vendor's data sheets:
-# (bf16/fp16, tf32, fp32 without tensor cores). The first pattern found in the device name wins.
-PEAK_TFLOPS = (
-    (r"\bH100\b.*\bPCIe\b", (756.0, 378.0, 51.0)),
-    (r"\bH100\b.*\bNVL\b", (835.0, 418.0, 60.0)),
-    (r"\b(H100|H200|GH200)\b", (989.0, 494.0, 67.0)),  # SXM
-    (r"\bA100\b", (312.0, 156.0, 19.5)),
-    (r"\bL40S\b", (362.0, 183.0, 91.6)),
-    (r"\bL4\b", (121.0, 60.0, 30.3)),
-    (r"\bA10\b", (125.0, 62.5, 31.2)),
-)
+# -- TensorBoard ----------------------------------------------------------------------------------
 
 
-def peak_tflops(device, dtype, override: float | None) -> float | None:
-    """Peak dense TFLOP/s of one `device` for matmuls in `dtype` (torch.dtype or its name), for MFU.
-
-    `override` (logging.peak_tflops) wins. float32 counts TF32 tensor cores only when PyTorch is
-    allowed to use them (e.g. torch.set_float32_matmul_precision("high")); by default fp32 matmuls
-    run at the plain fp32 peak (67 on H100 SXM). CPU or a GPU not in the table: None (no MFU).
-    """
-    if override is not None:
-        return float(override)
-    import torch
-
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    for pattern, (half, tf32, fp32) in PEAK_TFLOPS:
-        if re.search(pattern, name):
-            if str(dtype).replace("torch.", "") in ("bfloat16", "float16"):
-                return half
-            return tf32 if _tf32_matmuls(torch) else fp32
-    return None
-
-
-def _tf32_matmuls(torch) -> bool:
-    """Whether fp32 CUDA matmuls may use TF32, under the new (torch >= 2.9) or the legacy API."""
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision in ("tf32", "ieee"):
-        return precision == "tf32"
+def _init_tensorboard(run_dir: Path, start_step: int, warn):
+    """A SummaryWriter on <run_dir>/tensorboard; a resumed run purges the events after its step.
+    None, with one warning, when the tensorboard package is not installed."""
     try:
-        return torch.get_float32_matmul_precision() != "highest"
-    except RuntimeError:  # the legacy and new APIs were mixed; torch refuses to answer
-        return False
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warn("logging.tensorboard=true but the tensorboard package is not installed (pip install tensorboard); "
+             "continuing without TensorBoard")
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
+                         flush_secs=10)

@@ -199,7 +199,7 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
 def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
     """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes."""
     file = cfg.checkpoint.init_from
-    if not file or resuming:
+    if not file or resuming or Path(file).is_dir():  # a Hugging Face directory: tpframe/checkpoint/init_from.py
         return
     key = f"checkpoint.init_from={file!r}"
     try:

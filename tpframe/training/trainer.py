@@ -24,7 +24,9 @@ from tpframe.parallel.rng import RNGState
 from tpframe.parallel.schedules import forward_only_no_pipelining
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
+from tpframe.training.energy import EnergyMeter, sum_over_ranks
 from tpframe.training.health import StepGuard
+from tpframe.training.timers import PhaseTimers, TimedBatches
 
 
 class Trainer:
@@ -48,6 +50,8 @@ class Trainer:
         self.skipped_steps = 0
         self.history: list[dict[str, Any]] = []
         self.stop_requested = False  # set when the checkpointer saw a preemption signal
+        self.timers = PhaseTimers(parallel.device, cfg.logging.timers)
+        self.energy = EnergyMeter.open(parallel.device, logger.info)  # None on CPU: no energy fields
 
     # -- checkpointed counters (the Stateful protocol) -------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -68,6 +72,7 @@ class Trainer:
             self.strategy.step(lr)
         else:
             self.skipped_steps += 1
+        self.timers.mark("optim")
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
@@ -75,12 +80,15 @@ class Trainer:
     def _attempt(self) -> tuple[float, float]:
         """One try of the step: (loss averaged over DP, global gradient norm); no update yet."""
         parallel, mark, step = self.parallel, self.progress.mark, self.step + 1
+        self.timers.begin()  # a re-run starts the phase times over
         self.strategy.zero_grad()
         mark(step, "forward_backward")
-        loss_sum = self.forward_backward(self.model, self.train_data, self.accum, grad_sync=self.strategy,
-                                         device=parallel.device)
+        loss_sum = self.forward_backward(self.model, TimedBatches(self.train_data, self.timers), self.accum,
+                                         grad_sync=self.strategy, device=parallel.device)
+        self.timers.mark("fwd_bwd")
         mark(step, "grad_sync")
         self.strategy.finish_grad_sync()
+        self.timers.mark("grad_sync")
         mark(step, "grad_norm")
         grad_norm = self.strategy.clip_grad_norm(self.cfg.optim.grad_clip)
         mark(step, "loss")
@@ -100,35 +108,51 @@ class Trainer:
     def train(self, checkpointer=None) -> list[dict[str, Any]]:
         cfg = self.cfg
         interval, eval_every = cfg.logging.interval, cfg.train.eval_interval
+        first_step = self.step + 1  # always logged: the starting loss of every launch is visible
         window_start, window_steps = time.perf_counter(), 0
+        if self.energy is not None:
+            self.energy.reset()
         while self.step < cfg.train.steps and not self.stop_requested:
             metrics = self.train_step()
             window_steps += 1
             record = {"step": self.step, **metrics}
-            if self.step % interval == 0 or self.step == cfg.train.steps:
+            self.progress.mark(self.step, "checkpoint")
+            stop = checkpointer is not None and checkpointer.after_step(self.step)
+            self.timers.mark("ckpt")
+            if self.step % interval == 0 or self.step in (first_step, cfg.train.steps) or stop:
                 if self.parallel.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
                 record.update(self._throughput(elapsed / window_steps))
+                record.update(self.timers.window())
+                record.update(self._energy(window_steps))
                 self.logger.log_train(self.step, {k: v for k, v in record.items() if k != "step"})
                 window_start, window_steps = time.perf_counter(), 0
             if eval_every and cfg.train.eval_steps and (self.step % eval_every == 0 or self.step == cfg.train.steps):
                 record["eval_loss"] = self.evaluate()
                 self.logger.log_eval(self.step, {"loss": record["eval_loss"]})
-                window_start = time.perf_counter()  # evaluation time is not training throughput
+                window_start = time.perf_counter()  # evaluation time (and energy) is not training throughput
+                if self.energy is not None:
+                    self.energy.reset()
             self.history.append(record)
-            self.progress.mark(self.step, "checkpoint")
-            if checkpointer is not None and checkpointer.after_step(self.step):
-                self.stop_requested = True
+            self.stop_requested = stop
         return self.history
+
+    def _energy(self, steps: int) -> dict[str, float]:
+        """Joules per step and per token over the window, summed over every rank's GPU; {} without NVML."""
+        joules = sum_over_ranks(self.energy.joules_since_last() if self.energy else None, self.parallel.device)
+        if joules is None:
+            return {}
+        return {"energy_j": joules / steps, "energy_j_per_token": joules / steps / self.tokens_per_step}
 
     def _throughput(self, seconds_per_step: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / seconds_per_step
         tflops = self.flops_per_step / seconds_per_step / self.parallel.world_size / 1e12  # per device
-        out = {"tokens_per_s": tokens_per_s, "tflops": tflops, "step_time": seconds_per_step}
-        if self.peak_tflops:
-            out["mfu"] = tflops / self.peak_tflops
-        if self.parallel.device.type == "cuda":
+        out = {"tokens_per_s": tokens_per_s, "step_ms": seconds_per_step * 1e3}
+        if self.parallel.device.type == "cuda":  # achieved FLOP/s and MFU mean something on an accelerator only
+            out["tflops"] = tflops
+            if self.peak_tflops:
+                out["mfu"] = tflops / self.peak_tflops
             out["mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         else:
             import resource

@@ -1,0 +1,238 @@
+"""Hugging Face interop: a TP=2 checkpoint exported as GPT-2 / Llama gives transformers' from_pretrained the
+logits of tpframe's TP=1 forward; the HF directory imported at TP=2 starts from the exported model's loss;
+configurations with no HF equivalent and config.json files that do not match the model are one line, exit 2."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import REPO, TINY, train_in_process
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the dev extras: pip install -e '.[dev]'")
+
+# {architecture: (config file, overrides)}: tiny_cpu's model is GPT-2-shaped, llama_hf_cpu's Llama-shaped
+ARCHS = {"gpt2": ("tiny_cpu.yaml", []), "llama": ("llama_hf_cpu.yaml", ["model.rope_theta=500.0"])}
+# variants built at TP=1 from random weights (no training): the other options each architecture maps
+VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
+            "llama_tied_bias_mqa": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
+                                        bias=True, kv_heads=1)}
+IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("tools_checkpoint", os.path.join(REPO, "tools", "checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tp1_model(m, state, tensors):
+    from tpframe.checkpoint.export import copy_logical_tensors
+    from tpframe.models import BuildContext, build_model
+
+    model = build_model(m, BuildContext(state.tp_comm, seed=11))
+    if tensors is not None:
+        copy_logical_tensors(model, tensors, 0, 1, source="test")
+    return model.eval()
+
+
+def _round_trip(tmp: str):
+    """Train each architecture at TP=2 and export it (rank 0); the TP=1 forward of each export and of the
+    random variants; import each HF directory at TP=2 (first loss); an unmappable model's checkpoint."""
+    import torch.distributed as dist
+
+    from tpframe.checkpoint import hf
+    from tpframe.checkpoint.export import read_model_tensors
+    from tpframe.models.config import ModelConfig
+    from tpframe.parallel import destroy_parallel, initialize_parallel
+    from tpframe.parallel.sharding import gather_full_tensors
+
+    rank, out = dist.get_rank(), {"logits": {}, "first_loss": {}}
+    for arch, (config, overrides) in ARCHS.items():
+        train_in_process([*overrides, "parallel.tp=2", "train.steps=3", "checkpoint.save_at_end=true",
+                          f"train.run_dir={tmp}/{arch}"], config=config)
+    train_in_process(["model.norm=rmsnorm", "parallel.tp=2", "train.steps=1", "checkpoint.save_at_end=true",
+                      f"train.run_dir={tmp}/unmappable"])
+    if rank == 0:
+        for arch in ARCHS:
+            argv = ["export", f"{tmp}/{arch}/checkpoints", "--format", "hf", "--out", f"{tmp}/{arch}/hf"]
+            assert _tool().main(argv) == 0
+    dist.barrier()
+    state = initialize_parallel(tp=1)  # TP=1 (DP=2) models: tpframe's single-device forward
+    try:
+        for arch in ARCHS:
+            step = f"{tmp}/{arch}/checkpoints/step_00000003"
+            from tpframe.training.config import from_dict
+
+            m = from_dict({"model": json.loads(Path(step, "meta.json").read_text())["config"]["model"]}).model
+            with torch.no_grad():
+                out["logits"][arch] = _tp1_model(m, state, read_model_tensors(step))(IDS)[..., : m.vocab_size]
+        for name, options in VARIANTS.items():
+            m = ModelConfig(hidden=32, layers=2, heads=4, max_seq_len=32, **options)
+            model = _tp1_model(m, state, None)
+            with torch.no_grad():
+                for p in model.parameters():  # non-trivial norms and biases
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+                out["logits"][name] = model(IDS)[..., : m.vocab_size]
+            if rank == 0:
+                Path(f"{tmp}/{name}").mkdir()
+                from safetensors.torch import save_file
+
+                save_file(hf.to_hf(gather_full_tensors(model, state.tp_comm), m), f"{tmp}/{name}/model.safetensors",
+                          metadata={"format": "pt"})
+                Path(f"{tmp}/{name}/config.json").write_text(json.dumps(hf.hf_config(m)))
+    finally:
+        destroy_parallel()
+    for arch, (config, overrides) in ARCHS.items():
+        console = io.StringIO()
+        with contextlib.redirect_stdout(console):
+            imported = [*overrides, "parallel.tp=2", "train.steps=1", f"checkpoint.init_from={tmp}/{arch}/hf",
+                        f"train.run_dir={tmp}/{arch}_imported"]
+            history = train_in_process(imported, config=config)
+        out["first_loss"][arch], out[f"console_{arch}"] = history[0]["loss"], console.getvalue()
+    return out
+
+
+def _first_batch(config, overrides):
+    """The first optimizer step's sequences (every micro-batch of the global batch, DP=1), as train.py reads them."""
+    sys.path.insert(0, REPO)
+    import train
+
+    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides, "parallel.tp=1"]
+    cfg, data, _, _ = train.prepare(argv)
+    batches = [data.next() for _ in range(cfg.train.global_batch_size // cfg.train.micro_batch_size)]
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+@pytest.mark.slow
+def test_hf_export_and_import_round_trip(tmp_path, capsys):
+    got = run_distributed(_round_trip, 2, str(tmp_path), timeout=300)[0]
+    for name in [*ARCHS, *VARIANTS]:
+        directory = tmp_path / name / "hf" if name in ARCHS else tmp_path / name
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+        assert type(model).__name__ == ("GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM")
+        with torch.no_grad():
+            logits = model(IDS).logits
+        torch.testing.assert_close(logits, got["logits"][name], atol=1e-4, rtol=0, msg=f"{name}: HF vs tpframe TP=1")
+        if name in ARCHS:  # the HF directory imported at TP=2 starts where the exported model is
+            ids, labels = _first_batch(*ARCHS[name])
+            with torch.no_grad():
+                hf_loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten()).item()
+            assert got["first_loss"][name] == pytest.approx(hf_loss, abs=1e-5), name
+            assert f"initialized the weights from Hugging Face {name} model {directory}" in got[f"console_{name}"]
+    assert not (tmp_path / "llama" / "hf" / "tokenizer.json").exists()  # byte-level data: no tokenizer to ship
+
+    # the export command: one summary line, no warnings (README's runner runs it as a user would, too)
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        argv = ["export", str(tmp_path / "llama/checkpoints"), "--format", "hf", "--out", str(tmp_path / "cli")]
+        assert _tool().main(argv) == 0
+    assert [str(w.message) for w in caught] == []
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines() == [
+        f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, float32, no tokenizer files "
+        f"(byte-level data)) to {tmp_path / 'cli'}"]
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "llama" / "hf" / name).read_bytes()
+
+    # an unmappable model: one line, exit 2, nothing written
+    argv = ["export", str(tmp_path / "unmappable/checkpoints"), "--format", "hf", "--out", str(tmp_path / "no")]
+    assert _tool().main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tpframe: model.norm=rmsnorm with model.position=learned has no Hugging Face equivalent: GPT-2 is "
+                   "layernorm + learned, Llama is rmsnorm + rotary"]
+    assert not (tmp_path / "no").exists()
+
+    # a config.json that does not match the model section: one line, exit 2, before any process group
+    sys.path.insert(0, REPO)
+    import train
+
+    argv = ["--config", os.path.join(REPO, "configs", "llama_hf_cpu.yaml"), *TINY, *ARCHS["llama"][1],
+            "model.hidden=64", "model.ffn_hidden=128", "parallel.tp=1", f"checkpoint.init_from={tmp_path / 'llama/hf'}",
+            f"train.run_dir={tmp_path / 'mismatch'}"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tpframe: config error: checkpoint.init_from={str(tmp_path / 'llama/hf')!r}: its config.json "
+                   "describes another model: model.hidden=64 but it needs 32 (set these model.* values in the config "
+                   "or as overrides)"]
+    assert not (tmp_path / "mismatch").exists()
+
+
+def test_each_option_with_no_hf_equivalent_is_named():
+    from tpframe.checkpoint.hf import HFMappingError, hf_architecture
+    from tpframe.models.config import ModelConfig
+
+    for options, named in ((dict(name="examples.parallel_llama:build"), "model.name="),
+                           (dict(activation="swiglu"), "model.activation=swiglu has no GPT-2"),
+                           (dict(bias=False), "model.bias=false has no GPT-2"), (dict(kv_heads=2), "model.kv_heads=2"),
+                           (dict(norm="rmsnorm", position="rotary"), "model.activation=gelu has no Llama"),
+                           (dict(position="rotary"), "model.norm=layernorm with model.position=rotary")):
+        with pytest.raises(HFMappingError) as e:
+            hf_architecture(ModelConfig(**options))
+        assert str(e.value).startswith(named) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_runs_tokenizer_ships_with_the_export(tmp_path):
+    """A run whose token file was made with a `tokenizers` JSON exports it: AutoTokenizer reads it, same ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tpframe.checkpoint.hf import tokenizer_record, write_tokenizer
+    from tpframe.data.tokenizer import write_token_file
+
+    text = "the cat sat on the mat . the dog sat on the log ."
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(sorted(set(text.split())))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "a.txt").write_text(text)
+    write_token_file([tmp_path / "a.txt"], tmp_path / "data.bin", tokenizer=tmp_path / "tok.json")
+    warnings = []
+    record = tokenizer_record({"data": {"source": "tokens", "path": str(tmp_path / "data.bin")}}, warnings.append)
+    assert record["eot_token"] == "<|endoftext|>" and record["eot_id"] == 1 and warnings == []
+    (tmp_path / "hf").mkdir()
+    write_tokenizer(tmp_path / "hf", record, model_max_length=32)
+    loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert loaded("the dog sat")["input_ids"] == tok.encode("the dog sat").ids
+    assert loaded.eos_token == "<|endoftext|>" and loaded.model_max_length == 32
+    # byte-level data has no tokenizer; a tokenizer file changed since the data was made is not shipped
+    assert tokenizer_record({"data": {"source": "synthetic"}}, warnings.append) is None and warnings == []
+    (tmp_path / "tok.json").write_text((tmp_path / "tok.json").read_text().replace("mat", "rug"))
+    assert tokenizer_record({"data": {"source": "tokens", "path": str(tmp_path / "data.bin")}}, warnings.append) is None
+    assert len(warnings) == 1 and "has changed since the data was made" in warnings[0]
+
+
+def test_init_from_is_checked_before_anything_starts(tmp_path):
+    """A consolidated export of another model, a directory that is neither export nor HF model: one clear error."""
+    from safetensors.torch import save_file
+
+    from tpframe.checkpoint.files import CheckpointError
+    from tpframe.checkpoint.init_from import check_init_from
+    from tpframe.training.config import load_config
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny_cpu.yaml"),
+                      [f"checkpoint.init_from={tmp_path / 'm.safetensors'}"])
+    other = dict(cfg.to_dict()["model"], hidden=64)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"),
+              metadata={"format": "tpframe", "model_config": json.dumps(other)})
+    with pytest.raises(CheckpointError, match="holds another model: model.ffn_hidden=512 but the file has 256; "
+                                              "model.hidden=128 but the file has 64"):
+        check_init_from(cfg)
+    cfg.checkpoint.init_from = str(tmp_path)
+    with pytest.raises(CheckpointError, match="a directory without config.json"):
+        check_init_from(cfg)
+    cfg.checkpoint.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        check_init_from(cfg)

@@ -1,0 +1,161 @@
+"""README.md's code blocks run as written.
+
+Every ```bash and ```python block in README.md has a marker on the line before it (blank lines allowed):
+    <!-- readme-test: run -->                bash: the block in one `bash -e` shell; python: `python block.py`
+    <!-- readme-test: run torchrun=2 -->     python: `torchrun --standalone --nproc-per-node 2 block.py`
+    <!-- readme-test: run independent -->    as `run`, for a block that uses nothing an earlier block made
+    <!-- readme-test: skip: <why> -->        not run (GPU only, a long run, ...): the reason is required
+A block without a marker fails the test, so a new README section is either covered or deliberately excluded.
+
+The blocks run in one scratch copy of the repository: the `run` blocks in README order (later ones use earlier
+ones' runs), and beside them, one after another, the `independent` ones (two chains on two cores). They run
+with OMP_NUM_THREADS=1 and these rewrites, so that the README takes about a minute and tests what it says:
+  - `pip install ...` commands are dropped: the environment under test is the installed one;
+  - `python -m pytest ...` commands are dropped: the suite is what runs this test;
+  - every `train.py` training command gets SHORT appended (later overrides win): one step;
+  - the files a user would bring are made first: USER_FILES (text, a JSONL corpus, a `tokenizers` JSON).
+A block passes when it exits 0 and prints no `...Warning` line to stderr (a console people can read).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
+MARKER = re.compile(r"^<!-- readme-test: (run(?: torchrun=(\d+))?( independent)?|skip: (.+)) -->$")
+FENCE = re.compile(r"^```(bash|python)\s*$")
+TEXT = "The cat sat on the mat. The dog sat on the log. A bird sang in the tree by the house.\n"
+USER_FILES = {
+    "notes/a.txt": TEXT * 20,
+    "notes/b.txt": TEXT.upper() * 20,
+    "corpus.jsonl": "".join(f'{{"text": "{TEXT.strip()} Line {i}."}}\n' for i in range(40)),
+}
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    action: str  # "run" or "skip"
+    nproc: int | None = None  # python under torchrun
+    reason: str = ""
+    independent: bool = False  # uses nothing an earlier block made
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """Every bash/python block with its marker; ValueError naming the first block without one."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        prev = i - 1
+        while prev >= 0 and not lines[prev].strip():
+            prev -= 1
+        marker = MARKER.match(lines[prev].strip()) if prev >= 0 else None
+        if marker is None:
+            raise ValueError(f"README.md:{i + 1}: a ```{fence.group(1)} block without a marker; put "
+                             "'<!-- readme-test: run -->' or '<!-- readme-test: skip: <why> -->' on the line before it")
+        run = marker.group(1).startswith("run")
+        blocks.append(Block(i + 1, fence.group(1), "\n".join(lines[i + 1 : end]) + "\n", "run" if run else "skip",
+                            int(marker.group(2)) if marker.group(2) else None, marker.group(4) or "",
+                            bool(marker.group(3))))
+        i = end + 1
+    return blocks
+
+
+def rewrite_bash(code: str) -> str:
+    """Join continuation lines; drop pip install and pytest commands; shorten train.py runs."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        command, _, comment = line.partition(" #") if not line.lstrip().startswith("#") else ("", "", line)
+        parts = [p.strip() for p in command.split("&&") if p.strip()]
+        parts = [p for p in parts if not p.startswith("pip install") and not p.startswith("python -m pytest")]
+        parts = [f"{p} {' '.join(SHORT)}" if re.search(r"\btrain\.py\b", p) and "--help" not in p else p for p in parts]
+        if parts:
+            out.append(" && ".join(parts))
+    return "\n".join(out) + "\n"
+
+
+def _user_files(work: Path) -> None:
+    for name, content in USER_FILES.items():
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text(content)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted({w for w in re.findall(r"\w+|[^\w\s]", TEXT + TEXT.upper() + " Line 0123456789")})
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(work / "tokenizer.json"))
+
+
+def test_every_readme_block_is_marked():
+    blocks = readme_blocks(README.read_text())
+    assert all(b.action == "run" or b.reason for b in blocks)
+    assert sum(b.action == "run" for b in blocks) >= 6
+
+
+def test_train_help_single_process_command_is_in_readme():
+    """`train.py --help` shows a one-process command; the README runs the same command."""
+    doc = (ROOT / "train.py").read_text().split('"""')[1]
+    command = next(line.split("#")[0].strip() for line in doc.splitlines()
+                   if line.strip().startswith("python train.py"))
+    runs = "".join(b.code for b in readme_blocks(README.read_text()) if b.action == "run")
+    assert command in runs, f"train.py's docstring shows {command!r}, which no README run block has"
+
+
+def _run_block(b: Block, work: Path, env: dict) -> str | None:
+    """None if the block ran cleanly, else what went wrong."""
+    if b.lang == "bash":
+        cmd = ["bash", "-e", "-o", "pipefail", "-c", rewrite_bash(b.code)]
+    else:
+        script = work / f"readme_block_{b.line}.py"
+        script.write_text(b.code)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={b.nproc}"]
+        cmd = [*(launcher if b.nproc else [sys.executable]), str(script)]
+    result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        return (f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n{cmd[-1]}\n"
+                f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+    warned = [line for line in result.stderr.splitlines() if "Warning" in line]
+    if warned:
+        return f"README.md:{b.line} ({b.lang}) printed warnings a user would see: {warned[:3]}"
+    return None
+
+
+def _run_chain(blocks: list[Block], work: Path, env: dict) -> str | None:
+    for b in blocks:
+        failure = _run_block(b, work, env)
+        if failure:
+            return failure
+    return None
+
+
+@pytest.mark.slow
+def test_readme_blocks_run_as_written(tmp_path):
+    pytest.importorskip("transformers", reason="the README's Hugging Face example needs transformers (dev extras)")
+    work = tmp_path / "repo"
+    shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".wt", "*.egg-info"))
+    _user_files(work)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work), PYTHONUNBUFFERED="1")
+    runs = [b for b in readme_blocks(README.read_text()) if b.action == "run"]
+    chains = [[b for b in runs if not b.independent], [b for b in runs if b.independent]]
+    with ThreadPoolExecutor(2) as pool:
+        failures = [f for f in pool.map(lambda chain: _run_chain(chain, work, env), chains) if f]
+    assert not failures, "\n\n".join(failures)
+    assert (work / "runs/tiny_cpu/loss.png").is_file() and (work / "hf_model/config.json").is_file()

@@ -1,0 +1,441 @@
+"""Hugging Face interop: tpframe's GPT as transformers' GPT-2 or Llama, both ways.
+
+    export_hf(step_dir, out_dir)        # config.json + model.safetensors (+ tokenizer files)
+    AutoModelForCausalLM.from_pretrained(out_dir)
+    checkpoint.init_from=<HF dir>       # check_hf_dir in pre-flight, HFWeights at load time
+
+The two architectures and what fixes them (every other combination has no HF equivalent):
+  GPT-2: layernorm, learned positions, gelu (tanh approximation: "gelu_new") or relu, biases, heads = kv_heads;
+  Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias.
+The weights are the logical tensors of tpframe.parallel.sharding, renamed: `Rule(hf, parts, transpose)`
+says the HF tensor is the logical `parts` concatenated along dim 0 (GPT-2's fused c_attn is q, k, v),
+transposed for GPT-2's Conv1D layers ([in, out] weights). Rotary needs no permutation: HF Llama's q/k
+rows are already in rotate-half order. `transformers` is never imported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from tpframe.errors import ConfigError
+from tpframe.models.config import ModelConfig, ffn_hidden_size
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# buffers some HF checkpoints carry that are not weights (GPT-2's causal mask, rotary frequencies)
+_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+class HFMappingError(ConfigError):
+    """A model, config.json or weights file with no equivalent on the other side, explained in one line."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: str  # the HF tensor's name
+    parts: tuple[str, ...]  # logical tensors concatenated along dim 0 to make it
+    transpose: bool = False  # GPT-2 Conv1D stores [in, out]
+
+
+# -- which architecture ---------------------------------------------------------------------------
+
+
+def hf_architecture(m: ModelConfig) -> str:
+    """'gpt2' or 'llama' for a model config, or HFMappingError naming the option with no equivalent."""
+    if m.name != "gpt":
+        raise HFMappingError(f"model.name={m.name!r} has no Hugging Face mapping: only the built-in 'gpt' exports")
+    if (m.norm, m.position) == ("layernorm", "learned"):
+        if m.activation == "swiglu":
+            raise HFMappingError("model.activation=swiglu has no GPT-2 equivalent (layernorm + learned positions is "
+                                 "GPT-2, whose MLP is not gated); use gelu or relu, or rmsnorm + rotary for Llama")
+        if not m.bias:
+            raise HFMappingError("model.bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear layer "
+                                 "and norm); set model.bias=true")
+        if m.kv_heads not in (None, m.heads):
+            raise HFMappingError(f"model.kv_heads={m.kv_heads} has no GPT-2 equivalent (GPT-2 has no grouped-query "
+                                 f"attention); set model.kv_heads={m.heads} or use the Llama shape")
+        return "gpt2"
+    if (m.norm, m.position) == ("rmsnorm", "rotary"):
+        if m.activation != "swiglu":
+            raise HFMappingError(f"model.activation={m.activation} has no Llama equivalent (rmsnorm + rotary is Llama, "
+                                 "whose MLP is SwiGLU); set model.activation=swiglu")
+        return "llama"
+    raise HFMappingError(
+        f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "
+        "learned, Llama is rmsnorm + rotary"
+    )
+
+
+def _heads(m: ModelConfig) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim)."""
+    return m.heads, m.kv_heads or m.heads, m.hidden // m.heads
+
+
+def rules(m: ModelConfig) -> list[Rule]:
+    """Every HF tensor of the model and the logical tensors it is made of."""
+    arch = hf_architecture(m)
+    out: list[Rule] = []
+    if arch == "gpt2":
+        t = "transformer."
+        out += [Rule(t + "wte.weight", ("embedding.weight",)), Rule(t + "wpe.weight", ("position",))]
+        for i in range(m.layers):
+            b, h = f"blocks.{i}.", f"{t}h.{i}."
+            for leaf in ("weight", "bias"):
+                out += [
+                    Rule(h + "ln_1." + leaf, (b + "norm1." + leaf,)),
+                    Rule(h + "attn.c_attn." + leaf, tuple(f"{b}attn.qkv.{p}.{leaf}" for p in "qkv"), leaf == "weight"),
+                    Rule(h + "attn.c_proj." + leaf, (b + "attn.proj." + leaf,), leaf == "weight"),
+                    Rule(h + "ln_2." + leaf, (b + "norm2." + leaf,)),
+                    Rule(h + "mlp.c_fc." + leaf, (b + "mlp.fc1." + leaf,), leaf == "weight"),
+                    Rule(h + "mlp.c_proj." + leaf, (b + "mlp.fc2." + leaf,), leaf == "weight"),
+                ]
+        out += [Rule(t + "ln_f.weight", ("final_norm.weight",)), Rule(t + "ln_f.bias", ("final_norm.bias",))]
+    else:
+        out.append(Rule("model.embed_tokens.weight", ("embedding.weight",)))
+        leaves = ("weight", "bias") if m.bias else ("weight",)
+        for i in range(m.layers):
+            b, h = f"blocks.{i}.", f"model.layers.{i}."
+            out += [Rule(h + "input_layernorm.weight", (b + "norm1.weight",)),
+                    Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",))]
+            for leaf in leaves:
+                out += [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"]
+                out += [
+                    Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)),
+                    Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
+                    Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
+                    Rule(f"{h}mlp.down_proj.{leaf}", (f"{b}mlp.fc2.{leaf}",)),
+                ]
+        out.append(Rule("model.norm.weight", ("final_norm.weight",)))
+    if not m.tie_embeddings:
+        out.append(Rule("lm_head.weight", ("head.weight",)))
+    return out
+
+
+def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The global shape of every logical tensor of tpframe's GPT with config `m` (vocabulary unpadded)."""
+    heads, kv, d = _heads(m)
+    h, ffn, v = m.hidden, ffn_hidden_size(m), m.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embedding.weight": (v, h)}
+    if m.position == "learned":
+        shapes["position"] = (m.max_seq_len, h)
+    norm_leaves = ("weight", "bias") if m.bias and m.norm == "layernorm" else ("weight",)
+    leaves = ("weight", "bias") if m.bias else ("weight",)
+    mlp_in = (("fc1.gate", ffn), ("fc1.up", ffn)) if m.activation == "swiglu" else (("fc1", ffn),)
+    for i in range(m.layers):
+        b = f"blocks.{i}."
+        for leaf in norm_leaves:
+            shapes[f"{b}norm1.{leaf}"] = shapes[f"{b}norm2.{leaf}"] = (h,)
+        linears = (("attn.qkv.q", heads * d, h), ("attn.qkv.k", kv * d, h), ("attn.qkv.v", kv * d, h),
+                   ("attn.proj", h, heads * d), *((f"mlp.{n}", f, h) for n, f in mlp_in), ("mlp.fc2", h, ffn))
+        for name, out_dim, in_dim in linears:
+            shapes[f"{b}{name}.weight"] = (out_dim, in_dim)
+            if "bias" in leaves:
+                shapes[f"{b}{name}.bias"] = (out_dim,)
+    for leaf in norm_leaves:
+        shapes[f"final_norm.{leaf}"] = (h,)
+    if not m.tie_embeddings:
+        shapes["head.weight"] = (v, h)
+    return shapes
+
+
+def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    logical = logical_shapes(m)
+    out = {}
+    for r in rules(m):
+        first = logical[r.parts[0]]
+        shape = (sum(logical[p][0] for p in r.parts),) + first[1:]
+        out[r.hf] = tuple(reversed(shape)) if r.transpose else shape
+    return out
+
+
+# -- config.json ------------------------------------------------------------------------------------
+
+_GPT2_ACT = {"gelu": "gelu_new", "relu": "relu"}
+_GPT2_ACT_BACK = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json for transformers (read by 4.x and 5.x) describing tpframe's model `m`."""
+    arch = hf_architecture(m)
+    heads, kv, d = _heads(m)
+    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPES[dtype],
+              "initializer_range": m.init_std, "use_cache": True, "bos_token_id": eos_token_id,
+              "eos_token_id": eos_token_id}
+    if arch == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden, "n_layer": m.layers,
+                "n_head": heads, "n_inner": ffn_hidden_size(m), "n_positions": m.max_seq_len,
+                "activation_function": _GPT2_ACT[m.activation], "layer_norm_epsilon": m.norm_eps,
+                "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.attention_dropout,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                **common}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden,
+            "num_hidden_layers": m.layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+            "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu", "max_position_embeddings": m.max_seq_len,
+            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},  # transformers >= 5
+            "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": m.attention_dropout,
+            "pretraining_tp": 1, **common}
+
+
+def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The `model.*` values an HF config.json describes (what tpframe's GPT must be to hold its weights);
+    HFMappingError naming the first HF setting tpframe has no equivalent for."""
+    kind = config.get("model_type")
+
+    def refuse(key: str, why: str) -> HFMappingError:
+        return HFMappingError(f"{where}: {key}={config.get(key)!r} {why}")
+
+    if kind == "gpt2":
+        act = config.get("activation_function", "gelu_new")
+        if act not in _GPT2_ACT_BACK:
+            raise refuse("activation_function", "has no tpframe equivalent (tpframe's gelu is the tanh approximation, "
+                                                "gelu_new; relu is relu)")
+        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+            if config.get(key, ok) != ok:
+                raise refuse(key, "has no tpframe equivalent")
+        hidden = config.get("n_embd", 768)
+        return {"name": "gpt", "vocab_size": config.get("vocab_size", 50257), "hidden": hidden,
+                "layers": config.get("n_layer", 12), "heads": config.get("n_head", 12),
+                "kv_heads": config.get("n_head", 12), "ffn_hidden": config.get("n_inner") or 4 * hidden,
+                "max_seq_len": config.get("n_positions", 1024), "norm": "layernorm",
+                "norm_eps": config.get("layer_norm_epsilon", 1e-5), "position": "learned",
+                "activation": _GPT2_ACT_BACK[act],
+                "bias": True, "tie_embeddings": config.get("tie_word_embeddings", True)}
+    if kind == "llama":
+        if config.get("hidden_act", "silu") != "silu":
+            raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
+        if config.get("attention_bias", False) != config.get("mlp_bias", False):
+            raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
+                                           "equivalent (model.bias puts biases on both or neither)")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise HFMappingError(f"{where}: rope scaling {rope.get('rope_type', rope.get('type'))!r} has no tpframe "
+                                 "equivalent (tpframe's rotary is the default, unscaled one)")
+        heads = config.get("num_attention_heads", 32)
+        hidden = config.get("hidden_size", 4096)
+        if config.get("head_dim") not in (None, hidden // heads):
+            raise refuse("head_dim", f"has no tpframe equivalent (tpframe's head dim is hidden_size/num_attention_heads"
+                                     f" = {hidden // heads})")
+        return {"name": "gpt", "vocab_size": config.get("vocab_size", 32000), "hidden": hidden,
+                "layers": config.get("num_hidden_layers", 32), "heads": heads,
+                "kv_heads": config.get("num_key_value_heads") or heads,
+                "ffn_hidden": config.get("intermediate_size", 11008), "norm": "rmsnorm",
+                "norm_eps": config.get("rms_norm_eps", 1e-6), "position": "rotary",
+                "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)), "activation": "swiglu",
+                "bias": bool(config.get("attention_bias", False)),
+                "tie_embeddings": config.get("tie_word_embeddings", False)}
+    raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2' and 'llama'")
+
+
+def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:
+    """HFMappingError, one line naming every model.* value that differs from what config.json describes."""
+    want = model_fields(config, where)
+    mine = {k: getattr(m, k) for k in want}
+    mine["kv_heads"] = m.kv_heads or m.heads
+    mine["ffn_hidden"] = ffn_hidden_size(m)
+    diffs = []
+    for key, value in want.items():
+        if isinstance(value, float) or isinstance(mine[key], float):
+            same = abs(float(mine[key]) - float(value)) <= 1e-12 * max(1.0, abs(float(value)))
+        else:
+            same = mine[key] == value
+        if not same:
+            diffs.append(f"model.{key}={_yaml(mine[key])} but it needs {_yaml(value)}")
+    if diffs:
+        raise HFMappingError(f"{where} describes another model: " + "; ".join(diffs)
+                             + " (set these model.* values in the config or as overrides)")
+
+
+def _yaml(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
+
+
+# -- the HF directory --------------------------------------------------------------------------------
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / CONFIG).is_file()
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise HFMappingError(f"{path / CONFIG} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HFMappingError(f"{path / CONFIG} must hold a JSON object")
+    return config
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """{HF tensor name: the safetensors file holding it} of an HF directory (one file or an index)."""
+    index = path / WEIGHTS_INDEX
+    if index.is_file():
+        files = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    elif (path / WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+            files = {name: path / WEIGHTS for name in f.keys()}
+    else:
+        raise HFMappingError(f"{path} has a {CONFIG} but no {WEIGHTS} (or {WEIGHTS_INDEX}); tpframe reads "
+                             "safetensors weights: save the model with save_pretrained(..., safe_serialization=True)")
+    for file in set(files.values()):
+        if not file.is_file():
+            raise HFMappingError(f"{path / WEIGHTS_INDEX} names {file.name}, which is missing")
+    return files
+
+
+class HFWeights(Mapping):
+    """The logical tensors of an HF directory, read lazily (one HF tensor at a time, on the CPU):
+    what `copy_logical_tensors` loads into any TP layout without holding the whole model in memory."""
+
+    def __init__(self, path: str | Path, m: ModelConfig):
+        self.path, self.m = Path(path), m
+        self.files = weight_files(self.path)
+        self.rules = rules(m)
+        self.names = {r.hf: self._stored_name(r.hf) for r in self.rules}
+        self.part_of = {p: (r, i) for r in self.rules for i, p in enumerate(r.parts)}
+        self._cache: tuple[str, torch.Tensor] | None = None
+
+    def _stored_name(self, hf: str) -> str | None:
+        """GPT-2 checkpoints are saved with and without the `transformer.` prefix."""
+        for candidate in (hf, hf.removeprefix("transformer.")):
+            if candidate in self.files:
+                return candidate
+        return None
+
+    def check(self) -> None:
+        """Every tensor present with its shape, nothing unknown (pre-flight: headers only, no data read)."""
+        from safetensors import safe_open
+
+        where = f"checkpoint.init_from={str(self.path)!r}"
+        shapes = hf_shapes(self.m)
+        missing = [hf for hf, stored in self.names.items() if stored is None]
+        if missing:
+            raise HFMappingError(f"{where}: no tensor {missing[0]!r} in its safetensors ({len(missing)} missing); "
+                                 "it does not hold the model its config.json describes")
+        for hf, stored in self.names.items():
+            with safe_open(str(self.files[stored]), framework="pt") as f:
+                shape = tuple(f.get_slice(stored).get_shape())
+            if shape != shapes[hf]:
+                raise HFMappingError(f"{where}: {stored} has shape {shape}, config.json implies {shapes[hf]}")
+        known = set(self.names.values()) | {"lm_head.weight"}  # a tied GPT-2 may store its head too
+        extra = sorted(n for n in self.files if n not in known and not n.endswith(_BUFFERS))
+        if extra:
+            raise HFMappingError(f"{where}: tensors tpframe's {hf_architecture(self.m)} has no place for: "
+                                 f"{extra[:3]}{' ...' if len(extra) > 3 else ''}")
+
+    def _read(self, hf: str) -> torch.Tensor:
+        if self._cache is None or self._cache[0] != hf:
+            from safetensors import safe_open
+
+            stored = self.names[hf]
+            with safe_open(str(self.files[stored]), framework="pt") as f:
+                self._cache = (hf, f.get_tensor(stored))
+        return self._cache[1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        rule, i = self.part_of[name]
+        full = self._read(rule.hf)
+        if rule.transpose:
+            full = full.t()
+        rows = full.shape[0] // len(rule.parts)
+        return full[i * rows : (i + 1) * rows]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.part_of)
+
+    def __len__(self) -> int:
+        return len(self.part_of)
+
+
+def check_hf_dir(m: ModelConfig, path: str | Path) -> None:
+    """Pre-flight for `checkpoint.init_from=<HF dir>`: config.json equals the model section, weights complete."""
+    path = Path(path)
+    where = f"checkpoint.init_from={str(path)!r}: its {CONFIG}"
+    config = read_config(path)
+    check_model_matches(m, config, where)
+    HFWeights(path, m).check()  # the model section describes the HF model: now its tensors and shapes
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+
+def to_hf(tensors: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Logical tensors (tpframe names, full) -> HF tensors, contiguous, every logical tensor used once."""
+    out, used = {}, set()
+    for r in rules(m):
+        full = torch.cat([tensors[p] for p in r.parts], dim=0) if len(r.parts) > 1 else tensors[r.parts[0]]
+        out[r.hf] = (full.t() if r.transpose else full).contiguous()
+        used.update(r.parts)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise HFMappingError(f"tensors with no Hugging Face place: {unused[:3]}; was the checkpoint written by "
+                             "another version of tpframe's GPT?")
+    return out
+
+
+def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None]) -> dict | None:
+    """The HF tokenizer a run's token file was made with (its sidecar's record), if any and unchanged on disk."""
+    data = config.get("data", {})
+    if data.get("source") != "tokens" or not data.get("path"):
+        return None
+    sidecar = Path(str(data["path"]) + ".json")
+    if not sidecar.is_file():
+        warn(f"no tokenizer files: the token file's sidecar {sidecar} is gone")
+        return None
+    meta = json.loads(sidecar.read_text())
+    info = meta.get("tokenizer", {})
+    if info.get("kind") != "huggingface":
+        return None
+    file = Path(info["file"])
+    if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != info.get("sha256"):
+        warn(f"no tokenizer files: {file}, recorded in {sidecar}, is missing or has changed since the data was made")
+        return None
+    return {"file": file, "eot_token": info.get("eot_token"), "eot_id": meta.get("eot_id")}
+
+
+def write_tokenizer(out_dir: Path, record: dict, model_max_length: int) -> None:
+    """tokenizer.json + tokenizer_config.json: what AutoTokenizer.from_pretrained(out_dir) reads."""
+    shutil.copyfile(record["file"], out_dir / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+              "eos_token": record["eot_token"], "bos_token": record["eot_token"]}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print) -> dict[str, Any]:
+    """A tpframe checkpoint (any layout) -> an HF directory `AutoModelForCausalLM.from_pretrained` loads.
+
+    Refuses (HFMappingError) before writing anything when the model has no HF equivalent.
+    Returns a summary: architecture, tensor and parameter counts, the tokenizer written (or None).
+    """
+    from tpframe.checkpoint.export import read_model_tensors, safetensors_module
+    from tpframe.training.config import from_dict
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    m = from_dict({"model": meta["config"]["model"]}).model
+    arch = hf_architecture(m)  # refuse before reading or writing anything
+    tokenizer = tokenizer_record(meta["config"], warn)
+    tensors = to_hf(read_model_tensors(checkpoint), m)
+    dtype = next(iter(tensors.values())).dtype
+    config = hf_config(m, dtype=dtype, eos_token_id=tokenizer["eot_id"] if tokenizer else None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    safetensors_module().save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+    if tokenizer:
+        write_tokenizer(out_dir, tokenizer, m.max_seq_len)
+    return {"architecture": arch, "tensors": len(tensors), "params": sum(t.numel() for t in tensors.values()),
+            "dtype": _DTYPES[dtype], "step": meta["step"], "tokenizer": str(tokenizer["file"]) if tokenizer else None}

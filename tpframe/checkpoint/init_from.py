@@ -1,0 +1,73 @@
+"""`checkpoint.init_from`: start a new run's weights from a consolidated safetensors file or an HF directory.
+
+    check_init_from(cfg)                                    # pre-flight: no process group, nothing loaded
+    what = load_init_from(model, cfg, tp_rank, tp)          # this rank's shards; "<what was loaded>"
+
+Both sources are full logical tensors (tpframe.parallel.sharding names; an HF directory's are renamed
+by tpframe.checkpoint.hf), so any TP layout, and any pipeline stage, takes its own pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from tpframe.checkpoint.files import CheckpointError
+from tpframe.models.config import ModelConfig, architecture
+
+
+def _consolidated_model(path: Path) -> dict | None:
+    """The model section recorded in a tpframe-exported safetensors file's header (None if absent)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
+        raise CheckpointError(f"checkpoint.init_from={str(path)!r} is not a safetensors file ({e})") from None
+    return json.loads(header["model_config"]) if header.get("format") == "tpframe" else None
+
+
+def check_init_from(cfg) -> None:
+    """One CheckpointError for an init_from that cannot become this run's model."""
+    from tpframe.checkpoint import hf
+
+    path = Path(cfg.checkpoint.init_from)
+    key = f"checkpoint.init_from={str(path)!r}"
+    if hf.is_hf_dir(path):
+        hf.check_hf_dir(cfg.model, path)
+        return
+    if path.is_dir():
+        raise CheckpointError(f"{key} is a directory without {hf.CONFIG}: give a Hugging Face model directory, a "
+                              "safetensors file from tools/checkpoint.py export, or resume a checkpoint with "
+                              "checkpoint.load")
+    if not path.is_file():
+        raise CheckpointError(f"{key} does not exist")
+    recorded = _consolidated_model(path)
+    if recorded is not None:
+        from tpframe.training.config import from_dict
+
+        theirs, mine = architecture(from_dict({"model": recorded}).model), architecture(cfg.model)
+        diffs = [f"model.{k}={mine.get(k)!r} but the file has {theirs.get(k)!r}"
+                 for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diffs:
+            raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
+
+
+def load_init_from(model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *,
+                   partial: bool = False) -> str:
+    """Copy this rank's shards from `path` into `model` (`partial`: a pipeline stage, which holds only some
+    of the tensors); returns what was loaded, for the log."""
+    from tpframe.checkpoint import hf
+    from tpframe.checkpoint.export import copy_logical_tensors, safetensors_module
+
+    path = Path(path)
+    if hf.is_hf_dir(path):
+        config = hf.read_config(path)
+        n = copy_logical_tensors(model, hf.HFWeights(path, m), tp_rank, tp, source=str(path), partial=partial)
+        return f"Hugging Face {config['model_type']} model {path} ({n / 1e6:.2f}M parameters)"
+    tensors = safetensors_module().load_file(str(path))
+    n = copy_logical_tensors(model, tensors, tp_rank, tp, source=str(path), partial=partial)
+    return f"consolidated weights {path} ({len(tensors)} tensors, {n / 1e6:.2f}M parameters)"
