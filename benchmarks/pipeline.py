@@ -82,12 +82,20 @@ class RandomBatches:
 
     def __init__(self, vocab: int, mb: int, seq: int, dp_rank: int, dp: int):
         self.vocab, self.mb, self.seq, self.dp_rank, self.dp = vocab, mb, seq, dp_rank, dp
-        self.gen = torch.Generator().manual_seed(1234)
+        self.draws = 0  # the position: micro-steps drawn so far
 
     def next(self):
-        tokens = torch.randint(0, self.vocab, (self.mb * self.dp, self.seq + 1), generator=self.gen)
+        gen = torch.Generator().manual_seed(1234 + self.draws)
+        self.draws += 1
+        tokens = torch.randint(0, self.vocab, (self.mb * self.dp, self.seq + 1), generator=gen)
         tokens = tokens[self.dp_rank * self.mb : (self.dp_rank + 1) * self.mb]
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:  # the trainer's step guard rewinds the data to re-run a non-finite step
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.draws = state["draws"]
 
 
 class Quiet:

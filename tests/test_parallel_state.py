@@ -1,6 +1,7 @@
 """Group layout, rank order and the errors of initialize_parallel."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.dist_utils import DistributedFailure, run_distributed
@@ -135,8 +136,14 @@ def _initializes_world_itself():
 
     state = initialize_parallel(tp=2)
     ok = state.owns_world and dist.is_initialized()
+    state.tp_comm.all_reduce(torch.ones(4))
+    mesh = state.mesh
     destroy_parallel()
-    return ok and not dist.is_initialized()
+    # Nothing may keep a destroyed group alive to interpreter shutdown, where freeing it can abort the process.
+    released = (mesh._pg_registry == {} if hasattr(mesh, "_pg_registry") else True) and all(
+        getattr(state, name) is None for name in ("mesh", "tp_group", "dp_group", "pp_group", "mp_group")
+    ) and all(comm.group is None for comm in (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm))
+    return ok and released and not dist.is_initialized()
 
 
 def test_initialize_builds_world_from_torchrun_env():

@@ -33,16 +33,23 @@ def test_triton_rotary_matches_the_torch_path(dtype):
         ref_grad = torch.autograd.grad(split_heads(qkv64.requires_grad_(), nq, nkv, d, (c64, s64), fused=False),
                                        qkv64, grads64)[0]
         outs = {}
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin)), fullgraph=True)
         for name, fn in (("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False)),
-                         ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d))):
+                         ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d)),
+                         ("compiled", lambda: compiled(x))):  # the kernels as the custom op tpframe::qkv_rotary
             out = fn()
             grad = torch.autograd.grad(out, x, [g.to(dtype) for g in grads64])[0]
             outs[name] = ([rel_err(o, r) for o, r in zip(out, ref)], rel_err(grad, ref_grad))
         case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} {dtype}"
-        (fwd_e, bwd_e), (fwd_f, bwd_f) = outs["eager"], outs["fused"]
+        (fwd_e, bwd_e) = outs["eager"]
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        assert max(fwd_f) <= max(tol, 1.01 * max(fwd_e)), f"{case}: fused forward errors {fwd_f} vs eager {fwd_e}"
-        assert bwd_f <= max(tol, 1.01 * bwd_e), f"{case}: fused backward error {bwd_f} vs eager {bwd_e}"
+        for name in ("fused", "compiled"):
+            fwd_f, bwd_f = outs[name]
+            assert max(fwd_f) <= max(tol, 1.01 * max(fwd_e)), f"{case}: {name} forward errors {fwd_f} vs eager {fwd_e}"
+            assert bwd_f <= max(tol, 1.01 * bwd_e), f"{case}: {name} backward error {bwd_f} vs eager {bwd_e}"
+        if s < 100:  # the op's registration (schema, fake, autograd) checked by torch itself
+            torch.library.opcheck(torch.ops.tpframe.qkv_rotary, (x.detach().requires_grad_(), cos, sin, nq, nkv, d))
 
 
 @pytest.mark.gpu

@@ -241,3 +241,19 @@ def test_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
 
         pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
     run_distributed(_async_tp_functions_match_plain, 2)
+
+
+def test_rotary_custom_op_has_fake_shapes_for_tracing():
+    """torch.compile traces the fused rotary as tpframe::qkv_rotary (and its backward op) through these fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tpframe.kernels.rotary  # noqa: F401  (registers the ops)
+
+    s, b, nq, nkv, d = 7, 3, 4, 2, 8
+    with FakeTensorMode():
+        qkv = torch.empty(s, b, (nq + 2 * nkv) * d, dtype=torch.bfloat16)
+        cos = sin = torch.empty(s, 1, 1, d, dtype=torch.bfloat16)
+        q, k, v = torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d)
+        g = torch.ops.tpframe.qkv_rotary_backward(q, k, v, cos, sin, nq, nkv, d)
+    assert [tuple(t.shape) for t in (q, k, v)] == [(b, nq, s, d), (b, nkv, s, d), (b, nkv, s, d)]
+    assert tuple(g.shape) == (s, b, (nq + 2 * nkv) * d) and g.dtype == torch.bfloat16

@@ -364,3 +364,19 @@ def test_bad_pipeline_config_exits_2_with_one_clear_line(overrides, world, messa
                        "train.global_batch_size=8", "train.micro_batch_size=2", *overrides])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_pipeline_benchmark_runs_full_trainer_steps_on_cpu():
+    """The benchmark drives the real Trainer (step guard included): a CPU dry run keeps it in step with it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/pipeline.py", "hidden=32", "layers=2", "heads=2", "seq=16",
+                          "vocab=128", "dtype=float32", "gbs=4", "steps=2", "warmup=1", "append=0",
+                          "layouts=pp-1f1b,tp-sp", "row_timeout=120"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| tp=")]
+    assert out.returncode == 0 and len(rows) == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "failed" not in out.stdout

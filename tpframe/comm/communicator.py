@@ -161,12 +161,17 @@ class Communicator:
     def barrier(self) -> None:
         (self.symm or self.nccl).barrier()
 
-    def close(self) -> None:
+    def close(self, *, release_group: bool = False) -> None:
+        """Free symmetric memory (the NCCL path stays usable). `release_group=True` also lets go of the
+        group, once it is destroyed: a ProcessGroup still referenced at interpreter shutdown is freed
+        there, which now and then aborts the process; the communicator cannot be used after that."""
         comm_ops.unregister(self.name)
         if self.symm is not None:
             self.symm.close()
             self.symm = None
         self._plans.clear()
+        if release_group:
+            self.group = self.nccl = None
 
     def __repr__(self) -> str:
         active = "symm+nccl" if self.symm is not None else "nccl"

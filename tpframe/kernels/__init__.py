@@ -4,7 +4,8 @@
     cross_entropy.py  per-row softmax statistics and the in-place logits gradient of the head + loss path
 
 Every kernel has a plain-torch twin that computes the same function (the CPU path, and the tests' oracle);
-callers pick the kernel only for CUDA tensors, outside torch.compile tracing (Inductor fuses those itself).
+callers pick the kernel only for CUDA tensors; the cross-entropy kernels run outside torch.compile
+tracing (the head stays eager), the rotary kernel also inside it, as the custom op tpframe::qkv_rotary.
 """
 
 from __future__ import annotations

@@ -92,29 +92,79 @@ def _launch_meta(nq: int, nkv: int, d: int) -> dict:
     return dict(NQ=nq, NKV=nkv, D=d, HEADS=heads, HALF=half, num_warps=8 if heads * half >= 4096 else 4)
 
 
+def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int):
+    s, b = qkv.shape[:2]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    q = qkv.new_empty((b, nq, s, d))
+    k, v = qkv.new_empty((b, nkv, s, d)), qkv.new_empty((b, nkv, s, d))
+    _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, s, b, **_launch_meta(nq, nkv, d))
+    return q, k, v
+
+
+def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int):
+    b, _, s, _ = gq.shape
+    gqkv = gq.new_empty((s, b, (nq + 2 * nkv) * d))
+    _qkv_rotary_bwd[(s * b,)](gq.contiguous(), gk.contiguous(), gv.contiguous(), cos.contiguous(), sin.contiguous(),
+                              gqkv, s, b, **_launch_meta(nq, nkv, d))
+    return gqkv
+
+
 class _QKVRotary(torch.autograd.Function):
+    """The eager path: no op dispatch on the way to the kernels."""
+
     @staticmethod
     def forward(ctx, qkv, cos, sin, nq, nkv, d):
-        s, b = qkv.shape[:2]
-        qkv = qkv.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
-        q = qkv.new_empty((b, nq, s, d))
-        k, v = qkv.new_empty((b, nkv, s, d)), qkv.new_empty((b, nkv, s, d))
-        _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, s, b, **_launch_meta(nq, nkv, d))
         ctx.save_for_backward(cos, sin)
-        ctx.dims, ctx.dtype = (s, b, nq, nkv, d), qkv.dtype
-        return q, k, v
+        ctx.dims, ctx.dtype = (qkv.shape[0], qkv.shape[1], nq, nkv, d), qkv.dtype
+        return _rotary_fwd(qkv, cos, sin, nq, nkv, d)
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
         s, b, nq, nkv, d = ctx.dims
-        grads = []
-        for g, n in ((gq, nq), (gk, nkv), (gv, nkv)):
-            grads.append(torch.zeros((b, n, s, d), dtype=ctx.dtype, device=cos.device) if g is None else g.contiguous())
-        gqkv = grads[0].new_empty((s, b, (nq + 2 * nkv) * d))
-        _qkv_rotary_bwd[(s * b,)](*grads, cos, sin, gqkv, s, b, **_launch_meta(nq, nkv, d))
-        return gqkv, None, None, None, None, None
+        grads = [torch.zeros((b, n, s, d), dtype=ctx.dtype, device=cos.device) if g is None else g
+                 for g, n in ((gq, nq), (gk, nkv), (gv, nkv))]
+        return _rotary_bwd(*grads, cos, sin, nq, nkv, d), None, None, None, None, None
+
+
+# Under torch.compile the same kernels run as custom ops: opaque to Inductor, which would otherwise generate the
+# split + rotation + layout change itself, with a backward whose transposed stores cost ~10x the kernel's.
+@torch.library.custom_op("tpframe::qkv_rotary", mutates_args=())
+def qkv_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
+                  d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rotary_fwd(qkv, cos, sin, nq, nkv, d)
+
+
+@qkv_rotary_op.register_fake
+def _(qkv, cos, sin, nq, nkv, d):
+    s, b = qkv.shape[:2]
+    return (qkv.new_empty((b, nq, s, d)), qkv.new_empty((b, nkv, s, d)), qkv.new_empty((b, nkv, s, d)))
+
+
+@torch.library.custom_op("tpframe::qkv_rotary_backward", mutates_args=())
+def qkv_rotary_backward_op(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, nq: int, nkv: int, d: int) -> torch.Tensor:
+    return _rotary_bwd(gq, gk, gv, cos, sin, nq, nkv, d)
+
+
+@qkv_rotary_backward_op.register_fake
+def _(gq, gk, gv, cos, sin, nq, nkv, d):
+    b, _, s, _ = gq.shape
+    return gq.new_empty((s, b, (nq + 2 * nkv) * d))
+
+
+def _setup_context(ctx, inputs, output):
+    _, cos, sin, nq, nkv, d = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.dims = (nq, nkv, d)
+
+
+def _backward(ctx, gq, gk, gv):
+    cos, sin = ctx.saved_tensors
+    return torch.ops.tpframe.qkv_rotary_backward(gq, gk, gv, cos, sin, *ctx.dims), None, None, None, None, None
+
+
+qkv_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int):
@@ -124,4 +174,6 @@ def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int,
     if qkv.shape[-1] != (nq + 2 * nkv) * d or d % 2 or cos.numel() != qkv.shape[0] * d:
         raise ValueError(f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)} do not match "
                          f"nq={nq}, nkv={nkv}, d={d}")
+    if torch.compiler.is_compiling():
+        return torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d)
     return _QKVRotary.apply(qkv, cos, sin, nq, nkv, d)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.kernels import use_triton
+from tpframe.kernels import HAVE_TRITON
 from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.parallel.state import default_tp_comm
@@ -61,10 +61,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused: bool = True):
     """qkv [s, b, (nq + 2 nkv) d] -> SDPA's q [b, nq, s, d], k, v [b, nkv, s, d], rotary applied to q and k.
 
-    On CUDA (outside compile tracing) one Triton kernel does the split, the rotation and the layout change
-    (tpframe/kernels/rotary.py); elsewhere, or with `fused=False`, plain torch ops compute the same. The kernel
-    takes tables shared by the batch ([s, 1, 1, d]); per-row tables (generation, [s, b, 1, d]) take the torch ops."""
-    if fused and rotary is not None and rotary[0].shape[1] == 1 and use_triton(qkv):
+    On CUDA one Triton kernel does the split, the rotation and the layout change (tpframe/kernels/rotary.py;
+    under torch.compile as a custom op, since Inductor's own code for it is slow); elsewhere, or with
+    `fused=False`, plain torch ops compute the same. The kernel takes tables shared by the batch ([s, 1, 1, d]);
+    per-row tables (generation, [s, b, 1, d]) take the torch ops."""
+    if fused and rotary is not None and rotary[0].shape[1] == 1 and HAVE_TRITON and qkv.is_cuda:
         return qkv_rotary(qkv, *rotary, nq, nkv, d)
     s, b = qkv.shape[:2]
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)

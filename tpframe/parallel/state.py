@@ -58,7 +58,9 @@ def coords_of(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> tuple[int
 
 @dataclass
 class ParallelState:
-    """Sizes, ranks, groups and communicators of this process. Built by `initialize_parallel`."""
+    """Sizes, ranks, groups and communicators of this process. Built by `initialize_parallel`;
+    `destroy_parallel` closes the communicators and, when it destroys the world too, sets the mesh and
+    group fields to None."""
 
     world_size: int
     rank: int
@@ -213,10 +215,20 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None or not dist.is_initialized():
         return
-    for comm in (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm):
-        if comm is not None:
-            comm.close()  # frees symmetric memory where a communicator set it up
+    comms = (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm)
+    for comm in comms:
+        if comm is not None:  # frees symmetric memory where a communicator set it up
+            comm.close(release_group=state.owns_world)
     for group in state._groups:
         dist.destroy_process_group(group)
-    if state.owns_world:
-        dist.destroy_process_group()
+    if not state.owns_world:  # the caller's world lives on, and with it the mesh's groups
+        return
+    dist.destroy_process_group()
+    # Drop every reference to the destroyed groups. A ProcessGroup still referenced when the
+    # interpreter shuts down (the caller keeps `state`, a module keeps the mesh) is freed during
+    # shutdown, which now and then aborts the process ("terminate called without an active exception").
+    registry = getattr(state.mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+    state.mesh = state.tp_group = state.dp_group = state.pp_group = state.mp_group = state.embedding_group = None
+    state._groups = []

@@ -1,0 +1,27 @@
+#!/bin/bash
+# One device call on nvidia-h200-x2 (repo root): GPT-1.3B TP=2 + SP forward+backward eager, eager + async TP and
+# compiled (benchmarks/gpt.py, side by side), the same shape's full optimizer step (benchmarks/pipeline.py tp-sp,
+# one micro-batch of 8: the train step against forward+backward), then the pipeline schedules. Logs under $OUT.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 NO_APPEND=1
+START=$SECONDS
+tp2() {  # env... : one TP=2 + SP GPT-1.3B forward+backward run
+  env TP=2 SP=1 MB=8 STEPS=${STEPS:-10} "$@" timeout ${T_RUN:-120} python3 -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/gpt.py 2>&1 | tee -a $OUT/gpt.log | grep RESULT
+  echo "  ($* done at $((SECONDS - START)) s)"
+}
+if [ -z "$SKIP_GPT" ]; then
+  tp2 ASYNC_TP=0
+  tp2 ASYNC_TP=1
+  tp2 COMPILE=1
+fi
+if [ -n "$PROFILE_ASYNC" ]; then  # where the async-TP step's time goes, against the plain step's
+  tp2 ASYNC_TP=1 STEPS=3 PROFILE=$OUT/prof_async.txt
+  tp2 ASYNC_TP=0 STEPS=3 PROFILE=$OUT/prof_plain.txt
+fi
+timeout ${T_STEP:-120} python3 benchmarks/pipeline.py layouts=tp-sp mb=8 gbs=8 steps=8 warmup=3 row_timeout=110 append=0 \
+  > $OUT/train_step.log 2>&1; echo "train step rc=$? at $((SECONDS - START)) s"; grep -E "^\| " $OUT/train_step.log
+left=$(( ${BUDGET_S:-530} - (SECONDS - START) ))
+timeout $left python3 benchmarks/pipeline.py layouts=${PP_LAYOUTS:-pp-1f1b,pp-interleaved,pp-zb_h1,pp-afab,dp} \
+  steps=5 warmup=2 row_timeout=75 > $OUT/pipeline.log 2>&1
+echo "pipeline rc=$? at $((SECONDS - START)) s"; grep -E "^\| |Bubble|bubble" $OUT/pipeline.log | head -20
+cp benchmarks/RESULTS.md $OUT/RESULTS.md
