@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from tpframe.errors import ConfigError
+from tpframe.launch import single_process_env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -140,21 +140,11 @@ def run(plan: Plan) -> list[dict]:
         destroy_parallel()
 
 
-def _single_process_env() -> None:
-    """Let `python generate.py` run without torchrun: a world of one process (as train.py does)."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def main(argv: list[str] | None = None) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         plan = prepare(argv)
-        _single_process_env()
+        single_process_env()
         records = run(plan)
     except ConfigError as e:
         if rank0:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 
+from tpframe.launch import single_process_env
 from tpframe.training.config import ConfigError, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,16 +47,6 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"env var {name}={raw!r} must be an integer") from None
-
-
-def _single_process_env() -> None:
-    """Let `python train.py` run without torchrun: a world of one process."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int | None = None,
@@ -234,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         prepared = prepare(argv)
     except ConfigError as e:
         return exits.config_error(str(e), rank)
-    _single_process_env()
+    single_process_env()
     try:
         run(*prepared)
     except ConfigError as e:  # found once the process groups exist (e.g. a model that builds only for real)

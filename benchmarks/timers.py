@@ -45,7 +45,9 @@ def run_mode(mode: str, run_dir: str, steps: int, extra: list[str]) -> list[dict
 def main() -> None:
     import torch.distributed as dist
 
-    train._single_process_env()  # `python benchmarks/timers.py` works too
+    from tpframe.launch import single_process_env
+
+    single_process_env()  # `python benchmarks/timers.py` works too
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # one world for all the runs: train.run's parallel state then leaves it up between them

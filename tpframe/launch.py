@@ -22,12 +22,23 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from pathlib import Path
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 TPFRAME_CODES = {2: "config error", 3: "training stopped on non-finite steps", 4: "a rank stopped responding"}
+
+
+def single_process_env() -> None:
+    """Let `python train.py` (or generate.py) run without a launcher: the env of a world of one process."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 class LaunchError(Exception):
