@@ -123,6 +123,9 @@ def run_one() -> None:
 
 
 def profile_step(step, path: str, rank: int) -> None:
+    """A torch.profiler table of one more step at `path` (rank 0), its chrome trace beside it, and how long the
+    GPU sat idle during the step: the most a CUDA graph of the step (which removes launch gaps, not kernel
+    time) could save."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -138,8 +141,35 @@ def profile_step(step, path: str, rank: int) -> None:
                 break
             except (AttributeError, KeyError, ValueError):
                 table = averages.table(row_limit=45)
+        if cuda:
+            trace = str(Path(path).with_suffix(".json"))
+            prof.export_chrome_trace(trace)
+            span, busy = gpu_busy(trace)
+            table += (f"\nGPU timeline of the step: {span:.2f} ms from first kernel to last, busy {busy:.2f} ms, "
+                      f"idle {span - busy:.2f} ms ({1 - busy / span:.1%}): the most a CUDA graph could save\n")
+            print(table.splitlines()[-1], flush=True)
         Path(path).write_text(table)
         print(f"profile of one step written to {path}", flush=True)
+
+
+def gpu_busy(trace_path: str) -> tuple[float, float]:
+    """(span, busy) in ms of a chrome trace's GPU activity: first to last kernel/copy/memset, and the union
+    of their intervals."""
+    import json
+
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not spans:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > hi:
+            busy, lo, hi = busy + hi - lo, s, e
+        else:
+            hi = max(hi, e)
+    busy += hi - lo
+    return (spans[-1][1] - spans[0][0]) / 1e3, busy / 1e3
 
 
 # -- --compare ------------------------------------------------------------------------------------

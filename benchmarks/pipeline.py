@@ -18,7 +18,11 @@ loss at the end), timed with CUDA events around the waits, over the schedule's t
 F, B, W costs: (p-1)/(m+p-1) for 1F1B and AFAB, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1.
 Keys (argv key=value, or env in upper case): hidden layers heads seq vocab mb gbs steps warmup dtype
 layouts (comma-separated: pp-afab pp-1f1b pp-interleaved pp-zb_h1 tp-sp dp) virtual (chunks per rank for
-pp-interleaved) comm nproc row_timeout append (0: print only).
+pp-interleaved) comm nproc row_timeout append (0: print only) fwdbwd (1: the non-pipelined rows also time
+the same model's bare forward+backward, gradients dropped and no optimizer, as benchmarks/gpt.py does, before
+the strategy exists, and the table gives the full step's overhead over it and where it goes: the trainer's
+GPU-timeline phases grad_sync and optim) profile (a path: rank 0 writes a torch.profiler table of one more
+train step there, one file per layout).
 Appends the table, the command and the device to benchmarks/RESULTS.md.
 """
 
@@ -52,7 +56,7 @@ from tpframe.training.trainer import Trainer  # noqa: E402
 
 DEFAULTS = dict(hidden=2048, layers=24, heads=16, seq=2048, vocab=50304, mb=2, gbs=16, steps=10, warmup=3,
                 dtype="bfloat16", comm="auto", append=1, nproc=2, row_timeout=600,
-                virtual=2, layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp")
+                virtual=2, layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp", fwdbwd=0, profile="")
 
 
 def layout(name: str, world: int, virtual: int) -> tuple[int, int, str | None, int]:
@@ -123,6 +127,7 @@ def run_layout(name: str, o: dict, world: int) -> dict:
         ctx = BuildContext(state.tp_comm, sequence_parallel=tp > 1, rng_tracker=tracker, dtype=dtype,
                            device=state.device, seed=1234)
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=pp, virtual_stages=v)
+        bare_ms = time_forward_backward(model, o, state, dp) if o["fwdbwd"] and pp == 1 else None
         strategy = build_strategy("ddp", model, cfg.optim, state, compute_dtype=dtype)
         timer = StageTimer(state.device)
         forward_backward = forward_backward_no_pipelining
@@ -147,9 +152,14 @@ def run_layout(name: str, o: dict, world: int) -> dict:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             idle, span = timer.pop()
+            if step == o["warmup"] - 1:
+                trainer.timers.window()  # the phase means below cover the timed steps only
             if step >= o["warmup"]:
                 times.append(elapsed)
                 bubbles.append(idle / span if span > 0 else float("nan"))
+        phases = trainer.timers.window()
+        if o["profile"]:
+            profile_train_step(trainer, f"{o['profile']}.{name}.txt", state.rank)
         mine = {"stage": state.pp_rank, "bubble": statistics.median(bubbles) if pp > 1 else None,
                 "mem": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
         everyone: list = [None] * world
@@ -161,11 +171,55 @@ def run_layout(name: str, o: dict, world: int) -> dict:
             "micro": o["gbs"] // (o["mb"] * dp), "step_ms": step_time * 1e3, "tokens_s": tokens / step_time,
             "tflops": model.flops_per_token(o["seq"]) * tokens / step_time / world / 1e12,
             "bubbles": [e["bubble"] for e in sorted(everyone, key=lambda e: e["stage"])] if pp > 1 else None,
-            "mem": max(e["mem"] for e in everyone), "loss": loss,
+            "mem": max(e["mem"] for e in everyone), "loss": loss, "fwd_bwd_ms": bare_ms,
+            "phases": {k: round(v, 2) for k, v in phases.items()},
             "device": torch.cuda.get_device_name() if cuda else "cpu (gloo)",
         }
     finally:
         destroy_parallel()
+
+
+def time_forward_backward(model, o: dict, state, dp: int) -> float:
+    """Median ms of the bare forward+backward of one step's micro-batches (gradients dropped, no optimizer,
+    no gradient buffer yet): what benchmarks/gpt.py times, on this row's model and data."""
+    data = RandomBatches(o["vocab"], o["mb"], o["seq"], state.dp_rank, dp)
+    micro = o["gbs"] // (o["mb"] * dp)
+    batches = [tuple(t.to(state.device) for t in data.next()) for _ in range(micro)]
+    cuda = state.device.type == "cuda"
+    times = []
+    for i in range(o["warmup"] + o["steps"]):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for inp, labels in batches:
+            model(inp, labels).mean().backward()
+        for p in model.parameters():
+            p.grad = None
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= o["warmup"]:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def profile_train_step(trainer, path: str, rank: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        trainer.train_step()
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        try:
+            text = prof.key_averages().table(sort_by=key, row_limit=50, max_name_column_width=90)
+        except (AttributeError, KeyError, ValueError):
+            text = prof.key_averages().table(row_limit=50)
+        Path(path).write_text(text)
+        if cuda:
+            prof.export_chrome_trace(path.replace(".txt", ".json"))
+        print(f"profile of one train step written to {path}", flush=True)
 
 
 def table(rows: list[dict], o: dict, device: str) -> str:
@@ -179,6 +233,7 @@ def table(rows: list[dict], o: dict, device: str) -> str:
         "| bubble per stage (measured) | bubble theory (p-1)/(m+p-1) | schedule theory | loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    bare = [r for r in rows if r.get("fwd_bwd_ms")]
     for r in rows:
         if r["pp"] > 1:
             m, p = r["micro"], r["pp"]
@@ -195,6 +250,17 @@ def table(rows: list[dict], o: dict, device: str) -> str:
             f"| {r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mem']:.1f} | {measured} | {theory} | {own} "
             f"| {r['loss']:.3f} |"
         )
+    if bare:
+        lines += ["", "Full optimizer step against the bare forward+backward of the same model and micro-batches "
+                  "(gradients dropped, no optimizer); phases: the trainer's GPU-timeline means over the timed steps.",
+                  "", "| layout | fwd+bwd ms | train step ms | overhead | train / fwd+bwd throughput | phases ms |",
+                  "|---|---|---|---|---|---|"]
+        for r in bare:
+            layout = f"tp={r['tp']} pp={r['pp']} dp={r['dp']}" + (" sp" if r["tp"] > 1 else "")
+            phases = ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in r["phases"].items())
+            lines.append(f"| {layout} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} "
+                         f"| {r['step_ms'] - r['fwd_bwd_ms']:.1f} ms ({r['step_ms'] / r['fwd_bwd_ms'] - 1:.1%}) "
+                         f"| {r['fwd_bwd_ms'] / r['step_ms']:.3f}x | {phases} |")
     return "\n".join(lines)
 
 

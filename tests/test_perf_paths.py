@@ -257,3 +257,20 @@ def test_rotary_custom_op_has_fake_shapes_for_tracing():
         g = torch.ops.tpframe.qkv_rotary_backward(q, k, v, cos, sin, nq, nkv, d)
     assert [tuple(t.shape) for t in (q, k, v)] == [(b, nq, s, d), (b, nkv, s, d), (b, nkv, s, d)]
     assert tuple(g.shape) == (s, b, (nq + 2 * nkv) * d) and g.dtype == torch.bfloat16
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals(tmp_path):
+    """benchmarks/gpt.py's idle-time measure (what a CUDA graph of the step could save at most)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gpt import gpu_busy
+
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}]}))
+    span, busy = gpu_busy(str(trace))
+    assert (span, busy) == (0.025, 0.020)  # 0-15 and 20-25 us busy; host ops ignored

@@ -375,8 +375,12 @@ def test_pipeline_benchmark_runs_full_trainer_steps_on_cpu():
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "benchmarks/pipeline.py", "hidden=32", "layers=2", "heads=2", "seq=16",
                           "vocab=128", "dtype=float32", "gbs=4", "steps=2", "warmup=1", "append=0",
-                          "layouts=pp-1f1b,tp-sp", "row_timeout=120"],
+                          "layouts=pp-1f1b,tp-sp", "row_timeout=120", "fwdbwd=1"],
                          cwd=root, capture_output=True, text=True, timeout=300)
     rows = [line for line in out.stdout.splitlines() if line.startswith("| tp=")]
-    assert out.returncode == 0 and len(rows) == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    # two layout rows, then the non-pipelined one's train step against its bare forward+backward
+    assert out.returncode == 0 and len(rows) == 3, out.stdout[-2000:] + out.stderr[-2000:]
     assert "failed" not in out.stdout
+    cells = [c.strip() for c in rows[2].split("|")[1:-1]]
+    fwd_bwd, step = float(cells[1]), float(cells[2])
+    assert fwd_bwd > 0 and step > 0 and "fwd_bwd" in cells[5] and "optim" in cells[5], rows[2]

@@ -16,6 +16,7 @@ from tpframe.optim.strategy import (
     STEP_KEY,
     GradStrategy,
     add_chunks,
+    adamw_step,
     adamw_step_count,
     clip_by_global_norm,
     counts_once,
@@ -42,6 +43,7 @@ class DDPStrategy(GradStrategy):
         self.grads = GradBuffer(self.params, parallel.dp_group, dp_size=parallel.dp, bucket_bytes=bucket_bytes,
                                 overlap=overlap, mode="all_reduce")
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self._low_precision = [p for m, p in zip(self.masters, self.params) if m is not p]  # bf16 params
         decay = [m for m, p in zip(self.masters, self.params) if p.dim() >= 2]
         no_decay = [m for m, p in zip(self.masters, self.params) if p.dim() < 2]
         self.optimizer = make_adamw(decay, no_decay, cfg)
@@ -62,18 +64,19 @@ class DDPStrategy(GradStrategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         # grads are equal on every DP replica: sum over one model replica (tp x pp) only
         counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank)]
-        return clip_by_global_norm(counted, [self.grads.buffer], max_norm, [self.parallel.mp_comm], self.grads.buffer.device)
+        return clip_by_global_norm(counted, [self.grads.buffer], max_norm, [self.parallel.mp_comm], self.grads.buffer.device,
+                                   optimizer=self.optimizer)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         set_adamw_lr(self.optimizer, lr)
         for p, m in zip(self.params, self.masters):
             m.grad = p.main_grad
-        self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
+        adamw_step(self.optimizer)
+        for m in self.masters:
             m.grad = None
-            if m is not p:
-                p.copy_(m)
+        if self._low_precision:  # one multi-tensor launch, not one copy per parameter
+            torch._foreach_copy_(self._low_precision, [m for m, p in zip(self.masters, self.params) if m is not p])
 
     def state_dict(self, available: set[str] | None = None) -> dict:
         ensure_adamw_state(self.optimizer)

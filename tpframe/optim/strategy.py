@@ -18,6 +18,7 @@ params into a flat buffer, FSDP2 shards them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,19 +107,46 @@ def set_adamw_step_count(optimizer: torch.optim.AdamW, step: torch.Tensor) -> No
 
 @torch.no_grad()
 def clip_by_global_norm(counted: list[torch.Tensor], scaled: list[torch.Tensor], max_norm: float,
-                        comms: list[Communicator], device: torch.device) -> float:
-    """L2 norm of all `counted` gradients summed over `comms`; scale `scaled` in place so it is at most `max_norm`
-    (0 disables clipping). Returns the norm before clipping (non-finite if any gradient is)."""
+                        comms: list[Communicator], device: torch.device, *,
+                        optimizer: torch.optim.Optimizer | None = None) -> float:
+    """L2 norm of all `counted` gradients summed over `comms`; scale `scaled` so it is at most `max_norm`
+    (0 disables clipping). Returns the norm before clipping (non-finite if any gradient is).
+
+    The factor is decided on the host (the trainer needs the norm there anyway) and only applied when it
+    clips. With `optimizer` a fused (CUDA) torch AdamW, the scaling is folded into its kernel: its
+    `grad_scale` divides each gradient as the update reads it, saving a pass over the fp32 gradients
+    (the kernel stores the scaled gradient back, so `scaled` holds the clipped values after `step()`,
+    as it would after an in-place scale). Otherwise `scaled` is scaled in place now.
+    """
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     if counted:
         sq += torch.stack(torch._foreach_norm(counted)).float().square().sum()
     for comm in comms:
         comm.all_reduce_(sq)
-    norm = sq.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(scaled, coef.reshape(()))
-    return norm.item()
+    norm = sq.sqrt().item()
+    factor = clip_factor(norm, max_norm)
+    if optimizer is not None:
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+    if factor < 1.0:
+        if optimizer is not None and all(g.get("fused") for g in optimizer.param_groups):
+            optimizer.grad_scale = torch.full((), 1.0 / factor, dtype=torch.float32, device=device)  # type: ignore
+        else:
+            torch._foreach_mul_(scaled, factor)
+    return norm
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """What gradient clipping multiplies the gradients by: below 1 only when `norm` exceeds `max_norm` > 0
+    (1.0 for a non-finite norm: that step is skipped, not scaled)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def adamw_step(optimizer: torch.optim.AdamW) -> None:
+    """One AdamW update, consuming a clip factor `clip_by_global_norm` folded into it."""
+    optimizer.step()
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
 
 
 def add_chunks(out: dict, key_fmt: str, name: str, param: torch.Tensor, tp_rank: int, tp: int, flat: torch.Tensor,

@@ -24,6 +24,7 @@ from tpframe.optim.strategy import (
     STEP_KEY,
     GradStrategy,
     add_chunks,
+    adamw_step,
     adamw_step_count,
     clip_by_global_norm,
     counts_once,
@@ -118,7 +119,8 @@ class Zero1Strategy(GradStrategy):
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
         counted = [sg.grad for sg in self.segments if counts_once(sg.param, tp_rank, pp_rank)]
         comms = [self.parallel.dp_comm, self.parallel.mp_comm]  # shards over DP, then one model replica
-        return clip_by_global_norm(counted, self.grads.shards(), max_norm, comms, self.grads.buffer.device)
+        return clip_by_global_norm(counted, self.grads.shards(), max_norm, comms, self.grads.buffer.device,
+                                   optimizer=self.optimizer)
 
     # -- the update ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -127,11 +129,12 @@ class Zero1Strategy(GradStrategy):
             set_adamw_lr(self.optimizer, lr)
             for sg in self.segments:
                 sg.master.grad = sg.grad
-            self.optimizer.step()
+            adamw_step(self.optimizer)
+            low = [sg for sg in self.segments if sg.master is not sg.flat]
             for sg in self.segments:
                 sg.master.grad = None
-                if sg.master is not sg.flat:
-                    sg.flat.copy_(sg.master)
+            if low:  # one multi-tensor launch, not one copy per segment
+                torch._foreach_copy_([sg.flat for sg in low], [sg.master for sg in low])
         self.gather_params(background=self.overlap_param_gather)
 
     def gather_params(self, background: bool = False) -> None:

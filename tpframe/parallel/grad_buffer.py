@@ -5,6 +5,12 @@ reverse parameter order (roughly the order backward produces gradients) and cut 
 about `bucket_bytes`. A post-accumulate hook adds each backward's `param.grad` into `main_grad`
 (so micro-batches accumulate in fp32 even for bf16 params) and frees `param.grad`.
 
+Zeroing is lazy: `zero()` writes nothing; a parameter's first gradient of the step is *copied* into
+its `main_grad` (a vectorized bf16->fp32 copy), later ones added. That saves a pass over the whole
+fp32 buffer per step and, with one micro-batch, the mixed-dtype add (torch's bf16+fp32 add is not
+vectorized: 6 ms against 2 ms for the copy at 1.3B parameters on an H200). A parameter that received
+no gradient in the step is zeroed when its bucket is synced.
+
 Only after `start_sync()` (the schedule calls it before the last micro-batch's backward) does a
 bucket whose every gradient has arrived launch its DP collective, asynchronously, while backward
 goes on (`overlap=True`); earlier micro-batches cause no DP traffic. `finish_sync()` launches what
@@ -65,6 +71,7 @@ class Bucket:
     stop: int
     params: list[nn.Parameter]
     pending: int = 0  # gradients still to arrive in the synced backward
+    fresh: set = field(default_factory=set)  # ids of params with no gradient yet this step (main_grad stale)
     work: object = None  # the in-flight collective
     launched: bool = False
     members: set = field(default_factory=set)
@@ -114,7 +121,7 @@ class GradBuffer:
                 close()
         self.numel = self.buckets[-1].stop
         device = self.params[0].device
-        self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)  # padding stays zero
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._position = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -125,11 +132,12 @@ class GradBuffer:
 
     # -- the per-step protocol ---------------------------------------------------------------------
     def zero(self) -> None:
-        """Start a step: clear the gradients; backward passes accumulate without DP traffic."""
-        self.buffer.zero_()
+        """Start a step: every gradient counts as zero (lazily: the first one of the step is copied, not
+        added); backward passes accumulate without DP traffic."""
         self.syncing = False
         for b in self.buckets:
             b.launched, b.work, b.pending = False, None, len(b.params)
+            b.fresh = set(b.members)
 
     def start_sync(self) -> None:
         """The coming backward is the step's last: launch each bucket's collective once it is full."""
@@ -147,18 +155,26 @@ class GradBuffer:
                 b.work = None
 
     def _accumulate(self, p: nn.Parameter) -> None:
-        p.main_grad.add_(p.grad)
+        b = self.bucket_of[p]
+        if id(p) in b.fresh:
+            p.main_grad.copy_(p.grad)
+            b.fresh.discard(id(p))
+        else:
+            p.main_grad.add_(p.grad)
         p.grad = None
         if self.events is not None:
             self.events.append(("grad", self._position[id(p)]))
         if self.syncing and self.overlap:
-            b = self.bucket_of[p]
             b.pending -= 1
             if b.pending == 0:
                 self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
+        for p in b.params:  # no gradient this step: it is zero
+            if id(p) in b.fresh:
+                p.main_grad.zero_()
+        b.fresh.clear()
         if self.events is not None:
             self.events.append(("launch", b.index))
         if self.dp_size == 1:
