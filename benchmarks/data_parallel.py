@@ -2,14 +2,18 @@
 
     python benchmarks/data_parallel.py                 # driver: DP=1, then DP=2 with each strategy; table -> RESULTS.md
     NPROC=4 python benchmarks/data_parallel.py         # DP=4 (and DP=1) on a 4-GPU machine
-    LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64 MB=2 STEPS=3 python benchmarks/data_parallel.py   # CPU dry run (gloo)
+    CKPT=1 python benchmarks/data_parallel.py          # with activation checkpointing (activations no longer dominate)
+    APPEND=0 LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64 MB=2 STEPS=3 python benchmarks/data_parallel.py   # CPU dry run (gloo)
 
 Each row is one `torchrun` worker run: a GPT (LayerNorm, rotary, GELU, biases, tied, V=50304; GPT-1.3B
 shape by default: L=24 H=2048 16 heads, seq 2048, micro-batch 8 per GPU, bf16) trained on random
 tokens with the real step (schedule -> grad sync -> clip -> AdamW), 3 warm-up steps, then the median
 of STEPS timed steps. Every GPU does the same work in every row (micro-batch MB, ACCUM micro-batches),
 so a perfect DP=N step takes as long as DP=1's. FLOPs per step per GPU: (72*L*H^2*T + 12*L*H*S*T +
-6*H*V*T) with T = MB*ACCUM*SEQ tokens. Peak memory is torch.cuda.max_memory_allocated on rank 0.
+6*H*V*T) with T = MB*ACCUM*SEQ tokens. Peak memory is torch.cuda.max_memory_allocated on rank 0; "resident" is
+what stays allocated between steps (weights, gradient buffer, optimizer state: what the strategies shard), and
+peak - resident is what a step adds on top (activations, the bf16 gradients in flight, collective buffers),
+which no DP strategy shards: it sets how far zero1/fsdp can bring the peak down.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def worker(strategy: str, overlap: bool) -> None:
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, max_seq_len=S, position="rotary", vocab_multiple=128)
     tracker = seed_parallel_rng(1234)
     model = build_model(cfg, BuildContext(state.tp_comm, rng_tracker=tracker, device=state.device,
-                                          dtype=torch.float32 if strategy == "fsdp" else dtype))
+                                          dtype=torch.float32 if strategy == "fsdp" else dtype,
+                                          activation_checkpointing=env("CKPT", 0) == 1))
     opt = build_strategy(strategy, model, OptimConfig(lr=1e-4, warmup_steps=0), state, bucket_mb=env("BUCKET_MB", 40.0),
                          overlap_grad_sync=overlap, compute_dtype=dtype)
 
@@ -82,6 +87,7 @@ def worker(strategy: str, overlap: bool) -> None:
     for _ in range(3):
         step()
     sync()
+    resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")  # between steps
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -98,7 +104,7 @@ def worker(strategy: str, overlap: bool) -> None:
         print("RESULT " + json.dumps({
             "strategy": strategy, "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-            "opt_state_gib": opt.state_bytes() / 2**30, "loss": loss.item(),
+            "opt_state_gib": opt.state_bytes() / 2**30, "loss": loss.item(), "resident_gib": resident,
         }), flush=True)
     destroy_parallel()
 
@@ -128,17 +134,23 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     shape = (f"L={env('LAYERS', 24)} H={env('HIDDEN', 2048)} heads={env('HEADS', 16)} seq={env('SEQ', 2048)} "
-             f"micro-batch {env('MB', 8)} x {env('ACCUM', 1)} per GPU")
+             f"micro-batch {env('MB', 8)} x {env('ACCUM', 1)} per GPU"
+             + (", activation checkpointing" if env("CKPT", 0) == 1 else ""))
     head = [f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
-            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS') if k in os.environ)} "
+            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT') if k in os.environ)} "
             "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
-            "", "| run | dp | step (s) | vs DP=1 | TFLOP/s per GPU | peak GiB | optimizer state GiB |", "|---|---|---|---|---|---|---|"]
+            "", "| run | dp | step (s) | vs DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
+            "| peak - resident GiB | optimizer state GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ddp = next((r for n, r in results if n == "ddp, overlap on"), None)
     rows = [f"| {n} | {r['dp']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | {r['tflops']:.0f} | "
-            f"{r['peak_gib']:.1f} | {r['opt_state_gib']:.2f} |" for n, r in results] if base else []
+            f"{r['peak_gib']:.1f} | {r['peak_gib'] / ddp['peak_gib'] if ddp else float('nan'):.2f}x "
+            f"| {r['resident_gib']:.1f} | {r['peak_gib'] - r['resident_gib']:.1f} | {r['opt_state_gib']:.2f} |"
+            for n, r in results] if base else []
     table = "\n".join(head + rows)
     print(table)
-    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-        f.write(table + "\n")
+    if env("APPEND", 1):  # APPEND=0: print only (dry runs)
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write(table + "\n")
 
 
 if __name__ == "__main__":
