@@ -18,7 +18,7 @@ setup(
     extras_require={
         # transformers: the Hugging Face export/import tests; tensorboard: logging.tensorboard and its test
         "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib", "tokenizers", "transformers>=4.45",
-                "tensorboard"],
+                "tensorboard", "accelerate"],  # accelerate: transformers' tp_plan (benchmarks/decode.py --hf-tp)
         "wandb": ["wandb"],
     },
 )

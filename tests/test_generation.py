@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -202,3 +203,23 @@ def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
     with pytest.raises(ConfigError, match="pass --tokenizer"):
         resolve_tokenizer(source)
     assert isinstance(resolve_tokenizer(source, str(tmp_path / "tok.json")), HFTokenizer)
+
+
+def test_decode_benchmark_runs_hugging_face_at_tp1_and_with_its_tp_plan_at_tp2(tmp_path):
+    """benchmarks/decode.py on CPU (gloo, fp32, tiny shapes): its transformers rows, at TP=1 and with tp_plan="auto"
+    at TP=2, run on the same weights as tpframe and produce the same greedy tokens."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' tp_plan needs it
+    results = tmp_path / "results.md"
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/decode.py",
+         "--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--vocab", "256", "--prompt-len", "8",
+         "--new-tokens", "4", "--reps", "1", "--batches", "1,2", "--hf", "eager", "--hf-tp", "eager",
+         "--modes", "nccl-eager", "--results", str(results)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    text = results.read_text()
+    rows = [line for line in text.splitlines() if "tp_plan=auto" in line and line.startswith("| 2 |")]
+    assert len(rows) == 2 and "failed" not in text, text
+    agree = [line for line in text.splitlines() if line.startswith("- HF")]
+    assert len(agree) == 4 and all(": 100% of greedy tokens" in line for line in agree), agree
