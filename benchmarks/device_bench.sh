@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call on nvidia-h200-x2 (repo root): GPT-1.3B TP=2 + SP forward+backward eager, eager + async TP and
 # compiled (benchmarks/gpt.py, side by side), the same shape's full optimizer step (benchmarks/pipeline.py tp-sp,
-# one micro-batch of 8: the train step against forward+backward), then the pipeline schedules. Logs under $OUT.
+# one micro-batch of 8, fwdbwd=1: the train step against the same model's bare forward+backward), then the
+# pipeline schedules next to TP=2 + SP and DP=2 at the same global batch. Logs under $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 NO_APPEND=1
 START=$SECONDS
 tp2() {  # env... : one TP=2 + SP GPT-1.3B forward+backward run
@@ -18,10 +19,10 @@ if [ -n "$PROFILE_ASYNC" ]; then  # where the async-TP step's time goes, against
   tp2 ASYNC_TP=1 STEPS=3 PROFILE=$OUT/prof_async.txt
   tp2 ASYNC_TP=0 STEPS=3 PROFILE=$OUT/prof_plain.txt
 fi
-timeout ${T_STEP:-120} python3 benchmarks/pipeline.py layouts=tp-sp mb=8 gbs=8 steps=8 warmup=3 row_timeout=110 append=0 \
+timeout ${T_STEP:-150} python3 benchmarks/pipeline.py layouts=tp-sp mb=8 gbs=8 steps=8 warmup=3 row_timeout=140 append=0 fwdbwd=1 \
   > $OUT/train_step.log 2>&1; echo "train step rc=$? at $((SECONDS - START)) s"; grep -E "^\| " $OUT/train_step.log
 left=$(( ${BUDGET_S:-530} - (SECONDS - START) ))
-timeout $left python3 benchmarks/pipeline.py layouts=${PP_LAYOUTS:-pp-1f1b,pp-interleaved,pp-zb_h1,pp-afab,dp} \
+timeout $left python3 benchmarks/pipeline.py layouts=${PP_LAYOUTS:-pp-1f1b,pp-interleaved,pp-zb_h1,pp-afab,tp-sp,dp} \
   steps=5 warmup=2 row_timeout=75 > $OUT/pipeline.log 2>&1
 echo "pipeline rc=$? at $((SECONDS - START)) s"; grep -E "^\| |Bubble|bubble" $OUT/pipeline.log | head -20
 cp benchmarks/RESULTS.md $OUT/RESULTS.md

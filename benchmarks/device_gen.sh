@@ -15,7 +15,7 @@ done
 timeout ${T_COMM:-35} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/comm.py --ops all_reduce --dtypes bf16 \
   --max-mib 1 --scale 0.5 > $OUT/comm.log 2>&1
 echo "comm rc=$? at $((SECONDS - START)) s"; grep -E "^- (eager|graph)" $OUT/comm.log
-timeout ${T_DECODE:-90} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --hf eager --hf-reps 2 \
+timeout ${T_DECODE:-150} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --hf eager --hf-reps 2 --hf-tp ${HF_TP:-eager} \
   > $OUT/decode.log 2>&1
 echo "decode rc=$? at $((SECONDS - START)) s"; grep -E "^TP=|^\| |^- " $OUT/decode.log | tail -30
 if [ $((SECONDS - START)) -lt ${WINDOW_IF_BEFORE:-200} ]; then
