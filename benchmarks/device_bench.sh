@@ -2,7 +2,8 @@
 # One device call on nvidia-h200-x2 (repo root): GPT-1.3B TP=2 + SP forward+backward eager, eager + async TP and
 # compiled (benchmarks/gpt.py, side by side), the same shape's full optimizer step (benchmarks/pipeline.py tp-sp,
 # one micro-batch of 8, fwdbwd=1: the train step against the same model's bare forward+backward), then the
-# pipeline schedules next to TP=2 + SP and DP=2 at the same global batch. Logs under $OUT.
+# pipeline schedules next to TP=2 + SP and DP=2 at the same global batch. IDLE=1: the GPU idle time of a step
+# (benchmarks/gpt.py PROFILE) at GPT-1.3B and GPT-125M, TP=2 + SP. Logs under $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 NO_APPEND=1
 START=$SECONDS
 tp2() {  # env... : one TP=2 + SP GPT-1.3B forward+backward run
@@ -18,6 +19,11 @@ fi
 if [ -n "$PROFILE_ASYNC" ]; then  # where the async-TP step's time goes, against the plain step's
   tp2 ASYNC_TP=1 STEPS=3 PROFILE=$OUT/prof_async.txt
   tp2 ASYNC_TP=0 STEPS=3 PROFILE=$OUT/prof_plain.txt
+fi
+if [ -n "$IDLE" ]; then  # how long the GPU idles in a step: the most a training CUDA graph could save
+  tp2 STEPS=3 PROFILE=$OUT/prof_13b_tp2.txt
+  tp2 STEPS=3 LAYERS=12 HIDDEN=768 HEADS=12 SEQ=1024 MB=16 PROFILE=$OUT/prof_125m_tp2.txt
+  grep -h "GPU timeline" $OUT/prof_*.txt; rm -f $OUT/*.json  # the traces are large
 fi
 timeout ${T_STEP:-150} python3 benchmarks/pipeline.py layouts=tp-sp mb=8 gbs=8 steps=8 warmup=3 row_timeout=140 append=0 fwdbwd=1 \
   > $OUT/train_step.log 2>&1; echo "train step rc=$? at $((SECONDS - START)) s"; grep -E "^\| " $OUT/train_step.log
