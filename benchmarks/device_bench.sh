@@ -31,4 +31,5 @@ left=$(( ${BUDGET_S:-530} - (SECONDS - START) ))
 timeout $left python3 benchmarks/pipeline.py layouts=${PP_LAYOUTS:-pp-1f1b,pp-interleaved,pp-zb_h1,pp-afab,tp-sp,dp} \
   steps=5 warmup=2 row_timeout=75 > $OUT/pipeline.log 2>&1
 echo "pipeline rc=$? at $((SECONDS - START)) s"; grep -E "^\| |Bubble|bubble" $OUT/pipeline.log | head -20
+rm -f $OUT/*.json  # profiler traces: too large to bring back
 cp benchmarks/RESULTS.md $OUT/RESULTS.md
