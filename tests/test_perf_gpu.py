@@ -23,11 +23,16 @@ def test_triton_rotary_matches_the_torch_path(dtype):
     from tpframe.layers.attention import RotaryEmbedding, split_heads
 
     torch.manual_seed(0)
-    for s, b, nq, nkv, d in ((2048, 2, 16, 16, 128), (37, 3, 8, 2, 64), (16, 1, 6, 3, 80)):
-        cos, sin = RotaryEmbedding(d, s).cuda()(s, dtype)
+    # per_row: a table row per sequence ([s, b, 1, d]), as generation's left-padded rows use
+    for s, b, nq, nkv, d, per_row in ((2048, 2, 16, 16, 128, False), (37, 3, 8, 2, 64, False), (16, 1, 6, 3, 80, False),
+                                      (37, 3, 8, 2, 64, True), (1, 8, 16, 16, 128, True)):
+        rope = RotaryEmbedding(d, s + 64).cuda()
+        positions = torch.stack([torch.arange(s, device="cuda") + 5 * i for i in range(b)])
+        cos, sin = rope.at(positions, dtype) if per_row else rope(s, dtype)
         qkv64 = torch.randn(s, b, (nq + 2 * nkv) * d, dtype=torch.float64, device="cuda")
         grads64 = [torch.randn(b, n, s, d, dtype=torch.float64, device="cuda") for n in (nq, nkv, nkv)]
-        c64, s64 = RotaryEmbedding(d, s).cuda().double()(s, torch.float64)
+        rope64 = RotaryEmbedding(d, s + 64).cuda().double()
+        c64, s64 = rope64.at(positions, torch.float64) if per_row else rope64(s, torch.float64)
         ref = [t.contiguous() for t in split_heads(qkv64, nq, nkv, d, (c64, s64), fused=False)]
         x = qkv64.to(dtype).requires_grad_()
         ref_grad = torch.autograd.grad(split_heads(qkv64.requires_grad_(), nq, nkv, d, (c64, s64), fused=False),
@@ -41,7 +46,7 @@ def test_triton_rotary_matches_the_torch_path(dtype):
             out = fn()
             grad = torch.autograd.grad(out, x, [g.to(dtype) for g in grads64])[0]
             outs[name] = ([rel_err(o, r) for o, r in zip(out, ref)], rel_err(grad, ref_grad))
-        case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} {dtype}"
+        case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} per_row={per_row} {dtype}"
         (fwd_e, bwd_e) = outs["eager"]
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         for name in ("fused", "compiled"):

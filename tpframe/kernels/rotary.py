@@ -2,7 +2,8 @@
 
     qkv [s, b, (nq + 2 nkv) * d]  ->  q [b, nq, s, d] (rotated), k [b, nkv, s, d] (rotated), v [b, nkv, s, d]
 
-Rotation (GPT-NeoX rotate-half, tables cos/sin [s, 1, 1, d]): with x = (x1, x2) halves of a head,
+Rotation (GPT-NeoX rotate-half, tables cos/sin [s, 1, 1, d] shared by the batch, or [s, b, 1, d] per row as
+generation's left-padded rows need): with x = (x1, x2) halves of a head,
     out1 = x1 cos1 - x2 sin1,   out2 = x2 cos2 + x1 sin2
 computed in fp32 and rounded once. Eager PyTorch spends about six passes over q and k (halves, negation,
 concatenation, two products, a sum) plus the layout copies; this reads qkv once and writes q, k, v once,
@@ -20,7 +21,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _qkv_rotary_fwd(qkv, cos, sin, q, k, v, S, B, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+    def _qkv_rotary_fwd(qkv, cos, sin, q, k, v, S, B, CS, CB, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                         HEADS: tl.constexpr, HALF: tl.constexpr):
         tok = tl.program_id(0)  # = s_i * B + b_i, the row of qkv
         s_i = tok // B
@@ -31,7 +32,7 @@ if HAVE_TRITON:
         row = qkv + tok.to(tl.int64) * ((NQ + 2 * NKV) * D) + h * D + j
         x1 = tl.load(row, mask=inside, other=0.0).to(tl.float32)
         x2 = tl.load(row + D // 2, mask=inside, other=0.0).to(tl.float32)
-        t = s_i.to(tl.int64) * D + j
+        t = s_i.to(tl.int64) * CS + b_i.to(tl.int64) * CB + j  # this token's table row
         c1 = tl.load(cos + t, mask=j < D // 2, other=0.0).to(tl.float32)
         c2 = tl.load(cos + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
         s1 = tl.load(sin + t, mask=j < D // 2, other=0.0).to(tl.float32)
@@ -54,8 +55,8 @@ if HAVE_TRITON:
         tl.store(dv + D // 2, o2, mask=is_v)
 
     @triton.jit
-    def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, S, B, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        HEADS: tl.constexpr, HALF: tl.constexpr):
+    def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, S, B, CS, CB, NQ: tl.constexpr, NKV: tl.constexpr,
+                        D: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
         tok = tl.program_id(0)
         s_i = tok // B
         b_i = tok % B
@@ -74,7 +75,7 @@ if HAVE_TRITON:
         g2 = (tl.load(pq + D // 2, mask=is_q, other=0.0).to(tl.float32)
               + tl.load(pk + D // 2, mask=is_k, other=0.0).to(tl.float32)
               + tl.load(pv + D // 2, mask=is_v, other=0.0).to(tl.float32))
-        t = s_i.to(tl.int64) * D + j
+        t = s_i.to(tl.int64) * CS + b_i.to(tl.int64) * CB + j  # this token's table row
         c1 = tl.load(cos + t, mask=j < D // 2, other=0.0).to(tl.float32)
         c2 = tl.load(cos + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
         s1 = tl.load(sin + t, mask=j < D // 2, other=0.0).to(tl.float32)
@@ -92,20 +93,28 @@ def _launch_meta(nq: int, nkv: int, d: int) -> dict:
     return dict(NQ=nq, NKV=nkv, D=d, HEADS=heads, HALF=half, num_warps=8 if heads * half >= 4096 else 4)
 
 
+def _table_strides(cos: torch.Tensor, d: int) -> tuple[int, int]:
+    """Element strides of a contiguous table's s and b dims: [s, 1, 1, d] (or [s, d]) is shared by the batch
+    (b stride 0), [s, b, 1, d] holds a row per sequence."""
+    rows = cos.numel() // (cos.shape[0] * d)
+    return rows * d, (d if rows > 1 else 0)
+
+
 def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int):
     s, b = qkv.shape[:2]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     q = qkv.new_empty((b, nq, s, d))
     k, v = qkv.new_empty((b, nkv, s, d)), qkv.new_empty((b, nkv, s, d))
-    _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, s, b, **_launch_meta(nq, nkv, d))
+    _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, s, b, *_table_strides(cos, d), **_launch_meta(nq, nkv, d))
     return q, k, v
 
 
 def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int):
     b, _, s, _ = gq.shape
     gqkv = gq.new_empty((s, b, (nq + 2 * nkv) * d))
-    _qkv_rotary_bwd[(s * b,)](gq.contiguous(), gk.contiguous(), gv.contiguous(), cos.contiguous(), sin.contiguous(),
-                              gqkv, s, b, **_launch_meta(nq, nkv, d))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _qkv_rotary_bwd[(s * b,)](gq.contiguous(), gk.contiguous(), gv.contiguous(), cos, sin, gqkv, s, b,
+                              *_table_strides(cos, d), **_launch_meta(nq, nkv, d))
     return gqkv
 
 
@@ -168,10 +177,13 @@ qkv_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int):
-    """The Triton path: (q, k, v), each contiguous [b, n, s, d]; cos/sin [s, 1, 1, d] (or [s, d])."""
+    """The Triton path: (q, k, v), each contiguous [b, n, s, d]; cos/sin [s, 1, 1, d] (or [s, d]) shared by the
+    batch, or [s, b, 1, d] with a row per sequence."""
     if not HAVE_TRITON:
         raise RuntimeError("qkv_rotary needs Triton")
-    if qkv.shape[-1] != (nq + 2 * nkv) * d or d % 2 or cos.numel() != qkv.shape[0] * d:
+    s, b = qkv.shape[:2]
+    if (qkv.shape[-1] != (nq + 2 * nkv) * d or d % 2 or cos.shape[0] != s or cos.shape[-1] != d
+            or cos.numel() not in (s * d, s * b * d) or sin.shape != cos.shape):
         raise ValueError(f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)} do not match "
                          f"nq={nq}, nkv={nkv}, d={d}")
     if torch.compiler.is_compiling():

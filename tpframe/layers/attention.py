@@ -63,9 +63,10 @@ def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused
 
     On CUDA one Triton kernel does the split, the rotation and the layout change (tpframe/kernels/rotary.py;
     under torch.compile as a custom op, since Inductor's own code for it is slow); elsewhere, or with
-    `fused=False`, plain torch ops compute the same. The kernel takes tables shared by the batch ([s, 1, 1, d]);
-    per-row tables (generation, [s, b, 1, d]) take the torch ops."""
-    if fused and rotary is not None and rotary[0].shape[1] == 1 and HAVE_TRITON and qkv.is_cuda:
+    `fused=False`, plain torch ops compute the same. The kernel takes tables shared by the batch ([s, 1, 1, d])
+    or one row per sequence ([s, b, 1, d]: generation's left-padded rows, where it replaces ten small kernels
+    per layer of every decode step)."""
+    if fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda:
         return qkv_rotary(qkv, *rotary, nq, nkv, d)
     s, b = qkv.shape[:2]
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)

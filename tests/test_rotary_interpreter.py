@@ -1,0 +1,63 @@
+"""The Triton split + rotary kernels (tpframe/kernels/rotary.py) on CPU, in Triton's interpreter, against the torch
+path they replace: tables shared by the batch ([s, 1, 1, d], training) and one row per sequence ([s, b, 1, d],
+generation's left-padded rows), forward and backward. Needs Triton (skipped without it; tests/test_perf_gpu.py
+covers the device)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_symm_kernels_interpreter import _interpreter_unusable
+from tests.training_utils import REPO
+
+pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+              pytest.mark.slow]
+
+
+def _check() -> None:
+    """Run under TRITON_INTERPRET=1 (set before triton is imported): raises on a mismatch."""
+    import torch
+
+    from tpframe.kernels.rotary import qkv_rotary
+    from tpframe.layers.attention import RotaryEmbedding, split_heads
+
+    torch.manual_seed(0)
+    for s, b, nq, nkv, d, table in ((5, 3, 4, 2, 16, "shared"), (5, 3, 4, 2, 16, "per_row"), (1, 4, 2, 2, 8, "per_row"),
+                                    (3, 1, 3, 1, 12, "per_row"), (4, 2, 2, 1, 8, "2d")):
+        rope = RotaryEmbedding(d, 64)
+        if table == "per_row":  # each row at its own positions, as a left-padded generation batch
+            positions = torch.stack([torch.arange(s) + 7 * i for i in range(b)])
+            cos, sin = rope.at(positions, torch.float32)
+        else:
+            cos, sin = rope(s, torch.float32)
+        qkv = torch.randn(s, b, (nq + 2 * nkv) * d, requires_grad=True)
+        ref = split_heads(qkv, nq, nkv, d, (cos, sin), fused=False)  # the torch path
+        grads = [torch.randn_like(t) for t in ref]
+        ref_grad = torch.autograd.grad(ref, qkv, grads)[0]
+        tables = (cos.flatten(1), sin.flatten(1)) if table == "2d" else (cos, sin)
+        x = qkv.detach().clone().requires_grad_()
+        got = qkv_rotary(x, *tables, nq, nkv, d)
+        got_grad = torch.autograd.grad(got, x, grads)[0]
+        case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} table={table}"
+        for name, x, y in zip("qkv", got, ref):
+            torch.testing.assert_close(x, y.contiguous(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
+        torch.testing.assert_close(got_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} grad: {m}")
+    bad = torch.randn(2, 2, 3, 1, 8)  # a table that is neither shared nor per row
+    try:
+        qkv_rotary(torch.randn(2, 2, 4 * 8), bad, bad, 2, 1, 8)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a mismatched table must be refused")
+    print("ok")
+
+
+def test_rotary_kernels_match_the_torch_path_for_shared_and_per_row_tables():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", "from tests.test_rotary_interpreter import _check; _check()"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
