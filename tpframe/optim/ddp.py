@@ -43,7 +43,9 @@ class DDPStrategy(GradStrategy):
         self.grads = GradBuffer(self.params, parallel.dp_group, dp_size=parallel.dp, bucket_bytes=bucket_bytes,
                                 overlap=overlap, mode="all_reduce")
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
-        self._low_precision = [p for m, p in zip(self.masters, self.params) if m is not p]  # bf16 params
+        # the low-precision params and their fp32 masters, copied back after each update
+        self._rounded = [p for p, m in zip(self.params, self.masters) if m is not p]
+        self._rounded_masters = [m for p, m in zip(self.params, self.masters) if m is not p]
         decay = [m for m, p in zip(self.masters, self.params) if p.dim() >= 2]
         no_decay = [m for m, p in zip(self.masters, self.params) if p.dim() < 2]
         self.optimizer = make_adamw(decay, no_decay, cfg)
@@ -75,8 +77,8 @@ class DDPStrategy(GradStrategy):
         adamw_step(self.optimizer)
         for m in self.masters:
             m.grad = None
-        if self._low_precision:  # one multi-tensor launch, not one copy per parameter
-            torch._foreach_copy_(self._low_precision, [m for m, p in zip(self.masters, self.params) if m is not p])
+        if self._rounded:  # one multi-tensor launch, not one copy per parameter
+            torch._foreach_copy_(self._rounded, self._rounded_masters)
 
     def state_dict(self, available: set[str] | None = None) -> dict:
         ensure_adamw_state(self.optimizer)
