@@ -300,24 +300,32 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path,
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 
-def test_a_stopped_rank_ends_the_others_within_the_timeout_with_a_message(tmp_path):
-    timeout_s = 3
-    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"])
+def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[list[str], float, str]:
+    """Freeze rank 1 (SIGSTOP) of a launched run after step 3; return the output lines up to rank 0's `tpframe:`
+    report, how long that took, and the rest of the output. The frozen rank is killed afterwards: the launcher
+    would otherwise wait out its shutdown timeout for it."""
     stopped = None
     try:
         _read_until(proc, _is_step(3))
         stopped = _workers(proc.pid)[1]
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
-        lines = _read_until(proc, lambda line: line.startswith("tpframe:"), timeout=60)
+        lines = _read_until(proc, lambda line: line.startswith("tpframe:"), timeout=report_timeout)
         waited = time.monotonic() - t0
-        os.kill(stopped, signal.SIGKILL)  # the launcher would wait out its shutdown timeout for a frozen rank
-        rest = proc.communicate(timeout=60)[0]
+        os.kill(stopped, signal.SIGKILL)
+        rest = proc.communicate(timeout=exit_timeout)[0]
     finally:
         if stopped is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGKILL)
         proc.kill()
+    return lines, waited, rest
+
+
+def test_a_stopped_rank_ends_the_others_within_the_timeout_with_a_message(tmp_path):
+    timeout_s = 3
+    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"])
+    lines, waited, rest = _stop_rank_1(proc, report_timeout=60, exit_timeout=60)
     line = lines[-1]
     assert waited < timeout_s + 4, f"rank 0 gave up after {waited:.1f} s"
     assert "did not arrive: rank 1 (no heartbeat for" in line and "group [0, 1]" in line and "step " in line, line
@@ -348,20 +356,6 @@ def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
     timeout_s = 20
     proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
                    env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    stopped = None
-    try:
-        _read_until(proc, _is_step(3))
-        stopped = _workers(proc.pid)[1]
-        os.kill(stopped, signal.SIGSTOP)
-        t0 = time.monotonic()
-        lines = _read_until(proc, lambda line: line.startswith("tpframe:"), timeout=timeout_s + 60)
-        waited = time.monotonic() - t0
-        os.kill(stopped, signal.SIGKILL)
-        proc.communicate(timeout=120)
-    finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)
-        proc.kill()
+    lines, waited, _ = _stop_rank_1(proc, report_timeout=timeout_s + 60, exit_timeout=120)
     assert waited < timeout_s + 10 and "rank 1" in lines[-1] and proc.returncode == 4, (waited, lines[-5:])
     assert (tmp_path / "nccl_trace" / "rank_0").is_file(), lines[-1]
