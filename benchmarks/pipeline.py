@@ -159,7 +159,9 @@ def run_layout(name: str, o: dict, world: int) -> dict:
                 bubbles.append(idle / span if span > 0 else float("nan"))
         phases = trainer.timers.window()
         if o["profile"]:
-            profile_train_step(trainer, f"{o['profile']}.{name}.txt", state.rank)
+            from gpt import profile_step  # benchmarks/gpt.py: the profiler table, trace and GPU idle time
+
+            profile_step(trainer.train_step, f"{o['profile']}.{name}.txt", state.rank)
         mine = {"stage": state.pp_rank, "bubble": statistics.median(bubbles) if pp > 1 else None,
                 "mem": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
         everyone: list = [None] * world
@@ -200,26 +202,6 @@ def time_forward_backward(model, o: dict, state, dp: int) -> float:
         if i >= o["warmup"]:
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-def profile_train_step(trainer, path: str, rank: int) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        trainer.train_step()
-        if cuda:
-            torch.cuda.synchronize()
-    if rank == 0:
-        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        try:
-            text = prof.key_averages().table(sort_by=key, row_limit=50, max_name_column_width=90)
-        except (AttributeError, KeyError, ValueError):
-            text = prof.key_averages().table(row_limit=50)
-        Path(path).write_text(text)
-        if cuda:
-            prof.export_chrome_trace(path.replace(".txt", ".json"))
-        print(f"profile of one train step written to {path}", flush=True)
 
 
 def table(rows: list[dict], o: dict, device: str) -> str:
