@@ -72,7 +72,8 @@ def counts(nbytes: int, scale: float) -> tuple[int, int]:
 
 def device_barrier(device):
     torch.cuda.synchronize()
-    dist.barrier(device_ids=[device.index])
+    if dist.is_initialized():  # (benchmarks/decode_attention.py times one process's kernels, no group)
+        dist.barrier(device_ids=[device.index])
 
 
 def time_eager(fn, k, reps, device) -> float:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tpframe.comm import Communicator  # noqa: E402
 from tpframe.inference import Generator, SamplingConfig  # noqa: E402
 from tpframe.models import BuildContext  # noqa: E402
+from tpframe.models.compile import compile_model  # noqa: E402
 from tpframe.models.config import ModelConfig  # noqa: E402
 from tpframe.models.gpt import GPT  # noqa: E402
 
@@ -64,6 +65,14 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
     p.add_argument("--results", default="benchmarks/RESULTS.md")
     p.add_argument("--tp1", action=argparse.BooleanOptionalAction, default=True, help="the TP=1 and HF rows")
+    p.add_argument("--compile", nargs="?", const="default", default="",
+                   help="torch.compile each block of the tpframe models (tpframe/models/compile.py) before generating, "
+                   "optionally with a torch.compile mode (e.g. max-autotune-no-cudagraphs); the decode step's graph "
+                   "captures the compiled code")
+    p.add_argument("--sdpa-rows", action="store_true", help="at TP=1, a graph row with SDPA instead of the "
+                   "decode-attention kernel (tpframe/kernels/decode_attention.py), side by side")
+    p.add_argument("--profile", default="", help="PATH prefix: after each tpframe row, torch.profiler over "
+                   "PROFILE_STEPS decode steps (kernel table, chrome trace, GPU time per step) at PATH.<row>.txt")
     p.add_argument("--modes", default="nccl-eager,nccl-graph,symm-eager,symm-graph",
                    help="TP>1 rows; '@b' keeps a mode to batch b only, e.g. nccl-eager@1")
     return p.parse_args()
@@ -79,8 +88,12 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_tpframe(model, comm, prompts, args, graph: bool):
-    """(prefill ms, per-token ms) medians over --reps generations, after one warm-up generation."""
+PROFILE_STEPS = 8
+
+
+def time_tpframe(model, comm, prompts, args, graph: bool, *, tag: str = ""):
+    """(prefill ms, per-token ms) medians over --reps generations, after one warm-up generation; with
+    --profile, then a profile of PROFILE_STEPS more decode steps at `{args.profile}.{tag}.txt`."""
     gen = Generator(model, comm, sampling=SamplingConfig(greedy=True), vocab_size=args.vocab, cuda_graph=graph)
     gen.generate(prompts, args.new_tokens)  # warm-up: compiles, communicator plans, graph capture
     prefill, per_token = [], []
@@ -89,8 +102,39 @@ def time_tpframe(model, comm, prompts, args, graph: bool):
         prefill.append(out.prefill_s * 1e3)
         per_token.append(out.decode_s * 1e3 / out.steps)
     tokens = out.tokens
+    if args.profile:
+        profile_decode(gen, args, f"{args.profile}.{tag}.txt")
     del gen
     return statistics.median(prefill), statistics.median(per_token), tokens
+
+
+def profile_decode(gen: Generator, args, path: str) -> None:
+    """torch.profiler over PROFILE_STEPS decode steps of `gen` (its graph replays when it has one), the cache
+    rewound to just after the prompt: the kernel table (calls / PROFILE_STEPS = launches per token), the chrome
+    trace beside it, and the GPU's busy and idle time per token (every rank runs the steps; rank 0 writes)."""
+    from gpt import gpu_busy, profile_step  # benchmarks/gpt.py
+
+    @torch.no_grad()
+    def steps():
+        for _ in range(PROFILE_STEPS):
+            gen.graph() if gen.graph is not None else gen._decode_step()
+
+    gen.cache.slot.fill_(args.prompt_len)
+    profile_step(steps, path, dist.get_rank())
+    trace = Path(path).with_suffix(".json")
+    if dist.get_rank() == 0 and trace.exists():
+        span, busy = gpu_busy(str(trace))
+        line = (f"per decode step ({PROFILE_STEPS} profiled): GPU span {span / PROFILE_STEPS:.3f} ms, busy "
+                f"{busy / PROFILE_STEPS:.3f} ms, idle {(span - busy) / PROFILE_STEPS:.3f} ms")
+        with open(path, "a") as f:
+            f.write(line + "\n")
+        print(f"{Path(path).name}: {line}", flush=True)
+
+
+def set_decode_kernel(model, on: bool) -> None:
+    """Whether the decode step's attention runs tpframe's decode kernel (else SDPA)."""
+    for block in model.blocks.values():
+        block.attn.fused_decode = on
 
 
 def hf_model(model, cfg: ModelConfig, device):
@@ -200,12 +244,20 @@ def main():
     if rank == 0 and args.tp1:  # TP=1 and Hugging Face on one GPU
         comm1 = Communicator(singles[0], backend="nccl", device=device)
         model = GPT(cfg, BuildContext(comm1, dtype=dtype, device=device, seed=1234)).eval()
+        if args.compile:
+            compile_model(model, mode=None if args.compile == "default" else args.compile)
         ref = {}
         for b in batches:
-            for impl, graph in (("tpframe eager", False), ("tpframe graph", True)):
+            cells = [("tpframe eager", False, True), ("tpframe graph", True, True)]
+            if args.sdpa_rows:
+                cells.append(("tpframe graph, SDPA in the decode step", True, False))
+            for impl, graph, kernel in cells:
                 if graph and not cuda:
                     continue
-                pre, tok, ref[b] = time_tpframe(model, comm1, prompts[b], args, graph)
+                set_decode_kernel(model, kernel)
+                pre, tok, toks = time_tpframe(model, comm1, prompts[b], args, graph,
+                                              tag=f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}")
+                ref.setdefault(b, toks)
                 rows.append((1, b, impl, pre, tok))
                 log(f"TP=1 b={b} {impl}: prefill {pre:.1f} ms, {tok:.3f} ms/token")
         hf = None
@@ -229,6 +281,8 @@ def main():
     if world > 1:
         comm = Communicator(dist.group.WORLD, backend="auto", device=device)
         model = GPT(cfg, BuildContext(comm, dtype=dtype, device=device, seed=1234)).eval()
+        if args.compile:
+            compile_model(model, mode=None if args.compile == "default" else args.compile)
         modes = {"nccl-eager": ("NCCL eager", "nccl", False), "nccl-graph": ("NCCL graph", "nccl", True),
                  "symm-eager": ("symm eager", "auto", False), "symm-graph": ("symm graph", "auto", True)}
         chosen = [m.split("@") for m in args.modes.split(",") if m]
@@ -239,7 +293,7 @@ def main():
                 if (graph and not cuda) or (only and int(only[0]) != b):
                     continue
                 comm.requested, comm._plans = backend, {}  # same model, the other backend
-                pre, tok, toks = time_tpframe(model, comm, prompts[b], args, graph)
+                pre, tok, toks = time_tpframe(model, comm, prompts[b], args, graph, tag=f"tp{world}.b{b}.{name}")
                 ref_tp.setdefault(b, toks)
                 rows.append((world, b, f"tpframe {impl}", pre, tok))
                 log(f"TP={world} b={b} {impl}: prefill {pre:.1f} ms, {tok:.3f} ms/token")

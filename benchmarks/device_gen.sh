@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call on nvidia-h200-x2 (run from the repo root): the Lamport and generation GPU tests, the bf16
 # all-reduce benchmark up to 1 MiB (Lamport column; writes the thresholds the decode benchmark then uses),
-# the decode benchmark, and NCCL on symmetric windows if time is left. Logs under $OUT.
+# the decode-attention kernel against SDPA, the decode benchmark, and NCCL on symmetric windows if time is left.
+# Logs under $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 set -o pipefail
 START=$SECONDS
@@ -15,6 +16,8 @@ done
 timeout ${T_COMM:-35} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/comm.py --ops all_reduce --dtypes bf16 \
   --max-mib 1 --scale 0.5 > $OUT/comm.log 2>&1
 echo "comm rc=$? at $((SECONDS - START)) s"; grep -E "^- (eager|graph)" $OUT/comm.log
+timeout 40 python3 benchmarks/decode_attention.py > $OUT/decode_attention.log 2>&1
+echo "decode attention rc=$? at $((SECONDS - START)) s"; grep -E "^\| " $OUT/decode_attention.log
 timeout ${T_DECODE:-150} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --hf eager --hf-reps 2 --hf-tp ${HF_TP:-eager} \
   > $OUT/decode.log 2>&1
 echo "decode rc=$? at $((SECONDS - START)) s"; grep -E "^TP=|^\| |^- " $OUT/decode.log | tail -30

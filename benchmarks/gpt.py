@@ -1,7 +1,7 @@
 """tpframe GPT forward+backward throughput, alone or side by side with the peers.
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
-                                                      #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS PROFILE
+                                                      #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS PROFILE GRAPH
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
@@ -9,7 +9,9 @@ the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps the SP collectives with the
 GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off. PROFILE=path writes a torch.profiler
-table of one more step there.
+table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
+warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
+would save over launching the same kernels one by one.
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import glob
 import os
@@ -87,8 +90,15 @@ def run_one() -> None:
 
     cuda = state.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
-        step()
+    if flag("GRAPH") and not cuda:
+        raise SystemExit("GRAPH=1 needs a CUDA device")
+    side = torch.cuda.Stream() if flag("GRAPH") else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for _ in range(3):  # warm-up (on a side stream before a capture, as torch.cuda.graph asks)
+            step()
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
+        step = graphed_step(model, inp, labels)
     sync()
     torch.distributed.barrier()
     t0 = time.perf_counter()
@@ -106,7 +116,8 @@ def run_one() -> None:
 
         # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
         ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
-        tags = f"compile={int(flag('COMPILE'))} async_tp={int(ran_async)} fused={int(ctx.fused_kernels)}"
+        tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={int(ran_async)} "
+                f"fused={int(ctx.fused_kernels)}")
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
@@ -120,6 +131,23 @@ def run_one() -> None:
                         f"x{state.world_size}, "
                         f"torch {torch.__version__}:\n  {line}\n")
     destroy_parallel()
+
+
+def graphed_step(model, inp, labels):
+    """The forward+backward captured in one CUDA graph; calling the result replays it and returns its (static)
+    loss. Gradients are allocated inside the capture, so each replay rewrites them in place."""
+    for p in model.parameters():
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = model(inp, labels).mean()
+        loss.backward()
+
+    def replay():
+        graph.replay()
+        return loss
+
+    return replay
 
 
 def profile_step(step, path: str, rank: int) -> None:
@@ -198,6 +226,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     if gpt and peers:
         add("plain torch, 1 GPU, torch.compile", str(peers / "bench_torch_gpt.py"), 1, COMPILE="1")
     add("tpframe TP=1, compile", ours, 1, TP="1", COMPILE="1")
+    if torch.cuda.is_available():  # what a CUDA graph of the whole forward+backward would add
+        add("tpframe TP=1, eager, one CUDA graph", ours, 1, TP="1", GRAPH="1")
+        add("tpframe TP=1, compile, one CUDA graph", ours, 1, TP="1", COMPILE="1", GRAPH="1")
     if tp == 1:  # one GPU: the single-GPU rows only
         return out
     if gpt and peers:
@@ -208,6 +239,8 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     add(f"tpframe TP={tp} + SP, eager + async TP", ours, tp, TP=str(tp), SP="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")  # (compiled blocks trace the
     # plain path: async TP is eager-only, so there is no compile + async TP row)
+    if torch.cuda.is_available():
+        add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
     if gpt and peers and (Path("/tmp/site") / "megatron").exists():
         add(f"Megatron-Core local, TP={tp}", str(peers / "bench_mcore_gpt.py"), tp, TP=str(tp))
     return out

@@ -45,6 +45,8 @@ def _generate_at_tp1_and_tp2(root: str, exported: str):
 
     prompt_args = [a for p in PROMPTS for a in ("--prompt", p)]
     greedy = both(["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--greedy", "--ignore-eos"])
+    compiled = cli.run(cli.prepare(["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--greedy",
+                                    "--ignore-eos", "--compile"]))
     from_export = cli.run(cli.prepare(["--checkpoint", exported, *prompt_args, "--max-new-tokens", "12", "--greedy",
                                        "--ignore-eos"]))
     sample = ["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40",
@@ -54,18 +56,19 @@ def _generate_at_tp1_and_tp2(root: str, exported: str):
     other = cli.run(cli.prepare([*sample, "--seed", "4"]))
     top_p_only = both(["--checkpoint", root, *prompt_args, "--max-new-tokens", "8", "--top-p", "0.8", "--seed", "5",
                        "--ignore-eos"])
-    return greedy, from_export, seeded, again, other, top_p_only
+    return greedy, from_export, seeded, again, other, top_p_only, compiled
 
 
 def test_tp2_generates_the_tokens_of_tp1_and_seeded_sampling_repeats(checkpoint):
     ids = lambda records: [r["token_ids"] for r in records]  # noqa: E731
     results = run_distributed(_generate_at_tp1_and_tp2, 2, str(checkpoint / "checkpoints"),
-                              str(checkpoint / "model.safetensors"), timeout=120)
+                              str(checkpoint / "model.safetensors"), timeout=240)
     assert ids(results[0][0][0]) == ids(results[1][0][0]), "TP=1 ranks must agree"
-    (tp1, tp2), from_export, (s_tp1, s_tp2), again, other, (p_tp1, p_tp2) = results[0]
+    (tp1, tp2), from_export, (s_tp1, s_tp2), again, other, (p_tp1, p_tp2), compiled = results[0]
     assert all(len(r["token_ids"]) == 12 for r in tp2)
     assert ids(tp2) == ids(tp1), "greedy at TP=2 must give exactly TP=1's tokens"
     assert ids(from_export) == ids(tp2), "a safetensors export must generate what its checkpoint does"
+    assert ids(compiled) == ids(tp2), "--compile (compiled blocks, fp32) must generate the eager tokens"
     assert ids(again) == ids(s_tp2), "the same seed must sample the same tokens"
     assert ids(s_tp1) == ids(s_tp2), "the sampling noise does not depend on the TP size"
     assert ids(other) != ids(s_tp2), "another seed should sample differently"

@@ -5,14 +5,9 @@ covers the device)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.test_symm_kernels_interpreter import _interpreter_unusable
-from tests.training_utils import REPO
+from tests.test_symm_kernels_interpreter import _interpreter_unusable, run_interpreted
 
 pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
               pytest.mark.slow]
@@ -57,7 +52,4 @@ def _check() -> None:
 
 
 def test_rotary_kernels_match_the_torch_path_for_shared_and_per_row_tables():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", "from tests.test_rotary_interpreter import _check; _check()"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+    run_interpreted("test_rotary_interpreter")

@@ -27,6 +27,20 @@ def _interpreter_unusable() -> str:
     return ""
 
 
+def run_interpreted(module: str) -> None:
+    """`tests.<module>._check()` in a fresh process under TRITON_INTERPRET=1 (set before triton is imported);
+    asserts it printed "ok"."""
+    import subprocess
+    import sys
+
+    from tests.training_utils import REPO
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", f"from tests.{module} import _check; _check()"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
 pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"), pytest.mark.slow]
 
 BUF_BYTES = 1 << 20

@@ -7,7 +7,7 @@ With sequence parallelism x and the output are [s/tp, b, h]: qkv all-gathers the
 proj reduce-scatters it. The fused qkv weight keeps q, k and v as separate logical tensors.
 Generation passes a `cache` (tpframe.inference.kv_cache): this step's keys and values are appended
 to it and the queries attend over the whole cache under its mask (causal, and correct when the
-query is shorter than the keys).
+query is shorter than the keys); on CUDA a decode step's few queries use tpframe/kernels/decode_attention.py.
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.kernels import HAVE_TRITON
+from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.utils import InitMethod, divide
+
+
+DECODE_TOKENS = 4  # queries per row up to which generation's attention runs the decode kernel, not SDPA
 
 
 class RotaryEmbedding(nn.Module):
@@ -112,6 +116,7 @@ class ParallelAttention(nn.Module):
         )
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
+        self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. `cache`: one layer's view of a KV cache (`append(k, v)` -> every
@@ -125,7 +130,10 @@ class ParallelAttention(nn.Module):
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+            if s <= DECODE_TOKENS and not gqa and self.fused_decode and HAVE_TRITON and q.is_cuda:  # decode step
+                out = decode_attention(q, k, v, cache.mask)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
         elif dropout > 0 and self.rng_tracker is not None:
             with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -67,7 +67,7 @@ class TransformerBlock(nn.Module):
             rng_tracker=ctx.rng_tracker, **common,
         )
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
-        self.attn.fused_rotary = ctx.fused_kernels
+        self.attn.fused_rotary = self.attn.fused_decode = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
