@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device call on nvidia-h200-x2 (run from the repo root): the Lamport and generation GPU tests, the bf16
 # all-reduce benchmark up to 1 MiB (Lamport column; writes the thresholds the decode benchmark then uses),
-# the decode-attention kernel against SDPA, the decode benchmark, and NCCL on symmetric windows if time is left.
-# Logs under $OUT.
+# the decode-attention kernel against SDPA, the decode benchmark at TP=2 with compiled blocks (NCCL + graph vs
+# symm + graph: issue 11's target), then with eager blocks and transformers' rows, and NCCL on symmetric windows if
+# time is left. Logs under $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 set -o pipefail
 START=$SECONDS
@@ -18,9 +19,16 @@ timeout ${T_COMM:-35} python3 -m torch.distributed.run --nproc-per-node 2 benchm
 echo "comm rc=$? at $((SECONDS - START)) s"; grep -E "^- (eager|graph)" $OUT/comm.log
 timeout 40 python3 benchmarks/decode_attention.py > $OUT/decode_attention.log 2>&1
 echo "decode attention rc=$? at $((SECONDS - START)) s"; grep -E "^\| " $OUT/decode_attention.log
-timeout ${T_DECODE:-150} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --hf eager --hf-reps 2 --hf-tp ${HF_TP:-eager} \
-  > $OUT/decode.log 2>&1
-echo "decode rc=$? at $((SECONDS - START)) s"; grep -E "^TP=|^\| |^- " $OUT/decode.log | tail -30
+# issue 11's target first: NCCL + graph vs symm + graph at TP=2 batch 1, the blocks compiled (~90 s of compilation)
+timeout ${T_TARGET:-220} python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --no-tp1 --hf "" --batches 1,8 \
+  --modes nccl-graph,symm-graph --reps 3 --compile ${COMPILE_MODE:-max-autotune-no-cudagraphs} > $OUT/decode_compiled.log 2>&1
+echo "decode compiled rc=$? at $((SECONDS - START)) s"; grep -E "^TP=|^\| |^- " $OUT/decode_compiled.log | tail -12
+left=$(( ${BUDGET_S:-560} - (SECONDS - START) ))
+if [ $left -gt 60 ]; then  # then the eager-block rows with transformers beside them, in what time is left
+  timeout $left python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/decode.py --hf eager --hf-reps 2 \
+    --hf-tp ${HF_TP:-eager} > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $((SECONDS - START)) s"; grep -E "^TP=|^\| |^- " $OUT/decode.log | tail -30
+fi
 if [ $((SECONDS - START)) -lt ${WINDOW_IF_BEFORE:-200} ]; then
   timeout 20 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/comm.py --nccl-window --max-mib 1 --scale 0.5 \
     > $OUT/window.log 2>&1; echo "window rc=$? at $((SECONDS - START)) s"; grep -E "^\| [0-9]|stopped" $OUT/window.log

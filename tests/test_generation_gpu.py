@@ -1,6 +1,7 @@
 """CUDA-graphed decode on GPUs: the graph gives the eager decode's tokens, token for token (greedy, bf16, a
 mixed-length batch), with the TP all-reduces inside the graph on NCCL and on the symm kernels (`auto` with
-a thresholds table that picks the Lamport all-reduce for decode sizes, as the measured table does)."""
+a thresholds table that picks the Lamport all-reduce for decode sizes, as the measured table does), with eager
+and with compiled blocks; and at TP=1 the decode-attention kernel and compiled blocks give the SDPA path's tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 PROMPTS = [[5, 9, 200, 3, 77, 12, 1, 900, 4], [44], [7, 7, 8, 250, 31]]
 
 
-def _graph_and_eager_decode(backend: str):
+def _graph_and_eager_decode(backend: str, compiled: bool = False):
     from tpframe.inference import Generator, SamplingConfig
     from tpframe.models import BuildContext
     from tpframe.models.config import ModelConfig
@@ -26,6 +27,10 @@ def _graph_and_eager_decode(backend: str):
     cfg = ModelConfig(vocab_size=1000, hidden=512, layers=4, heads=8, kv_heads=4, max_seq_len=128, position="rotary",
                       activation="swiglu", norm="rmsnorm", tie_embeddings=False, init_std=0.05)
     model = GPT(cfg, BuildContext(state.tp_comm, dtype=torch.bfloat16, device=state.device, seed=3)).eval()
+    if compiled:  # the blocks' collectives are tpframe's custom ops; the graph captures the compiled code
+        from tpframe.models.compile import compile_model
+
+        compile_model(model, fullgraph=True)
     out = {}
     lamport = state.tp_comm.symm.lamport if state.tp_comm.symm is not None else None
     for graph in (False, True):
@@ -42,15 +47,16 @@ def _graph_and_eager_decode(backend: str):
 
 
 @pytest.mark.gpu(count=2)
-@pytest.mark.parametrize("backend", ["nccl", "auto"])
-def test_graph_decode_equals_eager_decode_token_for_token(backend, tmp_path):
+@pytest.mark.parametrize("backend,compiled", [("nccl", False), ("auto", False), ("auto", True)])
+def test_graph_decode_equals_eager_decode_token_for_token(backend, compiled, tmp_path):
     everywhere = {d: {"eager": [[0, None]], "graph": [[0, None]]} for d in ("bfloat16", "float32")}
     table = {"symm_ranges": {op: {"2": everywhere} for op in ("all_reduce", "all_gather", "reduce_scatter")},
              "all_reduce_algos": {"all_reduce": {"2": {d: {"graph": [[262144, "lamport"], [None, "two_shot"]]}
                                                        for d in ("bfloat16", "float32")}}}}
     (tmp_path / "thresholds.json").write_text(json.dumps(table))
     env = dict(ENV, TPFRAME_COMM_THRESHOLDS=str(tmp_path / "thresholds.json"))
-    for out, sampled in run_distributed(_graph_and_eager_decode, 2, backend, backend="nccl", env=env, timeout=300):
+    for out, sampled in run_distributed(_graph_and_eager_decode, 2, backend, compiled, backend="nccl", env=env,
+                                        timeout=300):
         (eager, eager_calls, _), (graph, graph_calls, captured) = out[False], out[True]
         assert captured, "the decode step was not captured"
         assert graph == eager, "graph decode must give the eager decode's tokens"
