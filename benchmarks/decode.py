@@ -256,8 +256,8 @@ def main():
                 if graph and not cuda:
                     continue
                 set_decode_kernel(model, kernel)
-                pre, tok, toks = time_tpframe(model, comm1, prompts[b], args, graph,
-                                              tag=f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}")
+                tag = f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}"
+                pre, tok, toks = time_tpframe(model, comm1, prompts[b], args, graph, tag=tag)
                 ref.setdefault(b, toks)
                 rows.append((1, b, impl, pre, tok))
                 log(f"TP=1 b={b} {impl}: prefill {pre:.1f} ms, {tok:.3f} ms/token")

@@ -1,7 +1,8 @@
 """tpframe GPT forward+backward throughput, alone or side by side with the peers.
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
-                                                      #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS PROFILE GRAPH
+                                                      #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS
+                                                      #   PROFILE GRAPH
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless

@@ -6,8 +6,11 @@ SDPA's kernels are built for long queries: for one query row per head (decode) c
 on an H200 at L=256, d=128, where reading the cache takes under 1 us: 11% of a 1.3B decode step. Here one
 program handles one (row, query head, query token) over a contiguous split of the cache slots (flash-decoding:
 online softmax in fp32); with several splits a second kernel merges their partial results. Grouped-query
-attention reads kv head h // (nq / nkv), as SDPA's `enable_gqa`; each query head re-reads its kv head, so at
-8 query heads per kv head this kernel is 2x slower than SDPA (measured) and the attention layer keeps SDPA there. Scale 1/sqrt(d), as SDPA's default.
+attention reads kv head h // (nq / nkv), as SDPA's `enable_gqa`. A first version let each query head re-read
+its kv head: at 8 query heads per kv head, 2x slower than SDPA (measured). Grouped heads now go to a second
+kernel whose program serves a kv head's whole query group (two small tl.dot per tile, each slot read once); it is
+checked in Triton's interpreter but not yet timed, so the attention layer keeps SDPA for grouped heads.
+Scale 1/sqrt(d), as SDPA's default.
 Inference only (no backward). Under torch.compile it runs as the custom op tpframe::decode_attention.
 """
 
@@ -25,6 +28,10 @@ BLOCK_L = 16  # cache slots per loop iteration
 NUM_WARPS = 1
 PROGRAMS = 1024  # (row, head, token) programs times splits to aim for
 MAX_SPLITS = 64
+# Grouped-query heads (_decode_attn_group): tl.dot tiles, so at least 16 slots and 16 (padded) query rows.
+# Not yet timed on a GPU: the attention layer keeps SDPA for GQA until benchmarks/decode_attention.py says otherwise.
+GROUP_BLOCK_L = 32
+GROUP_NUM_WARPS = 4
 
 if HAVE_TRITON:
     import triton
@@ -72,6 +79,62 @@ if HAVE_TRITON:
             tl.store(part_acc + at * D + dd, acc, mask=dmask)
 
     @triton.jit
+    def _decode_attn_group(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
+                           NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, FP32: tl.constexpr):
+        """Grouped-query attention: one program per (row, kv head, query token, split) serves the kv head's
+        G = NQ / NKV query heads at once, reading each cache slot once (two small matmuls per tile)."""
+        pid = tl.program_id(0)  # (row * NKV + kv head) * S + token
+        split = tl.program_id(1)
+        t = pid % S
+        kh = (pid // S) % NKV
+        row = pid // (S * NKV)
+        G: tl.constexpr = NQ // NKV
+        gg = tl.arange(0, BLOCK_G)
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < D
+        qrows = ((row * NQ + kh * G + gg) * S + t).to(tl.int64)  # q's and out's rows of this group
+        qmask = (gg < G)[:, None] & dmask[None, :]
+        qt = tl.load(q + qrows[:, None] * D + dd[None, :], mask=qmask, other=0.0)
+        kv_off = (row * NKV + kh).to(tl.int64) * L * D
+        mrow = mask + (row * S + t).to(tl.int64) * L
+        m_i = tl.full((BLOCK_G,), -1e30, tl.float32)
+        l_i = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        lo = split * SPLIT_L
+        hi = tl.minimum(lo + SPLIT_L, L)
+        for off in range(lo, hi, BLOCK):
+            slots = off + tl.arange(0, BLOCK)
+            inside = slots < hi
+            both = inside[:, None] & dmask[None, :]
+            kt = tl.load(k + kv_off + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
+            if FP32:
+                sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
+            else:
+                sc = tl.dot(qt, tl.trans(kt)) * scale
+            bias = tl.load(mrow + slots, mask=inside, other=0.0).to(tl.float32)
+            sc = tl.maximum(sc + bias[None, :], -1e30)
+            sc = tl.where(inside[None, :], sc, -1e30)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            pr = tl.where(inside[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+            alpha = tl.exp(m_i - m_new)
+            vt = tl.load(v + kv_off + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
+            if FP32:
+                pv = tl.dot(pr, vt, input_precision="ieee")
+            else:
+                pv = tl.dot(pr.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            m_i = m_new
+        if SPLITS == 1:
+            tl.store(out + qrows[:, None] * D + dd[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
+        else:
+            at = qrows * SPLITS + split
+            tl.store(part_m + at, m_i, mask=gg < G)
+            tl.store(part_l + at, l_i, mask=gg < G)
+            tl.store(part_acc + at[:, None] * D + dd[None, :], acc, mask=qmask)
+
+    @triton.jit
     def _decode_attn_merge(out, part_m, part_l, part_acc, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
         pid = tl.program_id(0)
@@ -87,11 +150,21 @@ if HAVE_TRITON:
         tl.store(out + pid.to(tl.int64) * D + dd, o.to(out.dtype.element_ty), mask=dd < D)
 
 
-def plan_splits(programs: int, slots: int) -> tuple[int, int]:
-    """(splits, slots per split): enough programs to fill the GPU, each split a multiple of BLOCK_L slots."""
-    want = max(1, min(MAX_SPLITS, -(-PROGRAMS // programs), -(-slots // BLOCK_L)))
-    per = -(-(-(-slots // want)) // BLOCK_L) * BLOCK_L
+def plan_splits(programs: int, slots: int, block: int | None = None) -> tuple[int, int]:
+    """(splits, slots per split): enough programs to fill the GPU, each split a multiple of `block` slots
+    (default BLOCK_L)."""
+    block = block or BLOCK_L
+    want = max(1, min(MAX_SPLITS, -(-PROGRAMS // programs), -(-slots // block)))
+    per = -(-(-(-slots // want)) // block) * block
     return -(-slots // per), per
+
+
+def launch_plan(b: int, nq: int, nkv: int, s: int, slots: int) -> tuple[bool, int, int, int]:
+    """(grouped, programs per split, splits, slots per split) of a call: grouped-query heads get one program per
+    kv head (and row, token, split), multi-head attention one per query head."""
+    grouped = nq != nkv
+    programs = b * (nkv if grouped else nq) * s
+    return (grouped, programs, *plan_splits(programs, slots, block=GROUP_BLOCK_L if grouped else BLOCK_L))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -99,21 +172,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     nkv, slots = k.shape[1], k.shape[2]
     q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()
     out = torch.empty_like(q)
-    programs = b * nq * s
-    splits, per = plan_splits(programs, slots)
+    rows = b * nq * s  # query rows: what the merge kernel combines
+    grouped, programs, splits, per = launch_plan(b, nq, nkv, s, slots)
     block_d = triton.next_power_of_2(d)
     if splits == 1:
         part_m = part_l = part_acc = out  # unused
     else:
-        part_m = torch.empty(programs * splits, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(rows * splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(programs * splits * d, dtype=torch.float32, device=q.device)
-    _decode_attn[(programs, splits)](q, k, v, mask, out, part_m, part_l, part_acc, slots, per, 1.0 / math.sqrt(d),
-                                     S=s, NQ=nq, NKV=nkv, D=d, BLOCK_D=block_d, BLOCK=BLOCK_L, SPLITS=splits,
-                                     num_warps=NUM_WARPS)
+        part_acc = torch.empty(rows * splits * d, dtype=torch.float32, device=q.device)
+    common = dict(S=s, NQ=nq, NKV=nkv, D=d, BLOCK_D=max(16, block_d) if grouped else block_d, SPLITS=splits)
+    args = (q, k, v, mask, out, part_m, part_l, part_acc, slots, per, 1.0 / math.sqrt(d))
+    if grouped:
+        _decode_attn_group[(programs, splits)](*args, **common, BLOCK=GROUP_BLOCK_L,
+                                               BLOCK_G=max(16, triton.next_power_of_2(nq // nkv)),
+                                               FP32=q.dtype == torch.float32, num_warps=GROUP_NUM_WARPS)
+    else:
+        _decode_attn[(programs, splits)](*args, **common, BLOCK=BLOCK_L, num_warps=NUM_WARPS)
     if splits > 1:
-        _decode_attn_merge[(programs,)](out, part_m, part_l, part_acc, D=d, BLOCK_D=block_d, SPLITS=splits,
-                                        BLOCK_S=triton.next_power_of_2(splits))
+        _decode_attn_merge[(rows,)](out, part_m, part_l, part_acc, D=d, BLOCK_D=block_d, SPLITS=splits,
+                                    BLOCK_S=triton.next_power_of_2(splits))
     return out
 
 
