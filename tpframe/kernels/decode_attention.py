@@ -6,9 +6,9 @@ SDPA's kernels are built for long queries: for one query row per head (decode) c
 on an H200 at L=256, d=128, where reading the cache takes under 1 us: 11% of a 1.3B decode step. Here one
 program handles one (row, query head, query token) over a contiguous split of the cache slots (flash-decoding:
 online softmax in fp32); with several splits a second kernel merges their partial results. Grouped-query
-attention reads kv head h // (nq / nkv), as SDPA's `enable_gqa`. A first version let each query head re-read
-its kv head: at 8 query heads per kv head, 2x slower than SDPA (measured). Grouped heads now go to a second
-kernel whose program serves a kv head's whole query group (two small tl.dot per tile, each slot read once); it is
+attention (query head h reads kv head h // (nq / nkv), as SDPA's `enable_gqa`) has its own kernel: a first
+version let each query head re-read its kv head, 2x slower than SDPA at 8 query heads per kv head (measured);
+now one program serves a kv head's whole query group (two small tl.dot per tile, each slot read once). It is
 checked in Triton's interpreter but not yet timed, so the attention layer keeps SDPA for grouped heads.
 Scale 1/sqrt(d), as SDPA's default.
 Inference only (no backward). Under torch.compile it runs as the custom op tpframe::decode_attention.
@@ -39,8 +39,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_attn(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
-                     NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                     NQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                     SPLITS: tl.constexpr):
+        """Multi-head attention (kv head h serves query head h)."""
         pid = tl.program_id(0)  # ((row * NQ + head) * S + token): q's and out's row of d values
         split = tl.program_id(1)
         t = pid % S
@@ -49,7 +50,7 @@ if HAVE_TRITON:
         dd = tl.arange(0, BLOCK_D)
         dmask = dd < D
         qv = tl.load(q + pid.to(tl.int64) * D + dd, mask=dmask, other=0.0).to(tl.float32) * scale
-        kv_off = (row * NKV + h // (NQ // NKV)).to(tl.int64) * L * D
+        kv_off = (row * NQ + h).to(tl.int64) * L * D
         mrow = mask + (row * S + t).to(tl.int64) * L
         m_i = tl.full((), -1e30, tl.float32)  # a masked score is -1e30, not -inf: no inf - inf
         l_i = tl.zeros((), tl.float32)
@@ -80,8 +81,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_attn_group(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
-                           NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, FP32: tl.constexpr):
+                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                           NQ: tl.constexpr, NKV: tl.constexpr, BLOCK_G: tl.constexpr, FP32: tl.constexpr):
         """Grouped-query attention: one program per (row, kv head, query token, split) serves the kv head's
         G = NQ / NKV query heads at once, reading each cache slot once (two small matmuls per tile)."""
         pid = tl.program_id(0)  # (row * NKV + kv head) * S + token
@@ -181,14 +182,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         part_m = torch.empty(rows * splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(rows * splits * d, dtype=torch.float32, device=q.device)
-    common = dict(S=s, NQ=nq, NKV=nkv, D=d, BLOCK_D=max(16, block_d) if grouped else block_d, SPLITS=splits)
+    common = dict(S=s, D=d, BLOCK_D=max(16, block_d) if grouped else block_d, SPLITS=splits)
     args = (q, k, v, mask, out, part_m, part_l, part_acc, slots, per, 1.0 / math.sqrt(d))
     if grouped:
-        _decode_attn_group[(programs, splits)](*args, **common, BLOCK=GROUP_BLOCK_L,
+        _decode_attn_group[(programs, splits)](*args, **common, NQ=nq, NKV=nkv, BLOCK=GROUP_BLOCK_L,
                                                BLOCK_G=max(16, triton.next_power_of_2(nq // nkv)),
                                                FP32=q.dtype == torch.float32, num_warps=GROUP_NUM_WARPS)
     else:
-        _decode_attn[(programs, splits)](*args, **common, BLOCK=BLOCK_L, num_warps=NUM_WARPS)
+        _decode_attn[(programs, splits)](*args, **common, NQ=nq, BLOCK=BLOCK_L, num_warps=NUM_WARPS)
     if splits > 1:
         _decode_attn_merge[(rows,)](out, part_m, part_l, part_acc, D=d, BLOCK_D=block_d, SPLITS=splits,
                                     BLOCK_S=triton.next_power_of_2(splits))
