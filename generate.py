@@ -132,7 +132,7 @@ def run(plan: Plan) -> list[dict]:
         load_weights(model, tensors, state.tp_rank, state.tp)
         del tensors
         if args.compile:
-            compile_model(model, mode=None if args.compile == "default" else args.compile)
+            compile_model(model, mode=args.compile)
         gen = Generator(model, state.tp_comm, sampling=sampling(args),
                         vocab_size=min(cfg.vocab_size, plan.tokenizer.vocab_size),
                         eos_id=None if args.ignore_eos else int(plan.tokenizer.eot_id), seed=args.seed,

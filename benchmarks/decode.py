@@ -132,6 +132,11 @@ def profile_decode(gen: Generator, args, path: str) -> None:
         print(f"{Path(path).name}: {line}", flush=True)
 
 
+def agreeing(tokens: list[list[int]], ref: list[list[int]]) -> int:
+    """How many greedy tokens equal the reference's, position by position in each row."""
+    return sum(x == y for r1, r2 in zip(tokens, ref) for x, y in zip(r1, r2))
+
+
 def set_decode_kernel(model, on: bool) -> None:
     """Whether the decode step's attention runs tpframe's decode kernel (else SDPA)."""
     for block in model.blocks.values():
@@ -246,7 +251,7 @@ def main():
         comm1 = Communicator(singles[0], backend="nccl", device=device)
         model = GPT(cfg, BuildContext(comm1, dtype=dtype, device=device, seed=1234)).eval()
         if args.compile:
-            compile_model(model, mode=None if args.compile == "default" else args.compile)
+            compile_model(model, mode=args.compile)
         ref = {}
         for b in batches:
             cells = [("tpframe eager", False, True), ("tpframe graph", True, True)]
@@ -267,7 +272,7 @@ def main():
                 hf = hf if hf is not None else hf_model(model, cfg, device)
                 for b in batches:
                     pre, tok, toks = time_hf(hf, prompts[b], args, mode == "compile", device)
-                    same = sum(x == y for r1, r2 in zip(toks, ref[b]) for x, y in zip(r1, r2)) / (b * args.new_tokens)
+                    same = agreeing(toks, ref[b]) / (b * args.new_tokens)
                     agree.append(f"HF {mode} b={b}: {same:.0%} of greedy tokens equal tpframe's"
                                  + (" (bf16 rounding differs)" if dtype == torch.bfloat16 else ""))
                     rows.append((1, b, f"HF transformers {mode} (static cache)", pre, tok))
@@ -283,7 +288,7 @@ def main():
         comm = Communicator(dist.group.WORLD, backend="auto", device=device)
         model = GPT(cfg, BuildContext(comm, dtype=dtype, device=device, seed=1234)).eval()
         if args.compile:
-            compile_model(model, mode=None if args.compile == "default" else args.compile)
+            compile_model(model, mode=args.compile)
         modes = {"nccl-eager": ("NCCL eager", "nccl", False), "nccl-graph": ("NCCL graph", "nccl", True),
                  "symm-eager": ("symm eager", "auto", False), "symm-graph": ("symm graph", "auto", True)}
         chosen = [m.split("@") for m in args.modes.split(",") if m]
@@ -308,7 +313,7 @@ def main():
                     pre, tok, toks = time_hf(hf_tp, prompts[b], args, mode == "compile", device)
                     rows.append((world, b, label, pre, tok))
                     if b in ref_tp:
-                        same = sum(x == y for r1, r2 in zip(toks, ref_tp[b]) for x, y in zip(r1, r2))
+                        same = agreeing(toks, ref_tp[b])
                         agree.append(f"HF {mode} tp_plan=auto b={b}: {same / (b * args.new_tokens):.0%} of greedy "
                                      f"tokens equal tpframe's at TP={world}")
                     log(f"TP={world} b={b} {label}: prefill {pre:.1f} ms, {tok:.3f} ms/token")

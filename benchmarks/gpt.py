@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import datetime
 import glob
 import os
@@ -93,12 +92,9 @@ def run_one() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if flag("GRAPH") and not cuda:
         raise SystemExit("GRAPH=1 needs a CUDA device")
-    side = torch.cuda.Stream() if flag("GRAPH") else None
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for _ in range(3):  # warm-up (on a side stream before a capture, as torch.cuda.graph asks)
-            step()
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        step()
+    if flag("GRAPH"):
         step = graphed_step(model, inp, labels)
     sync()
     torch.distributed.barrier()
@@ -135,18 +131,24 @@ def run_one() -> None:
 
 
 def graphed_step(model, inp, labels):
-    """The forward+backward captured in one CUDA graph; calling the result replays it and returns its (static)
-    loss. Gradients are allocated inside the capture, so each replay rewrites them in place."""
-    for p in model.parameters():
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss = model(inp, labels).mean()
-        loss.backward()
+    """The forward+backward captured in one CUDA graph (tpframe/inference/graph.py: warm-up on a side stream, then
+    the capture); calling the result replays it and returns its (static) loss. Gradients are allocated inside the
+    capture, so each replay rewrites them in place."""
+    from tpframe.inference.graph import CapturedStep
+
+    losses = []
+
+    def fwd_bwd():
+        for p in model.parameters():
+            p.grad = None
+        losses[:] = [model(inp, labels).mean()]
+        losses[0].backward()
+
+    graph = CapturedStep(fwd_bwd)
 
     def replay():
-        graph.replay()
-        return loss
+        graph()
+        return losses[0]
 
     return replay
 
