@@ -69,6 +69,8 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     check_pipeline_support(cfg.model.name, resolve_builder(cfg.model.name), cfg.parallel.pp)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.cuda_graph and device == "cpu":
+        raise ConfigError("train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false")
     if device_check or device == "cpu":
         local_world = local_world_size(world) if world_size is None else world
         checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
@@ -104,6 +106,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                                             is_comm_failure)
     from tpframe.parallel.pipeline import build_pipeline, build_stages, pipeline_numel, pipeline_union
     from tpframe.parallel.rng import RNGState
+    from tpframe.parallel.graphed import GraphedForwardBackward
     from tpframe.parallel.schedules import get_forward_backward, get_forward_only
     from tpframe.training.flops import peak_tflops
     from tpframe.training.health import TrainingAborted
@@ -158,7 +161,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
-                          forward_backward=get_forward_backward(p.pp, pipeline),
+                          forward_backward=GraphedForwardBackward() if cfg.train.cuda_graph
+                          else get_forward_backward(p.pp, pipeline),
                           forward_only=get_forward_only(p.pp, pipeline), progress=progress,
                           peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
         checkpointer = Checkpointer(cfg, state, tensors=strategy, rng=RNGState(state.device, tracker),

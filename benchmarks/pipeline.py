@@ -17,7 +17,9 @@ Bubble: each pipeline rank's idle time (waiting on its neighbours' activations/g
 loss at the end), timed with CUDA events around the waits, over the schedule's time; theory with equal
 F, B, W costs: (p-1)/(m+p-1) for 1F1B and AFAB, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1.
 Keys (argv key=value, or env in upper case): hidden layers heads seq vocab mb gbs steps warmup dtype
-layouts (comma-separated: pp-afab pp-1f1b pp-interleaved pp-zb_h1 tp-sp dp) virtual (chunks per rank for
+layouts (comma-separated: pp-afab pp-1f1b pp-interleaved pp-zb_h1 tp-sp dp; a non-pipelined one may end in
++compile (train.compile: every block compiled) and/or +graph (train.cuda_graph: forward+backward replayed from CUDA
+graphs, captured in the third warm-up step, so warmup >= 3), e.g. tp-sp,tp-sp+compile,tp-sp+compile+graph) virtual (chunks per rank for
 pp-interleaved) comm nproc row_timeout append (0: print only) fwdbwd (1: the non-pipelined rows also time
 the same model's bare forward+backward, gradients dropped and no optimizer, as benchmarks/gpt.py does, before
 the strategy exists, and the table gives the full step's overhead over it and where it goes: the trainer's
@@ -49,6 +51,8 @@ from tpframe.models import BuildContext  # noqa: E402
 from tpframe.optim import build_strategy  # noqa: E402
 from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
 from tpframe.parallel.pipeline import StageTimer, build_pipeline, build_stages, theoretical_bubble  # noqa: E402
+from tpframe.models.compile import compile_model  # noqa: E402
+from tpframe.parallel.graphed import GraphedForwardBackward  # noqa: E402
 from tpframe.parallel.schedules import forward_backward_no_pipelining  # noqa: E402
 from tpframe.errors import ConfigError  # noqa: E402
 from tpframe.training.config import from_dict, validate  # noqa: E402
@@ -59,8 +63,18 @@ DEFAULTS = dict(hidden=2048, layers=24, heads=16, seq=2048, vocab=50304, mb=2, g
                 virtual=2, layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp", fwdbwd=0, profile="")
 
 
+MODIFIERS = ("compile", "graph")
+
+
+def split_name(name: str) -> tuple[str, set[str]]:
+    """'tp-sp+compile+graph' -> ('tp-sp', {'compile', 'graph'})."""
+    base, *mods = name.split("+")
+    return base, set(mods)
+
+
 def layout(name: str, world: int, virtual: int) -> tuple[int, int, str | None, int]:
     """(tp, pp, schedule, virtual stages) of a layout over `world` GPUs."""
+    name = split_name(name)[0]
     if name.startswith("pp-"):
         schedule = {"pp-interleaved": "interleaved_1f1b"}.get(name, name[3:])
         return 1, world, schedule, virtual if schedule == "interleaved_1f1b" else 1
@@ -109,13 +123,15 @@ class Quiet:
 
 def run_layout(name: str, o: dict, world: int) -> dict:
     tp, pp, schedule, v = layout(name, world, o["virtual"])
+    mods = split_name(name)[1]
     dp = world // (tp * pp)
     cfg = from_dict({
         "model": dict(vocab_size=o["vocab"], hidden=o["hidden"], layers=o["layers"], heads=o["heads"],
                       max_seq_len=o["seq"], position="rotary", vocab_multiple=128),
         "parallel": dict(tp=tp, pp=pp, sequence_parallel=tp > 1, pp_schedule=schedule or "1f1b", virtual_stages=v),
         "train": dict(steps=o["warmup"] + o["steps"], seq_len=o["seq"], micro_batch_size=o["mb"],
-                      global_batch_size=o["gbs"], dtype=o["dtype"]),
+                      global_batch_size=o["gbs"], dtype=o["dtype"], compile="compile" in mods,
+                      cuda_graph="graph" in mods),
         "optim": dict(warmup_steps=0, decay="constant", lr=1e-4),
         "comm": dict(backend=o["comm"]),
     })
@@ -127,10 +143,12 @@ def run_layout(name: str, o: dict, world: int) -> dict:
         ctx = BuildContext(state.tp_comm, sequence_parallel=tp > 1, rng_tracker=tracker, dtype=dtype,
                            device=state.device, seed=1234)
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=pp, virtual_stages=v)
+        if "compile" in mods:
+            compile_model(model)
         bare_ms = time_forward_backward(model, o, state, dp) if o["fwdbwd"] and pp == 1 else None
         strategy = build_strategy("ddp", model, cfg.optim, state, compute_dtype=dtype)
         timer = StageTimer(state.device)
-        forward_backward = forward_backward_no_pipelining
+        forward_backward = GraphedForwardBackward() if "graph" in mods else forward_backward_no_pipelining
         if pp > 1:
             pipeline = build_pipeline(state, schedule=schedule, virtual_stages=v, seq_len=o["seq"],
                                       micro_batch_size=o["mb"], hidden=o["hidden"], sequence_parallel=False,
@@ -169,7 +187,7 @@ def run_layout(name: str, o: dict, world: int) -> dict:
         step_time = statistics.median(times)
         tokens = o["gbs"] * o["seq"]
         return {
-            "name": name, "tp": tp, "pp": pp, "dp": dp, "schedule": schedule, "v": v,
+            "name": name, "mods": sorted(mods), "tp": tp, "pp": pp, "dp": dp, "schedule": schedule, "v": v,
             "micro": o["gbs"] // (o["mb"] * dp), "step_ms": step_time * 1e3, "tokens_s": tokens / step_time,
             "tflops": model.flops_per_token(o["seq"]) * tokens / step_time / world / 1e12,
             "bubbles": [e["bubble"] for e in sorted(everyone, key=lambda e: e["stage"])] if pp > 1 else None,
@@ -204,6 +222,11 @@ def time_forward_backward(model, o: dict, state, dp: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def label(r: dict) -> str:
+    return (f"tp={r['tp']} pp={r['pp']} dp={r['dp']}" + (" sp" if r["tp"] > 1 else "")
+            + "".join(f" +{m}" for m in r.get("mods", [])))
+
+
 def table(rows: list[dict], o: dict, device: str) -> str:
     base = min(r["step_ms"] for r in rows)
     lines = [
@@ -226,7 +249,7 @@ def table(rows: list[dict], o: dict, device: str) -> str:
         else:
             measured = theory = own = "-"
             schedule = "-"
-        layout = f"tp={r['tp']} pp={r['pp']} dp={r['dp']}" + (" sp" if r["tp"] > 1 else "")
+        layout = label(r)
         lines.append(
             f"| {layout} | {schedule} | {r['micro']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x "
             f"| {r['tokens_s']:.0f} | {r['tflops']:.1f} | {r['mem']:.1f} | {measured} | {theory} | {own} "
@@ -238,7 +261,7 @@ def table(rows: list[dict], o: dict, device: str) -> str:
                   "", "| layout | fwd+bwd ms | train step ms | overhead | train / fwd+bwd throughput | phases ms |",
                   "|---|---|---|---|---|---|"]
         for r in bare:
-            layout = f"tp={r['tp']} pp={r['pp']} dp={r['dp']}" + (" sp" if r["tp"] > 1 else "")
+            layout = label(r)
             phases = ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in r["phases"].items())
             lines.append(f"| {layout} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} "
                          f"| {r['step_ms'] - r['fwd_bwd_ms']:.1f} ms ({r['step_ms'] / r['fwd_bwd_ms'] - 1:.1%}) "
@@ -267,9 +290,14 @@ def main(argv: list[str]) -> None:
     if "RANK" in os.environ:
         return worker(o)
     names = [n for n in o["layouts"].split(",") if n]
-    unknown = [n for n in names if n not in LAYOUTS]
+    unknown = [n for n in names if split_name(n)[0] not in LAYOUTS or not split_name(n)[1] <= set(MODIFIERS)]
     if unknown:
-        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}, the non-pipelined ones with "
+                         f"+compile and/or +graph")
+    if any(split_name(n)[1] and n.startswith("pp-") for n in names):
+        raise SystemExit("+compile and +graph apply to the non-pipelined layouts (tp-sp, dp) only")
+    if any("graph" in split_name(n)[1] for n in names) and o["warmup"] < 3:
+        raise SystemExit(f"a +graph layout captures in its third step; give warmup=3 or more (got {o['warmup']})")
     world = o["nproc"]
     rows, notes = [], []
     for name in names:

@@ -68,7 +68,10 @@ class ParallelLlama(nn.Module):
         x = self.embedding(input_ids.t())  # [s(/tp), b, h]
         rotary = self.rotary(input_ids.shape[1], x.dtype)
         for block in self.blocks.values():
-            x = recompute(block, x, rotary) if self.ctx.activation_checkpointing and self.training else block(x, rotary)
+            if self.ctx.activation_checkpointing and self.training:  # no dropout: no RNG state to replay
+                x = recompute(block, x, rotary, preserve_rng=self.cfg.attention_dropout > 0)
+            else:
+                x = block(x, rotary)
         logits = self.head(self.final_norm(x))  # [s, b, V/tp]
         return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.ctx.comm, vocab_size=self.cfg.vocab_size).t()
 

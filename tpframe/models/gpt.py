@@ -103,6 +103,7 @@ class GPT(nn.Module):
         self.cfg, self.ctx, self.comm = cfg, ctx, ctx.comm
         self.stage = ctx.stage
         self.sequence_parallel, self.activation_checkpointing = ctx.sequence_parallel, ctx.activation_checkpointing
+        self.uses_dropout = cfg.dropout > 0 or cfg.attention_dropout > 0  # draws random numbers in training
         sp, dtype, device, seed = ctx.sequence_parallel, ctx.dtype, ctx.device, ctx.seed
         init = normal_init(cfg.init_std)
         vocab = dict(pad_to_multiple_of=cfg.vocab_multiple, comm=ctx.comm, init_method=init, dtype=dtype, device=device)
@@ -181,7 +182,7 @@ class GPT(nn.Module):
             if cache is not None:
                 x = block(x, rotary, cache.layer(i))
             elif self.activation_checkpointing and self.training:
-                x = recompute(block, x, rotary)
+                x = recompute(block, x, rotary, preserve_rng=self.uses_dropout)
             else:
                 x = block(x, rotary)
         if not self.stage.last:

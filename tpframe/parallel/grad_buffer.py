@@ -154,6 +154,15 @@ class GradBuffer:
                 b.work.wait()
                 b.work = None
 
+    def fresh_state(self) -> list[set]:
+        """Which params have no gradient yet this step, per bucket (a CUDA-graphed schedule restores it
+        after each replay, since the hooks that keep it do not run then)."""
+        return [set(b.fresh) for b in self.buckets]
+
+    def set_fresh_state(self, state: list[set]) -> None:
+        for b, fresh in zip(self.buckets, state, strict=True):
+            b.fresh = set(fresh)
+
     def _accumulate(self, p: nn.Parameter) -> None:
         b = self.bucket_of[p]
         if id(p) in b.fresh:

@@ -54,6 +54,7 @@ class TrainConfig:
     eval_steps: int = 10  # held-out micro-batches per evaluation
     run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
+    cuda_graph: bool = False  # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
     loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
@@ -302,9 +303,27 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
     if p.overlap_param_gather and p.dp_strategy != "zero1":
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
+    if t.cuda_graph:
+        _validate_cuda_graph(cfg)
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
     _validate_pipeline(cfg, dp)
+
+
+def _validate_cuda_graph(cfg: Config) -> None:
+    """train.cuda_graph replays a fixed, non-random forward+backward (tpframe/parallel/graphed.py)."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp > 1:
+        raise ConfigError("train.cuda_graph graphs the non-pipelined step; set parallel.pp=1 or train.cuda_graph=false")
+    if p.dp_strategy == "fsdp":
+        raise ConfigError("train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or "
+                          "zero1, or set train.cuda_graph=false")
+    if p.overlap_param_gather:
+        raise ConfigError("train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
+                          "set parallel.overlap_param_gather=false or train.cuda_graph=false")
+    if m.dropout > 0 or m.attention_dropout > 0:
+        raise ConfigError(f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
+                          f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

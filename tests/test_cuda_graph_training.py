@@ -1,0 +1,117 @@
+"""train.cuda_graph: the forward+backward replayed from CUDA graphs trains exactly like the eager step.
+
+CPU: the pieces the graphed schedule relies on (activation recompute without RNG state, the gradient
+buffer's bookkeeping); the bad combinations are in tests/test_ops_inputs.py. GPU: whole runs through
+train.py's pipeline, graphed against eager, with gradient accumulation, recompute, compiled blocks, TP and DP.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import train_in_process
+
+
+def test_recompute_without_rng_state_saves_none_and_gives_the_same_gradients(monkeypatch):
+    from tpframe.parallel.recompute import recompute
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    block(x).square().sum().backward()
+    want = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    for p in [*block.parameters(), x]:
+        p.grad = None
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a block without dropout must not save or restore RNG states")
+
+    monkeypatch.setattr(torch, "get_rng_state", forbidden)
+    monkeypatch.setattr(torch, "set_rng_state", forbidden)
+    recompute(block, x, preserve_rng=False).square().sum().backward()
+    for g, w in zip([p.grad for p in block.parameters()] + [x.grad], want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="must not save"):  # the default still replays RNG states
+        recompute(block, x).square().sum().backward()
+
+
+def test_gradient_buffer_bookkeeping_can_be_read_and_restored():
+    """What a graph replay cannot do itself: mark the params whose gradient the replay copied in, so the
+    end of the step zeroes only the params that really received none."""
+    from tpframe.parallel.grad_buffer import GradBuffer
+
+    used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
+    buf = GradBuffer([*used.parameters(), *unused.parameters()], None, dp_size=1, bucket_bytes=64)
+    buf.zero()
+    at_start = buf.fresh_state()
+    used(torch.ones(2, 4)).sum().backward()
+    after = buf.fresh_state()
+    stale = set().union(*after)
+    assert stale == {id(p) for p in unused.parameters()}, "only the params without a gradient stay stale"
+    buf.set_fresh_state(at_start)  # as if the backward had been a replay: the hooks did not run
+    assert set().union(*buf.fresh_state()) == {id(p) for p in [*used.parameters(), *unused.parameters()]}
+    buf.buffer.fill_(7.0)
+    buf.set_fresh_state(after)
+    buf.finish_sync()
+    assert all(float(p.main_grad.abs().max()) == 0 for p in unused.parameters())
+    assert all(float(p.main_grad.min()) == 7.0 for p in used.parameters()), "a received gradient is kept"
+    with pytest.raises(ValueError):
+        buf.set_fresh_state(after[:-1])
+
+
+def _eager_and_graphed(overrides: list[str], root: str) -> dict:
+    out = {}
+    for graph in (False, True):
+        trainer = train_in_process([*overrides, f"train.cuda_graph={str(graph).lower()}", f"train.run_dir={root}/{graph}"],
+                                   keep_trainer=True)
+        fb = trainer.forward_backward
+        out[graph] = {"losses": [r["loss"] for r in trainer.history], "norms": [r["grad_norm"] for r in trainer.history],
+                      "captured": getattr(fb, "captured", None), "calls": getattr(fb, "calls", None),
+                      "device": str(trainer.parallel.device)}
+    return out
+
+
+def _assert_same_training(out: dict, rtol: float, steps: int) -> None:
+    eager, graphed = out[False], out[True]
+    assert graphed["device"].startswith("cuda") and graphed["captured"] is True and graphed["calls"] == steps
+    assert eager["captured"] is None, "the eager run must not use the graphed schedule"
+    assert len(graphed["losses"]) == len(eager["losses"]) == steps
+    for step, (a, b) in enumerate(zip(graphed["losses"], eager["losses"]), 1):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: graphed loss {a!r} vs eager {b!r}"
+    for step, (a, b) in enumerate(zip(graphed["norms"], eager["norms"]), 1):
+        assert abs(a - b) <= 10 * rtol * abs(b), f"step {step}: graphed grad norm {a!r} vs eager {b!r}"
+    assert eager["losses"][-1] < eager["losses"][0] - 0.5, "the runs must really train"
+
+
+# fp32: the same kernels replayed, so the runs agree to flash/efficient attention's atomic-add ordering only
+CASES = {
+    "2-micro-batches": [],  # the "first" graph copies into main_grad, the "rest" graph adds
+    "1-micro-batch-recompute": ["train.global_batch_size=4", "parallel.activation_checkpointing=true"],
+    "zero1-bucketed": ["parallel.dp_strategy=zero1", "parallel.grad_bucket_mb=0.01"],
+}
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("extra", CASES.values(), ids=CASES.keys())
+def test_graphed_training_equals_eager_on_one_gpu(tmp_path, extra):
+    common = ["parallel.tp=1", "train.steps=8", "model.position=rotary", *extra]
+    out = run_distributed(_eager_and_graphed, 1, common, str(tmp_path), backend="nccl")[0]
+    _assert_same_training(out, rtol=1e-4, steps=8)
+
+
+@pytest.mark.gpu(count=1)
+def test_graphed_training_of_compiled_bf16_blocks_equals_eager(tmp_path):
+    common = ["parallel.tp=1", "train.steps=8", "train.dtype=bfloat16", "train.compile=true"]
+    out = run_distributed(_eager_and_graphed, 1, common, str(tmp_path), backend="nccl")[0]
+    _assert_same_training(out, rtol=2e-2, steps=8)
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true", "comm.backend=auto"],
+                                    ["parallel.tp=1", "train.global_batch_size=16"]], ids=["tp2-sp-auto", "dp2"])
+def test_graphed_training_equals_eager_on_two_gpus(tmp_path, layout):
+    """TP collectives inside the graph (the symm kernels where `auto` picks them); DP sync after it."""
+    out = run_distributed(_eager_and_graphed, 2, [*layout, "train.steps=8"], str(tmp_path), backend="nccl")
+    for rank_out in out:
+        _assert_same_training(rank_out, rtol=1e-4, steps=8)

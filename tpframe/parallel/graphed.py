@@ -1,0 +1,102 @@
+"""The non-pipelined schedule with every micro-batch's forward+backward replayed from a CUDA graph
+(`train.cuda_graph`): one launch per micro-batch instead of thousands, which pays where kernels are
+short (small models, small micro-batches) and costs nothing measurable at GPT-1.3B (benchmarks/RESULTS.md).
+
+The first `warmup_steps` optimizer steps run eagerly (compilation, cuBLAS and NCCL set-up, the
+Communicator's plans). The next step captures two graphs into one memory pool, reading static input
+buffers the batches are copied into:
+  - "first": the step's first micro-batch, whose gradient hooks *copy* into the fp32 `main_grad`
+    (the gradient buffer's lazy zeroing, tpframe.parallel.grad_buffer);
+  - "rest": any later micro-batch, whose hooks *add*.
+Python does not run on a replay, so the gradient buffer's own bookkeeping (which params still have a
+stale `main_grad`) is set after each replay to what it was after the capture.
+
+What the graph holds: forward, backward, the gradient accumulation and the TP collectives (the
+Communicator picks its graph-mode backend during capture). What it does not: the DP gradient sync,
+which runs after the last replay in `finish_grad_sync` (no overlap with backward: at the shapes where
+graphs pay, the gradients are small), clipping and the optimizer step. Not random: dropout must be 0
+(the TP RNG tracker swaps generator states on the host, which a replay cannot repeat), so activation
+recompute does not save RNG states (tpframe.parallel.recompute, `preserve_rng=False`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpframe.errors import ConfigError
+from tpframe.parallel.schedules import forward_backward_no_pipelining
+
+
+class GraphedForwardBackward:
+    """A schedule function (same signature as `forward_backward_no_pipelining`) that replays CUDA graphs
+    after `warmup_steps` eager calls. `grad_sync` must be a strategy with a GradBuffer `grads` (ddp, zero1)."""
+
+    def __init__(self, *, warmup_steps: int = 2):
+        if warmup_steps < 1:
+            raise ValueError(f"a CUDA-graphed schedule needs at least one eager warm-up step, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
+        self.calls = 0
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.losses: dict[str, torch.Tensor] = {}  # each graph's static output: its micro-batch's loss / n
+        self.fresh_after: dict[str, list[set]] = {}  # the gradient buffer's bookkeeping after each graph
+        self.inputs: torch.Tensor | None = None
+        self.labels: torch.Tensor | None = None
+        self.num_micro_batches = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def __call__(self, model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
+                 device: torch.device) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.warmup_steps:
+            return forward_backward_no_pipelining(model, batches, num_micro_batches, grad_sync=grad_sync, device=device)
+        buffer = grad_sync.grads
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i in range(num_micro_batches):
+            input_ids, labels = batches.next()
+            if not self.captured:
+                self._capture(model, buffer, input_ids, labels, num_micro_batches, device)
+            if num_micro_batches != self.num_micro_batches:
+                raise RuntimeError(f"train.cuda_graph captured steps of {self.num_micro_batches} micro-batches, "
+                                   f"this one has {num_micro_batches}")
+            if input_ids.shape != self.inputs.shape or labels.shape != self.labels.shape:
+                raise RuntimeError(f"train.cuda_graph replays fixed shapes {tuple(self.inputs.shape)}, but a batch "
+                                   f"has {tuple(input_ids.shape)}; set train.cuda_graph=false for varying shapes")
+            self.inputs.copy_(input_ids, non_blocking=True)
+            self.labels.copy_(labels, non_blocking=True)
+            which = "first" if i == 0 else "rest"
+            self.graphs[which].replay()
+            buffer.set_fresh_state(self.fresh_after[which])
+            loss_sum += self.losses[which]
+        return loss_sum
+
+    def _capture(self, model: nn.Module, buffer, input_ids: torch.Tensor, labels: torch.Tensor,
+                 num_micro_batches: int, device: torch.device) -> None:
+        """Capture "first" (and "rest" when the step has more micro-batches); the buffer's bookkeeping is
+        left as it was (a step's start: every main_grad stale), since capturing runs no kernel."""
+        self.inputs = torch.empty_like(input_ids, device=device)
+        self.labels = torch.empty_like(labels, device=device)
+        self.num_micro_batches = num_micro_batches
+        at_start = buffer.fresh_state()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph pool takes their place
+        pool = None
+        try:
+            for which in ("first", "rest")[: 1 + (num_micro_batches > 1)]:
+                graph = torch.cuda.CUDAGraph()
+                # thread-local: a background checkpoint writer may touch CUDA while this thread captures
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    loss = model(self.inputs, self.labels).mean() / num_micro_batches
+                    loss.backward()
+                pool = graph.pool()
+                self.graphs[which], self.losses[which] = graph, loss.detach()
+                self.fresh_after[which] = buffer.fresh_state()
+        except RuntimeError as e:
+            self.graphs.clear()
+            raise ConfigError(f"train.cuda_graph could not capture the training step ({str(e).strip().splitlines()[0][:160]}); "
+                              "set train.cuda_graph=false") from None
+        finally:
+            buffer.set_fresh_state(at_start)
