@@ -63,6 +63,7 @@ def parse_args():
     p.add_argument("--hidden", type=int, default=SHAPE["hidden"])
     p.add_argument("--ffn", type=int, default=SHAPE["ffn_hidden"])
     p.add_argument("--heads", type=int, default=SHAPE["heads"])
+    p.add_argument("--kv-heads", type=int, default=0, help="grouped-query attention with this many kv heads (0: MHA)")
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
     p.add_argument("--results", default="benchmarks/RESULTS.md")
     p.add_argument("--tp1", action=argparse.BooleanOptionalAction, default=True, help="the TP=1 and HF rows")
@@ -81,7 +82,7 @@ def parse_args():
 
 def config(args) -> ModelConfig:
     return ModelConfig(**dict(SHAPE, layers=args.layers, hidden=args.hidden, ffn_hidden=args.ffn, heads=args.heads,
-                              vocab_size=args.vocab))
+                              vocab_size=args.vocab, kv_heads=args.kv_heads or None))
 
 
 def sync(device):
@@ -359,7 +360,8 @@ def report(args, rows, agree, world, device):
         f"## Decode: {world}x {name}, {datetime.date.today().isoformat()}", "",
         f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; torchrun "
         f"--nproc-per-node {world} benchmarks/decode.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
-        f"torch {torch.__version__}; model L={args.layers} H={args.hidden} heads={args.heads} FFN={args.ffn} (SwiGLU) "
+        f"torch {torch.__version__}; model L={args.layers} H={args.hidden} heads={args.heads}"
+        f"{f' (kv heads {args.kv_heads})' if args.kv_heads else ''} FFN={args.ffn} (SwiGLU) "
         f"V={args.vocab}, bf16, random weights; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy. "
         "Per-token = decode time / (new tokens - 1), median of the timed generations after a warm-up; tokens/s = "
         "batch / per-token. Floor at batch 1 (weights read once per token, 4.8 TB/s): ~0.59 ms at TP=1, "

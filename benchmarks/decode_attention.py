@@ -47,11 +47,11 @@ def main() -> int:
         return 2
     graph_time = functools.partial(time_graph, k=20, reps=5, device=torch.device("cuda", torch.cuda.current_device()))
     chosen = {False: (da.BLOCK_L, da.NUM_WARPS, da.PROGRAMS),
-              True: (da.GROUP_BLOCK_L, da.GROUP_NUM_WARPS, da.PROGRAMS)}
+              True: (da.GROUP_BLOCK_L, da.GROUP_NUM_WARPS, da.GROUP_PROGRAMS)}
 
     def use(grouped: bool, setting) -> None:  # the multi-head kernel's setting, or the grouped-query kernel's
         if grouped:
-            da.GROUP_BLOCK_L, da.GROUP_NUM_WARPS, da.PROGRAMS = setting
+            da.GROUP_BLOCK_L, da.GROUP_NUM_WARPS, da.GROUP_PROGRAMS = setting
         else:
             da.BLOCK_L, da.NUM_WARPS, da.PROGRAMS = setting
 

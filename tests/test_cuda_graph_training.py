@@ -115,3 +115,23 @@ def test_graphed_training_equals_eager_on_two_gpus(tmp_path, layout):
     out = run_distributed(_eager_and_graphed, 2, [*layout, "train.steps=8"], str(tmp_path), backend="nccl")
     for rank_out in out:
         _assert_same_training(rank_out, rtol=1e-4, steps=8)
+
+
+def _diverge_graphed(root: str) -> str:
+    from tpframe.training.health import TrainingAborted
+
+    try:
+        train_in_process(["parallel.tp=1", "train.steps=12", "train.cuda_graph=true", "optim.lr=1e30",
+                          "optim.grad_clip=0", "train.max_skipped_steps=3", f"train.run_dir={root}"])
+    except TrainingAborted as e:
+        return str(e)
+    return "no abort"
+
+
+@pytest.mark.gpu(count=1)
+def test_a_graphed_run_that_diverges_is_rerun_skipped_and_stopped_with_a_message(tmp_path):
+    """Non-finite losses come out of the replays like out of eager steps: re-run (a replay), skipped, and past
+    train.max_skipped_steps the run stops, saying that the micro-batch is unknown because a graph ran."""
+    message = run_distributed(_diverge_graphed, 1, str(tmp_path), backend="nccl")[0]
+    assert "non-finite" in message and "train.max_skipped_steps=3" in message, message
+    assert "replayed a CUDA graph" in message, message

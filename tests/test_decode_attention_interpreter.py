@@ -40,9 +40,9 @@ def _check() -> None:
 
     cases = ((1, 2, 2, 1, 16, 16), (1, 4, 4, 1, 48, 16), (3, 4, 2, 1, 200, 16), (2, 2, 1, 2, 130, 8),
              (2, 3, 3, 1, 64, 12), (2, 8, 2, 1, 100, 16), (1, 6, 2, 2, 40, 16), (1, 32, 1, 1, 20, 16))
-    planned = da.PROGRAMS
-    for programs in (planned, 1):  # the planned splits (one tile each, merged), then one split looping over tiles
-        da.PROGRAMS = programs
+    planned = da.PROGRAMS, da.GROUP_PROGRAMS
+    for programs in (planned, (1, 1)):  # the planned splits (one tile each, merged), then one split looping over tiles
+        da.PROGRAMS, da.GROUP_PROGRAMS = programs
         for b, nq, nkv, s, slots, d in cases:
             q, k, v, mask = cache_case(b, nq, nkv, s, slots, d, dtype=torch.float32)
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nq)
@@ -50,7 +50,7 @@ def _check() -> None:
             got = da.decode_attention(q, k, v, mask)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m: (
                 f"b={b} nq={nq} nkv={nkv} s={s} L={slots} splits={splits}: {m}"))
-    da.PROGRAMS = planned
+    da.PROGRAMS, da.GROUP_PROGRAMS = planned
     assert da.plan_splits(2, 16) == (1, 16) and da.plan_splits(1, 48) == (3, 16) and da.plan_splits(16, 256) == (16, 16)
     assert da.plan_splits(2048, 4096) == (1, 4096) and da.plan_splits(1, 1 << 20)[0] == da.MAX_SPLITS
     try:

@@ -66,7 +66,7 @@ def test_graph_decode_equals_eager_decode_token_for_token(backend, compiled, tmp
             assert graph_calls >= eager_calls >= 48 * 4 * 2, (graph_calls, eager_calls)
 
 
-def _decode_variants():
+def _decode_variants(kv_heads: int):
     from tpframe.inference import Generator, SamplingConfig
     from tpframe.models import BuildContext
     from tpframe.models.compile import compile_model
@@ -75,7 +75,7 @@ def _decode_variants():
     from tpframe.parallel import initialize_parallel
 
     state = initialize_parallel(tp=1, comm_backend="nccl")
-    cfg = ModelConfig(vocab_size=1000, hidden=256, layers=3, heads=8, max_seq_len=256, position="rotary",
+    cfg = ModelConfig(vocab_size=1000, hidden=256, layers=3, heads=8, kv_heads=kv_heads, max_seq_len=256, position="rotary",
                       activation="swiglu", norm="rmsnorm", tie_embeddings=False, init_std=0.05)
     out = {}
     for name, fused, compiled in (("sdpa", False, False), ("kernel", True, False), ("compiled", True, True)):
@@ -91,10 +91,11 @@ def _decode_variants():
 
 
 @pytest.mark.gpu
-def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens():
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens(kv_heads):
     """fp32, greedy: the decode-attention kernel (eager, in the graph, and as a custom op in compiled blocks, where a
-    100-token prompt puts the cache past one split) gives the SDPA path's tokens."""
-    (out,) = run_distributed(_decode_variants, 1, backend="nccl", env=ENV, timeout=300)
+    100-token prompt puts the cache past one split; multi-head and grouped-query) gives the SDPA path's tokens."""
+    (out,) = run_distributed(_decode_variants, 1, kv_heads, backend="nccl", env=ENV, timeout=300)
     ref = out["sdpa", False]
     assert all(len(t) == 100 for t in ref)
     for key, tokens in out.items():

@@ -8,8 +8,8 @@ program handles one (row, query head, query token) over a contiguous split of th
 online softmax in fp32); with several splits a second kernel merges their partial results. Grouped-query
 attention (query head h reads kv head h // (nq / nkv), as SDPA's `enable_gqa`) has its own kernel: a first
 version let each query head re-read its kv head, 2x slower than SDPA at 8 query heads per kv head (measured);
-now one program serves a kv head's whole query group (two small tl.dot per tile, each slot read once). It is
-checked in Triton's interpreter but not yet timed, so the attention layer keeps SDPA for grouped heads.
+now one program serves a kv head's whole query group (two small tl.dot per tile, each slot read once): 0.72-0.81x
+of SDPA's time on an H200 (benchmarks/RESULTS.md), so decode steps of grouped heads run it too.
 Scale 1/sqrt(d), as SDPA's default.
 Inference only (no backward). Under torch.compile it runs as the custom op tpframe::decode_attention.
 """
@@ -28,10 +28,12 @@ BLOCK_L = 16  # cache slots per loop iteration
 NUM_WARPS = 1
 PROGRAMS = 1024  # (row, head, token) programs times splits to aim for
 MAX_SPLITS = 64
-# Grouped-query heads (_decode_attn_group): tl.dot tiles, so at least 16 slots and 16 (padded) query rows.
-# Not yet timed on a GPU: the attention layer keeps SDPA for GQA until benchmarks/decode_attention.py says otherwise.
-GROUP_BLOCK_L = 32
-GROUP_NUM_WARPS = 4
+# Grouped-query heads (_decode_attn_group): tl.dot tiles, so at least 16 slots and 16 (padded) query rows. Best of
+# the --sweep on an H200 (L=1024): 5.5 us at 32 heads over 8 kv heads x 1 row (SDPA 7.4), 5.2 us at 16/4 (SDPA 7.2),
+# 8.4 us at 32/4 x 8 rows (SDPA 10.3).
+GROUP_BLOCK_L = 64
+GROUP_NUM_WARPS = 2
+GROUP_PROGRAMS = 264
 
 if HAVE_TRITON:
     import triton
@@ -151,11 +153,11 @@ if HAVE_TRITON:
         tl.store(out + pid.to(tl.int64) * D + dd, o.to(out.dtype.element_ty), mask=dd < D)
 
 
-def plan_splits(programs: int, slots: int, block: int | None = None) -> tuple[int, int]:
-    """(splits, slots per split): enough programs to fill the GPU, each split a multiple of `block` slots
-    (default BLOCK_L)."""
-    block = block or BLOCK_L
-    want = max(1, min(MAX_SPLITS, -(-PROGRAMS // programs), -(-slots // block)))
+def plan_splits(programs: int, slots: int, block: int | None = None, target: int | None = None) -> tuple[int, int]:
+    """(splits, slots per split): about `target` programs in all (default PROGRAMS) to fill the GPU, each
+    split a multiple of `block` slots (default BLOCK_L)."""
+    block, target = block or BLOCK_L, target or PROGRAMS
+    want = max(1, min(MAX_SPLITS, -(-target // programs), -(-slots // block)))
     per = -(-(-(-slots // want)) // block) * block
     return -(-slots // per), per
 
@@ -165,7 +167,9 @@ def launch_plan(b: int, nq: int, nkv: int, s: int, slots: int) -> tuple[bool, in
     kv head (and row, token, split), multi-head attention one per query head."""
     grouped = nq != nkv
     programs = b * (nkv if grouped else nq) * s
-    return (grouped, programs, *plan_splits(programs, slots, block=GROUP_BLOCK_L if grouped else BLOCK_L))
+    if grouped:
+        return (grouped, programs, *plan_splits(programs, slots, block=GROUP_BLOCK_L, target=GROUP_PROGRAMS))
+    return (grouped, programs, *plan_splits(programs, slots))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

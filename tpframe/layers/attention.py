@@ -130,7 +130,7 @@ class ParallelAttention(nn.Module):
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)
-            if s <= DECODE_TOKENS and not gqa and self.fused_decode and HAVE_TRITON and q.is_cuda:  # decode step
+            if s <= DECODE_TOKENS and self.fused_decode and HAVE_TRITON and q.is_cuda:  # decode step
                 out = decode_attention(q, k, v, cache.mask)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)

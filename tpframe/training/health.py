@@ -65,6 +65,7 @@ class MicroBatchWatch:
     def __init__(self, model: nn.Module, rank: int):
         self.flags: list[torch.Tensor] = []
         self.step, self.attempt = 0, 0
+        self.graphed = False  # a CUDA graph was captured through this hook (train.cuda_graph)
         fault = parse_fault_spec(os.environ.get(FAULT_NAN_ENV))
         self.fault = fault if fault and rank == int(os.environ.get("TPFRAME_FAULT_RANK", "0")) else None
         self.handle = model.register_forward_hook(self._hook)
@@ -84,6 +85,9 @@ class MicroBatchWatch:
 
     def _hook(self, module, inputs, output):
         if not isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
+            return None
+        if output.is_cuda and torch.cuda.is_current_stream_capturing():  # train.cuda_graph: replays skip Python,
+            self.graphed = True  # so neither a flag nor the test fault would mean anything there
             return None
         if self._faulty(len(self.flags)):
             output = output * float("nan")
@@ -201,6 +205,8 @@ class StepGuard:
         parts = [f"loss {loss}"] if not math.isfinite(loss) else []
         parts += [f"gradient norm {norm}"] if not math.isfinite(norm) else []
         text = "non-finite " + " and ".join(parts)
+        if self.watch.graphed and not self.watch.flags:  # every rank alike: the step was replayed from a CUDA graph
+            return text + " (which micro-batch is not known: the step replayed a CUDA graph, train.cuda_graph)"
         mine = self.watch.first_nonfinite()
         dp, dp_rank = self.dp_comm.size, self.dp_comm.rank
         found = torch.full((dp,), -1.0, device=self.dp_comm.device)
