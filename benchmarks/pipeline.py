@@ -179,7 +179,7 @@ def run_layout(name: str, o: dict, world: int) -> dict:
         if o["profile"]:
             from gpt import profile_step  # benchmarks/gpt.py: the profiler table, trace and GPU idle time
 
-            profile_step(trainer.train_step, f"{o['profile']}.{name}.txt", state.rank)
+            profile_step(trainer.train_step, f"{o['profile']}.{name.replace('+', '_')}.txt", state.rank)
         mine = {"stage": state.pp_rank, "bubble": statistics.median(bubbles) if pp > 1 else None,
                 "mem": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
         everyone: list = [None] * world
