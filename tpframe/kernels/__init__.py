@@ -3,10 +3,11 @@
     rotary.py         qkv [s, b, (nq + 2 nkv) d] -> q, k rotated and v, each [b, n, s, d], in one pass (and back)
     cross_entropy.py  per-row softmax statistics and the in-place logits gradient of the head + loss path
     decode_attention.py  generation's few new queries over the KV cache (flash-decoding), inference only
+    norm.py           LayerNorm / RMSNorm forward, and backward with the weight gradients in the same pass
 
 Every kernel has a plain-torch twin that computes the same function (the CPU path, and the tests' oracle);
-callers pick the kernel only for CUDA tensors; the cross-entropy kernels run outside torch.compile
-tracing (the head stays eager), the rotary and decode-attention kernels also inside it, as the custom ops
+callers pick the kernel only for CUDA tensors; the cross-entropy and norm kernels run outside torch.compile
+tracing (the head stays eager; compiled blocks get Inductor's own norms), the rotary and decode-attention kernels also inside it, as the custom ops
 tpframe::qkv_rotary and tpframe::decode_attention.
 """
 

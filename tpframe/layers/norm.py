@@ -8,9 +8,9 @@ their gradients over TP (see tpframe.parallel.grad_buffer).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tpframe.kernels.norm import norm
 from tpframe.layers.utils import tag_param
 
 
@@ -24,9 +24,10 @@ class LayerNorm(nn.Module):
             self.bias = tag_param(nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), None, sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self.fused = True  # the Triton kernel on CUDA (tpframe/kernels/norm.py; BuildContext.fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.hidden,), self.weight, self.bias, self.eps)
+        return norm(x, self.weight, self.bias, self.eps, rms=False, fused=self.fused)
 
 
 class RMSNorm(nn.Module):
@@ -35,9 +36,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.hidden, self.eps = hidden, eps
         self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
+        self.fused = True  # the Triton kernel on CUDA (tpframe/kernels/norm.py; BuildContext.fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (self.hidden,), self.weight, self.eps)
+        return norm(x, self.weight, None, self.eps, rms=True, fused=self.fused)
 
 
 def build_norm(kind: str, hidden: int, eps: float = 1e-5, *, bias: bool = True, sequence_parallel: bool = False,

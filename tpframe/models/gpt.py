@@ -67,7 +67,7 @@ class TransformerBlock(nn.Module):
             rng_tracker=ctx.rng_tracker, **common,
         )
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
-        self.attn.fused_rotary = self.attn.fused_decode = ctx.fused_kernels
+        self.attn.fused_rotary = self.attn.fused_decode = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
@@ -127,6 +127,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict(blocks)
         if self.stage.last:
             self.final_norm = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device)
+            self.final_norm.fused = ctx.fused_kernels
             if not cfg.tie_embeddings:
                 with seeded(seed + 2):
                     self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, **vocab)
