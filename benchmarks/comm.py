@@ -92,6 +92,14 @@ def time_eager(fn, k, reps, device) -> float:
     return statistics.median(times)
 
 
+def report(text: str, results: str, *, append: bool) -> None:
+    """Print a benchmark's markdown section and, with `append`, add it to the results file."""
+    print(text, flush=True)
+    if append:
+        with open(results, "a") as f:
+            f.write("\n" + text)
+
+
 def time_graph(fn, k, reps, device) -> float:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

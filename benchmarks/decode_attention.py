@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from comm import time_graph  # noqa: E402  (benchmarks/comm.py: k calls in one CUDA graph, median of replays)
+from comm import report, time_graph  # noqa: E402  (benchmarks/comm.py: k calls in one CUDA graph, median of replays)
 from tests.test_decode_attention_interpreter import cache_case  # noqa: E402
 from tpframe.kernels import decode_attention as da  # noqa: E402
 
@@ -82,10 +82,7 @@ def main() -> int:
         f"bf16, d={D}, one query token per row and head, the cache mask of generation; kernel settings (slots per "
         f"iteration, warps, target programs): multi-head {chosen[False]}, grouped-query {chosen[True]}; us per call "
         "from CUDA-graph replays.", "", *lines, ""])
-    print(text, flush=True)
-    if not args.no_append:
-        with open(args.results, "a") as f:
-            f.write("\n" + text)
+    report(text, args.results, append=not args.no_append)
     return 0
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from comm import time_graph  # noqa: E402
+from comm import report, time_graph  # noqa: E402
 from tpframe.kernels.norm import _Norm  # noqa: E402
 
 # rows, h: GPT-125M (16 x 1024, 768), GPT-1.3B (8 x 2048, 2048), Llama-style H=4096 (4 x 2048)
@@ -65,10 +65,7 @@ def main() -> int:
         f"{datetime.date.today().isoformat()}", "",
         f"Command: `python benchmarks/norm.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; bf16; us per "
         "forward+backward from CUDA-graph replays.", "", *lines, ""])
-    print(text, flush=True)
-    if not args.no_append:
-        with open(args.results, "a") as f:
-            f.write("\n" + text)
+    report(text, args.results, append=not args.no_append)
     return 0
 
 
