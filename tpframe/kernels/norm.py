@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpframe.kernels import HAVE_TRITON
+from tpframe.kernels import HAVE_TRITON, use_triton
 
 MAX_HIDDEN = 16384  # one row in registers
 BWD_PROGRAMS = 528  # programs of the backward (4 per SM of an H100/H200); each walks rows with this stride
@@ -114,8 +114,8 @@ class _Norm(torch.autograd.Function):
 def fused_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `norm` runs the kernel on these tensors (else torch's own ops): CUDA, Triton, not under compile
     tracing, a contiguous input no wider than MAX_HIDDEN, weight of the input's dtype."""
-    return (HAVE_TRITON and x.is_cuda and not torch.compiler.is_compiling() and x.is_contiguous()
-            and x.shape[-1] <= MAX_HIDDEN and weight.dtype == x.dtype and x.numel() > 0)
+    return (use_triton(x) and x.is_contiguous() and x.shape[-1] <= MAX_HIDDEN and weight.dtype == x.dtype
+            and x.numel() > 0)
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, *, rms: bool,

@@ -53,15 +53,15 @@ class GraphedForwardBackward:
         self.calls += 1
         if self.calls <= self.warmup_steps:
             return forward_backward_no_pipelining(model, batches, num_micro_batches, grad_sync=grad_sync, device=device)
+        if self.captured and num_micro_batches != self.num_micro_batches:
+            raise RuntimeError(f"train.cuda_graph captured steps of {self.num_micro_batches} micro-batches, "
+                               f"this one has {num_micro_batches}")
         buffer = grad_sync.grads
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i in range(num_micro_batches):
             input_ids, labels = batches.next()
             if not self.captured:
                 self._capture(model, buffer, input_ids, labels, num_micro_batches, device)
-            if num_micro_batches != self.num_micro_batches:
-                raise RuntimeError(f"train.cuda_graph captured steps of {self.num_micro_batches} micro-batches, "
-                                   f"this one has {num_micro_batches}")
             if input_ids.shape != self.inputs.shape or labels.shape != self.labels.shape:
                 raise RuntimeError(f"train.cuda_graph replays fixed shapes {tuple(self.inputs.shape)}, but a batch "
                                    f"has {tuple(input_ids.shape)}; set train.cuda_graph=false for varying shapes")
