@@ -49,6 +49,10 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"env var {name}={raw!r} must be an integer") from None
 
 
+def _print_now(message: str) -> None:  # a non-main rank's own console line (logger.info prints on rank 0 only)
+    print(message, flush=True)
+
+
 def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int | None = None,
             device_check: bool = True):
     """Parse and check everything that can be checked before any process group is built, and write nothing.
@@ -71,6 +75,9 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.train.cuda_graph and device == "cpu":
         raise ConfigError("train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false")
+    if cfg.profile.memory and cfg.profile.start_step and device == "cpu":
+        raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
+                          "set profile.memory=false")
     if device_check or device == "cpu":
         local_world = local_world_size(world) if world_size is None else world
         checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
@@ -111,6 +118,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     from tpframe.training.flops import peak_tflops
     from tpframe.training.health import TrainingAborted
     from tpframe.training.logger import MetricsLogger
+    from tpframe.training.profiler import StepProfiler
     from tpframe.training.trainer import Trainer
 
     p = cfg.parallel
@@ -164,7 +172,10 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                           forward_backward=GraphedForwardBackward() if cfg.train.cuda_graph
                           else get_forward_backward(p.pp, pipeline),
                           forward_only=get_forward_only(p.pp, pipeline), progress=progress,
-                          peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops))
+                          peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops),
+                          profiler=StepProfiler.open(cfg.profile, rank=state.rank, device=state.device,
+                                                     run_dir=cfg.train.run_dir,
+                                                     log=logger.info if logger.is_main else _print_now))
         checkpointer = Checkpointer(cfg, state, tensors=strategy, rng=RNGState(state.device, tracker),
                                     meta={"train": trainer, "data": train_data, "health": trainer.guard},
                                     vocab_tensors=vocab_tensors, resume=resume, log=logger.info, health=trainer.guard)

@@ -20,8 +20,9 @@ would save over launching the same kernels one by one.
 (each job is a subprocess with its own timeout; single-GPU jobs run two at a time, one per GPU): plain torch
 eager and torch.compile at TP=1 (bench_torch_gpt.py), DTensor + compile with and without async TP at TP=2
 (bench_dtensor_gpt.py, torchtitan's way), Megatron-Core local at TP=2 (bench_mcore_gpt.py; its wheel is
-installed to /tmp/site), and tpframe at TP=1 and TP=2 + SP, eager and compiled. The peers model only the GPT
-shapes (their env has no RMSNorm/SwiGLU/GQA), so the Llama shape runs tpframe alone. Prints the table with
+installed to /tmp/site), and tpframe at TP=1 and TP=2 + SP, eager and compiled. The ../shared peers model only
+the GPT shapes (their env has no RMSNorm/SwiGLU/GQA): the Llama shape's plain-torch and DTensor rows come from
+benchmarks/peer_llama.py (torchtitan's llama3 model and TP plan), and it has no Megatron row. Prints the table with
 ratios against the strongest peer at the same TP and appends it, with the command and device, to RESULTS.md.
 One shape takes about 6 minutes on 2x H200 (the peers' torch.compile dominates): run one shape per device call.
 """
@@ -156,8 +157,10 @@ def graphed_step(model, inp, labels):
 def profile_step(step, path: str, rank: int) -> None:
     """A torch.profiler table of one more step at `path` (rank 0), its chrome trace beside it, and how long the
     GPU sat idle during the step: the most a CUDA graph of the step (which removes launch gaps, not kernel
-    time) could save."""
+    time) could save. (Training runs get the same from the config's `profile` section.)"""
     from torch.profiler import ProfilerActivity, profile
+
+    from tpframe.training.profiler import gpu_busy, op_table
 
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -165,13 +168,7 @@ def profile_step(step, path: str, rank: int) -> None:
         if cuda:
             torch.cuda.synchronize()
     if rank == 0:
-        averages = prof.key_averages()
-        for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
-            try:
-                table = averages.table(sort_by=key, row_limit=45, max_name_column_width=80)
-                break
-            except (AttributeError, KeyError, ValueError):
-                table = averages.table(row_limit=45)
+        table = op_table(prof, cuda=cuda, rows=45)
         if cuda:
             trace = str(Path(path).with_suffix(".json"))
             prof.export_chrome_trace(trace)
@@ -181,26 +178,6 @@ def profile_step(step, path: str, rank: int) -> None:
             print(table.splitlines()[-1], flush=True)
         Path(path).write_text(table)
         print(f"profile of one step written to {path}", flush=True)
-
-
-def gpu_busy(trace_path: str) -> tuple[float, float]:
-    """(span, busy) in ms of a chrome trace's GPU activity: first to last kernel/copy/memset, and the union
-    of their intervals."""
-    import json
-
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    if not spans:
-        return 0.0, 0.0
-    busy, (lo, hi) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > hi:
-            busy, lo, hi = busy + hi - lo, s, e
-        else:
-            hi = max(hi, e)
-    busy += hi - lo
-    return (spans[-1][1] - spans[0][0]) / 1e3, busy / 1e3
 
 
 # -- --compare ------------------------------------------------------------------------------------
@@ -215,36 +192,41 @@ RESULT = re.compile(r"step ([\d.]+) ms, (\d+) tok/s.*?, ([\d.]+) TFLOP/s.*?mem (
 
 
 def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
-    """Each shape's runs, most important first. `gpus` 1 runs on one GPU (two such jobs may pair up)."""
-    gpt = shape != "llama"
+    """Each shape's runs, most important first. `gpus` 1 runs on one GPU (two such jobs may pair up). The GPT
+    shapes take the ../shared/peers harnesses; the Llama shape takes benchmarks/peer_llama.py (the same plain
+    model and DTensor plans, for RMSNorm/SwiGLU/GQA), so it needs no peers folder."""
     out = []
 
     def add(label, script, gpus, **extra):
         out.append(dict(label=label, script=script, gpus=gpus, env={"STEPS": "10", "ROPE": "1", **extra}))
 
     ours = str(ROOT / "benchmarks" / "gpt.py")
-    if gpt and peers:
-        add("plain torch, 1 GPU, eager", str(peers / "bench_torch_gpt.py"), 1)
+    if shape == "llama":
+        plain = dtensor = str(ROOT / "benchmarks" / "peer_llama.py")
+    else:
+        plain, dtensor = (str(peers / name) for name in ("bench_torch_gpt.py", "bench_dtensor_gpt.py")) if peers \
+            else (None, None)
+    if plain:
+        add("plain torch, 1 GPU, eager", plain, 1, TP="1")
     add("tpframe TP=1, eager", ours, 1, TP="1")
-    if gpt and peers:
-        add("plain torch, 1 GPU, torch.compile", str(peers / "bench_torch_gpt.py"), 1, COMPILE="1")
+    if plain:
+        add("plain torch, 1 GPU, torch.compile", plain, 1, TP="1", COMPILE="1")
     add("tpframe TP=1, compile", ours, 1, TP="1", COMPILE="1")
     if torch.cuda.is_available():  # what a CUDA graph of the whole forward+backward would add
         add("tpframe TP=1, eager, one CUDA graph", ours, 1, TP="1", GRAPH="1")
         add("tpframe TP=1, compile, one CUDA graph", ours, 1, TP="1", COMPILE="1", GRAPH="1")
     if tp == 1:  # one GPU: the single-GPU rows only
         return out
-    if gpt and peers:
-        add(f"DTensor TP={tp} + SP, compile", str(peers / "bench_dtensor_gpt.py"), tp, TP=str(tp), SP="1", COMPILE="1")
-        add(f"DTensor TP={tp} + SP, compile + async TP", str(peers / "bench_dtensor_gpt.py"), tp, TP=str(tp), SP="1",
-            COMPILE="1", ASYNC_TP="1")
+    if dtensor:
+        add(f"DTensor TP={tp} + SP, compile", dtensor, tp, TP=str(tp), SP="1", COMPILE="1")
+        add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
     add(f"tpframe TP={tp} + SP, eager + async TP", ours, tp, TP=str(tp), SP="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")  # (compiled blocks trace the
     # plain path: async TP is eager-only, so there is no compile + async TP row)
     if torch.cuda.is_available():
         add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
-    if gpt and peers and (Path("/tmp/site") / "megatron").exists():
+    if shape != "llama" and peers and (Path("/tmp/site") / "megatron").exists():
         add(f"Megatron-Core local, TP={tp}", str(peers / "bench_mcore_gpt.py"), tp, TP=str(tp))
     return out
 
@@ -328,14 +310,15 @@ def report(args, rows: dict, tp: int) -> None:
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
     lines = [f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
              f"{datetime.date.today().isoformat()}", "",
-             f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --budget-s {args.budget_s:.0f}` "
+             f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} --budget-s {args.budget_s:.0f}` "
              "(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per "
              f"GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 "
              "timed, random "
              "tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T (GPT shapes; the "
              "Llama shape counts its SwiGLU and GQA matmuls), T = MB*S tokens per TP group; TFLOP/s per GPU = FLOPs / "
              "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
-             "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2). Peak GiB = "
+             "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2; the Llama shape's peers are "
+             "benchmarks/peer_llama.py). Peak GiB = "
              "torch.cuda.max_memory_allocated on rank 0.", "",
              "| shape | run | step ms | tokens/s per TP group | TFLOP/s per GPU | peak GiB | loss | vs peer |",
              "|---|---|---|---|---|---|---|---|"]

@@ -148,6 +148,13 @@ CASES = [
      "parallel.overlap_param_gather=true"], {}), "set parallel.overlap_param_gather=false"),
     ("cuda-graph-pipeline", lambda t, s: (["train.cuda_graph=true", "parallel.pp=2"], {"WORLD_SIZE": "2"}),
      "train.cuda_graph graphs the non-pipelined step"),
+    ("profile-negative", lambda t, s: (["profile.start_step=-1"], {}), "need start_step >= 0"),
+    ("profile-no-steps", lambda t, s: (["profile.start_step=2", "profile.steps=0"], {}), "and steps >= 1"),
+    ("profile-after-the-run", lambda t, s: (["profile.start_step=500"], {}), "is after the last step"),
+    ("profile-rank-outside", lambda t, s: (["profile.start_step=2", "profile.ranks=[0, 2]"], {"WORLD_SIZE": "2"}),
+     "each in 0..1"),
+    ("profile-memory-on-cpu", lambda t, s: (["profile.start_step=2", "profile.memory=true"], {}),
+     "profile.memory records the CUDA allocator"),
     # sizes that cannot fit
     ("hidden-65536", lambda t, s: (["model.hidden=65536", "model.heads=64"], {}), "this run needs about"),
     ("vocab-1e10", lambda t, s: (["model.vocab_size=1e10"], {}), "this run needs about"),

@@ -260,13 +260,10 @@ def test_rotary_custom_op_has_fake_shapes_for_tracing():
 
 
 def test_gpu_busy_is_the_union_of_kernel_intervals(tmp_path):
-    """benchmarks/gpt.py's idle-time measure (what a CUDA graph of the step could save at most)."""
+    """The profiler's idle-time measure (what a CUDA graph of the step could save at most), also benchmarks/gpt.py's."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from gpt import gpu_busy
+    from tpframe.training.profiler import gpu_busy
 
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": [
@@ -274,3 +271,35 @@ def test_gpu_busy_is_the_union_of_kernel_intervals(tmp_path):
         {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}]}))
     span, busy = gpu_busy(str(trace))
     assert (span, busy) == (0.025, 0.020)  # 0-15 and 20-25 us busy; host ops ignored
+
+
+def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
+    """benchmarks/peer_llama.py, the torch-native row of the Llama shape in `benchmarks/gpt.py --compare`: its FLOP
+    count per token is tpframe's for the same architecture (so the TFLOP/s columns compare), and its DTensor TP=2 +
+    SP plan computes the loss of the plain TP=1 model (so the plan is a correct peer, not a faster wrong one)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from types import SimpleNamespace
+
+    from tpframe.models.config import ModelConfig
+    from tpframe.models.gpt import GPT
+
+    root = Path(__file__).resolve().parent.parent
+    dims = dict(LAYERS="2", HIDDEN="64", HEADS="8", KV_HEADS="2", SEQ="16", MB="2", STEPS="1")
+    results = {}
+    for nproc, sp in ((1, "0"), (2, "1")):
+        env = dict(os.environ, **dims, SP=sp, OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                               "--master-port", str(29700 + nproc), str(root / "benchmarks" / "peer_llama.py")],
+                              env=env, capture_output=True, text=True, timeout=240)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+        assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-2000:]
+        results[nproc] = re.search(r"flops/token=(\d+):.*loss ([\d.]+)", line[0]).groups()
+    cfg = ModelConfig(vocab_size=50304, hidden=64, layers=2, heads=8, kv_heads=2, max_seq_len=16, position="rotary",
+                      vocab_multiple=128, norm="rmsnorm", activation="swiglu", bias=False)
+    assert int(results[1][0]) == GPT.flops_per_token(SimpleNamespace(cfg=cfg, comm=SimpleNamespace(size=1)), 16)
+    assert results[2] == results[1]  # same FLOPs and the same loss (3 decimals) at TP=2 + SP

@@ -22,6 +22,7 @@ from tpframe.data.config import DataConfig
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, ffn_hidden_size
 from tpframe.optim.config import OptimConfig
+from tpframe.training.profiler import ProfileConfig
 from tpframe.training.validate import check_env, check_numbers, parse_override_value, read_yaml_file
 
 
@@ -104,6 +105,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -308,6 +310,22 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
     _validate_pipeline(cfg, dp)
+    _validate_profile(cfg, world_size)
+
+
+def _validate_profile(cfg: Config, world_size: int) -> None:
+    """The `profile` section (tpframe/training/profiler.py): a window inside the run, ranks that exist."""
+    pr = cfg.profile
+    if pr.start_step < 0 or pr.steps < 1:
+        raise ConfigError(f"profile.start_step={pr.start_step} and profile.steps={pr.steps} need start_step >= 0 "
+                          "(0: no profiling) and steps >= 1")
+    if pr.start_step > cfg.train.steps:
+        raise ConfigError(f"profile.start_step={pr.start_step} is after the last step (train.steps={cfg.train.steps}): "
+                          "nothing would be profiled; lower it, or set 0 to profile nothing")
+    bad = [r for r in pr.ranks if not 0 <= r < world_size]
+    if bad or not pr.ranks:
+        raise ConfigError(f"profile.ranks={pr.ranks} must name at least one rank, each in 0..{world_size - 1} "
+                          f"(world size {world_size})")
 
 
 def _validate_cuda_graph(cfg: Config) -> None:

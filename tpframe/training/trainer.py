@@ -26,13 +26,15 @@ from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
 from tpframe.training.energy import EnergyMeter, sum_over_ranks
 from tpframe.training.health import StepGuard
+from tpframe.training.profiler import StepProfiler
 from tpframe.training.timers import PhaseTimers, TimedBatches
 
 
 class Trainer:
     def __init__(self, cfg: Config, parallel: ParallelState, model: nn.Module, strategy: GradStrategy, train_data,
                  valid_data, logger, *, forward_backward: Callable, forward_only: Callable | None = None,
-                 peak_tflops: float | None = None, guard: StepGuard | None = None, progress: Progress | None = None):
+                 peak_tflops: float | None = None, guard: StepGuard | None = None, progress: Progress | None = None,
+                 profiler: StepProfiler | None = None):
         self.cfg, self.parallel, self.model, self.strategy = cfg, parallel, model, strategy
         self.train_data, self.valid_data, self.logger = train_data, valid_data, logger
         self.forward_backward = forward_backward
@@ -41,6 +43,7 @@ class Trainer:
         self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=rng, dp_comm=parallel.dp_comm,
                                         rank=parallel.rank, log=logger.info)
         self.progress = progress or Progress()  # what this rank is doing, for timeout reports
+        self.profiler = profiler  # the config's `profile` window on this rank, or None
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
@@ -113,7 +116,11 @@ class Trainer:
         if self.energy is not None:
             self.energy.reset()
         while self.step < cfg.train.steps and not self.stop_requested:
+            if self.profiler is not None:
+                self.profiler.before_step(self.step + 1)
             metrics = self.train_step()
+            if self.profiler is not None:
+                self.profiler.after_step(self.step)
             window_steps += 1
             record = {"step": self.step, **metrics}
             self.progress.mark(self.step, "checkpoint")
@@ -136,6 +143,8 @@ class Trainer:
                     self.energy.reset()
             self.history.append(record)
             self.stop_requested = stop
+        if self.profiler is not None:
+            self.profiler.close()  # a window the last step (or a stop) cut short
         return self.history
 
     def _energy(self, steps: int) -> dict[str, float]:
