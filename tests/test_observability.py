@@ -127,13 +127,17 @@ def test_energy_is_absent_on_cpu_and_per_step_and_token_from_the_counter():
 
     assert EnergyMeter.open(torch.device("cpu")) is None
     assert sum_over_ranks(None, torch.device("cpu")) is None
-    readings = iter([1_000, 41_000, 50_000, 52_000])  # NVML's counter, mJ: opened, logged, reset (eval), logged
-    meter = EnergyMeter(lambda: next(readings))
+    readings = iter([1_000, 41_000, 50_000, 52_000, 52_000, 60_000])  # NVML's counter, mJ
+    meter = EnergyMeter(lambda: next(readings))  # opened: 1,000
     trainer = SimpleNamespace(energy=meter, parallel=SimpleNamespace(device=torch.device("cpu")), tokens_per_step=4096)
-    assert Trainer._energy(trainer, 10) == {"energy_j": 4.0, "energy_j_per_token": 4.0 / 4096}  # 40 J over 10 steps
-    meter.reset()
-    assert Trainer._energy(trainer, 2) == {"energy_j": 1.0, "energy_j_per_token": 1.0 / 4096}
-    assert Trainer._energy(SimpleNamespace(energy=None, parallel=trainer.parallel), 2) == {}
+    # 41,000: 40 J over 10 steps in 2 s
+    assert Trainer._energy(trainer, 10, 2.0) == {"energy_j": 4.0, "energy_j_per_token": 4.0 / 4096}
+    meter.reset()  # 50,000: evaluation's energy is not a step's
+    assert Trainer._energy(trainer, 2, 0.5) == {}  # 52,000: 2 J in 0.5 s, shorter than MIN_WINDOW_S: held back
+    assert Trainer._energy(trainer, 1, 0.1) == {}  # 52,000: the counter did not move in 0.1 s (it would read 0 J)
+    # 60,000: 8 J more; the three windows (1.1 s, 10 J, 4 steps) are reported together
+    assert Trainer._energy(trainer, 1, 0.5) == {"energy_j": 2.5, "energy_j_per_token": 2.5 / 4096}
+    assert Trainer._energy(SimpleNamespace(energy=None, parallel=trainer.parallel), 2, 5.0) == {}
 
 
 def test_tensorboard_missing_warns_once_and_logging_goes_on(tmp_path, monkeypatch, capsys):

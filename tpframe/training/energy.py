@@ -6,8 +6,10 @@
 
 `nvmlDeviceGetTotalEnergyConsumption` counts millijoules since the driver loaded (Volta and newer),
 the whole board: whatever else runs on the GPU is counted too. The trainer reads it when it logs
-(a ~10 us call) and reports the window's joules per step and per token; CPU runs report nothing
-(the fields are absent, not zero).
+(a ~10 us call) and reports joules per step and per token over windows of at least MIN_WINDOW_S: the
+counter moves in increments tens of milliseconds apart, so a log every few short steps could read 0 J and
+then twice the truth; shorter windows add up until they are long enough (their records have no energy
+fields). CPU runs report nothing (the fields are absent, not zero).
 """
 
 from __future__ import annotations
@@ -37,10 +39,14 @@ def _nvml_handle(pynvml, device: torch.device):
     return lookups[-1]()
 
 
+MIN_WINDOW_S = 1.0  # seconds of training an energy figure spans at least
+
+
 class EnergyMeter:
     def __init__(self, read_mj: Callable[[], int]):
         self._read_mj = read_mj
         self._last = read_mj()
+        self._pending = (0.0, 0, 0.0)  # joules, steps, seconds not yet reported
 
     @classmethod
     def open(cls, device, warn: Callable[[str], None] = lambda msg: None) -> EnergyMeter | None:
@@ -64,6 +70,16 @@ class EnergyMeter:
         now = self._read_mj()
         joules, self._last = (now - self._last) / 1e3, now
         return joules
+
+    def per_step(self, joules: float, steps: int, seconds: float) -> float | None:
+        """Joules per step over this window and the unreported ones before it, or None while they span less
+        than MIN_WINDOW_S (the next call reports them)."""
+        j, n, t = (a + b for a, b in zip(self._pending, (joules, steps, seconds)))
+        if t < MIN_WINDOW_S or n == 0:
+            self._pending = (j, n, t)
+            return None
+        self._pending = (0.0, 0, 0.0)
+        return j / n
 
     def reset(self) -> None:
         """Start the next window now (the time since the last read, e.g. evaluation, is not counted)."""

@@ -15,6 +15,7 @@ the same.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,7 +43,8 @@ class StepProfiler:
         self.cfg, self.rank, self.cuda, self.out_dir, self.log = cfg, rank, device.type == "cuda", out_dir, log
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=activities, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack)
+        self.prof = profile(activities=activities, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack,
+                            acc_events=True)  # one window; without it torch warns when the warm-up is set up
         self.state = "waiting"  # -> "warm" (profiler set up, not recording) -> "recording" -> "done"
         self.recorded: list[int] = []
         self.span = None  # the current step's range in the trace ("tpframe step N")
@@ -76,13 +78,17 @@ class StepProfiler:
             self.span = torch.profiler.record_function(f"tpframe step {step}")
             self.span.__enter__()
 
-    def after_step(self, step: int) -> None:
-        """Call after optimizer step `step`; the window's last step writes the files."""
+    def after_step(self, step: int) -> float:
+        """Call after optimizer step `step`; the window's last step writes the files. Returns the seconds spent
+        writing them (not training time: the trainer leaves them out of its throughput)."""
         if self.span is not None:
             self.span.__exit__(None, None, None)
             self.span = None
         if self.state == "recording" and step >= self.last:
+            start = time.perf_counter()
             self._finish()
+            return time.perf_counter() - start
+        return 0.0
 
     def close(self) -> None:
         """End of training: a window cut short by the last step (or a stop) still writes what it recorded."""
@@ -124,6 +130,7 @@ def op_table(prof, *, cuda: bool, rows: int = 40, by_shape: bool = False) -> str
     """torch.profiler's table of the most expensive ops: by time on the GPU (self) on CUDA, by CPU time otherwise;
     one row per op and input shapes with `by_shape` (needs record_shapes)."""
     averages = prof.key_averages(group_by_input_shape=by_shape)
+    averages[:] = [e for e in averages if not e.key.startswith("tpframe step")]  # ranges, not ops: in the trace
     keys = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
     for key in keys:  # the device column's name changed across torch versions
         try:

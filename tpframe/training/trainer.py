@@ -120,7 +120,7 @@ class Trainer:
                 self.profiler.before_step(self.step + 1)
             metrics = self.train_step()
             if self.profiler is not None:
-                self.profiler.after_step(self.step)
+                window_start += self.profiler.after_step(self.step)  # writing the trace is not training time
             window_steps += 1
             record = {"step": self.step, **metrics}
             self.progress.mark(self.step, "checkpoint")
@@ -132,7 +132,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 record.update(self._throughput(elapsed / window_steps))
                 record.update(self.timers.window())
-                record.update(self._energy(window_steps))
+                record.update(self._energy(window_steps, elapsed))
                 self.logger.log_train(self.step, {k: v for k, v in record.items() if k != "step"})
                 window_start, window_steps = time.perf_counter(), 0
             if eval_every and cfg.train.eval_steps and (self.step % eval_every == 0 or self.step == cfg.train.steps):
@@ -147,12 +147,14 @@ class Trainer:
             self.profiler.close()  # a window the last step (or a stop) cut short
         return self.history
 
-    def _energy(self, steps: int) -> dict[str, float]:
-        """Joules per step and per token over the window, summed over every rank's GPU; {} without NVML."""
+    def _energy(self, steps: int, seconds: float) -> dict[str, float]:
+        """Joules per step and per token, summed over every rank's GPU, over at least energy.MIN_WINDOW_S of
+        training (shorter windows add up: their records have none); {} without NVML."""
         joules = sum_over_ranks(self.energy.joules_since_last() if self.energy else None, self.parallel.device)
-        if joules is None:
+        per_step = None if joules is None or self.energy is None else self.energy.per_step(joules, steps, seconds)
+        if per_step is None:
             return {}
-        return {"energy_j": joules / steps, "energy_j_per_token": joules / steps / self.tokens_per_step}
+        return {"energy_j": per_step, "energy_j_per_token": per_step / self.tokens_per_step}
 
     def _throughput(self, seconds_per_step: float) -> dict[str, float]:
         tokens_per_s = self.tokens_per_step / seconds_per_step
