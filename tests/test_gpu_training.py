@@ -1,7 +1,6 @@
 """GPT training on GPUs: the symm and nccl backends give the same losses; bf16 training resumes."""
 
 import pytest
-import torch
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import train_in_process

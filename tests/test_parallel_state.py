@@ -59,8 +59,6 @@ def _groups_of_every_layout():
             "mesh": tuple(state.mesh.shape),
         }
         # A real collective on each group: the TP group sums to the sum of its members.
-        import torch
-
         total = state.tp_comm.all_reduce(torch.tensor([float(dist.get_rank())]))
         seen[(tp, pp)]["tp_sum"] = total.item()
         destroy_parallel()

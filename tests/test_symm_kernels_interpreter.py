@@ -95,7 +95,7 @@ def _worker(rank, world, bufs, pads, cases, results):
                 errors.append(f"{op} n={numel} {dtype}: {bad} unwritten, max err {(out.double() - ref).abs().max():.3g}")
         k.barrier()
         results.put((rank, errors))
-    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+    except BaseException:  # noqa: BLE001 - the parent reports it
         import traceback
 
         results.put((rank, [traceback.format_exc()]))

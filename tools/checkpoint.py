@@ -28,7 +28,7 @@ def inspect(path: Path) -> str:
     lines = [
         f"checkpoint  {path}",
         f"step        {meta['step']}   tokens seen {meta['train']['tokens_seen']:,}",
-        f"layout      " + " ".join(f"{k}={v}" for k, v in meta["layout"].items()),
+        "layout      " + " ".join(f"{k}={v}" for k, v in meta["layout"].items()),
         f"versions    tpframe {meta['tpframe_version']}, torch {meta['torch_version']}",
         f"data        {meta['data']}",
         f"files       {len(meta['files'])}, {sum(f['size'] for f in meta['files'].values()) / 2**20:.1f} MiB",
