@@ -75,6 +75,13 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.train.cuda_graph and device == "cpu":
         raise ConfigError("train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false")
+    if cfg.train.fp8 and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(f"train.fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); this GPU is "
+                          f"{major}.{minor}; set train.fp8=false")
+    if cfg.train.fp8 and device == "cuda" and not cfg.train.compile:
+        raise ConfigError("train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
+                          "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true")
     if cfg.profile.memory and cfg.profile.start_step and device == "cpu":
         raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
                           "set profile.memory=false")
@@ -143,6 +150,13 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         )
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
                              layers_per_stage=p.layers_per_stage)  # pp=1: the whole model
+        if cfg.train.fp8:  # the blocks' linear layers; the head and embedding stay bf16 (torchtitan's choice)
+            from tpframe.layers.linear import enable_fp8
+
+            fp8_layers, fp8_skipped = 0, []
+            for chunk in getattr(model, "chunks", [model]):
+                n, skipped = enable_fp8(chunk)
+                fp8_layers, fp8_skipped = fp8_layers + n, fp8_skipped + skipped
         if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
             from tpframe.models.compile import compile_model
 
@@ -189,6 +203,10 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             f"{cfg.train.micro_batch_size} per rank)"
         )
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
+        if cfg.train.fp8:
+            logger.info(f"float8 GEMMs in {fp8_layers} linear layers" + (
+                f"; {len(fp8_skipped)} stay in {cfg.train.dtype} (a dim not a multiple of 16): "
+                + ", ".join(fp8_skipped[:4]) + (" ..." if len(fp8_skipped) > 4 else "") if fp8_skipped else ""))
         if checkpointer.loaded_from is not None:
             ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")

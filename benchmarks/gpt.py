@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS
-                                                      #   PROFILE GRAPH
+                                                      #   PROFILE GRAPH FP8
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
@@ -12,7 +12,8 @@ COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps t
 GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off. PROFILE=path writes a torch.profiler
 table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
 warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
-would save over launching the same kernels one by one.
+would save over launching the same kernels one by one. FP8=1 runs the blocks' GEMMs in float8 (train.fp8;
+TFLOP/s still counts the model's FLOPs, so it compares directly with the bf16 rows).
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
@@ -76,6 +77,10 @@ def run_one() -> None:
                        dtype=torch.bfloat16, device=state.device, seed=1234, async_tp=flag("ASYNC_TP") and sp,
                        fused_kernels=flag("FUSED", "1"))
     model = build_model(cfg, ctx)
+    if flag("FP8"):  # the blocks' GEMMs in float8 (train.fp8)
+        from tpframe.layers.linear import enable_fp8
+
+        enable_fp8(model)
     if flag("COMPILE"):
         compile_model(model)
     g = torch.Generator(device=state.device).manual_seed(state.dp_rank)  # TP ranks share the batch
@@ -115,7 +120,7 @@ def run_one() -> None:
         # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
         ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={int(ran_async)} "
-                f"fused={int(ctx.fused_kernels)}")
+                f"fused={int(ctx.fused_kernels)} fp8={int(flag('FP8'))}")
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
@@ -215,6 +220,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     if torch.cuda.is_available():  # what a CUDA graph of the whole forward+backward would add
         add("tpframe TP=1, eager, one CUDA graph", ours, 1, TP="1", GRAPH="1")
         add("tpframe TP=1, compile, one CUDA graph", ours, 1, TP="1", COMPILE="1", GRAPH="1")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):  # train.fp8
+        add("tpframe TP=1, fp8, eager", ours, 1, TP="1", FP8="1")
+        add("tpframe TP=1, fp8, compile", ours, 1, TP="1", FP8="1", COMPILE="1")
     if tp == 1:  # one GPU: the single-GPU rows only
         return out
     if dtensor:
@@ -226,6 +234,8 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     # plain path: async TP is eager-only, so there is no compile + async TP row)
     if torch.cuda.is_available():
         add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
+        if torch.cuda.get_device_capability() >= (8, 9):
+            add(f"tpframe TP={tp} + SP, fp8, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1", FP8="1")
     if shape != "llama" and peers and (Path("/tmp/site") / "megatron").exists():
         add(f"Megatron-Core local, TP={tp}", str(peers / "bench_mcore_gpt.py"), tp, TP=str(tp))
     return out

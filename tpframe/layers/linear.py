@@ -10,6 +10,9 @@ chunks (torch.ops.symm_mem fused ops: copy-engine peer copies, no multicast):
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
 Elsewhere (CPU, no symmetric memory, no SP, under torch.compile) the same layers take the plain path below.
+
+`fp8=True`: the plain path's GEMM in float8 (tpframe/layers/fp8.py; not with async TP or deferred weight
+gradients, which the config refuses).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tpframe.layers.mappings import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
+from tpframe.layers.fp8 import fp8_linear
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
 from tpframe.layers.weight_grad import linear
 from tpframe.parallel.state import default_tp_comm
@@ -112,6 +116,7 @@ def column_parallel_linear(
     gather_output: bool = False,
     *,
     async_tp: bool = False,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by output rows.
 
@@ -124,7 +129,8 @@ def column_parallel_linear(
     else:
         # copy_to_tp's output feeds only this GEMM: its gradient is fresh and may be all-reduced in place
         x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
-        y = linear(x, weight, bias)  # F.linear; zero-bubble pipelines defer its weight gradient
+        # F.linear (zero-bubble pipelines defer its weight gradient), or the float8 GEMMs
+        y = fp8_linear(x, weight, bias) if fp8 else linear(x, weight, bias)
     return gather_from_tp(y, comm) if gather_output else y
 
 
@@ -137,6 +143,7 @@ def row_parallel_linear(
     input_is_parallel: bool = True,
     *,
     async_tp: bool = False,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by input columns.
 
@@ -148,7 +155,7 @@ def row_parallel_linear(
     if sequence_parallel and async_tp and async_tp_available(comm, x):
         y = _LinearReduceScatter.apply(x, weight, comm)  # computes its weight gradient itself (not deferred)
     else:
-        y = linear(x, weight)
+        y = fp8_linear(x, weight) if fp8 else linear(x, weight)
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
         y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm, donate=True)
     return y + bias if bias is not None else y
@@ -176,6 +183,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         fused_parts: tuple[tuple[str, int], ...] | None = None,
         async_tp: bool = False,
+        fp8: bool = False,
     ):
         super().__init__()
         self.comm = comm or default_tp_comm()
@@ -183,7 +191,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.async_tp = async_tp
+        self.async_tp, self.fp8 = async_tp, fp8
         if fused_parts is not None:
             if gather_output:
                 raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with fused_parts")
@@ -209,13 +217,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
         return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output,
-                                      async_tp=self.async_tp)
+                                      async_tp=self.async_tp, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}"
-            + (", async_tp=True" if self.async_tp else "")
+            + (", async_tp=True" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
         )
 
 
@@ -235,6 +243,7 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         async_tp: bool = False,
+        fp8: bool = False,
     ):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -244,7 +253,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, tp, "RowParallelLinear in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.async_tp = async_tp
+        self.async_tp, self.fp8 = async_tp, fp8
         device = device or self.comm.device
         init_method = init_method or normal_init()
         w = init_shard((out_features, in_features), 1, rank, tp, init_method, dtype, device)
@@ -259,13 +268,13 @@ class RowParallelLinear(nn.Module):
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear", "in_features/tp" if self.input_is_parallel else "in_features")
         return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel,
-                                   async_tp=self.async_tp)
+                                   async_tp=self.async_tp, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}"
-            + (", async_tp=True" if self.async_tp else "")
+            + (", async_tp=True" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
         )
 
 
@@ -280,3 +289,19 @@ def enable_async_tp(model: nn.Module, enabled: bool = True) -> int:
             m.async_tp = enabled
             n += 1
     return n
+
+
+def enable_fp8(model: nn.Module, enabled: bool = True) -> tuple[int, list[str]]:
+    """Switch the float8 GEMMs (tpframe/layers/fp8.py) on (or off) in every column/row-parallel linear layer of
+    `model` whose per-rank sizes are multiples of 16 (what the float8 GEMM takes); the vocabulary head and the
+    embedding are other classes and stay in the compute dtype. Returns (layers switched, names skipped)."""
+    n, skipped = 0, []
+    for name, m in model.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            local_in, local_out = m.weight.shape[1], m.weight.shape[0]
+            if enabled and (local_in % 16 or local_out % 16):
+                skipped.append(name)
+                continue
+            m.fp8 = enabled
+            n += 1
+    return n, skipped

@@ -56,6 +56,7 @@ class TrainConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
     cuda_graph: bool = False  # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps
+    fp8: bool = False  # float8 GEMMs in the blocks' linear layers (tensorwise scales; bf16 only; CUDA 8.9+ or CPU)
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
     loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
@@ -307,6 +308,8 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     if t.cuda_graph:
         _validate_cuda_graph(cfg)
+    if t.fp8:
+        _validate_fp8(cfg)
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
     _validate_pipeline(cfg, dp)
@@ -342,6 +345,30 @@ def _validate_cuda_graph(cfg: Config) -> None:
     if m.dropout > 0 or m.attention_dropout > 0:
         raise ConfigError(f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
                           f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
+
+
+def _validate_fp8(cfg: Config) -> None:
+    """train.fp8 (tpframe/layers/fp8.py): bf16 activations, the plain GEMM path, every GEMM dim a multiple of 16."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if t.dtype != "bfloat16":
+        raise ConfigError(f"train.fp8 computes in float8 with bf16 inputs and outputs; set train.dtype=bfloat16 "
+                          f"(got {t.dtype})")
+    if p.async_tp:
+        raise ConfigError("train.fp8 and parallel.async_tp cannot be combined (the overlapped GEMMs are bf16); "
+                          "turn one off")
+    if p.pp > 1 and p.pp_schedule == "zb_h1":
+        raise ConfigError("train.fp8 cannot defer weight gradients (parallel.pp_schedule=zb_h1); use 1f1b, afab or "
+                          "interleaved_1f1b")
+    tokens = t.micro_batch_size * t.seq_len
+    if tokens % 16:
+        raise ConfigError(f"train.fp8 needs train.micro_batch_size*train.seq_len = {tokens} to be a multiple of 16 "
+                          "(float8 GEMM dims)")
+    head_dim = m.hidden // m.heads
+    for key, value in (("model.hidden", m.hidden), ("the ffn width", ffn_hidden_size(m)),
+                       ("model.kv_heads * head dim", (m.kv_heads or m.heads) * head_dim)):
+        if value % (16 * p.tp):
+            raise ConfigError(f"train.fp8 needs {key} = {value} divisible by 16*parallel.tp = {16 * p.tp} "
+                              "(each rank's float8 GEMM dims are multiples of 16)")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

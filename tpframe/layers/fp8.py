@@ -1,0 +1,82 @@
+"""Float8 GEMMs for linear layers: tensorwise dynamic scaling, the recipe of torchao's float8 training
+(`Float8LinearConfig` "tensorwise") and Transformer Engine's HYBRID format, in one autograd Function.
+
+    y = fp8_linear(x, weight, bias)    # x [..., in] bf16, weight [out, in] bf16 -> y [..., out] bf16
+
+Each GEMM operand is cast to float8 with one scale per tensor, computed from its own absolute maximum just
+before the cast (no history, no amax all-reduce): activations and weights in e4m3 (more mantissa), output
+gradients in e5m2 (more range). The three GEMMs run in torch._scaled_mm with fp32 accumulation and bf16 out:
+    forward   y  = (x8 @ w8^T) / (sx * sw) + b
+    backward  dx = (g8 @ w8)   / (sg * sw)        dw = (g8^T @ x8) / (sg * sx)        db = sum(g)
+The float8 copies of x and w are what backward keeps (half the bytes of bf16). Under TP each rank scales
+its own shards, so TP sizes agree to float8 rounding, not bit for bit. _scaled_mm wants its second operand
+column-major and every dim a multiple of 16; `fp8_shapes_ok` says whether a layer's shapes qualify.
+On CUDA it needs compute capability 8.9+ (Ada, Hopper); CPU builds of torch run it too (slowly: tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+
+
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t * scale cast to `dtype`, 1 / scale): scale maps t's absolute maximum to the format's largest value.
+    Eager torch runs this as four passes over t; inside a compiled block Inductor fuses it with its neighbours,
+    which is why train.fp8 asks for train.compile on GPUs."""
+    amax = torch.linalg.vector_norm(t, float("inf")).float().clamp(min=1e-12)  # max |t|, one pass
+    scale = (_MAX[dtype] / amax).to(t.dtype)  # scaled in t's dtype: bf16's rounding is far finer than float8's
+    t8 = (t * scale).clamp_(-_MAX[dtype], _MAX[dtype]).to(dtype)  # clamped: e4m3 has no infinity, only NaN
+    return t8, scale.float().reciprocal()
+
+
+def _column_major(t8: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (what _scaled_mm takes as its second operand)."""
+    return t8.t().contiguous().t()
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, x_inv = to_float8(x2, E4M3)
+        w8, w_inv = to_float8(weight, E4M3)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, bias=bias, out_dtype=x.dtype)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        g8, g_inv = to_float8(g2, E5M2)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+            gx = gx.view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            gw = torch._scaled_mm(g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv,
+                                  out_dtype=grad.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with the three GEMMs in float8 (see the module docstring)."""
+    return _Float8Linear.apply(x, weight, bias)
+
+
+def fp8_shapes_ok(tokens: int, in_features: int, out_features: int) -> bool:
+    """Whether _scaled_mm takes a linear layer of these (per-rank) sizes: every GEMM dim a multiple of 16."""
+    return tokens % 16 == 0 and in_features % 16 == 0 and out_features % 16 == 0
+
+
+def fp8_device_ok(device: torch.device) -> bool:
+    """Float8 GEMMs run here: CPU (reference speed), or CUDA compute capability 8.9 or newer."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
