@@ -137,4 +137,17 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
     decays = [lr_at(s, cfg, 110) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(decays, decays[1:]))
     assert lr_at(60, OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear"), 110) == 0.5
+
+
+def test_warmup_stable_decay_holds_the_rate_then_decays_over_the_last_fraction():
+    from tpframe.optim import OptimConfig, lr_at
+
+    wsd = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear", decay_fraction=0.2)  # decay: steps 80-100
+    assert lr_at(4, wsd, 100) == 0.5 and lr_at(10, wsd, 100) == lr_at(79, wsd, 100) == 1.0
+    assert lr_at(80, wsd, 100) == 1.0 and lr_at(90, wsd, 100) == 0.5 and lr_at(100, wsd, 100) == 0.0
+    cos = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay="cosine", decay_fraction=0.5)  # decay: 50-100
+    assert lr_at(49, cos, 100) == 1.0 and abs(lr_at(75, cos, 100) - 0.55) < 1e-12 and lr_at(100, cos, 100) == 0.1
+    whole = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear", decay_fraction=1.0)  # = no stable phase
+    plain = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear")
+    assert [lr_at(s, whole, 100) for s in range(101)] == [lr_at(s, plain, 100) for s in range(101)]
     assert lr_at(99, OptimConfig(lr=1.0, warmup_steps=0, decay="constant"), 110) == 1.0

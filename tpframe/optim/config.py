@@ -17,3 +17,6 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     warmup_steps: int = 100  # linear warmup from 0 to lr
     decay: Literal["cosine", "linear", "constant"] = "cosine"  # from lr to min_lr over the remaining steps
+    # warmup-stable-decay (WSD): hold lr after warmup and decay only over this last fraction of train.steps
+    # (e.g. 0.2); None: decay from the end of warmup
+    decay_fraction: float | None = None

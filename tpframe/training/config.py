@@ -296,6 +296,12 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"optim.lr={o.lr} and optim.min_lr={o.min_lr} need 0 <= min_lr <= lr and lr > 0")
     if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must not be negative")
+    if o.decay_fraction is not None and not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]: the last fraction of train.steps "
+                          "that decays (e.g. 0.2), or null for a decay right after warmup")
+    if o.decay_fraction is not None and o.decay == "constant":
+        raise ConfigError("optim.decay_fraction sets when the decay starts, and optim.decay=constant has none; "
+                          "set optim.decay=cosine or linear, or optim.decay_fraction=null")
     if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
         raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
     if cfg.data.source == "tokens" and not cfg.data.path:
