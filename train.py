@@ -155,7 +155,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
 
             fp8_layers, fp8_skipped = 0, []
             for chunk in getattr(model, "chunks", [model]):
-                n, skipped = enable_fp8(chunk)
+                n, skipped = enable_fp8(chunk, small_layers=cfg.train.fp8_small_layers)
                 fp8_layers, fp8_skipped = fp8_layers + n, fp8_skipped + skipped
         if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
             from tpframe.models.compile import compile_model
@@ -205,8 +205,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
         if cfg.train.fp8:
             logger.info(f"float8 GEMMs in {fp8_layers} linear layers" + (
-                f"; {len(fp8_skipped)} stay in {cfg.train.dtype} (a dim not a multiple of 16): "
-                + ", ".join(fp8_skipped[:4]) + (" ..." if len(fp8_skipped) > 4 else "") if fp8_skipped else ""))
+                f"; {len(fp8_skipped)} stay in {cfg.train.dtype}: " + ", ".join(fp8_skipped[:3])
+                + (" ..." if len(fp8_skipped) > 3 else "") if fp8_skipped else ""))
         if checkpointer.loaded_from is not None:
             ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")

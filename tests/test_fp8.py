@@ -51,7 +51,8 @@ def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     from tests.training_utils import train_in_process
     from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    trainer = train_in_process(["train.dtype=bfloat16", "train.steps=8", *overrides], keep_trainer=True)
+    trainer = train_in_process(["train.dtype=bfloat16", "train.steps=8", "train.fp8_small_layers=true", *overrides],
+                               keep_trainer=True)
     layers = [m for m in trainer.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
@@ -110,6 +111,7 @@ def _gpu_losses(run_dir: str, fp8: bool) -> list[float]:
         "parallel.tp=1", "train.dtype=bfloat16", "train.steps=30", "model.hidden=256", "model.layers=4",
         "model.heads=4", "model.max_seq_len=256", "train.seq_len=256", "train.micro_batch_size=8",
         "train.global_batch_size=8", "optim.lr=6e-4", "optim.warmup_steps=5", "train.compile=true",
+        "train.fp8_small_layers=true",
         f"train.fp8={str(fp8).lower()}", f"train.run_dir={run_dir}/{int(fp8)}"])]
 
 
@@ -146,3 +148,22 @@ def test_fp8_on_a_gpu_needs_float8_gemms_and_compiled_blocks(monkeypatch, capabi
             "train.fp8=true", f"train.compile={compile_}"]
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         train.prepare(argv, world_size=1, rank=0)
+
+
+def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
+    """The default skips per-rank weights with out <= 4096 and in <= 1024 (GPT-125M: all but fc2); GPT-1.3B's
+    layers all qualify at TP=1; dims that are not multiples of 16 never do."""
+    from types import SimpleNamespace
+
+    from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, enable_fp8, fp8_pays
+
+    assert not fp8_pays(2304, 768) and not fp8_pays(768, 768) and not fp8_pays(3072, 768) and fp8_pays(768, 3072)
+    assert all(fp8_pays(o, i) for o, i in ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)))
+    comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
+    model = torch.nn.ModuleDict({
+        "fc1": ColumnParallelLinear(768, 3072, comm=comm), "fc2": RowParallelLinear(3072, 768, comm=comm),
+        "odd": RowParallelLinear(3080, 768, comm=comm)})
+    n, skipped = enable_fp8(model)
+    assert n == 1 and model["fc2"].fp8 and not model["fc1"].fp8 and not model["odd"].fp8
+    assert skipped == ["fc1 (3072x768: too small to gain)", "odd (768x3080: not multiples of 16)"]
+    assert enable_fp8(model, small_layers=True) == (2, ["odd (768x3080: not multiples of 16)"]) and model["fc1"].fp8

@@ -291,16 +291,27 @@ def enable_async_tp(model: nn.Module, enabled: bool = True) -> int:
     return n
 
 
-def enable_fp8(model: nn.Module, enabled: bool = True) -> tuple[int, list[str]]:
-    """Switch the float8 GEMMs (tpframe/layers/fp8.py) on (or off) in every column/row-parallel linear layer of
-    `model` whose per-rank sizes are multiples of 16 (what the float8 GEMM takes); the vocabulary head and the
-    embedding are other classes and stay in the compute dtype. Returns (layers switched, names skipped)."""
+def fp8_pays(local_out: int, local_in: int) -> bool:
+    """Whether a GEMM of this per-rank weight shape [out, in] gains from float8 enough to pay for its casts: not
+    when out <= 4096 and in <= 1024 (the threshold torchao's auto-filter for tensorwise scaling takes from its H100
+    measurements; GPT-125M's blocks, all of whose layers but fc2 fall under it, ran 0.83x in float8 on an H200)."""
+    return not (local_out <= 4096 and local_in <= 1024)
+
+
+def enable_fp8(model: nn.Module, enabled: bool = True, *, small_layers: bool = False) -> tuple[int, list[str]]:
+    """Switch the float8 GEMMs (tpframe/layers/fp8.py) on (or off) in the column/row-parallel linear layers of
+    `model`: those whose per-rank sizes are multiples of 16 (what the float8 GEMM takes) and, unless
+    `small_layers`, big enough to gain (`fp8_pays`). The vocabulary head and the embedding are other classes and
+    stay in the compute dtype. Returns (layers switched, "name (why not)" of the others)."""
     n, skipped = 0, []
     for name, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            local_in, local_out = m.weight.shape[1], m.weight.shape[0]
+            local_out, local_in = m.weight.shape
             if enabled and (local_in % 16 or local_out % 16):
-                skipped.append(name)
+                skipped.append(f"{name} ({local_out}x{local_in}: not multiples of 16)")
+                continue
+            if enabled and not small_layers and not fp8_pays(local_out, local_in):
+                skipped.append(f"{name} ({local_out}x{local_in}: too small to gain)")
                 continue
             m.fp8 = enabled
             n += 1

@@ -57,6 +57,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
     cuda_graph: bool = False  # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps
     fp8: bool = False  # float8 GEMMs in the blocks' linear layers (tensorwise scales; bf16 only; CUDA 8.9+ or CPU)
+    fp8_small_layers: bool = False  # train.fp8 also in layers too small to gain (per rank out <= 4096 and in <= 1024)
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
     loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
