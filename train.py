@@ -85,8 +85,12 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     if cfg.profile.memory and cfg.profile.start_step and device == "cpu":
         raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
                           "set profile.memory=false")
+    local_world = local_world_size(world) if world_size is None else world
+    if device == "cuda" and max(local_world, _env_int("LOCAL_RANK", 0) + 1) > torch.cuda.device_count():
+        raise ConfigError(f"{local_world} processes on this host but it has {torch.cuda.device_count()} CUDA "
+                          f"device(s), and each rank needs its own GPU; launch at most {torch.cuda.device_count()} "
+                          "per host (--nproc-per-node) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
     if device_check or device == "cpu":
-        local_world = local_world_size(world) if world_size is None else world
         checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
                             local_world=local_world)
     _, dp_rank, _ = coords_of(rank, world, cfg.parallel.tp, cfg.parallel.pp)

@@ -289,3 +289,18 @@ def test_under_torchrun_every_rank_exits_2_and_the_line_is_printed_once(tmp_path
     assert out.returncode == 1 and len(ours) == 1 and "model.hiden" in ours[0], out.stderr
     assert out.stderr.count("exitcode  : 2") == 2, out.stderr
     assert out.stderr.count("traceback : tpframe: config error") == 2, out.stderr
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"}],
+                         ids=["two-ranks-one-gpu", "local-rank-past-the-gpus"])
+def test_more_ranks_on_a_host_than_gpus_is_one_line(monkeypatch, env):
+    """Two processes on a one-GPU host would otherwise fail deep in torch ("Invalid device id")."""
+    import train
+    from tpframe.errors import ConfigError
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"each rank needs its own GPU; launch at most 1 per host"):
+        train.prepare(BASE)
