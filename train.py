@@ -73,23 +73,8 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     check_pipeline_support(cfg.model.name, resolve_builder(cfg.model.name), cfg.parallel.pp)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.train.cuda_graph and device == "cpu":
-        raise ConfigError("train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false")
-    if cfg.train.fp8 and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        major, minor = torch.cuda.get_device_capability()
-        raise ConfigError(f"train.fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); this GPU is "
-                          f"{major}.{minor}; set train.fp8=false")
-    if cfg.train.fp8 and device == "cuda" and not cfg.train.compile:
-        raise ConfigError("train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
-                          "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true")
-    if cfg.profile.memory and cfg.profile.start_step and device == "cpu":
-        raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
-                          "set profile.memory=false")
     local_world = local_world_size(world) if world_size is None else world
-    if device == "cuda" and max(local_world, _env_int("LOCAL_RANK", 0) + 1) > torch.cuda.device_count():
-        raise ConfigError(f"{local_world} processes on this host but it has {torch.cuda.device_count()} CUDA "
-                          f"device(s), and each rank needs its own GPU; launch at most {torch.cuda.device_count()} "
-                          "per host (--nproc-per-node) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    checks.check_device(cfg, device, local_world=local_world, local_rank=_env_int("LOCAL_RANK", 0))
     if device_check or device == "cpu":
         checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
                             local_world=local_world)

@@ -2,6 +2,7 @@
 run before any process group exists and before anything is written. Each failure is one ConfigError.
 
     model = dry_build(cfg)                        # the model of TP rank 0 on the meta device (no memory)
+    check_device(cfg, "cuda", local_world=2, local_rank=0)  # switches this machine cannot run, one GPU per rank
     check_memory(cfg, world, model, ...)          # the estimate against the device (train.check_memory)
     check_run_dir(cfg)                            # a file, not writable, or another run's directory
     check_token_ids(train_data, valid_data, cfg)  # token files whose ids exceed their sidecar's vocab
@@ -33,6 +34,31 @@ class _ShapeComm:
 
     def __init__(self, size: int):
         self.size, self.rank, self.device = size, 0, torch.device("meta")
+
+
+def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None:
+    """What this machine cannot run: CUDA-only switches without a GPU, float8 without float8 GEMMs (or
+    uncompiled, where it is slower than bf16), and more ranks on this host than GPUs."""
+    t = cfg.train
+    if device == "cpu":
+        if t.cuda_graph:
+            raise ConfigError("train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false")
+        if cfg.profile.memory and cfg.profile.start_step:
+            raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
+                              "set profile.memory=false")
+        return
+    if t.fp8 and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(f"train.fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); this GPU is "
+                          f"{major}.{minor}; set train.fp8=false")
+    if t.fp8 and not t.compile:
+        raise ConfigError("train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
+                          "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true")
+    gpus = torch.cuda.device_count()
+    if max(local_world, local_rank + 1) > gpus:
+        raise ConfigError(f"{local_world} processes on this host but it has {gpus} CUDA device(s), and each rank "
+                          f"needs its own GPU; launch at most {gpus} per host (--nproc-per-node) or make more GPUs "
+                          "visible (CUDA_VISIBLE_DEVICES)")
 
 
 def dry_build(cfg) -> nn.Module | None:
