@@ -10,7 +10,7 @@ gradients in e5m2 (more range). The three GEMMs run in torch._scaled_mm with fp3
     backward  dx = (g8 @ w8)   / (sg * sw)        dw = (g8^T @ x8) / (sg * sx)        db = sum(g)
 The float8 copies of x and w are what backward keeps (half the bytes of bf16). Under TP each rank scales
 its own shards, so TP sizes agree to float8 rounding, not bit for bit. _scaled_mm wants its second operand
-column-major and every dim a multiple of 16; `fp8_shapes_ok` says whether a layer's shapes qualify.
+column-major and every dim a multiple of 16 (train.fp8's validation and `enable_fp8` see to that).
 On CUDA it needs compute capability 8.9+ (Ada, Hopper); CPU builds of torch run it too (slowly: tests).
 """
 
@@ -68,15 +68,3 @@ class _Float8Linear(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with the three GEMMs in float8 (see the module docstring)."""
     return _Float8Linear.apply(x, weight, bias)
-
-
-def fp8_shapes_ok(tokens: int, in_features: int, out_features: int) -> bool:
-    """Whether _scaled_mm takes a linear layer of these (per-rank) sizes: every GEMM dim a multiple of 16."""
-    return tokens % 16 == 0 and in_features % 16 == 0 and out_features % 16 == 0
-
-
-def fp8_device_ok(device: torch.device) -> bool:
-    """Float8 GEMMs run here: CPU (reference speed), or CUDA compute capability 8.9 or newer."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
