@@ -115,7 +115,7 @@ class StepProfiler:
             if span > 0:
                 idle = (f"; GPU busy {busy:.1f} of {span:.1f} ms, idle {1 - busy / span:.1%} (launch gaps and host "
                         "waits: the most train.cuda_graph could win)")
-                table += f"\nGPU timeline of the steps: {span:.2f} ms first kernel to last, busy {busy:.2f} ms{idle}\n"
+                table += f"\nGPU timeline of the steps, first kernel to last{idle}\n"
         stem.with_suffix(".txt").write_text(table)
         written = [trace.name, stem.with_suffix(".txt").name]
         if self.cfg.memory and self.cuda:
