@@ -60,7 +60,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     (tpframe.launch's parent process, which must not touch the GPUs)."""
     from tpframe.checkpoint import preflight
     from tpframe.data import build_data
-    from tpframe.models import check_pipeline_support, resolve_builder
+    from tpframe.models import check_pipeline_support, check_recompute_support, resolve_builder
     from tpframe.parallel.state import coords_of
     from tpframe.training import preflight as checks
     from tpframe.training.memory import local_world_size
@@ -71,6 +71,8 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world)  # the env vars that override the config too
     check_pipeline_support(cfg.model.name, resolve_builder(cfg.model.name), cfg.parallel.pp)
+    check_recompute_support(cfg.model.name, resolve_builder(cfg.model.name),
+                            selective=cfg.parallel.recompute == "selective", layers=cfg.parallel.recompute_layers)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
     local_world = local_world_size(world) if world_size is None else world
@@ -133,7 +135,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         tracker = seed_parallel_rng(cfg.train.seed)
         dtype = DTYPES[cfg.train.dtype]
         ctx = BuildContext(
-            state.tp_comm, sequence_parallel=p.sequence_parallel, activation_checkpointing=p.activation_checkpointing,
+            state.tp_comm, sequence_parallel=p.sequence_parallel, **p.recompute_context(),
             rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
             device=state.device, seed=cfg.train.seed, async_tp=p.async_tp,
         )

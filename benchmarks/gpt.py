@@ -1,9 +1,10 @@
 """tpframe GPT forward+backward throughput, alone or side by side with the peers.
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
-                                                      #   CKPT COMPILE ASYNC_TP FUSED KV_HEADS NORM ACT BIAS
-                                                      #   PROFILE GRAPH FP8
+                                                      #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
+                                                      #   ACT BIAS PROFILE GRAPH FP8
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
+    python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
@@ -12,7 +13,8 @@ COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps t
 GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off. PROFILE=path writes a torch.profiler
 table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
 warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
-would save over launching the same kernels one by one. FP8=1 runs the blocks' GEMMs in float8 (train.fp8;
+would save over launching the same kernels one by one. CKPT=full|selective recomputes in backward
+(parallel.activation_checkpointing; CKPT_LAYERS=N: only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8;
 TFLOP/s still counts the model's FLOPs, so it compares directly with the bf16 rows).
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
@@ -73,8 +75,12 @@ def run_one() -> None:
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
                       activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"))
     tracker = seed_parallel_rng(1234)
-    ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=flag("CKPT"), rng_tracker=tracker,
-                       dtype=torch.bfloat16, device=state.device, seed=1234, async_tp=flag("ASYNC_TP") and sp,
+    ckpt = {"0": "none", "1": "full"}.get(os.environ.get("CKPT", "0"), os.environ.get("CKPT", "0"))
+    if ckpt not in ("none", "full", "selective"):
+        raise SystemExit(f"CKPT={ckpt!r}: use 0, 1 (full), full or selective")
+    ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=ckpt == "full",
+                       recompute_layers=env("CKPT_LAYERS", 0) or None, selective_recompute=ckpt == "selective",
+                       rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234, async_tp=flag("ASYNC_TP") and sp,
                        fused_kernels=flag("FUSED", "1"))
     model = build_model(cfg, ctx)
     if flag("FP8"):  # the blocks' GEMMs in float8 (train.fp8)
@@ -120,7 +126,7 @@ def run_one() -> None:
         # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
         ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={int(ran_async)} "
-                f"fused={int(ctx.fused_kernels)} fp8={int(flag('FP8'))}")
+                f"fused={int(ctx.fused_kernels)} fp8={int(flag('FP8'))} ckpt={ckpt}")
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
@@ -194,6 +200,22 @@ SHAPES = {
     "tiny": dict(name="tiny (a CPU smoke test of the driver)", LAYERS=2, HIDDEN=64, HEADS=4, SEQ=32, MB=2),
 }
 RESULT = re.compile(r"step ([\d.]+) ms, (\d+) tok/s.*?, ([\d.]+) TFLOP/s.*?mem ([\d.]+) GiB, loss ([\d.na]+)")
+
+
+def recompute_jobs(tp: int) -> list[dict]:
+    """--recompute: tpframe at TP=1 (and TP=tp + SP on a multi-GPU machine), eager and compiled, with no
+    recompute, selective and full: the memory each mode saves and the time it costs."""
+    out, ours = [], str(ROOT / "benchmarks" / "gpt.py")
+    layouts = [("TP=1", 1, {"TP": "1"})]
+    if tp > 1:
+        layouts.append((f"TP={tp} + SP", tp, {"TP": str(tp), "SP": "1"}))
+    for name, gpus, dims in layouts:
+        for mode, extra in (("eager", {}), ("compile", {"COMPILE": "1"})):
+            for ckpt in ("none", "selective", "full"):
+                out.append(dict(label=f"tpframe {name}, {mode}, recompute {ckpt}", script=ours, gpus=gpus,
+                                env={"STEPS": "10", "ROPE": "1", "CKPT": "0" if ckpt == "none" else ckpt,
+                                     **dims, **extra}))
+    return out
 
 
 def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
@@ -298,7 +320,7 @@ def compare(args) -> None:
         shape = SHAPES[key]
         print(f"{shape['name']}:", flush=True)
         rows[key] = []
-        pending = jobs_for(key, peers, tp)
+        pending = recompute_jobs(tp) if args.recompute else jobs_for(key, peers, tp)
         while pending and time.time() < deadline - 20:
             left = deadline - time.time()
             job = pending.pop(0)
@@ -316,8 +338,40 @@ def compare(args) -> None:
     report(args, rows, tp)
 
 
+def recompute_report(args, rows: dict, device: str) -> list[str]:
+    lines = [f"## Activation recompute modes, {device}, {datetime.date.today().isoformat()}", "",
+             f"Command: `python benchmarks/gpt.py --compare --recompute --shapes {args.shapes} --tp {args.tp} "
+             f"--budget-s {args.budget_s:.0f}` (one device call, every run a subprocess). torch {torch.__version__}, "
+             "bf16, forward+backward, 3 warm-up steps then 10 timed, random tokens. TFLOP/s counts the model's FLOPs "
+             "(recomputed work is not counted), so it falls with the recompute. Peak GiB = "
+             "torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run without recompute.",
+             "", "| shape | run | step ms | TFLOP/s per GPU | peak GiB | time | memory |", "|---|---|---|---|---|---|---|"]
+    for key, shape_rows in rows.items():
+        dims = SHAPES[key]
+        dims_text = f"{dims['name']}: L={dims['LAYERS']} H={dims['HIDDEN']} S={dims['SEQ']} MB={dims['MB']}"
+        base = {r["label"].rsplit(", recompute", 1)[0]: r for r in shape_rows
+                if r["label"].endswith("recompute none") and "tflops" in r}
+        for r in shape_rows:
+            if "tflops" not in r:
+                lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | |")
+                continue
+            b = base.get(r["label"].rsplit(", recompute", 1)[0])
+            time_ratio = f"{r['step_ms'] / b['step_ms']:.3f}x" if b else "-"
+            mem_ratio = f"{r['mem'] / b['mem']:.2f}x" if b and b["mem"] else "-"
+            lines.append(f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tflops']:.1f} | {r['mem']:.1f} | "
+                         f"{time_ratio} | {mem_ratio} |")
+    return lines
+
+
 def report(args, rows: dict, tp: int) -> None:
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+    if args.recompute:
+        text = "\n".join(recompute_report(args, rows, device))
+        print(text, flush=True)
+        if args.results:
+            with open(args.results, "a") as f:
+                f.write("\n" + text + "\n")
+        return
     lines = [f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
              f"{datetime.date.today().isoformat()}", "",
              f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} --budget-s {args.budget_s:.0f}` "
@@ -362,6 +416,8 @@ def main() -> None:
     p.add_argument("--compare", action="store_true", help="run ours and the peers side by side (see above)")
     p.add_argument("--shapes", default="1.3b,125m,llama", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--tp", type=int, default=2, help="TP size of the multi-GPU runs")
+    p.add_argument("--recompute", action="store_true",
+                   help="with --compare: tpframe's activation recompute modes (none, selective, full) instead of the peers")
     p.add_argument("--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and the Megatron wheel")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout-s", type=float, default=240.0)

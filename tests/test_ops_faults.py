@@ -241,6 +241,16 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     s, b, h, L, V = 128, 8, 128, 2, 256  # configs/tiny_cpu.yaml
     layers, loss, embedding = s * b * h * (10 + 24 / 2) * L, s * b * V / 2 * (2 + 8), s * b * h * 2
     assert act("parallel.tp=2", "train.dtype=bfloat16") == layers + loss + embedding
+    # selective drops the norm outputs (2 x 2 sbh, replicated) and GELU's output (8 sbh, TP-split) of each layer
+    selective = s * b * h * (6 + 16 / 2) * L
+    assert act("parallel.tp=2", "train.dtype=bfloat16", "parallel.activation_checkpointing=selective") == (
+        selective + loss + embedding)
+    # full recompute of one of the two layers: its input (2 sbh), the other layer, and one layer being recomputed
+    one = s * b * h * 2 + 2 * s * b * h * (10 + 24 / 2)
+    assert act("parallel.tp=2", "train.dtype=bfloat16", "parallel.activation_checkpointing=full",
+               "parallel.recompute_layers=1") == one + loss + embedding
+    assert (act("parallel.tp=2", "parallel.activation_checkpointing=true") < act("parallel.tp=2", "parallel.activation_checkpointing=selective")
+            < act("parallel.tp=2"))
 
 
 # -- launcher drills: preemption and a stopped rank ---------------------------------------------------------

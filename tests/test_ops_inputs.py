@@ -1,4 +1,4 @@
-"""Every mistake is one line and exit code 2, with nothing written: 60 bad inputs through train.main in this
+"""Every mistake is one line and exit code 2, with nothing written: 66 bad inputs through train.main in this
 process, a few through the README's launcher (and torchrun) with 2 processes."""
 
 import json
@@ -158,6 +158,20 @@ CASES = [
     ("fp8-hidden", lambda t, s: (["train.fp8=true", "train.dtype=bfloat16", "model.hidden=48", "model.heads=4",
                                   "parallel.tp=2"],
                                  {"WORLD_SIZE": "2"}), "model.hidden = 48 divisible by 16*parallel.tp = 32"),
+    ("recompute-word", lambda t, s: (["parallel.activation_checkpointing=partial"], {}),
+     "choose true, false or one of 'full', 'selective'"),
+    ("recompute-layers-without-full", lambda t, s: (["parallel.recompute_layers=1"], {}),
+     "needs parallel.activation_checkpointing=full"),
+    ("recompute-layers-too-many", lambda t, s: (["parallel.activation_checkpointing=full", "parallel.recompute_layers=3"],
+                                                {}), "must be in 1..model.layers=2"),
+    ("selective-async-tp", lambda t, s: (["parallel.activation_checkpointing=selective", "parallel.tp=2",
+                                          "parallel.sequence_parallel=true", "parallel.async_tp=true"],
+                                         {"WORLD_SIZE": "2"}), "selective re-gathers the norm outputs"),
+    ("selective-fp8", lambda t, s: (["parallel.activation_checkpointing=selective", "train.fp8=true",
+                                     "train.dtype=bfloat16"], {}), "selective would only add compute"),
+    ("selective-user-model", lambda t, s: (["parallel.activation_checkpointing=selective",
+                                            "model.name=examples.parallel_llama:build"], {}),
+     "does not implement selective recompute"),
     ("wsd-fraction", lambda t, s: (["optim.decay_fraction=1.5"], {}), "optim.decay_fraction=1.5 must be in (0, 1]"),
     ("wsd-constant", lambda t, s: (["optim.decay_fraction=0.2", "optim.decay=constant"], {}),
      "optim.decay=constant has none"),

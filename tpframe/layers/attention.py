@@ -118,10 +118,12 @@ class ParallelAttention(nn.Module):
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
         self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, *,
+                entered: bool = False) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. `cache`: one layer's view of a KV cache (`append(k, v)` -> every
-        slot's keys and values [b, nkv/tp, L, d]; `mask` [b, 1, s, L], True where a query may look)."""
-        qkv = self.qkv(x)  # [s, b, (nq + 2 nkv)/tp * d]
+        slot's keys and values [b, nkv/tp, L, d]; `mask` [b, 1, s, L], True where a query may look).
+        `entered=True`: x is already `self.qkv.enter(x)` (selective recompute)."""
+        qkv = self.qkv(x, entered=entered)  # [s, b, (nq + 2 nkv)/tp * d]
         s, b = qkv.shape[:2]
         d = self.head_dim
         # SDPA takes [b, n, s, d]

@@ -107,6 +107,12 @@ class _LinearReduceScatter(torch.autograd.Function):
         return gx, gw, None
 
 
+def enter_tp_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
+    """A column layer's input as its GEMM takes it: the sequence all-gathered under SP, else the identity
+    whose backward all-reduces. Its output feeds only the GEMM: its gradient is fresh and may be reduced in place."""
+    return gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
+
+
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -117,18 +123,21 @@ def column_parallel_linear(
     *,
     async_tp: bool = False,
     fp8: bool = False,
+    entered: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by output rows.
 
     x: [s, b, h] replicated, or [s/tp, b, h] with sequence parallelism.
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
+    `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
     """
-    if sequence_parallel and async_tp and async_tp_available(comm, x):
+    if entered:
+        y = fp8_linear(x, weight, bias) if fp8 else linear(x, weight, bias)
+    elif sequence_parallel and async_tp and async_tp_available(comm, x):
         y = _AllGatherLinear.apply(x, weight, bias, comm)
     else:
-        # copy_to_tp's output feeds only this GEMM: its gradient is fresh and may be all-reduced in place
-        x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
+        x = enter_tp_region(x, comm, sequence_parallel)
         # F.linear (zero-bubble pipelines defer its weight gradient), or the float8 GEMMs
         y = fp8_linear(x, weight, bias) if fp8 else linear(x, weight, bias)
     return gather_from_tp(y, comm) if gather_output else y
@@ -214,10 +223,15 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
+        """`entered=True`: x is already `self.enter(input)` (all-gathered under SP)."""
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
         return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output,
-                                      async_tp=self.async_tp, fp8=self.fp8)
+                                      async_tp=self.async_tp, fp8=self.fp8, entered=entered)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input's entry into the TP region; forward(enter(x), entered=True) == forward(x)."""
+        return enter_tp_region(x, self.comm, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (

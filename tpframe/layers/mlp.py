@@ -13,6 +13,7 @@ from torch import nn
 from tpframe.comm import Communicator
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.layers.utils import InitMethod
+from tpframe.parallel.recompute import RecomputedOutput
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 
@@ -51,13 +52,21 @@ class ParallelMLP(nn.Module):
             self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, init_method=init_method, **common)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, init_method=output_init_method or init_method, **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
+    def forward(self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False) -> torch.Tensor:
+        """`entered=True`: x is already `self.fc1.enter(x)`. `recompute_activation`: the activation's output
+        (fc2's saved input, the block's largest activation) is freed after fc2 and recomputed in backward."""
+        h = self.fc1(x, entered=entered)
+        if not recompute_activation:
+            return self.fc2(self.act(h))
+        act = RecomputedOutput(self.act, h)
+        y = self.fc2(act.output)
+        act.discard(after=y)
+        return y
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "gelu":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = F.relu(h)
-        return self.fc2(h)
+            return F.silu(gate) * up
+        if self.activation == "gelu":
+            return F.gelu(h, approximate="tanh")
+        return F.relu(h)

@@ -51,7 +51,9 @@ class BuildContext:
 
     comm: Communicator
     sequence_parallel: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute whole blocks in backward
+    recompute_layers: int | None = None  # with activation_checkpointing: only the first N blocks built here
+    selective_recompute: bool = False  # recompute norms and activation functions only (needs supports_selective_recompute)
     rng_tracker: RNGStatesTracker | None = None
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
@@ -68,6 +70,8 @@ def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
 
 
 build_gpt.supports_pipeline = True  # builds only ctx.stage (see the module docstring)
+build_gpt.supports_selective_recompute = True  # honours ctx.selective_recompute
+build_gpt.supports_recompute_layers = True  # honours ctx.recompute_layers
 
 BUILTIN = {"gpt": build_gpt}
 REQUIRED_METHODS = ("forward", "flops_per_token")
@@ -80,6 +84,18 @@ def check_pipeline_support(name: str, builder: Callable, pp: int) -> None:
             f"model.name={name!r} does not build pipeline stages, so parallel.pp={pp} cannot split it; use "
             "parallel.pp=1, or make its builder honour ctx.stage and set supports_pipeline = True on it (README)"
         )
+
+
+def check_recompute_support(name: str, builder: Callable, *, selective: bool, layers: int | None) -> None:
+    """A ConfigError when the run asks for a recompute mode the model's builder does not honour."""
+    if selective and not getattr(builder, "supports_selective_recompute", False):
+        raise ConfigError(
+            f"model.name={name!r} does not implement selective recompute; use parallel.activation_checkpointing=full "
+            "or false, or honour ctx.selective_recompute and set supports_selective_recompute = True on its builder")
+    if layers is not None and not getattr(builder, "supports_recompute_layers", False):
+        raise ConfigError(
+            f"model.name={name!r} does not honour parallel.recompute_layers; remove it, or honour "
+            "ctx.recompute_layers and set supports_recompute_layers = True on its builder")
 
 
 def resolve_builder(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:

@@ -31,7 +31,7 @@ from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size
-from tpframe.parallel.recompute import recompute
+from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
 
 
@@ -69,10 +69,30 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
         self.attn.fused_rotary = self.attn.fused_decode = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
+        self.selective_recompute = ctx.selective_recompute
 
     def forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
+        if self.selective_recompute and cache is None and self.training and torch.is_grad_enabled():
+            if torch.compiler.is_compiling():  # Inductor recomputes what torch's selective checkpointing marks
+                return selective_checkpoint(self._forward, x, rotary)
+            return self._forward_selective(x, rotary)
+        return self._forward(x, rotary, cache)
+
+    def _forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.norm1(x), rotary, cache))
         return x + self.dropout(self.mlp(self.norm2(x)))
+
+    def _forward_selective(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        """`_forward` keeping neither the norm outputs (all-gathered under SP) nor the MLP activation for
+        backward: each is freed once its GEMM has run and recomputed when backward reaches that GEMM."""
+        normed = RecomputedOutput(lambda t: self.attn.qkv.enter(self.norm1(t)), x)
+        a = self.attn(normed.output, rotary, entered=True)
+        normed.discard(after=a)
+        x = x + self.dropout(a)
+        normed = RecomputedOutput(lambda t: self.mlp.fc1.enter(self.norm2(t)), x)
+        m = self.mlp(normed.output, entered=True, recompute_activation=True)
+        normed.discard(after=m)
+        return x + self.dropout(m)
 
 
 class ResidualDropout(nn.Module):
@@ -103,6 +123,7 @@ class GPT(nn.Module):
         self.cfg, self.ctx, self.comm = cfg, ctx, ctx.comm
         self.stage = ctx.stage
         self.sequence_parallel, self.activation_checkpointing = ctx.sequence_parallel, ctx.activation_checkpointing
+        self.recompute_layers = ctx.recompute_layers  # with activation_checkpointing: the first N blocks built here
         self.uses_dropout = cfg.dropout > 0 or cfg.attention_dropout > 0  # draws random numbers in training
         sp, dtype, device, seed = ctx.sequence_parallel, ctx.dtype, ctx.device, ctx.seed
         init = normal_init(cfg.init_std)
@@ -179,10 +200,11 @@ class GPT(nn.Module):
             rotary = self.rotary.at(positions, x.dtype)
         else:
             rotary = self.rotary(x.shape[0] * (self.comm.size if self.sequence_parallel else 1), x.dtype)
-        for i, block in self.blocks.items():
+        for n, (i, block) in enumerate(self.blocks.items()):
             if cache is not None:
                 x = block(x, rotary, cache.layer(i))
-            elif self.activation_checkpointing and self.training:
+            elif self.activation_checkpointing and self.training and (self.recompute_layers is None
+                                                                      or n < self.recompute_layers):
                 x = recompute(block, x, rotary, preserve_rng=self.uses_dropout)
             else:
                 x = block(x, rotary)

@@ -54,3 +54,108 @@ def recompute(fn: Callable[..., Any], *args, tracker: RNGStatesTracker | None = 
         preserve_rng_state=True,
         context_fn=lambda: (forward_context(), recompute_context()),
     )
+
+
+# -- selective recompute ------------------------------------------------------------------------------
+#
+# `parallel.activation_checkpointing: selective` keeps every GEMM and attention output and recomputes only
+# the cheap ops whose outputs the next GEMM would otherwise keep for its weight gradient: each norm (with
+# its entry into the TP region: the sequence all-gather under SP) and the MLP's activation function. That
+# drops 6 of a GPT block's ~16 saved [s, b, h] tensors (GELU, ffn 4h) for ~2% more compute (plus, under
+# SP, one more all-gather per norm in backward). Eager blocks use `RecomputedOutput` (Megatron-Core's
+# CheckpointWithoutOutput); compiled blocks use torch's selective checkpointing with `sac_policy`,
+# which Inductor's partitioner honours.
+
+
+class RecomputedOutput:
+    """Run `fn(*args)` now, keep only its inputs, free its output once consumed, rebuild it in backward.
+
+        norm_out = RecomputedOutput(lambda t: enter(norm(t)), x)
+        y = consumer(norm_out.output)        # the consumer saves norm_out.output for its backward
+        norm_out.discard(after=y)            # frees the storage; refilled when y's gradient arrives
+
+    The output's storage is resized to 0 (the tensor and whatever saved it keep their metadata) and,
+    when the gradient of `after` is computed (before the consumer's backward runs), `fn` runs again
+    and its result is copied back into the same storage. `fn` must draw no random numbers; the
+    gradient flows to `args` and to `fn`'s parameters through the recomputed graph.
+    """
+
+    def __init__(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor):
+        self.fn, self.nbytes, self.recomputed, self.ctx = fn, 0, None, None
+        self.output = _RecomputedOutputFunction.apply(self, *args)
+
+    def discard(self, *, after: torch.Tensor) -> None:
+        storage = self.output.untyped_storage()
+        self.nbytes = storage.nbytes()
+        storage.resize_(0)
+        after.register_hook(self._recompute)
+
+    def _recompute(self, grad: torch.Tensor) -> None:
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in self.ctx.saved_tensors]
+        with torch.enable_grad():
+            out = self.fn(*inputs)
+        self.output.untyped_storage().resize_(self.nbytes)
+        with torch.no_grad():
+            self.output.data.copy_(out)  # .data: no version bump, the consumer's saved copy stays valid
+        self.ctx.inputs, self.ctx.recomputed = inputs, out
+        self.fn = self.ctx = self.output = None  # one backward per forward
+
+
+class _RecomputedOutputFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, holder: RecomputedOutput, *args):
+        with torch.no_grad():
+            out = holder.fn(*args)
+        ctx.save_for_backward(*args)
+        holder.ctx = ctx
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, inputs = ctx.recomputed, ctx.inputs
+        if out is None:
+            raise RuntimeError("RecomputedOutput: backward reached an output that was never recomputed "
+                               "(discard(after=...) must name a tensor the backward passes through)")
+        torch.autograd.backward(out, grad)
+        ctx.recomputed = ctx.inputs = None
+        return (None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+def sac_policy(ctx, op, *args, **kwargs):
+    """torch selective checkpointing inside compiled blocks: keep GEMM, attention, rotary and reduction
+    outputs; recompute the rest (norms, activation functions, the SP all-gather before a GEMM)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in _saved_ops() or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):  # dropout masks too
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED_OPS: set | None = None
+
+
+def _saved_ops() -> set:
+    global _SAVED_OPS
+    if _SAVED_OPS is None:
+        aten = torch.ops.aten
+        names = ["mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu"]
+        ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+        tp = getattr(torch.ops, "tpframe", None)
+        for n in ("all_reduce", "reduce_scatter", "qkv_rotary"):
+            if tp is not None and hasattr(tp, n):
+                ops.add(getattr(tp, n).default)
+        _SAVED_OPS = ops
+    return _SAVED_OPS
+
+
+def _sac_contexts():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(sac_policy)
+
+
+def selective_checkpoint(fn: Callable[..., Any], *args):
+    """`fn(*args)` under torch's selective checkpointing with `sac_policy` (for traced, compiled code;
+    dynamo needs the context function at module level)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
+                                             context_fn=_sac_contexts)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tpframe.errors import ConfigError
-from tpframe.models.config import padded_vocab
+from tpframe.models.config import ffn_hidden_size, padded_vocab
 
 GIB = 2**30
 # CUDA context, NCCL buffers, allocator slack; the interpreter, torch and the data on CPU.
@@ -64,12 +64,15 @@ def activation_bytes(cfg, device_type: str) -> float:
     scores_kept = device_type == "cpu" and m.attention_dropout > 0
     score_term = 5 * a * s / h if scores_kept else 0.0
     sbh = float(s) * b * h
+    # selective recompute drops the two norm outputs (2 sbh each) and the activation output (8 sbh at ffn 4h)
+    norms, act = (4.0, 8.0 * ffn_hidden_size(m) / (4 * h)) if p.recompute == "selective" else (0.0, 0.0)
     if p.sequence_parallel:
-        per_layer = sbh * (34 + score_term) / tp
+        per_layer = sbh * (34 - norms - act + score_term) / tp
     else:
-        per_layer = sbh * (10 + 24 / tp + score_term / tp)
-    if p.activation_checkpointing:
-        layers = L * 2 * sbh / (tp if p.sequence_parallel else 1) + per_layer
+        per_layer = sbh * (10 - norms + (24 - act) / tp + score_term / tp)
+    if p.recompute == "full":
+        whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
+        layers = whole * 2 * sbh / (tp if p.sequence_parallel else 1) + (L - whole + 1) * per_layer
     else:
         layers = L * per_layer
     act_bytes = 2 * scale
@@ -154,8 +157,9 @@ def check_fits(cfg, est: MemoryEstimate, *, device_type: str, local_rank: int = 
     if device_type == "cpu" and local_world > 1:
         per += f" x {local_world} ranks on this host"
     fixes = ["a smaller train.micro_batch_size or model", "a larger parallel.tp"]
-    if not p.activation_checkpointing:
-        fixes.append("parallel.activation_checkpointing=true")
+    if p.recompute != "full":
+        fixes.append("parallel.activation_checkpointing=selective or full" if p.recompute == "none"
+                      else "parallel.activation_checkpointing=full")
     if p.dp_strategy == "ddp":
         fixes.append("parallel.dp_strategy=zero1 or fsdp")
     raise ConfigError(

@@ -70,7 +70,7 @@ def dry_build(cfg) -> nn.Module | None:
     p = cfg.parallel
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" and p.dp_strategy != "fsdp" else torch.float32
     ctx = BuildContext(_ShapeComm(p.tp), sequence_parallel=p.sequence_parallel,
-                       activation_checkpointing=p.activation_checkpointing, rng_tracker=None, dtype=dtype,
+                       **p.recompute_context(), rng_tracker=None, dtype=dtype,
                        device=torch.device("meta"), seed=cfg.train.seed)
     try:
         with torch.device("meta"):
