@@ -57,6 +57,27 @@ def _model_case(arch: dict, sp: bool, compiled: bool):
     return {k: v for k, v in out.items()}, promised
 
 
+@pytest.mark.parametrize("fn", ["gelu", "relu"])
+def test_recomputed_output_frees_its_storage_and_gives_the_plain_gradients(fn):
+    """gelu: the recomputed memory is handed over; relu keeps its own output for backward, so it is copied back
+    instead (handing it over would leave relu's backward reading freed memory). Either way: the plain gradients."""
+    from tpframe.parallel.recompute import RecomputedOutput
+
+    f = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}[fn]
+    torch.manual_seed(0)
+    w, x0 = torch.randn(6, 5, requires_grad=True), torch.randn(4, 5)
+    x = x0.clone().requires_grad_()
+    (torch.nn.functional.linear(f(x), w) ** 2).sum().backward()
+    want = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    held = RecomputedOutput(f, x)
+    y = torch.nn.functional.linear(held.output, w)  # saves held.output for the weight gradient
+    held.discard(after=y)
+    assert held.output.untyped_storage().nbytes() == 0
+    (y ** 2).sum().backward()
+    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
+
+
 GPT = dict()
 LLAMA = dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, kv_heads=2, tie_embeddings=False)
 

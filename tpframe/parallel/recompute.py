@@ -76,7 +76,8 @@ class RecomputedOutput:
 
     The output's storage is resized to 0 (the tensor and whatever saved it keep their metadata) and,
     when the gradient of `after` is computed (before the consumer's backward runs), `fn` runs again
-    and its result is copied back into the same storage. `fn` must draw no random numbers; the
+    and its result moves into the same storage object (its memory handed over; copied where the
+    layout differs or the recompute graph keeps its own output, as ReLU's does). `fn` must draw no random numbers; the
     gradient flows to `args` and to `fn`'s parameters through the recomputed graph.
     """
 
@@ -92,11 +93,24 @@ class RecomputedOutput:
 
     def _recompute(self, grad: torch.Tensor) -> None:
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in self.ctx.saved_tensors]
-        with torch.enable_grad():
+        saved: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.fn(*inputs)
-        self.output.untyped_storage().resize_(self.nbytes)
-        with torch.no_grad():
-            self.output.data.copy_(out)  # .data: no version bump, the consumer's saved copy stays valid
+        storage, fresh = self.output.untyped_storage(), out.untyped_storage()
+        if (fresh.nbytes() == self.nbytes and out.stride() == self.output.stride()
+                and out.storage_offset() == self.output.storage_offset() and fresh.data_ptr() not in saved
+                and hasattr(storage, "_swap_data_ptr_")):
+            # no copy: the recomputed memory becomes the output's (the recompute graph does not read its output)
+            storage._swap_data_ptr_(fresh)
+        else:
+            storage.resize_(self.nbytes)
+            with torch.no_grad():
+                self.output.data.copy_(out)  # .data: no version bump, the consumer's saved copy stays valid
         self.ctx.inputs, self.ctx.recomputed = inputs, out
         self.fn = self.ctx = self.output = None  # one backward per forward
 
