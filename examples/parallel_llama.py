@@ -67,8 +67,9 @@ class ParallelLlama(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids.t())  # [s(/tp), b, h]
         rotary = self.rotary(input_ids.shape[1], x.dtype)
-        for block in self.blocks.values():
-            if self.ctx.activation_checkpointing and self.training:  # no dropout: no RNG state to replay
+        for n, block in enumerate(self.blocks.values()):
+            limit = self.ctx.recompute_layers  # None: every block
+            if self.ctx.activation_checkpointing and self.training and (limit is None or n < limit):
                 x = recompute(block, x, rotary, preserve_rng=self.cfg.attention_dropout > 0)
             else:
                 x = block(x, rotary)
@@ -93,3 +94,6 @@ def build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
         fixes = " ".join(f"model.{k}={str(v).lower()}" for k, v in wrong.items())
         raise ConfigError(f"examples.parallel_llama needs {fixes} (see configs/tiny_llama_cpu.yaml)")
     return ParallelLlama(cfg, ctx)
+
+
+build.supports_recompute_layers = True  # honours ctx.recompute_layers (ctx.selective_recompute it does not)

@@ -11,7 +11,7 @@ from tests.training_utils import train_in_process
 S, B = 16, 2
 
 
-def _model_case(arch: dict, sp: bool, compiled: bool):
+def _model_case(arch: dict, sp: bool, compiled: bool, modes: tuple[str, ...] = ("none", "selective", "full", "first 1")):
     """Per mode: (loss, grads, bytes of the tensors the forward keeps for backward) on this rank."""
     from tpframe.models import BuildContext, build_model
     from tpframe.models.compile import compile_model
@@ -24,10 +24,9 @@ def _model_case(arch: dict, sp: bool, compiled: bool):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    modes = {"none": {}, "selective": dict(selective_recompute=True), "full": dict(activation_checkpointing=True),
-             "first 1": dict(activation_checkpointing=True, recompute_layers=1)}
-    if compiled:
-        modes = {k: modes[k] for k in ("none", "selective")}
+    modes = {name: fields for name, fields in (
+        ("none", {}), ("selective", dict(selective_recompute=True)), ("full", dict(activation_checkpointing=True)),
+        ("first 1", dict(activation_checkpointing=True, recompute_layers=1))) if name in modes}
     out = {}
     for name, fields in modes.items():
         tracker = seed_parallel_rng(0)
@@ -99,7 +98,7 @@ def _check(results, promised, case, exact):
     # intermediates (x^2, rstd, silu(gate)) selective recompute frees as well
     assert saved == promised if exact else saved >= promised, (
         f"{case}: selective kept {saved} fewer bytes, promised {promised}")
-    if "full" in results:
+    if "first 1" in results:
         assert results["full"][2] < results["first 1"][2] < results["none"][2], (
             f"{case}: kept bytes full {results['full'][2]}, first 1 {results['first 1'][2]}, none {ref_bytes}")
 
@@ -124,7 +123,7 @@ def test_recompute_modes_match_no_recompute_and_keep_what_they_promise(tp):
 
 
 def _compiled_case():
-    results, promised = _model_case(LLAMA, True, compiled=True)
+    results, promised = _model_case(LLAMA, True, compiled=True, modes=("none", "selective"))
     _check(results, promised, "compiled swiglu tp=2 sp", exact=False)
     eager, _ = _model_case(LLAMA, True, compiled=False)
     torch.testing.assert_close(results["selective"][0], eager["none"][0], rtol=1e-5, atol=1e-6)
@@ -133,6 +132,20 @@ def _compiled_case():
 
 def test_compiled_selective_recompute_keeps_what_eager_does_at_tp2_sp():
     run_distributed(_compiled_case, 2, timeout=400)
+
+
+def _user_model_case():
+    results, _ = _model_case(dict(LLAMA, name="examples.parallel_llama:build"), True, compiled=False,
+                             modes=("none", "full", "first 1"))
+    (loss, grads, none), full, first = results["none"], results["full"][2], results["first 1"][2]
+    for name in ("full", "first 1"):
+        torch.testing.assert_close(results[name][0], loss, rtol=1e-6, atol=0)
+    assert full < first < none, f"examples/parallel_llama.py must honour recompute_layers: {full}, {first}, {none}"
+    return True
+
+
+def test_the_user_model_example_honours_recompute_layers():
+    run_distributed(_user_model_case, 2, timeout=300)
 
 
 def _train(tmp: str):

@@ -39,6 +39,8 @@ def _type_name(node: ast.expr, source: str) -> str:
     text = ast.get_source_segment(source, node) or ""
     if text.startswith("Literal["):
         return "|".join(str(v) for v in ast.literal_eval(text[len("Literal"):]))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # e.g. bool | Literal["full", "selective"]
+        return "|".join(_type_name(side, source) for side in (node.left, node.right))
     return text
 
 
