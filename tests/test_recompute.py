@@ -163,15 +163,20 @@ def test_train_py_recompute_modes_change_no_bit_with_dropout_at_tp2_sp(tmp_path)
     assert losses["full, first 1"] == losses["none"], losses
 
 
-def _pipeline(tmp: str):
-    common = ["parallel.pp=2", "parallel.tp=1", "model.layers=4", "train.steps=3"]
-    return [[r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{i}"])]
-            for i, extra in enumerate(([], ["parallel.activation_checkpointing=selective"]))]
+def _pipeline_and_fsdp(tmp: str):
+    out = {}
+    for layout, common in (("pp=2", ["parallel.pp=2", "parallel.tp=1", "model.layers=4", "train.steps=3"]),
+                           ("fsdp dp=2", ["parallel.tp=1", "parallel.dp_strategy=fsdp", "train.steps=3"])):
+        out[layout] = [[r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{layout}{i}"])]
+                       for i, extra in enumerate(([], ["parallel.activation_checkpointing=selective"]))]
+    return out
 
 
-def test_selective_recompute_in_a_pipeline_changes_no_bit(tmp_path):
-    off, on = run_distributed(_pipeline, 2, str(tmp_path), timeout=300)[-1]  # the last stage logs the loss
-    assert on == off
+def test_selective_recompute_in_a_pipeline_and_under_fsdp_changes_no_bit(tmp_path):
+    """FSDP2 unshards a block's params before its backward, so the recomputed norms see the whole weights."""
+    results = run_distributed(_pipeline_and_fsdp, 2, str(tmp_path), timeout=300)[-1]  # the last stage logs the loss
+    for layout, (off, on) in results.items():
+        assert on == off, f"{layout}: {on} vs {off}"
 
 
 def _cuda_case(compiled: bool):
