@@ -7,6 +7,7 @@ tracker's TP streams too, so every dropout mask matches the first pass and gradi
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable
 
 import torch
@@ -166,6 +167,17 @@ def _saved_ops() -> set:
 
 def _sac_contexts():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(sac_policy)
+
+
+class _NoInPlaceNotice(logging.Filter):
+    """torch warns that a compiled region under a selective-checkpoint context_fn must hold no in-place ops. Ours
+    hold none (under torch.compile the collectives are functional custom ops), so the notice only adds noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in str(record.msg)
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceNotice())
 
 
 def selective_checkpoint(fn: Callable[..., Any], *args):
