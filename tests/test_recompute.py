@@ -73,8 +73,10 @@ def test_recomputed_output_frees_its_storage_and_gives_the_plain_gradients(fn):
     y = torch.nn.functional.linear(held.output, w)  # saves held.output for the weight gradient
     held.discard(after=y)
     assert held.output.untyped_storage().nbytes() == 0
-    (y ** 2).sum().backward()
+    (y ** 2).sum().backward(retain_graph=True)
     assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        (y ** 2).sum().backward()
 
 
 GPT = dict()
@@ -165,7 +167,8 @@ def test_train_py_recompute_modes_change_no_bit_with_dropout_at_tp2_sp(tmp_path)
 
 def _pipeline_and_fsdp(tmp: str):
     out = {}
-    for layout, common in (("pp=2", ["parallel.pp=2", "parallel.tp=1", "model.layers=4", "train.steps=3"]),
+    pp = ["parallel.pp=2", "parallel.tp=1", "model.layers=4", "train.steps=3"]
+    for layout, common in (("pp=2", pp), ("pp=2 zb_h1", [*pp, "parallel.pp_schedule=zb_h1"]),
                            ("fsdp dp=2", ["parallel.tp=1", "parallel.dp_strategy=fsdp", "train.steps=3"])):
         out[layout] = [[r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{layout}{i}"])]
                        for i, extra in enumerate(([], ["parallel.activation_checkpointing=selective"]))]
@@ -173,7 +176,8 @@ def _pipeline_and_fsdp(tmp: str):
 
 
 def test_selective_recompute_in_a_pipeline_and_under_fsdp_changes_no_bit(tmp_path):
-    """FSDP2 unshards a block's params before its backward, so the recomputed norms see the whole weights."""
+    """Zero-bubble defers the weight gradients that read the refilled outputs; FSDP2 unshards a block's params
+    before its backward, so the recomputed norms see the whole weights."""
     results = run_distributed(_pipeline_and_fsdp, 2, str(tmp_path), timeout=300)[-1]  # the last stage logs the loss
     for layout, (off, on) in results.items():
         assert on == off, f"{layout}: {on} vs {off}"

@@ -93,6 +93,9 @@ class RecomputedOutput:
         after.register_hook(self._recompute)
 
     def _recompute(self, grad: torch.Tensor) -> None:
+        if self.ctx is None:
+            raise RuntimeError("selective recompute runs one backward per forward; a second backward through the "
+                               "same graph (retain_graph=True) is not supported: use activation_checkpointing=full")
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in self.ctx.saved_tensors]
         saved: set[int] = set()
 
