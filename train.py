@@ -194,6 +194,11 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             f"{cfg.train.micro_batch_size} per rank)"
         )
         logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
+        if p.recompute != "none":
+            what = {"selective": "selective (norms and activation functions; GEMM and attention outputs kept)",
+                    "full": "full (whole blocks from their input" + (
+                        f"; the first {p.recompute_layers} of each chunk)" if p.recompute_layers else ")")}
+            logger.info(f"activation recompute: {what[p.recompute]}")
         if cfg.train.fp8:
             logger.info(f"float8 GEMMs in {fp8_layers} linear layers" + (
                 f"; {len(fp8_skipped)} stay in {cfg.train.dtype}: " + ", ".join(fp8_skipped[:3])
