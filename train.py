@@ -70,9 +70,10 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     rank = _env_int("RANK", 0) if rank is None else rank
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world)  # the env vars that override the config too
-    check_pipeline_support(cfg.model.name, resolve_builder(cfg.model.name), cfg.parallel.pp)
-    check_recompute_support(cfg.model.name, resolve_builder(cfg.model.name),
-                            selective=cfg.parallel.recompute == "selective", layers=cfg.parallel.recompute_layers)
+    builder = resolve_builder(cfg.model.name)
+    check_pipeline_support(cfg.model.name, builder, cfg.parallel.pp)
+    check_recompute_support(cfg.model.name, builder, selective=cfg.parallel.recompute == "selective",
+                            layers=cfg.parallel.recompute_layers)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
     local_world = local_world_size(world) if world_size is None else world

@@ -62,8 +62,8 @@ def recompute(fn: Callable[..., Any], *args, tracker: RNGStatesTracker | None = 
 # `parallel.activation_checkpointing: selective` keeps every GEMM and attention output and recomputes only
 # the cheap ops whose outputs the next GEMM would otherwise keep for its weight gradient: each norm (with
 # its entry into the TP region: the sequence all-gather under SP) and the MLP's activation function. That
-# drops 6 of a GPT block's ~16 saved [s, b, h] tensors (GELU, ffn 4h) for ~2% more compute (plus, under
-# SP, one more all-gather per norm in backward). Eager blocks use `RecomputedOutput` (Megatron-Core's
+# drops 6 of a GPT block's ~16 saved [s, b, h] tensors (GELU, ffn 4h) for a few percent more time eager,
+# about none compiled (README: activation recompute; plus, under SP, one more all-gather per norm in backward). Eager blocks use `RecomputedOutput` (Megatron-Core's
 # CheckpointWithoutOutput); compiled blocks use torch's selective checkpointing with `sac_policy`,
 # which Inductor's partitioner honours.
 
@@ -78,12 +78,12 @@ class RecomputedOutput:
     The output's storage is resized to 0 (the tensor and whatever saved it keep their metadata) and,
     when the gradient of `after` is computed (before the consumer's backward runs), `fn` runs again
     and its result moves into the same storage object (its memory handed over; copied where the
-    layout differs or the recompute graph keeps its own output, as ReLU's does). `fn` must draw no random numbers; the
-    gradient flows to `args` and to `fn`'s parameters through the recomputed graph.
+    layout differs or the recompute graph keeps its own output, as ReLU's does). `fn` must draw no
+    random numbers; the gradient flows to `args` and to `fn`'s parameters through the recomputed graph.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], *args: torch.Tensor):
-        self.fn, self.nbytes, self.recomputed, self.ctx = fn, 0, None, None
+        self.fn, self.nbytes, self.ctx = fn, 0, None
         self.output = _RecomputedOutputFunction.apply(self, *args)
 
     def discard(self, *, after: torch.Tensor) -> None:
@@ -130,7 +130,7 @@ class _RecomputedOutputFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out, inputs = ctx.recomputed, ctx.inputs
+        out, inputs = getattr(ctx, "recomputed", None), getattr(ctx, "inputs", None)
         if out is None:
             raise RuntimeError("RecomputedOutput: backward reached an output that was never recomputed "
                                "(discard(after=...) must name a tensor the backward passes through)")
