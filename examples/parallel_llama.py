@@ -68,8 +68,7 @@ class ParallelLlama(nn.Module):
         x = self.embedding(input_ids.t())  # [s(/tp), b, h]
         rotary = self.rotary(input_ids.shape[1], x.dtype)
         for n, block in enumerate(self.blocks.values()):
-            limit = self.ctx.recompute_layers  # None: every block
-            if self.ctx.activation_checkpointing and self.training and (limit is None or n < limit):
+            if self.training and self.ctx.recomputes_block(n):  # full recompute (of the first N, ctx.recompute_layers)
                 x = recompute(block, x, rotary, preserve_rng=self.cfg.attention_dropout > 0)
             else:
                 x = block(x, rotary)

@@ -132,12 +132,10 @@ def column_parallel_linear(
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
     """
-    if entered:
-        y = fp8_linear(x, weight, bias) if fp8 else linear(x, weight, bias)
-    elif sequence_parallel and async_tp and async_tp_available(comm, x):
+    if not entered and sequence_parallel and async_tp and async_tp_available(comm, x):
         y = _AllGatherLinear.apply(x, weight, bias, comm)
     else:
-        x = enter_tp_region(x, comm, sequence_parallel)
+        x = x if entered else enter_tp_region(x, comm, sequence_parallel)
         # F.linear (zero-bubble pipelines defer its weight gradient), or the float8 GEMMs
         y = fp8_linear(x, weight, bias) if fp8 else linear(x, weight, bias)
     return gather_from_tp(y, comm) if gather_output else y

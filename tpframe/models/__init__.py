@@ -62,6 +62,10 @@ class BuildContext:
     async_tp: bool = False  # with sequence_parallel: GEMMs micro-pipelined with their collectives (layers/linear.py)
     fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
 
+    def recomputes_block(self, n: int) -> bool:
+        """Whether the n-th block built here (0-based, in forward order) is recomputed whole in training."""
+        return self.activation_checkpointing and (self.recompute_layers is None or n < self.recompute_layers)
+
 
 def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     from tpframe.models.gpt import GPT

@@ -122,8 +122,7 @@ class GPT(nn.Module):
             ctx = dataclasses.replace(ctx, device=ctx.comm.device)
         self.cfg, self.ctx, self.comm = cfg, ctx, ctx.comm
         self.stage = ctx.stage
-        self.sequence_parallel, self.activation_checkpointing = ctx.sequence_parallel, ctx.activation_checkpointing
-        self.recompute_layers = ctx.recompute_layers  # with activation_checkpointing: the first N blocks built here
+        self.sequence_parallel = ctx.sequence_parallel
         self.uses_dropout = cfg.dropout > 0 or cfg.attention_dropout > 0  # draws random numbers in training
         sp, dtype, device, seed = ctx.sequence_parallel, ctx.dtype, ctx.device, ctx.seed
         init = normal_init(cfg.init_std)
@@ -203,8 +202,7 @@ class GPT(nn.Module):
         for n, (i, block) in enumerate(self.blocks.items()):
             if cache is not None:
                 x = block(x, rotary, cache.layer(i))
-            elif self.activation_checkpointing and self.training and (self.recompute_layers is None
-                                                                      or n < self.recompute_layers):
+            elif self.training and self.ctx.recomputes_block(n):
                 x = recompute(block, x, rotary, preserve_rng=self.uses_dropout)
             else:
                 x = block(x, rotary)

@@ -7,6 +7,7 @@ tracker's TP streams too, so every dropout mask matches the first pass and gradi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable
 
@@ -149,23 +150,16 @@ def sac_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_SAVED_OPS: set | None = None
-
-
-def _saved_ops() -> set:
-    global _SAVED_OPS
-    if _SAVED_OPS is None:
-        aten = torch.ops.aten
-        names = ["mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu"]
-        ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
-        tp = getattr(torch.ops, "tpframe", None)
-        for n in ("all_reduce", "reduce_scatter", "qkv_rotary"):
-            if tp is not None and hasattr(tp, n):
-                ops.add(getattr(tp, n).default)
-        _SAVED_OPS = ops
-    return _SAVED_OPS
+@functools.cache
+def _saved_ops() -> frozenset:
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu"]
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    tp = getattr(torch.ops, "tpframe", None)
+    ops.update(getattr(tp, n).default for n in ("all_reduce", "reduce_scatter", "qkv_rotary") if hasattr(tp, n))
+    return frozenset(ops)
 
 
 def _sac_contexts():

@@ -31,8 +31,9 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
     pp: int = 1  # pipeline-parallel size
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
-    # recompute in backward (README: activation recompute): false; true or "full" (each block: least memory,
-    # ~1/3 more compute); "selective" (norms and activation functions only: ~40% less, ~2% more compute)
+    # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory,
+    # ~1/4 more time); "selective" (norms and activation functions only: ~1/3 less memory, +3-4% time eager,
+    # about none with train.compile)
     activation_checkpointing: bool | Literal["full", "selective"] = False
     recompute_layers: int | None = None  # with full: only the first N blocks of each pipeline chunk; None: all
     dp_strategy: Literal["ddp", "zero1", "fsdp"] = "ddp"  # gradients + optimizer over DP (README: data parallelism)
