@@ -60,8 +60,9 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     (tpframe.launch's parent process, which must not touch the GPUs)."""
     from tpframe.checkpoint import preflight
     from tpframe.data import build_data
-    from tpframe.models import check_pipeline_support, check_recompute_support, resolve_builder
-    from tpframe.parallel.state import coords_of
+    from tpframe.models import (check_context_parallel_support, check_pipeline_support, check_recompute_support,
+                                resolve_builder)
+    from tpframe.parallel.state import coords_of, cp_of
     from tpframe.training import preflight as checks
     from tpframe.training.memory import local_world_size
 
@@ -72,6 +73,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     validate(cfg, world)  # the env vars that override the config too
     builder = resolve_builder(cfg.model.name)
     check_pipeline_support(cfg.model.name, builder, cfg.parallel.pp)
+    check_context_parallel_support(cfg.model.name, builder, cfg.parallel.cp)
     check_recompute_support(cfg.model.name, builder, selective=cfg.parallel.recompute == "selective",
                             layers=cfg.parallel.recompute_layers)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
@@ -81,10 +83,12 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     if device_check or device == "cpu":
         checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
                             local_world=local_world)
-    _, dp_rank, _ = coords_of(rank, world, cfg.parallel.tp, cfg.parallel.pp)
-    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    p = cfg.parallel
+    _, dp_rank, _ = coords_of(rank, world, p.tp, p.pp, cp=p.cp)
+    dp = world // (p.tp * p.cp * p.pp)
     try:
-        train_data, valid_data, data_vocab = build_data(cfg.data, cfg.train.seq_len, cfg.train.micro_batch_size, dp_rank, dp)
+        train_data, valid_data, data_vocab = build_data(cfg.data, cfg.train.seq_len, cfg.train.micro_batch_size, dp_rank,
+                                                        dp, cp_rank=cp_of(rank, p.tp, p.cp), cp_size=p.cp)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     if data_vocab > cfg.model.vocab_size:
@@ -124,7 +128,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     if torch.cuda.is_available():
         configure_flight_recorder(cfg.train.run_dir)  # before the NCCL groups exist
     try:
-        state = initialize_parallel(tp=p.tp, pp=p.pp, comm_backend=cfg.comm.backend, timeout_s=cfg.comm.timeout_s)
+        state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, comm_backend=cfg.comm.backend,
+                                    timeout_s=cfg.comm.timeout_s)
     except Exception as e:
         if not is_comm_failure(e):
             raise
@@ -138,7 +143,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         ctx = BuildContext(
             state.tp_comm, sequence_parallel=p.sequence_parallel, **p.recompute_context(),
             rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
-            device=state.device, seed=cfg.train.seed, async_tp=p.async_tp,
+            device=state.device, seed=cfg.train.seed, async_tp=p.async_tp, cp_comm=state.cp_comm,
         )
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
                              layers_per_stage=p.layers_per_stage)  # pp=1: the whole model
@@ -164,7 +169,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         pipeline = None
         if p.pp > 1:
             pipeline = build_pipeline(
-                state, schedule=p.pp_schedule, virtual_stages=p.virtual_stages, seq_len=cfg.train.seq_len,
+                state, schedule=p.pp_schedule, virtual_stages=p.virtual_stages, seq_len=cfg.train.seq_len // p.cp,
                 micro_batch_size=cfg.train.micro_batch_size, hidden=cfg.model.hidden,
                 sequence_parallel=p.sequence_parallel, dtype=dtype, timeout_s=p.pp_timeout_s,
             )
@@ -189,8 +194,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         checkpointer.load()  # model, optimizer, data position, RNG, step
         schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
         logger.info(
-            f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x dp {state.dp} "
-            f"x pp {state.pp}{schedule} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
+            f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x "
+            + (f"cp {state.cp} x " if state.cp > 1 else "") + f"dp {state.dp} x pp {state.pp}{schedule} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
             f"global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
             f"{cfg.train.micro_batch_size} per rank)"
         )

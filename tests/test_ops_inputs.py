@@ -1,4 +1,4 @@
-"""Every mistake is one line and exit code 2, with nothing written: 66 bad inputs through train.main in this
+"""Every mistake is one line and exit code 2, with nothing written: 73 bad inputs through train.main in this
 process, a few through the README's launcher (and torchrun) with 2 processes."""
 
 import json
@@ -172,6 +172,20 @@ CASES = [
     ("selective-user-model", lambda t, s: (["parallel.activation_checkpointing=selective",
                                             "model.name=examples.parallel_llama:build"], {}),
      "does not implement selective recompute"),
+    ("cp-zero", lambda t, s: (["parallel.cp=0"], {}), "parallel.cp=0 must be at least 1"),
+    ("cp-world", lambda t, s: (["parallel.cp=2", "parallel.tp=2"], {"WORLD_SIZE": "2"}),
+     "not divisible by parallel.tp*parallel.cp*parallel.pp = 2*2*1; launch a multiple of 4"),
+    ("cp-seq-len", lambda t, s: (["parallel.cp=2", "train.seq_len=30"], {"WORLD_SIZE": "2"}),
+     "train.seq_len=30 is not divisible by 4"),
+    ("cp-sequence-parallel", lambda t, s: (["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true",
+                                            "train.seq_len=12"], {"WORLD_SIZE": "8"}),
+     "train.seq_len/parallel.cp = 6 tokens over parallel.tp=4; make train.seq_len a multiple of 8"),
+    ("cp-cuda-graph", lambda t, s: (["parallel.cp=2", "train.cuda_graph=true"], {"WORLD_SIZE": "2"}),
+     "train.cuda_graph is not supported with parallel.cp > 1"),
+    ("cp-compile", lambda t, s: (["parallel.cp=2", "train.compile=true"], {"WORLD_SIZE": "2"}),
+     "train.compile is not supported with parallel.cp > 1 yet"),
+    ("cp-user-model", lambda t, s: (["parallel.cp=2", "model.name=examples.parallel_llama:build"], {"WORLD_SIZE": "2"}),
+     "does not implement context parallelism"),
     ("wsd-fraction", lambda t, s: (["optim.decay_fraction=1.5"], {}), "optim.decay_fraction=1.5 must be in (0, 1]"),
     ("wsd-constant", lambda t, s: (["optim.decay_fraction=0.2", "optim.decay=constant"], {}),
      "optim.decay=constant has none"),

@@ -7,24 +7,29 @@ import torch.distributed as dist
 from tests.dist_utils import DistributedFailure, run_distributed
 from tpframe.parallel import coords_of, rank_layout
 
-LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2), (8, 1)]
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 2, 1), (8, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4)]
 
 
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_rank_layout_follows_tp_fastest_then_dp_then_pp(tp, pp):
+@pytest.mark.parametrize("tp,pp,cp", LAYOUTS)
+def test_rank_layout_follows_tp_fastest_then_cp_then_dp_then_pp(tp, pp, cp):
+    from tpframe.parallel.state import cp_of
+
     world = 8
-    dp = world // (tp * pp)
-    layout = rank_layout(world, tp, pp)
+    dp = world // (tp * pp * cp)
+    layout = rank_layout(world, tp, pp, cp=cp)
     for rank in range(world):
-        t, d, p = coords_of(rank, world, tp, pp)
-        assert rank == t + tp * (d + dp * p)
-        (tp_group,) = [g for g in layout["tp"] if rank in g]
-        (dp_group,) = [g for g in layout["dp"] if rank in g]
-        (pp_group,) = [g for g in layout["pp"] if rank in g]
-        assert tp_group == [i + tp * (d + dp * p) for i in range(tp)]
-        assert dp_group == [t + tp * (i + dp * p) for i in range(dp)]
-        assert pp_group == [t + tp * (d + dp * i) for i in range(pp)]
-    for kind in ("tp", "dp", "pp"):
+        t, d, p = coords_of(rank, world, tp, pp, cp=cp)
+        c = cp_of(rank, tp, cp)
+        at = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))  # noqa: E731
+        assert rank == at(t, c, d, p)
+        groups = {kind: [g for g in layout[kind] if rank in g] for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp")}
+        assert groups["tp"] == [[at(i, c, d, p) for i in range(tp)]]
+        assert groups["cp"] == [[at(t, i, d, p) for i in range(cp)]]
+        assert groups["dp"] == [[at(t, c, i, p) for i in range(dp)]]
+        assert groups["dp_cp"] == [[at(t, j, i, p) for i in range(dp) for j in range(cp)]]  # rank in it: d*cp + c
+        assert groups["pp"] == [[at(t, c, d, i) for i in range(pp)]]
+        assert groups["mp"] == [[at(j, c, d, i) for i in range(pp) for j in range(tp)]]
+    for kind in ("tp", "cp", "dp", "dp_cp", "pp"):
         flat = sorted(r for g in layout[kind] for r in g)
         assert flat == list(range(world)), f"{kind} groups must partition the world"
     assert [len(g) for g in layout["tp"]] == [tp] * (world // tp)
@@ -43,10 +48,13 @@ def _groups_of_every_layout():
     from tpframe.parallel import destroy_parallel, initialize_parallel
 
     seen = {}
-    for tp, pp in LAYOUTS:
-        state = initialize_parallel(tp=tp, pp=pp)
-        seen[(tp, pp)] = {
+    for tp, pp, cp in LAYOUTS:
+        state = initialize_parallel(tp=tp, pp=pp, cp=cp)
+        seen[(tp, pp, cp)] = {
             "tp": dist.get_process_group_ranks(state.tp_group),
+            "cp": dist.get_process_group_ranks(state.cp_group),
+            "dp_cp": dist.get_process_group_ranks(state.dp_cp_group),
+            "dp_cp_comm": (state.dp_cp_comm.size, state.dp_cp_comm.rank, state.dp_cp_rank),
             "dp": dist.get_process_group_ranks(state.dp_group),
             "pp": dist.get_process_group_ranks(state.pp_group),
             "mp": dist.get_process_group_ranks(state.mp_group),
@@ -60,26 +68,28 @@ def _groups_of_every_layout():
         }
         # A real collective on each group: the TP group sums to the sum of its members.
         total = state.tp_comm.all_reduce(torch.tensor([float(dist.get_rank())]))
-        seen[(tp, pp)]["tp_sum"] = total.item()
+        seen[(tp, pp, cp)]["tp_sum"] = total.item()
         destroy_parallel()
     return seen
 
 
 def test_process_groups_match_layout_at_world_8():
     per_rank = run_distributed(_groups_of_every_layout, 8, timeout=240)
-    for (tp, pp) in LAYOUTS:
-        layout = rank_layout(8, tp, pp)
-        dp = 8 // (tp * pp)
+    for (tp, pp, cp) in LAYOUTS:
+        layout = rank_layout(8, tp, pp, cp=cp)
+        dp = 8 // (tp * pp * cp)
         for rank, seen in enumerate(per_rank):
-            got = seen[(tp, pp)]
-            t, d, p = coords_of(rank, 8, tp, pp)
-            for kind in ("tp", "dp", "pp", "mp"):
+            got = seen[(tp, pp, cp)]
+            t, d, p = coords_of(rank, 8, tp, pp, cp=cp)
+            c = (rank // tp) % cp
+            for kind in ("tp", "cp", "dp", "dp_cp", "pp", "mp"):
                 (expected,) = [g for g in layout[kind] if rank in g]
-                assert got[kind] == expected, (tp, pp, rank, kind)
+                assert got[kind] == expected, (tp, pp, cp, rank, kind)
+            assert got["dp_cp_comm"] == (dp * cp, d * cp + c, d * cp + c)
             (pp_group,) = [g for g in layout["pp"] if rank in g]
             on_ends = pp > 1 and rank in (pp_group[0], pp_group[-1])  # no size-1 groups at pp=1
             assert got["embedding"] == (sorted({pp_group[0], pp_group[-1]}) if on_ends else None)
-            assert got["mesh"] == (pp, dp, tp)
+            assert got["mesh"] == (pp, dp, cp, tp)
             assert got["coords"] == (t, d, p) and got["sizes"] == (tp, dp, pp)
             assert got["stage"] == (p == 0, p == pp - 1)
             assert got["tp_src"] == rank - t

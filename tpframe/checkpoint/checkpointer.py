@@ -154,7 +154,7 @@ class Checkpointer:
 
     def layout(self) -> dict[str, Any]:
         p = self.parallel
-        return {"world": p.world_size, "tp": p.tp, "dp": p.dp, "pp": p.pp}
+        return {"world": p.world_size, "tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
 
     def _publish(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
         """Every rank is done: record sizes and CRCs, write meta.json, rename, point `latest` at it."""
@@ -187,7 +187,7 @@ class Checkpointer:
         for name, obj in self.meta_states.items():
             if name in meta:  # a checkpoint older than a state (e.g. "health") leaves it fresh
                 obj.load_state_dict(meta[name])
-        if meta["layout"] == self.layout():
+        if {"cp": 1, **meta["layout"]} == self.layout():  # checkpoints from before CP name no cp
             self.rng.load_state_dict(torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False))
         else:
             self.log(f"resharding checkpoint from layout {meta['layout']} to {self.layout()}: model and optimizer "

@@ -1,6 +1,6 @@
 """Batches for the trainer: windows of a 1-D token stream in a seeded order, sliced by DP rank.
 
-    train, valid, vocab_size = build_data(cfg.data, seq_len, micro_batch_size, dp_rank, dp_size)
+    train, valid, vocab_size = build_data(cfg.data, seq_len, micro_batch_size, dp_rank, dp_size, cp_rank=0, cp_size=1)
     input_ids, labels = train.next()        # CPU int64 [b, s] each; labels = input_ids shifted by one
 
 The stream is cut into W windows of seq_len+1 tokens (stride seq_len: neighbours share one token, so
@@ -9,6 +9,8 @@ where perm_e is a fresh seeded shuffle per epoch. Micro-step t covers global sam
 with G = micro_batch_size * dp_size, and DP rank r takes its slice [t*G + r*b, t*G + (r+1)*b). So
 DP=2 at micro-batch b sees the same samples as DP=1 at 2b, and the position in the stream is one
 number, the global samples consumed: a checkpoint resumes exactly on any DP layout.
+With context parallelism (cp_size > 1) the CP ranks of a DP rank share its samples and each keeps its
+tokens of them, [b, s/cp] (tpframe/parallel/context.py: shard_sequence).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class BatchIterator:
     """This DP rank's micro-batches from `stream`, forever (wrapping into re-shuffled epochs)."""
 
     def __init__(self, stream: TokenStream, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, split: str = "train"):
+                 dp_size: int = 1, seed: int = 0, split: str = "train", *, cp_rank: int = 0, cp_size: int = 1):
         if seq_len < 1 or micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"BatchIterator needs seq_len >= 1, micro_batch_size >= 1 and 0 <= dp_rank < dp_size; got "
@@ -37,6 +39,10 @@ class BatchIterator:
             )
         if seed < 0:
             raise ValueError(f"data.seed={seed} must be a non-negative integer")
+        if not 0 <= cp_rank < cp_size or (cp_size > 1 and seq_len % (2 * cp_size)):
+            raise ValueError(f"BatchIterator needs 0 <= cp_rank < cp_size and seq_len divisible by 2*cp_size; got "
+                             f"cp_rank={cp_rank}, cp_size={cp_size}, seq_len={seq_len}")
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         if split not in _SPLIT_IDS:
             raise ValueError(f"split={split!r} must be one of {', '.join(_SPLIT_IDS)}")
         self.stream, self.seq_len, self.split, self.seed = stream, seq_len, split, seed
@@ -69,7 +75,7 @@ class BatchIterator:
         return self._orders[epoch]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [b, s], labels [b, s]), CPU int64; advances the global position by G."""
+        """(input_ids [b, s], labels [b, s]) (this CP rank's [b, s/cp]), CPU int64; advances the global position by G."""
         b, s = self.micro_batch_size, self.seq_len
         sample = self.samples_consumed + self.dp_rank * b + np.arange(b, dtype=np.int64)
         epochs, pos = np.divmod(sample, self.num_windows)
@@ -84,6 +90,10 @@ class BatchIterator:
             )
         self.samples_consumed += self.global_batch
         chunk = torch.from_numpy(chunk)
+        if self.cp_size > 1:
+            from tpframe.parallel.context import shard_sequence  # here: tools/prepare_data.py needs no torch.distributed
+
+            return tuple(shard_sequence(t, dim=1, rank=self.cp_rank, size=self.cp_size) for t in (chunk[:, :-1], chunk[:, 1:]))
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     __next__ = next
@@ -184,12 +194,13 @@ def _tokenizer_id(meta: dict) -> str:
 
 
 def build_data(cfg: DataConfig, seq_len: int, micro_batch_size: int, dp_rank: int,
-               dp_size: int) -> tuple[BatchIterator, BatchIterator, int]:
-    """(train iterator, validation iterator, vocab_size of the token stream) for this DP rank.
+               dp_size: int, *, cp_rank: int = 0, cp_size: int = 1) -> tuple[BatchIterator, BatchIterator, int]:
+    """(train iterator, validation iterator, vocab_size of the token stream) for this DP (and CP) rank.
 
-    TP ranks with the same dp_rank get identical batches (everything here is deterministic).
+    TP ranks with the same dp_rank and cp_rank get identical batches (everything here is deterministic).
     """
     train, valid = load_streams(cfg, seq_len)
-    iterators = [BatchIterator(stream, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split)
+    iterators = [BatchIterator(stream, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split,
+                               cp_rank=cp_rank, cp_size=cp_size)
                  for stream, split in ((train, "train"), (valid, "valid"))]
     return iterators[0], iterators[1], train.vocab_size

@@ -5,6 +5,8 @@
 
 With sequence parallelism x and the output are [s/tp, b, h]: qkv all-gathers the sequence and
 proj reduce-scatters it. The fused qkv weight keeps q, k and v as separate logical tensors.
+With context parallelism (`cp_comm`, tpframe/parallel/context.py) x holds this CP rank's tokens of the
+sequence and attention runs over every rank's keys and values, all-gathered over the CP group.
 Generation passes a `cache` (tpframe.inference.kv_cache): this step's keys and values are appended
 to it and the queries attend over the whole cache under its mask (causal, and correct when the
 query is shorter than the keys); on CUDA a decode step's few queries use tpframe/kernels/decode_attention.py.
@@ -21,6 +23,7 @@ from tpframe.kernels import HAVE_TRITON
 from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.utils import InitMethod, divide
 
@@ -41,6 +44,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.max_seq_len = max_seq_len
+
+    def take(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for the positions [s] (a context-parallel rank's tokens): [s, 1, 1, d] each (no bounds check,
+        no host sync: the caller keeps positions < max_seq_len)."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def forward(self, seq_len: int, dtype: torch.dtype, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions offset..offset+seq_len-1: [s, 1, 1, d] each."""
@@ -94,11 +102,13 @@ class ParallelAttention(nn.Module):
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
         rng_tracker=None,
+        cp_comm: Communicator | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
         super().__init__()
         comm = comm or default_tp_comm()
+        self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
         kv_heads = kv_heads or heads
         if hidden % heads:
             raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
@@ -138,8 +148,13 @@ class ParallelAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
         elif dropout > 0 and self.rng_tracker is not None:
             with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+                out = self._causal(q, k, v, dropout, gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+            out = self._causal(q, k, v, dropout, gqa)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.proj(out)
+
+    def _causal(self, q, k, v, dropout: float, gqa: bool) -> torch.Tensor:
+        if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
+            return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -15,6 +15,12 @@ compute dtype) on the others, and returns hidden states of that shape on every s
 (labels are passed to the last stage only). A weight held by both the first and the last stage (a tied
 embedding) is drawn identically on both and tagged `pipeline_tied = True`: its gradients are summed
 over the two stages every step.
+
+A model that supports context parallelism (parallel.cp > 1) says so with `build.supports_context_parallel
+= True`: it is then given only this CP rank's tokens of each sequence (input_ids and labels [b, S/cp], the
+chunks of tpframe/parallel/context.py), places them at their global positions (`local_positions`) and
+attends over the whole sequence through `ctx.cp_comm` (ParallelAttention does, given `cp_comm`); its
+per-token loss is for the local tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +67,12 @@ class BuildContext:
     stage: Stage = field(default_factory=Stage)
     async_tp: bool = False  # with sequence_parallel: GEMMs micro-pipelined with their collectives (layers/linear.py)
     fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
+    cp_comm: Communicator | None = None  # context parallelism (needs supports_context_parallel): the CP group
+
+    @property
+    def cp(self) -> tuple[int, int]:
+        """(CP rank, CP size): which tokens of each sequence this rank holds (tpframe/parallel/context.py)."""
+        return (self.cp_comm.rank, self.cp_comm.size) if self.cp_comm is not None else (0, 1)
 
     def recomputes_block(self, n: int) -> bool:
         """Whether the n-th block built here (0-based, in forward order) is recomputed whole in training."""
@@ -76,6 +88,7 @@ def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
 build_gpt.supports_pipeline = True  # builds only ctx.stage (see the module docstring)
 build_gpt.supports_selective_recompute = True  # honours ctx.selective_recompute
 build_gpt.supports_recompute_layers = True  # honours ctx.recompute_layers
+build_gpt.supports_context_parallel = True  # honours ctx.cp_comm
 
 BUILTIN = {"gpt": build_gpt}
 REQUIRED_METHODS = ("forward", "flops_per_token")
@@ -88,6 +101,16 @@ def check_pipeline_support(name: str, builder: Callable, pp: int) -> None:
             f"model.name={name!r} does not build pipeline stages, so parallel.pp={pp} cannot split it; use "
             "parallel.pp=1, or make its builder honour ctx.stage and set supports_pipeline = True on it (README)"
         )
+
+
+def check_context_parallel_support(name: str, builder: Callable, cp: int) -> None:
+    """A ConfigError when parallel.cp > 1 asks a model that cannot take a CP rank's tokens."""
+    if cp > 1 and not getattr(builder, "supports_context_parallel", False):
+        raise ConfigError(
+            f"model.name={name!r} does not implement context parallelism, so parallel.cp={cp} cannot split its "
+            "sequences; use parallel.cp=1, or place tokens at their global positions and attend with "
+            "tpframe.parallel.context (or pass ctx.cp_comm to ParallelAttention), then set "
+            "supports_context_parallel = True on its builder (README)")
 
 
 def check_recompute_support(name: str, builder: Callable, *, selective: bool, layers: int | None) -> None:

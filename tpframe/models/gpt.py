@@ -31,6 +31,7 @@ from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.parallel.context import local_positions
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
 
@@ -64,7 +65,7 @@ class TransformerBlock(nn.Module):
                       dtype=dtype, device=device)
         self.attn = ParallelAttention(
             cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, attention_dropout=cfg.attention_dropout,
-            rng_tracker=ctx.rng_tracker, **common,
+            rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, **common,
         )
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
         self.attn.fused_rotary = self.attn.fused_decode = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
@@ -123,6 +124,7 @@ class GPT(nn.Module):
         self.cfg, self.ctx, self.comm = cfg, ctx, ctx.comm
         self.stage = ctx.stage
         self.sequence_parallel = ctx.sequence_parallel
+        self.cp_rank, self.cp = ctx.cp  # context parallelism: this rank holds S/cp tokens of each sequence
         self.uses_dropout = cfg.dropout > 0 or cfg.attention_dropout > 0  # draws random numbers in training
         sp, dtype, device, seed = ctx.sequence_parallel, ctx.dtype, ctx.device, ctx.seed
         init = normal_init(cfg.init_std)
@@ -165,12 +167,17 @@ class GPT(nn.Module):
             x = x + self.position[positions.t()]  # [s, b, h]
         elif self.position is not None:
             s, tp = ids.shape[0], self.comm.size
+            table = self.position[self._local_positions(s)] if self.cp > 1 else self.position[:s]
             if self.sequence_parallel:
-                positions = self.position[self.comm.rank * (s // tp) : (self.comm.rank + 1) * (s // tp)]
-            else:
-                positions = self.position[:s]
-            x = x + positions.unsqueeze(1)
+                table = table[self.comm.rank * (s // tp) : (self.comm.rank + 1) * (s // tp)]
+            x = x + table.unsqueeze(1)
         return self.embed_dropout(x)
+
+    def _local_positions(self, s: int) -> torch.Tensor:
+        """Global positions of this CP rank's s tokens (tpframe/parallel/context.py)."""
+        if s * self.cp > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {s * self.cp} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        return local_positions(s, rank=self.cp_rank, size=self.cp, device=self.ctx.device)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head: [s(/tp), b, h] -> local logits [s, b, V_padded/tp]."""
@@ -197,6 +204,8 @@ class GPT(nn.Module):
             rotary = None
         elif positions is not None:
             rotary = self.rotary.at(positions, x.dtype)
+        elif self.cp > 1:
+            rotary = self.rotary.take(self._local_positions(x.shape[0] * (self.comm.size if self.sequence_parallel else 1)), x.dtype)
         else:
             rotary = self.rotary(x.shape[0] * (self.comm.size if self.sequence_parallel else 1), x.dtype)
         for n, (i, block) in enumerate(self.blocks.items()):

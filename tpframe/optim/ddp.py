@@ -40,7 +40,7 @@ class DDPStrategy(GradStrategy):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.params = [p for _, p in self.named]
-        self.grads = GradBuffer(self.params, parallel.dp_group, dp_size=parallel.dp, bucket_bytes=bucket_bytes,
+        self.grads = GradBuffer(self.params, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
                                 overlap=overlap, mode="all_reduce")
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         # the low-precision params and their fp32 masters, copied back after each update

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
+    replicas_label,
     MOMENTS,
     STEP_KEY,
     GradStrategy,
@@ -64,7 +65,7 @@ class FSDPStrategy(GradStrategy):
             raise ValueError(f"fsdp keeps fp32 params (the masters) and computes in train.dtype; build the model in fp32, got {bad}")
         mixed = compute_dtype != torch.float32
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32 if mixed else None)
-        mesh = parallel.mesh["dp"]
+        mesh = parallel.dp_cp_mesh  # the gradient replicas: dp (x cp)
         for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
             for block in root.blocks.values() if hasattr(root, "blocks") else []:
                 fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -92,7 +93,7 @@ class FSDPStrategy(GradStrategy):
         grads = [_local(p.grad) for _, p in self.named if p.grad is not None]
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
         counted = [_local(p.grad) for _, p in self.named if p.grad is not None and counts_once(p, tp_rank, pp_rank)]
-        comms = [self.parallel.dp_comm, self.parallel.mp_comm]
+        comms = [self.parallel.dp_cp_comm, self.parallel.mp_comm]
         return clip_by_global_norm(counted, grads, max_norm, comms, self.parallel.device)
 
     @torch.no_grad()
@@ -131,4 +132,4 @@ class FSDPStrategy(GradStrategy):
         return moments  # the sharded fp32 params are the masters and the model at once
 
     def describe(self) -> str:
-        return f"fsdp (FSDP2 over dp={self.parallel.dp}, fp32 shards, compute in {str(self.compute_dtype).replace('torch.', '')})"
+        return f"fsdp (FSDP2 over {replicas_label(self.parallel)}, fp32 shards, compute in {str(self.compute_dtype).replace('torch.', '')})"

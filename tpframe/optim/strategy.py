@@ -216,5 +216,10 @@ class GradStrategy:
         return self.name
 
 
+def replicas_label(parallel) -> str:
+    """The ranks a strategy reduces gradients over, for its description: "dp=2" or "dp x cp = 2 x 2"."""
+    return f"dp={parallel.dp}" if parallel.cp == 1 else f"dp x cp = {parallel.dp} x {parallel.cp}"
+
+
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

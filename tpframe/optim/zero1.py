@@ -20,6 +20,7 @@ from torch import nn
 
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
+    replicas_label,
     MOMENTS,
     STEP_KEY,
     GradStrategy,
@@ -67,7 +68,7 @@ class Zero1Strategy(GradStrategy):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        self.grads = GradBuffer(params, parallel.dp_group, dp_size=parallel.dp, dp_rank=parallel.dp_rank,
+        self.grads = GradBuffer(params, parallel.dp_cp_group, dp_size=parallel.dp_cp, dp_rank=parallel.dp_cp_rank,
                                 bucket_bytes=bucket_bytes, overlap=overlap, mode="reduce_scatter")
         # move every param into one flat buffer with the gradient buffer's layout
         self.param_buffer = torch.zeros(self.grads.numel, dtype=params[0].dtype, device=params[0].device)
@@ -96,7 +97,7 @@ class Zero1Strategy(GradStrategy):
         self.overlap_param_gather = overlap_param_gather
         self._gathers: dict[int, object] = {}  # bucket index -> in-flight all-gather
         self._hooks = []
-        if overlap_param_gather and parallel.dp > 1:
+        if overlap_param_gather and parallel.dp_cp > 1:
             self._install_wait_hooks(model)
 
     # -- gradients -------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class Zero1Strategy(GradStrategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
         counted = [sg.grad for sg in self.segments if counts_once(sg.param, tp_rank, pp_rank)]
-        comms = [self.parallel.dp_comm, self.parallel.mp_comm]  # shards over DP, then one model replica
+        comms = [self.parallel.dp_cp_comm, self.parallel.mp_comm]  # shards over DP x CP, then one model replica
         return clip_by_global_norm(counted, self.grads.shards(), max_norm, comms, self.grads.buffer.device,
                                    optimizer=self.optimizer)
 
@@ -139,12 +140,12 @@ class Zero1Strategy(GradStrategy):
 
     def gather_params(self, background: bool = False) -> None:
         """All-gather every bucket of the param buffer over DP (each rank contributes its updated slice)."""
-        if self.parallel.dp == 1:
+        if self.parallel.dp_cp == 1:
             return
         for i, b in enumerate(self.grads.buckets):
             lo, hi = self.grads.shard_range(b)
             work = _all_gather(self.param_buffer[b.start : b.stop], self.param_buffer[lo:hi].clone(),
-                               group=self.parallel.dp_group, async_op=background)
+                               group=self.parallel.dp_cp_group, async_op=background)
             if background:
                 self._gathers[i] = work
 
@@ -205,5 +206,5 @@ class Zero1Strategy(GradStrategy):
     def describe(self) -> str:
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
         n = len(self.grads.buckets)
-        return f"zero1 (optimizer state sharded over dp={self.parallel.dp}, {n} gradient bucket{'s' * (n != 1)}{gather})"
+        return f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}, {n} gradient bucket{'s' * (n != 1)}{gather})"
 

@@ -114,7 +114,7 @@ def dump_flight_recorder(rank: int) -> Path | None:
 def _group_ranks(state) -> dict[str, list[int]]:
     from tpframe.parallel.state import rank_layout
 
-    layout = rank_layout(state.world_size, state.tp, state.pp)
+    layout = rank_layout(state.world_size, state.tp, state.pp, cp=getattr(state, "cp", 1))
     mine = {kind: next(g for g in groups if state.rank in g) for kind, groups in layout.items() if kind != "embedding"}
     mine["world"] = list(range(state.world_size))
     return mine

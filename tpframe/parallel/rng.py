@@ -68,16 +68,17 @@ class RNGStatesTracker:
             _set_device_state(saved, self.device)
 
 
-def parallel_seeds(seed: int, tp_rank: int, pp_rank: int) -> tuple[int, int]:
-    """(default seed, tp-stream seed). Default: shared by a TP group; tp stream: one per TP rank."""
-    default = seed + 100 * pp_rank
+def parallel_seeds(seed: int, tp_rank: int, pp_rank: int, cp_rank: int = 0) -> tuple[int, int]:
+    """(default seed, tp-stream seed). Default: shared by a TP group (a CP rank holds other tokens than its
+    CP peers, so it draws its own); tp stream: one per TP rank."""
+    default = seed + 100 * pp_rank + 1_000_003 * cp_rank
     return default, default + 2718 + tp_rank
 
 
 def seed_parallel_rng(seed: int, state: ParallelState | None = None) -> RNGStatesTracker:
     """Seed the default generators and build the tracker; stored on the parallel state."""
     state = state or get_parallel_state()
-    default, tp_seed = parallel_seeds(seed, state.tp_rank, state.pp_rank)
+    default, tp_seed = parallel_seeds(seed, state.tp_rank, state.pp_rank, state.cp_rank)
     torch.manual_seed(default)  # CPU and every CUDA device
     tracker = RNGStatesTracker(state.device)
     tracker.add(TP_STREAM, tp_seed)

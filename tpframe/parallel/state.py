@@ -1,10 +1,13 @@
-"""The one parallel state: TP, DP and PP process groups carved out of the world.
+"""The one parallel state: TP, CP, DP and PP process groups carved out of the world.
 
-Rank order is TP fastest, then DP, then PP:
+Rank order is TP fastest, then CP (context parallelism: the sequence split), then DP, then PP:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so the ranks of a TP group are adjacent and sit inside one NVLink node.
+so the ranks of a TP group are adjacent and sit inside one NVLink node, and a CP group next to them
+(Megatron-Core's order). Parameters are replicated over DP and CP alike, so gradients are reduced over
+their product, the `dp_cp` group; batches are split over DP only (the CP ranks of a replica share its
+sequences and take different tokens of them: tpframe/parallel/context.py).
 """
 
 from __future__ import annotations
@@ -22,38 +25,56 @@ from tpframe.comm import Communicator
 _STATE: ParallelState | None = None
 
 
-def rank_layout(world_size: int, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
-    """The global ranks of every group, by kind: 'tp', 'dp', 'pp', 'mp' (tp x pp) and 'embedding'.
+def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1) -> dict[str, list[list[int]]]:
+    """The global ranks of every group, by kind: 'tp', 'cp', 'dp', 'dp_cp' (the gradient replicas),
+    'pp', 'mp' (tp x pp: one model replica) and 'embedding'.
 
     Pure arithmetic, no communication: the single source of truth for the rank order.
     """
-    for name, value in (("tp", tp), ("pp", pp), ("world size", world_size)):
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("world size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if world_size % (tp * pp):
+    if world_size % (tp * cp * pp):
+        names, sizes = ("tp*cp*pp", f"{tp}*{cp}*{pp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
         raise ValueError(
-            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-            f"launch a multiple of {tp * pp} processes or change parallel.tp / parallel.pp"
+            f"world size {world_size} is not divisible by {names} = {sizes} = {tp * cp * pp}; launch a multiple of "
+            f"{tp * cp * pp} processes or change parallel.{names.replace('*', ' / parallel.')}"
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * cp * pp)
 
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
+    def rank(t: int, c: int, d: int, p: int) -> int:
+        return t + tp * (c + cp * (d + dp * p))
 
-    pp_groups = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    grid = [(t, c, d, p) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
+
+    def groups(key, member) -> list[list[int]]:
+        """One group per value of `key` (the coordinates a group shares), its members in `member` order."""
+        out: dict[tuple, list[tuple]] = {}
+        for x in grid:
+            out.setdefault(key(*x), []).append(x)
+        return [[rank(*x) for x in sorted(xs, key=lambda x: member(*x))] for xs in out.values()]
+
+    pp_groups = groups(lambda t, c, d, p: (t, c, d), lambda t, c, d, p: p)
     return {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "tp": groups(lambda t, c, d, p: (c, d, p), lambda t, c, d, p: t),
+        "cp": groups(lambda t, c, d, p: (t, d, p), lambda t, c, d, p: c),
+        "dp": groups(lambda t, c, d, p: (t, c, p), lambda t, c, d, p: d),
+        "dp_cp": groups(lambda t, c, d, p: (t, p), lambda t, c, d, p: (d, c)),
         "pp": pp_groups,
-        "mp": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "mp": groups(lambda t, c, d, p: (c, d), lambda t, c, d, p: (p, t)),
         "embedding": [sorted({g[0], g[-1]}) for g in pp_groups],
     }
 
 
-def coords_of(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    dp = world_size // (tp * pp)
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def coords_of(rank: int, world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank (`cp_of` gives its CP rank)."""
+    dp = world_size // (tp * cp * pp)
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+
+def cp_of(rank: int, tp: int = 1, cp: int = 1) -> int:
+    """The CP rank of a global rank."""
+    return (rank // tp) % cp
 
 
 @dataclass
@@ -71,7 +92,7 @@ class ParallelState:
     dp_rank: int
     pp_rank: int
     device: torch.device
-    mesh: DeviceMesh  # (pp, dp, tp), same rank order: mesh["dp"] for FSDP2, mesh["tp"], ...
+    mesh: DeviceMesh  # (pp, dp, cp, tp), same rank order: mesh["tp"], mesh["cp"], ...
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
@@ -85,9 +106,28 @@ class ParallelState:
     pp_ranks: list[int]
     tp_ranks: list[int]
     dp_ranks: list[int]
+    # Context parallelism (tpframe/parallel/context.py). With cp == 1 the cp group is this rank alone and
+    # the dp_cp fields are the dp ones.
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None  # this rank alone when cp == 1
+    cp_comm: Communicator | None = None  # None when cp == 1
+    cp_ranks: list[int] = field(default_factory=list)
+    dp_cp_group: dist.ProcessGroup | None = None  # the ranks holding the same parameters: gradients reduce here
+    dp_cp_comm: Communicator | None = None
+    dp_cp_mesh: DeviceMesh | None = None  # 1-D: FSDP2 shards over it
     owns_world: bool = False
     rng_tracker: object | None = None  # an RNGStatesTracker, set by tpframe.parallel.rng.seed_parallel_rng
     _groups: list = field(default_factory=list, repr=False)
+
+    @property
+    def dp_cp(self) -> int:
+        """Gradient replicas: dp * cp."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -117,11 +157,12 @@ def _init_world_from_env(backend: str, timeout: timedelta | None) -> None:
 
 
 def initialize_parallel(
-    tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto", timeout_s: float | None = None
+    tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto", timeout_s: float | None = None,
+    *, cp: int = 1,
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
-    `backend` is the torch.distributed backend used if the world is not up yet (default: nccl
+    `cp` is the context-parallel size (each sequence split over that many ranks). `backend` is the torch.distributed backend used if the world is not up yet (default: nccl
     with CUDA, else gloo). `comm_backend` picks the TP communicator backend (auto/nccl/symm).
     `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
@@ -135,19 +176,23 @@ def initialize_parallel(
         _init_world_from_env(backend, timeout)
         owns_world = True
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = rank_layout(world, tp, pp)  # raises ValueError for a world tp*pp does not divide
-    dp = world // (tp * pp)
-    tp_rank, dp_rank, pp_rank = coords_of(rank, world, tp, pp)
+    layout = rank_layout(world, tp, pp, cp=cp)  # raises ValueError for a world tp*cp*pp does not divide
+    dp = world // (tp * cp * pp)
+    tp_rank, dp_rank, pp_rank = coords_of(rank, world, tp, pp, cp=cp)
 
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
 
-    # The mesh builds the tp, dp and pp groups (every rank takes part in building every group);
-    # torch's rank order for it, the last dim fastest, is ours: rank = tp_rank + tp * (dp_rank + dp * pp_rank).
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    # The mesh builds the tp, cp, dp and pp groups (every rank takes part in building every group); torch's
+    # rank order for it, the last dim fastest, is ours: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)).
+    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     tp_group, dp_group, pp_group = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp")
+    cp_group, dp_cp_group, dp_cp_mesh = mesh.get_group("cp"), dp_group, mesh["dp"]
+    if cp > 1:  # the gradient replicas: dp x cp, flattened in the mesh (rank in it: dp_rank * cp + cp_rank)
+        dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        dp_cp_group = dp_cp_mesh.get_group()
     created = []
     mp_group, embedding_group = tp_group, None
     if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
@@ -159,7 +204,7 @@ def initialize_parallel(
                     mp_group, embedding_group = (group, embedding_group) if kind == "mp" else (mp_group, group)
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if timeout is not None and set_timeout is not None:  # the mesh builds its groups with torch's default timeout
-        for group in {tp_group, dp_group, pp_group} - {dist.group.WORLD}:
+        for group in {tp_group, dp_group, pp_group, cp_group, dp_cp_group} - {dist.group.WORLD, None}:
             set_timeout(timeout, group)
     find = lambda kind: next(g for g in layout[kind] if rank in g)  # noqa: E731
     state = ParallelState(
@@ -179,15 +224,25 @@ def initialize_parallel(
         mp_group=mp_group,
         embedding_group=embedding_group,
         tp_comm=Communicator(tp_group, backend=comm_backend, device=device),
-        dp_comm=Communicator(dp_group, backend="nccl", device=device),
+        dp_comm=(dp_comm := Communicator(dp_group, backend="nccl", device=device)),
         mp_comm=Communicator(mp_group, backend="nccl", device=device),
         pp_comm=Communicator(pp_group, backend="nccl", device=device),
         embedding_comm=Communicator(embedding_group, backend="nccl", device=device) if embedding_group else None,
         tp_ranks=find("tp"),
         dp_ranks=find("dp"),
         pp_ranks=find("pp"),
+        cp=cp,
+        cp_rank=cp_of(rank, tp, cp),
+        cp_group=cp_group,
+        # the all-gather of keys and values: NCCL's (the symm kernels are tuned for TP's sizes)
+        cp_comm=Communicator(cp_group, backend="nccl", device=device) if cp > 1 else None,
+        cp_ranks=find("cp"),
+        dp_cp_group=dp_cp_group,
+        dp_cp_comm=Communicator(dp_cp_group, backend="nccl", device=device) if cp > 1 else dp_comm,
+        dp_cp_mesh=dp_cp_mesh,
         owns_world=owns_world,
-        _groups=created + [g for g in {tp_group, dp_group, pp_group} if g is not dist.group.WORLD],
+        _groups=created + [g for g in {tp_group, dp_group, pp_group, cp_group, dp_cp_group}
+                           if g is not None and g is not dist.group.WORLD],
     )
     _STATE = state
     return state
@@ -215,7 +270,8 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None or not dist.is_initialized():
         return
-    comms = (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm)
+    comms = (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm, state.cp_comm,
+             state.dp_cp_comm if state.dp_cp_comm is not state.dp_comm else None)
     for comm in comms:
         if comm is not None:  # frees symmetric memory where a communicator set it up
             comm.close(release_group=state.owns_world)
@@ -231,4 +287,5 @@ def destroy_parallel() -> None:
     if isinstance(registry, dict):
         registry.clear()
     state.mesh = state.tp_group = state.dp_group = state.pp_group = state.mp_group = state.embedding_group = None
+    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = None
     state._groups = []

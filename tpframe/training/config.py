@@ -11,6 +11,7 @@ fail in `validate` before any process is wired up.
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import types
 import typing
@@ -30,6 +31,7 @@ from tpframe.training.validate import check_env, check_numbers, parse_override_v
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
     pp: int = 1  # pipeline-parallel size
+    cp: int = 1  # context-parallel size: ranks that split each sequence (README: context parallelism)
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
     # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory,
     # ~1/4 more time); "selective" (norms and activation functions only: ~1/3 less memory, +3-4% time eager,
@@ -278,12 +280,16 @@ def validate(cfg: Config, world_size: int) -> None:
         positive(key, value)
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must not be negative")
-    if world_size % (p.tp * p.pp):
+    if p.cp < 1:
+        raise ConfigError(f"parallel.cp={p.cp} must be at least 1 (1: no context parallelism)")
+    if world_size % (p.tp * p.cp * p.pp):
+        what, names = (f"{p.tp}*{p.cp}*{p.pp}", "tp/cp/pp") if p.cp > 1 else (f"{p.tp}*{p.pp}", "tp/pp")
         raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tp*parallel.pp = {p.tp}*{p.pp}; "
-            f"launch a multiple of {p.tp * p.pp} processes (torchrun --nproc-per-node) or change parallel.tp/pp"
+            f"world size {world_size} is not divisible by parallel.{names.replace('/', '*parallel.')} = {what}; "
+            f"launch a multiple of {p.tp * p.cp * p.pp} processes (torchrun --nproc-per-node) or change "
+            f"parallel.{names}"
         )
-    dp = world_size // (p.tp * p.pp)
+    dp = world_size // (p.tp * p.cp * p.pp)
     if m.hidden % m.heads:
         raise ConfigError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
     kv = m.kv_heads if m.kv_heads is not None else m.heads
@@ -300,7 +306,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.async_tp and not p.sequence_parallel:
         raise ConfigError("parallel.async_tp overlaps the sequence-parallel collectives; "
                           "set parallel.sequence_parallel=true")
-    if p.sequence_parallel and t.seq_len % p.tp:
+    if p.cp > 1:
+        _validate_context_parallel(cfg)
+    elif p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}")
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
@@ -355,6 +363,22 @@ def _validate_profile(cfg: Config, world_size: int) -> None:
     if bad or not pr.ranks:
         raise ConfigError(f"profile.ranks={pr.ranks} must name at least one rank, each in 0..{world_size - 1} "
                           f"(world size {world_size})")
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """parallel.cp > 1 (tpframe/parallel/context.py): each sequence in 2*cp equal chunks, two per CP rank."""
+    p, t = cfg.parallel, cfg.train
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2*cp = {2 * p.cp} equal chunks; "
+                          f"train.seq_len={t.seq_len} is not divisible by {2 * p.cp}")
+    if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel splits each CP rank's train.seq_len/parallel.cp = "
+                          f"{t.seq_len // p.cp} tokens over parallel.tp={p.tp}; make train.seq_len a multiple of "
+                          f"{p.cp * p.tp * 2 // math.gcd(2, p.tp)}")
+    if t.cuda_graph or t.compile:
+        key = "train.cuda_graph" if t.cuda_graph else "train.compile"
+        raise ConfigError(f"{key} is not supported with parallel.cp > 1 yet (context-parallel attention runs "
+                          f"eager: tpframe/parallel/context.py); set {key}=false or parallel.cp=1")
 
 
 def _validate_recompute(cfg: Config) -> None:
@@ -460,5 +484,5 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
 
 
 def grad_accumulation_steps(cfg: Config, world_size: int) -> int:
-    dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    dp = world_size // (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp)
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

@@ -145,10 +145,11 @@ class StepGuard:
 
     Its counters are checkpointed (state_dict/load_state_dict) and recorded in meta.json."""
 
-    def __init__(self, cfg, model: nn.Module, *, data, rng, dp_comm, rank: int = 0,
+    def __init__(self, cfg, model: nn.Module, *, data, rng, dp_comm, rank: int = 0, cp: int = 1,
                  log: Callable[[str], None] = print):
+        """`dp_comm`: the ranks that hold the same parameters (DP, times CP when `cp` > 1)."""
         self.on_nonfinite, self.max_skipped = cfg.on_nonfinite, cfg.max_skipped_steps
-        self.data, self.rng, self.dp_comm, self.log = data, rng, dp_comm, log
+        self.data, self.rng, self.dp_comm, self.log, self.cp = data, rng, dp_comm, log, cp
         self.watch = MicroBatchWatch(model, rank)
         self.spikes = SpikeDetector(cfg.loss_spike_z)
         self.consecutive_skips = 0
@@ -214,7 +215,8 @@ class StepGuard:
         found = self.dp_comm.all_reduce(found, op="max") if dp > 1 else found
         where = [(r, int(i)) for r, i in enumerate(found.tolist()) if i >= 0]
         if where:
-            text += "; first in " + ", ".join(f"micro-batch {i} of DP rank {r}" for r, i in where)
+            rank = (lambda r: f"DP rank {r}") if self.cp == 1 else (lambda r: f"DP rank {r // self.cp} CP rank {r % self.cp}")
+            text += "; first in " + ", ".join(f"micro-batch {i} of {rank(r)}" for r, i in where)
         else:
             text += " (every micro-batch's loss was finite: the backward overflowed)"
         return text

@@ -55,7 +55,10 @@ class MetricsLogger:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        # whole or not at all: another rank's pre-flight (train.py prepare) may be reading it right now
+        partial = self.run_dir / f".config.yaml.{os.getpid()}"
+        partial.write_text(yaml.safe_dump(config, sort_keys=False))
+        os.replace(partial, self.run_dir / "config.yaml")
         if cfg.jsonl:
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
             self._write_record(start_step, "start", {})  # records after this step from earlier runs are stale

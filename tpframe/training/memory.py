@@ -3,7 +3,7 @@
     est = estimate(cfg, world_size, params=local_param_count, buffer_bytes=..., device_type="cuda")
     check_fits(cfg, est, device_type="cuda", local_rank=0, local_world=8)   # ConfigError naming both numbers
 
-Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size):
+Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size times CP size):
   ddp    params P*b + fp32 grads 4P + (bf16: fp32 masters 4P) + AdamW moments 8P   (16 B/param fp32, 18 bf16)
   zero1  params P*b + fp32 grads 4P + (masters + moments) / d
   fsdp   (fp32 params 4P + grads 4P + moments 8P) / d, plus a gathered layer or two in compute dtype
@@ -12,7 +12,9 @@ Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activa
   2*s*b*h (/t with SP) per layer plus one layer's worth with activation checkpointing. The 5*a*s/h term
   (attention scores) is left out where SDPA's fused kernels keep no scores (CUDA; CPU without
   attention dropout). fp32 activations count twice. The vocabulary-parallel loss keeps
-  s*b*V/t logits in the compute dtype plus fp32 softmax and gradient.
+  s*b*V/t logits in the compute dtype plus fp32 softmax and gradient. With context parallelism (CP c)
+  s is the rank's S/c tokens, and each layer also keeps the whole sequence's keys and values twice
+  (all-gathered, then in order): 8*S*b*kv_hidden/t bytes.
 It is an estimate meant to refuse what cannot fit (a 65536-wide model on one GPU, a micro-batch of a
 billion), not to pack a device to the last GiB: runs near the limit may still fail to allocate.
 """
@@ -59,7 +61,7 @@ def gib(n: float) -> str:
 def activation_bytes(cfg, device_type: str) -> float:
     """Activations one micro-batch keeps for backward on one rank (all layers, head and loss)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    s, b, h, a, L, tp = t.seq_len, t.micro_batch_size, m.hidden, m.heads, m.layers, p.tp
+    s, b, h, a, L, tp = t.seq_len // p.cp, t.micro_batch_size, m.hidden, m.heads, m.layers, p.tp  # CP: local tokens
     scale = 2 if t.dtype == "float32" else 1  # the formula counts 2-byte activations
     scores_kept = device_type == "cpu" and m.attention_dropout > 0
     score_term = 5 * a * s / h if scores_kept else 0.0
@@ -70,6 +72,9 @@ def activation_bytes(cfg, device_type: str) -> float:
         per_layer = sbh * (34 - norms - act + score_term) / tp
     else:
         per_layer = sbh * (10 - norms + (24 - act) / tp + score_term / tp)
+    if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
+        kv_hidden = (m.kv_heads or m.heads) * (h // a)
+        per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_hidden / tp
     if p.recompute == "full":
         whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
         layers = whole * 2 * sbh / (tp if p.sequence_parallel else 1) + (L - whole + 1) * per_layer

@@ -40,7 +40,7 @@ class Trainer:
         self.forward_backward = forward_backward
         self.forward_only = forward_only or forward_only_no_pipelining  # evaluation
         rng = RNGState(parallel.device, parallel.rng_tracker)
-        self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=rng, dp_comm=parallel.dp_comm,
+        self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=rng, dp_comm=parallel.dp_cp_comm, cp=parallel.cp,
                                         rank=parallel.rank, log=logger.info)
         self.progress = progress or Progress()  # what this rank is doing, for timeout reports
         self.profiler = profiler  # the config's `profile` window on this rank, or None
@@ -95,7 +95,7 @@ class Trainer:
         mark(step, "grad_norm")
         grad_norm = self.strategy.clip_grad_norm(self.cfg.optim.grad_clip)
         mark(step, "loss")
-        return parallel.dp_comm.all_reduce(loss_sum).item() / parallel.dp, grad_norm
+        return parallel.dp_cp_comm.all_reduce(loss_sum).item() / parallel.dp_cp, grad_norm  # CP: each rank's tokens
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -105,7 +105,7 @@ class Trainer:
         self.valid_data.reset()
         mean = self.forward_only(self.model, self.valid_data, self.cfg.train.eval_steps, device=self.parallel.device)
         self.model.train()
-        return self.parallel.dp_comm.all_reduce(mean).item() / self.parallel.dp
+        return self.parallel.dp_cp_comm.all_reduce(mean).item() / self.parallel.dp_cp
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self, checkpointer=None) -> list[dict[str, Any]]:

@@ -42,7 +42,7 @@ class PipelineLinks:
         self.state, self.timeout_s = state, timeout_s
         self.pp, self.rank = state.pp, state.pp_rank
         self.groups: dict[tuple[str, int], dist.ProcessGroup] = {}  # (kind, lower pipeline rank of the pair) -> group
-        for pipeline in rank_layout(state.world_size, state.tp, state.pp)["pp"]:
+        for pipeline in rank_layout(state.world_size, state.tp, state.pp, cp=state.cp)["pp"]:
             for r in range(state.pp if wrap else state.pp - 1):
                 for kind in self.KINDS:
                     ranks = sorted({pipeline[r], pipeline[(r + 1) % state.pp]})
