@@ -6,7 +6,7 @@ START=$SECONDS; BUDGET_S=${BUDGET_S:-520}
 { nvidia-smi --query-gpu=name,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 } > $OUT/env.txt 2>&1; cat $OUT/env.txt
-FILES=${FILES:-"test_recompute test_gpu_training test_cuda_graph_training test_profiler test_fp8 test_perf_gpu test_optim_step test_pipeline test_ops_faults test_observability test_generation_gpu test_lamport_gpu test_symm_gpu"}
+FILES=${FILES:-"test_context_parallel test_recompute test_gpu_training test_cuda_graph_training test_profiler test_fp8 test_perf_gpu test_optim_step test_pipeline test_ops_faults test_observability test_generation_gpu test_lamport_gpu test_symm_gpu"}
 for f in $FILES; do
   left=$((BUDGET_S - (SECONDS - START)))
   if [ $left -lt 20 ]; then echo "$f: not run (budget spent)" | tee -a $OUT/gpu_tests.log; continue; fi
