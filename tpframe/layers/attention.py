@@ -45,11 +45,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.max_seq_len = max_seq_len
 
-    def take(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for the positions [s] (a context-parallel rank's tokens): [s, 1, 1, d] each (no bounds check,
-        no host sync: the caller keeps positions < max_seq_len)."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
     def forward(self, seq_len: int, dtype: torch.dtype, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions offset..offset+seq_len-1: [s, 1, 1, d] each."""
         if offset + seq_len > self.max_seq_len:

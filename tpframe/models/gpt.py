@@ -205,7 +205,8 @@ class GPT(nn.Module):
         elif positions is not None:
             rotary = self.rotary.at(positions, x.dtype)
         elif self.cp > 1:
-            rotary = self.rotary.take(self._local_positions(x.shape[0] * (self.comm.size if self.sequence_parallel else 1)), x.dtype)
+            local = self._local_positions(x.shape[0] * (self.comm.size if self.sequence_parallel else 1))
+            rotary = self.rotary.at(local[None], x.dtype)  # one row of positions, shared by the batch
         else:
             rotary = self.rotary(x.shape[0] * (self.comm.size if self.sequence_parallel else 1), x.dtype)
         for n, (i, block) in enumerate(self.blocks.items()):

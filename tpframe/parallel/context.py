@@ -57,9 +57,9 @@ def shard_sequence(x: torch.Tensor, *, dim: int, rank: int, size: int) -> torch.
 
 def local_positions(seq_len: int, *, rank: int, size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions [seq_len] of this CP rank's `seq_len` local tokens."""
-    c = _check(seq_len, size) if size > 1 else seq_len
     if size == 1:
         return torch.arange(seq_len, device=device)
+    c = _check(seq_len, size)
     return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
                       torch.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, device=device)])
 

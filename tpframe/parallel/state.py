@@ -162,9 +162,9 @@ def initialize_parallel(
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
-    `cp` is the context-parallel size (each sequence split over that many ranks). `backend` is the torch.distributed backend used if the world is not up yet (default: nccl
-    with CUDA, else gloo). `comm_backend` picks the TP communicator backend (auto/nccl/symm).
-    `timeout_s` bounds every collective of every group built here (and of the world, if built here).
+    `cp` is the context-parallel size (each sequence split over that many ranks). `backend` is the
+    torch.distributed backend used if the world is not up yet (default: nccl with CUDA, else gloo).
+    `comm_backend` picks the TP communicator backend (auto/nccl/symm). `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
     if _STATE is not None:
