@@ -128,7 +128,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     if torch.cuda.is_available():
         configure_flight_recorder(cfg.train.run_dir)  # before the NCCL groups exist
     try:
-        state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, comm_backend=cfg.comm.backend,
+        state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, comm_backend=cfg.comm.backend,
                                     timeout_s=cfg.comm.timeout_s)
     except Exception as e:
         if not is_comm_failure(e):
@@ -144,6 +144,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             state.tp_comm, sequence_parallel=p.sequence_parallel, **p.recompute_context(),
             rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
             device=state.device, seed=cfg.train.seed, async_tp=p.async_tp, cp_comm=state.cp_comm,
+            ep_comm=state.ep_comm,
         )
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
                              layers_per_stage=p.layers_per_stage)  # pp=1: the whole model
@@ -195,7 +196,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
         logger.info(
             f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x "
-            + (f"cp {state.cp} x " if state.cp > 1 else "") + f"dp {state.dp} x pp {state.pp}{schedule} | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
+            + (f"cp {state.cp} x " if state.cp > 1 else "") + f"dp {state.dp} x pp {state.pp}{schedule}"
+            + (f" (experts over ep {state.ep})" if state.ep > 1 else "") + f" | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
             f"global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
             f"{cfg.train.micro_batch_size} per rank)"
         )

@@ -23,11 +23,15 @@ from tests.training_utils import REPO, TINY, train_in_process
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extras: pip install -e '.[dev]'")
 
 # {architecture: (config file, overrides)}: tiny_cpu's model is GPT-2-shaped, llama_hf_cpu's Llama-shaped
-ARCHS = {"gpt2": ("tiny_cpu.yaml", []), "llama": ("llama_hf_cpu.yaml", ["model.rope_theta=500.0"])}
+ARCHS = {"gpt2": ("tiny_cpu.yaml", []), "llama": ("llama_hf_cpu.yaml", ["model.rope_theta=500.0"]),
+         "mixtral": ("llama_hf_cpu.yaml", ["model.moe_experts=4", "model.moe_ffn_hidden=48"])}
 # variants built at TP=1 from random weights (no training): the other options each architecture maps
 VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
             "llama_tied_bias_mqa": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
-                                        bias=True, kv_heads=1)}
+                                        bias=True, kv_heads=1),
+            "mixtral_moe": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
+                                bias=False, kv_heads=2, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48)}
+HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
 
 
@@ -122,7 +126,7 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
     for name in [*ARCHS, *VARIANTS]:
         directory = tmp_path / name / "hf" if name in ARCHS else tmp_path / name
         model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
-        assert type(model).__name__ == ("GPT2LMHeadModel" if name.startswith("gpt2") else "LlamaForCausalLM")
+        assert type(model).__name__ == HF_CLASS[name.split("_")[0]]
         with torch.no_grad():
             logits = model(IDS).logits
         torch.testing.assert_close(logits, got["logits"][name], atol=1e-4, rtol=0, msg=f"{name}: HF vs tpframe TP=1")

@@ -4,9 +4,11 @@
     AutoModelForCausalLM.from_pretrained(out_dir)
     checkpoint.init_from=<HF dir>       # check_hf_dir in pre-flight, HFWeights at load time
 
-The two architectures and what fixes them (every other combination has no HF equivalent):
+The three architectures and what fixes them (every other combination has no HF equivalent):
   GPT-2: layernorm, learned positions, gelu (tanh approximation: "gelu_new") or relu, biases, heads = kv_heads;
-  Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias.
+  Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias;
+  Mixtral: Llama's attention with a mixture of experts (model.moe_experts), no biases; the experts are
+      written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load.
 The weights are the logical tensors of tpframe.parallel.sharding, renamed: `Rule(hf, parts, transpose)`
 says the HF tensor is the logical `parts` concatenated along dim 0 (GPT-2's fused c_attn is q, k, v),
 transposed for GPT-2's Conv1D layers ([in, out] weights). Rotary needs no permutation: HF Llama's q/k
@@ -26,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tpframe.errors import ConfigError
-from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -63,12 +65,17 @@ def hf_architecture(m: ModelConfig) -> str:
         if m.kv_heads not in (None, m.heads):
             raise HFMappingError(f"model.kv_heads={m.kv_heads} has no GPT-2 equivalent (GPT-2 has no grouped-query "
                                  f"attention); set model.kv_heads={m.heads} or use the Llama shape")
+        if m.moe_experts:
+            raise HFMappingError("a mixture of experts with layernorm + learned positions has no Hugging Face "
+                                 "equivalent; Mixtral is rmsnorm + rotary + swiglu without biases")
         return "gpt2"
     if (m.norm, m.position) == ("rmsnorm", "rotary"):
         if m.activation != "swiglu":
             raise HFMappingError(f"model.activation={m.activation} has no Llama equivalent (rmsnorm + rotary is Llama, "
                                  "whose MLP is SwiGLU); set model.activation=swiglu")
-        return "llama"
+        if m.moe_experts and m.bias:
+            raise HFMappingError("model.bias=true has no Mixtral equivalent (Mixtral has no biases); set model.bias=false")
+        return "mixtral" if m.moe_experts else "llama"
     raise HFMappingError(
         f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "
         "learned, Llama is rmsnorm + rotary"
@@ -108,12 +115,20 @@ def rules(m: ModelConfig) -> list[Rule]:
                     Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",))]
             for leaf in leaves:
                 out += [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"]
-                out += [
-                    Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)),
-                    Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
-                    Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
-                    Rule(f"{h}mlp.down_proj.{leaf}", (f"{b}mlp.fc2.{leaf}",)),
-                ]
+                out.append(Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)))
+                if arch == "llama":
+                    out += [
+                        Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
+                        Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
+                        Rule(f"{h}mlp.down_proj.{leaf}", (f"{b}mlp.fc2.{leaf}",)),
+                    ]
+            if arch == "mixtral":
+                moe = h + "block_sparse_moe."
+                out.append(Rule(moe + "gate.weight", (b + "mlp.router.weight",)))
+                for e in range(m.moe_experts):
+                    x, y = f"{moe}experts.{e}.", f"{b}mlp.experts.{e}."
+                    out += [Rule(x + "w1.weight", (y + "fc1.gate.weight",)), Rule(x + "w3.weight", (y + "fc1.up.weight",)),
+                            Rule(x + "w2.weight", (y + "fc2.weight",))]
         out.append(Rule("model.norm.weight", ("final_norm.weight",)))
     if not m.tie_embeddings:
         out.append(Rule("lm_head.weight", ("head.weight",)))
@@ -136,6 +151,13 @@ def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{b}norm1.{leaf}"] = shapes[f"{b}norm2.{leaf}"] = (h,)
         linears = (("attn.qkv.q", heads * d, h), ("attn.qkv.k", kv * d, h), ("attn.qkv.v", kv * d, h),
                    ("attn.proj", h, heads * d), *((f"mlp.{n}", f, h) for n, f in mlp_in), ("mlp.fc2", h, ffn))
+        if m.moe_experts:  # the router and bias-free experts instead of the MLP
+            f = moe_ffn_hidden_size(m)
+            linears = linears[:4]
+            shapes[f"{b}mlp.router.weight"] = (m.moe_experts, h)
+            for e in range(m.moe_experts):
+                for name, shape in (("fc1.gate", (f, h)), ("fc1.up", (f, h)), ("fc2", (h, f))):
+                    shapes[f"{b}mlp.experts.{e}.{name}.weight"] = shape
         for name, out_dim, in_dim in linears:
             shapes[f"{b}{name}.weight"] = (out_dim, in_dim)
             if "bias" in leaves:
@@ -178,6 +200,15 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
                 "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.attention_dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                 **common}
+    if arch == "mixtral":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": m.hidden,
+                "num_hidden_layers": m.layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+                "intermediate_size": moe_ffn_hidden_size(m), "num_local_experts": m.moe_experts,
+                "num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss,
+                "output_router_logits": False, "hidden_act": "silu", "max_position_embeddings": m.max_seq_len,
+                "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+                "attention_dropout": m.attention_dropout, **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden,
             "num_hidden_layers": m.layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
             "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu", "max_position_embeddings": m.max_seq_len,
@@ -212,7 +243,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "norm_eps": config.get("layer_norm_epsilon", 1e-5), "position": "learned",
                 "activation": _GPT2_ACT_BACK[act],
                 "bias": True, "tie_embeddings": config.get("tie_word_embeddings", True)}
-    if kind == "llama":
+    if kind in ("llama", "mixtral"):
         if config.get("hidden_act", "silu") != "silu":
             raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
         if config.get("attention_bias", False) != config.get("mlp_bias", False):
@@ -234,8 +265,18 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "norm_eps": config.get("rms_norm_eps", 1e-6), "position": "rotary",
                 "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)), "activation": "swiglu",
                 "bias": bool(config.get("attention_bias", False)),
-                "tie_embeddings": config.get("tie_word_embeddings", False)}
-    raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2' and 'llama'")
+                "tie_embeddings": config.get("tie_word_embeddings", False)} | (_mixtral_fields(config) if kind == "mixtral" else {})
+    raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama' and "
+                         "'mixtral'")
+
+
+def _mixtral_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's experts: every block a mixture of `num_local_experts` SwiGLU MLPs of `intermediate_size`."""
+    if config.get("sliding_window") is not None:
+        raise HFMappingError(f"sliding_window={config['sliding_window']} has no tpframe equivalent (tpframe's attention "
+                             "is full causal)")
+    return {"moe_experts": config.get("num_local_experts", 8), "moe_top_k": config.get("num_experts_per_tok", 2),
+            "moe_ffn_hidden": config.get("intermediate_size", 14336), "ffn_hidden": None, "bias": False}
 
 
 def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:
@@ -243,7 +284,9 @@ def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> N
     want = model_fields(config, where)
     mine = {k: getattr(m, k) for k in want}
     mine["kv_heads"] = m.kv_heads or m.heads
-    mine["ffn_hidden"] = ffn_hidden_size(m)
+    mine["ffn_hidden"] = ffn_hidden_size(m) if want.get("ffn_hidden") is not None else None  # Mixtral: unused
+    if "moe_ffn_hidden" in want:
+        mine["moe_ffn_hidden"] = moe_ffn_hidden_size(m)
     diffs = []
     for key, value in want.items():
         if isinstance(value, float) or isinstance(mine[key], float):

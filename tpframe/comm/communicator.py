@@ -158,6 +158,16 @@ class Communicator:
         moved = x.movedim(dim, 0).contiguous()
         return self.reduce_scatter(moved, 0).movedim(0, dim).contiguous()
 
+    def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        """Rows of `x` split by `input_splits` (one count per rank, in rank order) sent to the ranks; returns
+        the rows received, `output_splits[j]` of them from rank j, in rank order (expert parallelism)."""
+        if len(input_splits) != self.size or len(output_splits) != self.size or sum(input_splits) != x.shape[0]:
+            raise ValueError(f"all_to_all: {self.size} ranks, but input_splits={input_splits} (for {x.shape[0]} rows) "
+                             f"and output_splits={output_splits}")
+        if self.size == 1:
+            return x
+        return self.nccl.all_to_all(x, output_splits, input_splits)
+
     def barrier(self) -> None:
         (self.symm or self.nccl).barrier()
 

@@ -68,6 +68,11 @@ class NcclBackend:
         _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
 
+    def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=self.group)
+        return out
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 

@@ -282,6 +282,14 @@ class RowParallelLinear(nn.Module):
         return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel,
                                    async_tp=self.async_tp, fp8=self.fp8)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output, x_r W_r^T, not yet summed over TP and without the bias: for a caller
+        that combines several layers' terms before one reduction (the experts of a MoE layer)."""
+        if self.bias is not None:
+            raise ValueError("RowParallelLinear.partial: a layer with a bias adds it after the TP sum; use forward()")
+        _check_last_dim(x, self.in_per_rank, "RowParallelLinear", "in_features/tp")
+        return fp8_linear(x, self.weight) if self.fp8 else linear(x, self.weight)
+
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "

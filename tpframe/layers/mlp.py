@@ -52,16 +52,23 @@ class ParallelMLP(nn.Module):
             self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, init_method=init_method, **common)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, init_method=output_init_method or init_method, **common)
 
-    def forward(self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False,
+                reduce: bool = True) -> torch.Tensor:
         """`entered=True`: x is already `self.fc1.enter(x)`. `recompute_activation`: the activation's output
-        (fc2's saved input, the block's largest activation) is freed after fc2 and recomputed in backward."""
+        (fc2's saved input, the block's largest activation) is freed after fc2 and recomputed in backward.
+        `reduce=False` (bias-free MLPs, with `entered=True`): this rank's partial output, not yet summed over TP."""
         h = self.fc1(x, entered=entered)
+        fc2 = self.fc2 if reduce else self.fc2.partial
         if not recompute_activation:
-            return self.fc2(self.act(h))
+            return fc2(self.act(h))
         act = RecomputedOutput(self.act, h)
-        y = self.fc2(act.output)
+        y = fc2(act.output)
         act.discard(after=y)
         return y
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input's entry into the TP region; forward(enter(x), entered=True) == forward(x)."""
+        return self.fc1.enter(x)
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":

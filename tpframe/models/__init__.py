@@ -68,6 +68,7 @@ class BuildContext:
     async_tp: bool = False  # with sequence_parallel: GEMMs micro-pipelined with their collectives (layers/linear.py)
     fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
     cp_comm: Communicator | None = None  # context parallelism (needs supports_context_parallel): the CP group
+    ep_comm: Communicator | None = None  # expert parallelism (MoE models): the group that splits the experts
 
     @property
     def cp(self) -> tuple[int, int]:

@@ -29,6 +29,12 @@ class ModelConfig:
     tie_embeddings: bool = True  # the output head reuses the embedding table
     init_std: float = 0.02  # std of the normal init (output projections scaled by 1/sqrt(2*layers))
     vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (and of tp)
+    # mixture of experts (README: mixture of experts): every block's MLP becomes `moe_experts` bias-free MLPs of
+    # which a router picks `moe_top_k` per token; 0: a dense MLP
+    moe_experts: int = 0
+    moe_top_k: int = 2  # experts per token
+    moe_ffn_hidden: int | None = None  # each expert's hidden size; None: as the dense MLP's (ffn_hidden)
+    moe_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer's); 0: none
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
@@ -37,6 +43,11 @@ def ffn_hidden_size(m: ModelConfig) -> int:
     if m.activation == "swiglu":
         return 64 * -(-int(8 * m.hidden / 3) // 64)
     return 4 * m.hidden
+
+
+def moe_ffn_hidden_size(m: ModelConfig) -> int:
+    """Each expert's hidden size (MoE models)."""
+    return m.moe_ffn_hidden if m.moe_ffn_hidden is not None else ffn_hidden_size(m)
 
 
 # Fields that fix tensor shapes or semantics: a checkpoint loads only into a model with equal values.
@@ -51,6 +62,8 @@ def architecture(m: ModelConfig) -> dict:
     arch["ffn_hidden"] = ffn_hidden_size(m)
     if m.position != "learned":
         arch.pop("max_seq_len")
+    if m.moe_experts:  # dense models keep the keys their checkpoints were written with
+        arch.update(moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, moe_ffn_hidden=moe_ffn_hidden_size(m))
     return arch
 
 

@@ -28,9 +28,10 @@ from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
 from tpframe.layers.linear import enable_async_tp
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
 from tpframe.layers.embedding import padded_vocab_size
+from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
-from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
 from tpframe.parallel.context import local_positions
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
@@ -67,7 +68,12 @@ class TransformerBlock(nn.Module):
             cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, attention_dropout=cfg.attention_dropout,
             rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, **common,
         )
-        self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
+        if cfg.moe_experts:
+            common.pop("bias")
+            self.mlp = MoE(cfg.hidden, moe_ffn_hidden_size(cfg), cfg.moe_experts, cfg.moe_top_k, activation=cfg.activation,
+                           aux_loss_coeff=cfg.moe_aux_loss, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
+        else:
+            self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
         self.attn.fused_rotary = self.attn.fused_decode = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         self.selective_recompute = ctx.selective_recompute
@@ -90,7 +96,7 @@ class TransformerBlock(nn.Module):
         a = self.attn(normed.output, rotary, entered=True)
         normed.discard(after=a)
         x = x + self.dropout(a)
-        normed = RecomputedOutput(lambda t: self.mlp.fc1.enter(self.norm2(t)), x)
+        normed = RecomputedOutput(lambda t: self.mlp.enter(self.norm2(t)), x)
         m = self.mlp(normed.output, entered=True, recompute_activation=True)
         normed.discard(after=m)
         return x + self.dropout(m)
@@ -235,14 +241,18 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of the whole model (forward + backward = 3x forward), matmuls and attention.
 
-        For the standard GPT this is Megatron's 72*L*h^2 + 12*L*h*s + 6*h*V per token.
+        For the standard GPT this is Megatron's 72*L*h^2 + 12*L*h*s + 6*h*V per token. A MoE model counts
+        the experts a token is routed through (top_k), not all of them.
         """
         c = self.cfg
         h, d = c.hidden, c.hidden // c.heads
         kv = (c.kv_heads or c.heads) * d
-        ffn = ffn_hidden_size(c)
+        ffn = moe_ffn_hidden_size(c) if c.moe_experts else ffn_hidden_size(c)
         fc1 = 2 * ffn if c.activation == "swiglu" else ffn
-        layer = 2 * (h * (h + 2 * kv) + h * h + h * fc1 + ffn * h) + 4 * seq_len * h
+        mlp = h * fc1 + ffn * h
+        if c.moe_experts:  # the router, and the experts each token goes through
+            mlp = h * c.moe_experts + c.moe_top_k * mlp
+        layer = 2 * (h * (h + 2 * kv) + h * h + mlp) + 4 * seq_len * h
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         return 3.0 * (c.layers * layer + 2 * h * padded)
 

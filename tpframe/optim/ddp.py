@@ -40,8 +40,17 @@ class DDPStrategy(GradStrategy):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.params = [p for _, p in self.named]
-        self.grads = GradBuffer(self.params, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
+        # expert parallelism: experts differ between EP ranks and are replicated over the edp group only
+        self.expert_params = [p for p in self.params if getattr(p, "expert", False)] if parallel.ep > 1 else []
+        dense = [p for p in self.params if not any(p is e for e in self.expert_params)]
+        self.grads = GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
                                 overlap=overlap, mode="all_reduce")
+        self.expert_grads = None
+        if self.expert_params:  # summed over the expert's replicas, averaged over every rank's loss
+            self.expert_grads = GradBuffer(self.expert_params, parallel.edp_group, dp_size=parallel.edp,
+                                           bucket_bytes=bucket_bytes, overlap=overlap, mode="all_reduce",
+                                           average_over=parallel.dp_cp)
+        self.buffers = [g for g in (self.grads, self.expert_grads) if g is not None]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         # the low-precision params and their fp32 masters, copied back after each update
         self._rounded = [p for p, m in zip(self.params, self.masters) if m is not p]
@@ -51,13 +60,16 @@ class DDPStrategy(GradStrategy):
         self.optimizer = make_adamw(decay, no_decay, cfg)
 
     def zero_grad(self) -> None:
-        self.grads.zero()
+        for g in self.buffers:
+            g.zero()
 
     def start_grad_sync(self) -> None:
-        self.grads.start_sync()
+        for g in self.buffers:
+            g.start_sync()
 
     def finish_grad_sync(self) -> None:
-        self.grads.finish_sync()
+        for g in self.buffers:
+            g.finish_sync()
         sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
         allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
         tied = [p.main_grad for p in self.params if getattr(p, "pipeline_tied", False)]
@@ -65,9 +77,12 @@ class DDPStrategy(GradStrategy):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # grads are equal on every DP replica: sum over one model replica (tp x pp) only
-        counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank)]
-        return clip_by_global_norm(counted, [self.grads.buffer], max_norm, [self.parallel.mp_comm], self.grads.buffer.device,
-                                   optimizer=self.optimizer)
+        counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank)
+                   and not any(p is e for e in self.expert_params)]
+        experts = [p.main_grad for p in self.expert_params]  # TP shards: each counts; different on each EP rank
+        return clip_by_global_norm(counted, [g.buffer for g in self.buffers], max_norm, [self.parallel.mp_comm],
+                                   self.grads.buffer.device, optimizer=self.optimizer,
+                                   split=(experts, self.parallel.ep_comm) if experts else None)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -103,7 +118,7 @@ class DDPStrategy(GradStrategy):
                     p.copy_(m)  # the weights the fp32 masters round to
                 else:
                     m.copy_(p)  # an fp32 checkpoint into a bf16 run, or weights only
-        self.grads.zero()
+        self.zero_grad()
 
     def state_bytes(self) -> int:
         ensure_adamw_state(self.optimizer)
@@ -112,5 +127,6 @@ class DDPStrategy(GradStrategy):
         return masters + moments
 
     def describe(self) -> str:
-        n = len(self.grads.buckets)
-        return f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'})"
+        n = sum(len(g.buckets) for g in self.buffers)
+        experts = f", experts over ep={self.parallel.ep}" if self.expert_grads is not None else ""
+        return f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}{experts})"

@@ -108,7 +108,8 @@ def set_adamw_step_count(optimizer: torch.optim.AdamW, step: torch.Tensor) -> No
 @torch.no_grad()
 def clip_by_global_norm(counted: list[torch.Tensor], scaled: list[torch.Tensor], max_norm: float,
                         comms: list[Communicator], device: torch.device, *,
-                        optimizer: torch.optim.Optimizer | None = None) -> float:
+                        optimizer: torch.optim.Optimizer | None = None,
+                        split: tuple[list[torch.Tensor], Communicator] | None = None) -> float:
     """L2 norm of all `counted` gradients summed over `comms`; scale `scaled` so it is at most `max_norm`
     (0 disables clipping). Returns the norm before clipping (non-finite if any gradient is).
 
@@ -117,8 +118,15 @@ def clip_by_global_norm(counted: list[torch.Tensor], scaled: list[torch.Tensor],
     `grad_scale` divides each gradient as the update reads it, saving a pass over the fp32 gradients
     (the kernel stores the scaled gradient back, so `scaled` holds the clipped values after `step()`,
     as it would after an in-place scale). Otherwise `scaled` is scaled in place now.
+    `split` = (grads, comm): more gradients, each rank of `comm` holding different ones (expert parallelism),
+    their squares summed over `comm` before the rest.
     """
     sq = torch.zeros(1, dtype=torch.float32, device=device)
+    if split is not None:
+        grads, split_comm = split
+        if grads:
+            sq += torch.stack(torch._foreach_norm(grads)).float().square().sum()
+        split_comm.all_reduce_(sq)
     if counted:
         sq += torch.stack(torch._foreach_norm(counted)).float().square().sum()
     for comm in comms:

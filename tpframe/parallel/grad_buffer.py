@@ -80,12 +80,14 @@ class Bucket:
 class GradBuffer:
     """Flat fp32 gradient buffer for `params`, bucketed, synced over `dp_group`.
 
-    `mode` is "all_reduce" (ddp) or "reduce_scatter" (zero1). `offsets[p]` is where param p starts
+    `mode` is "all_reduce" (ddp) or "reduce_scatter" (zero1); `average_over` (default `dp_size`) divides
+    the sum. `offsets[p]` is where param p starts
     in the flat buffer; the same layout can carry the params themselves (zero1's param buffer).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
-                 dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce"):
+                 dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce",
+                 average_over: int | None = None):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
@@ -95,6 +97,9 @@ class GradBuffer:
             raise ValueError("GradBuffer needs at least one parameter that requires grad")
         self.params = list(reversed(params))  # backward produces the last layers' grads first
         self.dp_group, self.dp_size, self.dp_rank, self.overlap, self.mode = dp_group, dp_size, dp_rank, overlap, mode
+        # the sum over the group is divided by this: dp_size, or more where the group is a subset of the ranks
+        # whose losses are averaged (expert parallelism: experts replicated over dp*cp/ep ranks only)
+        self.average_over = average_over or dp_size
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         offset, current = 0, []
@@ -186,10 +191,11 @@ class GradBuffer:
         b.fresh.clear()
         if self.events is not None:
             self.events.append(("launch", b.index))
+        data = self.buffer[b.start : b.stop]
+        if self.average_over > 1:
+            data.mul_(1.0 / self.average_over)  # average in fp32 (exact for powers of two)
         if self.dp_size == 1:
             return
-        data = self.buffer[b.start : b.stop]
-        data.mul_(1.0 / self.dp_size)  # average in fp32 (exact for powers of two)
         if self.mode == "all_reduce":
             b.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
         else:  # in place: this rank's slice of the bucket receives the sum (NCCL and gloo allow the alias)

@@ -8,6 +8,11 @@ so the ranks of a TP group are adjacent and sit inside one NVLink node, and a CP
 (Megatron-Core's order). Parameters are replicated over DP and CP alike, so gradients are reduced over
 their product, the `dp_cp` group; batches are split over DP only (the CP ranks of a replica share its
 sequences and take different tokens of them: tpframe/parallel/context.py).
+
+Expert parallelism (MoE models, `ep`) splits the experts over `ep` consecutive ranks of the dp_cp
+group (ranks holding different data, so the all-to-all that moves tokens to their experts carries
+real work both ways); an expert's weights are then replicated over the other dp*cp/ep ranks, the
+`edp` group its gradients are reduced over.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from tpframe.comm import Communicator
 _STATE: ParallelState | None = None
 
 
-def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1) -> dict[str, list[list[int]]]:
+def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
     """The global ranks of every group, by kind: 'tp', 'cp', 'dp', 'dp_cp' (the gradient replicas),
-    'pp', 'mp' (tp x pp: one model replica) and 'embedding'.
+    'pp', 'mp' (tp x pp: one model replica), 'embedding', and for expert parallelism 'ep' (the ranks
+    that split the experts) and 'edp' (an expert's replicas).
 
     Pure arithmetic, no communication: the single source of truth for the rank order.
     """
@@ -41,6 +47,9 @@ def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1) -> di
             f"{tp * cp * pp} processes or change parallel.{names.replace('*', ' / parallel.')}"
         )
     dp = world_size // (tp * cp * pp)
+    if not isinstance(ep, int) or ep < 1 or (dp * cp) % ep:
+        raise ValueError(f"the expert-parallel size must divide dp*cp = {dp}*{cp} = {dp * cp} (the ranks holding "
+                         f"different data), got ep={ep!r}; change parallel.ep or the number of processes")
 
     def rank(t: int, c: int, d: int, p: int) -> int:
         return t + tp * (c + cp * (d + dp * p))
@@ -63,6 +72,8 @@ def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1) -> di
         "pp": pp_groups,
         "mp": groups(lambda t, c, d, p: (c, d), lambda t, c, d, p: (p, t)),
         "embedding": [sorted({g[0], g[-1]}) for g in pp_groups],
+        "ep": groups(lambda t, c, d, p: (t, p, (d * cp + c) // ep), lambda t, c, d, p: (d, c)),
+        "edp": groups(lambda t, c, d, p: (t, p, (d * cp + c) % ep), lambda t, c, d, p: (d, c)),
     }
 
 
@@ -116,6 +127,14 @@ class ParallelState:
     dp_cp_group: dist.ProcessGroup | None = None  # the ranks holding the same parameters: gradients reduce here
     dp_cp_comm: Communicator | None = None
     dp_cp_mesh: DeviceMesh | None = None  # 1-D: FSDP2 shards over it
+    # Expert parallelism (tpframe/layers/moe.py). With ep == 1 there is no EP group and the edp fields
+    # are the dp_cp ones.
+    ep: int = 1
+    ep_rank: int = 0
+    ep_comm: Communicator | None = None  # the all-to-all of tokens to their experts; None when ep == 1
+    ep_ranks: list[int] = field(default_factory=list)
+    edp_group: dist.ProcessGroup | None = None  # an expert's replicas: its gradients reduce here
+    edp_comm: Communicator | None = None
     owns_world: bool = False
     rng_tracker: object | None = None  # an RNGStatesTracker, set by tpframe.parallel.rng.seed_parallel_rng
     _groups: list = field(default_factory=list, repr=False)
@@ -128,6 +147,11 @@ class ParallelState:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert: dp * cp / ep."""
+        return self.dp_cp // self.ep
 
     @property
     def is_first_stage(self) -> bool:
@@ -158,11 +182,12 @@ def _init_world_from_env(backend: str, timeout: timedelta | None) -> None:
 
 def initialize_parallel(
     tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto", timeout_s: float | None = None,
-    *, cp: int = 1,
+    *, cp: int = 1, ep: int = 1,
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
-    `cp` is the context-parallel size (each sequence split over that many ranks). `backend` is the
+    `cp` is the context-parallel size (each sequence split over that many ranks); `ep` the expert-parallel
+    size (MoE experts split over that many ranks of dp x cp). `backend` is the
     torch.distributed backend used if the world is not up yet (default: nccl with CUDA, else gloo).
     `comm_backend` picks the TP communicator backend (auto/nccl/symm). `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
@@ -176,7 +201,7 @@ def initialize_parallel(
         _init_world_from_env(backend, timeout)
         owns_world = True
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = rank_layout(world, tp, pp, cp=cp)  # raises ValueError for a world tp*cp*pp does not divide
+    layout = rank_layout(world, tp, pp, cp=cp, ep=ep)  # ValueError: a world tp*cp*pp does not divide, a bad ep
     dp = world // (tp * cp * pp)
     tp_rank, dp_rank, pp_rank = coords_of(rank, world, tp, pp, cp=cp)
 
@@ -195,6 +220,14 @@ def initialize_parallel(
         dp_cp_group = dp_cp_mesh.get_group()
     created = []
     mp_group, embedding_group = tp_group, None
+    ep_group, edp_group = None, dp_cp_group
+    if ep > 1:  # every rank builds every group, in the same order
+        for kind in ("ep", "edp"):
+            for ranks in layout[kind]:
+                group = dist.new_group(ranks, timeout=timeout)
+                created.append(group)
+                if rank in ranks:
+                    ep_group, edp_group = (group, edp_group) if kind == "ep" else (ep_group, group)
     if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
         for kind in ("mp", "embedding"):
             for ranks in layout[kind]:
@@ -240,10 +273,16 @@ def initialize_parallel(
         dp_cp_group=dp_cp_group,
         dp_cp_comm=Communicator(dp_cp_group, backend="nccl", device=device) if cp > 1 else dp_comm,
         dp_cp_mesh=dp_cp_mesh,
+        ep=ep,
+        ep_rank=(dp_rank * cp + cp_of(rank, tp, cp)) % ep,
+        ep_comm=Communicator(ep_group, backend="nccl", device=device) if ep > 1 else None,
+        ep_ranks=find("ep"),
+        edp_group=edp_group,
         owns_world=owns_world,
         _groups=created + [g for g in {tp_group, dp_group, pp_group, cp_group, dp_cp_group}
                            if g is not None and g is not dist.group.WORLD],
     )
+    state.edp_comm = Communicator(edp_group, backend="nccl", device=device) if ep > 1 else state.dp_cp_comm
     _STATE = state
     return state
 
@@ -271,7 +310,8 @@ def destroy_parallel() -> None:
     if state is None or not dist.is_initialized():
         return
     comms = (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm, state.cp_comm,
-             state.dp_cp_comm if state.dp_cp_comm is not state.dp_comm else None)
+             state.dp_cp_comm if state.dp_cp_comm is not state.dp_comm else None, state.ep_comm,
+             state.edp_comm if state.ep > 1 else None)
     for comm in comms:
         if comm is not None:  # frees symmetric memory where a communicator set it up
             comm.close(release_group=state.owns_world)
@@ -287,5 +327,5 @@ def destroy_parallel() -> None:
     if isinstance(registry, dict):
         registry.clear()
     state.mesh = state.tp_group = state.dp_group = state.pp_group = state.mp_group = state.embedding_group = None
-    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = None
+    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = state.edp_group = None
     state._groups = []

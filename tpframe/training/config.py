@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from tpframe.data.config import DataConfig
 from tpframe.errors import ConfigError
-from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
 from tpframe.optim.config import OptimConfig
 from tpframe.training.profiler import ProfileConfig
 from tpframe.training.validate import check_env, check_numbers, parse_override_value, read_yaml_file
@@ -32,6 +32,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
     pp: int = 1  # pipeline-parallel size
     cp: int = 1  # context-parallel size: ranks that split each sequence (README: context parallelism)
+    ep: int = 1  # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
     # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory,
     # ~1/4 more time); "selective" (norms and activation functions only: ~1/3 less memory, +3-4% time eager,
@@ -347,6 +348,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
     _validate_pipeline(cfg, dp)
+    _validate_moe(cfg, dp)
     _validate_profile(cfg, world_size)
 
 
@@ -379,6 +381,39 @@ def _validate_context_parallel(cfg: Config) -> None:
         key = "train.cuda_graph" if t.cuda_graph else "train.compile"
         raise ConfigError(f"{key} is not supported with parallel.cp > 1 yet (context-parallel attention runs "
                           f"eager: tpframe/parallel/context.py); set {key}=false or parallel.cp=1")
+
+
+def _validate_moe(cfg: Config, dp: int) -> None:
+    """model.moe_* and parallel.ep (tpframe/layers/moe.py)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts={m.moe_experts} must not be negative (0: a dense MLP)")
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep={p.ep} must be at least 1 (1: every rank holds every expert)")
+    if not m.moe_experts:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} splits the experts of a mixture-of-experts model; set "
+                              "model.moe_experts (e.g. 8) or parallel.ep=1")
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.moe_experts={m.moe_experts}")
+    ffn = moe_ffn_hidden_size(m)
+    if ffn < 1 or ffn % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide each expert's hidden size model.moe_ffn_hidden={ffn}")
+    if m.moe_aux_loss < 0:
+        raise ConfigError(f"model.moe_aux_loss={m.moe_aux_loss} must not be negative (0: no load-balancing loss)")
+    if (dp * p.cp) % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp} (experts are split over "
+                          "ranks holding different data); change parallel.ep or the number of processes")
+    if m.moe_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
+    if p.ep > 1 and p.dp_strategy != "ddp":
+        raise ConfigError(f"parallel.ep={p.ep} works with parallel.dp_strategy=ddp only (got {p.dp_strategy}); "
+                          "use ddp, or parallel.ep=1 (zero1 and fsdp then shard the experts over DP too)")
+    for key in ("compile", "cuda_graph"):
+        if getattr(t, key):
+            raise ConfigError(f"train.{key} is not supported with model.moe_experts yet (the router sizes each "
+                              f"expert's GEMM on the host, every step); set train.{key}=false")
 
 
 def _validate_recompute(cfg: Config) -> None:

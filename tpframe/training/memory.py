@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tpframe.errors import ConfigError
-from tpframe.models.config import ffn_hidden_size, padded_vocab
+from tpframe.models.config import ffn_hidden_size, moe_ffn_hidden_size, padded_vocab
 
 GIB = 2**30
 # CUDA context, NCCL buffers, allocator slack; the interpreter, torch and the data on CPU.
@@ -72,6 +72,10 @@ def activation_bytes(cfg, device_type: str) -> float:
         per_layer = sbh * (34 - norms - act + score_term) / tp
     else:
         per_layer = sbh * (10 - norms + (24 - act) / tp + score_term / tp)
+    if m.moe_experts:  # MoE: top_k expert MLPs per token instead of one, plus the dispatched tokens and outputs
+        def mlp(ffn: int) -> float:  # what an MLP keeps inside the TP region, per sbh (16 at a GELU ffn of 4h)
+            return 2.0 * ((2 if m.activation == "swiglu" else 1) * ffn + ffn) / h / tp
+        per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) + 4.0) - mlp(ffn_hidden_size(m)))
     if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
         kv_hidden = (m.kv_heads or m.heads) * (h // a)
         per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_hidden / tp

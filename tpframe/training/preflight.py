@@ -94,6 +94,8 @@ def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: 
     if not cfg.train.check_memory or model is None:
         return
     params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
+    params -= experts - experts // cfg.parallel.ep  # built whole here; a rank holds 1/ep of the experts
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     est = estimate(cfg, world_size, params=params, buffer_bytes=buffers, device_type=device_type)
     check_fits(cfg, est, device_type=device_type, local_rank=local_rank, local_world=local_world)

@@ -22,6 +22,7 @@ from tpframe.optim import GradStrategy, lr_at
 from tpframe.parallel.heartbeat import Progress
 from tpframe.parallel.rng import RNGState
 from tpframe.parallel.schedules import forward_only_no_pipelining
+from tpframe.layers.moe import MoE, set_aux_loss_scale
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
 from tpframe.training.energy import EnergyMeter, sum_over_ranks
@@ -45,6 +46,9 @@ class Trainer:
         self.progress = progress or Progress()  # what this rank is doing, for timeout reports
         self.profiler = profiler  # the config's `profile` window on this rank, or None
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
+        # MoE: the load-balancing loss weighed like each micro-batch's loss, and logged (its mean over the layers)
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
+        set_aux_loss_scale(model, 1.0 / self.accum)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
         self.peak_tflops = peak_tflops
@@ -78,7 +82,22 @@ class Trainer:
         self.timers.mark("optim")
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        if self.cfg.model.moe_experts:  # every rank takes part (a stage may hold no MoE layer)
+            metrics["moe_aux_loss"] = self._moe_aux_loss()
+        return metrics
+
+    def _moe_aux_loss(self) -> float:
+        """The last micro-batch's load-balancing loss, averaged over every MoE layer of the model and the replicas."""
+        import torch.distributed as dist
+
+        values = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
+        total = torch.zeros(2, dtype=torch.float32, device=self.parallel.device)
+        if values:
+            total[0], total[1] = torch.stack(values).float().sum(), len(values)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        return (total[0] / total[1].clamp(min=1)).item()
 
     def _attempt(self) -> tuple[float, float]:
         """One try of the step: (loss averaged over DP, global gradient norm); no update yet."""

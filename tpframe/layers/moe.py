@@ -1,0 +1,267 @@
+"""Mixture of experts: a router sends each token to `top_k` of `num_experts` MLPs (Mixtral, Megatron-Core's MoE).
+
+    x [s(/tp), b, h] -> enter the TP region (all-gather of the sequence under SP) -> tokens [T, h]
+      router   logits = tokens W_r^T in fp32 [T, E]; p = softmax(logits); top-k of p, renormalized to sum 1
+      dispatch each token once per chosen expert, sorted by expert; with expert parallelism (ep > 1) an
+               all-to-all over the EP group brings every rank the tokens of its E/ep experts, and back after
+      experts  bias-free MLPs, each split over TP like the dense MLP (fc1 by rows, fc2 by columns)
+      combine  each token's expert outputs weighted by its router weights and summed, still partial over TP
+    -> leave the TP region: all-reduce (or reduce-scatter under SP) -> [s(/tp), b, h]
+
+So TP costs the same two collectives per direction as the dense MLP, and every TP rank routes the same
+tokens the same way. Load balancing: Switch Transformer's auxiliary loss coeff * E * sum_e f_e * P_e (f_e
+the share of routed slots that chose expert e, counted over the micro-batch's whole sequences, i.e. summed
+over CP; P_e the mean router probability of e). It enters training through its gradient only (Megatron's
+MoEAuxLossAutoScaler), so the reported loss stays the language-model loss; `aux_loss_scale` (set by the
+trainer to 1/micro-batches, `set_aux_loss_scale`) weighs it like the micro-batch's loss.
+
+Without autograd (generation, evaluation) and for at most `DENSE_MAX_TOKENS` tokens (a decode step), every
+expert runs on every token instead, weighted by zero where it was not chosen: no host synchronization, so
+the step can be a CUDA graph, and at those sizes reading the experts' weights is the cost either way.
+
+On Hopper GPUs in bf16 the experts run as two grouped GEMMs (torch._grouped_mm) over their stacked weights,
+with the group boundaries on the device: no host synchronization per layer, which at small widths costs
+more than the GEMMs (GPT-125M-sized, 8 experts top-2 on an H200: 139 ms per step with a per-expert loop,
+76 ms grouped, against 45 ms for a dense MLP of the same active width).
+Elsewhere (CPU, fp32, older GPUs, float8, expert parallelism) one GEMM pair per expert.
+
+Every expert is always run, on zero tokens if none chose it, so each parameter gets a gradient every
+backward (the bucketed gradient sync counts on that). Expert e's weights are drawn from their own seed
+(the caller's seed and e), so they do not depend on TP, EP or which experts a rank builds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpframe.comm import Communicator
+from tpframe.layers.linear import enter_tp_region
+from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
+from tpframe.layers.mlp import ParallelMLP
+from tpframe.layers.utils import InitMethod, normal_init, tag_param
+from tpframe.parallel.recompute import RecomputedOutput
+from tpframe.parallel.state import default_tp_comm
+
+
+DENSE_MAX_TOKENS = 64
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _bincount(top_i: torch.Tensor, n: int) -> torch.Tensor:
+    """Slots per expert, [n] int64, without torch.bincount's device-to-host synchronization on CUDA."""
+    flat = top_i.flatten()
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged over the EP group; backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x, comm, output_splits, input_splits):
+        ctx.comm, ctx.splits = comm, (output_splits, input_splits)
+        return comm.all_to_all(x, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return ctx.comm.all_to_all(grad.contiguous(), input_splits, output_splits), None, None, None
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `x`; backward also sends `scale` as the gradient of the scalar `aux` (so d(total)/d(aux) = scale)."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> int:
+    """Weigh every MoE layer's auxiliary loss gradient by `scale` (1/micro-batches per step); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.aux_loss_scale = scale
+    return len(layers)
+
+
+class MoE(nn.Module):
+    """[s, b, h] -> [s, b, h] (or [s/tp, b, h] in and out with sequence parallelism); see the module docstring.
+
+    `ep_comm`: the expert-parallel group (ranks holding different data); this rank builds experts
+    [rank * E/ep, (rank+1) * E/ep), kept under their global index (`experts.5` on any layout).
+    `cp_comm`: the context-parallel group, over which the load-balancing counts are summed.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        activation: str = "swiglu",
+        aux_loss_coeff: float = 0.01,
+        sequence_parallel: bool = False,
+        comm: Communicator | None = None,
+        ep_comm: Communicator | None = None,
+        cp_comm: Communicator | None = None,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k must be in 1..num_experts={num_experts}, got {top_k}")
+        self.comm = comm or default_tp_comm()
+        self.ep_comm = ep_comm if ep_comm is not None and ep_comm.size > 1 else None
+        self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
+        ep, ep_rank = (self.ep_comm.size, self.ep_comm.rank) if self.ep_comm else (1, 0)
+        if num_experts % ep:
+            raise ValueError(f"MoE: num_experts={num_experts} is not divisible by the expert-parallel size {ep}")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.local_experts = num_experts // ep
+        self.first_expert = ep_rank * self.local_experts
+        self.sequence_parallel, self.aux_loss_coeff = sequence_parallel, aux_loss_coeff
+        self.aux_loss_scale = 1.0
+        self.last_aux_loss: torch.Tensor | None = None  # the latest forward's auxiliary loss (detached), for logging
+        device = device or self.comm.device
+        init_method = init_method or normal_init()
+        router = torch.empty(num_experts, hidden, dtype=torch.float32)
+        init_method(router)
+        # replicated over TP, but each TP rank's gradient is partial (it weighs partial expert outputs): summed
+        # over TP like a sequence-parallel parameter's
+        self.router = nn.Linear(hidden, num_experts, bias=False, device="meta")  # [E, h]; used through F.linear
+        self.router.weight = tag_param(nn.Parameter(router.to(device=device, dtype=dtype)), None, sequence_parallel=True)
+        base = torch.initial_seed()
+        experts = {}
+        for e in range(self.first_expert, self.first_expert + self.local_experts):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(base + 7919 * (e + 1))
+                experts[str(e)] = ParallelMLP(
+                    hidden, ffn_hidden, activation=activation, bias=False, sequence_parallel=sequence_parallel,
+                    comm=self.comm, init_method=init_method, output_init_method=output_init_method, dtype=dtype,
+                    device=device,
+                )
+        self.experts = nn.ModuleDict(experts)
+        for p in self.experts.parameters():
+            p.expert = True  # split over EP: gradient strategies reduce it over the expert's replicas only
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input's entry into the TP region; forward(enter(x), entered=True) == forward(x)."""
+        return enter_tp_region(x, self.comm, self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False) -> torch.Tensor:
+        x = x if entered else self.enter(x)
+        tokens = x.reshape(-1, self.hidden)
+        router_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        probs = torch.softmax(F.linear(tokens.to(router_dtype), self.router.weight.to(router_dtype)), dim=-1)  # [T, E]
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        weights = (top_p / top_p.sum(dim=-1, keepdim=True)).to(x.dtype)
+        counts = None if not torch.is_grad_enabled() else _bincount(top_i, self.num_experts)
+        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = self._aux_loss(probs, counts)
+            self.last_aux_loss = aux.detach()
+            # carried by the router weights' backward, which runs on every TP rank with the same value:
+            # 1/tp of the gradient on each sums to one
+            weights = _AttachAuxLoss.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale / self.comm.size)
+        if not torch.is_grad_enabled() and self.ep_comm is None and tokens.shape[0] <= DENSE_MAX_TOKENS:
+            out = self._dense(tokens, top_i, weights).view_as(x)
+        else:
+            out = self._dispatch(tokens, top_i, weights, counts, recompute_activation).view_as(x)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(out, self.comm)
+        return reduce_from_tp(out, self.comm, donate=True)
+
+    def _aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """E * sum_e f_e * P_e: f_e over the whole sequences (counts summed over CP), P_e over this rank's tokens;
+        the CP ranks' values average to the loss of the whole sequences."""
+        counts = counts.float()
+        tokens = probs.shape[0]
+        if self.cp_comm is not None:
+            counts = self.cp_comm.all_reduce(counts)
+            tokens *= self.cp_comm.size
+        share = counts / (tokens * self.top_k)
+        return self.num_experts * (share * probs.mean(dim=0)).sum()
+
+    def _dense(self, tokens, top_i, weights) -> torch.Tensor:
+        """[T, h] -> [T, h] with every expert on every token, weighted by zero where not chosen (partial over TP)."""
+        gates = weights.new_zeros(tokens.shape[0], self.num_experts).scatter(1, top_i, weights)
+        out = tokens.new_zeros(tokens.shape)
+        for e, expert in self.experts.items():
+            out += gates[:, int(e), None] * expert(tokens, entered=True, reduce=False)
+        return out
+
+    def _dispatch(self, tokens, top_i, weights, counts, recompute_activation: bool) -> torch.Tensor:
+        """[T, h] -> [T, h]: every token through its experts, weighted and summed (partial over TP)."""
+        if counts is None:
+            counts = _bincount(top_i, self.num_experts)
+        order = torch.argsort(top_i.flatten(), stable=True)  # routed slots sorted by expert
+        src = torch.div(order, self.top_k, rounding_mode="floor")  # the token of each sorted slot
+        xs = tokens.index_select(0, src)
+        if self.ep_comm is None and self._grouped(xs):
+            ys = self._run_grouped(xs, counts, recompute_activation)  # no host synchronization
+        elif self.ep_comm is None:
+            ys = self._run_experts(xs, counts.tolist(), recompute_activation)
+        else:
+            ys = self._run_expert_parallel(xs, counts, recompute_activation)
+        ys = ys * weights.flatten().index_select(0, order).unsqueeze(1)
+        return tokens.new_zeros(tokens.shape).index_add(0, src, ys)
+
+    def _run_experts(self, xs: torch.Tensor, sizes: list[int], recompute_activation: bool) -> torch.Tensor:
+        """Rows of `xs` grouped by local expert (`sizes[i]` rows for the i-th) -> their partial outputs."""
+        chunks = xs.split(sizes)
+        return torch.cat([expert(chunk, entered=True, reduce=False, recompute_activation=recompute_activation)
+                          for expert, chunk in zip(self.experts.values(), chunks)])
+
+    def _grouped(self, xs: torch.Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs (torch._grouped_mm: bf16 on Hopper and newer, not float8)."""
+        return (_GROUPED_MM and xs.is_cuda and xs.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+                and torch.cuda.get_device_capability(xs.device) >= (9, 0)
+                and not any(m.fc1.fp8 or m.fc2.fp8 for m in self.experts.values()))
+
+    def _run_grouped(self, xs: torch.Tensor, counts: torch.Tensor, recompute_activation: bool) -> torch.Tensor:
+        """`_run_experts` as two grouped GEMMs over the experts' stacked weights (torchtitan's route): the
+        group boundaries stay on the device, so the CPU never waits for the router."""
+        offsets = counts.cumsum(0).to(torch.int32)
+        experts = list(self.experts.values())
+        w1 = torch.stack([m.fc1.weight for m in experts])  # [E, fc1 rows/tp, h]; a copy, small next to the GEMMs
+        w2 = torch.stack([m.fc2.weight for m in experts])  # [E, h, ffn/tp]
+        h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)
+        act = experts[0].act
+        if not recompute_activation:
+            return torch._grouped_mm(act(h), w2.transpose(1, 2), offs=offsets)
+        a = RecomputedOutput(act, h)
+        y = torch._grouped_mm(a.output, w2.transpose(1, 2), offs=offsets)
+        a.discard(after=y)
+        return y
+
+    def _run_expert_parallel(self, xs: torch.Tensor, counts: torch.Tensor, recompute_activation: bool) -> torch.Tensor:
+        """Sorted slots to the EP ranks that own their experts, through the experts, and back."""
+        ep, local = self.ep_comm.size, self.local_experts
+        # received[j, e]: how many slots EP rank j sends to this rank's e-th expert
+        received = self.ep_comm.all_to_all(counts, [local] * ep, [local] * ep).view(ep, local)
+        send_splits = counts.view(ep, local).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        x_recv = _AllToAll.apply(xs, self.ep_comm, recv_splits, send_splits)  # by source rank, then expert
+        # regroup by expert: block (j, e) starts at starts[j, e] in x_recv and goes to the e-major position
+        lengths = received.t().flatten()  # blocks in (expert, source) order
+        starts = (received.flatten().cumsum(0) - received.flatten()).view(ep, local).t().flatten()
+        offsets = lengths.cumsum(0) - lengths
+        perm = torch.arange(int(lengths.sum()), device=xs.device) + torch.repeat_interleave(starts - offsets, lengths)
+        y_local = self._run_experts(x_recv.index_select(0, perm), received.sum(dim=0).tolist(), recompute_activation)
+        y_recv = y_local.new_zeros(y_local.shape).index_copy(0, perm, y_local)
+        return _AllToAll.apply(y_recv, self.ep_comm, send_splits, recv_splits)
+
+    def extra_repr(self) -> str:
+        ep = self.ep_comm.size if self.ep_comm else 1
+        return (f"experts={self.num_experts} (experts {self.first_expert}..{self.first_expert + self.local_experts - 1} "
+                f"here, ep={ep}), top_k={self.top_k}, aux_loss_coeff={self.aux_loss_coeff}, sp={self.sequence_parallel}")
