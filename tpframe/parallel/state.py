@@ -219,22 +219,25 @@ def initialize_parallel(
         dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
         dp_cp_group = dp_cp_mesh.get_group()
     created = []
+
+    def own_groups(kinds: tuple[str, ...]) -> dict[str, dist.ProcessGroup]:
+        """Build every group of `kinds` (every rank builds every group, in the same order); this rank's, by kind."""
+        mine = {}
+        for kind in kinds:
+            for ranks in layout[kind]:
+                group = dist.new_group(ranks, timeout=timeout)
+                created.append(group)
+                if rank in ranks:
+                    mine[kind] = group
+        return mine
+
     mp_group, embedding_group = tp_group, None
     ep_group, edp_group = None, dp_cp_group
-    if ep > 1:  # every rank builds every group, in the same order
-        for kind in ("ep", "edp"):
-            for ranks in layout[kind]:
-                group = dist.new_group(ranks, timeout=timeout)
-                created.append(group)
-                if rank in ranks:
-                    ep_group, edp_group = (group, edp_group) if kind == "ep" else (ep_group, group)
+    if ep > 1:  # experts split over ep ranks of dp x cp, replicated over the rest
+        ep_group, edp_group = own_groups(("ep", "edp")).values()
     if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
-        for kind in ("mp", "embedding"):
-            for ranks in layout[kind]:
-                group = dist.new_group(ranks, timeout=timeout)
-                created.append(group)
-                if rank in ranks:
-                    mp_group, embedding_group = (group, embedding_group) if kind == "mp" else (mp_group, group)
+        groups = own_groups(("mp", "embedding"))
+        mp_group, embedding_group = groups["mp"], groups.get("embedding")
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if timeout is not None and set_timeout is not None:  # the mesh builds its groups with torch's default timeout
         for group in {tp_group, dp_group, pp_group, cp_group, dp_cp_group} - {dist.group.WORLD, None}:
