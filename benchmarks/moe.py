@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,25 +31,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from comm import report  # noqa: E402
+from cp_attention import timed  # noqa: E402
 
 # (name, T tokens, h, F per expert, E experts, k)
 CASES = (("Mixtral-style 8 experts top-2", 16384, 2048, 5632, 8, 2),
          ("fine-grained 64 experts top-8", 16384, 2048, 1408, 64, 8))
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def route(x, router, k):
@@ -141,10 +126,10 @@ def main() -> int:
             except RuntimeError as e:  # an older GPU or torch without the bf16 grouped GEMM
                 errors["grouped_mm peer"] = f"n/a ({str(e).splitlines()[0][:60]})"
         flops = 18.0 * T * k * h * ffn
-        times = {"dense MLP, k*F wide": timed(dense, args.iters), "tpframe MoE": timed(ours, args.iters),
-                 "loop peer": timed(loop, args.iters)}
+        times = {"dense MLP, k*F wide": timed(dense, iters=args.iters), "tpframe MoE": timed(ours, iters=args.iters),
+                 "loop peer": timed(loop, iters=args.iters)}
         if not isinstance(errors["grouped_mm peer"], str):
-            times["grouped_mm peer"] = timed(grouped, args.iters)
+            times["grouped_mm peer"] = timed(grouped, iters=args.iters)
         for run, ms in times.items():
             err = errors.get(run, 0.0 if run == "tpframe MoE" else "-")
             err = f"{err:.1e}" if isinstance(err, float) else err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -27,3 +28,17 @@ def train_in_process(overrides: list[str], keep_trainer: bool = False, config: s
     cfg, train_data, valid_data, resume = train.prepare(argv)
     trainer = train.run(cfg, train_data, valid_data, resume)
     return trainer if keep_trainer else trainer.history
+
+
+def assert_layouts_follow(ref_history: list[dict], results: dict, *, grad_norm_rel: float, rel: float = 1e-5) -> None:
+    """Every layout's per-step loss, eval loss and gradient norm equal the reference run's; a run named
+    "resumed ..." holds steps 6-10 (it resumed at step 5), every other run steps 1-10. `results`: {name:
+    (history, weights)}."""
+    ref = {r["step"]: r for r in ref_history}
+    for name, (history, _) in results.items():
+        assert [r["step"] for r in history] == (list(range(6, 11)) if name.startswith("resumed") else list(range(1, 11))), name
+        for r in history:
+            for key, tol in (("loss", rel), ("eval_loss", rel), ("grad_norm", grad_norm_rel)):
+                if key in r:
+                    assert math.isclose(r[key], ref[r["step"]][key], rel_tol=tol, abs_tol=1e-7), (
+                        name, r["step"], key, r[key], ref[r["step"]][key])
