@@ -113,6 +113,15 @@ def _state_bytes(dtype: str) -> dict[str, tuple[int, int]]:
         n = sum(p.numel() for p in model.parameters())
         out[name] = (build_strategy(name, model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=dt).state_bytes(), n)
         destroy_parallel()
+    # zero1 with expert parallelism: this rank's 2 of 4 experts are its own (no replica at dp=ep=2)
+    state = initialize_parallel(tp=1, ep=2)
+    seed_parallel_rng(0)
+    model = build_model(ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256, moe_experts=4, moe_ffn_hidden=32),
+                        BuildContext(state.tp_comm, dtype=getattr(torch, dtype), ep_comm=state.ep_comm))
+    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
+    strategy = build_strategy("zero1", model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=getattr(torch, dtype))
+    out["zero1 ep=2"] = (strategy.state_bytes(), sum(p.numel() for p in model.parameters()) - experts, experts)
+    destroy_parallel()
     return out
 
 
@@ -126,6 +135,11 @@ def test_zero1_and_fsdp_at_dp2_hold_half_the_optimizer_state_of_ddp(dtype):
         assert abs(r["zero1"][0] - ddp / 2) <= 12 * 64, (r["zero1"][0], ddp / 2)
     assert sum(r["fsdp"][0] for r in ranks) == n * 8  # moments only: the fp32 shards are the params
     assert max(r["fsdp"][0] for r in ranks) <= ddp / 2
+    per_param = 12 if dtype == "bfloat16" else 8
+    dense = ranks[0]["zero1 ep=2"][1]
+    assert sum(r["zero1 ep=2"][0] for r in ranks) == per_param * (dense + sum(r["zero1 ep=2"][2] for r in ranks))
+    for r in ranks:  # half the dense state, all of its own experts' (up to the dense buckets' padding)
+        assert abs(r["zero1 ep=2"][0] - per_param * (dense / 2 + r["zero1 ep=2"][2])) <= 12 * 64, r["zero1 ep=2"]
 
 
 BAD = [

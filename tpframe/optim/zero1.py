@@ -7,7 +7,12 @@ each param the slice touches), updates them, writes the result into its slice of
 and all-gathers the buckets over DP. With `overlap_param_gather` the all-gathers run in the
 background and each module waits for its bucket in a forward pre-hook (the next step's forward).
 
-Optimizer state per rank: 12 bytes per parameter / dp (8 when params are fp32 and their own master).
+With expert parallelism (parallel.ep > 1) the experts are a second, separate set of buffers sharded over
+their replicas (the `edp` group, dp*cp/ep ranks) instead of all of DP x CP: each rank of DP x CP still
+holds a distinct slice of everything, so the global gradient norm is one sum over DP x CP as without EP.
+
+Optimizer state per rank: 12 bytes per parameter / dp (8 when params are fp32 and their own master);
+for experts / (dp*cp/ep).
 """
 
 from __future__ import annotations
@@ -57,6 +62,17 @@ class Segment:
     grad: torch.Tensor  # fp32 view into the gradient buffer, where the reduce-scatter leaves this rank's sum
 
 
+@dataclass
+class Sharded:
+    """Params sharded over one DP group: their gradient buffer (reduce-scattered) and the flat param buffer
+    laid out like it (each param's data a view into it)."""
+
+    grads: GradBuffer
+    params: torch.Tensor
+    group: dist.ProcessGroup | None
+    size: int  # ranks in `group`
+
+
 class Zero1Strategy(GradStrategy):
     name = "zero1"
 
@@ -68,29 +84,16 @@ class Zero1Strategy(GradStrategy):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        self.grads = GradBuffer(params, parallel.dp_cp_group, dp_size=parallel.dp_cp, dp_rank=parallel.dp_cp_rank,
-                                bucket_bytes=bucket_bytes, overlap=overlap, mode="reduce_scatter")
-        # move every param into one flat buffer with the gradient buffer's layout
-        self.param_buffer = torch.zeros(self.grads.numel, dtype=params[0].dtype, device=params[0].device)
-        with torch.no_grad():
-            for p in params:
-                off = self.grads.offsets[p]
-                view = self.param_buffer[off : off + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
-        name_of = {p: n for n, p in self.named}
+        experts = {id(p) for p in params if getattr(p, "expert", False)} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
-        for b in self.grads.buckets:
-            lo, hi = self.grads.shard_range(b)
-            for p in b.params:
-                off = self.grads.offsets[p]
-                s, e = max(lo, off), min(hi, off + p.numel())
-                if s >= e:
-                    continue
-                flat = self.param_buffer[s:e]
-                master = flat if flat.dtype == torch.float32 else flat.float().clone()
-                grad = self.grads.buffer[s:e]  # reduce-scattered in place
-                self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
+        self.parts = [self._shard([p for p in params if id(p) not in experts], parallel.dp_cp_group, parallel.dp_cp,
+                                  parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap)]
+        if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
+            self.parts.append(self._shard([p for p in params if id(p) in experts], parallel.edp_group, parallel.edp,
+                                          parallel.edp_comm.rank, bucket_bytes=bucket_bytes, overlap=overlap,
+                                          average_over=parallel.dp_cp))
+        self.grads = self.parts[0].grads
+        self.param_buffer = self.parts[0].params
         decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
         no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
         self.optimizer = make_adamw(decay, no_decay, cfg) if self.segments else None
@@ -100,15 +103,44 @@ class Zero1Strategy(GradStrategy):
         if overlap_param_gather and parallel.dp_cp > 1:
             self._install_wait_hooks(model)
 
+    def _shard(self, params: list[nn.Parameter], group, size: int, rank: int, *, bucket_bytes: int, overlap: bool,
+               average_over: int | None = None) -> Sharded:
+        """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
+        grads = GradBuffer(params, group, dp_size=size, dp_rank=rank, bucket_bytes=bucket_bytes, overlap=overlap,
+                           mode="reduce_scatter", average_over=average_over)
+        buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for p in params:
+                off = grads.offsets[p]
+                view = buffer[off : off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+        name_of = {p: n for n, p in self.named}
+        for b in grads.buckets:
+            lo, hi = grads.shard_range(b)
+            for p in b.params:
+                off = grads.offsets[p]
+                s, e = max(lo, off), min(hi, off + p.numel())
+                if s >= e:
+                    continue
+                flat = buffer[s:e]
+                master = flat if flat.dtype == torch.float32 else flat.float().clone()
+                grad = grads.buffer[s:e]  # reduce-scattered in place
+                self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
+        return Sharded(grads, buffer, group, size)
+
     # -- gradients -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.grads.zero()
+        for part in self.parts:
+            part.grads.zero()
 
     def start_grad_sync(self) -> None:
-        self.grads.start_sync()
+        for part in self.parts:
+            part.grads.start_sync()
 
     def finish_grad_sync(self) -> None:
-        self.grads.finish_sync()
+        for part in self.parts:
+            part.grads.finish_sync()
         # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
         allreduce_sequence_parallel_grads(
             [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm)
@@ -119,9 +151,10 @@ class Zero1Strategy(GradStrategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
         counted = [sg.grad for sg in self.segments if counts_once(sg.param, tp_rank, pp_rank)]
-        comms = [self.parallel.dp_cp_comm, self.parallel.mp_comm]  # shards over DP x CP, then one model replica
-        return clip_by_global_norm(counted, self.grads.shards(), max_norm, comms, self.grads.buffer.device,
-                                   optimizer=self.optimizer)
+        # shards over DP x CP (experts: over their replicas x EP, the same ranks), then one model replica
+        comms = [self.parallel.dp_cp_comm, self.parallel.mp_comm]
+        shards = [s for part in self.parts for s in part.grads.shards()]
+        return clip_by_global_norm(counted, shards, max_norm, comms, self.grads.buffer.device, optimizer=self.optimizer)
 
     # -- the update ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -139,25 +172,27 @@ class Zero1Strategy(GradStrategy):
         self.gather_params(background=self.overlap_param_gather)
 
     def gather_params(self, background: bool = False) -> None:
-        """All-gather every bucket of the param buffer over DP (each rank contributes its updated slice)."""
-        if self.parallel.dp_cp == 1:
-            return
-        for i, b in enumerate(self.grads.buckets):
-            lo, hi = self.grads.shard_range(b)
-            work = _all_gather(self.param_buffer[b.start : b.stop], self.param_buffer[lo:hi].clone(),
-                               group=self.parallel.dp_cp_group, async_op=background)
-            if background:
-                self._gathers[i] = work
+        """All-gather every bucket of the param buffers over DP (each rank contributes its updated slice)."""
+        for k, part in enumerate(self.parts):
+            if part.size == 1:
+                continue
+            for i, b in enumerate(part.grads.buckets):
+                lo, hi = part.grads.shard_range(b)
+                work = _all_gather(part.params[b.start : b.stop], part.params[lo:hi].clone(), group=part.group,
+                                   async_op=background)
+                if background:
+                    self._gathers[(k, i)] = work
 
-    def wait_params(self, buckets: list[int] | None = None) -> None:
-        """Wait for background all-gathers (all, or those of `buckets`)."""
-        for i in list(self._gathers) if buckets is None else buckets:
-            work = self._gathers.pop(i, None)
+    def wait_params(self, buckets: list[tuple[int, int]] | None = None) -> None:
+        """Wait for background all-gathers (all, or those of `buckets`: (part, bucket) pairs)."""
+        for key in list(self._gathers) if buckets is None else buckets:
+            work = self._gathers.pop(key, None)
             if work is not None:
                 work.wait()
 
     def _install_wait_hooks(self, model: nn.Module) -> None:
-        index = {id(p): i for i, b in enumerate(self.grads.buckets) for p in b.params}
+        index = {id(p): (k, i) for k, part in enumerate(self.parts) for i, b in enumerate(part.grads.buckets)
+                 for p in b.params}
         for module in model.modules():
             mine = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
             if mine:
@@ -194,7 +229,7 @@ class Zero1Strategy(GradStrategy):
                 else:
                     sg.master.copy_(sg.flat)
         self.gather_params()
-        self.grads.zero()
+        self.zero_grad()
 
     def state_bytes(self) -> int:
         if self.optimizer is None:
@@ -205,6 +240,8 @@ class Zero1Strategy(GradStrategy):
 
     def describe(self) -> str:
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
-        n = len(self.grads.buckets)
-        return f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}, {n} gradient bucket{'s' * (n != 1)}{gather})"
+        n = sum(len(part.grads.buckets) for part in self.parts)
+        experts = f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas" if len(self.parts) > 1 else ""
+        return (f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "
+                f"{n} gradient bucket{'s' * (n != 1)}{gather})")
 

@@ -407,13 +407,17 @@ def _validate_moe(cfg: Config, dp: int) -> None:
                           "ranks holding different data); change parallel.ep or the number of processes")
     if m.moe_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
-    if p.ep > 1 and p.dp_strategy != "ddp":
-        raise ConfigError(f"parallel.ep={p.ep} works with parallel.dp_strategy=ddp only (got {p.dp_strategy}); "
-                          "use ddp, or parallel.ep=1 (zero1 and fsdp then shard the experts over DP too)")
+    if p.ep > 1 and p.dp_strategy == "fsdp":
+        raise ConfigError(f"parallel.ep={p.ep} works with parallel.dp_strategy=ddp or zero1, not fsdp; use zero1 "
+                          "(experts sharded over their replicas), or parallel.ep=1 (fsdp then shards the experts over DP)")
     for key in ("compile", "cuda_graph"):
-        if getattr(t, key):
-            raise ConfigError(f"train.{key} is not supported with model.moe_experts yet (the router sizes each "
-                              f"expert's GEMM on the host, every step); set train.{key}=false")
+        if getattr(t, key) and p.ep > 1:
+            raise ConfigError(f"train.{key} is not supported with parallel.ep > 1 yet (the all-to-all is sized on "
+                              f"the host, every layer); set train.{key}=false or parallel.ep=1")
+    if t.cuda_graph and (t.dtype != "bfloat16" or t.fp8):
+        raise ConfigError("train.cuda_graph captures MoE experts only as grouped GEMMs, which need "
+                          "train.dtype=bfloat16 and train.fp8=false (otherwise each expert's GEMM is sized on the "
+                          "host); change those or set train.cuda_graph=false")
 
 
 def _validate_recompute(cfg: Config) -> None:

@@ -91,8 +91,10 @@ def activation_bytes(cfg, device_type: str) -> float:
     return layers * scale + loss + embedding
 
 
-def estimate(cfg, world_size: int, *, params: int, buffer_bytes: int = 0, device_type: str = "cuda") -> MemoryEstimate:
-    """Bytes one rank needs: `params` is its parameter count (TP-sharded, before any DP sharding)."""
+def estimate(cfg, world_size: int, *, params: int, expert_params: int = 0, buffer_bytes: int = 0,
+             device_type: str = "cuda") -> MemoryEstimate:
+    """Bytes one rank needs: `params` is its parameter count (TP-sharded, before any DP sharding), of which
+    `expert_params` are MoE experts (zero1 shards those over dp/ep replicas only)."""
     p = cfg.parallel
     dp = max(1, world_size // (p.tp * p.pp))
     compute = 2 if cfg.train.dtype == "bfloat16" else 4
@@ -104,8 +106,11 @@ def estimate(cfg, world_size: int, *, params: int, buffer_bytes: int = 0, device
         optimizer = 8 * P / dp
     else:
         weights, grads = P * compute, 4 * P
-        state = (4 * P if compute == 2 else 0.0) + 8 * P
-        optimizer = state / dp if p.dp_strategy == "zero1" else state
+        per_param = (4 if compute == 2 else 0) + 8  # fp32 master (bf16 params) and two moments
+        if p.dp_strategy == "zero1":  # the experts over their dp/ep replicas, the rest over dp
+            optimizer = per_param * ((P - expert_params) / dp + expert_params * p.ep / dp)
+        else:
+            optimizer = per_param * P
     return MemoryEstimate(weights, grads, optimizer, activation_bytes(cfg, device_type), float(buffer_bytes),
                           OVERHEAD.get(device_type, OVERHEAD["cpu"]))
 
