@@ -183,7 +183,9 @@ def test_each_option_with_no_hf_equivalent_is_named():
                            (dict(activation="swiglu"), "model.activation=swiglu has no GPT-2"),
                            (dict(bias=False), "model.bias=false has no GPT-2"), (dict(kv_heads=2), "model.kv_heads=2"),
                            (dict(norm="rmsnorm", position="rotary"), "model.activation=gelu has no Llama"),
-                           (dict(position="rotary"), "model.norm=layernorm with model.position=rotary")):
+                           (dict(position="rotary"), "model.norm=layernorm with model.position=rotary"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, moe_experts=4,
+                                 moe_shared_ffn=64), "model.moe_shared_ffn=64 has no Mixtral")):
         with pytest.raises(HFMappingError) as e:
             hf_architecture(ModelConfig(**options))
         assert str(e.value).startswith(named) and "\n" not in str(e.value), str(e.value)

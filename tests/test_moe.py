@@ -14,20 +14,23 @@ from tests.training_utils import assert_layouts_follow, train_in_process
 H, F, E, K = 16, 24, 4, 2
 
 
-def _naive(x: torch.Tensor, router: torch.Tensor, experts: dict, top_k: int):
-    """Each token through its top-k experts, one at a time: (output [T, h], Switch aux loss)."""
-    probs = torch.softmax(x @ router.t(), dim=-1)
+def _naive(x: torch.Tensor, router: torch.Tensor, experts: dict, top_k: int, shared: tuple):
+    """Each token through its top-k experts and the shared expert, one at a time: (output [T, h], Switch aux
+    loss, router z-loss)."""
+    swiglu = lambda w, v: w[2] @ (torch.nn.functional.silu(w[0] @ v) * (w[1] @ v))  # noqa: E731
+    logits = x @ router.t()
+    probs = torch.softmax(logits, dim=-1)
     top_p, top_i = probs.topk(top_k, dim=-1)
     weights = top_p / top_p.sum(-1, keepdim=True)
     rows = []
     for t in range(x.shape[0]):
-        row = 0
+        row = swiglu(shared, x[t])
         for j in range(top_k):
-            gate, up, down = experts[int(top_i[t, j])]
-            row = row + weights[t, j] * (down @ (torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])))
+            row = row + weights[t, j] * swiglu(experts[int(top_i[t, j])], x[t])
         rows.append(row)
     share = torch.bincount(top_i.flatten(), minlength=router.shape[0]).double() / (x.shape[0] * top_k)
-    return torch.stack(rows), router.shape[0] * (share * probs.mean(0)).sum()
+    z = torch.stack([torch.log(torch.exp(row).sum()) ** 2 for row in logits]).mean()
+    return torch.stack(rows), router.shape[0] * (share * probs.mean(0)).sum(), z
 
 
 def _solo_comm():
@@ -47,17 +50,20 @@ def _loop_worker():
     from tpframe.layers.moe import MoE
 
     torch.manual_seed(0)
-    moe = MoE(H, F, E, K, activation="swiglu", aux_loss_coeff=0.1, comm=_solo_comm(), dtype=torch.float64)
+    moe = MoE(H, F, E, K, activation="swiglu", aux_loss_coeff=0.1, z_loss_coeff=0.05, shared_ffn_hidden=20,
+              comm=_solo_comm(), dtype=torch.float64)
     x = torch.randn(6, 2, H, dtype=torch.float64, requires_grad=True)
     g = torch.randn(6, 2, H, dtype=torch.float64)
     (moe(x) * g).sum().backward()
     params = {n: p.detach().clone().requires_grad_() for n, p in moe.named_parameters()}
     ref_x = x.detach().clone().requires_grad_()
-    experts = {e: (*params[f"experts.{e}.fc1.weight"].chunk(2), params[f"experts.{e}.fc2.weight"]) for e in range(E)}
-    y, aux = _naive(ref_x.view(-1, H), params["router.weight"], experts, K)
-    ((y * g.view(-1, H)).sum() + 0.1 * aux).backward()
+    mlp = lambda name: (*params[f"{name}.fc1.weight"].chunk(2), params[f"{name}.fc2.weight"])  # noqa: E731
+    y, aux, z = _naive(ref_x.view(-1, H), params["router.weight"], {e: mlp(f"experts.{e}") for e in range(E)}, K,
+                       mlp("shared"))
+    ((y * g.view(-1, H)).sum() + 0.1 * aux + 0.05 * z).backward()
     assert torch.allclose(moe(x).view(-1, H), y, atol=1e-12)
     assert torch.allclose(moe.last_aux_loss, aux.detach(), atol=1e-12)
+    assert torch.allclose(moe.last_z_loss, z.detach(), atol=1e-12)
     assert torch.allclose(x.grad, ref_x.grad, atol=1e-12)
     for n, p in moe.named_parameters():
         assert torch.allclose(p.grad, params[n].grad, atol=1e-12), n
@@ -91,8 +97,8 @@ def _split_worker(tp: int, ep: int, sp: bool):
 
     def build(comm, ep_comm):
         torch.manual_seed(7)
-        return MoE(H, F, 8, K, activation="swiglu", aux_loss_coeff=0.1, sequence_parallel=sp and comm.size > 1,
-                   comm=comm, ep_comm=ep_comm, dtype=torch.float64)
+        return MoE(H, F, 8, K, activation="swiglu", aux_loss_coeff=0.1, z_loss_coeff=0.05, shared_ffn_hidden=F,
+                   sequence_parallel=sp and comm.size > 1, comm=comm, ep_comm=ep_comm, dtype=torch.float64)
 
     moe, ref = build(state.tp_comm, state.ep_comm), build(solo, None)
     # this rank: its DP rank's tokens (its sequence slice under SP); the objective is the mean over DP ranks
@@ -113,6 +119,8 @@ def _split_worker(tp: int, ep: int, sp: bool):
     dist.all_reduce(router.grad, group=state.dp_group)
     for p in moe.experts.parameters():
         dist.all_reduce(p.grad, group=state.edp_group)
+    for p in moe.shared.parameters():  # dense: TP-split, replicated over every DP rank
+        dist.all_reduce(p.grad, group=state.dp_group)
     mine = gather_full_tensors(moe, state.tp_comm, "grad")
     full = gather_full_tensors(ref, solo, "grad")
     errors = {n: (mine[n] - full[n]).abs().max().item() for n in mine}
@@ -155,6 +163,7 @@ LAYOUTS = {
                    "parallel.overlap_param_gather=true"],
 }
 COMMON = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_aux_loss=0.1",
+          "model.moe_shared_ffn=32", "model.moe_z_loss=0.01",
           "model.activation=swiglu", "model.bias=false", "model.position=rotary", "train.micro_batch_size=2",
           "train.global_batch_size=16", "train.eval_interval=5", "train.eval_steps=2", "parallel.tp=1"]
 
@@ -187,6 +196,7 @@ def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path)
     ref = {r["step"]: r for r in ref_history}
     assert len(ref) == 10 and ref[10]["loss"] < ref[1]["loss"]
     assert all(0.5 < r["moe_aux_loss"] < 4.0 for r in ref_history)  # logged: near 1 when balanced
+    assert all(r["moe_z_loss"] > 0 for r in ref_history)
     assert_layouts_follow(ref_history, results, grad_norm_rel=1e-4)
     for name, (history, weights) in results.items():
         if weights is not None:
@@ -228,6 +238,7 @@ def test_cuda_grouped_gemm_experts_equal_the_per_expert_loop_in_bf16(recompute_a
 
 
 MOE_GPU = ["parallel.tp=1", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64",
+           "model.moe_shared_ffn=64", "model.moe_z_loss=0.001",
            "model.activation=swiglu", "model.bias=false", "model.position=rotary", "train.dtype=bfloat16",
            "train.steps=8", "optim.grad_clip=0"]
 

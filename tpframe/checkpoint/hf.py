@@ -75,6 +75,9 @@ def hf_architecture(m: ModelConfig) -> str:
                                  "whose MLP is SwiGLU); set model.activation=swiglu")
         if m.moe_experts and m.bias:
             raise HFMappingError("model.bias=true has no Mixtral equivalent (Mixtral has no biases); set model.bias=false")
+        if m.moe_shared_ffn:
+            raise HFMappingError(f"model.moe_shared_ffn={m.moe_shared_ffn} has no Mixtral equivalent (Mixtral has no "
+                                 "shared expert); export without one, or use tpframe's own format")
         return "mixtral" if m.moe_experts else "llama"
     raise HFMappingError(
         f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "

@@ -8,12 +8,15 @@
       combine  each token's expert outputs weighted by its router weights and summed, still partial over TP
     -> leave the TP region: all-reduce (or reduce-scatter under SP) -> [s(/tp), b, h]
 
-So TP costs the same two collectives per direction as the dense MLP, and every TP rank routes the same
-tokens the same way. Load balancing: Switch Transformer's auxiliary loss coeff * E * sum_e f_e * P_e (f_e
+A shared expert (`shared_ffn_hidden` > 0: DeepSeek-MoE's, Megatron's moe_shared_expert_intermediate_size) is
+one more bias-free MLP that every token goes through, its partial output added before the layer leaves the
+TP region. So TP costs the same two collectives per direction as the dense MLP, and every TP rank routes the
+same tokens the same way. Load balancing: Switch Transformer's auxiliary loss coeff * E * sum_e f_e * P_e (f_e
 the share of routed slots that chose expert e, counted over the micro-batch's whole sequences, i.e. summed
-over CP; P_e the mean router probability of e). It enters training through its gradient only (Megatron's
-MoEAuxLossAutoScaler), so the reported loss stays the language-model loss; `aux_loss_scale` (set by the
-trainer to 1/micro-batches, `set_aux_loss_scale`) weighs it like the micro-batch's loss.
+over CP; P_e the mean router probability of e). ST-MoE's router z-loss (`z_loss_coeff` times the mean of
+logsumexp(logits)^2) keeps the router's logits small. Both enter training through their gradients only
+(Megatron's MoEAuxLossAutoScaler), so the reported loss stays the language-model loss; `aux_loss_scale` (set
+by the trainer to 1/micro-batches, `set_aux_loss_scale`) weighs them like the micro-batch's loss.
 
 Without autograd (generation, evaluation) and for at most `DENSE_MAX_TOKENS` tokens (a decode step), every
 expert runs on every token instead, weighted by zero where it was not chosen: no host synchronization, so
@@ -133,6 +136,8 @@ class MoE(nn.Module):
         *,
         activation: str = "swiglu",
         aux_loss_coeff: float = 0.01,
+        z_loss_coeff: float = 0.0,
+        shared_ffn_hidden: int = 0,
         sequence_parallel: bool = False,
         comm: Communicator | None = None,
         ep_comm: Communicator | None = None,
@@ -154,9 +159,11 @@ class MoE(nn.Module):
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.local_experts = num_experts // ep
         self.first_expert = ep_rank * self.local_experts
-        self.sequence_parallel, self.aux_loss_coeff = sequence_parallel, aux_loss_coeff
+        self.sequence_parallel, self.aux_loss_coeff, self.z_loss_coeff = sequence_parallel, aux_loss_coeff, z_loss_coeff
         self.aux_loss_scale = 1.0
-        self.last_aux_loss: torch.Tensor | None = None  # the latest forward's auxiliary loss (detached), for logging
+        # the latest training forward's load-balancing loss and z-loss (detached), for logging
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
         device = device or self.comm.device
         # decided here, not per call: torch.compile traces `_grouped` without asking the driver
         self._hopper = (_GROUPED_MM and torch.device(device).type == "cuda"
@@ -169,15 +176,18 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False, device="meta")  # [E, h]; used through F.linear
         self.router.weight = tag_param(nn.Parameter(router.to(device=device, dtype=dtype)), None, sequence_parallel=True)
         base = torch.initial_seed()
+        mlp = dict(activation=activation, bias=False, sequence_parallel=sequence_parallel, comm=self.comm,
+                   init_method=init_method, output_init_method=output_init_method, dtype=dtype, device=device)
+        self.shared = None
+        if shared_ffn_hidden:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(base + 7919 * (num_experts + 1))
+                self.shared = ParallelMLP(hidden, shared_ffn_hidden, **mlp)
         experts = {}
         for e in range(self.first_expert, self.first_expert + self.local_experts):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(base + 7919 * (e + 1))
-                experts[str(e)] = ParallelMLP(
-                    hidden, ffn_hidden, activation=activation, bias=False, sequence_parallel=sequence_parallel,
-                    comm=self.comm, init_method=init_method, output_init_method=output_init_method, dtype=dtype,
-                    device=device,
-                )
+                experts[str(e)] = ParallelMLP(hidden, ffn_hidden, **mlp)
         self.experts = nn.ModuleDict(experts)
         for p in self.experts.parameters():
             p.expert = True  # split over EP: gradient strategies reduce it over the expert's replicas only
@@ -190,20 +200,30 @@ class MoE(nn.Module):
         x = x if entered else self.enter(x)
         tokens = x.reshape(-1, self.hidden)
         router_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
-        probs = torch.softmax(F.linear(tokens.to(router_dtype), self.router.weight.to(router_dtype)), dim=-1)  # [T, E]
+        logits = F.linear(tokens.to(router_dtype), self.router.weight.to(router_dtype))  # [T, E]
+        probs = torch.softmax(logits, dim=-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)
         weights = (top_p / top_p.sum(dim=-1, keepdim=True)).to(x.dtype)
         counts = None if not torch.is_grad_enabled() else _bincount(top_i, self.num_experts)
-        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        # carried by the router weights' backward, which runs on every TP rank with the same value:
+        # 1/tp of the gradient on each sums to one
+        scale = self.aux_loss_scale / self.comm.size
+        if training and self.aux_loss_coeff > 0:
             aux = self._aux_loss(probs, counts)
             self.last_aux_loss = aux.detach()
-            # carried by the router weights' backward, which runs on every TP rank with the same value:
-            # 1/tp of the gradient on each sums to one
-            weights = _AttachAuxLoss.apply(weights, aux, self.aux_loss_coeff * self.aux_loss_scale / self.comm.size)
+            weights = _AttachAuxLoss.apply(weights, aux, self.aux_loss_coeff * scale)
+        if training and self.z_loss_coeff > 0:
+            z = torch.logsumexp(logits, dim=-1).square().mean()
+            self.last_z_loss = z.detach()
+            weights = _AttachAuxLoss.apply(weights, z, self.z_loss_coeff * scale)
         if not torch.is_grad_enabled() and self.ep_comm is None and tokens.shape[0] <= DENSE_MAX_TOKENS:
-            out = self._dense(tokens, top_i, weights).view_as(x)
+            out = self._dense(tokens, top_i, weights)
         else:
-            out = self._dispatch(tokens, top_i, weights, counts, recompute_activation).view_as(x)
+            out = self._dispatch(tokens, top_i, weights, counts, recompute_activation)
+        if self.shared is not None:
+            out = out + self.shared(tokens, entered=True, reduce=False, recompute_activation=recompute_activation)
+        out = out.view_as(x)
         if self.sequence_parallel:
             return reduce_scatter_to_sp(out, self.comm)
         return reduce_from_tp(out, self.comm, donate=True)
@@ -294,4 +314,5 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         ep = self.ep_comm.size if self.ep_comm else 1
         return (f"experts={self.num_experts} (experts {self.first_expert}..{self.first_expert + self.local_experts - 1} "
-                f"here, ep={ep}), top_k={self.top_k}, aux_loss_coeff={self.aux_loss_coeff}, sp={self.sequence_parallel}")
+                f"here, ep={ep}), top_k={self.top_k}, aux_loss_coeff={self.aux_loss_coeff}, "
+                f"z_loss_coeff={self.z_loss_coeff}, sp={self.sequence_parallel}")

@@ -35,6 +35,8 @@ class ModelConfig:
     moe_top_k: int = 2  # experts per token
     moe_ffn_hidden: int | None = None  # each expert's hidden size; None: as the dense MLP's (ffn_hidden)
     moe_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer's); 0: none
+    moe_z_loss: float = 0.0  # weight of the router z-loss (ST-MoE's: mean logsumexp(logits)^2); 0: none
+    moe_shared_ffn: int = 0  # hidden size of a shared expert every token also goes through; 0: none
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
@@ -64,6 +66,8 @@ def architecture(m: ModelConfig) -> dict:
         arch.pop("max_seq_len")
     if m.moe_experts:  # dense models keep the keys their checkpoints were written with
         arch.update(moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, moe_ffn_hidden=moe_ffn_hidden_size(m))
+        if m.moe_shared_ffn:
+            arch.update(moe_shared_ffn=m.moe_shared_ffn)
     return arch
 
 

@@ -71,7 +71,8 @@ class TransformerBlock(nn.Module):
         if cfg.moe_experts:
             common.pop("bias")
             self.mlp = MoE(cfg.hidden, moe_ffn_hidden_size(cfg), cfg.moe_experts, cfg.moe_top_k, activation=cfg.activation,
-                           aux_loss_coeff=cfg.moe_aux_loss, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
+                           aux_loss_coeff=cfg.moe_aux_loss, z_loss_coeff=cfg.moe_z_loss,
+                           shared_ffn_hidden=cfg.moe_shared_ffn, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
         else:
             self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
         self.attn.fused_rotary = self.attn.fused_decode = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
@@ -250,8 +251,9 @@ class GPT(nn.Module):
         ffn = moe_ffn_hidden_size(c) if c.moe_experts else ffn_hidden_size(c)
         fc1 = 2 * ffn if c.activation == "swiglu" else ffn
         mlp = h * fc1 + ffn * h
-        if c.moe_experts:  # the router, and the experts each token goes through
-            mlp = h * c.moe_experts + c.moe_top_k * mlp
+        if c.moe_experts:  # the router, the experts each token goes through, and the shared expert
+            shared = c.moe_shared_ffn
+            mlp = h * c.moe_experts + c.moe_top_k * mlp + h * (2 * shared if c.activation == "swiglu" else shared) + shared * h
         layer = 2 * (h * (h + 2 * kv) + h * h + mlp) + 4 * seq_len * h
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         return 3.0 * (c.layers * layer + 2 * h * padded)

@@ -394,12 +394,21 @@ def _validate_moe(cfg: Config, dp: int) -> None:
         if p.ep > 1:
             raise ConfigError(f"parallel.ep={p.ep} splits the experts of a mixture-of-experts model; set "
                               "model.moe_experts (e.g. 8) or parallel.ep=1")
+        for key in ("moe_shared_ffn", "moe_z_loss"):
+            if getattr(m, key):
+                raise ConfigError(f"model.{key}={getattr(m, key)} belongs to a mixture-of-experts model; set "
+                                  f"model.moe_experts (e.g. 8) or model.{key}=0")
         return
     if not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.moe_experts={m.moe_experts}")
     ffn = moe_ffn_hidden_size(m)
     if ffn < 1 or ffn % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide each expert's hidden size model.moe_ffn_hidden={ffn}")
+    if m.moe_shared_ffn < 0 or m.moe_shared_ffn % p.tp:
+        raise ConfigError(f"model.moe_shared_ffn={m.moe_shared_ffn} (the shared expert's hidden size; 0: none) must "
+                          f"be a non-negative multiple of parallel.tp={p.tp}")
+    if m.moe_z_loss < 0:
+        raise ConfigError(f"model.moe_z_loss={m.moe_z_loss} must not be negative (0: no router z-loss)")
     if m.moe_aux_loss < 0:
         raise ConfigError(f"model.moe_aux_loss={m.moe_aux_loss} must not be negative (0: no load-balancing loss)")
     if (dp * p.cp) % p.ep:

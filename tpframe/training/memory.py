@@ -76,6 +76,7 @@ def activation_bytes(cfg, device_type: str) -> float:
         def mlp(ffn: int) -> float:  # what an MLP keeps inside the TP region, per sbh (16 at a GELU ffn of 4h)
             return 2.0 * ((2 if m.activation == "swiglu" else 1) * ffn + ffn) / h / tp
         per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) + 4.0) - mlp(ffn_hidden_size(m)))
+        per_layer += sbh * (mlp(m.moe_shared_ffn) + 2.0 / tp) if m.moe_shared_ffn else 0.0
     if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
         kv_hidden = (m.kv_heads or m.heads) * (h // a)
         per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_hidden / tp

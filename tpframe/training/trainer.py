@@ -84,20 +84,24 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         if self.cfg.model.moe_experts:  # every rank takes part (a stage may hold no MoE layer)
-            metrics["moe_aux_loss"] = self._moe_aux_loss()
+            metrics.update(self._moe_losses())
         return metrics
 
-    def _moe_aux_loss(self) -> float:
-        """The last micro-batch's load-balancing loss, averaged over every MoE layer of the model and the replicas."""
+    def _moe_losses(self) -> dict[str, float]:
+        """The last micro-batch's load-balancing loss (and router z-loss, when on), each averaged over every MoE
+        layer of the model and the replicas: one all-reduce."""
         import torch.distributed as dist
 
-        values = [m.last_aux_loss for m in self.moe_layers if m.last_aux_loss is not None]
-        total = torch.zeros(2, dtype=torch.float32, device=self.parallel.device)
-        if values:
-            total[0], total[1] = torch.stack(values).float().sum(), len(values)
+        kinds = {"moe_aux_loss": "last_aux_loss", **({"moe_z_loss": "last_z_loss"} if self.cfg.model.moe_z_loss else {})}
+        total = torch.zeros(len(kinds), 2, dtype=torch.float32, device=self.parallel.device)
+        for row, attr in enumerate(kinds.values()):
+            values = [getattr(m, attr) for m in self.moe_layers if getattr(m, attr) is not None]
+            if values:
+                total[row, 0], total[row, 1] = torch.stack(values).float().sum(), len(values)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
-        return (total[0] / total[1].clamp(min=1)).item()
+        means = (total[:, 0] / total[:, 1].clamp(min=1)).tolist()
+        return dict(zip(kinds, means))
 
     def _attempt(self) -> tuple[float, float]:
         """One try of the step: (loss averaged over DP, global gradient norm); no update yet."""
