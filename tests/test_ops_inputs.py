@@ -137,6 +137,8 @@ CASES = [
      "examples.parallel_llama needs"),
     ("tp-divides-nothing", lambda t, s: (["parallel.tp=3"], {"WORLD_SIZE": "3"}),
      "parallel.tp=3 does not divide model.heads=4"),
+    ("world-not-divisible", lambda t, s: (["parallel.tp=2"], {"WORLD_SIZE": "3"}),
+     "world size 3 is not divisible by parallel.tp*parallel.pp = 2*1"),
     ("batch-not-divisible", lambda t, s: (["train.global_batch_size=10"], {}),
      "train.global_batch_size=10 is not divisible"),
     ("cuda-graph-on-cpu", lambda t, s: (["train.cuda_graph=true"], {}), "train.cuda_graph needs a CUDA device"),

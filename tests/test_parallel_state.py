@@ -170,7 +170,7 @@ def test_failure_reports_rank_and_traceback():
 
 def test_hang_times_out():
     with pytest.raises(TimeoutError, match="did not finish"):
-        run_distributed(_hangs_on_rank_0, 2, timeout=8)
+        run_distributed(_hangs_on_rank_0, 2, timeout=3)
 
 
 def _fails_on_rank_1():

@@ -82,7 +82,7 @@ def _torchrun(nproc, args, cwd=REPO, timeout=600, env=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [2])  # the README's layout; TP=1 x DP=2 trains to the same losses (test_data_parallel)
 def test_tiny_config_learns_under_torchrun(tmp_path, tp):
     """The README's first command, shortened: the loss falls by more than 2 nats in 60 steps."""
     out = _torchrun(
@@ -100,16 +100,11 @@ def test_tiny_config_learns_under_torchrun(tmp_path, tp):
     assert (tmp_path / "checkpoints" / "latest").exists()
 
 
+# `python train.py` itself, as a subprocess: a mistake found while parsing and one found once the data is built.
+# Every other bad input is checked in-process (tests/test_ops_inputs.py), and through the launchers there.
 BAD_CONFIGS = [
     (["model.hiden=64"], {}, "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
-    (["train.steps=many"], {}, "train.steps='many' must be an integer"),
-    (["parallel.tp=3"], {"WORLD_SIZE": "3"}, "parallel.tp=3 does not divide model.heads=4"),
-    (["parallel.tp=2"], {"WORLD_SIZE": "3"}, "world size 3 is not divisible by parallel.tp*parallel.pp = 2*1"),
-    (["train.global_batch_size=20"], {}, "train.global_batch_size=20 is not divisible by train.micro_batch_size*dp"),
     (["model.vocab_size=100"], {}, "the data has token ids up to 255 but model.vocab_size=100"),
-    (["data.source=tokens", "data.path=/nonexistent/tokens.bin"], {}, "/nonexistent/tokens.bin"),
-    (["checkpoint.load=/nonexistent/ckpt"], {}, "checkpoint '/nonexistent/ckpt' does not exist"),
-    (["model.name=nosuchmodule:build"], {}, "cannot import 'nosuchmodule'"),
 ]
 
 
