@@ -161,6 +161,7 @@ LAYOUTS = {
     # experts sharded over their 2 replicas, the rest over 4; small buckets, gathers overlapped with the forward
     "ep=2 zero1": ["parallel.ep=2", "parallel.dp_strategy=zero1", "parallel.grad_bucket_mb=0.01",
                    "parallel.overlap_param_gather=true"],
+    "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas
 }
 COMMON = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_aux_loss=0.1",
           "model.moe_shared_ffn=32", "model.moe_z_loss=0.01",
@@ -179,7 +180,7 @@ def _train_layouts(tmp: str):
     for name, extra in LAYOUTS.items():
         trainer = train_in_process([*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"],
                                    keep_trainer=True)
-        plain = not any(k in " ".join(extra) for k in ("tp=2", "pp=2"))  # whole parameters (some experts) here
+        plain = not any(k in " ".join(extra) for k in ("tp=2", "pp=2", "fsdp"))  # whole parameters (some experts) here
         out[name] = (trainer.history, _weights(trainer) if plain else None)
     # the step-5 checkpoint of the TP=2 x EP=2 zero1 run resumes with ddp without EP, at EP=4, and at TP=2 x DP=2
     saved = f"{tmp}/tp=2 x ep=2 zero1/checkpoints/step_00000005"

@@ -226,6 +226,8 @@ def test_memory_estimate_bytes_per_parameter_by_strategy():
     moe = ("parallel.tp=1", "train.dtype=bfloat16", "parallel.dp_strategy=zero1", "parallel.ep=2", "model.moe_experts=4")
     e = estimate(_cfg(*moe), 4, params=10**6, expert_params=6 * 10**5, device_type="cuda")
     assert e.optimizer == 12 * (4e5 / 4 + 6e5 / 2)  # the dense state over dp=4, the experts' over their 2 replicas
+    e = estimate(_cfg(*moe[:2], "parallel.dp_strategy=fsdp", *moe[3:]), 4, params=10**6, expert_params=6 * 10**5)
+    assert e.optimizer == 8 * (4e5 / 4 + 6e5 / 2)  # fsdp: the moments of the shards, sharded the same way
     deep = ("parallel.tp=2", "model.layers=24")  # fsdp also holds a gathered layer or two, in full
     assert static(8, *deep, "parallel.dp_strategy=fsdp") < 0.5 * static(8, *deep, "parallel.dp_strategy=zero1")
 

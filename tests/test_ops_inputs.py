@@ -202,8 +202,6 @@ CASES = [
      "parallel.ep=4 must divide dp*cp = 2*1 = 2"),
     ("ep-experts", lambda t, s: (["model.moe_experts=3", "model.moe_top_k=1", "parallel.ep=2"], {"WORLD_SIZE": "2"}),
      "parallel.ep=2 must divide model.moe_experts=3"),
-    ("ep-fsdp", lambda t, s: (["model.moe_experts=4", "parallel.ep=2", "parallel.dp_strategy=fsdp"],
-                              {"WORLD_SIZE": "2"}), "works with parallel.dp_strategy=ddp or zero1, not fsdp"),
     ("moe-ep-compile", lambda t, s: (["model.moe_experts=4", "parallel.ep=2", "train.compile=true"],
                                      {"WORLD_SIZE": "2"}), "train.compile is not supported with parallel.ep > 1"),
     ("moe-cuda-graph-fp32", lambda t, s: (["model.moe_experts=4", "train.cuda_graph=true"], {}),

@@ -189,6 +189,8 @@ class MoE(nn.Module):
                 torch.manual_seed(base + 7919 * (e + 1))
                 experts[str(e)] = ParallelMLP(hidden, ffn_hidden, **mlp)
         self.experts = nn.ModuleDict(experts)
+        for expert in self.experts.values():
+            expert.is_expert = True  # an FSDP unit of its own under EP (tpframe/optim/fsdp.py)
         for p in self.experts.parameters():
             p.expert = True  # split over EP: gradient strategies reduce it over the expert's replicas only
 

@@ -7,6 +7,10 @@ positions, final norm and head. Params are stored in fp32 (they are the masters)
 fp32 (`MixedPrecisionPolicy`). Gradients are reduce-scattered after every micro-batch, so the sharded
 fp32 grads accumulate across micro-batches (no unsharded bf16 accumulation). AdamW runs on the shards.
 
+With expert parallelism (parallel.ep > 1) each MoE expert is an FSDP unit of its own, sharded over its
+replicas (the `edp` group, dp*cp/ep ranks) rather than all of DP x CP, its gradients summed there and
+divided by dp*cp like every other gradient (each expert already saw every EP rank's tokens).
+
 FSDP2 replaces the parameter objects, so the TP tags (`tp_dim`, ...) are recorded by name first and
 put back on the sharded params: checkpoints hold the same global logical tensors as ddp and zero1.
 """
@@ -66,8 +70,17 @@ class FSDPStrategy(GradStrategy):
         mixed = compute_dtype != torch.float32
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32 if mixed else None)
         mesh = parallel.dp_cp_mesh  # the gradient replicas: dp (x cp)
+        expert_mesh = None
+        if parallel.ep > 1:  # an expert's replicas
+            from torch.distributed.device_mesh import DeviceMesh
+
+            expert_mesh = DeviceMesh.from_group(parallel.edp_group, parallel.device.type)
         for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
             for block in root.blocks.values() if hasattr(root, "blocks") else []:
+                for expert in [m for m in block.modules() if getattr(m, "is_expert", False)] if expert_mesh else []:
+                    fully_shard(expert, mesh=expert_mesh, mp_policy=policy)
+                    expert.set_force_sum_reduction_for_comms(True)  # summed over the replicas, then / dp*cp
+                    expert.set_gradient_divide_factor(parallel.dp_cp)
                 fully_shard(block, mesh=mesh, mp_policy=policy)
             fully_shard(root, mesh=mesh, mp_policy=policy)
         self.model = model
@@ -132,4 +145,6 @@ class FSDPStrategy(GradStrategy):
         return moments  # the sharded fp32 params are the masters and the model at once
 
     def describe(self) -> str:
-        return f"fsdp (FSDP2 over {replicas_label(self.parallel)}, fp32 shards, compute in {str(self.compute_dtype).replace('torch.', '')})"
+        experts = f", experts over their {self.parallel.edp} replicas (ep={self.parallel.ep})" if self.parallel.ep > 1 else ""
+        return (f"fsdp (FSDP2 over {replicas_label(self.parallel)}{experts}, fp32 shards, "
+                f"compute in {str(self.compute_dtype).replace('torch.', '')})")

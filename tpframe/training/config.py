@@ -416,9 +416,6 @@ def _validate_moe(cfg: Config, dp: int) -> None:
                           "ranks holding different data); change parallel.ep or the number of processes")
     if m.moe_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
-    if p.ep > 1 and p.dp_strategy == "fsdp":
-        raise ConfigError(f"parallel.ep={p.ep} works with parallel.dp_strategy=ddp or zero1, not fsdp; use zero1 "
-                          "(experts sharded over their replicas), or parallel.ep=1 (fsdp then shards the experts over DP)")
     for key in ("compile", "cuda_graph"):
         if getattr(t, key) and p.ep > 1:
             raise ConfigError(f"train.{key} is not supported with parallel.ep > 1 yet (the all-to-all is sized on "

@@ -95,21 +95,22 @@ def activation_bytes(cfg, device_type: str) -> float:
 def estimate(cfg, world_size: int, *, params: int, expert_params: int = 0, buffer_bytes: int = 0,
              device_type: str = "cuda") -> MemoryEstimate:
     """Bytes one rank needs: `params` is its parameter count (TP-sharded, before any DP sharding), of which
-    `expert_params` are MoE experts (zero1 shards those over dp/ep replicas only)."""
+    `expert_params` are MoE experts (zero1 and fsdp shard those over dp/ep replicas only)."""
     p = cfg.parallel
     dp = max(1, world_size // (p.tp * p.pp))
     compute = 2 if cfg.train.dtype == "bfloat16" else 4
     P = float(params)
+    sharded = (P - expert_params) / dp + expert_params * p.ep / dp  # experts: over their dp/ep replicas
     if p.dp_strategy == "fsdp":
         layer = P / max(1, cfg.model.layers)
-        weights = 4 * P / dp + 2 * layer * compute  # fp32 shards + the gathered layer (and the next, prefetched)
-        grads = 4 * P / dp + layer * 4
-        optimizer = 8 * P / dp
+        weights = 4 * sharded + 2 * layer * compute  # fp32 shards + the gathered layer (and the next, prefetched)
+        grads = 4 * sharded + layer * 4
+        optimizer = 8 * sharded
     else:
         weights, grads = P * compute, 4 * P
         per_param = (4 if compute == 2 else 0) + 8  # fp32 master (bf16 params) and two moments
-        if p.dp_strategy == "zero1":  # the experts over their dp/ep replicas, the rest over dp
-            optimizer = per_param * ((P - expert_params) / dp + expert_params * p.ep / dp)
+        if p.dp_strategy == "zero1":
+            optimizer = per_param * sharded
         else:
             optimizer = per_param * P
     return MemoryEstimate(weights, grads, optimizer, activation_bytes(cfg, device_type), float(buffer_bytes),
