@@ -184,8 +184,6 @@ CASES = [
      "train.seq_len/parallel.cp = 6 tokens over parallel.tp=4; make train.seq_len a multiple of 8"),
     ("cp-cuda-graph", lambda t, s: (["parallel.cp=2", "train.cuda_graph=true"], {"WORLD_SIZE": "2"}),
      "train.cuda_graph is not supported with parallel.cp > 1"),
-    ("cp-compile", lambda t, s: (["parallel.cp=2", "train.compile=true"], {"WORLD_SIZE": "2"}),
-     "train.compile is not supported with parallel.cp > 1 yet"),
     ("cp-user-model", lambda t, s: (["parallel.cp=2", "model.name=examples.parallel_llama:build"], {"WORLD_SIZE": "2"}),
      "does not implement context parallelism"),
     # mixture of experts (parallel.ep: experts split over ranks of dp x cp)

@@ -170,7 +170,9 @@ def test_compile_and_async_tp_keys_parse_and_async_tp_needs_sequence_parallel():
         validate(load_config(None, ["parallel.tp=2", "parallel.async_tp=true"]), 2)
 
 
-def _train_compiled_and_eager(tmp):
+def _train_compiled_and_eager(tmp, common, compiled_extra, fullgraph):
+    import torch._dynamo
+
     from tests.training_utils import train_in_process
     from tpframe.models import compile as compile_module
 
@@ -178,21 +180,37 @@ def _train_compiled_and_eager(tmp):
     # aot_eager: AOTAutograd traces forward and backward through the collectives' fake implementations without
     # needing a C++ toolchain; train.py's wiring is what is under test here
     compile_module.compile_model = lambda model, **kw: compiled_blocks.append(
-        inductor(model, backend="aot_eager", fullgraph=True))
-    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
+        inductor(model, backend="aot_eager", fullgraph=fullgraph))
+    torch._dynamo.reset()
     losses = {}
-    for name, extra in (("eager", []), ("compiled + async_tp", ["train.compile=true", "parallel.async_tp=true"])):
-        losses[name] = [r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{name[:4]}"])]
-    return losses, compiled_blocks
+    for name, extra in (("eager", []), ("compiled", ["train.compile=true", *compiled_extra])):
+        losses[name] = [r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{name}"])]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return losses, compiled_blocks, breaks
 
 
-def test_train_compile_and_async_tp_train_like_eager_at_tp2(tmp_path):
-    losses, compiled_blocks = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), timeout=300)[0]
+def _assert_compiled_trains_like_eager(losses, compiled_blocks):
     assert compiled_blocks == [2], f"train.compile=true must compile the 2 blocks once, got {compiled_blocks}"
-    eager, compiled = losses["eager"], losses["compiled + async_tp"]
+    eager, compiled = losses["eager"], losses["compiled"]
     assert len(eager) == len(compiled) == 3
     for step, (a, b) in enumerate(zip(compiled, eager), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: compiled loss {a!r} vs eager {b!r}"
+
+
+def test_train_compile_and_async_tp_train_like_eager_at_tp2(tmp_path):
+    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
+    losses, compiled_blocks, _ = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), common,
+                                                 ["parallel.async_tp=true"], True, timeout=300)[0]
+    _assert_compiled_trains_like_eager(losses, compiled_blocks)
+
+
+def test_train_compile_with_context_parallelism_trains_like_eager(tmp_path):
+    """CP attention runs eager between the compiled parts of each block (one graph break each)."""
+    common = ["parallel.tp=1", "parallel.cp=2", "model.position=rotary", "train.steps=3"]
+    losses, compiled_blocks, breaks = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), common, [], False,
+                                                      timeout=300)[0]
+    _assert_compiled_trains_like_eager(losses, compiled_blocks)
+    assert breaks >= 1, "CP attention must run as a graph break (torch.compiler.disable)"
 
 
 def _async_tp_functions_match_plain():

@@ -79,6 +79,7 @@ def order_chunks(g: torch.Tensor) -> torch.Tensor:
     return torch.cat([*first, *second], dim=-2)
 
 
+@torch.compiler.disable  # eager inside a compiled block (a graph break): torch.compile traces no lower-right mask
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
                                dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence's keys.
@@ -98,8 +99,9 @@ def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ra
     (`_ChunkAttention`). Where the fused kernels do not apply (dropout, head dim > 128, other dtypes) or do not pay
     (CUDA chunks under MERGE_MIN_CHUNK queries) two SDPA calls
     with the causal mask aligned to the last key (torch's lower-right causal bias) compute the same (`fused=False`
-    forces that path). Eager only: torch.compile traces neither the bias (a tensor subclass) nor, yet, this
-    module's kernel calls, so train.py refuses train.compile with parallel.cp > 1."""
+    forces that path). Eager only: torch.compile does not reliably trace the bias (a tensor subclass) or this
+    module's kernel calls, so `context_parallel_attention` is excluded from it (train.compile with parallel.cp > 1
+    compiles the rest of each block, around one graph break)."""
     c = _check(q.shape[-2], size)
     fused = fused and dropout_p == 0 and (c >= MERGE_MIN_CHUNK or not q.is_cuda) and _backend(q) is not None
     outs = []
