@@ -98,7 +98,7 @@ class Zero1Strategy(GradStrategy):
         no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
         self.optimizer = make_adamw(decay, no_decay, cfg) if self.segments else None
         self.overlap_param_gather = overlap_param_gather
-        self._gathers: dict[int, object] = {}  # bucket index -> in-flight all-gather
+        self._gathers: dict[tuple[int, int], object] = {}  # (part, bucket) -> in-flight all-gather
         self._hooks = []
         if overlap_param_gather and parallel.dp_cp > 1:
             self._install_wait_hooks(model)
