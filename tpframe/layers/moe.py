@@ -55,6 +55,12 @@ DENSE_MAX_TOKENS = 64
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
+def grouped_gemms_available(device: torch.device | str) -> bool:
+    """Whether experts on `device` can run as grouped GEMMs (torch._grouped_mm: CUDA, Hopper or newer)."""
+    device = torch.device(device)
+    return _GROUPED_MM and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _bincount(top_i: torch.Tensor, n: int) -> torch.Tensor:
     """Slots per expert, [n] int64, without torch.bincount's device-to-host synchronization on CUDA."""
     flat = top_i.flatten()
@@ -166,8 +172,7 @@ class MoE(nn.Module):
         self.last_z_loss: torch.Tensor | None = None
         device = device or self.comm.device
         # decided here, not per call: torch.compile traces `_grouped` without asking the driver
-        self._hopper = (_GROUPED_MM and torch.device(device).type == "cuda"
-                        and torch.cuda.get_device_capability(device) >= (9, 0))
+        self._hopper = grouped_gemms_available(device)
         init_method = init_method or normal_init()
         router = torch.empty(num_experts, hidden, dtype=torch.float32)
         init_method(router)

@@ -248,12 +248,12 @@ class GPT(nn.Module):
         c = self.cfg
         h, d = c.hidden, c.hidden // c.heads
         kv = (c.kv_heads or c.heads) * d
-        ffn = moe_ffn_hidden_size(c) if c.moe_experts else ffn_hidden_size(c)
-        fc1 = 2 * ffn if c.activation == "swiglu" else ffn
-        mlp = h * fc1 + ffn * h
+        def mlp_macs(ffn: int) -> int:  # fc1 (gate and up for swiglu) and fc2
+            return h * (2 * ffn if c.activation == "swiglu" else ffn) + ffn * h
+
+        mlp = mlp_macs(ffn_hidden_size(c))
         if c.moe_experts:  # the router, the experts each token goes through, and the shared expert
-            shared = c.moe_shared_ffn
-            mlp = h * c.moe_experts + c.moe_top_k * mlp + h * (2 * shared if c.activation == "swiglu" else shared) + shared * h
+            mlp = h * c.moe_experts + c.moe_top_k * mlp_macs(moe_ffn_hidden_size(c)) + mlp_macs(c.moe_shared_ffn)
         layer = 2 * (h * (h + 2 * kv) + h * h + mlp) + 4 * seq_len * h
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         return 3.0 * (c.layers * layer + 2 * h * padded)

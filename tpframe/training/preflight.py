@@ -54,10 +54,12 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.fp8 and not t.compile:
         raise ConfigError("train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
                           "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true")
-    if t.cuda_graph and cfg.model.moe_experts and not (hasattr(torch, "_grouped_mm")
-                                                       and torch.cuda.get_device_capability() >= (9, 0)):
-        raise ConfigError("train.cuda_graph with model.moe_experts needs grouped expert GEMMs (torch._grouped_mm, "
-                          "compute capability 9.0+: Hopper); set train.cuda_graph=false on this GPU")
+    if t.cuda_graph and cfg.model.moe_experts:
+        from tpframe.layers.moe import grouped_gemms_available
+
+        if not grouped_gemms_available(torch.device("cuda", torch.cuda.current_device())):
+            raise ConfigError("train.cuda_graph with model.moe_experts needs grouped expert GEMMs (torch._grouped_mm, "
+                              "compute capability 9.0+: Hopper); set train.cuda_graph=false on this GPU")
     gpus = torch.cuda.device_count()
     if max(local_world, local_rank + 1) > gpus:
         raise ConfigError(f"{local_world} processes on this host but it has {gpus} CUDA device(s), and each rank "
