@@ -202,6 +202,8 @@ def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
     found = resolve_tokenizer(source)
     assert isinstance(found, HFTokenizer) and found.eot_id == 1
     assert found.decode(found.encode("hello world")) == "hello world"
+    blend = dataclasses.replace(source, data={"source": "tokens", "path": [str(tmp_path / "d.bin"), "other.bin"]})
+    assert resolve_tokenizer(blend).eot_id == 1  # a blend's files share its first file's tokenizer
     with pytest.raises(ConfigError, match="vocabulary of 4 but the model only 2"):
         resolve_tokenizer(dataclasses.replace(source, model=ModelConfig(vocab_size=2)))
     (tmp_path / "d.bin.json").unlink()

@@ -208,6 +208,8 @@ def test_the_runs_tokenizer_ships_with_the_export(tmp_path):
     warnings = []
     record = tokenizer_record({"data": {"source": "tokens", "path": str(tmp_path / "data.bin")}}, warnings.append)
     assert record["eot_token"] == "<|endoftext|>" and record["eot_id"] == 1 and warnings == []
+    blend = {"data": {"source": "tokens", "path": [str(tmp_path / "data.bin"), "b.bin"]}}  # a blend: its first file's
+    assert tokenizer_record(blend, warnings.append) == record
     (tmp_path / "hf").mkdir()
     write_tokenizer(tmp_path / "hf", record, model_max_length=32)
     loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

@@ -28,6 +28,7 @@ def _file(tmp: Path, name: str, content) -> str:
 def _token_file(tmp: Path, bad_id: int | None = None) -> str:
     from tpframe.data.tokenizer import write_token_file
 
+    tmp.mkdir(exist_ok=True)
     text = tmp / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     out = tmp / "tokens.bin"
@@ -240,6 +241,8 @@ CASES = [
      "the token file does not exist"),
     ("token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path={_token_file(t, 300)}"], {}),
      "holds token id 300 but its sidecar declares vocab_size 256"),
+    ("blend-token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path=[{_token_file(t)},"
+     f"{_token_file(t / 'x', 300)}]"], {}), "data.path[1]="),
     ("vocab-smaller-than-data", lambda t, s: (["model.vocab_size=100"], {}), "the data has token ids up to 255"),
     # checkpoints
     ("load-missing", lambda t, s: ([f"checkpoint.load={t}/nope"], {}), "does not exist"),

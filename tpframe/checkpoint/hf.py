@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tpframe.errors import ConfigError
+from tpframe.data.tokenizer import first_path
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
 
 CONFIG = "config.json"
@@ -436,9 +437,9 @@ def to_hf(tensors: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
 def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None]) -> dict | None:
     """The HF tokenizer a run's token file was made with (its sidecar's record), if any and unchanged on disk."""
     data = config.get("data", {})
-    if data.get("source") != "tokens" or not data.get("path"):
+    if data.get("source") != "tokens" or not first_path(data.get("path")):
         return None
-    sidecar = Path(str(data["path"]) + ".json")
+    sidecar = Path(first_path(data["path"]) + ".json")
     if not sidecar.is_file():
         warn(f"no tokenizer files: the token file's sidecar {sidecar} is gone")
         return None

@@ -11,6 +11,10 @@ DP=2 at micro-batch b sees the same samples as DP=1 at 2b, and the position in t
 number, the global samples consumed: a checkpoint resumes exactly on any DP layout.
 With context parallelism (cp_size > 1) the CP ranks of a DP rank share its samples and each keeps its
 tokens of them, [b, s/cp] (tpframe/parallel/context.py: shard_sequence).
+
+Several token files (data.path as a list) are blended by `BlendedIterator`: global sample i comes from
+one file, chosen by a fixed rule from i and the weights, and is that file's next sample in its own
+seeded order; the position is still global, so blends resume exactly on any DP layout too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus
 from tpframe.data.tokenizer import open_token_file
 
 STATE_FORMAT = "tpframe.data/1"
+BLEND_FORMAT = "tpframe.data.blend/1"
 _SPLIT_IDS = {"train": 0, "valid": 1}  # separate shuffles for the two splits
 
 
@@ -31,7 +36,8 @@ class BatchIterator:
     """This DP rank's micro-batches from `stream`, forever (wrapping into re-shuffled epochs)."""
 
     def __init__(self, stream: TokenStream, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, split: str = "train", *, cp_rank: int = 0, cp_size: int = 1):
+                 dp_size: int = 1, seed: int = 0, split: str = "train", *, cp_rank: int = 0, cp_size: int = 1,
+                 source: int | None = None):
         if seq_len < 1 or micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"BatchIterator needs seq_len >= 1, micro_batch_size >= 1 and 0 <= dp_rank < dp_size; got "
@@ -55,6 +61,11 @@ class BatchIterator:
             )
         self.samples_consumed = 0  # global samples (all DP ranks) handed out so far
         self._orders: dict[int, np.ndarray] = {}
+        self._entropy = [seed, _SPLIT_IDS[split]] + ([] if source is None else [source + 1])  # blend: one order per file
+
+    @property
+    def streams(self) -> list[TokenStream]:
+        return [self.stream]
 
     @property
     def epoch(self) -> int:
@@ -69,32 +80,32 @@ class BatchIterator:
         """perm_e: argsort of seeded raw 64-bit draws (our own reduction, so the order does not depend
         on numpy's sampling algorithms, which may change between versions)."""
         if epoch not in self._orders:
-            gen = np.random.PCG64(np.random.SeedSequence([self.seed, _SPLIT_IDS[self.split], epoch]))
+            gen = np.random.PCG64(np.random.SeedSequence(self._entropy[:2] + [epoch] + self._entropy[2:]))
             self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep the previous
             self._orders[epoch] = np.argsort(gen.random_raw(self.num_windows), kind="stable")
         return self._orders[epoch]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [b, s], labels [b, s]) (this CP rank's [b, s/cp]), CPU int64; advances the global position by G."""
-        b, s = self.micro_batch_size, self.seq_len
-        sample = self.samples_consumed + self.dp_rank * b + np.arange(b, dtype=np.int64)
+        b = self.micro_batch_size
+        chunk = self.chunk(self.samples_consumed + self.dp_rank * b + np.arange(b, dtype=np.int64))
+        self.samples_consumed += self.global_batch
+        return _to_batch(chunk, self.cp_rank, self.cp_size)
+
+    def chunk(self, sample: np.ndarray) -> np.ndarray:
+        """Tokens [n, s+1] (int64) of the samples at positions `sample` of this stream's epoch-by-epoch order."""
+        s = self.seq_len
         epochs, pos = np.divmod(sample, self.num_windows)
-        windows = np.empty(b, dtype=np.int64)
+        windows = np.empty(len(sample), dtype=np.int64)
         for e in np.unique(epochs):  # a micro-batch may straddle an epoch boundary
             windows[epochs == e] = self._order(int(e))[pos[epochs == e]]
         chunk = np.asarray(self.stream.tokens[windows[:, None] * s + np.arange(s + 1)], dtype=np.int64)
-        if chunk.max() >= self.stream.vocab_size:
+        if chunk.size and chunk.max() >= self.stream.vocab_size:
             raise ValueError(
                 f"the {self.split} data holds token id {int(chunk.max())} >= vocab_size {self.stream.vocab_size}: "
                 "the token file and its sidecar disagree; re-run tools/prepare_data.py"
             )
-        self.samples_consumed += self.global_batch
-        chunk = torch.from_numpy(chunk)
-        if self.cp_size > 1:
-            from tpframe.parallel.context import shard_sequence  # here: tools/prepare_data.py needs no torch.distributed
-
-            return tuple(shard_sequence(t, dim=1, rank=self.cp_rank, size=self.cp_size) for t in (chunk[:, :-1], chunk[:, 1:]))
-        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        return chunk
 
     __next__ = next
 
@@ -115,8 +126,7 @@ class BatchIterator:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for other data."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a data iterator state (expected format {STATE_FORMAT!r}): {str(state)[:200]}")
+        _check_format(state, STATE_FORMAT)
         checks = (
             ("split", "split", "a {0} iterator's state cannot be loaded into the {1} iterator"),
             ("seed", "data.seed", "set data.seed={0} to resume this run"),
@@ -142,6 +152,125 @@ class BatchIterator:
                 f"{self.seq_len}+1, epoch {self.epoch}, {self.samples_consumed:,} samples consumed")
 
 
+class BlendedIterator:
+    """This DP rank's micro-batches drawn from several token streams in fixed shares (data.path as a list).
+
+    Global sample i comes from the stream whose count so far falls furthest below its share of i+1 samples
+    (Megatron-Core's blending rule; ties go to the earlier stream), so every prefix of the global order holds
+    each stream within one sample of its weight. Within a stream, samples follow its own seeded window order
+    and epochs (a BatchIterator over it). The position is global, samples consumed and how many each stream
+    has given, so a blend resumes exactly on any DP layout; each rank runs the rule over the whole micro-step
+    (G samples) and keeps its slice.
+    """
+
+    def __init__(self, streams: list[TokenStream], weights: list[float], seq_len: int, micro_batch_size: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, split: str = "train", *, cp_rank: int = 0,
+                 cp_size: int = 1):
+        if len(streams) != len(weights) or not streams or not all(0 < w < float("inf") for w in weights):
+            raise ValueError(f"BlendedIterator needs one positive weight per stream; got {len(streams)} streams "
+                             f"and weights {weights}")
+        self.sources = [BatchIterator(st, seq_len, micro_batch_size, dp_rank, dp_size, seed, split, cp_rank=cp_rank,
+                                      cp_size=cp_size, source=i) for i, st in enumerate(streams)]
+        total = float(sum(weights))
+        self.weights = [w / total for w in weights]
+        self.seq_len, self.split, self.seed = seq_len, split, seed
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.reset()
+
+    @property
+    def streams(self) -> list[TokenStream]:
+        return [it.stream for it in self.sources]
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.dp_size
+
+    def reset(self) -> None:
+        self.samples_consumed = 0
+        self.taken = [0] * len(self.sources)  # samples each stream has given; sums to samples_consumed
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [b, s], labels [b, s]) as BatchIterator.next, each sample from the stream the rule picks."""
+        which, local = [], []
+        taken, weights = list(self.taken), self.weights
+        for i in range(self.samples_consumed, self.samples_consumed + self.global_batch):
+            d = max(range(len(weights)), key=lambda j: (weights[j] * (i + 1) - taken[j], -j))
+            which.append(d)
+            local.append(taken[d])
+            taken[d] += 1
+        mine = slice(self.dp_rank * self.micro_batch_size, (self.dp_rank + 1) * self.micro_batch_size)
+        which, local = np.array(which[mine]), np.array(local[mine], dtype=np.int64)
+        chunk = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
+        for d in np.unique(which):
+            chunk[which == d] = self.sources[d].chunk(local[which == d])
+        self.samples_consumed += self.global_batch
+        self.taken = taken
+        return _to_batch(chunk, self.cp_rank, self.cp_size)
+
+    __next__ = next
+
+    def __iter__(self) -> BlendedIterator:
+        return self
+
+    def state_dict(self) -> dict:
+        """The position in the blend, independent of the DP layout (JSON-able)."""
+        return {
+            "format": BLEND_FORMAT, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
+            "corpus": [it.stream.fingerprint for it in self.sources], "weights": self.weights,
+            "num_windows": [it.num_windows for it in self.sources],
+            "samples_consumed": self.samples_consumed, "taken": list(self.taken),
+            "epochs": [t // it.num_windows for t, it in zip(self.taken, self.sources)],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for another blend."""
+        _check_format(state, BLEND_FORMAT)
+        mine = self.state_dict()
+        fixes = {"split": "a {0} iterator's state cannot be loaded into the {1} iterator",
+                 "seed": "set data.seed={0} to resume this run", "seq_len": "set train.seq_len={0} to resume this run",
+                 "corpus": "resume with the same data.path files, in the same order",
+                 "weights": "resume with the same data.weights", "num_windows": "resume with the same data"}
+        for field, fix in fixes.items():
+            theirs = state.get(field)
+            same = (theirs is not None and len(theirs) == len(mine[field]) and
+                    all(abs(a - b) <= 1e-12 for a, b in zip(theirs, mine[field]))) if field == "weights" else theirs == mine[field]
+            if not same:
+                raise ValueError(f"the checkpoint's data position does not fit this run: {field} is {theirs!r} in the "
+                                 f"checkpoint but {mine[field]!r} now; " + fix.format(theirs, mine[field]))
+        consumed, taken = state.get("samples_consumed"), state.get("taken")
+        if (not isinstance(consumed, int) or consumed < 0 or not isinstance(taken, list) or len(taken) != len(self.sources)
+                or not all(isinstance(t, int) and t >= 0 for t in taken) or sum(taken) != consumed):
+            raise ValueError(f"data state has samples_consumed={consumed!r} and taken={taken!r}; expected integers "
+                             ">= 0, one per file, that sum to samples_consumed")
+        self.samples_consumed, self.taken = consumed, list(taken)
+
+    def describe(self) -> str:
+        parts = [f"{w:.1%} of {len(it.stream.tokens):,} tokens ({it.num_windows:,} windows, epoch "
+                 f"{t // it.num_windows})" for w, t, it in zip(self.weights, self.taken, self.sources)]
+        return f"{self.split}: a blend of {'; '.join(parts)}; {self.samples_consumed:,} samples consumed"
+
+
+def _to_batch(chunk: np.ndarray, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) from token rows [b, s+1]; this CP rank's share of each when cp_size > 1."""
+    chunk = torch.from_numpy(chunk)
+    if cp_size > 1:
+        from tpframe.parallel.context import shard_sequence  # here: tools/prepare_data.py needs no torch.distributed
+
+        return tuple(shard_sequence(t, dim=1, rank=cp_rank, size=cp_size) for t in (chunk[:, :-1], chunk[:, 1:]))
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def _check_format(state: dict, expected: str) -> None:
+    kinds = {STATE_FORMAT: "one token stream", BLEND_FORMAT: "a blend of token files (data.path as a list)"}
+    got = state.get("format") if isinstance(state, dict) else None
+    if got in kinds and got != expected:
+        raise ValueError(f"the checkpoint's data position is for {kinds[got]} but this run reads {kinds[expected]}; "
+                         "resume with the checkpoint's data.path and data.weights")
+    if got != expected:
+        raise ValueError(f"not a data iterator state (expected format {expected!r}): {str(state)[:200]}")
+
+
 def split_stream(stream: TokenStream, valid_fraction: float, seq_len: int, fix: str) -> tuple[TokenStream, TokenStream]:
     """(head, tail): the last `valid_fraction` of the tokens is held out; the two share no token."""
     n = len(stream.tokens)
@@ -156,36 +285,42 @@ def split_stream(stream: TokenStream, valid_fraction: float, seq_len: int, fix: 
     return head, tail
 
 
-def load_streams(cfg: DataConfig, seq_len: int) -> tuple[TokenStream, TokenStream]:
-    """(train stream, held-out stream) for `cfg.source`."""
+def load_streams(cfg: DataConfig, seq_len: int) -> tuple[list[TokenStream], list[TokenStream]]:
+    """(training streams, held-out streams) for `cfg.source`: one each, or one per file of a blend."""
     if cfg.source == "synthetic":
         fix = "raise data.synthetic_tokens or lower train.seq_len"
-        return split_stream(synthetic_corpus(cfg.synthetic_tokens, cfg.seed), cfg.valid_fraction, seq_len, fix)
+        train, valid = split_stream(synthetic_corpus(cfg.synthetic_tokens, cfg.seed), cfg.valid_fraction, seq_len, fix)
+        return [train], [valid]
     if cfg.source == "stdlib":
-        return split_stream(stdlib_corpus(), cfg.valid_fraction, seq_len, "lower train.seq_len")
+        train, valid = split_stream(stdlib_corpus(), cfg.valid_fraction, seq_len, "lower train.seq_len")
+        return [train], [valid]
     if cfg.source != "tokens":
         raise ConfigError(f"data.source={cfg.source!r} is not allowed; choose 'synthetic', 'stdlib' or 'tokens'")
-    if not cfg.path:
+    if not cfg.paths:
         raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
-    train, meta = open_token_file(cfg.path, "data.path")
+    files = [(cfg.path_key(i), p) for i, p in enumerate(cfg.paths)]
+    files += [("data.valid_path", cfg.valid_path)] if cfg.valid_path is not None else []
+    opened = [open_token_file(path, key) for key, path in files]
+    (key0, path0), meta0 = files[0], opened[0][1]
+    for (key, path), (_, meta) in zip(files[1:], opened[1:]):
+        if (_tokenizer_id(meta), meta["vocab_size"]) != (_tokenizer_id(meta0), meta0["vocab_size"]):
+            raise ConfigError(
+                f"{key}={path!r} was made with tokenizer {_tokenizer_id(meta)} (vocab {meta['vocab_size']}) but "
+                f"{key0}={path0!r} with {_tokenizer_id(meta0)} (vocab {meta0['vocab_size']}); prepare all of them "
+                "with the same --tokenizer"
+            )
+    streams = [stream for stream, _ in opened]
     if cfg.valid_path is None:
-        fix = f"prepare more text for {cfg.path} or lower train.seq_len"
-        return split_stream(train, cfg.valid_fraction, seq_len, fix)
-    valid, valid_meta = open_token_file(cfg.valid_path, "data.valid_path")
-    mine, theirs = _tokenizer_id(meta), _tokenizer_id(valid_meta)
-    if (mine, meta["vocab_size"]) != (theirs, valid_meta["vocab_size"]):
-        raise ConfigError(
-            f"data.valid_path={cfg.valid_path!r} was made with tokenizer {theirs} (vocab {valid_meta['vocab_size']}) "
-            f"but data.path={cfg.path!r} with {mine} (vocab {meta['vocab_size']}); "
-            "prepare both with the same --tokenizer"
-        )
-    for stream, key, path in ((train, "data.path", cfg.path), (valid, "data.valid_path", cfg.valid_path)):
+        parts = [split_stream(st, cfg.valid_fraction, seq_len, f"prepare more text for {path} or lower train.seq_len")
+                 for st, (_, path) in zip(streams, files)]
+        return [head for head, _ in parts], [tail for _, tail in parts]
+    for stream, (key, path) in zip(streams, files):
         if len(stream.tokens) < seq_len + 1:
             raise ConfigError(
                 f"{key}={path!r} holds {len(stream.tokens)} tokens, fewer than one window of "
                 f"train.seq_len+1={seq_len + 1}; prepare more text or lower train.seq_len"
             )
-    return train, valid
+    return streams[:-1], streams[-1:]
 
 
 def _tokenizer_id(meta: dict) -> str:
@@ -193,14 +328,22 @@ def _tokenizer_id(meta: dict) -> str:
     return f"{tok.get('kind')}" + (f":{str(tok['sha256'])[:12]}" if "sha256" in tok else "")
 
 
-def build_data(cfg: DataConfig, seq_len: int, micro_batch_size: int, dp_rank: int,
-               dp_size: int, *, cp_rank: int = 0, cp_size: int = 1) -> tuple[BatchIterator, BatchIterator, int]:
+def build_data(cfg: DataConfig, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int, *,
+               cp_rank: int = 0, cp_size: int = 1) -> tuple[BatchIterator | BlendedIterator, BatchIterator | BlendedIterator, int]:
     """(train iterator, validation iterator, vocab_size of the token stream) for this DP (and CP) rank.
 
-    TP ranks with the same dp_rank and cp_rank get identical batches (everything here is deterministic).
+    A blend (several files in data.path) gives BlendedIterators: data.weights, or the files' token counts, set
+    each file's share of the samples; the held-out tails are blended in the same shares. TP ranks with the same
+    dp_rank and cp_rank get identical batches (everything here is deterministic).
     """
     train, valid = load_streams(cfg, seq_len)
-    iterators = [BatchIterator(stream, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split,
+    weights = cfg.weights or [float(len(st.tokens)) for st in train]
+
+    def iterator(streams: list[TokenStream], split: str):
+        if len(streams) == 1:
+            return BatchIterator(streams[0], seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split,
+                                 cp_rank=cp_rank, cp_size=cp_size)
+        return BlendedIterator(streams, weights, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split,
                                cp_rank=cp_rank, cp_size=cp_size)
-                 for stream, split in ((train, "train"), (valid, "valid"))]
-    return iterators[0], iterators[1], train.vocab_size
+
+    return iterator(train, "train"), iterator(valid, "valid"), train[0].vocab_size

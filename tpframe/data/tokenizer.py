@@ -182,6 +182,11 @@ def _write(f, digest, ids: np.ndarray) -> int:
     return len(ids)
 
 
+def first_path(path: str | list[str] | None) -> str:
+    """A run's data.path, or the first file of a blend (all of a blend's files share one tokenizer): "" if none."""
+    return (path if isinstance(path, str) else path[0] if path else "") or ""
+
+
 def read_sidecar(path: str | Path, key: str = "data.path") -> dict:
     """The sidecar of token file `path`, checked against the file; errors name `key` and the fix."""
     path, side = Path(path), sidecar_path(path)

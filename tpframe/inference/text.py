@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpframe.data.tokenizer import ByteTokenizer, HFTokenizer, read_sidecar
+from tpframe.data.tokenizer import ByteTokenizer, HFTokenizer, first_path, read_sidecar
 from tpframe.errors import ConfigError
 from tpframe.inference.loading import ModelSource
 
@@ -30,7 +30,7 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
         why = f"data.source={data['source']} is byte-level"
     elif data is not None and data.get("source") == "tokens":
         try:
-            side = read_sidecar(data.get("path") or "", key="the checkpoint's data.path")
+            side = read_sidecar(first_path(data.get("path")), key="the checkpoint's data.path")
             recorded, expected = side["tokenizer"], side["vocab_size"]
             why = f"the checkpoint's data {data.get('path')!r} was made with a tokenizer of vocabulary {expected}"
         except ValueError as e:

@@ -332,8 +332,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           "set optim.decay=cosine or linear, or optim.decay_fraction=null")
     if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
         raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
-    if cfg.data.source == "tokens" and not cfg.data.path:
-        raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
+    _validate_data(cfg.data)
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
     if not p.grad_bucket_mb > 0 or p.grad_bucket_mb != p.grad_bucket_mb:
@@ -350,6 +349,22 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_pipeline(cfg, dp)
     _validate_moe(cfg, dp)
     _validate_profile(cfg, world_size)
+
+
+def _validate_data(d) -> None:
+    if d.source == "tokens" and not d.paths:
+        raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
+    if d.source != "tokens" and (d.path or d.weights):
+        raise ConfigError(f"data.path and data.weights are for data.source=tokens (got data.source={d.source}); "
+                          "set data.source=tokens or drop them")
+    if d.weights is not None and isinstance(d.path, str):
+        raise ConfigError("data.weights blends several token files: give data.path as a list of as many files, "
+                          "e.g. data.path=[a.bin,b.bin] data.weights=[0.7,0.3]")
+    if d.weights is not None and len(d.weights) != len(d.paths):
+        raise ConfigError(f"data.weights has {len(d.weights)} entries but data.path lists {len(d.paths)} files; "
+                          "give one weight per file")
+    if d.weights is not None and not all(0.0 < w < float("inf") for w in d.weights):
+        raise ConfigError(f"data.weights={d.weights} must all be positive numbers (a share of samples per file)")
 
 
 def _validate_profile(cfg: Config, world_size: int) -> None:

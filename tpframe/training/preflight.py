@@ -195,14 +195,17 @@ def check_token_ids(cfg, *iterators) -> None:
     """Token files: every id below the vocabulary their sidecar declares (one pass over the files)."""
     if cfg.data.source != "tokens":
         return
-    for it, key in zip(iterators, ("data.path", "data.valid_path" if cfg.data.valid_path else "data.path")):
-        stream = it.stream
-        top = max_token_id(stream.tokens)
-        if top >= stream.vocab_size:
-            raise ConfigError(
-                f"{key}={getattr(cfg.data, key.split('.')[1])!r} holds token id {top} but its sidecar declares "
-                f"vocab_size {stream.vocab_size}: the token file and its sidecar disagree; re-run tools/prepare_data.py"
-            )
+    d = cfg.data
+    train_files = [(d.path_key(i), p) for i, p in enumerate(d.paths)]
+    valid_files = [("data.valid_path", d.valid_path)] if d.valid_path else train_files
+    for it, files in zip(iterators, (train_files, valid_files)):
+        for stream, (key, path) in zip(it.streams, files):
+            top = max_token_id(stream.tokens)
+            if top >= stream.vocab_size:
+                raise ConfigError(
+                    f"{key}={path!r} holds token id {top} but its sidecar declares vocab_size {stream.vocab_size}: "
+                    "the token file and its sidecar disagree; re-run tools/prepare_data.py"
+                )
 
 
 # -- resuming and initializing ----------------------------------------------------------------------
