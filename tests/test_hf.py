@@ -185,7 +185,9 @@ def test_each_option_with_no_hf_equivalent_is_named():
                            (dict(norm="rmsnorm", position="rotary"), "model.activation=gelu has no Llama"),
                            (dict(position="rotary"), "model.norm=layernorm with model.position=rotary"),
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, moe_experts=4,
-                                 moe_shared_ffn=64), "model.moe_shared_ffn=64 has no Mixtral")):
+                                 moe_shared_ffn=64), "model.moe_shared_ffn=64 has no Mixtral"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, moe_experts=4,
+                                 moe_expert_bias=True), "model.moe_router_score=sigmoid and model.moe_expert_bias")):
         with pytest.raises(HFMappingError) as e:
             hf_architecture(ModelConfig(**options))
         assert str(e.value).startswith(named) and "\n" not in str(e.value), str(e.value)

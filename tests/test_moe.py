@@ -14,13 +14,19 @@ from tests.training_utils import assert_layouts_follow, train_in_process
 H, F, E, K = 16, 24, 4, 2
 
 
-def _naive(x: torch.Tensor, router: torch.Tensor, experts: dict, top_k: int, shared: tuple):
+def _naive(x: torch.Tensor, router: torch.Tensor, experts: dict, top_k: int, shared: tuple, bias=None):
     """Each token through its top-k experts and the shared expert, one at a time: (output [T, h], Switch aux
-    loss, router z-loss)."""
+    loss, router z-loss). With `bias`: DeepSeek-V3's router (sigmoid scores, chosen with the bias added)."""
     swiglu = lambda w, v: w[2] @ (torch.nn.functional.silu(w[0] @ v) * (w[1] @ v))  # noqa: E731
     logits = x @ router.t()
-    probs = torch.softmax(logits, dim=-1)
-    top_p, top_i = probs.topk(top_k, dim=-1)
+    if bias is None:
+        probs = torch.softmax(logits, dim=-1)
+        top_p, top_i = probs.topk(top_k, dim=-1)
+    else:
+        probs = torch.sigmoid(logits)
+        top_i = (probs.detach() + bias).topk(top_k, dim=-1).indices
+        top_p = probs.gather(1, top_i)
+        probs = probs / probs.sum(-1, keepdim=True)
     weights = top_p / top_p.sum(-1, keepdim=True)
     rows = []
     for t in range(x.shape[0]):
@@ -74,6 +80,51 @@ def _loop_worker():
         big = torch.randn(40, 2, H, dtype=torch.float64)  # 80 tokens: routed
         small = torch.cat([moe(chunk) for chunk in big.split(20)])  # 40 tokens each: every expert
         assert torch.allclose(moe(big), small, atol=1e-12)
+
+
+def test_sigmoid_router_with_expert_bias_equals_the_loop_and_balances_once_per_micro_batch():
+    run_distributed(_bias_worker, 1)
+
+
+def _bias_worker():
+    from tpframe.layers.moe import MoE, reset_expert_load, update_expert_biases
+    from tpframe.parallel.recompute import recompute
+
+    torch.manual_seed(0)
+    moe = MoE(H, F, E, K, activation="swiglu", aux_loss_coeff=0.1, score="sigmoid", expert_bias=True,
+              comm=_solo_comm(), dtype=torch.float64)
+    assert moe.expert_bias.dtype == torch.float32 and not moe.expert_bias.requires_grad
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.3, 0.1]))  # enough to change choices
+    x = torch.randn(6, 2, H, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(6, 2, H, dtype=torch.float64)
+    (moe(x) * g).sum().backward()
+    params = {n: p.detach().clone().requires_grad_() for n, p in moe.named_parameters() if n != "expert_bias"}
+    ref_x = x.detach().clone().requires_grad_()
+    mlp = lambda name: (*params[f"{name}.fc1.weight"].chunk(2), params[f"{name}.fc2.weight"])  # noqa: E731
+    zero = tuple(torch.zeros_like(w) for w in mlp("experts.0"))
+    y, aux, _ = _naive(ref_x.view(-1, H), params["router.weight"], {e: mlp(f"experts.{e}") for e in range(E)}, K,
+                       zero, bias=moe.expert_bias.double())
+    ((y * g.view(-1, H)).sum() + 0.1 * aux).backward()
+    assert torch.allclose(moe(x).view(-1, H), y, atol=1e-12) and torch.allclose(x.grad, ref_x.grad, atol=1e-12)
+    for n, p in params.items():  # (an expert no token chose has no gradient in the loop, zeros in the layer)
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(dict(moe.named_parameters())[n].grad, want, atol=1e-12), n
+    with torch.no_grad():  # generation's dense path chooses with the bias too
+        assert torch.allclose(moe(x).view(-1, H), y, atol=1e-12)
+    # the slots are counted once per training micro-batch: recompute runs the forward twice, evaluation none
+    chosen = (torch.sigmoid(x.detach().view(-1, H) @ params["router.weight"].detach().t()) + moe.expert_bias).topk(K).indices
+    want = torch.bincount(chosen.flatten(), minlength=E)
+    reset_expert_load([moe])
+    moe(x).sum().backward()
+    recompute(lambda v: moe(v), x, preserve_rng=False).sum().backward()
+    moe.eval()
+    moe(x)
+    assert torch.equal(moe.expert_load, 2 * want), (moe.expert_load, want)
+    before = moe.expert_bias.clone()
+    update_expert_biases([moe], None, rate=0.01)
+    step = torch.sign(want.double().mean() - want.double()).float() * 0.01
+    assert torch.equal(moe.expert_bias, before + step) and step.abs().sum() > 0 and not moe.expert_load.any()
 
 
 # -- the layer split over TP and EP, 4 processes -------------------------------------------------------------
@@ -163,8 +214,11 @@ LAYOUTS = {
                    "parallel.overlap_param_gather=true"],
     "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas
 }
+# DeepSeek-V3's router (sigmoid, expert bias at a rate that changes choices within 10 steps): every layout must
+# count the same slots (summed over DP and CP, per PP stage, once under recompute) and checkpoint the biases
 COMMON = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_aux_loss=0.1",
-          "model.moe_shared_ffn=32", "model.moe_z_loss=0.01",
+          "model.moe_shared_ffn=32", "model.moe_z_loss=0.01", "model.moe_router_score=sigmoid",
+          "model.moe_expert_bias=true", "model.moe_expert_bias_rate=0.01",
           "model.activation=swiglu", "model.bias=false", "model.position=rotary", "train.micro_batch_size=2",
           "train.global_batch_size=16", "train.eval_interval=5", "train.eval_steps=2", "parallel.tp=1"]
 
@@ -197,6 +251,8 @@ def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path)
     ref = {r["step"]: r for r in ref_history}
     assert len(ref) == 10 and ref[10]["loss"] < ref[1]["loss"]
     assert all(0.5 < r["moe_aux_loss"] < 4.0 for r in ref_history)  # logged: near 1 when balanced
+    biases = [v for n, v in ref_weights.items() if n.endswith("mlp.expert_bias")]
+    assert len(biases) == 2 and all(b.abs().max() > 0.005 for b in biases)  # moved, and compared below
     assert all(r["moe_z_loss"] > 0 for r in ref_history)
     assert_layouts_follow(ref_history, results, grad_norm_rel=1e-4)
     for name, (history, weights) in results.items():
@@ -205,6 +261,33 @@ def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path)
             for n, value in weights.items():
                 error = ((value - ref_weights[n]).norm() / ref_weights[n].norm()).item()
                 assert error < 1e-5, (name, n, error)
+
+
+def _bias_export_and_generate(root: str):
+    import sys
+
+    from tests.training_utils import REPO
+
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    from tpframe.checkpoint.export import export_consolidated
+
+    trainer = train_in_process([*COMMON, "train.steps=3", "checkpoint.save_at_end=true", f"train.run_dir={root}"],
+                               keep_trainer=True)
+    step = f"{root}/checkpoints/step_00000003"
+    tensors = export_consolidated(step, f"{root}/model.safetensors")
+    biases = {n: p.detach() for n, p in trainer.model.named_parameters() if n.endswith("expert_bias")}
+    args = ["--prompt", "the cat", "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
+    texts = [cli.run(cli.prepare(["--checkpoint", src, *args]))[0]["token_ids"] for src in (step, f"{root}/model.safetensors")]
+    return biases, {n: tensors[n] for n in biases}, texts
+
+
+def test_expert_biases_travel_in_exports_and_generation(tmp_path):
+    biases, exported, (from_checkpoint, from_export) = run_distributed(_bias_export_and_generate, 1, str(tmp_path))[0]
+    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases.values())
+    assert all(torch.equal(exported[n], b) and exported[n].dtype == torch.float32 for n, b in biases.items())
+    assert from_checkpoint == from_export and len(from_checkpoint) == 6
 
 
 # -- CUDA ---------------------------------------------------------------------------------------------------
@@ -244,16 +327,22 @@ MOE_GPU = ["parallel.tp=1", "model.moe_experts=4", "model.moe_top_k=2", "model.m
            "train.steps=8", "optim.grad_clip=0"]
 
 
-def _moe_eager_compiled_graphed(root: str):
+ROUTERS = {"softmax": [], "sigmoid+bias": ["model.moe_router_score=sigmoid", "model.moe_expert_bias=true",
+                                           "model.moe_expert_bias_rate=0.01"]}
+
+
+def _moe_eager_compiled_graphed(root: str, router: list[str]):
     from tpframe.layers.moe import MoE
 
     out = {}
     for name, extra in {"eager": [], "compile": ["train.compile=true"], "graph": ["train.cuda_graph=true"],
                         "compile+graph": ["train.compile=true", "train.cuda_graph=true"]}.items():
         torch._dynamo.reset()
-        trainer = train_in_process([*MOE_GPU, *extra, f"train.run_dir={root}/{name}"], keep_trainer=True)
+        trainer = train_in_process([*MOE_GPU, *router, *extra, f"train.run_dir={root}/{name}"], keep_trainer=True)
+        bias = trainer.model.blocks["0"].mlp.expert_bias
         out[name] = {"losses": [r["loss"] for r in trainer.history], "aux": [r["moe_aux_loss"] for r in trainer.history],
-                     "captured": getattr(trainer.forward_backward, "captured", None)}
+                     "captured": getattr(trainer.forward_backward, "captured", None),
+                     "bias_moved": None if bias is None else float(bias.abs().max())}
         if name == "eager":  # a compiled MoE block traces whole: the grouped GEMMs need no host sync
             block = trainer.model.blocks["0"]
             assert isinstance(block.mlp, MoE)
@@ -264,15 +353,19 @@ def _moe_eager_compiled_graphed(root: str):
 
 
 @pytest.mark.gpu(count=1)
-def test_cuda_moe_trains_compiled_and_cuda_graphed_like_eager(tmp_path):
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_cuda_moe_trains_compiled_and_cuda_graphed_like_eager(tmp_path, router):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm in bf16 needs Hopper or newer")
-    out = run_distributed(_moe_eager_compiled_graphed, 1, str(tmp_path), backend="nccl", timeout=600)[0]
+    out = run_distributed(_moe_eager_compiled_graphed, 1, str(tmp_path), ROUTERS[router], backend="nccl",
+                          timeout=600)[0]
     assert out.pop("graph_breaks") == 0
     eager = out.pop("eager")
     assert eager["losses"][-1] < eager["losses"][0] - 0.5, "the runs must really train"
     for name, run in out.items():
         assert run["captured"] is (True if "graph" in name else None), name
+        if ROUTERS[router]:  # the slots were counted in the compiled and captured backward, and the biases moved
+            assert run["bias_moved"] >= 0.01 and eager["bias_moved"] >= 0.01, (name, run["bias_moved"])
         for step, (a, b) in enumerate(zip(run["losses"], eager["losses"]), 1):
             assert abs(a - b) <= 2e-2 * abs(b), f"{name} step {step}: loss {a!r} vs eager {b!r}"  # bf16 rounding
         for step, (a, b) in enumerate(zip(run["aux"], eager["aux"]), 1):

@@ -79,6 +79,10 @@ def hf_architecture(m: ModelConfig) -> str:
         if m.moe_shared_ffn:
             raise HFMappingError(f"model.moe_shared_ffn={m.moe_shared_ffn} has no Mixtral equivalent (Mixtral has no "
                                  "shared expert); export without one, or use tpframe's own format")
+        if m.moe_experts and (m.moe_router_score != "softmax" or m.moe_expert_bias):
+            raise HFMappingError("model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
+                                 "no Mixtral equivalent (Mixtral routes by softmax, without a bias); use tpframe's own "
+                                 "format (python tools/checkpoint.py export)")
         return "mixtral" if m.moe_experts else "llama"
     raise HFMappingError(
         f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "

@@ -18,6 +18,15 @@ logsumexp(logits)^2) keeps the router's logits small. Both enter training throug
 (Megatron's MoEAuxLossAutoScaler), so the reported loss stays the language-model loss; `aux_loss_scale` (set
 by the trainer to 1/micro-batches, `set_aux_loss_scale`) weighs them like the micro-batch's loss.
 
+DeepSeek-V3's router is the other choice (`score="sigmoid"`, `expert_bias=True`): scores sigmoid(logits), the
+top-k normalized to sum 1 (for k > 1), and auxiliary-loss-free balancing: a per-expert bias, added to the
+scores only to choose the experts, moves by a fixed rate after every optimizer step toward balance
+(`update_expert_biases`: down for an expert that took more than the mean of the step's routed slots, summed
+over the data-parallel ranks, up for one that took fewer). The bias is an fp32 parameter without gradient
+(`expert_bias`, replicated), so checkpoints, exports and generation carry it like the weights. A training
+micro-batch's slots are counted in its backward, which runs once even when activation recompute runs the
+forward twice.
+
 Without autograd (generation, evaluation) and for at most `DENSE_MAX_TOKENS` tokens (a decode step), every
 expert runs on every token instead, weighted by zero where it was not chosen: no host synchronization, so
 the step can be a CUDA graph, and at those sizes reading the experts' weights is the cost either way.
@@ -117,6 +126,47 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.scale), None
 
 
+class _CountInBackward(torch.autograd.Function):
+    """Identity on `x`; its backward adds `counts` into `total` (once per micro-batch, recompute or not)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, total):
+        ctx.save_for_backward(counts)
+        ctx.total = total
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (counts,) = ctx.saved_tensors
+        ctx.total.add_(counts)
+        return grad, None, None
+
+
+@torch.no_grad()
+def update_expert_biases(layers: list[nn.Module], comm: Communicator | None, rate: float) -> None:
+    """After an optimizer step: each expert's selection bias moves by `rate` toward balance (down if it took more
+    than the mean of the step's routed slots, up if fewer), the slots summed over `comm` (the data-parallel and
+    context-parallel ranks; every TP rank routes the same tokens); then the counts start over. One all-reduce."""
+    layers = [m for m in layers if isinstance(m, MoE) and m.expert_bias is not None]
+    if not layers:
+        return
+    load = torch.stack([m.expert_load for m in layers])  # [layers, E]
+    if comm is not None and comm.size > 1:
+        load = comm.all_reduce(load)
+    load = load.double()
+    delta = (rate * torch.sign(load.mean(dim=1, keepdim=True) - load)).float()
+    for m, d in zip(layers, delta):
+        m.expert_bias.add_(d)
+        m.expert_load.zero_()
+
+
+def reset_expert_load(layers: list[nn.Module]) -> None:
+    """Drop the slots counted so far (a step that is tried again counts from zero)."""
+    for m in layers:
+        if isinstance(m, MoE) and m.expert_bias is not None:
+            m.expert_load.zero_()
+
+
 def set_aux_loss_scale(model: nn.Module, scale: float) -> int:
     """Weigh every MoE layer's auxiliary loss gradient by `scale` (1/micro-batches per step); returns how many."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -143,6 +193,8 @@ class MoE(nn.Module):
         activation: str = "swiglu",
         aux_loss_coeff: float = 0.01,
         z_loss_coeff: float = 0.0,
+        score: str = "softmax",
+        expert_bias: bool = False,
         shared_ffn_hidden: int = 0,
         sequence_parallel: bool = False,
         comm: Communicator | None = None,
@@ -156,6 +208,9 @@ class MoE(nn.Module):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be in 1..num_experts={num_experts}, got {top_k}")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE: score must be 'softmax' or 'sigmoid', got {score!r}")
+        self.score = score
         self.comm = comm or default_tp_comm()
         self.ep_comm = ep_comm if ep_comm is not None and ep_comm.size > 1 else None
         self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
@@ -180,6 +235,11 @@ class MoE(nn.Module):
         # over TP like a sequence-parallel parameter's
         self.router = nn.Linear(hidden, num_experts, bias=False, device="meta")  # [E, h]; used through F.linear
         self.router.weight = tag_param(nn.Parameter(router.to(device=device, dtype=dtype)), None, sequence_parallel=True)
+        self.expert_bias = None
+        if expert_bias:  # fp32 whatever the model's dtype: steps of 1e-3 vanish in bf16 next to a bias of ~1
+            self.expert_bias = tag_param(nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False), None)
+            self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                                 persistent=False)  # routed slots of this step's micro-batches (this rank's tokens)
         base = torch.initial_seed()
         mlp = dict(activation=activation, bias=False, sequence_parallel=sequence_parallel, comm=self.comm,
                    init_method=init_method, output_init_method=output_init_method, dtype=dtype, device=device)
@@ -208,11 +268,21 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.hidden)
         router_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
         logits = F.linear(tokens.to(router_dtype), self.router.weight.to(router_dtype))  # [T, E]
-        probs = torch.softmax(logits, dim=-1)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)
-        weights = (top_p / top_p.sum(dim=-1, keepdim=True)).to(x.dtype)
+        probs = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+        if self.expert_bias is None:
+            top_p, top_i = probs.topk(self.top_k, dim=-1)
+        else:  # the bias chooses, the scores weigh
+            top_i = (probs.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            top_p = probs.gather(1, top_i)
+        if self.score == "softmax" or self.top_k > 1:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        weights = top_p.to(x.dtype)
         counts = None if not torch.is_grad_enabled() else _bincount(top_i, self.num_experts)
         training = self.training and torch.is_grad_enabled()
+        if training and self.expert_bias is not None:
+            weights = _CountInBackward.apply(weights, counts, self.expert_load)
+        if self.score == "sigmoid":  # the load-balancing loss weighs each token's scores as a distribution
+            probs = probs / probs.sum(dim=-1, keepdim=True)
         # carried by the router weights' backward, which runs on every TP rank with the same value:
         # 1/tp of the gradient on each sums to one
         scale = self.aux_loss_scale / self.comm.size
@@ -321,5 +391,6 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         ep = self.ep_comm.size if self.ep_comm else 1
         return (f"experts={self.num_experts} (experts {self.first_expert}..{self.first_expert + self.local_experts - 1} "
-                f"here, ep={ep}), top_k={self.top_k}, aux_loss_coeff={self.aux_loss_coeff}, "
+                f"here, ep={ep}), top_k={self.top_k}, score={self.score}, expert_bias={self.expert_bias is not None}, "
+                f"aux_loss_coeff={self.aux_loss_coeff}, "
                 f"z_loss_coeff={self.z_loss_coeff}, sp={self.sequence_parallel}")

@@ -37,6 +37,9 @@ class ModelConfig:
     moe_aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer's); 0: none
     moe_z_loss: float = 0.0  # weight of the router z-loss (ST-MoE's: mean logsumexp(logits)^2); 0: none
     moe_shared_ffn: int = 0  # hidden size of a shared expert every token also goes through; 0: none
+    moe_router_score: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores (top-k renormalized)
+    moe_expert_bias: bool = False  # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias
+    moe_expert_bias_rate: float = 1e-3  # how far each bias moves per optimizer step toward balance
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
@@ -68,6 +71,10 @@ def architecture(m: ModelConfig) -> dict:
         arch.update(moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, moe_ffn_hidden=moe_ffn_hidden_size(m))
         if m.moe_shared_ffn:
             arch.update(moe_shared_ffn=m.moe_shared_ffn)
+        if m.moe_router_score != "softmax":
+            arch.update(moe_router_score=m.moe_router_score)
+        if m.moe_expert_bias:  # a tensor more per MoE layer
+            arch.update(moe_expert_bias=True)
     return arch
 
 

@@ -71,7 +71,8 @@ class TransformerBlock(nn.Module):
         if cfg.moe_experts:
             common.pop("bias")
             self.mlp = MoE(cfg.hidden, moe_ffn_hidden_size(cfg), cfg.moe_experts, cfg.moe_top_k, activation=cfg.activation,
-                           aux_loss_coeff=cfg.moe_aux_loss, z_loss_coeff=cfg.moe_z_loss,
+                           aux_loss_coeff=cfg.moe_aux_loss, z_loss_coeff=cfg.moe_z_loss, score=cfg.moe_router_score,
+                           expert_bias=cfg.moe_expert_bias,
                            shared_ffn_hidden=cfg.moe_shared_ffn, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
         else:
             self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)

@@ -22,6 +22,8 @@ from tpframe.optim.strategy import (
     counts_once,
     ensure_adamw_state,
     make_adamw,
+    add_frozen,
+    named_frozen,
     named_trainable,
     needed_keys,
     set_adamw_lr,
@@ -39,6 +41,7 @@ class DDPStrategy(GradStrategy):
                  bucket_bytes: int = 40 * 2**20, overlap: bool = True):
         self.parallel = parallel
         self.named = named_trainable(model)
+        self.frozen = named_frozen(model)
         self.params = [p for _, p in self.named]
         # expert parallelism: experts differ between EP ranks and are replicated over the edp group only
         self.expert_params = [p for p in self.params if getattr(p, "expert", False)] if parallel.ep > 1 else []
@@ -106,6 +109,7 @@ class DDPStrategy(GradStrategy):
             for key in MOMENTS:
                 add_chunks(out, "optim/{}/" + key, name, p, tp_rank, tp, self.optimizer.state[m][key].view(-1))
         out[STEP_KEY] = adamw_step_count(self.optimizer)
+        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
         return needed_keys(out, available)
 
     @torch.no_grad()

@@ -34,6 +34,8 @@ from tpframe.optim.strategy import (
     counts_once,
     ensure_adamw_state,
     make_adamw,
+    add_frozen,
+    named_frozen,
     named_trainable,
     needed_keys,
     set_adamw_lr,
@@ -75,16 +77,18 @@ class FSDPStrategy(GradStrategy):
             from torch.distributed.device_mesh import DeviceMesh
 
             expert_mesh = DeviceMesh.from_group(parallel.edp_group, parallel.device.type)
+        frozen = {p for p in model.parameters() if not p.requires_grad}  # replicated as they are (expert biases)
         for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
             for block in root.blocks.values() if hasattr(root, "blocks") else []:
                 for expert in [m for m in block.modules() if getattr(m, "is_expert", False)] if expert_mesh else []:
-                    fully_shard(expert, mesh=expert_mesh, mp_policy=policy)
+                    fully_shard(expert, mesh=expert_mesh, mp_policy=policy, ignored_params=frozen)
                     expert.set_force_sum_reduction_for_comms(True)  # summed over the replicas, then / dp*cp
                     expert.set_gradient_divide_factor(parallel.dp_cp)
-                fully_shard(block, mesh=mesh, mp_policy=policy)
-            fully_shard(root, mesh=mesh, mp_policy=policy)
+                fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=frozen)
+            fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=frozen)
         self.model = model
         self.named = named_trainable(model)
+        self.frozen = named_frozen(model)
         for name, p in self.named:
             tags[name].apply(p)
         params = [p for _, p in self.named]
@@ -134,6 +138,7 @@ class FSDPStrategy(GradStrategy):
             for key in MOMENTS:
                 self._pieces(out, "optim/{}/" + key, name, p, self.optimizer.state[p][key])
         out[STEP_KEY] = adamw_step_count(self.optimizer)
+        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
         return needed_keys(out, available)
 
     def load_state_dict(self, state: dict) -> None:

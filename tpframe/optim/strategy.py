@@ -231,3 +231,14 @@ def replicas_label(parallel) -> str:
 
 def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def named_frozen(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters without gradient (an MoE router's expert bias): no optimizer state, but part of the model."""
+    return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def add_frozen(out: dict, frozen: list[tuple[str, nn.Parameter]], tp_rank: int, tp: int) -> None:
+    """The frozen parameters under model/<name>, as they are (saved from and loaded into the tensors themselves)."""
+    for name, p in frozen:
+        add_chunks(out, "model/{}", name, p, tp_rank, tp, p.detach().view(-1))

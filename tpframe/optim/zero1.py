@@ -36,6 +36,8 @@ from tpframe.optim.strategy import (
     counts_once,
     ensure_adamw_state,
     make_adamw,
+    add_frozen,
+    named_frozen,
     named_trainable,
     needed_keys,
     set_adamw_lr,
@@ -80,6 +82,7 @@ class Zero1Strategy(GradStrategy):
                  bucket_bytes: int = 40 * 2**20, overlap: bool = True, overlap_param_gather: bool = False):
         self.parallel = parallel
         self.named = named_trainable(model)
+        self.frozen = named_frozen(model)
         params = [p for _, p in self.named]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -215,6 +218,7 @@ class Zero1Strategy(GradStrategy):
                     add_chunks(out, "optim/{}/" + key, sg.name, sg.param, tp_rank, tp,
                                self.optimizer.state[sg.master][key], sg.start)
             out[STEP_KEY] = adamw_step_count(self.optimizer)
+        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
         return needed_keys(out, available)
 
     @torch.no_grad()

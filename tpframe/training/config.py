@@ -408,7 +408,7 @@ def _validate_moe(cfg: Config, dp: int) -> None:
         if p.ep > 1:
             raise ConfigError(f"parallel.ep={p.ep} splits the experts of a mixture-of-experts model; set "
                               "model.moe_experts (e.g. 8) or parallel.ep=1")
-        for key in ("moe_shared_ffn", "moe_z_loss"):
+        for key in ("moe_shared_ffn", "moe_z_loss", "moe_expert_bias"):
             if getattr(m, key):
                 raise ConfigError(f"model.{key}={getattr(m, key)} belongs to a mixture-of-experts model; set "
                                   f"model.moe_experts (e.g. 8) or model.{key}=0")
@@ -425,6 +425,9 @@ def _validate_moe(cfg: Config, dp: int) -> None:
         raise ConfigError(f"model.moe_z_loss={m.moe_z_loss} must not be negative (0: no router z-loss)")
     if m.moe_aux_loss < 0:
         raise ConfigError(f"model.moe_aux_loss={m.moe_aux_loss} must not be negative (0: no load-balancing loss)")
+    if m.moe_expert_bias and not 0 < m.moe_expert_bias_rate < math.inf:
+        raise ConfigError(f"model.moe_expert_bias_rate={m.moe_expert_bias_rate} must be a positive number (how far "
+                          "each expert's bias moves per step; e.g. 0.001)")
     if (dp * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp} (experts are split over "
                           "ranks holding different data); change parallel.ep or the number of processes")

@@ -22,7 +22,7 @@ from tpframe.optim import GradStrategy, lr_at
 from tpframe.parallel.heartbeat import Progress
 from tpframe.parallel.rng import RNGState
 from tpframe.parallel.schedules import forward_only_no_pipelining
-from tpframe.layers.moe import MoE, set_aux_loss_scale
+from tpframe.layers.moe import MoE, reset_expert_load, set_aux_loss_scale, update_expert_biases
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
 from tpframe.training.energy import EnergyMeter, sum_over_ranks
@@ -77,6 +77,8 @@ class Trainer:
         if apply:
             self.progress.mark(self.step + 1, "optimizer")
             self.strategy.step(lr)
+            if cfg.model.moe_expert_bias:  # after the update, as Megatron-Core does; the counts of this step only
+                update_expert_biases(self.moe_layers, self.parallel.dp_cp_comm, cfg.model.moe_expert_bias_rate)
         else:
             self.skipped_steps += 1
         self.timers.mark("optim")
@@ -108,6 +110,7 @@ class Trainer:
         parallel, mark, step = self.parallel, self.progress.mark, self.step + 1
         self.timers.begin()  # a re-run starts the phase times over
         self.strategy.zero_grad()
+        reset_expert_load(self.moe_layers)
         mark(step, "forward_backward")
         loss_sum = self.forward_backward(self.model, TimedBatches(self.train_data, self.timers), self.accum,
                                          grad_sync=self.strategy, device=parallel.device)
