@@ -251,6 +251,7 @@ def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path)
     ref = {r["step"]: r for r in ref_history}
     assert len(ref) == 10 and ref[10]["loss"] < ref[1]["loss"]
     assert all(0.5 < r["moe_aux_loss"] < 4.0 for r in ref_history)  # logged: near 1 when balanced
+    assert all(1.0 <= r["moe_load_max"] < 4.0 for r in ref_history)  # the most loaded expert over the mean
     biases = [v for n, v in ref_weights.items() if n.endswith("mlp.expert_bias")]
     assert len(biases) == 2 and all(b.abs().max() > 0.005 for b in biases)  # moved, and compared below
     assert all(r["moe_z_loss"] > 0 for r in ref_history)

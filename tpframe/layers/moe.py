@@ -143,13 +143,15 @@ class _CountInBackward(torch.autograd.Function):
 
 
 @torch.no_grad()
-def update_expert_biases(layers: list[nn.Module], comm: Communicator | None, rate: float) -> None:
+def update_expert_biases(layers: list[nn.Module], comm: Communicator | None, rate: float) -> float | None:
     """After an optimizer step: each expert's selection bias moves by `rate` toward balance (down if it took more
     than the mean of the step's routed slots, up if fewer), the slots summed over `comm` (the data-parallel and
-    context-parallel ranks; every TP rank routes the same tokens); then the counts start over. One all-reduce."""
+    context-parallel ranks; every TP rank routes the same tokens); then the counts start over. One all-reduce.
+    Returns the step's worst imbalance: the most loaded expert's slots over the mean, of the worst layer (1.0:
+    balanced), or None without such layers."""
     layers = [m for m in layers if isinstance(m, MoE) and m.expert_bias is not None]
     if not layers:
-        return
+        return None
     load = torch.stack([m.expert_load for m in layers])  # [layers, E]
     if comm is not None and comm.size > 1:
         load = comm.all_reduce(load)
@@ -158,6 +160,7 @@ def update_expert_biases(layers: list[nn.Module], comm: Communicator | None, rat
     for m, d in zip(layers, delta):
         m.expert_bias.add_(d)
         m.expert_load.zero_()
+    return float((load.max(dim=1).values / load.mean(dim=1).clamp(min=1e-9)).max())
 
 
 def reset_expert_load(layers: list[nn.Module]) -> None:

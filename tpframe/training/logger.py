@@ -193,6 +193,7 @@ _FORMATS = {  # known keys, in console order
     "grad_norm": lambda v: f"grad {v:.3f}",
     "moe_aux_loss": lambda v: f"aux {v:.4f}",
     "moe_z_loss": lambda v: f"z {v:.3g}",
+    "moe_load_max": lambda v: f"load {v:.2f}x",
     "tokens_per_s": lambda v: f"{_si(v)} tok/s",
     "step_ms": lambda v: f"step {_ms(v)}",
     "tflops": lambda v: f"{v:.1f} TFLOP/s",

@@ -73,12 +73,13 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         loss, grad_norm, apply = self.guard.run_step(self.step + 1, self._attempt)
+        load_max = None
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         if apply:
             self.progress.mark(self.step + 1, "optimizer")
             self.strategy.step(lr)
             if cfg.model.moe_expert_bias:  # after the update, as Megatron-Core does; the counts of this step only
-                update_expert_biases(self.moe_layers, self.parallel.dp_cp_comm, cfg.model.moe_expert_bias_rate)
+                load_max = update_expert_biases(self.moe_layers, self.parallel.dp_cp_comm, cfg.model.moe_expert_bias_rate)
         else:
             self.skipped_steps += 1
         self.timers.mark("optim")
@@ -87,6 +88,8 @@ class Trainer:
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         if self.cfg.model.moe_experts:  # every rank takes part (a stage may hold no MoE layer)
             metrics.update(self._moe_losses())
+        if load_max is not None:  # the logging rank's layers (its pipeline stage's)
+            metrics["moe_load_max"] = load_max
         return metrics
 
     def _moe_losses(self) -> dict[str, float]:
