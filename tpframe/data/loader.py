@@ -61,7 +61,7 @@ class BatchIterator:
             )
         self.samples_consumed = 0  # global samples (all DP ranks) handed out so far
         self._orders: dict[int, np.ndarray] = {}
-        self._entropy = [seed, _SPLIT_IDS[split]] + ([] if source is None else [source + 1])  # blend: one order per file
+        self._source = [] if source is None else [source + 1]  # in a blend: each file its own order
 
     @property
     def streams(self) -> list[TokenStream]:
@@ -80,7 +80,7 @@ class BatchIterator:
         """perm_e: argsort of seeded raw 64-bit draws (our own reduction, so the order does not depend
         on numpy's sampling algorithms, which may change between versions)."""
         if epoch not in self._orders:
-            gen = np.random.PCG64(np.random.SeedSequence(self._entropy[:2] + [epoch] + self._entropy[2:]))
+            gen = np.random.PCG64(np.random.SeedSequence([self.seed, _SPLIT_IDS[self.split], epoch, *self._source]))
             self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep the previous
             self._orders[epoch] = np.argsort(gen.random_raw(self.num_windows), kind="stable")
         return self._orders[epoch]
@@ -135,13 +135,7 @@ class BatchIterator:
                                       "data.valid_fraction, or start a fresh run"),
             ("num_windows", "number of windows", "resume with the same data and train.seq_len"),
         )
-        mine = self.state_dict()
-        for field, name, fix in checks:
-            if state.get(field) != mine[field]:
-                raise ValueError(
-                    f"the checkpoint's data position does not fit this run: {name} is {state.get(field)!r} in the "
-                    f"checkpoint but {mine[field]!r} now; " + fix.format(state.get(field), mine[field])
-                )
+        _check_fields(state, self.state_dict(), checks)
         consumed = state.get("samples_consumed")
         if not isinstance(consumed, int) or consumed < 0:
             raise ValueError(f"data state has samples_consumed={consumed!r}; expected an integer >= 0")
@@ -226,18 +220,15 @@ class BlendedIterator:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for another blend."""
         _check_format(state, BLEND_FORMAT)
-        mine = self.state_dict()
-        fixes = {"split": "a {0} iterator's state cannot be loaded into the {1} iterator",
-                 "seed": "set data.seed={0} to resume this run", "seq_len": "set train.seq_len={0} to resume this run",
-                 "corpus": "resume with the same data.path files, in the same order",
-                 "weights": "resume with the same data.weights", "num_windows": "resume with the same data"}
-        for field, fix in fixes.items():
-            theirs = state.get(field)
-            same = (theirs is not None and len(theirs) == len(mine[field]) and
-                    all(abs(a - b) <= 1e-12 for a, b in zip(theirs, mine[field]))) if field == "weights" else theirs == mine[field]
-            if not same:
-                raise ValueError(f"the checkpoint's data position does not fit this run: {field} is {theirs!r} in the "
-                                 f"checkpoint but {mine[field]!r} now; " + fix.format(theirs, mine[field]))
+        checks = (
+            ("split", "split", "a {0} iterator's state cannot be loaded into the {1} iterator"),
+            ("seed", "data.seed", "set data.seed={0} to resume this run"),
+            ("seq_len", "train.seq_len", "set train.seq_len={0} to resume this run"),
+            ("corpus", "the blend's files", "resume with the same data.path files, in the same order"),
+            ("weights", "data.weights (normalized)", "resume with the same data.weights"),  # JSON keeps floats exact
+            ("num_windows", "number of windows", "resume with the same data"),
+        )
+        _check_fields(state, self.state_dict(), checks)
         consumed, taken = state.get("samples_consumed"), state.get("taken")
         if (not isinstance(consumed, int) or consumed < 0 or not isinstance(taken, list) or len(taken) != len(self.sources)
                 or not all(isinstance(t, int) and t >= 0 for t in taken) or sum(taken) != consumed):
@@ -259,6 +250,16 @@ def _to_batch(chunk: np.ndarray, cp_rank: int, cp_size: int) -> tuple[torch.Tens
 
         return tuple(shard_sequence(t, dim=1, rank=cp_rank, size=cp_size) for t in (chunk[:, :-1], chunk[:, 1:]))
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def _check_fields(state: dict, mine: dict, checks) -> None:
+    """ValueError naming the first (field, name, fix) of `checks` where `state` and this run's state differ."""
+    for field, name, fix in checks:
+        if state.get(field) != mine[field]:
+            raise ValueError(
+                f"the checkpoint's data position does not fit this run: {name} is {state.get(field)!r} in the "
+                f"checkpoint but {mine[field]!r} now; " + fix.format(state.get(field), mine[field])
+            )
 
 
 def _check_format(state: dict, expected: str) -> None:
