@@ -127,3 +127,21 @@ def test_a_blended_run_resumes_at_another_dp_size_and_continues_the_same_losses(
     assert [s for s, _ in resumed] == [4, 5, 6]
     for (step, loss), (_, want) in zip(resumed, straight[3:]):
         assert math.isclose(loss, want, rel_tol=1e-5), (step, loss, want)
+
+
+def test_a_run_directory_of_a_blend_admits_the_same_blend_and_names_another(tmp_path):
+    """The run-directory check compares a blend's list of paths (the later rank of a DP run sees rank 0's
+    config.yaml already written), and names a different blend in one line."""
+    import yaml
+
+    from tpframe.training.config import load_config
+    from tpframe.training.preflight import check_run_dir
+
+    files = _token_files(tmp_path, ["abc " * 200, "xyz " * 200])
+    cfg = load_config(None, ["data.source=tokens", f"data.path=[{files[0]},{files[1]}]", f"train.run_dir={tmp_path}/r"])
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    check_run_dir(cfg)  # the same blend: admitted
+    other = load_config(None, ["data.source=tokens", f"data.path=[{files[1]},{files[0]}]", f"train.run_dir={tmp_path}/r"])
+    with pytest.raises(ConfigError, match=r"holds another run \(data.path is \[.*\] there but \[.*\] now\)"):
+        check_run_dir(other)

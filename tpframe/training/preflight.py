@@ -147,11 +147,18 @@ def differences(saved: dict, current: dict, where: str) -> list[str]:
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+def _resolved(paths) -> list[Path] | None:
+    """A `data.path` value (one path, or a blend's list of them) as resolved paths; None when unset."""
+    if paths is None:
+        return None
+    return [Path(p).resolve() for p in (paths if isinstance(paths, (list, tuple)) else [paths])]
+
+
 def _paths_differ(saved: dict, current: dict) -> list[str]:
     out = []
     for key in ("path", "valid_path"):
         a, b = (saved.get("data") or {}).get(key), (current.get("data") or {}).get(key)
-        if (a is None) != (b is None) or (a is not None and Path(a).resolve() != Path(b).resolve()):
+        if _resolved(a) != _resolved(b):
             out.append(f"data.{key} is {a!r} there but {b!r} now")
     return out
 
