@@ -4,6 +4,7 @@
     NPROC=4 python benchmarks/data_parallel.py         # DP=4 (and DP=1) on a 4-GPU machine
     CKPT=1 python benchmarks/data_parallel.py          # with activation checkpointing (activations no longer dominate)
     APPEND=0 LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64 MB=2 STEPS=3 python benchmarks/data_parallel.py   # CPU dry run (gloo)
+    ROWS="DP=1;ddp, overlap on" PROFILE=/tmp/dp python benchmarks/data_parallel.py   # some rows; a profiled step each
 
 Each row is one `torchrun` worker run: a GPT (LayerNorm, rotary, GELU, biases, tied, V=50304; GPT-1.3B
 shape by default: L=24 H=2048 16 heads, seq 2048, micro-batch 8 per GPU, bf16) trained on random
@@ -13,7 +14,10 @@ so a perfect DP=N step takes as long as DP=1's. FLOPs per step per GPU: (72*L*H^
 6*H*V*T) with T = MB*ACCUM*SEQ tokens. Peak memory is torch.cuda.max_memory_allocated on rank 0; "resident" is
 what stays allocated between steps (weights, gradient buffer, optimizer state: what the strategies shard), and
 peak - resident is what a step adds on top (activations, the bf16 gradients in flight, collective buffers),
-which no DP strategy shards: it sets how far zero1/fsdp can bring the peak down.
+which no DP strategy shards: it sets how far zero1/fsdp can bring the peak down. Each row also gives every
+rank's own median step (a slower GPU paces the whole DP group). PROFILE=folder profiles one more step per row
+(rank 0's chrome trace and op table there) and adds its GPU timeline: busy time, how long the collectives ran
+and how much of that no computation hid.
 """
 
 from __future__ import annotations
@@ -98,21 +102,60 @@ def worker(strategy: str, overlap: bool) -> None:
         sync()
         times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
+    per_rank = [None] * state.world_size  # each rank's own median: a slower GPU paces every DP step
+    torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
+    profiled = profile_step(step, os.environ.get("PROFILE"), f"{strategy}-overlap{int(overlap)}-dp{state.dp}",
+                            state.rank, cuda, sync)
     if state.rank == 0:
         print("RESULT " + json.dumps({
             "strategy": strategy, "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
             "opt_state_gib": opt.state_bytes() / 2**30, "loss": loss.item(), "resident_gib": resident,
+            "rank_step_s": per_rank, **profiled,
         }), flush=True)
     destroy_parallel()
+
+
+def profile_step(step, folder: str | None, name: str, rank: int, cuda: bool, sync) -> dict:
+    """PROFILE=folder: one more step under torch.profiler on every rank; rank 0 writes its chrome trace and op
+    table there and returns the GPU timeline: span, busy, how long collectives ran and how much of that had no
+    computation beside it (the DP traffic that overlap did not hide)."""
+    if not folder:
+        return {}
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tpframe.training.profiler import comm_overlap, gpu_busy, op_table
+
+    torch.distributed.barrier()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        sync()
+    if rank != 0 or not cuda:
+        return {}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    trace = Path(folder) / f"{name}.json"
+    prof.export_chrome_trace(str(trace))
+    (Path(folder) / f"{name}.txt").write_text(op_table(prof, cuda=True, rows=30))
+    span, busy = gpu_busy(trace)
+    comm, exposed = comm_overlap(trace)
+    return {"gpu_span_ms": span, "gpu_busy_ms": busy, "comm_ms": comm, "comm_exposed_ms": exposed}
 
 
 def main() -> None:
     nproc = env("NPROC", 2)
     results = []
+    only = [r.strip() for r in os.environ.get("ROWS", "").split(";") if r.strip()]
+    unknown = [r for r in only if r not in [row[0] for row in ROWS]]
+    if unknown:
+        print(f"ROWS: no row named {unknown[0]!r}; the rows are {'; '.join(row[0] for row in ROWS)} "
+              "(separate several with ';')", file=sys.stderr)
+        raise SystemExit(2)
     for name, strategy, overlap, n in ROWS:
+        if only and name not in only:
+            continue
         procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
                "--worker", strategy, str(int(overlap))]
@@ -146,6 +189,12 @@ def main() -> None:
             f"{r['peak_gib']:.1f} | {r['peak_gib'] / ddp['peak_gib'] if ddp else float('nan'):.2f}x "
             f"| {r['resident_gib']:.1f} | {r['peak_gib'] - r['resident_gib']:.1f} | {r['opt_state_gib']:.2f} |"
             for n, r in results] if base else []
+    if any("comm_ms" in r for _, r in results):  # PROFILE: the profiled step's GPU timeline, rank 0
+        rows += ["", "| run | profiled step: GPU span ms | GPU busy ms | collectives ms | collectives with no compute "
+                 "beside them ms | each rank's median step (s) |", "|---|---|---|---|---|---|"]
+        rows += [f"| {n} | {r['gpu_span_ms']:.1f} | {r['gpu_busy_ms']:.1f} | {r['comm_ms']:.1f} | "
+                 f"{r['comm_exposed_ms']:.1f} | {' / '.join(f'{t:.3f}' for t in r['rank_step_s'])} |"
+                 for n, r in results if "comm_ms" in r]
     table = "\n".join(head + rows)
     print(table)
     if env("APPEND", 1):  # APPEND=0: print only (dry runs)

@@ -64,3 +64,40 @@ def test_every_dp_strategy_trains_the_same_on_gpu(tmp_path):
         for step, (a, b) in enumerate(zip(losses[s], losses["ddp"]), 1):
             assert abs(a - b) <= 2e-2 * abs(b), f"{s} step {step}: loss {a!r} vs ddp {b!r}"
     assert losses["ddp"][-1] < losses["ddp"][0] - 0.5
+
+
+def _bucket_means(mode: str):
+    """A GradBuffer over NCCL at DP=2 (several buckets, overlapped): the synced buffer, the ranges this rank owns
+    (reduce-scatter) and, per weight, its offset and the exact fp32 mean of both ranks' gradients."""
+    import torch
+    import torch.distributed as dist
+
+    from tpframe.parallel.grad_buffer import GradBuffer
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (37, 1000, 4096)]
+    buf = GradBuffer(weights, dist.group.WORLD, dp_size=2, dp_rank=rank, bucket_bytes=4096, mode=mode)
+    buf.zero()
+    buf.start_sync()
+    scales = (1.0 / 3.0, 7.0)  # per-rank loss scales whose mean is not exact in binary: rounding would show
+    sum((w * w).sum() for w in weights).mul(scales[rank]).backward()
+    buf.finish_sync()
+    means = [((2 * w.detach() * scales[0] + 2 * w.detach() * scales[1]) / 2).cpu() for w in weights]
+    owned = [buf.shard_range(b) for b in buf.buckets] if mode == "reduce_scatter" else [(0, buf.numel)]
+    return buf._avg_in_collective, buf.buffer.cpu(), owned, [(buf.offsets[w], m) for w, m in zip(weights, means)]
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_nccl_gradient_buckets_average_inside_the_collective(mode):
+    """ddp's all-reduce and zero1's reduce-scatter average with NCCL's ReduceOp.AVG (no scaling pass before the
+    launch): each rank's buffer holds the fp32 mean of both ranks' gradients, over several overlapped buckets."""
+    import torch
+
+    for avg_in_collective, buffer, owned, expected in run_distributed(_bucket_means, 2, mode, backend="nccl"):
+        assert avg_in_collective, "with NCCL the average must happen inside the collective"
+        want = torch.zeros_like(buffer)
+        for offset, mean in expected:
+            want[offset : offset + mean.numel()] = mean
+        for lo, hi in owned:
+            torch.testing.assert_close(buffer[lo:hi], want[lo:hi], rtol=3e-7, atol=1e-6)

@@ -112,9 +112,13 @@ class StepProfiler:
         idle = ""
         if self.cuda:
             span, busy = gpu_busy(trace)
+            comm, exposed = comm_overlap(trace)
             if span > 0:
                 idle = (f"; GPU busy {busy:.1f} of {span:.1f} ms, idle {1 - busy / span:.1%} (launch gaps and host "
                         "waits: the most train.cuda_graph could win)")
+            if comm > 0:
+                idle += (f"; collectives ran {comm:.1f} ms, {exposed:.1f} ms of it with no computation beside "
+                         "them (what overlap did not hide)")
                 table += f"\nGPU timeline of the steps, first kernel to last{idle}\n"
         stem.with_suffix(".txt").write_text(table)
         written = [trace.name, stem.with_suffix(".txt").name]
@@ -140,19 +144,64 @@ def op_table(prof, *, cuda: bool, rows: int = 40, by_shape: bool = False) -> str
     return averages.table(row_limit=rows, max_name_column_width=80)
 
 
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# the collectives' kernels: NCCL's, tpframe's symm kernels (tpframe/comm/symm) and peer-to-peer copies
+_SYMM_KERNELS = ("all_gather_kernel", "all_reduce_kernel", "reduce_scatter_kernel", "barrier_kernel")
+
+
+def _is_comm(event: dict) -> bool:
+    name = event.get("name", "")
+    return "nccl" in name.lower() or name.startswith("Memcpy PtoP") or any(k in name for k in _SYMM_KERNELS)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering `spans`."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(spans) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def _gpu_spans(trace_path: str | Path) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(communication, everything else): the (start, end) in us of a chrome trace's GPU kernels, copies, memsets."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    comm, other = [], []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES:
+            (comm if _is_comm(e) else other).append((e["ts"], e["ts"] + e["dur"]))
+    return comm, other
+
+
 def gpu_busy(trace_path: str | Path) -> tuple[float, float]:
     """(span, busy) in ms of a chrome trace's GPU activity: first to last kernel/copy/memset, and the union
     of their intervals. span - busy is the time the GPU sat idle between them."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    comm, other = _gpu_spans(trace_path)
+    spans = _union(comm + other)
     if not spans:
         return 0.0, 0.0
-    busy, (lo, hi) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > hi:
-            busy, lo, hi = busy + hi - lo, s, e
-        else:
-            hi = max(hi, e)
-    busy += hi - lo
-    return (spans[-1][1] - spans[0][0]) / 1e3, busy / 1e3
+    return (spans[-1][1] - spans[0][0]) / 1e3, _length(spans) / 1e3
+
+
+def comm_overlap(trace_path: str | Path) -> tuple[float, float]:
+    """(communication, exposed) in ms of a chrome trace: how long some collective ran on the GPU (the union of
+    NCCL kernels, symm kernels and peer copies), and how much of that no computation ran beside it: the time
+    the collectives added to the step, where overlap did not hide them."""
+    comm, other = _gpu_spans(trace_path)
+    comm, other = _union(comm), _union(other)
+    hidden, j = 0.0, 0
+    for s, e in comm:  # both lists sorted and disjoint: one sweep
+        while j < len(other) and other[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < e:
+            hidden += min(e, other[k][1]) - max(s, other[k][0])
+            k += 1
+    total = _length(comm)
+    return total / 1e3, (total - hidden) / 1e3
