@@ -84,9 +84,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from tpframe.kernels.launch import fast_launch
-
-    @fast_launch
     @triton.jit
     def _row_stats_kernel(logits, stride, target, stats, N, n_valid, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -111,7 +108,6 @@ if HAVE_TRITON:
         tl.store(stats + 2 * N + row, tl.sum(picked, axis=0))
         tl.store(stats + 3 * N + row, tl.sum(total, axis=0))
 
-    @fast_launch
     @triton.jit
     def _logits_grad_kernel(logits, stride, target, log_z, scale, n_cols, n_valid, hit_weight, smooth,
                             BLOCK: tl.constexpr):

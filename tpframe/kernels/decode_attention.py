@@ -39,9 +39,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from tpframe.kernels.launch import fast_launch
-
-    @fast_launch
     @triton.jit
     def _decode_attn(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
                      NQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
@@ -84,7 +81,6 @@ if HAVE_TRITON:
             tl.store(part_l + at, l_i)
             tl.store(part_acc + at * D + dd, acc, mask=dmask)
 
-    @fast_launch
     @triton.jit
     def _decode_attn_group(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
@@ -141,7 +137,6 @@ if HAVE_TRITON:
             tl.store(part_l + at, l_i, mask=gg < G)
             tl.store(part_acc + at[:, None] * D + dd[None, :], acc, mask=qmask)
 
-    @fast_launch
     @triton.jit
     def _decode_attn_merge(out, part_m, part_l, part_acc, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):

@@ -24,9 +24,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from tpframe.kernels.launch import fast_launch
-
-    @fast_launch
     @triton.jit
     def _norm_fwd(x, w, b, y, mean_out, rstd_out, H, eps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK: tl.constexpr):
@@ -47,7 +44,6 @@ if HAVE_TRITON:
         tl.store(mean_out + row, mean)
         tl.store(rstd_out + row, rstd)
 
-    @fast_launch
     @triton.jit
     def _norm_bwd(x, w, dy, dx, mean_in, rstd_in, dw_part, db_part, R, H, RMS: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):

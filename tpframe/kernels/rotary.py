@@ -20,9 +20,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from tpframe.kernels.launch import fast_launch
-
-    @fast_launch
     @triton.jit
     def _qkv_rotary_fwd(qkv, cos, sin, q, k, v, S, B, CS, CB, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                         HEADS: tl.constexpr, HALF: tl.constexpr):
@@ -57,7 +54,6 @@ if HAVE_TRITON:
         tl.store(dv, o1, mask=is_v)
         tl.store(dv + D // 2, o2, mask=is_v)
 
-    @fast_launch
     @triton.jit
     def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, S, B, CS, CB, NQ: tl.constexpr, NKV: tl.constexpr,
                         D: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
