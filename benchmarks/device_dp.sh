@@ -2,8 +2,18 @@
 # One device call on nvidia-h200-x2 (repo root): the GPU training tests, then the data-parallel benchmark, as the
 # issue asks (micro-batch 8, activations dominate the peak) and with activation checkpointing (CKPT=1: the
 # optimizer state dominates, where ZeRO-1's halving shows in the peak). SKIP_TESTS=1 skips the tests.
+# PROFILE_ONLY=1: only the gradient-overlap question, in about 3 minutes: the bucket-averaging GPU test, then
+# DP=1 and ddp with overlap off and on (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU
+# timeline says how long the collectives ran and how much of that no computation hid.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/env.txt
+if [ "${PROFILE_ONLY:-0}" = 1 ]; then
+  timeout 90 python3 -m pytest -q tests/test_gpu_training.py -k nccl_gradient -p no:cacheprovider -rs 2>&1 | tail -3
+  CKPT=1 STEPS=6 ROWS="DP=1;ddp, overlap off;ddp, overlap on" PROFILE=$OUT/dp_prof timeout ${T_BENCH:-240} \
+    python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_prof.log | tail -12
+  cp benchmarks/RESULTS.md $OUT/RESULTS.md
+  exit 0
+fi
 [ "${SKIP_TESTS:-0}" = 1 ] || timeout ${T_TESTS:-200} python3 -m pytest -q tests/test_gpu_training.py -p no:cacheprovider -rs 2>&1 | tee $OUT/gpu_tests.log | tail -8
 timeout ${T_BENCH:-330} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_bench.log | tail -14
 CKPT=1 timeout ${T_BENCH_CKPT:-300} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_bench_ckpt.log | tail -14
