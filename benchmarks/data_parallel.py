@@ -127,7 +127,7 @@ def profile_step(step, folder: str | None, name: str, rank: int, cuda: bool, syn
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tpframe.training.profiler import comm_overlap, gpu_busy, op_table
+    from tpframe.training.profiler import gpu_timeline, op_table
 
     torch.distributed.barrier()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -139,8 +139,7 @@ def profile_step(step, folder: str | None, name: str, rank: int, cuda: bool, syn
     trace = Path(folder) / f"{name}.json"
     prof.export_chrome_trace(str(trace))
     (Path(folder) / f"{name}.txt").write_text(op_table(prof, cuda=True, rows=30))
-    span, busy = gpu_busy(trace)
-    comm, exposed = comm_overlap(trace)
+    span, busy, comm, exposed = gpu_timeline(trace)
     return {"gpu_span_ms": span, "gpu_busy_ms": busy, "comm_ms": comm, "comm_exposed_ms": exposed}
 
 

@@ -291,13 +291,12 @@ def test_gpu_busy_is_the_union_of_kernel_intervals(tmp_path):
     assert (span, busy) == (0.025, 0.020)  # 0-15 and 20-25 us busy; host ops ignored
 
 
-
-def test_comm_overlap_counts_the_collective_time_no_computation_hid(tmp_path):
+def test_gpu_timeline_counts_the_collective_time_no_computation_hid(tmp_path):
     """How much of the collectives' GPU time ran with no compute kernel beside it (data_parallel.py's PROFILE and the
     training profiler's summary): NCCL kernels, symm kernels and peer copies are communication, the rest compute."""
     import json
 
-    from tpframe.training.profiler import comm_overlap, gpu_busy
+    from tpframe.training.profiler import gpu_busy, gpu_timeline
 
     def k(name, ts, dur, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -308,12 +307,13 @@ def test_comm_overlap_counts_the_collective_time_no_computation_hid(tmp_path):
         k("vectorized_elementwise_kernel", 120, 10), k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 140, 20),
         k("two_shot_all_reduce_kernel", 300, 40), k("Memcpy PtoP (Device -> Device)", 330, 20, "gpu_memcpy"),
         k("layer_norm_fwd", 345, 100), {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 900}]}))
-    comm, exposed = comm_overlap(str(trace))
+    comm, exposed = gpu_timeline(str(trace))[2:]
     # collectives: 50-160 and 300-350 = 160 us; compute beside them: 50-100, 120-130, 345-350 = 65 us
     assert (round(comm * 1e3, 6), round(exposed * 1e3, 6)) == (160.0, 95.0)
     assert gpu_busy(str(trace)) == (0.445, 0.305)  # 0-160 and 300-445 busy
     trace.write_text(json.dumps({"traceEvents": [k("gemm", 0, 10)]}))
-    assert comm_overlap(str(trace)) == (0.0, 0.0)
+    assert gpu_timeline(str(trace))[2:] == (0.0, 0.0)
+
 
 def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
     """benchmarks/peer_llama.py, the torch-native row of the Llama shape in `benchmarks/gpt.py --compare`: its FLOP

@@ -111,14 +111,13 @@ class StepProfiler:
         table = op_table(self.prof, cuda=self.cuda, by_shape=self.cfg.record_shapes)
         idle = ""
         if self.cuda:
-            span, busy = gpu_busy(trace)
-            comm, exposed = comm_overlap(trace)
+            span, busy, comm, exposed = gpu_timeline(trace)
             if span > 0:
                 idle = (f"; GPU busy {busy:.1f} of {span:.1f} ms, idle {1 - busy / span:.1%} (launch gaps and host "
                         "waits: the most train.cuda_graph could win)")
-            if comm > 0:
-                idle += (f"; collectives ran {comm:.1f} ms, {exposed:.1f} ms of it with no computation beside "
-                         "them (what overlap did not hide)")
+                if comm > 0:
+                    idle += (f"; collectives ran {comm:.1f} ms, {exposed:.1f} ms of it with no computation beside "
+                             "them (what overlap did not hide)")
                 table += f"\nGPU timeline of the steps, first kernel to last{idle}\n"
         stem.with_suffix(".txt").write_text(table)
         written = [trace.name, stem.with_suffix(".txt").name]
@@ -179,21 +178,17 @@ def _gpu_spans(trace_path: str | Path) -> tuple[list[tuple[float, float]], list[
     return comm, other
 
 
-def gpu_busy(trace_path: str | Path) -> tuple[float, float]:
-    """(span, busy) in ms of a chrome trace's GPU activity: first to last kernel/copy/memset, and the union
-    of their intervals. span - busy is the time the GPU sat idle between them."""
+def gpu_timeline(trace_path: str | Path) -> tuple[float, float, float, float]:
+    """(span, busy, communication, exposed) in ms of a chrome trace's GPU activity, from one read of it.
+
+    span: first kernel/copy/memset to last; busy: the union of their intervals (span - busy is the time the GPU
+    sat idle between them). communication: how long some collective ran (the union of NCCL kernels, symm kernels
+    and peer copies); exposed: how much of that no computation ran beside it, the time the collectives added to
+    the step where overlap did not hide them."""
     comm, other = _gpu_spans(trace_path)
     spans = _union(comm + other)
     if not spans:
-        return 0.0, 0.0
-    return (spans[-1][1] - spans[0][0]) / 1e3, _length(spans) / 1e3
-
-
-def comm_overlap(trace_path: str | Path) -> tuple[float, float]:
-    """(communication, exposed) in ms of a chrome trace: how long some collective ran on the GPU (the union of
-    NCCL kernels, symm kernels and peer copies), and how much of that no computation ran beside it: the time
-    the collectives added to the step, where overlap did not hide them."""
-    comm, other = _gpu_spans(trace_path)
+        return 0.0, 0.0, 0.0, 0.0
     comm, other = _union(comm), _union(other)
     hidden, j = 0.0, 0
     for s, e in comm:  # both lists sorted and disjoint: one sweep
@@ -204,4 +199,9 @@ def comm_overlap(trace_path: str | Path) -> tuple[float, float]:
             hidden += min(e, other[k][1]) - max(s, other[k][0])
             k += 1
     total = _length(comm)
-    return total / 1e3, (total - hidden) / 1e3
+    return (spans[-1][1] - spans[0][0]) / 1e3, _length(spans) / 1e3, total / 1e3, (total - hidden) / 1e3
+
+
+def gpu_busy(trace_path: str | Path) -> tuple[float, float]:
+    """(span, busy) of `gpu_timeline`."""
+    return gpu_timeline(trace_path)[:2]
