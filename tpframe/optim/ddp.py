@@ -45,7 +45,8 @@ class DDPStrategy(GradStrategy):
         self.params = [p for _, p in self.named]
         # expert parallelism: experts differ between EP ranks and are replicated over the edp group only
         self.expert_params = [p for p in self.params if getattr(p, "expert", False)] if parallel.ep > 1 else []
-        dense = [p for p in self.params if not any(p is e for e in self.expert_params)]
+        self._expert_ids = {id(p) for p in self.expert_params}
+        dense = [p for p in self.params if id(p) not in self._expert_ids]
         self.grads = GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
                                 overlap=overlap, mode="all_reduce")
         self.expert_grads = None
@@ -81,7 +82,7 @@ class DDPStrategy(GradStrategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         # grads are equal on every DP replica: sum over one model replica (tp x pp) only
         counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank)
-                   and not any(p is e for e in self.expert_params)]
+                   and id(p) not in self._expert_ids]
         experts = [p.main_grad for p in self.expert_params]  # TP shards: each counts; different on each EP rank
         return clip_by_global_norm(counted, [g.buffer for g in self.buffers], max_norm, [self.parallel.mp_comm],
                                    self.grads.buffer.device, optimizer=self.optimizer,
