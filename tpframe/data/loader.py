@@ -30,6 +30,12 @@ from tpframe.data.tokenizer import open_token_file
 STATE_FORMAT = "tpframe.data/1"
 BLEND_FORMAT = "tpframe.data.blend/1"
 _SPLIT_IDS = {"train": 0, "valid": 1}  # separate shuffles for the two splits
+# (field, name, fix) that a data state must share with the run loading it, for one stream and for a blend alike
+_RUN_FIELDS = (
+    ("split", "split", "a {0} iterator's state cannot be loaded into the {1} iterator"),
+    ("seed", "data.seed", "set data.seed={0} to resume this run"),
+    ("seq_len", "train.seq_len", "set train.seq_len={0} to resume this run"),
+)
 
 
 class BatchIterator:
@@ -128,9 +134,7 @@ class BatchIterator:
         """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for other data."""
         _check_format(state, STATE_FORMAT)
         checks = (
-            ("split", "split", "a {0} iterator's state cannot be loaded into the {1} iterator"),
-            ("seed", "data.seed", "set data.seed={0} to resume this run"),
-            ("seq_len", "train.seq_len", "set train.seq_len={0} to resume this run"),
+            *_RUN_FIELDS,
             ("corpus", "data stream", "resume with the same data.source/data.path/data.synthetic_tokens/"
                                       "data.valid_fraction, or start a fresh run"),
             ("num_windows", "number of windows", "resume with the same data and train.seq_len"),
@@ -221,9 +225,7 @@ class BlendedIterator:
         """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for another blend."""
         _check_format(state, BLEND_FORMAT)
         checks = (
-            ("split", "split", "a {0} iterator's state cannot be loaded into the {1} iterator"),
-            ("seed", "data.seed", "set data.seed={0} to resume this run"),
-            ("seq_len", "train.seq_len", "set train.seq_len={0} to resume this run"),
+            *_RUN_FIELDS,
             ("corpus", "the blend's files", "resume with the same data.path files, in the same order"),
             ("weights", "data.weights (normalized)", "resume with the same data.weights"),  # JSON keeps floats exact
             ("num_windows", "number of windows", "resume with the same data"),
