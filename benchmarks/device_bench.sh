@@ -13,6 +13,7 @@ tp2() {  # env... : one TP=2 + SP GPT-1.3B forward+backward run
 }
 if [ -z "$SKIP_GPT" ]; then
   tp2 ASYNC_TP=0
+  tp2 ASYNC_TP=0 TP_OVERLAP=0  # comm.overlap_backward=false: the backward's collectives after both GEMMs
   tp2 ASYNC_TP=1
   tp2 COMPILE=1
 fi

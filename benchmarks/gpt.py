@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
-                                                      #   ACT BIAS PROFILE GRAPH FP8
+                                                      #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
@@ -10,7 +10,8 @@ One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps the SP collectives with the
-GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off. PROFILE=path writes a torch.profiler
+GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off, TP_OVERLAP=0 sets comm.overlap_backward=false
+(the backward's TP collectives after both GEMMs instead of beside the weight gradient). PROFILE=path writes a torch.profiler
 table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
 warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
 would save over launching the same kernels one by one. CKPT=full|selective recomputes in backward
@@ -68,6 +69,7 @@ def run_one() -> None:
 
     state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
                                 comm_backend=os.environ.get("COMM", "auto"))
+    state.tp_comm.overlap_backward = flag("TP_OVERLAP", "1")  # comm.overlap_backward
     H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and state.tp > 1
@@ -126,7 +128,8 @@ def run_one() -> None:
         # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
         ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={int(ran_async)} "
-                f"fused={int(ctx.fused_kernels)} fp8={int(flag('FP8'))} ckpt={ckpt}")
+                f"fused={int(ctx.fused_kernels)} fp8={int(flag('FP8'))} ckpt={ckpt} "
+                f"overlap_backward={int(state.tp_comm.overlap_backward)}")
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
@@ -251,6 +254,7 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add(f"DTensor TP={tp} + SP, compile", dtensor, tp, TP=str(tp), SP="1", COMPILE="1")
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
+    add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=false", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="0")
     add(f"tpframe TP={tp} + SP, eager + async TP", ours, tp, TP=str(tp), SP="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")  # (compiled blocks trace the
     # plain path: async TP is eager-only, so there is no compile + async TP row)

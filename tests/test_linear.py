@@ -142,3 +142,87 @@ def test_bad_shapes_raise_clear_value_errors():
     assert "last dim 15, expected in_features = 16" in messages["column_input_shape"]
     assert "last dim 32, expected in_features/tp = 8" in messages["row_input_shape"]
     assert "(6, 2, 16) divisible by the group size 4" in messages["sp_sequence_not_divisible"]
+
+
+class _LoggedPending:
+    def __init__(self, pending, events):
+        self.pending, self.events = pending, events
+
+    def wait(self):
+        self.events.append("wait")
+        return self.pending.wait()
+
+
+def _backward_order():
+    """The order of a backward's GEMMs and its collective's start and wait, for a column layer and the fused
+    head, with and without SP; and the gradients against the separate-mappings path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpframe.layers import ColumnParallelLinear
+    from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
+    from tpframe.layers.linear import enter_tp_region
+    from tpframe.parallel import initialize_parallel
+
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    events: list = []
+    for name in ("reduce_scatter_async", "all_reduce_async"):
+        original = getattr(comm, name)
+
+        def logged(x, *args, _original=original, **kwargs):
+            events.append("start")
+            return _LoggedPending(_original(x, *args, **kwargs), events)
+
+        setattr(comm, name, logged)
+
+    class GemmLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+                events.append(("mm", tuple(args[0].shape)))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(3)
+    tp, r = comm.size, comm.rank
+    out = {}
+    for sp in (False, True):
+        layer = ColumnParallelLinear(H_IN, H_OUT, sequence_parallel=sp)
+        x = torch.randn(S // tp if sp else S, B, H_IN, requires_grad=True)
+        y = layer(x)
+        events.clear()
+        with GemmLog():
+            y.backward(torch.ones_like(y))
+        out[f"column sp={sp}"] = list(events)
+        grads = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        # the separate mappings (the path under torch.compile) give the same gradients
+        y2 = torch.nn.functional.linear(enter_tp_region(x, comm, sp), layer.weight, layer.bias)
+        y2.backward(torch.ones_like(y2))
+        for got, ref, what in zip(grads, (x.grad, layer.weight.grad, layer.bias.grad), ("input", "weight", "bias")):
+            assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6), f"column sp={sp}: {what} gradient differs"
+
+        weight = torch.randn(40 // tp, H_IN, requires_grad=True)
+        target = torch.randint(0, 40, (S, B))
+        loss = vocab_parallel_head_cross_entropy(x, weight, target, comm=comm, sequence_parallel=sp)
+        events.clear()
+        with GemmLog():
+            loss.sum().backward()
+        out[f"head sp={sp}"] = list(events)
+    comm.overlap_backward = False  # comm.overlap_backward=false: the separate mappings, collective after the GEMMs
+    y = ColumnParallelLinear(H_IN, H_OUT, sequence_parallel=True)(torch.randn(S // tp, B, H_IN, requires_grad=True))
+    events.clear()
+    with GemmLog():
+        y.backward(torch.ones_like(y))
+    out["column sp=True, overlap off"] = list(events)
+    return out
+
+
+def test_column_backward_starts_the_input_gradient_collective_before_the_weight_gradient():
+    # tp=2, N tokens per rank's GEMM = S*B: the input-gradient GEMM is dY [N, out/tp] @ W; the weight gradient
+    # dY^T [out/tp, N] @ X. The collective starts between the two and is waited for after the second.
+    for order in run_distributed(_backward_order, 2):
+        n = S * B
+        assert order["column sp=False"] == [("mm", (n, H_OUT // 2)), "start", ("mm", (H_OUT // 2, n)), "wait"], order
+        assert order["column sp=True"] == [("mm", (n, H_OUT // 2)), "start", ("mm", (H_OUT // 2, n)), "wait"], order
+        assert order["column sp=True, overlap off"] == [("mm", (n, H_OUT // 2)), ("mm", (H_OUT // 2, n))], order
+        for sp in (False, True):
+            head = order[f"head sp={sp}"]
+            assert head == [("mm", (n, 20)), "start", ("mm", (20, n)), "wait"], (sp, head)

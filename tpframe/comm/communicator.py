@@ -53,6 +53,9 @@ class Communicator:
         if self.requested in ("symm", "auto") and self.size > 1:
             self.symm = _try_symm(self.group, self.size, self.device, self.requested)
         self.name = comm_ops.register(self)  # the key of this communicator in the compile-visible ops
+        # layers entering a TP region on this group overlap their input gradient's collective with the weight
+        # gradient in backward (tpframe.layers.mappings.overlaps_entry_grad; the comm.overlap_backward config)
+        self.overlap_backward = True
 
     @property
     def has_symmetric_memory(self) -> bool:
@@ -131,6 +134,24 @@ class Communicator:
             self.nccl.all_reduce_(x, op)
         return x
 
+    def all_reduce_async(self, x: torch.Tensor, *, donate: bool = False) -> "Pending":
+        """Start a sum all-reduce of `x` and return at once: the caller launches other work (a weight-gradient
+        GEMM) while it runs, then `.wait()` gives the result. Eager calls go through NCCL, which runs on its
+        own stream with few SMs beside that work; under torch.compile or CUDA-graph capture the call is the
+        ordinary one (the result is ready when returned)."""
+        if self.size == 1:
+            return Pending(x)
+        if _compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return Pending(self.all_reduce(x, donate=donate))
+        return Pending(*self.nccl.all_reduce_start(x, donate), keep=x)
+
+    def reduce_scatter_async(self, x: torch.Tensor) -> "Pending":
+        """Start `reduce_scatter(x, dim=0)` and return at once; as `all_reduce_async`."""
+        if self.size == 1 or _compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return Pending(self.reduce_scatter(x))
+        _check_split(x, 0, self.size)
+        return Pending(*self.nccl.reduce_scatter_start(x), keep=x)
+
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
         if self.size == 1:
@@ -144,11 +165,7 @@ class Communicator:
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Sum over ranks, then keep this rank's 1/size slice of `dim`."""
-        if x.shape[dim] % self.size:
-            raise ValueError(
-                f"reduce_scatter needs dim {dim % x.dim()} of shape {tuple(x.shape)} divisible by the group size "
-                f"{self.size} (with sequence parallelism: make the sequence length a multiple of tp)"
-            )
+        _check_split(x, dim, self.size)
         if self.size == 1:
             return x
         if dim == 0 or dim == -x.dim():
@@ -186,6 +203,30 @@ class Communicator:
     def __repr__(self) -> str:
         active = "symm+nccl" if self.symm is not None else "nccl"
         return f"Communicator(size={self.size}, rank={self.rank}, requested={self.requested}, active={active})"
+
+
+def _check_split(x: torch.Tensor, dim: int, size: int) -> None:
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"reduce_scatter needs dim {dim % x.dim()} of shape {tuple(x.shape)} divisible by the group size "
+            f"{size} (with sequence parallelism: make the sequence length a multiple of tp)"
+        )
+
+
+class Pending:
+    """A collective in flight (`Communicator.*_async`): `wait()` orders the current stream after it (NCCL) or
+    the host after it (gloo) and returns its result. The input is kept alive until then."""
+
+    __slots__ = ("result", "work", "keep")
+
+    def __init__(self, result: torch.Tensor, work=None, *, keep: torch.Tensor | None = None):
+        self.result, self.work, self.keep = result, work, keep
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.keep = None
+        return self.result
 
 
 def _default_device() -> torch.device:

@@ -16,12 +16,12 @@ _C10D = torch._C._distributed_c10d
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _options(cls, **fields):
+def _options(cls, *, blocking: bool = True, **fields):
     opts = cls()
     for name, value in fields.items():
         setattr(opts, name, value)
     if hasattr(opts, "asyncOp"):  # torch >= 2.8: a blocking call may run NCCL on the current stream
-        opts.asyncOp = False
+        opts.asyncOp = not blocking
     return opts
 
 
@@ -41,6 +41,9 @@ class NcclBackend:
         self._ar_opts = {op: _options(_C10D.AllreduceOptions, reduceOp=red) for op, red in REDUCE_OPS.items()}
         self._ag_opts = _options(_C10D.AllgatherOptions)
         self._rs_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+        # started collectives (`*_start`): NCCL runs them on its own stream, beside what the caller launches next
+        self._ar_start_opts = _options(_C10D.AllreduceOptions, reduceOp=dist.ReduceOp.SUM, blocking=False)
+        self._rs_start_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM, blocking=False)
         # torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single; 2.11 has
         # only the underscored names.
         self._ag = getattr(group, "all_gather_single", None) or group._allgather_base
@@ -67,6 +70,17 @@ class NcclBackend:
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
         _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
+
+    def all_reduce_start(self, x: torch.Tensor, donate: bool = False):
+        """Start a sum all-reduce on NCCL's stream; returns (result, work): `work.wait()` orders the current
+        stream after it. `x` (and the result) must stay alive until then."""
+        out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+        return out, self.group.allreduce([out], self._ar_start_opts)
+
+    def reduce_scatter_start(self, x: torch.Tensor):
+        """Start a reduce-scatter on NCCL's stream; returns (result, work), as `all_reduce_start`."""
+        out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
+        return out, self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_start_opts)
 
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))

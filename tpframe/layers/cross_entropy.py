@@ -17,7 +17,7 @@ import torch
 
 from tpframe.comm import Communicator
 from tpframe.kernels.cross_entropy import logits_grad_, row_stats
-from tpframe.layers.mappings import copy_to_tp, gather_from_sp
+from tpframe.layers.mappings import copy_to_tp, enter_backward_start, enter_forward, gather_from_sp, overlaps_entry_grad
 from tpframe.parallel.state import default_tp_comm
 
 
@@ -114,7 +114,14 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """loss[n] = CE(x[n] W^T, target[n]) over the vocab-parallel W, logits kept in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, comm, vocab_size, ignore_index, label_smoothing, chunk):
+    def forward(ctx, x, weight, target, comm, vocab_size, ignore_index, label_smoothing, chunk, enter):
+        # enter (None, or sequence_parallel as a bool): x [s(/tp), b, h] enters the TP region here, and backward
+        # overlaps the input gradient's collective with the weight gradient (tpframe.layers.mappings)
+        ctx.enter, ctx.comm = enter, comm
+        if enter is not None:
+            x = enter_forward(x, comm, enter)
+            ctx.x_shape = x.shape
+            x = x.reshape(-1, x.shape[-1])
         v_local = weight.shape[0]
         start = comm.rank * v_local
         n_valid = max(0, min(v_local, vocab_size - start))  # columns past vocab_size are padding
@@ -147,8 +154,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_logits = logits_grad_(logits, local_target, log_z, scale, ctx.n_valid, ctx.label_smoothing,
                                    ctx.vocab_size, ctx.chunk)
         grad_x = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
+        if grad_x is not None and ctx.enter is not None:
+            grad_x = enter_backward_start(grad_x.view(ctx.x_shape), ctx.comm, ctx.enter)
         grad_w = torch.matmul(grad_logits.t(), x) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None, None, None, None
+        if grad_x is not None and ctx.enter is not None:
+            grad_x = grad_x.wait()
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def vocab_parallel_head_cross_entropy(
@@ -176,10 +187,16 @@ def vocab_parallel_head_cross_entropy(
     vocab_size = vocab_size if vocab_size is not None else weight.shape[0] * comm.size
     if not 0 < vocab_size <= weight.shape[0] * comm.size:
         raise ValueError(f"vocab_size={vocab_size} does not fit the {weight.shape[0] * comm.size} rows of the head")
-    x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
-    if x.shape[:-1] != target.shape:
-        raise ValueError(f"vocab_parallel_head_cross_entropy: hidden states {tuple(x.shape)} and target "
+    rows = (x.shape[0] * (comm.size if sequence_parallel else 1),) + tuple(x.shape[1:-1])
+    if rows != tuple(target.shape):
+        raise ValueError(f"vocab_parallel_head_cross_entropy: hidden states {tuple(x.shape)} "
+                         f"({'sequence-parallel, ' if sequence_parallel else ''}{rows} rows) and target "
                          f"{tuple(target.shape)} must agree on every dim but the last")
-    loss = _HeadCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), comm, vocab_size,
-                                   ignore_index, label_smoothing, chunk)
+    if overlaps_entry_grad(comm):  # the entry inside the Function: its backward overlaps the collective
+        loss = _HeadCrossEntropy.apply(x, weight, target.reshape(-1), comm, vocab_size, ignore_index,
+                                       label_smoothing, chunk, sequence_parallel)
+    else:
+        x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
+        loss = _HeadCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), comm, vocab_size,
+                                       ignore_index, label_smoothing, chunk, None)
     return loss.view(target.shape)

@@ -10,6 +10,9 @@ chunks (torch.ops.symm_mem fused ops: copy-engine peer copies, no multicast):
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
 Elsewhere (CPU, no symmetric memory, no SP, under torch.compile) the same layers take the plain path below.
+In eager training at tp > 1 a column layer's entry into the TP region and its GEMM are one autograd Function
+(`_ColumnLinear`) whose backward starts the input gradient's reduce-scatter (all-reduce without SP) on NCCL's
+stream and computes the weight gradient while it runs.
 
 `fp8=True`: the plain path's GEMM in float8 (tpframe/layers/fp8.py; not with async TP or deferred weight
 gradients, which the config refuses).
@@ -18,11 +21,15 @@ gradients, which the config refuses).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.layers.mappings import (
     copy_to_tp,
+    enter_backward_start,
+    enter_forward,
+    overlaps_entry_grad,
     gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
@@ -31,7 +38,7 @@ from tpframe.layers.mappings import (
 )
 from tpframe.layers.fp8 import fp8_linear
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
-from tpframe.layers.weight_grad import linear
+from tpframe.layers.weight_grad import deferring, linear
 from tpframe.parallel.state import default_tp_comm
 
 
@@ -107,6 +114,30 @@ class _LinearReduceScatter(torch.autograd.Function):
         return gx, gw, None
 
 
+class _ColumnLinear(torch.autograd.Function):
+    """y = enter_tp_region(x) W^T + b in one Function, whose backward hides the input gradient's collective
+    behind the weight-gradient GEMM: dX = dY W, start reduce-scatter(dX) (all-reduce without SP), dW = dY^T X
+    and db while it runs, then wait. The separate mappings would run the collective after both GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, sequence_parallel):
+        x = enter_forward(x, comm, sequence_parallel)
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        pending = None
+        if ctx.needs_input_grad[0]:
+            pending = enter_backward_start(grad.matmul(weight), ctx.comm, ctx.sequence_parallel)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
+        return (pending.wait() if pending is not None else None), gw, gb, None, None
+
+
 def enter_tp_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
     """A column layer's input as its GEMM takes it: the sequence all-gathered under SP, else the identity
     whose backward all-reduces. Its output feeds only the GEMM: its gradient is fresh and may be reduced in place."""
@@ -134,6 +165,8 @@ def column_parallel_linear(
     """
     if not entered and sequence_parallel and async_tp and async_tp_available(comm, x):
         y = _AllGatherLinear.apply(x, weight, bias, comm)
+    elif not entered and not fp8 and not deferring() and overlaps_entry_grad(comm):
+        y = _ColumnLinear.apply(x, weight, bias, comm, sequence_parallel)
     else:
         x = x if entered else enter_tp_region(x, comm, sequence_parallel)
         # F.linear (zero-bubble pipelines defer its weight gradient), or the float8 GEMMs

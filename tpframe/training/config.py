@@ -113,6 +113,9 @@ class LoggingConfig:
 class CommConfig:
     backend: Literal["auto", "nccl", "symm"] = "auto"  # TP collectives; env TPFRAME_COMM_BACKEND overrides
     timeout_s: float = 300.0  # every process group: a collective waiting longer ends the run (exit code 4)
+    # eager tp > 1: column layers and the fused head start the input gradient's reduce-scatter (all-reduce without
+    # SP) on NCCL's stream and compute the weight gradient while it runs; false: after both GEMMs, on the TP backend
+    overlap_backward: bool = True
 
 
 @dataclass
