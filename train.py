@@ -49,6 +49,25 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"env var {name}={raw!r} must be an integer") from None
 
 
+def _schedule(cfg, state, pipeline, log):
+    """The forward+backward schedule: a pipeline schedule, the plain micro-batch loop, or CUDA graphs of it
+    (train.cuda_graph; `auto` measures both and keeps the faster, where graphs can be used at all)."""
+    from tpframe.parallel.graphed import GraphedForwardBackward
+    from tpframe.parallel.schedules import get_forward_backward
+    from tpframe.training.config import cuda_graph_obstacle
+    from tpframe.training.preflight import cuda_graph_device_obstacle
+
+    graph = cfg.train.cuda_graph
+    if graph == "auto":
+        why = cuda_graph_obstacle(cfg) or cuda_graph_device_obstacle(cfg, state.device.type)
+        if why is None:
+            return GraphedForwardBackward(auto=True, log=log)
+        if state.device.type == "cuda":  # on a CPU there is nothing to say
+            log(f"train.cuda_graph=auto runs eagerly: {why.split('; set ')[0]}")
+        graph = False
+    return GraphedForwardBackward() if graph else get_forward_backward(cfg.parallel.pp, pipeline)
+
+
 def _print_now(message: str) -> None:  # a non-main rank's own console line (logger.info prints on rank 0 only)
     print(message, flush=True)
 
@@ -116,8 +135,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                                             is_comm_failure)
     from tpframe.parallel.pipeline import build_pipeline, build_stages, pipeline_numel, pipeline_union
     from tpframe.parallel.rng import RNGState
-    from tpframe.parallel.graphed import GraphedForwardBackward
-    from tpframe.parallel.schedules import get_forward_backward, get_forward_only
+    from tpframe.parallel.schedules import get_forward_only
     from tpframe.training.flops import peak_tflops
     from tpframe.training.health import TrainingAborted
     from tpframe.training.logger import MetricsLogger
@@ -182,8 +200,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
-                          forward_backward=GraphedForwardBackward() if cfg.train.cuda_graph
-                          else get_forward_backward(p.pp, pipeline),
+                          forward_backward=_schedule(cfg, state, pipeline, logger.info),
                           forward_only=get_forward_only(p.pp, pipeline), progress=progress,
                           peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops),
                           profiler=StepProfiler.open(cfg.profile, rank=state.rank, device=state.device,

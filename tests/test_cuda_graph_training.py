@@ -5,6 +5,8 @@ buffer's bookkeeping); the bad combinations are in tests/test_ops_inputs.py. GPU
 train.py's pipeline, graphed against eager, with gradient accumulation, recompute, compiled blocks, TP and DP.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -137,3 +139,72 @@ def test_a_graphed_run_that_diverges_is_rerun_skipped_and_stopped_with_a_message
     message = run_distributed(_diverge_graphed, 1, str(tmp_path), backend="nccl")[0]
     assert "non-finite" in message and "train.max_skipped_steps=3" in message, message
     assert "replayed a CUDA graph" in message, message
+
+
+def test_auto_is_refused_nowhere_and_names_what_keeps_it_eager():
+    """train.cuda_graph=auto passes validation where `true` is refused; the obstacle is the line `true` gets."""
+    from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
+    from tpframe.training.preflight import check_device, cuda_graph_device_obstacle
+
+    for extra, words in ((["parallel.pp=2", "parallel.tp=1", "train.micro_batch_size=2"], "non-pipelined step"),
+                         (["model.dropout=0.1"], "needs model.dropout=0"),
+                         (["parallel.dp_strategy=fsdp"], "cannot capture FSDP")):
+        for setting in ("auto", "true"):
+            cfg = load_config("configs/tiny_cpu.yaml", [*extra, f"train.cuda_graph={setting}"])
+            if setting == "auto":
+                validate(cfg, world_size=2)
+                assert words in cuda_graph_obstacle(cfg)
+            else:
+                with pytest.raises(ConfigError, match=words):
+                    validate(cfg, world_size=2)
+    cfg = load_config("configs/tiny_cpu.yaml", ["train.cuda_graph=auto"])
+    validate(cfg, world_size=2)
+    assert cuda_graph_obstacle(cfg) is None
+    check_device(cfg, "cpu", local_world=1, local_rank=0)  # auto on a CPU: no error, it runs eagerly
+    assert "needs a CUDA device" in cuda_graph_device_obstacle(cfg, "cpu")
+    import train
+    from tpframe.parallel.graphed import GraphedForwardBackward
+    from tpframe.parallel.schedules import forward_backward_no_pipelining
+
+    said: list[str] = []
+    schedule = train._schedule(cfg, SimpleNamespace(device=torch.device("cpu")), None, said.append)
+    assert schedule is forward_backward_no_pipelining and not said
+    cfg.model.dropout = 0.1  # on a GPU, auto with dropout runs eagerly too, and says why in one line
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "current_device", lambda: 0)
+        schedule = train._schedule(cfg, SimpleNamespace(device=torch.device("cuda", 0)), None, said.append)
+    assert schedule is forward_backward_no_pipelining and len(said) == 1 and "model.dropout=0" in said[0], said
+    cfg.model.dropout = 0.0
+    schedule = train._schedule(cfg, SimpleNamespace(device=torch.device("cuda", 0)), None, said.append)
+    assert isinstance(schedule, GraphedForwardBackward) and schedule.auto and schedule.decision is None
+
+
+def _auto_run(overrides: list[str], root: str, min_gain: float | None) -> dict:
+    from tpframe.parallel import graphed
+
+    lines: list[str] = []
+    init = graphed.GraphedForwardBackward.__init__
+
+    def patched(self, **kw):  # record the decision line; min_gain=10: no graph is that much faster
+        init(self, **{**kw, "log": lines.append, **({"min_gain": min_gain} if min_gain is not None else {})})
+
+    graphed.GraphedForwardBackward.__init__ = patched
+    trainer = train_in_process([*overrides, "train.cuda_graph=auto", f"train.run_dir={root}/auto"], keep_trainer=True)
+    fb = trainer.forward_backward
+    eager = train_in_process([*overrides, "train.cuda_graph=false", f"train.run_dir={root}/eager"], keep_trainer=True)
+    return {"decision": getattr(fb, "decision", None), "captured": getattr(fb, "captured", None),
+            "losses": [r["loss"] for r in trainer.history], "eager": [r["loss"] for r in eager.history], "lines": lines}
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("min_gain", [None, 10.0], ids=["graphs-faster", "graphs-not-faster"])
+def test_auto_times_both_keeps_the_faster_and_trains_like_eager(tmp_path, min_gain):
+    # tiny model, micro-batches of 4: host-bound, so replaying is faster by far; min_gain=10 forces the other way
+    common = ["parallel.tp=1", "train.steps=14", "model.position=rotary"]
+    out = run_distributed(_auto_run, 1, common, str(tmp_path), min_gain, backend="nccl")[0]
+    want = "graph" if min_gain is None else "eager"
+    assert out["decision"] == want and out["captured"] is (want == "graph"), out
+    assert len(out["lines"]) == 1 and ("keeping the graphs" if want == "graph" else "running eagerly") in out["lines"][0], out
+    for step, (a, b) in enumerate(zip(out["losses"], out["eager"]), 1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: auto {a!r} vs eager {b!r}"
+    assert len(out["losses"]) == 14

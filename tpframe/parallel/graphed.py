@@ -17,11 +17,22 @@ which runs after the last replay in `finish_grad_sync` (no overlap with backward
 graphs pay, the gradients are small), clipping and the optimizer step. Not random: dropout must be 0
 (the TP RNG tracker swaps generator states on the host, which a replay cannot repeat), so activation
 recompute does not save RNG states (tpframe.parallel.recompute, `preserve_rng=False`).
+
+`auto=True` (`train.cuda_graph=auto`) measures before it commits: after the warm-up, `probe_steps` eager
+steps and, after the capture, as many replayed steps, each timed from one call to the next (the whole
+step: optimizer, DP sync and logging included, the device synchronized at each call). The graphs are kept
+only if the replayed steps' median is at least `min_gain` faster; else they are freed and the run goes on
+eagerly. Either way one line says what was measured and chosen. A capture that fails leaves the run eager.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpframe.errors import ConfigError
@@ -32,10 +43,20 @@ class GraphedForwardBackward:
     """A schedule function (same signature as `forward_backward_no_pipelining`) that replays CUDA graphs
     after `warmup_steps` eager calls. `grad_sync` must be a strategy with a GradBuffer `grads` (ddp, zero1)."""
 
-    def __init__(self, *, warmup_steps: int = 2):
+    def __init__(self, *, warmup_steps: int = 2, auto: bool = False, probe_steps: int = 3, min_gain: float = 0.03,
+                 log: Callable[[str], None] | None = None, group: dist.ProcessGroup | None = None):
         if warmup_steps < 1:
             raise ValueError(f"a CUDA-graphed schedule needs at least one eager warm-up step, got {warmup_steps}")
-        self.warmup_steps = warmup_steps
+        if auto and probe_steps < 1:
+            raise ValueError(f"train.cuda_graph=auto needs at least one probe step, got {probe_steps}")
+        self.warmup_steps, self.auto, self.probe_steps, self.min_gain = warmup_steps, auto, probe_steps, min_gain
+        self.log = log or (lambda text: None)
+        # auto: every rank of `group` (default: the world) must choose alike, since the TP collectives inside a
+        # graph and outside it take different backends: timings and capture outcomes are agreed over it
+        self.group = group
+        self.decision: str | None = None if auto else "graph"  # auto: None while probing, then "graph" or "eager"
+        self._timed: dict[str, list[float]] = {"eager": [], "graph": []}  # auto: seconds per probed step
+        self._last: tuple[str, float] | None = None  # auto: what the last probed call ran, and when it began
         self.calls = 0
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.losses: dict[str, torch.Tensor] = {}  # each graph's static output: its micro-batch's loss / n
@@ -51,7 +72,8 @@ class GraphedForwardBackward:
     def __call__(self, model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
                  device: torch.device) -> torch.Tensor:
         self.calls += 1
-        if self.calls <= self.warmup_steps:
+        mode = "eager" if self.calls <= self.warmup_steps else self.decision or self._probe(device)
+        if mode == "eager":
             return forward_backward_no_pipelining(model, batches, num_micro_batches, grad_sync=grad_sync, device=device)
         if self.captured and num_micro_batches != self.num_micro_batches:
             raise RuntimeError(f"train.cuda_graph captured steps of {self.num_micro_batches} micro-batches, "
@@ -61,7 +83,16 @@ class GraphedForwardBackward:
         for i in range(num_micro_batches):
             input_ids, labels = batches.next()
             if not self.captured:
-                self._capture(model, buffer, input_ids, labels, num_micro_batches, device)
+                failed = None
+                try:
+                    self._capture(model, buffer, input_ids, labels, num_micro_batches, device)
+                except ConfigError as e:
+                    if not self.auto:
+                        raise
+                    failed = str(e)
+                if self.auto and self._agree([1.0 if failed else 0.0], device)[0] > 0:
+                    self._stay_eager(f"the capture failed: {failed}" if failed else "the capture failed on another rank")
+                    return self._eager_rest(model, batches, input_ids, labels, num_micro_batches, grad_sync, device)
             if input_ids.shape != self.inputs.shape or labels.shape != self.labels.shape:
                 raise RuntimeError(f"train.cuda_graph replays fixed shapes {tuple(self.inputs.shape)}, but a batch "
                                    f"has {tuple(input_ids.shape)}; set train.cuda_graph=false for varying shapes")
@@ -72,6 +103,59 @@ class GraphedForwardBackward:
             buffer.set_fresh_state(self.fresh_after[which])
             loss_sum += self.losses[which]
         return loss_sum
+
+    # -- train.cuda_graph=auto -------------------------------------------------------------------------
+    def _probe(self, device: torch.device) -> str:
+        """What this call runs while auto is probing ("eager", "capture", "graph"), or the decision once each
+        mode has `probe_steps` timed steps. A step is timed from its call to the next (the device synchronized
+        at both); the capture step is not timed."""
+        torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        if self._last is not None and self._last[0] != "capture":
+            self._timed[self._last[0]].append(now - self._last[1])
+        if len(self._timed["graph"]) >= self.probe_steps:
+            e, g = self._agree([statistics.median(self._timed["eager"]), statistics.median(self._timed["graph"])],
+                               device)  # the slowest rank's medians: it paces the others
+            what = (f"train.cuda_graph=auto: a step took {e * 1e3:.1f} ms eager and {g * 1e3:.1f} ms replayed from "
+                    f"CUDA graphs (median of {self.probe_steps} each, {e / g:.2f}x)")
+            if g <= e * (1.0 - self.min_gain):
+                self.decision = "graph"
+                self.log(f"{what}: keeping the graphs")
+            else:
+                self._stay_eager(f"{what}, not {self.min_gain:.0%} faster")
+            return self.decision
+        mode = "eager" if len(self._timed["eager"]) < self.probe_steps else ("graph" if self.captured else "capture")
+        self._last = (mode, now)
+        return mode
+
+    def _agree(self, values: list[float], device: torch.device) -> list[float]:
+        """The max of `values` over the group's ranks (the same list on every rank)."""
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def _stay_eager(self, why: str) -> None:
+        """Free the graphs (and their memory pool) and run every later step eagerly."""
+        self.decision = "eager"
+        self.graphs.clear()
+        self.losses.clear()
+        self.fresh_after.clear()
+        self.inputs = self.labels = None
+        torch.cuda.empty_cache()
+        self.log(f"{why}: running eagerly")
+
+    @staticmethod
+    def _eager_rest(model, batches, input_ids, labels, num_micro_batches, grad_sync, device) -> torch.Tensor:
+        """This step eagerly, its first micro-batch already taken from `batches` (a capture failed on it)."""
+        taken = iter([(input_ids, labels)])
+
+        class _Rest:
+            def next(self):
+                return next(taken, None) or batches.next()
+
+        return forward_backward_no_pipelining(model, _Rest(), num_micro_batches, grad_sync=grad_sync, device=device)
 
     def _capture(self, model: nn.Module, buffer, input_ids: torch.Tensor, labels: torch.Tensor,
                  num_micro_batches: int, device: torch.device) -> None:

@@ -73,7 +73,9 @@ class TrainConfig:
     eval_steps: int = 10  # held-out micro-batches per evaluation
     run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
-    cuda_graph: bool = False  # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps
+    # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps; "auto": time 3 eager and
+    # 3 replayed steps, keep the graphs only if they are faster (and run eagerly where they cannot be used)
+    cuda_graph: bool | Literal["auto"] = False
     fp8: bool = False  # float8 GEMMs in the blocks' linear layers (tensorwise scales; bf16 only; CUDA 8.9+ or CPU)
     fp8_small_layers: bool = False  # train.fp8 also in layers too small to gain (per rank out <= 4096 and in <= 1024)
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
@@ -343,8 +345,8 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.overlap_param_gather and p.dp_strategy != "zero1":
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     _validate_recompute(cfg)
-    if t.cuda_graph:
-        _validate_cuda_graph(cfg)
+    if t.cuda_graph is True and (why := cuda_graph_obstacle(cfg)):
+        raise ConfigError(why)
     if t.fp8:
         _validate_fp8(cfg)
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
@@ -395,9 +397,6 @@ def _validate_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.sequence_parallel splits each CP rank's train.seq_len/parallel.cp = "
                           f"{t.seq_len // p.cp} tokens over parallel.tp={p.tp}; make train.seq_len a multiple of "
                           f"{p.cp * p.tp * 2 // math.gcd(2, p.tp)}")
-    if t.cuda_graph:  # train.compile works: CP attention runs eager between the compiled parts of a block
-        raise ConfigError("train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention "
-                          "is not captured: tpframe/parallel/context.py); set train.cuda_graph=false or parallel.cp=1")
 
 
 def _validate_moe(cfg: Config, dp: int) -> None:
@@ -436,14 +435,9 @@ def _validate_moe(cfg: Config, dp: int) -> None:
                           "ranks holding different data); change parallel.ep or the number of processes")
     if m.moe_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
-    for key in ("compile", "cuda_graph"):
-        if getattr(t, key) and p.ep > 1:
-            raise ConfigError(f"train.{key} is not supported with parallel.ep > 1 yet (the all-to-all is sized on "
-                              f"the host, every layer); set train.{key}=false or parallel.ep=1")
-    if t.cuda_graph and (t.dtype != "bfloat16" or t.fp8):
-        raise ConfigError("train.cuda_graph captures MoE experts only as grouped GEMMs, which need "
-                          "train.dtype=bfloat16 and train.fp8=false (otherwise each expert's GEMM is sized on the "
-                          "host); change those or set train.cuda_graph=false")
+    if t.compile and p.ep > 1:
+        raise ConfigError("train.compile is not supported with parallel.ep > 1 yet (the all-to-all is sized on "
+                          "the host, every layer); set train.compile=false or parallel.ep=1")
 
 
 def _validate_recompute(cfg: Config) -> None:
@@ -466,20 +460,33 @@ def _validate_recompute(cfg: Config) -> None:
                           "compute; use full or false")
 
 
-def _validate_cuda_graph(cfg: Config) -> None:
-    """train.cuda_graph replays a fixed, non-random forward+backward (tpframe/parallel/graphed.py)."""
-    p, m = cfg.parallel, cfg.model
+def cuda_graph_obstacle(cfg: Config) -> str | None:
+    """Why train.cuda_graph cannot replay this run's step (tpframe/parallel/graphed.py replays a fixed,
+    non-random forward+backward), as the line a ConfigError says for `true`; None if nothing in the config
+    stands in the way (the device is checked at start-up: tpframe.training.preflight.check_device)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.pp > 1:
-        raise ConfigError("train.cuda_graph graphs the non-pipelined step; set parallel.pp=1 or train.cuda_graph=false")
+        return "train.cuda_graph graphs the non-pipelined step; set parallel.pp=1 or train.cuda_graph=false"
     if p.dp_strategy == "fsdp":
-        raise ConfigError("train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or "
-                          "zero1, or set train.cuda_graph=false")
+        return ("train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or zero1, "
+                "or set train.cuda_graph=false")
     if p.overlap_param_gather:
-        raise ConfigError("train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
-                          "set parallel.overlap_param_gather=false or train.cuda_graph=false")
+        return ("train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
+                "set parallel.overlap_param_gather=false or train.cuda_graph=false")
     if m.dropout > 0 or m.attention_dropout > 0:
-        raise ConfigError(f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
-                          f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
+        return (f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
+                f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
+    if p.cp > 1:  # train.compile works: CP attention runs eager between the compiled parts of a block
+        return ("train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention is not "
+                "captured: tpframe/parallel/context.py); set train.cuda_graph=false or parallel.cp=1")
+    if m.moe_experts and p.ep > 1:
+        return ("train.cuda_graph is not supported with parallel.ep > 1 yet (the all-to-all is sized on the host, "
+                "every layer); set train.cuda_graph=false or parallel.ep=1")
+    if m.moe_experts and (t.dtype != "bfloat16" or t.fp8):
+        return ("train.cuda_graph captures MoE experts only as grouped GEMMs, which need train.dtype=bfloat16 and "
+                "train.fp8=false (otherwise each expert's GEMM is sized on the host); change those or set "
+                "train.cuda_graph=false")
+    return None
 
 
 def _validate_fp8(cfg: Config) -> None:

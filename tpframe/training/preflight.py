@@ -36,13 +36,26 @@ class _ShapeComm:
         self.size, self.rank, self.device = size, 0, torch.device("meta")
 
 
+def cuda_graph_device_obstacle(cfg, device: str) -> str | None:
+    """Why train.cuda_graph cannot run on this machine (no CUDA device; MoE without grouped GEMMs), or None."""
+    if device == "cpu":
+        return "train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false"
+    if cfg.model.moe_experts:
+        from tpframe.layers.moe import grouped_gemms_available
+
+        if not grouped_gemms_available(torch.device("cuda", torch.cuda.current_device())):
+            return ("train.cuda_graph with model.moe_experts needs grouped expert GEMMs (torch._grouped_mm, "
+                    "compute capability 9.0+: Hopper); set train.cuda_graph=false on this GPU")
+    return None
+
+
 def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None:
     """What this machine cannot run: CUDA-only switches without a GPU, float8 without float8 GEMMs (or
     uncompiled, where it is slower than bf16), and more ranks on this host than GPUs."""
     t = cfg.train
+    if t.cuda_graph is True and (why := cuda_graph_device_obstacle(cfg, device)):
+        raise ConfigError(why)
     if device == "cpu":
-        if t.cuda_graph:
-            raise ConfigError("train.cuda_graph needs a CUDA device and none is visible; set train.cuda_graph=false")
         if cfg.profile.memory and cfg.profile.start_step:
             raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
                               "set profile.memory=false")
@@ -54,12 +67,6 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.fp8 and not t.compile:
         raise ConfigError("train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
                           "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true")
-    if t.cuda_graph and cfg.model.moe_experts:
-        from tpframe.layers.moe import grouped_gemms_available
-
-        if not grouped_gemms_available(torch.device("cuda", torch.cuda.current_device())):
-            raise ConfigError("train.cuda_graph with model.moe_experts needs grouped expert GEMMs (torch._grouped_mm, "
-                              "compute capability 9.0+: Hopper); set train.cuda_graph=false on this GPU")
     gpus = torch.cuda.device_count()
     if max(local_world, local_rank + 1) > gpus:
         raise ConfigError(f"{local_world} processes on this host but it has {gpus} CUDA device(s), and each rank "
