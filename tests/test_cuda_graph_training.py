@@ -208,3 +208,33 @@ def test_auto_times_both_keeps_the_faster_and_trains_like_eager(tmp_path, min_ga
     for step, (a, b) in enumerate(zip(out["losses"], out["eager"]), 1):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: auto {a!r} vs eager {b!r}"
     assert len(out["losses"]) == 14
+
+
+def _agreed(values_by_rank: dict) -> list:
+    from tpframe.parallel.graphed import GraphedForwardBackward
+
+    fb = GraphedForwardBackward(auto=True)
+    return fb._agree(values_by_rank[torch.distributed.get_rank()], torch.device("cpu"))
+
+
+def test_auto_ranks_agree_on_the_slowest_timings_and_any_failed_capture():
+    """Every rank must choose alike (TP collectives take other backends inside a graph): each value is maxed."""
+    out = run_distributed(_agreed, 2, {0: [0.05, 0.03, 0.0], 1: [0.04, 0.035, 1.0]})
+    assert out == [[0.05, 0.035, 1.0]] * 2
+
+
+def _auto_two_ranks(overrides: list[str], root: str) -> dict:
+    trainer = train_in_process([*overrides, "train.cuda_graph=auto", f"train.run_dir={root}/auto"], keep_trainer=True)
+    eager = train_in_process([*overrides, "train.cuda_graph=false", f"train.run_dir={root}/eager"], keep_trainer=True)
+    return {"decision": trainer.forward_backward.decision, "losses": [r["loss"] for r in trainer.history],
+            "eager": [r["loss"] for r in eager.history]}
+
+
+@pytest.mark.gpu(count=2)
+def test_auto_decides_alike_on_two_ranks_and_trains_like_eager(tmp_path):
+    out = run_distributed(_auto_two_ranks, 2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=14"],
+                          str(tmp_path), backend="nccl")
+    assert out[0]["decision"] == out[1]["decision"] in ("graph", "eager"), out
+    for rank_out in out:
+        for step, (a, b) in enumerate(zip(rank_out["losses"], rank_out["eager"]), 1):
+            assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: auto {a!r} vs eager {b!r}"
