@@ -238,3 +238,49 @@ def test_auto_decides_alike_on_two_ranks_and_trains_like_eager(tmp_path):
     for rank_out in out:
         for step, (a, b) in enumerate(zip(rank_out["losses"], rank_out["eager"]), 1):
             assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: auto {a!r} vs eager {b!r}"
+
+
+def test_auto_goes_on_eagerly_with_the_micro_batch_a_failed_capture_took(monkeypatch):
+    """The probing sequence (warm-up, timed eager steps, capture) on a CPU with the capture made to fail: the
+    step that tried it runs eagerly from the micro-batch the capture had taken, and every later step too."""
+    from tpframe.errors import ConfigError
+    from tpframe.parallel.graphed import GraphedForwardBackward
+    from tpframe.parallel.schedules import forward_backward_no_pipelining
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x, y):
+            return ((x.float() * self.w).sum(-1) - y.float()) ** 2
+
+    class Batches:
+        def __init__(self):
+            self.i = 0
+
+        def next(self):
+            self.i += 1
+            return torch.full((2, 3), float(self.i)), torch.full((2,), float(self.i % 3))
+
+    class Strategy:
+        grads = None
+
+        def start_grad_sync(self):
+            pass
+
+    def failing_capture(self, *args):
+        raise ConfigError("train.cuda_graph could not capture the training step (a test); set train.cuda_graph=false")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(GraphedForwardBackward, "_capture", failing_capture)
+    said: list[str] = []
+    fb = GraphedForwardBackward(auto=True, warmup_steps=1, probe_steps=2, log=said.append)
+    model, ref = Model(), Model()
+    got_batches, ref_batches = Batches(), Batches()
+    for step in range(6):  # warm-up, 2 timed eager steps, the capture that fails, then eager steps
+        loss = fb(model, got_batches, 2, grad_sync=Strategy(), device=torch.device("cpu"))
+        want = forward_backward_no_pipelining(ref, ref_batches, 2, grad_sync=Strategy(), device=torch.device("cpu"))
+        assert torch.equal(loss, want) and torch.equal(model.w.grad, ref.w.grad), step
+    assert fb.decision == "eager" and got_batches.i == ref_batches.i == 12
+    assert len(said) == 1 and "the capture failed" in said[0] and said[0].endswith("running eagerly"), said
