@@ -10,7 +10,7 @@ One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps the SP collectives with the
-GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off, TP_OVERLAP=0 sets comm.overlap_backward=false
+GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; NORM_MIN_NUMEL=n: the kernel norms from n elements up), TP_OVERLAP=0 sets comm.overlap_backward=false
 (the backward's TP collectives after both GEMMs instead of beside the weight gradient). PROFILE=path writes a torch.profiler
 table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
 warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
@@ -85,6 +85,20 @@ def run_one() -> None:
                        rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234, async_tp=flag("ASYNC_TP") and sp,
                        fused_kernels=flag("FUSED", "1"))
     model = build_model(cfg, ctx)
+    if "NORM_MIN_NUMEL" in os.environ:  # the size under which eager norms take torch's ops (0: the kernel always)
+        import tpframe.kernels.norm
+
+        tpframe.kernels.norm.FUSED_MIN_NUMEL = env("NORM_MIN_NUMEL", 0)
+    off = {part for part in os.environ.get("FUSED_OFF", "").split(",") if part}  # one kernel family back to torch
+    if off - {"norm", "rope", "head"}:
+        raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head")
+    for m in model.modules():
+        if "norm" in off and hasattr(m, "fused") and hasattr(m, "eps"):
+            m.fused = False
+        if "rope" in off and hasattr(m, "fused_rotary"):
+            m.fused_rotary = False
+    if "head" in off:
+        model.fused_head_loss = False
     if flag("FP8"):  # the blocks' GEMMs in float8 (train.fp8)
         from tpframe.layers.linear import enable_fp8
 
@@ -128,7 +142,7 @@ def run_one() -> None:
         # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
         ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={int(ran_async)} "
-                f"fused={int(ctx.fused_kernels)} fp8={int(flag('FP8'))} ckpt={ckpt} "
+                f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
                 f"overlap_backward={int(state.tp_comm.overlap_backward)}")
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "

@@ -19,6 +19,12 @@ from tpframe.kernels import HAVE_TRITON, use_triton
 
 MAX_HIDDEN = 16384  # one row in registers
 BWD_PROGRAMS = 528  # programs of the backward (4 per SM of an H100/H200); each walks rows with this stride
+# Below this many input elements eager calls take torch's ops: the kernel saves ~30 us of GPU time per forward+
+# backward at [16384, 2048] and less below, while its Python side (the autograd Function, the Triton launches, the
+# partial sums) costs ~150 us of host time more than torch's. With few tokens per step the host is what paces the
+# step: GPT-1.3B at micro-batch 1 (2048 x 2048) ran 57.7 ms per forward+backward with the kernel and 42.3 without
+# on an H100 (benchmarks/RESULTS.md). Inside a CUDA graph the host cost is gone and the kernel always runs.
+FUSED_MIN_NUMEL = 8 << 20
 
 if HAVE_TRITON:
     import triton
@@ -121,10 +127,11 @@ def fused_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, *, rms: bool,
          fused: bool = True) -> torch.Tensor:
     """LayerNorm (`rms=False`, optional bias) or RMSNorm (`rms=True`, no bias) of `x` over its last dimension;
-    `fused=False` always takes torch's ops."""
+    `fused=False` always takes torch's ops, and so do eager calls on fewer than FUSED_MIN_NUMEL elements."""
     if rms and bias is not None:
         raise ValueError("RMSNorm has no bias")
-    if fused and fused_norm_applies(x, weight):
+    if fused and fused_norm_applies(x, weight) and (x.numel() >= FUSED_MIN_NUMEL
+                                                    or torch.cuda.is_current_stream_capturing()):
         return _Norm.apply(x, weight, bias, eps, rms)
     if rms:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
