@@ -10,9 +10,10 @@ One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps the SP collectives with the
-GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; NORM_MIN_NUMEL=n: the kernel norms from n elements up), TP_OVERLAP=0 sets comm.overlap_backward=false
-(the backward's TP collectives after both GEMMs instead of beside the weight gradient). PROFILE=path writes a torch.profiler
-table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
+GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them;
+NORM_MIN_NUMEL=n: the kernel norms from n elements up), TP_OVERLAP=0 sets comm.overlap_backward=false (the
+backward's TP collectives after both GEMMs instead of beside the weight gradient). PROFILE=path writes a
+torch.profiler table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
 warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
 would save over launching the same kernels one by one. CKPT=full|selective recomputes in backward
 (parallel.activation_checkpointing; CKPT_LAYERS=N: only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8;

@@ -17,7 +17,13 @@ import torch
 
 from tpframe.comm import Communicator
 from tpframe.kernels.cross_entropy import logits_grad_, row_stats
-from tpframe.layers.mappings import copy_to_tp, enter_backward_start, enter_forward, gather_from_sp, overlaps_entry_grad
+from tpframe.layers.mappings import (
+    copy_to_tp,
+    enter_backward_start,
+    enter_forward,
+    gather_from_sp,
+    overlaps_entry_grad,
+)
 from tpframe.parallel.state import default_tp_comm
 
 
