@@ -22,7 +22,7 @@ import sys
 import torch
 
 from tpframe.launch import single_process_env
-from tpframe.training.config import ConfigError, load_config, validate
+from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,7 +54,6 @@ def _schedule(cfg, state, pipeline, log):
     (train.cuda_graph; `auto` measures both and keeps the faster, where graphs can be used at all)."""
     from tpframe.parallel.graphed import GraphedForwardBackward
     from tpframe.parallel.schedules import get_forward_backward
-    from tpframe.training.config import cuda_graph_obstacle
     from tpframe.training.preflight import cuda_graph_device_obstacle
 
     graph = cfg.train.cuda_graph

@@ -141,13 +141,13 @@ class Communicator:
         ordinary one (the result is ready when returned)."""
         if self.size == 1:
             return Pending(x)
-        if _compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if _in_order_only(x):
             return Pending(self.all_reduce(x, donate=donate))
         return Pending(*self.nccl.all_reduce_start(x, donate), keep=x)
 
     def reduce_scatter_async(self, x: torch.Tensor) -> "Pending":
         """Start `reduce_scatter(x, dim=0)` and return at once; as `all_reduce_async`."""
-        if self.size == 1 or _compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if self.size == 1 or _in_order_only(x):
             return Pending(self.reduce_scatter(x))
         _check_split(x, 0, self.size)
         return Pending(*self.nccl.reduce_scatter_start(x), keep=x)
@@ -203,6 +203,11 @@ class Communicator:
     def __repr__(self) -> str:
         active = "symm+nccl" if self.symm is not None else "nccl"
         return f"Communicator(size={self.size}, rank={self.rank}, requested={self.requested}, active={active})"
+
+
+def _in_order_only(x: torch.Tensor) -> bool:
+    """Whether a started collective must be the ordinary one: traced by torch.compile, or captured in a CUDA graph."""
+    return _compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _check_split(x: torch.Tensor, dim: int, size: int) -> None:

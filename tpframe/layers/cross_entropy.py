@@ -160,11 +160,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         grad_logits = logits_grad_(logits, local_target, log_z, scale, ctx.n_valid, ctx.label_smoothing,
                                    ctx.vocab_size, ctx.chunk)
         grad_x = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
-        if grad_x is not None and ctx.enter is not None:
-            grad_x = enter_backward_start(grad_x.view(ctx.x_shape), ctx.comm, ctx.enter)
+        pending = None
+        if grad_x is not None and ctx.enter is not None:  # sent while the weight gradient is computed
+            pending = enter_backward_start(grad_x.view(ctx.x_shape), ctx.comm, ctx.enter)
         grad_w = torch.matmul(grad_logits.t(), x) if ctx.needs_input_grad[1] else None
-        if grad_x is not None and ctx.enter is not None:
-            grad_x = grad_x.wait()
+        grad_x = pending.wait() if pending is not None else grad_x
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
@@ -198,11 +198,11 @@ def vocab_parallel_head_cross_entropy(
         raise ValueError(f"vocab_parallel_head_cross_entropy: hidden states {tuple(x.shape)} "
                          f"({'sequence-parallel, ' if sequence_parallel else ''}{rows} rows) and target "
                          f"{tuple(target.shape)} must agree on every dim but the last")
-    if overlaps_entry_grad(comm):  # the entry inside the Function: its backward overlaps the collective
-        loss = _HeadCrossEntropy.apply(x, weight, target.reshape(-1), comm, vocab_size, ignore_index,
-                                       label_smoothing, chunk, sequence_parallel)
-    else:
+    # eager training at tp > 1: the entry happens inside the Function, whose backward overlaps its collective
+    enter = sequence_parallel if overlaps_entry_grad(comm) else None
+    if enter is None:
         x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
-        loss = _HeadCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, target.reshape(-1), comm, vocab_size,
-                                       ignore_index, label_smoothing, chunk, None)
+        x = x.reshape(-1, x.shape[-1])
+    loss = _HeadCrossEntropy.apply(x, weight, target.reshape(-1), comm, vocab_size, ignore_index, label_smoothing,
+                                   chunk, enter)
     return loss.view(target.shape)
