@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call on nvidia-h200-x2 (repo root): GPT-1.3B TP=2 + SP forward+backward eager, eager + async TP and
+# One device call on nvidia-h200-x2 (repo root): GPT-1.3B TP=2 + SP forward+backward eager, eager + async TP (ring, symm_mem) and
 # compiled (benchmarks/gpt.py, side by side), the same shape's full optimizer step (benchmarks/pipeline.py tp-sp,
 # one micro-batch of 8, fwdbwd=1: the train step against the same model's bare forward+backward), then the
 # pipeline schedules next to TP=2 + SP and DP=2 at the same global batch. IDLE=1: the GPU idle time of a step
@@ -14,11 +14,12 @@ tp2() {  # env... : one TP=2 + SP GPT-1.3B forward+backward run
 if [ -z "$SKIP_GPT" ]; then
   tp2 ASYNC_TP=0
   tp2 ASYNC_TP=0 TP_OVERLAP=0  # comm.overlap_backward=false: the backward's collectives after both GEMMs
-  tp2 ASYNC_TP=1
+  tp2 ASYNC_TP=ring  # tpframe/layers/async_tp.py: NCCL send/receive pipelined under the GEMM blocks
+  tp2 ASYNC_TP=symm_mem  # torch's fused symm_mem ops
   tp2 COMPILE=1
 fi
 if [ -n "$PROFILE_ASYNC" ]; then  # where the async-TP step's time goes, against the plain step's
-  tp2 ASYNC_TP=1 STEPS=3 PROFILE=$OUT/prof_async.txt
+  tp2 ASYNC_TP=ring STEPS=3 PROFILE=$OUT/prof_async.txt
   tp2 ASYNC_TP=0 STEPS=3 PROFILE=$OUT/prof_plain.txt
 fi
 if [ -n "$IDLE" ]; then  # how long the GPU idles in a step: the most a training CUDA graph could save

@@ -22,5 +22,6 @@ timeout ${T_TESTS2:-200} python3 -m pytest -q tests/test_perf_gpu.py -k "async o
 timeout 60 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/host_overhead.py --iters 300 --rounds 10 \
   > $OUT/host_overhead.log 2>&1; tail -14 $OUT/host_overhead.log
 run2 runs.log SP=1 PROFILE=$OUT/prof_tp2.txt
-run2 runs.log SP=1 ASYNC_TP=1
+run2 runs.log SP=1 ASYNC_TP=ring
+run2 runs.log SP=1 ASYNC_TP=symm_mem
 grep -h RESULT $OUT/runs*.log

@@ -9,8 +9,8 @@
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
-COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 overlaps the SP collectives with the
-GEMMs, FUSED=0 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them;
+COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
+with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops, FUSED=0 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them;
 NORM_MIN_NUMEL=n: the kernel norms from n elements up), TP_OVERLAP=0 sets comm.overlap_backward=false (the
 backward's TP collectives after both GEMMs instead of beside the weight gradient). PROFILE=path writes a
 torch.profiler table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
@@ -61,6 +61,14 @@ def flag(name: str, default: str = "0") -> bool:
     return os.environ.get(name, default) == "1"
 
 
+def async_mode() -> str | bool:
+    value = os.environ.get("ASYNC_TP", "0")
+    modes = {"0": False, "1": "ring", "ring": "ring", "symm_mem": "symm_mem"}
+    if value not in modes:
+        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 (ring), ring or symm_mem")
+    return modes[value]
+
+
 # -- one run (under torchrun) ---------------------------------------------------------------------
 def run_one() -> None:
     from tpframe.models import BuildContext, build_model
@@ -83,7 +91,8 @@ def run_one() -> None:
         raise SystemExit(f"CKPT={ckpt!r}: use 0, 1 (full), full or selective")
     ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=ckpt == "full",
                        recompute_layers=env("CKPT_LAYERS", 0) or None, selective_recompute=ckpt == "selective",
-                       rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234, async_tp=flag("ASYNC_TP") and sp,
+                       rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234,
+                       async_tp=async_mode() if sp else False,
                        fused_kernels=flag("FUSED", "1"))
     model = build_model(cfg, ctx)
     if "NORM_MIN_NUMEL" in os.environ:  # the size under which eager norms take torch's ops (0: the kernel always)
@@ -140,9 +149,10 @@ def run_one() -> None:
     if state.rank == 0:
         from tpframe.layers.linear import async_tp_available
 
-        # else the layers fell back (no symmetric memory; compiled blocks trace the plain path)
-        ran_async = ctx.async_tp and async_tp_available(state.tp_comm, inp) and not flag("COMPILE")
-        tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={int(ran_async)} "
+        # else the layers fell back (no symmetric memory for symm_mem; compiled blocks trace the plain path)
+        ran_async = (ctx.async_tp and async_tp_available(state.tp_comm, inp, ctx.async_tp) and not flag("COMPILE")
+                     and not flag("GRAPH"))
+        tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
                 f"overlap_backward={int(state.tp_comm.overlap_backward)}")
         line = (
@@ -270,7 +280,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
     add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=false", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="0")
-    add(f"tpframe TP={tp} + SP, eager + async TP", ours, tp, TP=str(tp), SP="1", ASYNC_TP="1")
+    add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="ring")
+    add(f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)", ours, tp, TP=str(tp), SP="1",
+        ASYNC_TP="symm_mem")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")  # (compiled blocks trace the
     # plain path: async TP is eager-only, so there is no compile + async TP row)
     if torch.cuda.is_available():

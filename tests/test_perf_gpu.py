@@ -125,9 +125,10 @@ def _async_tp_layers_match_plain():
     x_full = torch.randn(s, b, h, device="cuda", generator=g).bfloat16()
     grad = torch.randn(s // comm.size, b, h, device="cuda", generator=g).bfloat16()
     x0 = scatter_to_sp(x_full, comm)
-    assert async_tp_available(comm, x0), "symmetric memory must be set up for this test"
+    assert async_tp_available(comm, x0, "symm_mem"), "symmetric memory must be set up for this test"
     results = []
-    for async_tp in (False, True, True):  # twice: the second async call reuses the symm workspace
+    # each mode twice: the second symm_mem call reuses the symm workspace, the ring's its NCCL pairs
+    for async_tp in (None, "ring", "ring", "symm_mem", "symm_mem"):
         fc1.async_tp = fc2.async_tp = async_tp
         x = x0.clone().requires_grad_()
         for p in (*fc1.parameters(), *fc2.parameters()):
@@ -146,7 +147,8 @@ def test_async_tp_layers_match_the_plain_sp_layers_at_tp2():
                                        env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}):
         for errors in rank_errors:
             # bf16: the pipelined GEMM chunks round and sum in another order than one GEMM + NCCL
-            assert max(errors) <= 1e-2, f"async TP vs plain (y, grad x, grads fc1.w fc1.b fc2.w fc2.b): {errors}"
+            assert max(errors) <= 1e-2, f"async TP (ring x2, symm_mem x2) vs plain (y, grad x, grads fc1.w fc1.b " \
+                                        f"fc2.w fc2.b): {errors}"
 
 
 def _gpt_variants_agree(variants):
@@ -181,8 +183,8 @@ def _gpt_variants_agree(variants):
 @pytest.mark.gpu(count=2)
 def test_compiled_fused_and_async_tp_gpt_match_plain_eager_at_tp2():
     variants = {"plain eager": (False, False, False), "fused": (True, False, False),  # (fused, compiled, async TP)
-                "fused + async TP": (True, False, True), "compiled": (True, True, False),
-                "compiled + async TP": (True, True, True)}
+                "fused + async TP ring": (True, False, "ring"), "fused + async TP symm_mem": (True, False, "symm_mem"),
+                "compiled": (True, True, False), "compiled + async TP": (True, True, "ring")}
     report = run_distributed(_gpt_variants_agree, 2, variants, backend="nccl", timeout=600,
                              env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"})[0]
     for name, (loss_err, grad_err) in report.items():

@@ -5,8 +5,7 @@
   toolchain needed): fullgraph=True (any graph break is an error), one frame per block, the collectives visible in
   the graph, loss and gradients equal to eager; train.compile=true trains like eager.
 - The fused head + cross entropy equals the head GEMM + vocab_parallel_cross_entropy (TP 1/2, SP on/off).
-- Async TP: its autograd Functions' math (with torch's reference implementations of the fused symm_mem ops standing
-  in for the CUDA ones) equals the plain SP layers; without symmetric memory the layers fall back.
+- Async TP's keys; train.compile with async TP trains like eager (tests/test_async_tp.py has the rest).
 """
 
 from __future__ import annotations
@@ -126,37 +125,6 @@ def test_head_cross_entropy_equals_unfused_path_at_tp2_with_and_without_sp():
     run_distributed(_head_loss_matches_unfused, 2, True, 7)
 
 
-def _async_tp_falls_back_on_cpu():
-    from tpframe.layers.linear import ColumnParallelLinear, async_tp_available
-    from tpframe.models import BuildContext, build_model
-    from tpframe.parallel import initialize_parallel, seed_parallel_rng
-
-    state = initialize_parallel(tp=torch.distributed.get_world_size())
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=g)
-    out = []
-    for async_tp in (False, True):
-        tracker = seed_parallel_rng(0)
-        ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, async_tp=async_tp)
-        model = build_model(GPT_CFG, ctx)
-        linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
-        assert all(m.async_tp == async_tp for m in linears)
-        loss = model(ids, ids)
-        loss.mean().backward()
-        out.append((loss.detach(), [p.grad for p in model.parameters()]))
-    from tpframe.layers import linear
-
-    assert linear._FUSED_OPS, "torch.ops.symm_mem's fused ops must be found (only the device rules async TP out here)"
-    assert not async_tp_available(state.tp_comm, torch.zeros(1)), "CPU has no symmetric memory"
-    assert torch.equal(out[0][0], out[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
-    return True
-
-
-def test_async_tp_falls_back_to_the_plain_path_without_symmetric_memory():
-    run_distributed(_async_tp_falls_back_on_cpu, 2)
-
-
 def test_compile_and_async_tp_keys_parse_and_async_tp_needs_sequence_parallel():
     import pytest
 
@@ -211,55 +179,6 @@ def test_train_compile_with_context_parallelism_trains_like_eager(tmp_path):
                                                       timeout=300)[0]
     _assert_compiled_trains_like_eager(losses, compiled_blocks)
     assert breaks >= 1, "CP attention must run as a graph break (torch.compiler.disable)"
-
-
-def _async_tp_functions_match_plain():
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
-    from tpframe.layers import linear
-    from tpframe.layers.mappings import scatter_to_sp
-    from tpframe.parallel import initialize_parallel
-
-    # torch's reference (all-gather / reduce-scatter, then matmul) versions of the fused ops; CPU has no CUDA kernels
-    torch.ops.symm_mem.fused_all_gather_matmul = symm_mem._fused_all_gather_matmul_fallback
-    torch.ops.symm_mem.fused_matmul_reduce_scatter = symm_mem._fused_matmul_reduce_scatter_fallback
-    linear.async_tp_available = lambda comm, x: True
-    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
-    torch.manual_seed(0)
-    fc1 = ColumnParallelLinear(16, 32, sequence_parallel=True, comm=comm)
-    fc2 = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm)
-    with torch.no_grad():
-        fc1.bias.normal_(), fc2.bias.normal_()
-    g = torch.Generator().manual_seed(1)
-    x_full, grad_full = torch.randn(8, 3, 16, generator=g), torch.randn(8, 3, 16, generator=g)
-    x0, grad = scatter_to_sp(x_full, comm), scatter_to_sp(grad_full, comm)
-    results = []
-    for async_tp in (False, True):
-        fc1.async_tp = fc2.async_tp = async_tp
-        x = x0.clone().requires_grad_()
-        for p in (*fc1.parameters(), *fc2.parameters()):
-            p.grad = None
-        y = fc2(torch.tanh(fc1(x)))
-        y.backward(grad)
-        fn_names = {type(t.grad_fn).__name__ for t in (y,)} | {type(fc1(x0).grad_fn).__name__}
-        results.append(([y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())], fn_names))
-    (plain, plain_fns), (fused, fused_fns) = results
-    assert any("AllGatherLinear" in n for n in fused_fns), f"the async path did not run: {fused_fns}"
-    for what, a, b in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), fused, plain):
-        assert_close(a, b, 1e-5, f"async TP vs plain: {what}", atol=1e-7)
-    return True
-
-
-def test_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
-        import pytest
-
-        pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
-    run_distributed(_async_tp_functions_match_plain, 2)
-
 
 def test_rotary_custom_op_has_fake_shapes_for_tracing():
     """torch.compile traces the fused rotary as tpframe::qkv_rotary (and its backward op) through these fakes."""

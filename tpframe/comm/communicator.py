@@ -152,6 +152,17 @@ class Communicator:
         _check_split(x, 0, self.size)
         return Pending(*self.nccl.reduce_scatter_start(x), keep=x)
 
+    def exchange_async(self, send: torch.Tensor, *, to: int, recv: torch.Tensor, source: int) -> "Pending":
+        """Start sending `send` to group rank `to` while receiving `recv` (filled in place) from group rank
+        `source`, and return at once; `.wait()` gives `recv`. Every rank of a ring calls it at the same step
+        (async TP, tpframe/layers/async_tp.py). Eager only: NCCL runs the pair on its own stream; `send` is
+        kept alive until the wait."""
+        if _in_order_only(send):
+            raise RuntimeError("Communicator.exchange_async runs eagerly only (not traced or captured)")
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError("exchange_async needs contiguous send and receive tensors")
+        return Pending(recv, self.nccl.exchange_start(send, to, recv, source), keep=send)
+
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
         if self.size == 1:
@@ -220,7 +231,8 @@ def _check_split(x: torch.Tensor, dim: int, size: int) -> None:
 
 class Pending:
     """A collective in flight (`Communicator.*_async`): `wait()` orders the current stream after it (NCCL) or
-    the host after it (gloo) and returns its result. The input is kept alive until then."""
+    the host after it (gloo) and returns its result. The input is kept alive until then. `work`: one work,
+    or a list of them (a point-to-point pair)."""
 
     __slots__ = ("result", "work", "keep")
 
@@ -229,7 +241,8 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            for work in self.work if isinstance(self.work, list) else (self.work,):
+                work.wait()
             self.work = self.keep = None
         return self.result
 

@@ -82,6 +82,14 @@ class NcclBackend:
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
         return out, self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_start_opts)
 
+    def exchange_start(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int):
+        """Start sending `send` to group rank `dst` and receiving into `recv` from group rank `src`, as one
+        NCCL group (a send and a receive launched apart could each wait for the other's peer); returns the
+        works: waiting on each orders the current stream after the pair."""
+        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=dst),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src)]
+        return dist.batch_isend_irecv(ops)
+
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=self.group)

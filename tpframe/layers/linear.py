@@ -4,12 +4,13 @@ Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is 
 Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
         then the full bias [out] is added once.
 
-Async TP (`async_tp=True`, with sequence parallelism, where the group has symmetric memory): each GEMM
-and its sequence collective are one autograd Function whose collective is micro-pipelined with the GEMM
-chunks (torch.ops.symm_mem fused ops: copy-engine peer copies, no multicast):
+Async TP (`async_tp="ring"` or `"symm_mem"`, with sequence parallelism; tpframe/layers/async_tp.py): each
+GEMM and its sequence collective are one autograd Function whose collective is micro-pipelined with the
+GEMM's blocks:
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
-Elsewhere (CPU, no symmetric memory, no SP, under torch.compile) the same layers take the plain path below.
+Where it cannot run (tp = 1, no SP, under torch.compile or CUDA-graph capture; "symm_mem" also without
+symmetric memory) the same layers take the plain path below.
 In eager training at tp > 1 a column layer's entry into the TP region and its GEMM are one autograd Function
 (`_ColumnLinear`) whose backward starts the input gradient's reduce-scatter (all-reduce without SP) on NCCL's
 stream and computes the weight gradient while it runs.
@@ -25,6 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
+from tpframe.layers.async_tp import (
+    FusedAllGatherLinear,
+    FusedLinearReduceScatter,
+    RingLinearReduceScatter,
+    async_tp_available,
+    normalize_mode,
+    ring_all_gather_matmul,
+)
 from tpframe.layers.mappings import (
     copy_to_tp,
     enter_backward_start,
@@ -47,84 +56,22 @@ def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> No
         raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}")
 
 
-def _load_fused_ops() -> bool:
-    """torch defines the symm_mem fused ops when torch.distributed._symmetric_memory is imported."""
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    ops = torch.ops.symm_mem
-    return hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
-
-
-_FUSED_OPS = _load_fused_ops()
-
-
-def async_tp_available(comm: Communicator, x: torch.Tensor) -> bool:
-    """Whether the fused (micro-pipelined) GEMM+collective ops run for `x` on `comm`'s group: CUDA, symmetric
-    memory set up, eager mode (under torch.compile the plain path is traced, collectives as tpframe's ops)."""
-    return (comm.size > 1 and x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
-            and not torch.compiler.is_compiling())
-
-
-def _mm_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):
-    """dW = grad^T x and db = sum(grad) over all leading dims; grad [..., out], x [..., in]."""
-    g2 = grad.reshape(-1, grad.shape[-1])
-    return g2.t() @ x.reshape(-1, x.shape[-1]), (g2.sum(0) if has_bias else None)
-
-
-class _AllGatherLinear(torch.autograd.Function):
-    """y = all_gather_sp(x) W^T + b, the all-gather pipelined with the GEMM (async TP, column layer)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        name = comm.group_name
-        x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x.contiguous(), [weight.t()], 0, name)
-        if bias is not None:
-            y = y.add_(bias)
-        ctx.save_for_backward(x_full, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_full, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        gx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, weight, "sum", 0, ctx.comm.group_name)
-        gw, gb = _mm_grads(grad, x_full, ctx.has_bias)
-        return gx, gw, gb, None
-
-
-class _LinearReduceScatter(torch.autograd.Function):
-    """y = reduce_scatter_sp(x W^T), the reduce-scatter pipelined with the GEMM (async TP, row layer)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, comm):
-        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, comm.group_name)
-        ctx.save_for_backward(x, weight)
-        ctx.comm = comm
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        name = ctx.comm.group_name
-        grad_full, (gx,) = torch.ops.symm_mem.fused_all_gather_matmul(grad.contiguous(), [weight], 0, name)
-        gw, _ = _mm_grads(grad_full, x, False)
-        return gx, gw, None
-
-
 class _ColumnLinear(torch.autograd.Function):
     """y = enter_tp_region(x) W^T + b in one Function, whose backward hides the input gradient's collective
     behind the weight-gradient GEMM: dX = dY W, start reduce-scatter(dX) (all-reduce without SP), dW = dY^T X
-    and db while it runs, then wait. The separate mappings would run the collective after both GEMMs."""
+    and db while it runs, then wait. The separate mappings would run the collective after both GEMMs.
+    `ring` (async TP, with SP): the forward's all-gather is pipelined under the GEMM's blocks as well."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, sequence_parallel):
-        x = enter_forward(x, comm, sequence_parallel)
+    def forward(ctx, x, weight, bias, comm, sequence_parallel, ring=False):
+        if ring:
+            x, y = ring_all_gather_matmul(x, weight.t(), comm, bias)
+        else:
+            x = enter_forward(x, comm, sequence_parallel)
+            y = F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
-        return F.linear(x, weight, bias)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -135,7 +82,7 @@ class _ColumnLinear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.needs_input_grad[2] else None
-        return (pending.wait() if pending is not None else None), gw, gb, None, None
+        return (pending.wait() if pending is not None else None), gw, gb, None, None, None
 
 
 def enter_tp_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
@@ -152,7 +99,7 @@ def column_parallel_linear(
     sequence_parallel: bool = False,
     gather_output: bool = False,
     *,
-    async_tp: bool = False,
+    async_tp: bool | str | None = None,
     fp8: bool = False,
     entered: bool = False,
 ) -> torch.Tensor:
@@ -162,9 +109,14 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
+    `async_tp`: None, "ring" or "symm_mem" (True = "ring"): pipeline the SP all-gather under the GEMM.
     """
-    if not entered and sequence_parallel and async_tp and async_tp_available(comm, x):
-        y = _AllGatherLinear.apply(x, weight, bias, comm)
+    mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
+    if mode is not None and async_tp_available(comm, x, mode):
+        if mode == "ring":  # its weight gradient is computed in backward, not deferred
+            y = _ColumnLinear.apply(x, weight, bias, comm, True, True)
+        else:
+            y = FusedAllGatherLinear.apply(x, weight, bias, comm)
     elif not entered and not fp8 and not deferring() and overlaps_entry_grad(comm):
         y = _ColumnLinear.apply(x, weight, bias, comm, sequence_parallel)
     else:
@@ -182,7 +134,7 @@ def row_parallel_linear(
     sequence_parallel: bool = False,
     input_is_parallel: bool = True,
     *,
-    async_tp: bool = False,
+    async_tp: bool | str | None = None,
     fp8: bool = False,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by input columns.
@@ -192,8 +144,10 @@ def row_parallel_linear(
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, comm)
-    if sequence_parallel and async_tp and async_tp_available(comm, x):
-        y = _LinearReduceScatter.apply(x, weight, comm)  # computes its weight gradient itself (not deferred)
+    mode = normalize_mode(async_tp) if sequence_parallel else None
+    if mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
+        fn = RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter
+        y = fn.apply(x, weight, comm)
     else:
         y = fp8_linear(x, weight) if fp8 else linear(x, weight)
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
@@ -222,7 +176,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         fused_parts: tuple[tuple[str, int], ...] | None = None,
-        async_tp: bool = False,
+        async_tp: bool | str | None = None,
         fp8: bool = False,
     ):
         super().__init__()
@@ -231,7 +185,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.async_tp, self.fp8 = async_tp, fp8
+        self.async_tp, self.fp8 = normalize_mode(async_tp), fp8
         if fused_parts is not None:
             if gather_output:
                 raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with fused_parts")
@@ -268,7 +222,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}"
-            + (", async_tp=True" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
+            + (f", async_tp={self.async_tp}" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
         )
 
 
@@ -287,7 +241,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        async_tp: bool = False,
+        async_tp: bool | str | None = None,
         fp8: bool = False,
     ):
         super().__init__()
@@ -298,7 +252,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, tp, "RowParallelLinear in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.async_tp, self.fp8 = async_tp, fp8
+        self.async_tp, self.fp8 = normalize_mode(async_tp), fp8
         device = device or self.comm.device
         init_method = init_method or normal_init()
         w = init_shard((out_features, in_features), 1, rank, tp, init_method, dtype, device)
@@ -327,19 +281,20 @@ class RowParallelLinear(nn.Module):
         return (
             f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}"
-            + (", async_tp=True" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
+            + (f", async_tp={self.async_tp}" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
         )
 
 
-def enable_async_tp(model: nn.Module, enabled: bool = True) -> int:
-    """Switch async TP on (or off) in every sequence-parallel linear layer of `model`; returns how many.
+def enable_async_tp(model: nn.Module, mode: bool | str | None = "ring") -> int:
+    """Set async TP's mode ("ring", "symm_mem"; True = "ring"; None/False: off) in every sequence-parallel
+    linear layer of `model`; returns how many.
 
-    Layers fall back to the plain path per call where `async_tp_available` says no (CPU, no symmetric
-    memory on the group)."""
-    n = 0
+    Layers fall back to the plain path per call where `async_tp_available` says no (tp = 1, compiling,
+    capturing; "symm_mem" also on CPU or without symmetric memory on the group)."""
+    n, mode = 0, normalize_mode(mode)
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
-            m.async_tp = enabled
+            m.async_tp = mode
             n += 1
     return n
 

@@ -163,7 +163,7 @@ class GPT(nn.Module):
                     self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, **vocab)
         self.fused_head_loss = ctx.fused_kernels
         if ctx.async_tp:
-            enable_async_tp(self)
+            enable_async_tp(self, ctx.async_tp)
 
     # -- forward --------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

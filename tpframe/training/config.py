@@ -47,7 +47,9 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
-    async_tp: bool = False  # with sequence_parallel on CUDA + symmetric memory: GEMMs overlap their TP collectives
+    # with sequence_parallel: each GEMM overlaps its TP collective (tpframe/layers/async_tp.py): "ring" (= true;
+    # NCCL send/receive pipelined under the GEMM's blocks) or "symm_mem" (torch's fused ops; CUDA + symmetric memory)
+    async_tp: bool | Literal["ring", "symm_mem"] = False
 
     @property
     def recompute(self) -> str:

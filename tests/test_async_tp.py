@@ -1,0 +1,226 @@
+"""Async TP on CPU (gloo), against the plain sequence-parallel path it replaces (tpframe/layers/async_tp.py).
+
+- "ring": the ring all-gather + GEMM and GEMM + ring reduce-scatter equal all-gather / reduce-scatter around one
+  GEMM (float64, TP 2 and 4); column + row layers give the plain layers' output and gradients (float32); each
+  transfer starts before a GEMM and is waited for after it (the order that lets the GEMM hide it); train.py with
+  parallel.async_tp=ring trains like the plain path.
+- "symm_mem": its autograd Functions' math (torch's reference implementations of the fused symm_mem ops standing
+  in for the CUDA ones) equals the plain layers; without symmetric memory the layers fall back, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.reference import assert_close
+from tests.test_perf_paths import GPT_CFG, B, S
+
+
+def _fc_pair(comm):
+    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(16, 32, sequence_parallel=True, comm=comm)
+    fc2 = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm)
+    with torch.no_grad():
+        fc1.bias.normal_(), fc2.bias.normal_()
+    return fc1, fc2
+
+
+def _run_pair(fc1, fc2, x0, grad, mode):
+    fc1.async_tp = fc2.async_tp = mode
+    x = x0.clone().requires_grad_()
+    for p in (*fc1.parameters(), *fc2.parameters()):
+        p.grad = None
+    y = fc2(torch.tanh(fc1(x)))
+    y.backward(grad)
+    return [y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())]
+
+
+def _ring_matches_plain():
+    from tpframe.layers.async_tp import ring_all_gather_matmul, ring_matmul_reduce_scatter
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    n, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(0)
+    f64 = dict(dtype=torch.float64, generator=g)
+    x_full, b, bias = torch.randn(2 * n, 3, 16, **f64), torch.randn(16, 12, **f64), torch.randn(12, **f64)
+    full, y = ring_all_gather_matmul(x_full.chunk(n)[r], b, comm, bias)
+    assert torch.equal(full, x_full), "the ring all-gather must return every rank's block in rank order"
+    assert_close(y, x_full @ b + bias, 1e-12, "ring all-gather + GEMM", atol=1e-12)
+    _, y = ring_all_gather_matmul(x_full.chunk(n)[r], b, comm)
+    assert_close(y, x_full @ b, 1e-12, "ring all-gather + GEMM, no bias", atol=1e-12)
+    xs = torch.randn(n, 2 * n, 3, 16, **f64)  # every rank's input; rank r multiplies xs[r]
+    y = ring_matmul_reduce_scatter(xs[r], b, comm)
+    assert_close(y, (xs @ b).sum(0).chunk(n)[r], 1e-12, "GEMM + ring reduce-scatter", atol=1e-12)
+
+    fc1, fc2 = _fc_pair(comm)
+    x_in, grad_in = torch.randn(4 * n, 3, 16, generator=g), torch.randn(4 * n, 3, 16, generator=g)
+    x0, grad = scatter_to_sp(x_in, comm), scatter_to_sp(grad_in, comm)
+    plain, ring = (_run_pair(fc1, fc2, x0, grad, mode) for mode in (None, "ring"))
+    for what, a, b_ in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), ring, plain):
+        assert_close(a, b_, 1e-5, f"ring async TP vs plain at tp={n}: {what}", atol=1e-6)
+    return True
+
+
+def test_ring_async_tp_equals_the_plain_sp_path_at_tp2_and_tp4():
+    run_distributed(_ring_matches_plain, 2)
+    run_distributed(_ring_matches_plain, 4)
+
+
+class _LoggedPending:
+    def __init__(self, pending, events):
+        self.pending, self.events = pending, events
+
+    def wait(self):
+        self.events.append("wait")
+        return self.pending.wait()
+
+
+def _ring_order():
+    """The events of each ring: transfer starts ("start"), their waits, and the GEMMs ("mm")."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    events: list = []
+    original = comm.exchange_async
+
+    def logged(*args, **kwargs):
+        events.append("start")
+        return _LoggedPending(original(*args, **kwargs), events)
+
+    comm.exchange_async = logged
+
+    class GemmLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out,
+                        torch.ops.aten.addmm.out):
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    fc1, fc2 = _fc_pair(comm)
+    fc1.async_tp = fc2.async_tp = "ring"
+    x = scatter_to_sp(torch.randn(4 * comm.size, 3, 16), comm).requires_grad_()
+    out = {}
+    with GemmLog():
+        h = fc1(x)
+        out["column forward (all-gather)"], events[:] = list(events), []
+        y = fc2(torch.tanh(h))
+        out["row forward (reduce-scatter)"], events[:] = list(events), []
+        y.backward(torch.ones_like(y))
+        out["backward"] = list(events)
+    return comm.size, out
+
+
+def _check_hidden(events: list, what: str, transfers: int) -> None:
+    assert events.count("start") == transfers and events.count("wait") == transfers, (what, events)
+    since = None
+    for e in events:
+        if e == "start":
+            assert since is None, f"{what}: two transfers in flight at once: {events}"
+            since = 0
+        elif e == "mm" and since is not None:
+            since += 1
+        elif e == "wait":
+            assert since, f"{what}: a transfer was waited for with no GEMM launched beside it: {events}"
+            since = None
+
+
+def test_each_ring_transfer_starts_before_a_gemm_and_is_waited_for_after_it():
+    for n, out in (run_distributed(_ring_order, n)[0] for n in (2, 4)):
+        _check_hidden(out["column forward (all-gather)"], f"tp={n} column forward", n - 1)
+        _check_hidden(out["row forward (reduce-scatter)"], f"tp={n} row forward", n - 1)
+        # backward: the row layer's ring all-gather of dy (the column layer's reduce-scatter is started apart:
+        # tests/test_linear.py checks it)
+        _check_hidden(out["backward"], f"tp={n} backward", n - 1)
+        assert out["column forward (all-gather)"][:2] == ["start", "mm"], "the own block's GEMM must not wait"
+
+
+def _train_ring(tmp):
+    from tests.training_utils import train_in_process
+
+    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
+    return {mode: [r["loss"] for r in train_in_process([*common, f"parallel.async_tp={mode}",
+                                                        f"train.run_dir={tmp}/{mode}"])]
+            for mode in ("false", "ring")}
+
+
+def test_train_with_ring_async_tp_trains_like_the_plain_path_at_tp2(tmp_path):
+    losses = run_distributed(_train_ring, 2, str(tmp_path), timeout=300)[0]
+    assert len(losses["ring"]) == 3
+    for step, (a, b) in enumerate(zip(losses["ring"], losses["false"]), 1):
+        assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: async_tp=ring loss {a!r} vs plain {b!r}"
+
+
+def _symm_mem_falls_back_on_cpu():
+    from tpframe.layers import async_tp
+    from tpframe.layers.linear import ColumnParallelLinear, async_tp_available
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import initialize_parallel, seed_parallel_rng
+
+    state = initialize_parallel(tp=torch.distributed.get_world_size())
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=g)
+    out = []
+    for mode in (None, "symm_mem"):
+        tracker = seed_parallel_rng(0)
+        ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, async_tp=mode or False)
+        model = build_model(GPT_CFG, ctx)
+        linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
+        assert all(m.async_tp == mode for m in linears)
+        loss = model(ids, ids)
+        loss.mean().backward()
+        out.append((loss.detach(), [p.grad for p in model.parameters()]))
+    assert async_tp._FUSED_OPS, "torch.ops.symm_mem's fused ops must be found (only the device rules async TP out here)"
+    assert not async_tp_available(state.tp_comm, torch.zeros(1), "symm_mem"), "CPU has no symmetric memory"
+    assert async_tp_available(state.tp_comm, torch.zeros(1), "ring"), "the ring runs wherever the group does"
+    assert torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    return True
+
+
+def test_symm_mem_async_tp_falls_back_to_the_plain_path_without_symmetric_memory():
+    run_distributed(_symm_mem_falls_back_on_cpu, 2)
+
+
+def _symm_mem_functions_match_plain():
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    from tpframe.layers import linear
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    # torch's reference (all-gather / reduce-scatter, then matmul) versions of the fused ops; CPU has no CUDA kernels
+    torch.ops.symm_mem.fused_all_gather_matmul = symm_mem._fused_all_gather_matmul_fallback
+    torch.ops.symm_mem.fused_matmul_reduce_scatter = symm_mem._fused_matmul_reduce_scatter_fallback
+    linear.async_tp_available = lambda comm, x, mode="symm_mem": True
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    fc1, fc2 = _fc_pair(comm)
+    g = torch.Generator().manual_seed(1)
+    x_full, grad_full = torch.randn(8, 3, 16, generator=g), torch.randn(8, 3, 16, generator=g)
+    x0, grad = scatter_to_sp(x_full, comm), scatter_to_sp(grad_full, comm)
+    plain = _run_pair(fc1, fc2, x0, grad, None)
+    fused = _run_pair(fc1, fc2, x0, grad, "symm_mem")
+    fc1.async_tp = "symm_mem"
+    assert "FusedAllGatherLinear" in type(fc1(x0).grad_fn).__name__, "the symm_mem path did not run"
+    for what, a, b in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), fused, plain):
+        assert_close(a, b, 1e-5, f"symm_mem async TP vs plain: {what}", atol=1e-7)
+    return True
+
+
+def test_symm_mem_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
+        import pytest
+
+        pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
+    run_distributed(_symm_mem_functions_match_plain, 2)

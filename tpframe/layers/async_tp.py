@@ -1,0 +1,184 @@
+"""Async TP: a sequence-parallel GEMM and its collective micro-pipelined, so the transfer runs under the GEMM.
+
+With sequence parallelism a column layer all-gathers its input's sequence before its GEMM, and a row layer
+reduce-scatters its GEMM's output. Both can be cut into the TP group's blocks of the sequence and pipelined
+around the ring (Megatron-LM's TP communication overlap; Wang et al., "Overlap communication with dependent
+computation via decomposition", ASPLOS 2023):
+
+    ring all-gather + GEMM   step j: send the block held to the previous rank and receive the next one from the
+                             next rank, while multiplying the block held (own block first: no wait at step 0)
+    GEMM + ring reduce-scatter
+                             step j: multiply the block whose sum ends on rank r+j+1 ... own block last; add the
+                             partial sum received from the previous rank; send the sum on to the next rank
+
+Every block's GEMM but the first (all-gather) or last (reduce-scatter) overlaps one transfer. The transfers are
+NCCL send/receive pairs on NCCL's stream (`Communicator.exchange_async`): no staging copy, few SMs. Two modes:
+    "ring"      these functions (any NCCL or gloo group; the CPU tests run them);
+    "symm_mem"  torch.ops.symm_mem's fused ops (copy-engine transfers over symmetric memory; they copy each
+                input into a symmetric workspace first; CUDA only).
+Both run eagerly only: under torch.compile or CUDA-graph capture the layers take the plain path.
+
+Row layer (this module's Functions; the column layer's ring is `_ColumnLinear` in linear.py):
+    forward   y = reduce_scatter(x W^T)       backward  dY = all_gather(dy), dX = dY W (ring), dW = dY^T x
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpframe.comm import Communicator
+
+MODES = ("ring", "symm_mem")
+
+
+def _load_fused_ops() -> bool:
+    """torch defines the symm_mem fused ops when torch.distributed._symmetric_memory is imported."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    ops = torch.ops.symm_mem
+    return hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
+
+
+_FUSED_OPS = _load_fused_ops()
+
+
+def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str = "symm_mem") -> bool:
+    """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
+    torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory."""
+    if comm.size == 1 or torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    if mode == "ring":
+        return True
+    return x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
+
+
+def normalize_mode(value) -> str | None:
+    """A config / BuildContext value as a mode: False/None -> None (off), True -> "ring"."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "ring"
+    if value not in MODES:
+        raise ValueError(f"async_tp={value!r}: choose false, true (= ring), {' or '.join(map(repr, MODES))}")
+    return value
+
+
+def _rows(x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """x [blocks * m, ..., k] as [blocks, m * ..., k] (a view of the contiguous tensor)."""
+    return x.reshape(blocks, -1, x.shape[-1])
+
+
+def ring_all_gather_matmul(x: torch.Tensor, b: torch.Tensor, comm: Communicator,
+                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_gather(x), all_gather(x) @ b + bias) with the gather pipelined under the GEMM blocks.
+
+    x [m, ..., k] this rank's block of dim 0; b [k, o]. Step j multiplies block (rank + j) % n while that
+    block goes on to the previous rank and block (rank + j + 1) % n arrives from the next one."""
+    n, r = comm.size, comm.rank
+    x = x.contiguous()
+    full = x.new_empty((n * x.shape[0],) + x.shape[1:])
+    y = x.new_empty(full.shape[:-1] + (b.shape[1],))
+    blocks, out, own = _rows(full, n), _rows(y, n), x.reshape(-1, x.shape[-1])
+    for j in range(n):
+        t = (r + j) % n
+        held = own if j == 0 else blocks[t]
+        pending = None
+        if j < n - 1:
+            pending = comm.exchange_async(held, to=(r - 1) % n, recv=blocks[(t + 1) % n], source=(r + 1) % n)
+        if bias is None:
+            torch.mm(held, b, out=out[t])
+        else:
+            torch.addmm(bias, held, b, out=out[t])
+        if j == 0:
+            blocks[r].copy_(own)  # the gathered input is saved for the weight gradient
+        if pending is not None:
+            pending.wait()
+    return full, y
+
+
+def ring_matmul_reduce_scatter(x: torch.Tensor, b: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """reduce_scatter(x @ b) over dim 0 with the reduction pipelined under the GEMM blocks.
+
+    x [n * m, ..., k]; b [k, o]; returns [m, ..., o], this rank's block summed over the group. Step j
+    multiplies block (rank - j - 1) % n, adds the partial sum of it received from the previous rank and
+    sends the sum on to the next; the last step's block is this rank's own."""
+    n, r = comm.size, comm.rank
+    x = x.contiguous()
+    if x.shape[0] % n:
+        raise ValueError(f"async TP needs dim 0 of {tuple(x.shape)} divisible by tp={n} (the sequence under SP)")
+    blocks = _rows(x, n)
+    pending = None
+    for j in range(n):
+        part = blocks[(r - j - 1) % n] @ b  # launched before the wait: it overlaps the previous transfer
+        if pending is not None:
+            part += pending.wait()
+        if j < n - 1:
+            pending = comm.exchange_async(part, to=(r + 1) % n, recv=torch.empty_like(part), source=(r - 1) % n)
+    return part.view((x.shape[0] // n,) + x.shape[1:-1] + (b.shape[1],))
+
+
+def _mm_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):
+    """dW = grad^T x and db = sum(grad) over all leading dims; grad [..., out], x [..., in]."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    return g2.t() @ x.reshape(-1, x.shape[-1]), (g2.sum(0) if has_bias else None)
+
+
+class RingLinearReduceScatter(torch.autograd.Function):
+    """y = reduce_scatter_sp(x W^T) by `ring_matmul_reduce_scatter`; backward gathers dy by
+    `ring_all_gather_matmul` (dX's GEMM blocks hide it), then dW = dY^T x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm):
+        ctx.save_for_backward(x, weight)
+        ctx.comm = comm
+        return ring_matmul_reduce_scatter(x, weight.t(), comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_full, gx = ring_all_gather_matmul(grad, weight, ctx.comm)
+        gw, _ = _mm_grads(grad_full, x, False)
+        return gx, gw, None
+
+
+class FusedAllGatherLinear(torch.autograd.Function):
+    """y = all_gather_sp(x) W^T + b by torch.ops.symm_mem.fused_all_gather_matmul (mode "symm_mem")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        name = comm.group_name
+        x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x.contiguous(), [weight.t()], 0, name)
+        if bias is not None:
+            y = y.add_(bias)
+        ctx.save_for_backward(x_full, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_full, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        gx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, weight, "sum", 0, ctx.comm.group_name)
+        gw, gb = _mm_grads(grad, x_full, ctx.has_bias)
+        return gx, gw, gb, None
+
+
+class FusedLinearReduceScatter(torch.autograd.Function):
+    """y = reduce_scatter_sp(x W^T) by torch.ops.symm_mem.fused_matmul_reduce_scatter (mode "symm_mem")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm):
+        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, comm.group_name)
+        ctx.save_for_backward(x, weight)
+        ctx.comm = comm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        name = ctx.comm.group_name
+        grad_full, (gx,) = torch.ops.symm_mem.fused_all_gather_matmul(grad.contiguous(), [weight], 0, name)
+        gw, _ = _mm_grads(grad_full, x, False)
+        return gx, gw, None
