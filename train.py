@@ -148,6 +148,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, comm_backend=cfg.comm.backend,
                                     timeout_s=cfg.comm.timeout_s)
         state.tp_comm.overlap_backward = cfg.comm.overlap_backward
+        state.tp_comm.overlap_sm_margin = cfg.comm.overlap_sm_margin
     except Exception as e:
         if not is_comm_failure(e):
             raise

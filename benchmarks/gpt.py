@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
-                                                      #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP
+                                                      #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP SM_MARGIN
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
@@ -10,11 +10,12 @@ One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
-with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops, FUSED=0 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them;
-NORM_MIN_NUMEL=n: the kernel norms from n elements up), TP_OVERLAP=0 sets comm.overlap_backward=false (the
-backward's TP collectives after both GEMMs instead of beside the weight gradient). PROFILE=path writes a
-torch.profiler table of one more step there. GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the
-warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
+with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops, FUSED=0
+turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; NORM_MIN_NUMEL=n:
+the kernel norms from n elements up), TP_OVERLAP=1 sets comm.overlap_backward=true (the backward's input-gradient
+collective beside the weight gradient instead of after both GEMMs), SM_MARGIN=n comm.overlap_sm_margin (the
+GEMMs beside a collective leave n SMs to it). PROFILE=path writes a torch.profiler table of one more step there.
+GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
 would save over launching the same kernels one by one. CKPT=full|selective recomputes in backward
 (parallel.activation_checkpointing; CKPT_LAYERS=N: only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8;
 TFLOP/s still counts the model's FLOPs, so it compares directly with the bf16 rows).
@@ -78,7 +79,8 @@ def run_one() -> None:
 
     state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
                                 comm_backend=os.environ.get("COMM", "auto"))
-    state.tp_comm.overlap_backward = flag("TP_OVERLAP", "1")  # comm.overlap_backward
+    state.tp_comm.overlap_backward = flag("TP_OVERLAP")  # comm.overlap_backward
+    state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 0)  # comm.overlap_sm_margin
     H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and state.tp > 1
@@ -154,7 +156,7 @@ def run_one() -> None:
                      and not flag("GRAPH"))
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
-                f"overlap_backward={int(state.tp_comm.overlap_backward)}")
+                f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}")
         line = (
             f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
@@ -279,7 +281,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add(f"DTensor TP={tp} + SP, compile", dtensor, tp, TP=str(tp), SP="1", COMPILE="1")
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
-    add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=false", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="0")
+    add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=true", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="1")
+    add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=true, SM margin 16", ours, tp, TP=str(tp), SP="1",
+        TP_OVERLAP="1", SM_MARGIN="16")
     add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="ring")
     add(f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)", ours, tp, TP=str(tp), SP="1",
         ASYNC_TP="symm_mem")

@@ -4,6 +4,8 @@
   GEMM (float64, TP 2 and 4); column + row layers give the plain layers' output and gradients (float32); each
   transfer starts before a GEMM and is waited for after it (the order that lets the GEMM hide it); train.py with
   parallel.async_tp=ring trains like the plain path.
+- The GEMMs beside a collective in flight leave `comm.overlap_sm_margin` SMs (cuBLASLt's SM count target, set
+  around them and restored after): checked by recording the setting at each GEMM of a backward and a ring.
 - "symm_mem": its autograd Functions' math (torch's reference implementations of the fused symm_mem ops standing
   in for the CUDA ones) equals the plain layers; without symmetric memory the layers fall back, bit for bit.
 """
@@ -75,7 +77,7 @@ def test_ring_async_tp_equals_the_plain_sp_path_at_tp2_and_tp4():
 
 class _LoggedPending:
     def __init__(self, pending, events):
-        self.pending, self.events = pending, events
+        self.pending, self.events, self.work = pending, events, pending.work
 
     def wait(self):
         self.events.append("wait")
@@ -224,3 +226,87 @@ def test_symm_mem_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
 
         pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
     run_distributed(_symm_mem_functions_match_plain, 2)
+
+
+class _FakeBlas:
+    """Stands in for torch._C's BLAS settings in tpframe.comm.margin (a CPU build cannot select cuBLASLt)."""
+
+    _BlasBackend = torch._C._BlasBackend
+
+    def __init__(self):
+        self.backend, self.carveout = torch._C._BlasBackend.Cublas, None
+
+    def _get_blas_preferred_backend(self):
+        return self.backend
+
+    def _set_blas_preferred_backend(self, backend):
+        self.backend = backend
+
+    def _get_sm_carveout_experimental(self):
+        return self.carveout
+
+    def _set_sm_carveout_experimental(self, sms):
+        self.carveout = sms
+
+
+def test_gemm_sm_margin_sets_and_restores_the_cublaslt_carveout(monkeypatch):
+    from tpframe.comm import margin
+
+    blas = _FakeBlas()
+    monkeypatch.setattr(margin, "_C", blas)
+    cuda = torch.device("cuda")  # only the settings are touched: no CUDA work runs
+    with margin.gemm_sm_margin(16, cuda):
+        assert (blas.carveout, blas.backend) == (16, torch._C._BlasBackend.Cublaslt)
+    assert (blas.carveout, blas.backend) == (None, torch._C._BlasBackend.Cublas)
+    for sms, device in ((0, cuda), (16, torch.device("cpu"))):
+        with margin.gemm_sm_margin(sms, device):
+            assert blas.carveout is None and blas.backend == torch._C._BlasBackend.Cublas
+
+
+def _margins_seen():
+    """The SM carveout in force at each GEMM of a column layer's backward (overlap_backward) and of the rings."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpframe.comm import margin
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    fc1, fc2 = _fc_pair(comm)
+    x = scatter_to_sp(torch.randn(4 * comm.size, 3, 16), comm).requires_grad_()
+    comm.overlap_sm_margin, comm.device = 12, torch.device("cuda")  # settings only: the GEMMs run on CPU
+    margin._C = blas = _FakeBlas()
+    seen: list = []
+
+    class GemmLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                seen.append(blas.carveout)
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for name, overlap, mode in (("overlap_backward", True, None), ("plain", False, None), ("ring", False, "ring")):
+        comm.overlap_backward = overlap
+        fc1.async_tp = fc2.async_tp = mode
+        y = fc1(x)
+        seen.clear()
+        with GemmLog():
+            y.backward(torch.ones_like(y))
+        out[f"{name}: column backward"] = list(seen)
+        if mode:
+            seen.clear()
+            with GemmLog():
+                fc2(torch.tanh(fc1(x)))
+            out["ring: forward"] = list(seen)
+    return out
+
+
+def test_gemms_beside_a_collective_leave_the_sm_margin():
+    out = run_distributed(_margins_seen, 2)[0]
+    # backward: dX's GEMM, then (collective started) dW's GEMM beside it
+    assert out["overlap_backward: column backward"] == [None, 12], out
+    assert out["plain: column backward"] == [None, None], out
+    assert out["ring: column backward"] == [None, 12], out
+    # tp=2 forward: column ring (own block beside the transfer, then the received block), row ring (the peer's
+    # block first, then the own block beside the transfer of the peer's partial sum)
+    assert out["ring: forward"] == [12, None, None, 12], out

@@ -146,7 +146,7 @@ def test_bad_shapes_raise_clear_value_errors():
 
 class _LoggedPending:
     def __init__(self, pending, events):
-        self.pending, self.events = pending, events
+        self.pending, self.events, self.work = pending, events, pending.work
 
     def wait(self):
         self.events.append("wait")
@@ -164,6 +164,7 @@ def _backward_order():
     from tpframe.parallel import initialize_parallel
 
     comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    comm.overlap_backward = True  # comm.overlap_backward=true
     events: list = []
     for name in ("reduce_scatter_async", "all_reduce_async"):
         original = getattr(comm, name)

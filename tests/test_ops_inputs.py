@@ -152,6 +152,8 @@ CASES = [
     ("cuda-graph-pipeline", lambda t, s: (["train.cuda_graph=true", "parallel.pp=2"], {"WORLD_SIZE": "2"}),
      "train.cuda_graph graphs the non-pipelined step"),
     ("fp8-fp32", lambda t, s: (["train.fp8=true"], {}), "train.fp8 computes in float8 with bf16"),
+    ("sm-margin", lambda t, s: (["comm.overlap_sm_margin=-4"], {}), "comm.overlap_sm_margin=-4 must be between 0 and 64"),
+    ("async-tp-word", lambda t, s: (["parallel.async_tp=nccl"], {}), "choose true, false or one of 'ring', 'symm_mem'"),
     ("fp8-async-tp", lambda t, s: (["train.fp8=true", "train.dtype=bfloat16", "parallel.sequence_parallel=true",
                                     "parallel.async_tp=true"], {"WORLD_SIZE": "2"}), "train.fp8 and parallel.async_tp"),
     ("fp8-zero-bubble", lambda t, s: (["train.fp8=true", "train.dtype=bfloat16", "parallel.pp=2", "parallel.tp=1",

@@ -192,6 +192,21 @@ def test_compiled_fused_and_async_tp_gpt_match_plain_eager_at_tp2():
 
 
 @pytest.mark.gpu
+def test_gemm_sm_margin_keeps_the_product_and_restores_the_blas_settings():
+    from tpframe.comm.margin import gemm_sm_margin
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a, b = (torch.randn(1024, 512, device="cuda", generator=g).bfloat16() for _ in range(2))
+    before = (torch._C._get_blas_preferred_backend(), torch._C._get_sm_carveout_experimental())
+    want = a @ b.t()
+    with gemm_sm_margin(16, a.device):
+        assert torch._C._get_sm_carveout_experimental() == 16
+        got = a @ b.t()
+    assert (torch._C._get_blas_preferred_backend(), torch._C._get_sm_carveout_experimental()) == before
+    assert rel_err(got.float(), want.float()) <= 1e-2, "cuBLASLt with an SM carveout must give the same product"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_kernels_match_torch_on_cuda(dtype):
     """LayerNorm (with and without bias) and RMSNorm, forward and all gradients, against fp64 torch: no worse than

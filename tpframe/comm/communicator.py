@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tpframe.comm import ops as comm_ops
+from tpframe.comm.margin import gemm_sm_margin
 from tpframe.comm.nccl import REDUCE_OPS, NcclBackend
 from tpframe.comm.select import choose, message_bytes
 
@@ -55,7 +56,9 @@ class Communicator:
         self.name = comm_ops.register(self)  # the key of this communicator in the compile-visible ops
         # layers entering a TP region on this group overlap their input gradient's collective with the weight
         # gradient in backward (tpframe.layers.mappings.overlaps_entry_grad; the comm.overlap_backward config)
-        self.overlap_backward = True
+        self.overlap_backward = False
+        # SMs the GEMMs hiding a collective of this group leave to it (tpframe/comm/margin.py; comm.overlap_sm_margin)
+        self.overlap_sm_margin = 16
 
     @property
     def has_symmetric_memory(self) -> bool:
@@ -162,6 +165,11 @@ class Communicator:
         if not (send.is_contiguous() and recv.is_contiguous()):
             raise ValueError("exchange_async needs contiguous send and receive tensors")
         return Pending(recv, self.nccl.exchange_start(send, to, recv, source), keep=send)
+
+    def beside(self, pending: "Pending | None"):
+        """A context for GEMMs launched while `pending` is in flight: they leave `overlap_sm_margin` SMs to it."""
+        return gemm_sm_margin(self.overlap_sm_margin if pending is not None and pending.work is not None else 0,
+                              self.device)
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""

@@ -12,7 +12,9 @@ computation via decomposition", ASPLOS 2023):
                              partial sum received from the previous rank; send the sum on to the next rank
 
 Every block's GEMM but the first (all-gather) or last (reduce-scatter) overlaps one transfer. The transfers are
-NCCL send/receive pairs on NCCL's stream (`Communicator.exchange_async`): no staging copy, few SMs. Two modes:
+NCCL send/receive pairs on NCCL's stream (`Communicator.exchange_async`): no staging copy. NCCL's kernels hold SMs
+for the whole transfer, so the GEMMs beside them leave `comm.overlap_sm_margin` SMs free (tpframe/comm/margin.py).
+Two modes:
     "ring"      these functions (any NCCL or gloo group; the CPU tests run them);
     "symm_mem"  torch.ops.symm_mem's fused ops (copy-engine transfers over symmetric memory; they copy each
                 input into a symmetric workspace first; CUDA only).
@@ -87,10 +89,11 @@ def ring_all_gather_matmul(x: torch.Tensor, b: torch.Tensor, comm: Communicator,
         pending = None
         if j < n - 1:
             pending = comm.exchange_async(held, to=(r - 1) % n, recv=blocks[(t + 1) % n], source=(r + 1) % n)
-        if bias is None:
-            torch.mm(held, b, out=out[t])
-        else:
-            torch.addmm(bias, held, b, out=out[t])
+        with comm.beside(pending):
+            if bias is None:
+                torch.mm(held, b, out=out[t])
+            else:
+                torch.addmm(bias, held, b, out=out[t])
         if j == 0:
             blocks[r].copy_(own)  # the gathered input is saved for the weight gradient
         if pending is not None:
@@ -111,7 +114,8 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, b: torch.Tensor, comm: Communica
     blocks = _rows(x, n)
     pending = None
     for j in range(n):
-        part = blocks[(r - j - 1) % n] @ b  # launched before the wait: it overlaps the previous transfer
+        with comm.beside(pending):  # launched before the wait: it overlaps the previous transfer
+            part = blocks[(r - j - 1) % n] @ b
         if pending is not None:
             part += pending.wait()
         if j < n - 1:

@@ -163,7 +163,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
         pending = None
         if grad_x is not None and ctx.enter is not None:  # sent while the weight gradient is computed
             pending = enter_backward_start(grad_x.view(ctx.x_shape), ctx.comm, ctx.enter)
-        grad_w = torch.matmul(grad_logits.t(), x) if ctx.needs_input_grad[1] else None
+        with ctx.comm.beside(pending):
+            grad_w = torch.matmul(grad_logits.t(), x) if ctx.needs_input_grad[1] else None
         grad_x = pending.wait() if pending is not None else grad_x
         return grad_x, grad_w, None, None, None, None, None, None, None
 

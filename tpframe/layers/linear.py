@@ -80,7 +80,8 @@ class _ColumnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             pending = enter_backward_start(grad.matmul(weight), ctx.comm, ctx.sequence_parallel)
         g2 = grad.reshape(-1, grad.shape[-1])
-        gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        with ctx.comm.beside(pending):
+            gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.needs_input_grad[2] else None
         return (pending.wait() if pending is not None else None), gw, gb, None, None, None
 

@@ -127,7 +127,7 @@ def overlaps_entry_grad(comm: Communicator) -> bool:
     the gradient's collective with its weight gradient): eager training at tp > 1, unless the communicator's
     `overlap_backward` (config comm.overlap_backward) is off. Under torch.compile the separate mappings are
     traced (custom ops); without grad there is no backward to overlap."""
-    return (comm.size > 1 and getattr(comm, "overlap_backward", True) and torch.is_grad_enabled()
+    return (comm.size > 1 and getattr(comm, "overlap_backward", False) and torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
 
 

@@ -118,8 +118,12 @@ class CommConfig:
     backend: Literal["auto", "nccl", "symm"] = "auto"  # TP collectives; env TPFRAME_COMM_BACKEND overrides
     timeout_s: float = 300.0  # every process group: a collective waiting longer ends the run (exit code 4)
     # eager tp > 1: column layers and the fused head start the input gradient's reduce-scatter (all-reduce without
-    # SP) on NCCL's stream and compute the weight gradient while it runs; false: after both GEMMs, on the TP backend
-    overlap_backward: bool = True
+    # SP) on NCCL's stream and compute the weight gradient while it runs; false: after both GEMMs, on the TP backend.
+    # Off until measured on two GPUs: a GEMM beside a communication kernel can run slower than after it (README)
+    overlap_backward: bool = False
+    # SMs the GEMMs that hide a TP collective (overlap_backward, parallel.async_tp=ring) leave free for it
+    # (tpframe/comm/margin.py); 0: those GEMMs use every SM
+    overlap_sm_margin: int = 16
 
 
 @dataclass
@@ -342,6 +346,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_data(cfg.data)
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
+    if not 0 <= cfg.comm.overlap_sm_margin <= 64:
+        raise ConfigError(f"comm.overlap_sm_margin={cfg.comm.overlap_sm_margin} must be between 0 and 64 SMs "
+                          "(0: GEMMs beside a collective use every SM)")
     if not p.grad_bucket_mb > 0 or p.grad_bucket_mb != p.grad_bucket_mb:
         raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
     if p.overlap_param_gather and p.dp_strategy != "zero1":

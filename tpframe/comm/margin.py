@@ -1,0 +1,41 @@
+"""GEMMs launched beside a collective in flight: leave `sms` streaming multiprocessors to the collective.
+
+cuBLAS's Hopper GEMMs are persistent: one CTA per SM, each using the whole register file, with tiles assigned
+statically. A communication kernel that already holds SMs (NCCL's CTAs, for the collective's whole duration) keeps
+those GEMM CTAs from starting until it ends, and the two then slow each other: on one H100, a [8192 x 2048] x
+[2048 x 3072] bf16 GEMM (141 us) beside a 16-CTA copy kernel (135 us alone) took 550 us together, more than one
+after the other (benchmarks/overlap.py; RESULTS.md). With the GEMM told to use 16 fewer SMs it took 174 us: the
+copy ran on the SMs left free. torch exposes that as cuBLASLt's SM count target (`_set_sm_carveout_experimental`,
+honoured by the cuBLASLt path only, so the window also routes plain matmuls there).
+
+`comm.overlap_sm_margin` (Communicator.overlap_sm_margin, default 16) sets `sms` for the GEMMs that hide a TP
+collective: the weight-gradient GEMM beside the input gradient's reduce-scatter (`comm.overlap_backward`) and async
+TP's ring; 0 lets them use every SM. With a 16-CTA copy standing in for each NCCL transfer (GPT-1.3B's four linear
+layers at TP=2 + SP on one H100, `benchmarks/overlap.py --layers`), margin 16 made the ring 0.88x and the backward
+overlap 0.98x of the plain path's time; without it they took 1.44x and 1.07x. A margin of 8 to 32 worked alike; a
+GEMM gets ~9% slower with 8 or 16 SMs left free, ~23% with 32.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+_C = torch._C
+
+
+@contextmanager
+def gemm_sm_margin(sms: int, device: torch.device | None = None):
+    """GEMMs launched inside leave `sms` SMs free (CUDA; a no-op for sms <= 0, on CPU, or when tracing)."""
+    if sms <= 0 or device is None or device.type != "cuda" or torch.compiler.is_compiling():
+        yield
+        return
+    backend, carveout = _C._get_blas_preferred_backend(), _C._get_sm_carveout_experimental()
+    _C._set_blas_preferred_backend(_C._BlasBackend.Cublaslt)
+    _C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        _C._set_sm_carveout_experimental(carveout)
+        _C._set_blas_preferred_backend(backend)
