@@ -12,9 +12,15 @@ tp2() {  # env... : one TP=2 + SP GPT-1.3B forward+backward run
   echo "  ($* done at $((SECONDS - START)) s)"
 }
 if [ -z "$SKIP_GPT" ]; then
+  # first: does a GEMM beside a real NCCL collective overlap, and with which SM margin (tpframe/comm/margin.py)?
+  NO_APPEND=1 timeout 120 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap.py 2>&1 \
+    | tee $OUT/overlap_nccl.md | grep -E "^\|"
   tp2 ASYNC_TP=0
-  tp2 ASYNC_TP=0 TP_OVERLAP=0  # comm.overlap_backward=false: the backward's collectives after both GEMMs
-  tp2 ASYNC_TP=ring  # tpframe/layers/async_tp.py: NCCL send/receive pipelined under the GEMM blocks
+  tp2 ASYNC_TP=0 TP_OVERLAP=1 SM_MARGIN=0  # comm.overlap_backward=true, GEMMs on every SM
+  tp2 ASYNC_TP=0 TP_OVERLAP=1  # ... with the default SM margin (16)
+  tp2 ASYNC_TP=ring SM_MARGIN=0  # tpframe/layers/async_tp.py: NCCL send/receive pipelined under the GEMM blocks
+  tp2 ASYNC_TP=ring  # ... with the default SM margin (16)
+  tp2 ASYNC_TP=ring SM_MARGIN=32
   tp2 ASYNC_TP=symm_mem  # torch's fused symm_mem ops
   tp2 COMPILE=1
 fi

@@ -14,11 +14,13 @@ with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem
 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; NORM_MIN_NUMEL=n:
 the kernel norms from n elements up), TP_OVERLAP=1 sets comm.overlap_backward=true (the backward's input-gradient
 collective beside the weight gradient instead of after both GEMMs), SM_MARGIN=n comm.overlap_sm_margin (the
-GEMMs beside a collective leave n SMs to it). PROFILE=path writes a torch.profiler table of one more step there.
-GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the graph's static buffers) and times its replays: what a training-step CUDA graph
-would save over launching the same kernels one by one. CKPT=full|selective recomputes in backward
-(parallel.activation_checkpointing; CKPT_LAYERS=N: only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8;
-TFLOP/s still counts the model's FLOPs, so it compares directly with the bf16 rows).
+GEMMs beside a collective leave n SMs to it; default 16, as the config). PROFILE=path writes a torch.profiler
+table of one more step there.
+GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
+graph's static buffers) and times its replays: what a training-step CUDA graph would save over launching the same
+kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
+only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8; TFLOP/s still counts the
+model's FLOPs, so it compares directly with the bf16 rows).
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
@@ -80,7 +82,7 @@ def run_one() -> None:
     state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
                                 comm_backend=os.environ.get("COMM", "auto"))
     state.tp_comm.overlap_backward = flag("TP_OVERLAP")  # comm.overlap_backward
-    state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 0)  # comm.overlap_sm_margin
+    state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 16)  # comm.overlap_sm_margin (its default)
     H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and state.tp > 1
@@ -282,9 +284,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
     add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=true", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="1")
-    add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=true, SM margin 16", ours, tp, TP=str(tp), SP="1",
-        TP_OVERLAP="1", SM_MARGIN="16")
     add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="ring")
+    add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring), no SM margin", ours, tp, TP=str(tp), SP="1",
+        ASYNC_TP="ring", SM_MARGIN="0")
     add(f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)", ours, tp, TP=str(tp), SP="1",
         ASYNC_TP="symm_mem")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")  # (compiled blocks trace the
