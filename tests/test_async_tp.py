@@ -18,6 +18,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close
+from tests.test_linear import _LoggedPending
 from tests.test_perf_paths import GPT_CFG, B, S
 
 
@@ -73,15 +74,6 @@ def _ring_matches_plain():
 def test_ring_async_tp_equals_the_plain_sp_path_at_tp2_and_tp4():
     run_distributed(_ring_matches_plain, 2)
     run_distributed(_ring_matches_plain, 4)
-
-
-class _LoggedPending:
-    def __init__(self, pending, events):
-        self.pending, self.events, self.work = pending, events, pending.work
-
-    def wait(self):
-        self.events.append("wait")
-        return self.pending.wait()
 
 
 def _ring_order():
