@@ -11,9 +11,10 @@ GEMM's blocks:
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
 Where it cannot run (tp = 1, no SP, under torch.compile or CUDA-graph capture; "symm_mem" also without
 symmetric memory) the same layers take the plain path below.
-In eager training at tp > 1 a column layer's entry into the TP region and its GEMM are one autograd Function
-(`_ColumnLinear`) whose backward starts the input gradient's reduce-scatter (all-reduce without SP) on NCCL's
-stream and computes the weight gradient while it runs.
+With `comm.overlap_backward` (off by default), in eager training at tp > 1 a column layer's entry into the TP
+region and its GEMM are one autograd Function (`_ColumnLinear`) whose backward starts the input gradient's
+reduce-scatter (all-reduce without SP) on NCCL's stream and computes the weight gradient while it runs, leaving
+`comm.overlap_sm_margin` SMs to the collective (tpframe/comm/margin.py).
 
 `fp8=True`: the plain path's GEMM in float8 (tpframe/layers/fp8.py; not with async TP or deferred weight
 gradients, which the config refuses).
