@@ -3,8 +3,8 @@
 cuBLAS's Hopper GEMMs are persistent: one CTA per SM, each using the whole register file, with tiles assigned
 statically. A communication kernel that already holds SMs (NCCL's CTAs, for the collective's whole duration) keeps
 those GEMM CTAs from starting until it ends, and the two then slow each other: on one H100, a [8192 x 2048] x
-[2048 x 3072] bf16 GEMM (141 us) beside a 16-CTA copy kernel (135 us alone) took 550 us together, more than one
-after the other (benchmarks/overlap.py; RESULTS.md). With the GEMM told to use 16 fewer SMs it took 174 us: the
+[2048 x 3072] bf16 GEMM (136 us) beside a 16-CTA copy kernel (136 us alone) took 404 us together, more than one
+after the other (benchmarks/overlap.py; RESULTS.md). With the GEMM told to use 16 fewer SMs it took 183 us: the
 copy ran on the SMs left free. torch exposes that as cuBLASLt's SM count target (`_set_sm_carveout_experimental`,
 honoured by the cuBLASLt path only, so the window also routes plain matmuls there).
 
