@@ -46,7 +46,7 @@ def _load_fused_ops() -> bool:
 _FUSED_OPS = _load_fused_ops()
 
 
-def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str = "symm_mem") -> bool:
+def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
     torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory."""
     if comm.size == 1 or torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
