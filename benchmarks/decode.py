@@ -73,6 +73,9 @@ def parse_args():
                    "captures the compiled code")
     p.add_argument("--sdpa-rows", action="store_true", help="at TP=1, a graph row with SDPA instead of the "
                    "decode-attention kernel (tpframe/kernels/decode_attention.py), side by side")
+    p.add_argument("--cublas-rows", action="store_true", help="a graph row with cuBLAS for the linear layers instead "
+                   "of the one-row kernel (tpframe/kernels/gemv.py; batch 1 only), side by side: at TP=1, and at "
+                   "TP=world after each symm-graph row")
     p.add_argument("--profile", default="", help="PATH prefix: after each tpframe row, torch.profiler over "
                    "PROFILE_STEPS decode steps (kernel table, chrome trace, GPU time per step) at PATH.<row>.txt")
     p.add_argument("--modes", default="nccl-eager,nccl-graph,symm-eager,symm-graph",
@@ -142,6 +145,15 @@ def set_decode_kernel(model, on: bool) -> None:
     """Whether the decode step's attention runs tpframe's decode kernel (else SDPA)."""
     for block in model.blocks.values():
         block.attn.fused_decode = on
+
+
+def set_row_kernel(model, on: bool) -> None:
+    """Whether the linear layers of a batch-1 decode graph run tpframe's one-row kernel (else cuBLAS)."""
+    from tpframe.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.fused_decode = on
 
 
 def hf_model(model, cfg: ModelConfig, device):
@@ -255,14 +267,18 @@ def main():
             compile_model(model, mode=args.compile)
         ref = {}
         for b in batches:
-            cells = [("tpframe eager", False, True), ("tpframe graph", True, True)]
+            cells = [("tpframe eager", False, True, True), ("tpframe graph", True, True, True)]
             if args.sdpa_rows:
-                cells.append(("tpframe graph, SDPA in the decode step", True, False))
-            for impl, graph, kernel in cells:
+                cells.append(("tpframe graph, SDPA in the decode step", True, False, True))
+            if args.cublas_rows and b == 1:
+                cells.append(("tpframe graph, cuBLAS linears", True, True, False))
+            for impl, graph, kernel, row_kernel in cells:
                 if graph and not cuda:
                     continue
                 set_decode_kernel(model, kernel)
-                tag = f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}"
+                set_row_kernel(model, row_kernel)
+                tag = (f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}"
+                       f"{'' if row_kernel else '.cublas'}")
                 pre, tok, toks = time_tpframe(model, comm1, prompts[b], args, graph, tag=tag)
                 ref.setdefault(b, toks)
                 rows.append((1, b, impl, pre, tok))
@@ -300,10 +316,17 @@ def main():
                 if (graph and not cuda) or (only and int(only[0]) != b):
                     continue
                 comm.requested, comm._plans = backend, {}  # same model, the other backend
-                pre, tok, toks = time_tpframe(model, comm, prompts[b], args, graph, tag=f"tp{world}.b{b}.{name}")
-                ref_tp.setdefault(b, toks)
-                rows.append((world, b, f"tpframe {impl}", pre, tok))
-                log(f"TP={world} b={b} {impl}: prefill {pre:.1f} ms, {tok:.3f} ms/token")
+                variants = [(impl, True)]
+                if args.cublas_rows and b == 1 and name == "symm-graph":
+                    variants.append((f"{impl}, cuBLAS linears", False))
+                for label, row_kernel in variants:
+                    set_row_kernel(model, row_kernel)
+                    tag = f"tp{world}.b{b}.{name}{'' if row_kernel else '.cublas'}"
+                    pre, tok, toks = time_tpframe(model, comm, prompts[b], args, graph, tag=tag)
+                    ref_tp.setdefault(b, toks)
+                    rows.append((world, b, f"tpframe {label}", pre, tok))
+                    log(f"TP={world} b={b} {label}: prefill {pre:.1f} ms, {tok:.3f} ms/token")
+                set_row_kernel(model, True)
         hf_tp = None
         for mode in [m for m in args.hf_tp.split(",") if m]:
             label = f"HF transformers {mode}, tp_plan=auto (static cache)"

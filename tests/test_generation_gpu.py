@@ -87,6 +87,7 @@ def _decode_variants(kv_heads: int):
             gen = Generator(model, state.tp_comm, sampling=SamplingConfig(greedy=True), vocab_size=1000,
                             cuda_graph=graph)
             out[name, graph] = gen.generate(PROMPTS + [list(range(1, 100))], max_new_tokens=100).tokens
+            out[name, graph, "batch 1"] = gen.generate(PROMPTS[:1], max_new_tokens=100).tokens  # the one-row GEMMs
     return out
 
 
@@ -94,9 +95,12 @@ def _decode_variants(kv_heads: int):
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens(kv_heads):
     """fp32, greedy: the decode-attention kernel (eager, in the graph, and as a custom op in compiled blocks, where a
-    100-token prompt puts the cache past one split; multi-head and grouped-query) gives the SDPA path's tokens."""
+    100-token prompt puts the cache past one split; multi-head and grouped-query) gives the SDPA path's tokens; at
+    batch 1 the graphed step's one-row linear kernel (tpframe/kernels/gemv.py) gives cuBLAS's tokens too."""
     (out,) = run_distributed(_decode_variants, 1, kv_heads, backend="nccl", env=ENV, timeout=300)
-    ref = out["sdpa", False]
-    assert all(len(t) == 100 for t in ref)
-    for key, tokens in out.items():
-        assert tokens == ref, f"{key} differs from the eager SDPA decode"
+    for batch in ((), ("batch 1",)):
+        ref = out[("sdpa", False) + batch]
+        assert all(len(t) == 100 for t in ref)
+        for key, tokens in out.items():
+            if key[2:] == batch:
+                assert tokens == ref, f"{key} differs from the eager SDPA decode"

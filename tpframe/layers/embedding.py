@@ -125,6 +125,8 @@ class ParallelLMHead(nn.Module):
         )
         self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
         self.weight.vocab_rows = vocab_size
+        self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, None, self.comm, self.sequence_parallel)
+        return column_parallel_linear(x, self.weight, None, self.comm, self.sequence_parallel,
+                                      decode_kernel=self.fused_decode)

@@ -46,6 +46,7 @@ from tpframe.layers.mappings import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
+from tpframe.kernels import gemv
 from tpframe.layers.fp8 import fp8_linear
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
 from tpframe.layers.weight_grad import deferring, linear
@@ -93,6 +94,18 @@ def enter_tp_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool
     return gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
 
 
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp8: bool = False,
+                 decode_kernel: bool = True) -> torch.Tensor:
+    """This rank's GEMM of a TP layer: float8 (`fp8`); the one-row kernel inside a batch-1 decode step's CUDA
+    graph (`decode_kernel`, tpframe/kernels/gemv.py); else F.linear, whose weight gradient zero-bubble pipeline
+    schedules may defer."""
+    if fp8:
+        return fp8_linear(x, weight, bias)
+    if decode_kernel and gemv.takes(x, weight):
+        return gemv.row_linear(x, weight, bias)
+    return linear(x, weight, bias)
+
+
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -104,6 +117,7 @@ def column_parallel_linear(
     async_tp: bool | str | None = None,
     fp8: bool = False,
     entered: bool = False,
+    decode_kernel: bool = True,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by output rows.
 
@@ -112,6 +126,7 @@ def column_parallel_linear(
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
     `async_tp`: None, "ring" or "symm_mem" (True = "ring"): pipeline the SP all-gather under the GEMM.
+    `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
     mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
     if mode is not None and async_tp_available(comm, x, mode):
@@ -123,8 +138,7 @@ def column_parallel_linear(
         y = _ColumnLinear.apply(x, weight, bias, comm, sequence_parallel)
     else:
         x = x if entered else enter_tp_region(x, comm, sequence_parallel)
-        # F.linear (zero-bubble pipelines defer its weight gradient), or the float8 GEMMs
-        y = fp8_linear(x, weight, bias) if fp8 else linear(x, weight, bias)
+        y = local_linear(x, weight, bias, fp8=fp8, decode_kernel=decode_kernel)
     return gather_from_tp(y, comm) if gather_output else y
 
 
@@ -138,6 +152,7 @@ def row_parallel_linear(
     *,
     async_tp: bool | str | None = None,
     fp8: bool = False,
+    decode_kernel: bool = True,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by input columns.
 
@@ -151,7 +166,7 @@ def row_parallel_linear(
         fn = RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter
         y = fn.apply(x, weight, comm)
     else:
-        y = fp8_linear(x, weight) if fp8 else linear(x, weight)
+        y = local_linear(x, weight, fp8=fp8, decode_kernel=decode_kernel)
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
         y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm, donate=True)
     return y + bias if bias is not None else y
@@ -188,6 +203,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.async_tp, self.fp8 = normalize_mode(async_tp), fp8
+        self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
         if fused_parts is not None:
             if gather_output:
                 raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with fused_parts")
@@ -214,7 +230,8 @@ class ColumnParallelLinear(nn.Module):
         """`entered=True`: x is already `self.enter(input)` (all-gathered under SP)."""
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
         return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output,
-                                      async_tp=self.async_tp, fp8=self.fp8, entered=entered)
+                                      async_tp=self.async_tp, fp8=self.fp8, entered=entered,
+                                      decode_kernel=self.fused_decode)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input's entry into the TP region; forward(enter(x), entered=True) == forward(x)."""
@@ -255,6 +272,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = divide(in_features, tp, "RowParallelLinear in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.async_tp, self.fp8 = normalize_mode(async_tp), fp8
+        self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
         device = device or self.comm.device
         init_method = init_method or normal_init()
         w = init_shard((out_features, in_features), 1, rank, tp, init_method, dtype, device)
@@ -269,7 +287,7 @@ class RowParallelLinear(nn.Module):
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear", "in_features/tp" if self.input_is_parallel else "in_features")
         return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel,
-                                   async_tp=self.async_tp, fp8=self.fp8)
+                                   async_tp=self.async_tp, fp8=self.fp8, decode_kernel=self.fused_decode)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output, x_r W_r^T, not yet summed over TP and without the bias: for a caller
@@ -277,7 +295,7 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             raise ValueError("RowParallelLinear.partial: a layer with a bias adds it after the TP sum; use forward()")
         _check_last_dim(x, self.in_per_rank, "RowParallelLinear", "in_features/tp")
-        return fp8_linear(x, self.weight) if self.fp8 else linear(x, self.weight)
+        return local_linear(x, self.weight, fp8=self.fp8, decode_kernel=self.fused_decode)
 
     def extra_repr(self) -> str:
         return (

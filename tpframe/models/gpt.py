@@ -76,7 +76,10 @@ class TransformerBlock(nn.Module):
                            shared_ffn_hidden=cfg.moe_shared_ffn, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
         else:
             self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
-        self.attn.fused_rotary = self.attn.fused_decode = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
+        self.attn.fused_rotary = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
+        for module in self.modules():  # decode kernels: attention's and the linear layers' one-row GEMM
+            if hasattr(module, "fused_decode"):
+                module.fused_decode = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         self.selective_recompute = ctx.selective_recompute
 
@@ -162,6 +165,8 @@ class GPT(nn.Module):
                 with seeded(seed + 2):
                     self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, **vocab)
         self.fused_head_loss = ctx.fused_kernels
+        if self.head is not None:
+            self.head.fused_decode = ctx.fused_kernels
         if ctx.async_tp:
             enable_async_tp(self, ctx.async_tp)
 
@@ -192,7 +197,8 @@ class GPT(nn.Module):
         x = self.final_norm(x)
         if self.head is not None:
             return self.head(x)
-        return column_parallel_linear(x, self.embedding.weight, None, self.comm, self.sequence_parallel)
+        return column_parallel_linear(x, self.embedding.weight, None, self.comm, self.sequence_parallel,
+                                      decode_kernel=self.fused_head_loss)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None) -> torch.Tensor:
         """First stage: `x` is input_ids [b, s]; later stages: hidden states [s(/tp), b, h].
