@@ -2,12 +2,13 @@
 
     torchrun --nproc-per-node 2 benchmarks/host_overhead.py [--iters 500] [--rounds 30] [--results FILE]
     python benchmarks/host_overhead.py            # CPU: one process, torch's "fake" process group of 2 ranks
+    torchrun --nproc-per-node 1 benchmarks/host_overhead.py   # one GPU: the raw calls against the NCCL backend
 
 Each probe is called back-to-back `iters` times per round, the probes interleaved round by round; the
 table gives the fastest round (the least disturbed by other processes) in host microseconds per call (on GPU,
 after a device sync, so the launch queue never fills: the Python + dispatch cost the caller pays, not the transfer).
-"dist" rows are the raw torch.distributed calls; "comm" rows go through tpframe.comm.Communicator
-(backend nccl); "mapping" rows through the autograd mappings under no_grad. On CPU the process group is
+"dist" rows are the raw torch.distributed calls; "backend" rows tpframe's NCCL backend (tpframe/comm/nccl.py);
+"comm" rows go through tpframe.comm.Communicator (backend nccl); "mapping" rows through the autograd mappings under no_grad. On CPU the process group is
 torch's fake backend (every collective returns at once, moving nothing), which isolates the Python and
 dispatch cost from gloo's transport, whose own jitter on a small machine is a thousand times larger.
 """
@@ -30,30 +31,33 @@ from tpframe.layers.mappings import gather_from_sp, reduce_from_tp, reduce_scatt
 
 
 def probes(comm: Communicator, x: torch.Tensor) -> dict:
+    """The calls to time. At world 1 the Communicator and the mappings return their input at once (nothing to
+    reduce), so only the raw calls and the backend's (`comm.nccl`, which the Communicator's NCCL path calls) run."""
     world = comm.size
     inplace = x.clone()
     gathered = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
     scattered = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
     all_gather = getattr(dist, "all_gather_into_tensor")
     reduce_scatter = getattr(dist, "reduce_scatter_tensor")
+    backend = comm.nccl
     out = {
         "dist.all_reduce (in place)": lambda: dist.all_reduce(inplace),
+        "backend all_reduce (donated: in place)": lambda: backend.all_reduce(inplace, donate=True),
+        "backend all_reduce (copy + in place)": lambda: backend.all_reduce(x),
         "comm.all_reduce (out of place)": lambda: comm.all_reduce(x),
-    }
-    try:
-        comm.all_reduce(inplace, donate=True)
-        out["comm.all_reduce(donate=True)"] = lambda: comm.all_reduce(inplace, donate=True)
-    except TypeError:  # an older Communicator without donation
-        pass
-    out.update({
+        "comm.all_reduce(donate=True)": lambda: comm.all_reduce(inplace, donate=True),
         "mapping reduce_from_tp": lambda: reduce_from_tp(x, comm),
         "dist.all_gather_into_tensor": lambda: all_gather(gathered, x),
+        "backend all_gather (allocates its output)": lambda: backend.all_gather(x),
         "comm.all_gather": lambda: comm.all_gather(x),
         "mapping gather_from_sp": lambda: gather_from_sp(x, comm),
         "dist.reduce_scatter_tensor": lambda: reduce_scatter(scattered, x),
+        "backend reduce_scatter (allocates its output)": lambda: backend.reduce_scatter(x),
         "comm.reduce_scatter": lambda: comm.reduce_scatter(x),
         "mapping reduce_scatter_to_sp": lambda: reduce_scatter_to_sp(x, comm),
-    })
+    }
+    if world == 1:
+        out = {name: fn for name, fn in out.items() if name.startswith(("dist", "backend"))}
     return out
 
 

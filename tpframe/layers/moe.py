@@ -154,7 +154,7 @@ def update_expert_biases(layers: list[nn.Module], comm: Communicator | None, rat
         return None
     load = torch.stack([m.expert_load for m in layers])  # [layers, E]
     if comm is not None and comm.size > 1:
-        load = comm.all_reduce(load)
+        load = comm.all_reduce(load, donate=True)  # stack's output: fresh
     load = load.double()
     delta = (rate * torch.sign(load.mean(dim=1, keepdim=True) - load)).float()
     for m, d in zip(layers, delta):

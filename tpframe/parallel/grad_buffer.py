@@ -46,7 +46,7 @@ def allreduce_sequence_parallel_grads(grads: list[torch.Tensor], tp_comm: Commun
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
-        flat = tp_comm.all_reduce(torch.cat([g.reshape(-1) for g in same]))
+        flat = tp_comm.all_reduce(torch.cat([g.reshape(-1) for g in same]), donate=True)  # cat's output: fresh
         offset = 0
         for g in same:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
