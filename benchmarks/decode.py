@@ -117,7 +117,8 @@ def profile_decode(gen: Generator, args, path: str) -> None:
     """torch.profiler over PROFILE_STEPS decode steps of `gen` (its graph replays when it has one), the cache
     rewound to just after the prompt: the kernel table (calls / PROFILE_STEPS = launches per token), the chrome
     trace beside it, and the GPU's busy and idle time per token (every rank runs the steps; rank 0 writes)."""
-    from gpt import gpu_busy, profile_step  # benchmarks/gpt.py
+    from gpt import profile_step  # benchmarks/gpt.py
+    from tpframe.training.profiler import gpu_busy
 
     @torch.no_grad()
     def steps():
