@@ -299,3 +299,53 @@ def test_row_linear_kernel_matches_cublas_and_runs_only_in_decode_graphs(dtype):
             local_linear(one, w)
         local_linear(one.requires_grad_(), w)
         assert calls == [], f"two rows, eager calls and autograd keep cuBLAS: {calls}"
+
+
+@pytest.mark.gpu
+def test_kv_write_kernel_runs_in_decode_graphs_and_writes_what_index_copy_writes():
+    """LayerCache.append inside a CUDA-graph capture takes the one-launch kernel and leaves the caches exactly as
+    torch's index_copy_ does; an eager append keeps index_copy_."""
+    from unittest import mock
+
+    from tpframe.inference.kv_cache import KVCache
+    from tpframe.kernels import kv_write
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cache = KVCache(["0"], batch=2, kv_heads=4, head_dim=128, max_len=64, dtype=torch.bfloat16, device="cuda")
+    cache.reset(torch.zeros(2, dtype=torch.long, device="cuda"))
+    cache.advance(9)
+    cache.begin(1)
+    layer = cache.layer(0)
+    layer.k.normal_(generator=g)
+    layer.v.normal_(generator=g)
+    k, v = (torch.randn(2, 4, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    want_k = layer.k.clone().index_copy_(2, cache.index, k)
+    want_v = layer.v.clone().index_copy_(2, cache.index, v)
+    calls = []
+    real = kv_write.kv_write
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    with mock.patch.object(kv_write, "kv_write", counted):
+        layer.append(k, v)  # eager: index_copy_
+        assert calls == [], "an eager append must keep index_copy_"
+        layer.k.normal_(generator=g)
+        layer.v.normal_(generator=g)
+        kv_write.kv_write(k, v, layer.k, layer.v, cache.index)  # compile the kernel outside the capture
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            layer.append(k, v)
+        torch.cuda.current_stream().wait_stream(side)
+        layer.k.normal_(generator=g)
+        layer.v.normal_(generator=g)
+        untouched = layer.k.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert len(calls) == 2, "the captured append must take the kernel"
+    slot = int(cache.index)
+    assert torch.equal(layer.k[:, :, slot], want_k[:, :, slot]) and torch.equal(layer.v[:, :, slot], want_v[:, :, slot])
+    others = [t for t in range(64) if t != slot]
+    assert torch.equal(layer.k[:, :, others], untouched[:, :, others]), "only the step's slot may change"

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tpframe.kernels import kv_write
+
 
 class LayerCache:
     """One layer's keys and values [b, nkv/tp, L, d]; `append` writes this step's slots."""
@@ -25,9 +27,13 @@ class LayerCache:
         self.owner, self.k, self.v = owner, k, v
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [b, nkv/tp, s, d] into the slots of `begin(s)`; returns the whole cache [b, nkv/tp, L, d]."""
-        self.k.index_copy_(2, self.owner.index, k.to(self.k.dtype))
-        self.v.index_copy_(2, self.owner.index, v.to(self.v.dtype))
+        """k, v [b, nkv/tp, s, d] into the slots of `begin(s)`; returns the whole cache [b, nkv/tp, L, d].
+        Inside a decode step's CUDA graph one kernel writes both (tpframe/kernels/kv_write.py)."""
+        if kv_write.takes(k, v, self.k):
+            kv_write.kv_write(k, v, self.k, self.v, self.owner.index)
+        else:
+            self.k.index_copy_(2, self.owner.index, k.to(self.k.dtype))
+            self.v.index_copy_(2, self.owner.index, v.to(self.v.dtype))
         return self.k, self.v
 
     @property

@@ -4,6 +4,7 @@
     cross_entropy.py  per-row softmax statistics and the in-place logits gradient of the head + loss path
     decode_attention.py  generation's few new queries over the KV cache (flash-decoding), inference only
     gemv.py           one token's linear layer (batch-1 decode graphs), streaming the weight once, inference only
+    kv_write.py       a decode step's keys and values into their cache slots in one launch (decode graphs)
     norm.py           LayerNorm / RMSNorm forward, and backward with the weight gradients in the same pass
 
 Every kernel has a plain-torch twin that computes the same function (the CPU path, and the tests' oracle);
