@@ -7,7 +7,8 @@ Cases: GPT-1.3B's decode layers (SwiGLU, FFN 5504, V=50304) at TP=1 and TP=2, x 
 Each timing: one CUDA graph that calls the layer once on each of C copies of the weight (C x weight bytes >= 400 MB,
 so no call finds its weight in the 50 MB L2, as in a decode step, where every layer's weight is read once), replayed
 7 times; the median per call. Bytes: the weight, 2 N K (x and y are negligible); floor: bytes / the HBM bandwidth
-(3.35 TB/s H100, 4.8 TB/s H200). --sweep also times the kernel's (BLOCK_N, BLOCK_K, warps, stages) settings and
+(3.35 TB/s H100, 4.8 TB/s H200). Then SwiGLU's first layer: torch's silu(gate) * up after the GEMM, or the
+activation inside the kernel. --sweep also times the kernel's (BLOCK_N, BLOCK_K, warps, stages) settings and
 prints the best three per case.
 """
 
@@ -72,6 +73,7 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     hbm = 4.8e12 if "H200" in name else 3.35e12 if "H100" in name else None
     chosen = (gemv.BLOCK_N, gemv.BLOCK_K, gemv.WARPS, gemv.STAGES)
+    chosen_swiglu = gemv.SWIGLU_BLOCK_N
     g = torch.Generator(device="cuda").manual_seed(0)
     lines = ["| layer [N x K] | MB | floor us | cuBLAS us | kernel us | kernel TB/s | kernel / cuBLAS |",
              "|---|---|---|---|---|---|---|"]
@@ -97,6 +99,28 @@ def main() -> int:
         print(lines[-1], flush=True)
         del ws
     today = datetime.date.today().isoformat()
+    # SwiGLU's first layer: the activation after the GEMM (torch) or inside the kernel, at 1 and 2 outputs per program
+    swiglu = ["", "| SwiGLU fc1 [N x K] | cuBLAS + silu * up us | kernel + silu * up us | kernel with SwiGLU inside, "
+              "1 output per program us | same, 2 outputs per program us |", "|---|---|---|---|---|"]
+    for n, k in ((11008, 2048), (5504, 2048)):
+        copies = max(4, -(-400_000_000 // (2 * n * k)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+        def act(h):
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        cells = [rotated_us(lambda i: act(F.linear(x, ws[i])), copies),
+                 rotated_us(lambda i: act(gemv.row_linear(x, ws[i])), copies)]
+        for block_n in (1, 2):
+            gemv.SWIGLU_BLOCK_N = block_n
+            cells.append(rotated_us(lambda i: gemv.row_linear(x, ws[i], activation="swiglu"), copies))
+        gemv.SWIGLU_BLOCK_N = chosen_swiglu
+        swiglu.append(f"| [{n} x {k}] | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+        print(swiglu[-1], flush=True)
+        del ws
+    lines += swiglu
     head = [f"## One-row linear layers: tpframe's kernel vs cuBLAS, 1x {name}, {today}", "",
             f"Command: `python benchmarks/row_linear.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; x [1, K] "
             f"bf16, weight [N, K] bf16; kernel setting (BLOCK_N, BLOCK_K, warps, stages) {chosen}; us per call in CUDA "

@@ -247,8 +247,8 @@ def test_norm_kernels_match_torch_on_cuda(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_linear_kernel_matches_cublas_and_runs_only_in_decode_graphs(dtype):
-    """The one-row kernel against fp64 (no worse than cuBLAS in the same dtype) at decode shapes, and the layers'
-    dispatch: a one-row input under no_grad inside a CUDA-graph capture takes it; two rows, eager calls or autograd
+    """The one-row kernel against fp64 (no worse than cuBLAS in the same dtype) at decode shapes, with the MLP's
+    activation in the kernel (no worse than torch's GEMM + activation), and the layers' dispatch: a one-row input under no_grad inside a CUDA-graph capture takes it; two rows, eager calls or autograd
     do not."""
     from unittest import mock
 
@@ -265,6 +265,17 @@ def test_row_linear_kernel_matches_cublas_and_runs_only_in_decode_graphs(dtype):
         cublas = rel_err(torch.nn.functional.linear(x, w, b), ref)
         ours = rel_err(gemv.row_linear(x, w, b), ref)
         assert ours <= max(1e-6 if dtype == torch.float32 else 1e-2, 1.01 * cublas), (n, k, ours, cublas)
+    acts = {"swiglu": lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1],
+            "gelu": lambda h: torch.nn.functional.gelu(h, approximate="tanh")}
+    for name, act in acts.items():  # the MLP's activation inside the kernel, against torch's GEMM + activation
+        x64 = torch.randn(1, 2048, device="cuda", dtype=torch.float64, generator=g)
+        w64 = torch.randn(11008, 2048, device="cuda", dtype=torch.float64, generator=g) / 2048 ** 0.5
+        b64 = torch.randn(11008, device="cuda", dtype=torch.float64, generator=g)
+        ref = act(torch.nn.functional.linear(x64, w64, b64))
+        x, w, b = (t.to(dtype) for t in (x64, w64, b64))
+        eager = rel_err(act(torch.nn.functional.linear(x, w, b)), ref)
+        ours = rel_err(gemv.row_linear(x, w, b, activation=name), ref)
+        assert ours <= max(1e-6 if dtype == torch.float32 else 1e-2, 1.01 * eager), (name, ours, eager)
 
     w = torch.randn(256, 128, device="cuda", dtype=dtype, generator=g)
     calls = []

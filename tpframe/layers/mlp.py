@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
+from tpframe.kernels import gemv
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.layers.utils import InitMethod
 from tpframe.parallel.recompute import RecomputedOutput
@@ -57,8 +58,13 @@ class ParallelMLP(nn.Module):
         """`entered=True`: x is already `self.fc1.enter(x)`. `recompute_activation`: the activation's output
         (fc2's saved input, the block's largest activation) is freed after fc2 and recomputed in backward.
         `reduce=False` (bias-free MLPs, with `entered=True`): this rank's partial output, not yet summed over TP."""
-        h = self.fc1(x, entered=entered)
         fc2 = self.fc2 if reduce else self.fc2.partial
+        fc1 = self.fc1
+        if fc1.fused_decode and not (fc1.fp8 or fc1.sequence_parallel) and gemv.takes(x, fc1.weight):
+            # a batch-1 decode graph (entering the TP region is the identity here): fc1 and the activation in
+            # one kernel (tpframe/kernels/gemv.py)
+            return fc2(gemv.row_linear(x, fc1.weight, fc1.bias, activation=self.activation))
+        h = fc1(x, entered=entered)
         if not recompute_activation:
             return fc2(self.act(h))
         act = RecomputedOutput(self.act, h)
