@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from comm import report  # noqa: E402  (benchmarks/comm.py)
+from comm import report, time_graph  # noqa: E402  (benchmarks/comm.py)
 from tpframe.kernels import gemv  # noqa: E402
 
 CASES = {"qkv": (6144, 2048), "attention out": (2048, 2048), "gate+up": (11008, 2048), "down": (2048, 5504),
@@ -37,28 +36,10 @@ SETTINGS = list(itertools.product((1, 2, 4), (512, 1024, 2048), (4, 8), (3, 4)))
 
 
 def rotated_us(call, copies: int, reps: int = 7) -> float:
-    """Microseconds per call(i), i = 0..copies-1 captured in one CUDA graph; median of `reps` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(min(3, copies)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return statistics.median(times)
+    """Microseconds per call(i) in a CUDA graph of `copies` calls that cycle through i = 0..copies-1, so each
+    replay reads every copy once; median of `reps` replays (benchmarks/comm.py's time_graph)."""
+    order = itertools.cycle(range(copies))
+    return time_graph(lambda: call(next(order)), copies, reps, torch.device("cuda", torch.cuda.current_device()))
 
 
 def main() -> int:
