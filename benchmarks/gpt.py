@@ -82,7 +82,7 @@ def run_one() -> None:
     state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
                                 comm_backend=os.environ.get("COMM", "auto"))
     state.tp_comm.overlap_backward = flag("TP_OVERLAP")  # comm.overlap_backward
-    state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 16)  # comm.overlap_sm_margin (its default)
+    state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 32)  # comm.overlap_sm_margin (its default)
     H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and state.tp > 1

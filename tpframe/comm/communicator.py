@@ -58,7 +58,7 @@ class Communicator:
         # gradient in backward (tpframe.layers.mappings.overlaps_entry_grad; the comm.overlap_backward config)
         self.overlap_backward = False
         # SMs the GEMMs hiding a collective of this group leave to it (tpframe/comm/margin.py; comm.overlap_sm_margin)
-        self.overlap_sm_margin = 16
+        self.overlap_sm_margin = 32
 
     @property
     def has_symmetric_memory(self) -> bool:

@@ -8,12 +8,14 @@ after the other (benchmarks/overlap.py; RESULTS.md). With the GEMM told to use 1
 copy ran on the SMs left free. torch exposes that as cuBLASLt's SM count target (`_set_sm_carveout_experimental`,
 honoured by the cuBLASLt path only, so the window also routes plain matmuls there).
 
-`comm.overlap_sm_margin` (Communicator.overlap_sm_margin, default 16) sets `sms` for the GEMMs that hide a TP
+`comm.overlap_sm_margin` (Communicator.overlap_sm_margin, default 32) sets `sms` for the GEMMs that hide a TP
 collective: the weight-gradient GEMM beside the input gradient's reduce-scatter (`comm.overlap_backward`) and async
-TP's ring; 0 lets them use every SM. With a 16-CTA copy standing in for each NCCL transfer (GPT-1.3B's four linear
-layers at TP=2 + SP on one H100, `benchmarks/overlap.py --layers`), margin 16 made the ring 0.88x and the backward
-overlap 0.98x of the plain path's time; without it they took 1.44x and 1.07x. A margin of 8 to 32 worked alike; a
-GEMM gets ~9% slower with 8 or 16 SMs left free, ~23% with 32.
+TP's ring; 0 lets them use every SM. On 2x H200 with NCCL's own kernels (`torchrun --nproc-per-node 2
+benchmarks/overlap.py`) the same GEMM beside a 32 MiB send/receive pair (a ring step) took 1.01x of the two one after
+the other with no margin, 0.97x / 0.93x / 0.60x with 8 / 16 / 32 SMs left free; beside a 64 MiB reduce-scatter 0.97x,
+0.91x, 0.87x, 0.73x. GPT-1.3B at TP=2 + SP with the ring: 157.5 ms per forward+backward at margin 0, 158.4 at 16,
+153.6 at 32, against 157.2 for the plain path (RESULTS.md), hence 32. The GEMM alone is ~22% slower with 32 SMs
+left free, so only GEMMs with a collective in flight get the margin.
 """
 
 from __future__ import annotations
