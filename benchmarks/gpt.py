@@ -289,8 +289,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         ASYNC_TP="ring", SM_MARGIN="0")
     add(f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)", ours, tp, TP=str(tp), SP="1",
         ASYNC_TP="symm_mem")
-    add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")  # (compiled blocks trace the
-    # plain path: async TP is eager-only, so there is no compile + async TP row)
+    add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")
+    add(f"tpframe TP={tp} + SP, compile + async TP (NCCL ring as custom ops)", ours, tp, TP=str(tp), SP="1",
+        COMPILE="1", ASYNC_TP="ring")
     if torch.cuda.is_available():
         add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
         if torch.cuda.get_device_capability() >= (8, 9):

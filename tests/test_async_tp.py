@@ -76,6 +76,44 @@ def test_ring_async_tp_equals_the_plain_sp_path_at_tp2_and_tp4():
     run_distributed(_ring_matches_plain, 4)
 
 
+def _compiled_ring_matches_plain():
+    """The fc pair compiled whole (fullgraph, AOTAutograd's eager backend: forward and backward graphs traced)
+    with the ring as tpframe's custom ops, against the eager plain SP path; every ring transfer counted."""
+    from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.parallel import initialize_parallel
+
+    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
+    n = comm.size
+    g = torch.Generator().manual_seed(1)
+    fc1, fc2 = _fc_pair(comm)
+    x_in, grad_in = torch.randn(4 * n, 3, 16, generator=g), torch.randn(4 * n, 3, 16, generator=g)
+    x0, grad = scatter_to_sp(x_in, comm), scatter_to_sp(grad_in, comm)
+    plain = _run_pair(fc1, fc2, x0, grad, None)
+    transfers = []
+    original = comm.exchange_async
+    comm.exchange_async = lambda *a, **k: (transfers.append(1), original(*a, **k))[1]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: fc2(torch.tanh(fc1(x))), backend="aot_eager", fullgraph=True)
+    fc1.async_tp = fc2.async_tp = "ring"
+    x = x0.clone().requires_grad_()
+    for p in (*fc1.parameters(), *fc2.parameters()):
+        p.grad = None
+    y = compiled(x)
+    y.backward(grad)
+    ring = [y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())]
+    for what, a, b_ in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), ring, plain):
+        assert_close(a, b_, 1e-5, f"compiled ring vs eager plain at tp={n}: {what}", atol=1e-6)
+    # forward: the column ring's all-gather and the row ring's reduce-scatter; backward: the row layer's dY
+    # all-gather and the column layer's dX reduce-scatter, each n - 1 transfers
+    assert len(transfers) == 4 * (n - 1), f"tp={n}: {len(transfers)} ring transfers, expected {4 * (n - 1)}"
+    return True
+
+
+def test_compiled_blocks_run_the_ring_as_custom_ops_and_equal_the_plain_path():
+    run_distributed(_compiled_ring_matches_plain, 2, timeout=300)
+    run_distributed(_compiled_ring_matches_plain, 4, timeout=300)
+
+
 def _ring_order():
     """The events of each ring: transfer starts ("start"), their waits, and the GEMMs ("mm")."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -18,7 +18,12 @@ Two modes:
     "ring"      these functions (any NCCL or gloo group; the CPU tests run them);
     "symm_mem"  torch.ops.symm_mem's fused ops (copy-engine transfers over symmetric memory; they copy each
                 input into a symmetric workspace first; CUDA only).
-Both run eagerly only: under torch.compile or CUDA-graph capture the layers take the plain path.
+"symm_mem" runs eagerly only. The ring also runs inside compiled blocks, as the custom ops below (opaque to
+Inductor, which fuses what is around them; their autograd formulas call each other); under CUDA-graph capture both
+modes take the plain path.
+
+    torch.ops.tpframe.ring_column_linear(x, w, bias, comm)  -> (all_gather(x), all_gather(x) w^T + bias)
+    torch.ops.tpframe.ring_row_linear(x, w, comm)           -> reduce_scatter(x w^T)
 
 Row layer (this module's Functions; the column layer's ring is `_ColumnLinear` in linear.py):
     forward   y = reduce_scatter(x W^T)       backward  dY = all_gather(dy), dX = dY W (ring), dW = dY^T x
@@ -29,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from tpframe.comm import Communicator
+from tpframe.comm import ops as comm_ops
 
 MODES = ("ring", "symm_mem")
 
@@ -121,6 +127,76 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, b: torch.Tensor, comm: Communica
         if j < n - 1:
             pending = comm.exchange_async(part, to=(r + 1) % n, recv=torch.empty_like(part), source=(r - 1) % n)
     return part.view((x.shape[0] // n,) + x.shape[1:-1] + (b.shape[1],))
+
+
+def ring_traced(comm: Communicator, mode: str | None) -> bool:
+    """Whether the ring runs as the compile-visible custom ops: mode "ring" at tp > 1 while torch.compile traces."""
+    return mode == "ring" and comm.size > 1 and torch.compiler.is_compiling()
+
+
+@torch.library.custom_op("tpframe::ring_column_linear", mutates_args=())
+def ring_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_gather(x), all_gather(x) weight^T + bias): `ring_all_gather_matmul`, or, inside a CUDA-graph capture
+    (no NCCL send/receive there), the all-gather and one GEMM."""
+    comm = comm_ops.lookup(comm_name)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        full = comm.all_gather(x.contiguous())
+        return full, torch.nn.functional.linear(full, weight, bias)
+    return ring_all_gather_matmul(x, weight.t(), comm, bias)
+
+
+@ring_column_linear.register_fake
+def _(x, weight, bias, comm_name):
+    full = x.new_empty((comm_ops.lookup(comm_name).size * x.shape[0],) + tuple(x.shape[1:]))
+    return full, x.new_empty(tuple(full.shape[:-1]) + (weight.shape[0],))
+
+
+@torch.library.custom_op("tpframe::ring_row_linear", mutates_args=())
+def ring_row_linear(x: torch.Tensor, weight: torch.Tensor, comm_name: str) -> torch.Tensor:
+    """reduce_scatter(x weight^T) over dim 0: `ring_matmul_reduce_scatter`, or the GEMM and the reduce-scatter
+    inside a CUDA-graph capture."""
+    comm = comm_ops.lookup(comm_name)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return comm.reduce_scatter(torch.nn.functional.linear(x, weight))
+    return ring_matmul_reduce_scatter(x, weight.t(), comm)
+
+
+@ring_row_linear.register_fake
+def _(x, weight, comm_name):
+    return x.new_empty((x.shape[0] // comm_ops.lookup(comm_name).size,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+
+
+def _column_setup(ctx, inputs, output):
+    x, weight, bias, comm_name = inputs
+    ctx.save_for_backward(output[0], weight)
+    ctx.comm_name, ctx.has_bias = comm_name, bias is not None
+
+
+def _column_backward(ctx, grad_full, grad):
+    """dX = reduce_scatter(dY W) by the row ring, dW = dY^T all_gather(x), db = sum(dY)."""
+    full, weight = ctx.saved_tensors
+    gx = torch.ops.tpframe.ring_row_linear(grad, weight.t(), ctx.comm_name)
+    gw, gb = _mm_grads(grad, full, ctx.has_bias)
+    return gx, gw, gb, None
+
+
+def _row_setup(ctx, inputs, output):
+    x, weight, comm_name = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.comm_name = comm_name
+
+
+def _row_backward(ctx, grad):
+    """dY = all_gather(dy) under dX = dY W by the column ring, dW = dY^T x."""
+    x, weight = ctx.saved_tensors
+    grad_full, gx = torch.ops.tpframe.ring_column_linear(grad, weight.t(), None, ctx.comm_name)
+    gw, _ = _mm_grads(grad_full, x, False)
+    return gx, gw, None
+
+
+ring_column_linear.register_autograd(_column_backward, setup_context=_column_setup)
+ring_row_linear.register_autograd(_row_backward, setup_context=_row_setup)
 
 
 def _mm_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):

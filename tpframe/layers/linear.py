@@ -34,6 +34,7 @@ from tpframe.layers.async_tp import (
     async_tp_available,
     normalize_mode,
     ring_all_gather_matmul,
+    ring_traced,
 )
 from tpframe.layers.mappings import (
     copy_to_tp,
@@ -129,7 +130,9 @@ def column_parallel_linear(
     `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
     mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
-    if mode is not None and async_tp_available(comm, x, mode):
+    if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
+        y = torch.ops.tpframe.ring_column_linear(x, weight, bias, comm.name)[1]
+    elif mode is not None and async_tp_available(comm, x, mode):
         if mode == "ring":  # its weight gradient is computed in backward, not deferred
             y = _ColumnLinear.apply(x, weight, bias, comm, True, True)
         else:
@@ -162,7 +165,9 @@ def row_parallel_linear(
     if not input_is_parallel:
         x = scatter_to_tp(x, comm)
     mode = normalize_mode(async_tp) if sequence_parallel else None
-    if mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
+    if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
+        y = torch.ops.tpframe.ring_row_linear(x, weight, comm.name)
+    elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
         fn = RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter
         y = fn.apply(x, weight, comm)
     else:
