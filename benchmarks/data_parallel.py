@@ -33,13 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1 runs)
-    ("DP=1", "ddp", True, "1"),
-    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN"),
-    ("ddp, overlap off", "ddp", False, "N"),
-    ("ddp, overlap on", "ddp", True, "N"),
-    ("zero1", "zero1", True, "N"),
-    ("fsdp", "fsdp", True, "N"),
+ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1 runs,
+    #        parallel.dp_comm)
+    ("DP=1", "ddp", True, "1", "nccl"),
+    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "nccl"),
+    ("ddp, overlap off", "ddp", False, "N", "nccl"),
+    ("ddp, overlap on", "ddp", True, "N", "nccl"),
+    ("ddp, overlap on, copy-engine sync", "ddp", True, "N", "copy_engine"),
+    ("zero1", "zero1", True, "N", "nccl"),
+    ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine"),
+    ("fsdp", "fsdp", True, "N", "nccl"),
 ]
 
 
@@ -47,7 +50,7 @@ def env(name: str, default) -> int:
     return type(default)(os.environ.get(name, default))
 
 
-def worker(strategy: str, overlap: bool) -> None:
+def worker(strategy: str, overlap: bool, dp_comm: str = "nccl") -> None:
     import torch
 
     from tpframe.models import BuildContext, build_model
@@ -68,7 +71,7 @@ def worker(strategy: str, overlap: bool) -> None:
                                           dtype=torch.float32 if strategy == "fsdp" else dtype,
                                           activation_checkpointing=env("CKPT", 0) == 1))
     opt = build_strategy(strategy, model, OptimConfig(lr=1e-4, warmup_steps=0), state, bucket_mb=env("BUCKET_MB", 40.0),
-                         overlap_grad_sync=overlap, compute_dtype=dtype)
+                         overlap_grad_sync=overlap, compute_dtype=dtype, dp_comm=dp_comm)
 
     class RandomBatches:  # random tokens, a fresh batch every micro-step
         g = torch.Generator(device=state.device).manual_seed(state.dp_rank)
@@ -106,11 +109,11 @@ def worker(strategy: str, overlap: bool) -> None:
     torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
-    profiled = profile_step(step, os.environ.get("PROFILE"), f"{strategy}-overlap{int(overlap)}-dp{state.dp}",
+    profiled = profile_step(step, os.environ.get("PROFILE"), f"{strategy}-overlap{int(overlap)}-{dp_comm}-dp{state.dp}",
                             state.rank, cuda, sync)
     if state.rank == 0:
         print("RESULT " + json.dumps({
-            "strategy": strategy, "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
+            "strategy": opt.describe(), "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
             "opt_state_gib": opt.state_bytes() / 2**30, "loss": loss.item(), "resident_gib": resident,
             "rank_step_s": per_rank, **profiled,
@@ -152,12 +155,12 @@ def main() -> None:
         print(f"ROWS: no row named {unknown[0]!r}; the rows are {'; '.join(row[0] for row in ROWS)} "
               "(separate several with ';')", file=sys.stderr)
         raise SystemExit(2)
-    for name, strategy, overlap, n in ROWS:
+    for name, strategy, overlap, n, dp_comm in ROWS:
         if only and name not in only:
             continue
         procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
-               "--worker", strategy, str(int(overlap))]
+               "--worker", strategy, str(int(overlap)), dp_comm]
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
         gpus = [{"CUDA_VISIBLE_DEVICES": str(i)} if copies > 1 else {} for i in range(copies)]
@@ -203,6 +206,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3] == "1")
+        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4])
     else:
         main()

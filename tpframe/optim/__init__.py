@@ -22,18 +22,20 @@ STRATEGIES = ("ddp", "zero1", "fsdp")
 
 def build_strategy(name: str, model: nn.Module, cfg: OptimConfig, parallel, *, bucket_mb: float = 40.0,
                    overlap_grad_sync: bool = True, overlap_param_gather: bool = False,
-                   compute_dtype: torch.dtype = torch.float32) -> GradStrategy:
+                   compute_dtype: torch.dtype = torch.float32, dp_comm: str = "nccl") -> GradStrategy:
     """The strategy `name` over `model` (built already; fsdp shards it in place)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
+    if dp_comm != "nccl" and name == "fsdp":
+        raise ValueError(f"parallel.dp_comm={dp_comm} is for ddp and zero1; fsdp syncs through FSDP2's own NCCL calls")
     if name == "ddp":
         from tpframe.optim.ddp import DDPStrategy
 
-        return DDPStrategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync)
+        return DDPStrategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync, dp_comm=dp_comm)
     if name == "zero1":
         from tpframe.optim.zero1 import Zero1Strategy
 
         return Zero1Strategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync,
-                             overlap_param_gather=overlap_param_gather)
+                             overlap_param_gather=overlap_param_gather, dp_comm=dp_comm)
     if name == "fsdp":
         from tpframe.optim.fsdp import FSDPStrategy
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
     MOMENTS,
@@ -38,7 +39,7 @@ class DDPStrategy(GradStrategy):
     name = "ddp"
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True):
+                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, dp_comm: str = "nccl"):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
@@ -47,8 +48,10 @@ class DDPStrategy(GradStrategy):
         self.expert_params = [p for p in self.params if getattr(p, "expert", False)] if parallel.ep > 1 else []
         self._expert_ids = {id(p) for p in self.expert_params}
         dense = [p for p in self.params if id(p) not in self._expert_ids]
+        # parallel.dp_comm=copy_engine: the dense buckets sync by copy engines (tpframe/comm/copy_engine.py)
+        peer = dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device)
         self.grads = GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
-                                overlap=overlap, mode="all_reduce")
+                                overlap=overlap, mode="all_reduce", peer_memory=peer)
         self.expert_grads = None
         if self.expert_params:  # summed over the expert's replicas, averaged over every rank's loss
             self.expert_grads = GradBuffer(self.expert_params, parallel.edp_group, dp_size=parallel.edp,
@@ -134,4 +137,6 @@ class DDPStrategy(GradStrategy):
     def describe(self) -> str:
         n = sum(len(g.buckets) for g in self.buffers)
         experts = f", experts over ep={self.parallel.ep}" if self.expert_grads is not None else ""
-        return f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}{experts})"
+        engine = ", copy-engine sync" if self.grads.sync_engine == "copy_engine" else ""
+        return (f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}"
+                f"{engine}{experts})")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
     replicas_label,
@@ -79,7 +80,8 @@ class Zero1Strategy(GradStrategy):
     name = "zero1"
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, overlap_param_gather: bool = False):
+                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, overlap_param_gather: bool = False,
+                 dp_comm: str = "nccl"):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
@@ -90,7 +92,9 @@ class Zero1Strategy(GradStrategy):
         experts = {id(p) for p in params if getattr(p, "expert", False)} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
         self.parts = [self._shard([p for p in params if id(p) not in experts], parallel.dp_cp_group, parallel.dp_cp,
-                                  parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap)]
+                                  parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap,
+                                  peer_memory=dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp,
+                                                             parallel.device))]
         if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
             self.parts.append(self._shard([p for p in params if id(p) in experts], parallel.edp_group, parallel.edp,
                                           parallel.edp_comm.rank, bucket_bytes=bucket_bytes, overlap=overlap,
@@ -107,10 +111,10 @@ class Zero1Strategy(GradStrategy):
             self._install_wait_hooks(model)
 
     def _shard(self, params: list[nn.Parameter], group, size: int, rank: int, *, bucket_bytes: int, overlap: bool,
-               average_over: int | None = None) -> Sharded:
+               average_over: int | None = None, peer_memory=None) -> Sharded:
         """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
         grads = GradBuffer(params, group, dp_size=size, dp_rank=rank, bucket_bytes=bucket_bytes, overlap=overlap,
-                           mode="reduce_scatter", average_over=average_over)
+                           mode="reduce_scatter", average_over=average_over, peer_memory=peer_memory)
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p in params:
@@ -244,8 +248,9 @@ class Zero1Strategy(GradStrategy):
 
     def describe(self) -> str:
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
+        engine = ", copy-engine reduce-scatter" if self.grads.sync_engine == "copy_engine" else ""
         n = sum(len(part.grads.buckets) for part in self.parts)
         experts = f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas" if len(self.parts) > 1 else ""
         return (f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "
-                f"{n} gradient bucket{'s' * (n != 1)}{gather})")
+                f"{n} gradient bucket{'s' * (n != 1)}{engine}{gather})")
 

@@ -19,6 +19,11 @@ by a scaling pass before it): an all-reduce (ddp: every rank gets every gradient
 reduce-scatter (zero1: rank d gets slice d of each bucket, in place: the result lands in the
 bucket's slice d of this rank's own buffer, so no second buffer is needed).
 
+With `peer_memory` (parallel.dp_comm=copy_engine) the buffer lives in memory every DP rank can address and
+each bucket is synced by the copy engines instead of NCCL (tpframe/comm/copy_engine.py): no SM is held
+while the bytes move, so the sync does not slow the backward GEMMs it hides behind. Under CUDA-graph
+capture the NCCL collective is used.
+
 Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
 so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
 """
@@ -88,7 +93,7 @@ class GradBuffer:
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
                  dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce",
-                 average_over: int | None = None):
+                 average_over: int | None = None, peer_memory=None):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
@@ -131,7 +136,19 @@ class GradBuffer:
                 close()
         self.numel = self.buckets[-1].stop
         device = self.params[0].device
-        self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)  # padding stays zero
+        self._ce = None  # the copy-engine sync (peer_memory given, dp_size > 1)
+        if peer_memory is not None and dp_size > 1:
+            from tpframe.comm.copy_engine import CopyEngineSync
+
+            ranges = [(b.start, b.stop) for b in self.buckets]
+            memory = peer_memory(numel=self.numel, flags=CopyEngineSync.flags_needed(len(ranges), dp_size))
+            if mode == "reduce_scatter" and memory.rank != dp_rank:
+                raise ValueError(f"peer memory rank {memory.rank} is not this buffer's DP rank {dp_rank}")
+            self._ce = CopyEngineSync(memory, ranges, scatter_only=mode == "reduce_scatter",
+                                      scale=1.0 / self.average_over)
+            self.buffer = self._ce.buffer  # zeroed; padding stays zero
+        else:
+            self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)  # padding stays zero
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._position = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -159,6 +176,8 @@ class GradBuffer:
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
+        if self._ce is not None:
+            self._ce.finish()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -197,6 +216,9 @@ class GradBuffer:
         if self.events is not None:
             self.events.append(("launch", b.index))
         data = self.buffer[b.start : b.stop]
+        if self._ce is not None and not torch.cuda.is_current_stream_capturing():
+            self._ce.launch(b.index)  # averages in its reduction
+            return
         if self.average_over > 1 and not self._avg_in_collective:
             data.mul_(1.0 / self.average_over)  # average in fp32 (exact for powers of two)
         if self.dp_size == 1:
@@ -217,6 +239,11 @@ class GradBuffer:
     def shards(self) -> list[torch.Tensor]:
         """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
         return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
+
+    @property
+    def sync_engine(self) -> str:
+        """What moves this buffer's DP traffic: "copy_engine" or "nccl" (the process group's collectives)."""
+        return "copy_engine" if self._ce is not None else "nccl"
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

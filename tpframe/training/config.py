@@ -43,6 +43,10 @@ class ParallelConfig:
     grad_bucket_mb: float = 40.0  # ddp/zero1: gradients are synced in buckets of about this many MiB (fp32)
     overlap_grad_sync: bool = True  # ddp/zero1: launch each bucket's collective during the last backward
     overlap_param_gather: bool = False  # zero1: all-gather updated params in the background, waited for in forward
+    # ddp/zero1: what moves the gradient buckets: "nccl", or "copy_engine" (one host's GPUs: DMA copies between
+    # their memories and one small reduction kernel per bucket, no SM held while bytes move; README: data
+    # parallelism); falls back to nccl with a warning where unavailable
+    dp_comm: Literal["nccl", "copy_engine"] = "nccl"
     pp_schedule: Literal["1f1b", "afab", "interleaved_1f1b", "zb_h1"] = "1f1b"  # README: pipeline parallelism
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
@@ -352,6 +356,9 @@ def validate(cfg: Config, world_size: int) -> None:
                           "(0: GEMMs beside a collective use every SM)")
     if not p.grad_bucket_mb > 0 or p.grad_bucket_mb != p.grad_bucket_mb:
         raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
+    if p.dp_comm == "copy_engine" and p.dp_strategy == "fsdp":
+        raise ConfigError("parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
+                          "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1")
     if p.overlap_param_gather and p.dp_strategy != "zero1":
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     _validate_recompute(cfg)

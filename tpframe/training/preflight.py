@@ -56,6 +56,9 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.cuda_graph is True and (why := cuda_graph_device_obstacle(cfg, device)):
         raise ConfigError(why)
     if device == "cpu":
+        if cfg.parallel.dp_comm == "copy_engine":
+            raise ConfigError("parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; "
+                              "set parallel.dp_comm=nccl")
         if cfg.profile.memory and cfg.profile.start_step:
             raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
                               "set profile.memory=false")

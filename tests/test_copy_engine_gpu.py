@@ -1,0 +1,113 @@
+"""Gradient buckets synced by copy engines (parallel.dp_comm=copy_engine, tpframe/comm/copy_engine.py).
+
+On one GPU, two processes share their buffers by CUDA IPC: the protocol (flags, epochs, slot reuse, the
+waits for a late peer) runs for real, copies included. On two GPUs, torch's symmetric memory: the buffers
+equal NCCL's, and ddp and zero1 train as with NCCL.
+"""
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import train_in_process
+
+
+def _synced_buckets(mode: str, late_rank: int):
+    """Three steps of a GradBuffer at DP=2 synced by copy engines (two micro-batches each, small buckets,
+    overlapped); `late_rank`'s GPU sleeps before its last backward, so its peer's pulls must wait for it.
+    Per step: the buffer, the ranges this rank owns, each weight's offset and exact mean gradient."""
+    import functools
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tpframe.comm.copy_engine import ipc_peer_memory
+    from tpframe.parallel.grad_buffer import GradBuffer
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.device_count() - 1 if dist.get_backend() == "gloo" else rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (37, 1000, 4096, 3000, 50)]
+    if dist.get_backend() == "gloo":  # both ranks on one GPU
+        peer = functools.partial(ipc_peer_memory, dist.group.WORLD, device=device)
+    else:
+        from tpframe.comm.copy_engine import dp_peer_memory
+
+        peer = dp_peer_memory("copy_engine", dist.group.WORLD, 2, device)
+    buf = GradBuffer(weights, dist.group.WORLD, dp_size=2, dp_rank=rank, bucket_bytes=2048, mode=mode,
+                     peer_memory=peer)
+    buf.events = []
+    out = []
+    for step in range(3):
+        scales = [(1.0 / 3.0 + step, 7.0 - step), (0.25, 5.0 + step)]  # [micro-batch][rank]
+        buf.zero()
+        sum((w * w).sum() for w in weights).mul(scales[0][rank]).backward()
+        buf.start_sync()
+        if rank == late_rank:
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before this rank's last gradients exist
+        sum((w * w * w).sum() for w in weights).mul(scales[1][rank]).backward()
+        buf.finish_sync()
+        torch.cuda.synchronize()
+        time.sleep(0.05 * step)  # the ranks drift apart on the host too
+        means = []
+        for w in weights:
+            x = w.detach().double()
+            g = [2 * x * scales[0][r] + 3 * x * x * scales[1][r] for r in range(2)]
+            means.append(((g[0] + g[1]) / 2).float().cpu())
+        owned = [buf.shard_range(b) for b in buf.buckets] if mode == "reduce_scatter" else [(0, buf.numel)]
+        out.append((buf.buffer.cpu(), owned, [(buf.offsets[w], m) for w, m in zip(weights, means)]))
+    last_grad = max(i for i, (kind, _) in enumerate(buf.events) if kind == "grad")
+    first_launch = min(i for i, (kind, _) in enumerate(buf.events) if kind == "launch")
+    return buf.sync_engine, len(buf.buckets), first_launch < last_grad, out
+
+
+def _check(results, mode):
+    import torch
+
+    for engine, buckets, overlapped, steps in results:
+        assert engine == "copy_engine" and buckets >= 4 and overlapped, (engine, buckets, overlapped)
+        for step, (buffer, owned, expected) in enumerate(steps):
+            want = torch.zeros_like(buffer)
+            for offset, mean in expected:
+                want[offset : offset + mean.numel()] = mean
+            for lo, hi in owned:
+                torch.testing.assert_close(buffer[lo:hi], want[lo:hi], rtol=2e-6, atol=2e-6,
+                                           msg=lambda m: f"{mode} step {step}: {m}")
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_copy_engine_buckets_average_on_one_gpu(mode, late_rank):
+    """Two processes on one GPU (CUDA IPC): every bucket holds the fp32 mean of both ranks' gradients, three
+    steps running (flag epochs, scratch slots reused), with either rank late on the GPU."""
+    _check(run_distributed(_synced_buckets, 2, mode, late_rank, backend="gloo"), mode)
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_copy_engine_buckets_average_over_symmetric_memory(mode):
+    _check(run_distributed(_synced_buckets, 2, mode, 1, backend="nccl"), mode)
+
+
+def _strategy_losses(root: str):
+    out = {}
+    for s in ("ddp", "zero1"):
+        for comm in ("nccl", "copy_engine"):
+            trainer = train_in_process(
+                ["parallel.tp=1", f"parallel.dp_strategy={s}", f"parallel.dp_comm={comm}", "train.steps=8",
+                 "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.grad_bucket_mb=0.05",
+                 f"train.run_dir={root}/{s}-{comm}"], keep_trainer=True)
+            out[s, comm] = ([r["loss"] for r in trainer.history], trainer.strategy.describe())
+    return out
+
+
+@pytest.mark.gpu(count=2)
+def test_ddp_and_zero1_train_the_same_over_copy_engines_as_over_nccl(tmp_path):
+    results = run_distributed(_strategy_losses, 2, str(tmp_path), backend="nccl")[0]
+    for s in ("ddp", "zero1"):
+        nccl, ce = results[s, "nccl"], results[s, "copy_engine"]
+        assert "copy-engine" in ce[1] and "copy-engine" not in nccl[1], (ce[1], nccl[1])
+        for step, (a, b) in enumerate(zip(ce[0], nccl[0]), 1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{s} step {step}: copy-engine loss {a!r} vs nccl {b!r}"

@@ -1,0 +1,308 @@
+"""Gradient sync by the GPUs' copy engines: DP reduce-scatter / all-reduce that holds no SM while data moves.
+
+Why: cuBLAS's Hopper GEMMs are persistent (one CTA per SM, tiles assigned up front), and NCCL's kernels hold
+SMs for a collective's whole duration. Launched beside the backward's GEMMs, a bucket's NCCL all-reduce either
+waits for the GEMMs or delays them (comm/margin.py has the measurements), so on 2x H200 `ddp` with overlap was
+still 1.057x DP=1's step. Here the bytes move by DMA (cudaMemcpy between peers' memory: the copy engines), the
+cross-GPU ordering is done by stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: the GPU's
+front end, no SM), and the only SM work is one short reduction kernel per bucket, which slots in between the
+GEMMs like any other kernel. torch's `_low_contention_*` symmetric-memory collectives use the same idea.
+
+Per bucket b (every rank launches its buckets in the same order, as NCCL requires too), rank r:
+  1. signal stream: after the compute stream has finished the bucket's gradients, write READY(b, r) = epoch
+     into every peer's flags;
+  2. pull stream: wait for READY(b, p) from every peer p, then copy slice r of p's bucket into a scratch slot;
+  3. reduce stream: slice r of r's own bucket = (own + pulled) * scale; write REDUCED(b, r) = epoch to peers;
+  4. (all-reduce only) gather stream: wait for REDUCED(b, p), copy slice p of p's bucket into r's buffer.
+After the last bucket every rank writes DONE(r) (it has read everything it will read from its peers this
+step) and the compute stream waits for every peer's DONE before the buffer is written again. Flags hold a
+per-step epoch, so nothing needs resetting; waits are `>=` (wrap-safe). Signals never wait on peers, so no
+order of arrival deadlocks.
+
+The buffer and the flags must be addressable by every peer: `symmetric_peer_memory` (torch's symmetric
+memory: one host, peer access, CUDA) in production; `ipc_peer_memory` (CUDA IPC handles) lets two processes
+share one GPU, which is how the protocol is tested on a one-GPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
+_STREAM_MEM_OPS_ATTR = 92  # CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
+
+
+@functools.cache
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fns = {}
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        fns[name] = fn
+    attr = lib.cuDeviceGetAttribute
+    attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    attr.restype = ctypes.c_int
+    fns["attr"] = attr
+    return fns
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+def stream_write(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """When `stream` reaches this point, store `value` (32 bits) at device address `address` (after a fence)."""
+    _check(_driver()["cuStreamWriteValue32_v2"](stream.cuda_stream, address, value & 0xFFFFFFFF, 0),
+           "cuStreamWriteValue32")
+
+
+def stream_wait(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Work queued on `stream` after this waits until the int32 at `address` is >= `value` (wrap-safe)."""
+    _check(_driver()["cuStreamWaitValue32_v2"](stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_GEQ),
+           "cuStreamWaitValue32")
+
+
+def stream_memops_supported(device: torch.device) -> bool:
+    """Whether this GPU and driver run stream memory operations (on by default since CUDA 12)."""
+    try:
+        value = ctypes.c_int(0)
+        rc = _driver()["attr"](ctypes.byref(value), _STREAM_MEM_OPS_ATTR, device.index)
+        return rc == 0 and value.value == 1
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass
+class PeerMemory:
+    """One fp32 buffer and one int32 flag array per rank, each rank's visible to every rank.
+
+    `buffers[r]` / `flags[r]` are rank r's, as tensors this process can read (r == rank: its own)."""
+
+    rank: int
+    size: int
+    buffers: list[torch.Tensor]
+    flags: list[torch.Tensor]
+    keepalive: list = field(default_factory=list)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.buffers[self.rank]
+
+
+def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device) -> PeerMemory:
+    """Buffers from torch's symmetric memory on `group` (a collective). Raises where it is unavailable."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        if symm_mem.get_backend(device) is None:
+            symm_mem.set_backend("CUDA")
+    except (AttributeError, RuntimeError):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    out: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for key, n, dtype in (("buffers", numel, torch.float32), ("flags", flags, torch.int32)):
+        local = symm_mem.empty(n, dtype=dtype, device=device)
+        local.zero_()
+        handle = symm_mem.rendezvous(local, group.group_name)
+        offset = local.data_ptr() - handle.buffer_ptrs[rank]
+        offsets = [None] * size
+        dist.all_gather_object(offsets, offset, group=group)
+        if len(set(offsets)) != 1 or offset % local.element_size():
+            raise RuntimeError(f"symmetric buffer offsets differ between ranks: {offsets}")
+        out[key] = [local if r == rank else handle.get_buffer(r, (n,), dtype, offset // local.element_size())
+                    for r in range(size)]
+        handles.append(handle)
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # every rank's zeros are in place before anyone signals
+    return PeerMemory(rank, size, out["buffers"], out["flags"], handles)
+
+
+def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device) -> PeerMemory:
+    """Buffers shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU
+    (the one-GPU tests). Ranks on different GPUs use `symmetric_peer_memory`."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    local = (torch.zeros(numel, dtype=torch.float32, device=device), torch.zeros(flags, dtype=torch.int32, device=device))
+    shared = [None] * size
+    dist.all_gather_object(shared, [reduce_tensor(t) for t in local], group=group)
+    views = [list(local) if r == rank else [fn(*args) for fn, args in shared[r]] for r in range(size)]
+    if any(v.device != device for row in views for v in row):
+        raise RuntimeError("ipc_peer_memory shares buffers between ranks on one GPU only")
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    return PeerMemory(rank, size, [v[0] for v in views], [v[1] for v in views], views)
+
+
+class CopyEngineSync:
+    """The DP collective of a bucketed gradient buffer, by copy engines (module docstring).
+
+    `ranges[b]` = [start, stop) of bucket b in the flat buffer, a multiple of `size` long; `scatter_only`:
+    reduce-scatter (zero1: rank r's slice r of each bucket gets the result) instead of all-reduce; `scale`
+    multiplies the sum (1 / ranks averaged over)."""
+
+    SLOTS = 2  # scratch slots: the pull of bucket b+1 need not wait for the reduction of bucket b
+
+    def __init__(self, memory: PeerMemory, ranges: list[tuple[int, int]], *, scatter_only: bool, scale: float):
+        if any((stop - start) % memory.size for start, stop in ranges):
+            raise ValueError("every bucket must split evenly over the ranks")
+        self.memory, self.ranges, self.scatter_only, self.scale = memory, list(ranges), scatter_only, scale
+        self.rank, self.size = memory.rank, memory.size
+        self.peers = [r for r in range(self.size) if r != self.rank]
+        self.device = memory.buffer.device
+        self.signal, self.pull, self.reduce, self.gather = (torch.cuda.Stream(self.device) for _ in range(4))
+        widest = max((stop - start) // self.size for start, stop in self.ranges)
+        self.scratch = [torch.empty(len(self.peers), widest, dtype=torch.float32, device=self.device)
+                        for _ in range(self.SLOTS)]
+        self._slot_free: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self.epoch = 0
+        self.launched: list[int] = []  # buckets launched this step, in order
+
+    @staticmethod
+    def flags_needed(buckets: int, size: int) -> int:
+        return (2 * buckets + 1) * size
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.memory.buffer
+
+    # flag indices in each rank's array: what rank `src` says about bucket b
+    def _ready(self, b: int, src: int) -> int:
+        return b * self.size + src
+
+    def _reduced(self, b: int, src: int) -> int:
+        return (len(self.ranges) + b) * self.size + src
+
+    def _done(self, src: int) -> int:
+        return 2 * len(self.ranges) * self.size + src
+
+    def _at(self, rank: int, index: int) -> int:
+        return self.memory.flags[rank].data_ptr() + 4 * index
+
+    def _slice(self, b: int, r: int) -> tuple[int, int]:
+        start, stop = self.ranges[b]
+        width = (stop - start) // self.size
+        return start + r * width, start + (r + 1) * width
+
+    def launch(self, b: int) -> None:
+        """Start bucket b's collective; its gradients are complete on the current stream."""
+        if not self.launched:
+            self.epoch += 1
+        e, me = self.epoch, self.rank
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self.signal.wait_event(ready)
+        for p in self.peers:
+            stream_write(self.signal, self._at(p, self._ready(b, me)), e)
+        lo, hi = self._slice(b, me)
+        slot = len(self.launched) % self.SLOTS
+        scratch = self.scratch[slot][:, : hi - lo]
+        if self._slot_free[slot] is not None:
+            self.pull.wait_event(self._slot_free[slot])
+        for p in self.peers:
+            stream_wait(self.pull, self._at(me, self._ready(b, p)), e)
+        with torch.cuda.stream(self.pull):
+            for j, p in enumerate(self.peers):
+                scratch[j].copy_(self.memory.buffers[p][lo:hi])
+        pulled = torch.cuda.Event()
+        pulled.record(self.pull)
+        self.reduce.wait_event(ready)
+        self.reduce.wait_event(pulled)
+        with torch.cuda.stream(self.reduce):
+            own = self.buffer[lo:hi]
+            if len(self.peers) == 1:
+                own.add_(scratch[0])
+            else:
+                own.add_(scratch.sum(0))
+            if self.scale != 1.0:
+                own.mul_(self.scale)
+        freed = torch.cuda.Event()
+        freed.record(self.reduce)
+        self._slot_free[slot] = freed
+        if not self.scatter_only:
+            for p in self.peers:
+                stream_write(self.reduce, self._at(p, self._reduced(b, me)), e)
+            self.gather.wait_event(ready)
+            for p in self.peers:
+                stream_wait(self.gather, self._at(me, self._reduced(b, p)), e)
+                plo, phi = self._slice(b, p)
+                with torch.cuda.stream(self.gather):
+                    self.buffer[plo:phi].copy_(self.memory.buffers[p][plo:phi])
+        self.launched.append(b)
+
+    def finish(self) -> None:
+        """The current stream waits until every launched bucket is synced here and every peer is done
+        reading this rank's buffer (so the next backward may write it)."""
+        if not self.launched:
+            return
+        if len(self.launched) != len(self.ranges):
+            raise RuntimeError(f"copy-engine sync finished with {len(self.launched)} of {len(self.ranges)} buckets "
+                               "launched; every rank must launch every bucket each step")
+        e, me = self.epoch, self.rank
+        last = self.reduce if self.scatter_only else self.gather
+        if last is not self.reduce:
+            last.wait_stream(self.reduce)
+        for p in self.peers:
+            stream_write(last, self._at(p, self._done(me)), e)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(last)
+        compute.wait_stream(self.pull)
+        for p in self.peers:
+            stream_wait(compute, self._at(me, self._done(p)), e)
+        self.launched = []
+
+
+def copy_engine_available(group, device: torch.device) -> tuple[bool, str]:
+    """(True, "") where every rank of `group` can run `CopyEngineSync` over symmetric memory; else (False, why).
+    A collective: every rank gets the same answer."""
+    why = ""
+    if device.type != "cuda":
+        why = f"needs CUDA devices, this rank has {device}"
+    elif not stream_memops_supported(device):
+        why = "this GPU or driver does not run stream memory operations"
+    import socket
+
+    reports = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (socket.gethostname(), why), group=group)
+    hosts = {h for h, _ in reports}
+    reasons = sorted({w for _, w in reports if w})
+    if reasons:
+        return False, reasons[0]
+    if len(hosts) > 1:
+        return False, f"the DP group spans hosts {sorted(hosts)}; copy engines reach one host's GPUs only"
+    return True, ""
+
+
+DP_COMMS = ("nccl", "copy_engine")
+
+
+def dp_peer_memory(requested: str, group, size: int, device: torch.device):
+    """The `peer_memory` factory a GradBuffer over `group` gets for parallel.dp_comm=`requested`, or None (NCCL):
+    for "copy_engine" where every rank can run it; otherwise one warning, and NCCL. A collective."""
+    if requested not in DP_COMMS:
+        raise ValueError(f"parallel.dp_comm={requested!r}: choose one of {', '.join(DP_COMMS)}")
+    if requested == "nccl" or size == 1:
+        return None
+    ok, why = copy_engine_available(group, device)
+    if not ok:
+        import warnings
+
+        warnings.warn(f"parallel.dp_comm=copy_engine is unavailable ({why}); gradients sync over NCCL", stacklevel=2)
+        return None
+    return functools.partial(symmetric_peer_memory, group, device=device)
