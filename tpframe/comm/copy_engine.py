@@ -12,7 +12,8 @@ Per bucket b (every rank launches its buckets in the same order, as NCCL require
   1. signal stream: after the compute stream has finished the bucket's gradients, write READY(b, r) = epoch
      into every peer's flags;
   2. pull stream: wait for READY(b, p) from every peer p, then copy slice r of p's bucket into a scratch slot;
-  3. reduce stream: slice r of r's own bucket = (own + pulled) * scale; write REDUCED(b, r) = epoch to peers;
+  3. reduce stream: slice r of r's own bucket = (own + pulled) * scale (one kernel, tpframe/kernels/scaled_sum.py);
+     write REDUCED(b, r) = epoch to peers;
   4. (all-reduce only) gather stream: wait for REDUCED(b, p), copy slice p of p's bucket into r's buffer.
 After the last bucket every rank writes DONE(r) (it has read everything it will read from its peers this
 step) and the compute stream waits for every peer's DONE before the buffer is written again. Flags hold a
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from tpframe.kernels.scaled_sum import scaled_sum_
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _STREAM_MEM_OPS_ATTR = 92  # CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
@@ -167,7 +170,7 @@ class CopyEngineSync:
         self.device = memory.buffer.device
         self.signal, self.pull, self.reduce, self.gather = (torch.cuda.Stream(self.device) for _ in range(4))
         widest = max((stop - start) // self.size for start, stop in self.ranges)
-        self.scratch = [torch.empty(len(self.peers), widest, dtype=torch.float32, device=self.device)
+        self.scratch = [torch.empty(len(self.peers) * widest, dtype=torch.float32, device=self.device)
                         for _ in range(self.SLOTS)]
         self._slot_free: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self.epoch = 0
@@ -212,7 +215,7 @@ class CopyEngineSync:
             stream_write(self.signal, self._at(p, self._ready(b, me)), e)
         lo, hi = self._slice(b, me)
         slot = len(self.launched) % self.SLOTS
-        scratch = self.scratch[slot][:, : hi - lo]
+        scratch = self.scratch[slot][: len(self.peers) * (hi - lo)].view(len(self.peers), hi - lo)  # contiguous
         if self._slot_free[slot] is not None:
             self.pull.wait_event(self._slot_free[slot])
         for p in self.peers:
@@ -225,13 +228,7 @@ class CopyEngineSync:
         self.reduce.wait_event(ready)
         self.reduce.wait_event(pulled)
         with torch.cuda.stream(self.reduce):
-            own = self.buffer[lo:hi]
-            if len(self.peers) == 1:
-                own.add_(scratch[0])
-            else:
-                own.add_(scratch.sum(0))
-            if self.scale != 1.0:
-                own.mul_(self.scale)
+            scaled_sum_(self.buffer[lo:hi], scratch, self.scale)
         freed = torch.cuda.Event()
         freed.record(self.reduce)
         self._slot_free[slot] = freed
