@@ -85,6 +85,51 @@ def test_copy_engine_buckets_average_on_one_gpu(mode, late_rank):
     _check(run_distributed(_synced_buckets, 2, mode, late_rank, backend="gloo"), mode)
 
 
+def _one_rank_never_syncs():
+    """Rank 1 sets up but never syncs; once rank 0 has given up (or after 20 s) it releases rank 0's GPU by writing
+    every flag of rank 0."""
+    import functools
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tpframe.comm.copy_engine import ipc_peer_memory
+    from tpframe.parallel.grad_buffer import GradBuffer
+
+    rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(device)
+    weights = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (1000, 3000)]
+    buf = GradBuffer(weights, dist.group.WORLD, dp_size=2, dp_rank=rank, bucket_bytes=2048, mode="all_reduce",
+                     peer_memory=functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, timeout_s=1.0))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["gave up"], __import__("datetime").timedelta(seconds=20))
+        buf._ce.memory.flags[0].fill_(1000)  # rank 0's flags, through this process's view of them
+        torch.cuda.synchronize()
+        return None
+    buf.zero()
+    buf.start_sync()
+    sum((w * w).sum() for w in weights).backward()
+    t0 = time.monotonic()
+    try:
+        buf.finish_sync()
+    except RuntimeError as e:
+        message, waited = str(e), time.monotonic() - t0
+    else:
+        message, waited = None, time.monotonic() - t0
+    store.set("gave up", "1")
+    torch.cuda.synchronize()  # released by rank 1
+    return message, waited
+
+
+@pytest.mark.gpu(count=1)
+def test_a_peer_that_never_syncs_ends_the_wait_with_a_message():
+    message, waited = run_distributed(_one_rank_never_syncs, 2, backend="gloo")[0]
+    assert message is not None and "copy-engine gradient sync: step 1 not done after 1 s" in message, message
+    assert "DP peer(s) [1]" in message and 0.9 < waited < 5, (message, waited)
+
+
 @pytest.mark.gpu(count=2)
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
 def test_copy_engine_buckets_average_over_symmetric_memory(mode):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -94,13 +95,15 @@ class PeerMemory:
     buffers: list[torch.Tensor]
     flags: list[torch.Tensor]
     keepalive: list = field(default_factory=list)
+    timeout_s: float = 600.0  # how long `CopyEngineSync.finish` waits for the peers before it raises
 
     @property
     def buffer(self) -> torch.Tensor:
         return self.buffers[self.rank]
 
 
-def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device) -> PeerMemory:
+def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device,
+                          timeout_s: float = 600.0) -> PeerMemory:
     """Buffers from torch's symmetric memory on `group` (a collective). Raises where it is unavailable."""
     import warnings
 
@@ -132,10 +135,10 @@ def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device
         handles.append(handle)
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every rank's zeros are in place before anyone signals
-    return PeerMemory(rank, size, out["buffers"], out["flags"], handles)
+    return PeerMemory(rank, size, out["buffers"], out["flags"], handles, timeout_s)
 
 
-def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device) -> PeerMemory:
+def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device, timeout_s: float = 600.0) -> PeerMemory:
     """Buffers shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU
     (the one-GPU tests). Ranks on different GPUs use `symmetric_peer_memory`."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -149,7 +152,7 @@ def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device) -> P
         raise RuntimeError("ipc_peer_memory shares buffers between ranks on one GPU only")
     torch.cuda.synchronize(device)
     dist.barrier(group)
-    return PeerMemory(rank, size, [v[0] for v in views], [v[1] for v in views], views)
+    return PeerMemory(rank, size, [v[0] for v in views], [v[1] for v in views], views, timeout_s)
 
 
 class CopyEngineSync:
@@ -173,6 +176,11 @@ class CopyEngineSync:
         self.scratch = [torch.empty(len(self.peers) * widest, dtype=torch.float32, device=self.device)
                         for _ in range(self.SLOTS)]
         self._slot_free: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        # Load the reduction kernel now: loading a GPU module waits for the device to go idle, and once a stream
+        # waits on a peer's flag it is not idle until the peer signals (a peer that never does would then hang
+        # the host inside the load, before `finish` could time out and say so).
+        scaled_sum_(torch.zeros(8, device=self.device), torch.zeros(1, 8, device=self.device), 0.5)
+        torch.cuda.synchronize(self.device)
         self.epoch = 0
         self.launched: list[int] = []  # buckets launched this step, in order
 
@@ -263,6 +271,23 @@ class CopyEngineSync:
         for p in self.peers:
             stream_wait(compute, self._at(me, self._done(p)), e)
         self.launched = []
+        # A peer that never syncs would leave the GPU waiting and the host silent at its next read of the GPU:
+        # bound it here (the step reads the gradient norm right after this anyway, so the host waits either way).
+        synced = torch.cuda.Event()
+        synced.record(compute)
+        deadline, pause = time.monotonic() + self.memory.timeout_s, 0.0
+        while not synced.query():
+            if time.monotonic() > deadline:
+                side = torch.cuda.Stream(self.device)  # the current stream is the one waiting: read beside it
+                flags = torch.empty(self.memory.flags[me].shape, dtype=torch.int32, pin_memory=True)
+                with torch.cuda.stream(side):
+                    flags.copy_(self.memory.flags[me], non_blocking=True)
+                side.synchronize()
+                missing = [p for p in self.peers if int(flags[self._done(p)]) - e < 0]
+                raise RuntimeError(f"copy-engine gradient sync: step {e} not done after {self.memory.timeout_s:.0f} s; "
+                                   f"DP peer(s) {missing or self.peers} (ranks in the DP group) never finished theirs")
+            time.sleep(pause)
+            pause = min(1e-3, pause + 1e-5)
 
 
 def copy_engine_available(group, device: torch.device) -> tuple[bool, str]:
@@ -289,7 +314,7 @@ def copy_engine_available(group, device: torch.device) -> tuple[bool, str]:
 DP_COMMS = ("nccl", "copy_engine")
 
 
-def dp_peer_memory(requested: str, group, size: int, device: torch.device):
+def dp_peer_memory(requested: str, group, size: int, device: torch.device, *, timeout_s: float | None = None):
     """The `peer_memory` factory a GradBuffer over `group` gets for parallel.dp_comm=`requested`, or None (NCCL):
     for "copy_engine" where every rank can run it; otherwise one warning, and NCCL. A collective."""
     if requested not in DP_COMMS:
@@ -302,4 +327,4 @@ def dp_peer_memory(requested: str, group, size: int, device: torch.device):
 
         warnings.warn(f"parallel.dp_comm=copy_engine is unavailable ({why}); gradients sync over NCCL", stacklevel=2)
         return None
-    return functools.partial(symmetric_peer_memory, group, device=device)
+    return functools.partial(symmetric_peer_memory, group, device=device, timeout_s=timeout_s or 600.0)

@@ -49,7 +49,8 @@ class DDPStrategy(GradStrategy):
         self._expert_ids = {id(p) for p in self.expert_params}
         dense = [p for p in self.params if id(p) not in self._expert_ids]
         # parallel.dp_comm=copy_engine: the dense buckets sync by copy engines (tpframe/comm/copy_engine.py)
-        peer = dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device)
+        peer = dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device,
+                              timeout_s=parallel.timeout_s)
         self.grads = GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
                                 overlap=overlap, mode="all_reduce", peer_memory=peer)
         self.expert_grads = None

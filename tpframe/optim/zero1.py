@@ -94,7 +94,7 @@ class Zero1Strategy(GradStrategy):
         self.parts = [self._shard([p for p in params if id(p) not in experts], parallel.dp_cp_group, parallel.dp_cp,
                                   parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap,
                                   peer_memory=dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp,
-                                                             parallel.device))]
+                                                             parallel.device, timeout_s=parallel.timeout_s))]
         if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
             self.parts.append(self._shard([p for p in params if id(p) in experts], parallel.edp_group, parallel.edp,
                                           parallel.edp_comm.rank, bucket_bytes=bucket_bytes, overlap=overlap,

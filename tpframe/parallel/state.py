@@ -136,6 +136,7 @@ class ParallelState:
     edp_group: dist.ProcessGroup | None = None  # an expert's replicas: its gradients reduce here
     edp_comm: Communicator | None = None
     owns_world: bool = False
+    timeout_s: float | None = None  # comm.timeout_s: the bound on every collective (None: torch's default)
     rng_tracker: object | None = None  # an RNGStatesTracker, set by tpframe.parallel.rng.seed_parallel_rng
     _groups: list = field(default_factory=list, repr=False)
 
@@ -259,6 +260,7 @@ def initialize_parallel(
         pp_group=pp_group,
         mp_group=mp_group,
         embedding_group=embedding_group,
+        timeout_s=timeout_s,
         tp_comm=Communicator(tp_group, backend=comm_backend, device=device),
         dp_comm=(dp_comm := Communicator(dp_group, backend="nccl", device=device)),
         mp_comm=Communicator(mp_group, backend="nccl", device=device),
