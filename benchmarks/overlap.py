@@ -2,7 +2,8 @@
 
     python benchmarks/overlap.py                                   # 1 GPU: a copy kernel of G CTAs stands in
     python benchmarks/overlap.py --layers                          # 1 GPU: GPT-1.3B's TP=2 linear layers, emulated
-    torchrun --nproc-per-node 2 benchmarks/overlap.py              # 2+ GPUs: the real NCCL collectives (TP group)
+    torchrun --nproc-per-node 2 benchmarks/overlap.py              # 2+ GPUs: the real NCCL collectives (TP group),
+                                                                   # and the same bytes moved by the copy engines
 
 Each row times, on CUDA events with the host queued ahead (median of ITERS, each the mean of 10 back-to-back
 calls after warm-up): the GEMM alone (leaving `margin` SMs free, cuBLASLt's SM count target), the communication
@@ -113,7 +114,47 @@ def rows_nccl(a, b, comm):
         alone = timed(lambda start=start: start().wait())
         for margin in ints("MARGINS", "0,8,16,32"):
             out.append((name, margin, alone, *both(a, b, margin, start, lambda p: p.wait())))
+    start, wait = copy_engine_exchange(comm, recv)
+    name = "copy-engine pull from every peer (a ring step's bytes), 32 MiB"
+    alone = timed(lambda: wait(start()))
+    for margin in ints("MARGINS", "0,8,16,32"):
+        out.append((name, margin, alone, *both(a, b, margin, start, wait)))
     return out
+
+
+def copy_engine_exchange(comm, recv):
+    """A ring step's transfer by the copy engines (tpframe/comm/copy_engine.py's means): each rank's 32 MiB sit in
+    its symmetric buffer; every rank says so to its peers (a stream write), waits for theirs (a stream wait), pulls
+    the previous rank's block with cudaMemcpyAsync, and waits until its own block has been read before the next
+    call may overwrite it. No SM is used while the bytes move."""
+    from tpframe.comm.copy_engine import stream_wait, stream_write, symmetric_peer_memory
+
+    n, r = comm.size, comm.rank
+    mem = symmetric_peer_memory(comm.group, numel=MESSAGE // 4, flags=2 * n, device=recv.device)
+    mem.buffer.view(torch.bfloat16).normal_()
+    source = mem.buffers[(r - 1) % n].view(torch.bfloat16)[: recv.numel()]
+    side, epoch = torch.cuda.Stream(recv.device), [0]
+
+    def flag(rank, kind, src):  # kind 0: my block is ready; 1: I am done reading yours
+        return mem.flags[rank].data_ptr() + 4 * (kind * n + src)
+
+    def start():
+        epoch[0] += 1
+        side.wait_stream(torch.cuda.current_stream())
+        for p in range(n):
+            if p != r:
+                stream_write(side, flag(p, 0, r), epoch[0])
+        stream_wait(side, flag(r, 0, (r - 1) % n), epoch[0])
+        with torch.cuda.stream(side):
+            recv.copy_(source)
+        stream_write(side, flag((r - 1) % n, 1, r), epoch[0])
+        stream_wait(side, flag(r, 1, (r + 1) % n), epoch[0])
+        return side
+
+    def wait(stream):
+        torch.cuda.current_stream().wait_stream(stream)
+
+    return start, wait
 
 
 def both(a, b, margin, start, wait):
