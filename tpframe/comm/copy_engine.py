@@ -39,6 +39,7 @@ from tpframe.kernels.scaled_sum import scaled_sum_
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _STREAM_MEM_OPS_ATTR = 92  # CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
+TIMEOUT_S = 600.0  # how long `CopyEngineSync.finish` waits for its peers when no comm.timeout_s is given
 
 
 @functools.cache
@@ -95,7 +96,7 @@ class PeerMemory:
     buffers: list[torch.Tensor]
     flags: list[torch.Tensor]
     keepalive: list = field(default_factory=list)
-    timeout_s: float = 600.0  # how long `CopyEngineSync.finish` waits for the peers before it raises
+    timeout_s: float = TIMEOUT_S  # how long `CopyEngineSync.finish` waits for the peers before it raises
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -103,21 +104,11 @@ class PeerMemory:
 
 
 def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device,
-                          timeout_s: float = 600.0) -> PeerMemory:
+                          timeout_s: float = TIMEOUT_S) -> PeerMemory:
     """Buffers from torch's symmetric memory on `group` (a collective). Raises where it is unavailable."""
-    import warnings
+    from tpframe.comm.symm import symmetric_memory
 
-    import torch.distributed._symmetric_memory as symm_mem
-
-    try:
-        if symm_mem.get_backend(device) is None:
-            symm_mem.set_backend("CUDA")
-    except (AttributeError, RuntimeError):
-        pass
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
+    symm_mem = symmetric_memory(group, device)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     out: dict[str, list[torch.Tensor]] = {}
     handles = []
@@ -138,7 +129,7 @@ def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device
     return PeerMemory(rank, size, out["buffers"], out["flags"], handles, timeout_s)
 
 
-def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device, timeout_s: float = 600.0) -> PeerMemory:
+def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device, timeout_s: float = TIMEOUT_S) -> PeerMemory:
     """Buffers shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU
     (the one-GPU tests). Ranks on different GPUs use `symmetric_peer_memory`."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -327,4 +318,4 @@ def dp_peer_memory(requested: str, group, size: int, device: torch.device, *, ti
 
         warnings.warn(f"parallel.dp_comm=copy_engine is unavailable ({why}); gradients sync over NCCL", stacklevel=2)
         return None
-    return functools.partial(symmetric_peer_memory, group, device=device, timeout_s=timeout_s or 600.0)
+    return functools.partial(symmetric_peer_memory, group, device=device, timeout_s=timeout_s or TIMEOUT_S)

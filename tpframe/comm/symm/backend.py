@@ -71,17 +71,9 @@ class SymmBackend:
 
     @classmethod
     def _rendezvous(cls, group, size, device, buffer_bytes, nvlink):
-        import torch.distributed._symmetric_memory as symm_mem
+        from tpframe.comm.symm import symmetric_memory
 
-        try:  # the CUDA (peer-pointer) backend; NVSHMEM is not needed and not wanted here
-            if symm_mem.get_backend(device) is None:
-                symm_mem.set_backend("CUDA")
-        except (AttributeError, RuntimeError):
-            pass
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecated (and unneeded) on newer torch
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(group.group_name)
+        symm_mem = symmetric_memory(group, device)
         buffer = symm_mem.empty(buffer_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buffer, group.group_name)
         rank = dist.get_rank(group)
