@@ -10,7 +10,8 @@ One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
-with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops, FUSED=0
+with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops,
+ASYNC_TP=copy_engine by copy-engine pushes (tpframe/layers/async_tp_ce.py), FUSED=0
 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; NORM_MIN_NUMEL=n:
 the kernel norms from n elements up), TP_OVERLAP=1 sets comm.overlap_backward=true (the backward's input-gradient
 collective beside the weight gradient instead of after both GEMMs), SM_MARGIN=n comm.overlap_sm_margin (the
@@ -66,9 +67,9 @@ def flag(name: str, default: str = "0") -> bool:
 
 def async_mode() -> str | bool:
     value = os.environ.get("ASYNC_TP", "0")
-    modes = {"0": False, "1": "ring", "ring": "ring", "symm_mem": "symm_mem"}
+    modes = {"0": False, "1": "ring", "ring": "ring", "symm_mem": "symm_mem", "copy_engine": "copy_engine"}
     if value not in modes:
-        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 (ring), ring or symm_mem")
+        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 (ring), ring, symm_mem or copy_engine")
     return modes[value]
 
 
@@ -289,6 +290,8 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         ASYNC_TP="ring", SM_MARGIN="0")
     add(f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)", ours, tp, TP=str(tp), SP="1",
         ASYNC_TP="symm_mem")
+    add(f"tpframe TP={tp} + SP, eager + async TP (copy engines)", ours, tp, TP=str(tp), SP="1",
+        ASYNC_TP="copy_engine")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")
     add(f"tpframe TP={tp} + SP, compile + async TP (NCCL ring as custom ops)", ours, tp, TP=str(tp), SP="1",
         COMPILE="1", ASYNC_TP="ring")

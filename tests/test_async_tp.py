@@ -7,13 +7,15 @@
 - The GEMMs beside a collective in flight leave `comm.overlap_sm_margin` SMs (cuBLASLt's SM count target, set
   around them and restored after): checked by recording the setting at each GEMM of a backward and a ring.
 - "symm_mem": its autograd Functions' math (torch's reference implementations of the fused symm_mem ops standing
-  in for the CUDA ones) equals the plain layers; without symmetric memory the layers fall back, bit for bit.
+  in for the CUDA ones) equals the plain layers; without symmetric memory the layers fall back, bit for bit, as
+  "copy_engine" does without copy engines (its GPU test: tests/test_async_tp_ce_gpu.py).
 """
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -192,7 +194,7 @@ def test_train_with_ring_async_tp_trains_like_the_plain_path_at_tp2(tmp_path):
         assert math.isclose(a, b, rel_tol=1e-5), f"step {step}: async_tp=ring loss {a!r} vs plain {b!r}"
 
 
-def _symm_mem_falls_back_on_cpu():
+def _gpu_modes_fall_back_on_cpu():
     from tpframe.layers import async_tp
     from tpframe.layers.linear import ColumnParallelLinear, async_tp_available
     from tpframe.models import BuildContext, build_model
@@ -202,7 +204,7 @@ def _symm_mem_falls_back_on_cpu():
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=g)
     out = []
-    for mode in (None, "symm_mem"):
+    for mode in (None, "symm_mem", "copy_engine"):
         tracker = seed_parallel_rng(0)
         ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, async_tp=mode or False)
         model = build_model(GPT_CFG, ctx)
@@ -213,14 +215,18 @@ def _symm_mem_falls_back_on_cpu():
         out.append((loss.detach(), [p.grad for p in model.parameters()]))
     assert async_tp._FUSED_OPS, "torch.ops.symm_mem's fused ops must be found (only the device rules async TP out here)"
     assert not async_tp_available(state.tp_comm, torch.zeros(1), "symm_mem"), "CPU has no symmetric memory"
+    assert not async_tp_available(state.tp_comm, torch.zeros(1), "copy_engine"), "CPU has no copy engines"
+    assert state.tp_comm.peer_exchange() is None
     assert async_tp_available(state.tp_comm, torch.zeros(1), "ring"), "the ring runs wherever the group does"
-    assert torch.equal(out[0][0], out[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    for other in out[1:]:
+        assert torch.equal(out[0][0], other[0])
+        assert all(torch.equal(a, b) for a, b in zip(out[0][1], other[1]))
     return True
 
 
-def test_symm_mem_async_tp_falls_back_to_the_plain_path_without_symmetric_memory():
-    run_distributed(_symm_mem_falls_back_on_cpu, 2)
+def test_gpu_async_tp_modes_fall_back_to_the_plain_path_on_cpu():
+    """symm_mem without symmetric memory, copy_engine without copy engines: the plain path, bit for bit."""
+    run_distributed(_gpu_modes_fall_back_on_cpu, 2)
 
 
 def _symm_mem_functions_match_plain():
@@ -340,3 +346,20 @@ def test_gemms_beside_a_collective_leave_the_sm_margin():
     # tp=2 forward: column ring (own block beside the transfer, then the received block), row ring (the peer's
     # block first, then the own block beside the transfer of the peer's partial sum)
     assert out["ring: forward"] == [12, None, None, 12], out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("mode", ["symm_mem", "copy_engine"])
+def test_gpu_async_tp_modes_are_one_line_and_exit_2_without_cuda(mode, capsys, tmp_path, monkeypatch):
+    from tests.training_utils import REPO
+
+    monkeypatch.syspath_prepend(REPO)
+    import train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for the tp=2 config
+    code = train.main(["--config", f"{REPO}/configs/tiny_cpu.yaml", f"train.run_dir={tmp_path}/run",
+                       "parallel.sequence_parallel=true", f"parallel.async_tp={mode}"])
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert f"parallel.async_tp={mode} moves data between GPUs and no CUDA device is visible" in lines[0], lines
+    assert not (tmp_path / "run").exists()

@@ -235,3 +235,17 @@ def test_copy_engine_sync_falls_back_to_the_process_group_where_it_cannot_run():
             assert engine == "nccl" and "copy-engine" not in described, (name, described)
             assert any("parallel.dp_comm=copy_engine is unavailable (needs CUDA devices" in w for w in warned), warned
         assert r["bad"] == "parallel.dp_comm='dma': choose one of nccl, copy_engine"
+
+
+def test_gpus_without_peer_access_are_named():
+    """copy_engine_available (and the symm backend) refuse a group whose GPUs cannot reach each other: the reports
+    each rank gathers name the first pair without peer-to-peer access; a GPU a rank cannot see is not held against it."""
+    from tpframe.comm.topology import p2p_problem
+
+    def rep(uuid, **peers):
+        return {"host": "h", "uuid": uuid, "peers": peers, "nvlink": None}
+
+    assert p2p_problem([rep("a", b=True), rep("b", a=True)]) == ""
+    assert p2p_problem([rep("a"), rep("b")]) == ""  # one GPU per process (CUDA_VISIBLE_DEVICES): torch cannot tell
+    assert p2p_problem([rep("a", b=True, c=True), rep("b", a=True, c=False), rep("c", a=True, b=True)]) == \
+        "rank 1 has no peer-to-peer access to rank 2's GPU"

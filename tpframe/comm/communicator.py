@@ -25,6 +25,7 @@ from tpframe.comm.nccl import REDUCE_OPS, NcclBackend
 from tpframe.comm.select import choose, message_bytes
 
 BACKENDS = ("auto", "nccl", "symm")
+_UNSET = object()
 _compiling = torch.compiler.is_compiling
 ENV_VAR = "TPFRAME_COMM_BACKEND"
 
@@ -59,6 +60,23 @@ class Communicator:
         self.overlap_backward = False
         # SMs the GEMMs hiding a collective of this group leave to it (tpframe/comm/margin.py; comm.overlap_sm_margin)
         self.overlap_sm_margin = 32
+        self._exchange = _UNSET  # async TP's copy-engine transport (peer_exchange), set up at its first use
+
+    def peer_exchange(self):
+        """The copy-engine transport between this group's GPUs (tpframe/comm/peer_exchange.py), or None where it
+        cannot run (one warning). Set up at the first call: a collective, which every rank reaches at the same
+        layer call."""
+        if self._exchange is _UNSET:
+            self._exchange = None
+            if self.size > 1 and self.device.type == "cuda":
+                from tpframe.comm.peer_exchange import PeerExchange
+
+                self._exchange = PeerExchange.for_group(self.group, self.device)
+        return self._exchange
+
+    def use_peer_exchange(self, exchange) -> None:
+        """Use `exchange` as this group's copy-engine transport (the one-GPU tests share memory by CUDA IPC)."""
+        self._exchange = exchange
 
     @property
     def has_symmetric_memory(self) -> bool:
@@ -216,6 +234,7 @@ class Communicator:
             self.symm.close()
             self.symm = None
         self._plans.clear()
+        self._exchange = _UNSET
         if release_group:
             self.group = self.nccl = None
 

@@ -87,7 +87,7 @@ def stream_memops_supported(device: torch.device) -> bool:
 
 @dataclass
 class PeerMemory:
-    """One fp32 buffer and one int32 flag array per rank, each rank's visible to every rank.
+    """One buffer (fp32 unless asked otherwise) and one int32 flag array per rank, each visible to every rank.
 
     `buffers[r]` / `flags[r]` are rank r's, as tensors this process can read (r == rank: its own)."""
 
@@ -104,16 +104,17 @@ class PeerMemory:
 
 
 def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device,
-                          timeout_s: float = TIMEOUT_S) -> PeerMemory:
-    """Buffers from torch's symmetric memory on `group` (a collective). Raises where it is unavailable."""
+                          timeout_s: float = TIMEOUT_S, dtype: torch.dtype = torch.float32) -> PeerMemory:
+    """Buffers (`numel` of `dtype`) from torch's symmetric memory on `group` (a collective). Raises where it is
+    unavailable."""
     from tpframe.comm.symm import symmetric_memory
 
     symm_mem = symmetric_memory(group, device)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     out: dict[str, list[torch.Tensor]] = {}
     handles = []
-    for key, n, dtype in (("buffers", numel, torch.float32), ("flags", flags, torch.int32)):
-        local = symm_mem.empty(n, dtype=dtype, device=device)
+    for key, n, kind in (("buffers", numel, dtype), ("flags", flags, torch.int32)):
+        local = symm_mem.empty(n, dtype=kind, device=device)
         local.zero_()
         handle = symm_mem.rendezvous(local, group.group_name)
         offset = local.data_ptr() - handle.buffer_ptrs[rank]
@@ -121,7 +122,7 @@ def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device
         dist.all_gather_object(offsets, offset, group=group)
         if len(set(offsets)) != 1 or offset % local.element_size():
             raise RuntimeError(f"symmetric buffer offsets differ between ranks: {offsets}")
-        out[key] = [local if r == rank else handle.get_buffer(r, (n,), dtype, offset // local.element_size())
+        out[key] = [local if r == rank else handle.get_buffer(r, (n,), kind, offset // local.element_size())
                     for r in range(size)]
         handles.append(handle)
     torch.cuda.synchronize(device)
@@ -129,13 +130,14 @@ def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device
     return PeerMemory(rank, size, out["buffers"], out["flags"], handles, timeout_s)
 
 
-def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device, timeout_s: float = TIMEOUT_S) -> PeerMemory:
+def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device, timeout_s: float = TIMEOUT_S,
+                    dtype: torch.dtype = torch.float32) -> PeerMemory:
     """Buffers shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU
     (the one-GPU tests). Ranks on different GPUs use `symmetric_peer_memory`."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    local = (torch.zeros(numel, dtype=torch.float32, device=device), torch.zeros(flags, dtype=torch.int32, device=device))
+    local = (torch.zeros(numel, dtype=dtype, device=device), torch.zeros(flags, dtype=torch.int32, device=device))
     shared = [None] * size
     dist.all_gather_object(shared, [reduce_tensor(t) for t in local], group=group)
     views = [list(local) if r == rank else [fn(*args) for fn, args in shared[r]] for r in range(size)]
@@ -282,24 +284,30 @@ class CopyEngineSync:
 
 
 def copy_engine_available(group, device: torch.device) -> tuple[bool, str]:
-    """(True, "") where every rank of `group` can run `CopyEngineSync` over symmetric memory; else (False, why).
+    """(True, "") where every rank of `group` can run `CopyEngineSync` over symmetric memory: CUDA, stream
+    memory operations, one host, and peer-to-peer access between the group's GPUs; else (False, why).
     A collective: every rank gets the same answer."""
-    why = ""
+    import socket
+
+    from tpframe.comm.topology import local_report, p2p_problem
+
+    why, report = "", None
     if device.type != "cuda":
         why = f"needs CUDA devices, this rank has {device}"
     elif not stream_memops_supported(device):
         why = "this GPU or driver does not run stream memory operations"
-    import socket
-
+    else:
+        report = local_report(device)
     reports = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (socket.gethostname(), why), group=group)
-    hosts = {h for h, _ in reports}
-    reasons = sorted({w for _, w in reports if w})
+    dist.all_gather_object(reports, (socket.gethostname(), why, report), group=group)
+    hosts = {h for h, _, _ in reports}
+    reasons = sorted({w for _, w, _ in reports if w})
     if reasons:
         return False, reasons[0]
     if len(hosts) > 1:
-        return False, f"the DP group spans hosts {sorted(hosts)}; copy engines reach one host's GPUs only"
-    return True, ""
+        return False, f"the group spans hosts {sorted(hosts)}; copy engines reach one host's GPUs only"
+    problem = p2p_problem([r for _, _, r in reports])
+    return (False, problem) if problem else (True, "")
 
 
 DP_COMMS = ("nccl", "copy_engine")

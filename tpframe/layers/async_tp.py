@@ -14,11 +14,13 @@ computation via decomposition", ASPLOS 2023):
 Every block's GEMM but the first (all-gather) or last (reduce-scatter) overlaps one transfer. The transfers are
 NCCL send/receive pairs on NCCL's stream (`Communicator.exchange_async`): no staging copy. NCCL's kernels hold SMs
 for the whole transfer, so the GEMMs beside them leave `comm.overlap_sm_margin` SMs free (tpframe/comm/margin.py).
-Two modes:
-    "ring"      these functions (any NCCL or gloo group; the CPU tests run them);
-    "symm_mem"  torch.ops.symm_mem's fused ops (copy-engine transfers over symmetric memory; they copy each
-                input into a symmetric workspace first; CUDA only).
-"symm_mem" runs eagerly only. The ring also runs inside compiled blocks, as the custom ops below (opaque to
+Three modes:
+    "ring"         these functions (any NCCL or gloo group; the CPU tests run them);
+    "symm_mem"     torch.ops.symm_mem's fused ops (copy-engine transfers over symmetric memory; they copy each
+                   input into a symmetric workspace first; CUDA only);
+    "copy_engine"  tpframe/layers/async_tp_ce.py: blocks pushed straight into the peers' memory by the copy
+                   engines, read where they land; no SM held by the transfers, no margin (CUDA, one host).
+"symm_mem" and "copy_engine" run eagerly only. The ring also runs inside compiled blocks, as the custom ops below (opaque to
 Inductor, which fuses what is around them; their autograd formulas call each other); under CUDA-graph capture both
 modes take the plain path.
 
@@ -36,7 +38,7 @@ import torch
 from tpframe.comm import Communicator
 from tpframe.comm import ops as comm_ops
 
-MODES = ("ring", "symm_mem")
+MODES = ("ring", "symm_mem", "copy_engine")
 
 
 def _load_fused_ops() -> bool:
@@ -54,11 +56,14 @@ _FUSED_OPS = _load_fused_ops()
 
 def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
-    torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory."""
+    torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory,
+    "copy_engine" CUDA with the group's copy-engine transport (`Communicator.peer_exchange`)."""
     if comm.size == 1 or torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     if mode == "ring":
         return True
+    if mode == "copy_engine":
+        return x.is_cuda and comm.peer_exchange() is not None
     return x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
 
 

@@ -4,13 +4,13 @@ Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is 
 Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
         then the full bias [out] is added once.
 
-Async TP (`async_tp="ring"` or `"symm_mem"`, with sequence parallelism; tpframe/layers/async_tp.py): each
+Async TP (`async_tp="ring"`, `"symm_mem"` or `"copy_engine"`, with sequence parallelism; tpframe/layers/async_tp.py): each
 GEMM and its sequence collective are one autograd Function whose collective is micro-pipelined with the
 GEMM's blocks:
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
 Where it cannot run (tp = 1, no SP, under torch.compile or CUDA-graph capture; "symm_mem" also without
-symmetric memory) the same layers take the plain path below.
+symmetric memory, "copy_engine" without the copy-engine transport) the same layers take the plain path below.
 With `comm.overlap_backward` (off by default), in eager training at tp > 1 a column layer's entry into the TP
 region and its GEMM are one autograd Function (`_ColumnLinear`) whose backward starts the input gradient's
 reduce-scatter (all-reduce without SP) on NCCL's stream and computes the weight gradient while it runs, leaving
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
+from tpframe.layers import async_tp_ce
 from tpframe.layers.async_tp import (
     FusedAllGatherLinear,
     FusedLinearReduceScatter,
@@ -126,7 +127,7 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
-    `async_tp`: None, "ring" or "symm_mem" (True = "ring"): pipeline the SP all-gather under the GEMM.
+    `async_tp`: None, "ring", "symm_mem" or "copy_engine" (True = "ring"): pipeline the SP all-gather under the GEMM.
     `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
     mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
@@ -135,6 +136,8 @@ def column_parallel_linear(
     elif mode is not None and async_tp_available(comm, x, mode):
         if mode == "ring":  # its weight gradient is computed in backward, not deferred
             y = _ColumnLinear.apply(x, weight, bias, comm, True, True)
+        elif mode == "copy_engine":
+            y = async_tp_ce.ColumnLinear.apply(x, weight, bias, comm)
         else:
             y = FusedAllGatherLinear.apply(x, weight, bias, comm)
     elif not entered and not fp8 and not deferring() and overlaps_entry_grad(comm):
@@ -168,7 +171,7 @@ def row_parallel_linear(
     if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
         y = torch.ops.tpframe.ring_row_linear(x, weight, comm.name)
     elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
-        fn = RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter
+        fn = {"ring": RingLinearReduceScatter, "copy_engine": async_tp_ce.RowLinear}.get(mode, FusedLinearReduceScatter)
         y = fn.apply(x, weight, comm)
     else:
         y = local_linear(x, weight, fp8=fp8, decode_kernel=decode_kernel)
@@ -311,11 +314,12 @@ class RowParallelLinear(nn.Module):
 
 
 def enable_async_tp(model: nn.Module, mode: bool | str | None = "ring") -> int:
-    """Set async TP's mode ("ring", "symm_mem"; True = "ring"; None/False: off) in every sequence-parallel
+    """Set async TP's mode ("ring", "symm_mem", "copy_engine"; True = "ring"; None/False: off) in every sequence-parallel
     linear layer of `model`; returns how many.
 
     Layers fall back to the plain path per call where `async_tp_available` says no (tp = 1, compiling,
-    capturing; "symm_mem" also on CPU or without symmetric memory on the group)."""
+    capturing; "symm_mem" also on CPU or without symmetric memory on the group, "copy_engine" on CPU or without
+    the group's copy-engine transport)."""
     n, mode = 0, normalize_mode(mode)
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:

@@ -52,9 +52,10 @@ class ParallelConfig:
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
     # with sequence_parallel: each GEMM overlaps its TP collective (tpframe/layers/async_tp.py): "ring" (= true;
-    # NCCL send/receive pipelined under the GEMM's blocks; 1.02x at GPT-1.3B TP=2 + SP on 2x H200) or "symm_mem"
-    # (torch's fused ops; CUDA + symmetric memory)
-    async_tp: bool | Literal["ring", "symm_mem"] = False
+    # NCCL send/receive pipelined under the GEMM's blocks; 1.02x at GPT-1.3B TP=2 + SP on 2x H200), "symm_mem"
+    # (torch's fused ops; CUDA + symmetric memory) or "copy_engine" (blocks pushed into the peers' memory by DMA,
+    # no SM held: tpframe/layers/async_tp_ce.py; one host's GPUs)
+    async_tp: bool | Literal["ring", "symm_mem", "copy_engine"] = False
 
     @property
     def recompute(self) -> str:

@@ -14,13 +14,13 @@ All calls on one backend must be ordered on one stream (they share the buffer).
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from tpframe.comm import select
+from tpframe.comm.topology import local_report, nvlink_verdict
 from tpframe.comm.symm.ops import TRITON_DTYPES, WORLD_SIZES, SymmKernels
 
 BUFFER_ENV = "TPFRAME_SYMM_BUFFER_MB"
@@ -56,11 +56,11 @@ class SymmBackend:
         if buffer_bytes < 4096 or buffer_bytes % 4096:
             raise ValueError(f"symm buffer must be a positive multiple of 4096 bytes, got {buffer_bytes}")
         with torch.cuda.device(device):
-            reports = _gather(group, size, _local_report(device))
+            reports = _gather(group, size, local_report(device))
             hosts = sorted({rep["host"] for rep in reports})
             if len(hosts) > 1:
                 raise RuntimeError(f"the group spans hosts {hosts}; symm needs one NVLink node")
-            nvlink = _nvlink_verdict(reports)
+            nvlink = nvlink_verdict(reports)
             backend = cls._rendezvous(group, size, device, buffer_bytes, nvlink)
             from tpframe.comm.symm.lamport import LamportAllReduce
 
@@ -253,61 +253,4 @@ def _gather(group, size: int, obj) -> list:
     out = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def _local_report(device: torch.device) -> dict:
-    """What this rank knows: host, its GPU, and which visible GPUs it can reach peer-to-peer."""
-    uuid = _uuid(device.index)
-    peers = {_uuid(i): torch.cuda.can_device_access_peer(device.index, i)
-             for i in range(torch.cuda.device_count()) if i != device.index}
-    return {"host": socket.gethostname(), "uuid": uuid, "peers": peers, "nvlink": _nvml_nvlink_peers(uuid)}
-
-
-def _uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
-
-
-def _nvlink_verdict(reports: list[dict]) -> bool | None:
-    """True if NVML says every pair of the group's GPUs is NVLink-connected, False if some pair is not,
-    None if NVML could not tell. Also raises if a rank sees a group peer without P2P access."""
-    uuids = [r["uuid"] for r in reports]
-    for rank, rep in enumerate(reports):
-        for peer, uuid in enumerate(uuids):
-            if peer != rank and rep["peers"].get(uuid) is False:
-                raise RuntimeError(f"rank {rank} has no peer-to-peer access to rank {peer}'s GPU")
-    verdicts = []
-    for rep in reports:
-        if rep["nvlink"] is None:
-            return None
-        verdicts.extend(rep["nvlink"].get(u, False) for u in uuids if u != rep["uuid"])
-    return all(verdicts)
-
-
-def _nvml_nvlink_peers(uuid: str) -> dict | None:
-    """{peer uuid: NVLink P2P ok} for every GPU NVML sees, or None without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML: cannot tell
-        return None
-    try:
-        me = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        out = {}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            other = pynvml.nvmlDeviceGetUUID(h)
-            other = other.decode() if isinstance(other, bytes) else other
-            if other.removeprefix("GPU-") == uuid:
-                continue
-            status = pynvml.nvmlDeviceGetP2PStatus(me, h, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
-            out[other.removeprefix("GPU-")] = status == pynvml.NVML_P2P_STATUS_OK
-        return out
-    except Exception:  # noqa: BLE001 - an NVML that cannot answer: cannot tell
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
 

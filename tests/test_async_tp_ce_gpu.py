@@ -1,0 +1,87 @@
+"""Async TP by copy engines (parallel.async_tp=copy_engine; tpframe/layers/async_tp_ce.py, tpframe/comm/peer_exchange.py).
+
+On one GPU, two processes share their slots by CUDA IPC, so pushes, flags, slot reuse and the waits for a late
+peer run for real. A column + row layer pair at TP=2 with SP must give a single process's full-weight computation:
+output, input gradient, every weight and bias gradient; several calls (slots reused past their generations, slots
+grown for a bigger input), with either rank's GPU made late before its forward and before its backward.
+"""
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+
+def _ce_layers_match_one_process(dtype_name: str, late_rank: int):
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from tpframe.comm import Communicator
+    from tpframe.comm.copy_engine import ipc_peer_memory
+    from tpframe.comm.peer_exchange import PeerExchange
+    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+
+    dtype = getattr(torch, dtype_name)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(device)
+    comm = Communicator(dist.group.WORLD, backend="nccl", device=device)
+    comm.use_peer_exchange(PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device,
+                                                          dtype=torch.uint8), rank=rank, size=n, device=device))
+    h, f = 64, 256
+    torch.manual_seed(0)
+    kw = dict(sequence_parallel=True, comm=comm, dtype=dtype, device=device, async_tp="copy_engine")
+    fc1, fc2 = ColumnParallelLinear(h, f, **kw), RowParallelLinear(f, h, **kw)
+    with torch.no_grad():
+        fc1.bias.normal_(generator=torch.Generator(device).manual_seed(5))
+        fc2.bias.normal_(generator=torch.Generator(device).manual_seed(6))
+
+    def gathered(t, dim):
+        parts = [torch.empty_like(t.cpu()) for _ in range(n)]
+        dist.all_gather(parts, t.detach().cpu().contiguous())
+        return torch.cat(parts, dim).to(device)
+
+    w1, b1, w2 = gathered(fc1.weight, 0), gathered(fc1.bias, 0), fc2.weight.detach()
+    w2 = gathered(w2, 1)
+    b2 = fc2.bias.detach()
+    errors = []
+    for call, s in enumerate((16, 16, 40, 16, 40, 40)):  # 4 slots per source: generations 1 and 2; 40 grows them
+        g = torch.Generator(device).manual_seed(100 + call)
+        x_full = torch.randn(s, 3, h, device=device, generator=g).to(dtype)
+        grad_full = torch.randn(s, 3, h, device=device, generator=g).to(dtype)
+        # the single-process reference, in float64
+        xr = x_full.double().requires_grad_()
+        ref_w = [t.double().requires_grad_() for t in (w1, b1, w2, b2)]
+        yr = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xr, ref_w[0], ref_w[1])),
+                                        ref_w[2], ref_w[3])
+        yr.backward(grad_full.double())
+        x = x_full.chunk(n)[rank].clone().requires_grad_()
+        for p in (*fc1.parameters(), *fc2.parameters()):
+            p.grad = None
+        if rank == late_rank:
+            torch.cuda._sleep(20_000_000)  # its pushes start late: the peer's GEMMs must wait for them
+        y = fc2(torch.nn.functional.gelu(fc1(x)))
+        if rank == late_rank:
+            torch.cuda._sleep(20_000_000)
+        y.backward(grad_full.chunk(n)[rank])
+        torch.cuda.synchronize()
+        b2_grad = gathered(fc2.bias.grad, 0).view(n, -1).sum(0)  # SP: each rank's bias gradient covers its rows
+        pairs = [("y", y, yr.chunk(n)[rank]), ("x.grad", x.grad, xr.grad.chunk(n)[rank]),
+                 ("fc1.weight.grad", fc1.weight.grad, ref_w[0].grad.chunk(n, 0)[rank]),
+                 ("fc1.bias.grad", fc1.bias.grad, ref_w[1].grad.chunk(n)[rank]),
+                 ("fc2.weight.grad", fc2.weight.grad, ref_w[2].grad.chunk(n, 1)[rank]),
+                 ("fc2.bias.grad", b2_grad, ref_w[3].grad)]
+        for name, got, want in pairs:
+            err = ((got.double() - want).norm() / want.norm()).item()
+            errors.append((call, name, err))
+    return errors
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("late_rank", [0, 1])
+def test_copy_engine_async_tp_layers_match_one_process_on_one_gpu(dtype, tol, late_rank):
+    for errors in run_distributed(_ce_layers_match_one_process, 2, dtype, late_rank, backend="gloo"):
+        worst = max(errors, key=lambda e: e[2])
+        assert worst[2] <= tol, f"{dtype}, rank {late_rank} late: worst relative error {worst} (call, tensor, error)"
