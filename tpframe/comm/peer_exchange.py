@@ -6,7 +6,7 @@ persistent, so a GEMM beside them either waits or slows them (tpframe/comm/margi
 `cudaMemcpyAsync` runs on the copy engines (DMA) and holds no SM: the GEMM beside it keeps every SM.
 
 Each rank owns, in memory every peer can write (torch's symmetric memory; CUDA IPC in the one-GPU tests), `SLOTS`
-slots per source rank and two int32 flag arrays. For a push of tensor t from rank s to rank d, the c-th from s
+slots per peer it receives from and two int32 flag arrays. For a push of tensor t from rank s to rank d, the c-th from s
 to d (counted on both sides: every rank makes the same pushes in the same order, as with any collective), in slot
 c % SLOTS, generation g = c // SLOTS + 1:
   s, push stream:   wait for the compute stream (t is ready); wait FREED[d][slot] >= g - 1 in s's flags (d has
@@ -85,7 +85,8 @@ class PeerExchange:
         factory = functools.partial(symmetric_peer_memory, group, device=device, dtype=torch.uint8)
         return cls(factory, rank=dist.get_rank(group), size=dist.get_world_size(group), device=device)
 
-    # -- layout: per rank, size * SLOTS slots (by source), ARRIVED flags by (source, slot), FREED by (reader, slot)
+    # -- layout: per rank, (size - 1) * SLOTS slots (by source, this rank's own excluded), ARRIVED flags by
+    # (source, slot), FREED by (reader, slot)
     def _arrived(self, source: int, slot: int) -> int:
         return source * self.SLOTS + slot
 
@@ -96,7 +97,7 @@ class PeerExchange:
         return self.memory.flags[owner].data_ptr() + 4 * index
 
     def _region(self, owner: int, source: int, slot: int, shape, dtype) -> torch.Tensor:
-        start = (source * self.SLOTS + slot) * self.slot_bytes
+        start = (((source - owner - 1) % self.size) * self.SLOTS + slot) * self.slot_bytes
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         return self.memory.buffers[owner][start : start + nbytes].view(dtype).view(shape)
 
@@ -108,7 +109,7 @@ class PeerExchange:
             torch.cuda.synchronize(self.device)
             self.memory = None
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
-        self.memory = self.factory(numel=self.size * self.SLOTS * self.slot_bytes, flags=2 * self.size * self.SLOTS)
+        self.memory = self.factory(numel=(self.size - 1) * self.SLOTS * self.slot_bytes, flags=2 * self.size * self.SLOTS)
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
