@@ -154,9 +154,10 @@ def run_one() -> None:
     if state.rank == 0:
         from tpframe.layers.linear import async_tp_available
 
-        # else the layers fell back (no symmetric memory for symm_mem; compiled blocks trace the plain path)
-        ran_async = (ctx.async_tp and async_tp_available(state.tp_comm, inp, ctx.async_tp) and not flag("COMPILE")
-                     and not flag("GRAPH"))
+        # else the layers fell back (no symmetric memory for symm_mem, whose ops compiled blocks do not trace; the
+        # ring's and copy_engine's are custom ops there)
+        ran_async = (ctx.async_tp and async_tp_available(state.tp_comm, inp, ctx.async_tp) and not flag("GRAPH")
+                     and (ctx.async_tp in ("ring", "copy_engine") or not flag("COMPILE")))
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
                 f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}")

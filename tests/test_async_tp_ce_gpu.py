@@ -3,7 +3,8 @@
 On one GPU, two processes share their slots by CUDA IPC, so pushes, flags, slot reuse and the waits for a late
 peer run for real. A column + row layer pair at TP=2 with SP must give a single process's full-weight computation:
 output, input gradient, every weight and bias gradient; several calls (slots reused past their generations, slots
-grown for a bigger input), with either rank's GPU made late before its forward and before its backward.
+grown for a bigger input), with either rank's GPU made late before its forward and before its backward; eagerly
+and inside torch.compile.
 """
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from tests.dist_utils import run_distributed
 
 
-def _ce_layers_match_one_process(dtype_name: str, late_rank: int):
+def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool):
     import functools
 
     import torch
@@ -27,8 +28,9 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int):
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
     comm = Communicator(dist.group.WORLD, backend="nccl", device=device)
-    comm.use_peer_exchange(PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device,
-                                                          dtype=torch.uint8), rank=rank, size=n, device=device))
+    exchange = PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
+                            rank=rank, size=n, device=device)
+    comm.use_peer_exchange(exchange)
     h, f = 64, 256
     torch.manual_seed(0)
     kw = dict(sequence_parallel=True, comm=comm, dtype=dtype, device=device, async_tp="copy_engine")
@@ -45,6 +47,12 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int):
     w1, b1, w2 = gathered(fc1.weight, 0), gathered(fc1.bias, 0), fc2.weight.detach()
     w2 = gathered(w2, 1)
     b2 = fc2.bias.detach()
+
+    def pair(x):
+        return fc2(torch.nn.functional.gelu(fc1(x)))
+
+    if compiled:
+        pair = torch.compile(pair, fullgraph=True, dynamic=False)
     errors = []
     for call, s in enumerate((16, 16, 40, 16, 40, 40)):  # 4 slots per source: generations 1 and 2; 40 grows them
         g = torch.Generator(device).manual_seed(100 + call)
@@ -61,7 +69,7 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int):
             p.grad = None
         if rank == late_rank:
             torch.cuda._sleep(20_000_000)  # its pushes start late: the peer's GEMMs must wait for them
-        y = fc2(torch.nn.functional.gelu(fc1(x)))
+        y = pair(x)
         if rank == late_rank:
             torch.cuda._sleep(20_000_000)
         y.backward(grad_full.chunk(n)[rank])
@@ -75,13 +83,18 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int):
         for name, got, want in pairs:
             err = ((got.double() - want).norm() / want.norm()).item()
             errors.append((call, name, err))
-    return errors
+    # per call, pushes to the peer: the column layer's forward 1 and backward 2, the row layer's 1 and 1
+    return errors, exchange.sent[1 - rank]
 
 
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
 @pytest.mark.parametrize("late_rank", [0, 1])
-def test_copy_engine_async_tp_layers_match_one_process_on_one_gpu(dtype, tol, late_rank):
-    for errors in run_distributed(_ce_layers_match_one_process, 2, dtype, late_rank, backend="gloo"):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_copy_engine_async_tp_layers_match_one_process_on_one_gpu(dtype, tol, late_rank, compiled):
+    """Eager, and inside torch.compile (fullgraph: the custom ops trace without breaks)."""
+    for errors, pushes in run_distributed(_ce_layers_match_one_process, 2, dtype, late_rank, compiled, backend="gloo",
+                                          timeout=300):
         worst = max(errors, key=lambda e: e[2])
         assert worst[2] <= tol, f"{dtype}, rank {late_rank} late: worst relative error {worst} (call, tensor, error)"
+        assert pushes == 5 * 6, f"{pushes} pushes to the peer in 6 calls: the copy-engine ops did not run every time"

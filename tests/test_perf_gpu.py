@@ -186,7 +186,9 @@ def _gpt_variants_agree(variants):
 def test_compiled_fused_and_async_tp_gpt_match_plain_eager_at_tp2():
     variants = {"plain eager": (False, False, False), "fused": (True, False, False),  # (fused, compiled, async TP)
                 "fused + async TP ring": (True, False, "ring"), "fused + async TP symm_mem": (True, False, "symm_mem"),
-                "compiled": (True, True, False), "compiled + async TP": (True, True, "ring")}
+                "fused + async TP copy_engine": (True, False, "copy_engine"),
+                "compiled": (True, True, False), "compiled + async TP": (True, True, "ring"),
+                "compiled + async TP copy_engine": (True, True, "copy_engine")}
     report = run_distributed(_gpt_variants_agree, 2, variants, backend="nccl", timeout=600,
                              env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"})[0]
     for name, (loss_err, grad_err) in report.items():

@@ -74,6 +74,11 @@ class Communicator:
                 self._exchange = PeerExchange.for_group(self.group, self.device)
         return self._exchange
 
+    @property
+    def has_peer_exchange(self) -> bool:
+        """Whether the copy-engine transport is set up (what compiled code checks: it cannot set one up)."""
+        return self._exchange is not _UNSET and self._exchange is not None
+
     def use_peer_exchange(self, exchange) -> None:
         """Use `exchange` as this group's copy-engine transport (the one-GPU tests share memory by CUDA IPC)."""
         self._exchange = exchange

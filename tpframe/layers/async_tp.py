@@ -20,7 +20,7 @@ Three modes:
                    input into a symmetric workspace first; CUDA only);
     "copy_engine"  tpframe/layers/async_tp_ce.py: blocks pushed straight into the peers' memory by the copy
                    engines, read where they land; no SM held by the transfers, no margin (CUDA, one host).
-"symm_mem" and "copy_engine" run eagerly only. The ring also runs inside compiled blocks, as the custom ops below (opaque to
+"symm_mem" runs eagerly only; "copy_engine" is two custom ops (async_tp_ce.py), eager and compiled alike. The ring also runs inside compiled blocks, as the custom ops below (opaque to
 Inductor, which fuses what is around them; their autograd formulas call each other); under CUDA-graph capture both
 modes take the plain path.
 
@@ -57,13 +57,16 @@ _FUSED_OPS = _load_fused_ops()
 def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
     torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory,
-    "copy_engine" CUDA with the group's copy-engine transport (`Communicator.peer_exchange`)."""
-    if comm.size == 1 or torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    "copy_engine" CUDA with the group's copy-engine transport (`Communicator.peer_exchange`), and its custom ops
+    also run in compiled blocks (set up before tracing: `enable_async_tp`) and under capture (the plain path inside)."""
+    if comm.size == 1:
+        return False
+    if mode == "copy_engine":
+        return x.is_cuda and (comm.has_peer_exchange if torch.compiler.is_compiling() else comm.peer_exchange() is not None)
+    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     if mode == "ring":
         return True
-    if mode == "copy_engine":
-        return x.is_cuda and comm.peer_exchange() is not None
     return x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
 
 

@@ -13,7 +13,12 @@ the peer's block where it landed, so nothing is staged. With n = tp ranks, rank 
     row     forward   per peer p: push the partial y_p = x_p W^T; y_r = x_r W^T; y_r += the peers' partials
             backward  push dy_r; dX_r = dy_r W, dW = dy_r^T x_r; per peer p on arrival: dX_p = dy_p W, dW += dy_p^T x_p
 
-Eager only: under torch.compile or CUDA-graph capture the layers take the plain path (`async_tp_available`).
+The layers call the two custom ops below, eagerly and inside compiled blocks alike (opaque to Inductor, which fuses
+what is around them; their backward formulas are custom ops too). Inside a CUDA-graph capture they take the plain
+all-gather / reduce-scatter and one GEMM (a replay would repeat the flags' generations).
+
+    torch.ops.tpframe.ce_column_linear(x, w, bias, comm)  -> all_gather(x) w^T + bias
+    torch.ops.tpframe.ce_row_linear(x, w, comm)           -> reduce_scatter(x w^T)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from tpframe.comm import Communicator
+from tpframe.comm import ops as comm_ops
 
 
 def _rows(x: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -67,63 +73,133 @@ def matmul_reduce_scatter(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator
     return y.view((x.shape[0] // n,) + x.shape[1:-1] + (w_t.shape[1],))
 
 
-class ColumnLinear(torch.autograd.Function):
-    """y = all_gather_sp(x) W^T + b; saves x's own block only."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        y = all_gather_matmul(x, weight.t(), comm, bias)
-        ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        comm = ctx.comm
-        ex, n, r = comm.peer_exchange(), comm.size, comm.rank
-        own = x.contiguous().reshape(-1, x.shape[-1])
-        dy = _rows(grad.contiguous(), n)
-        gathered = ex.push({p: own for p in ex.peers})  # the input again, for dW
-        partials = {}
-        for p in ex.peers:
-            partials.update(ex.push({p: dy[p] @ weight}))
-        gx = dy[r] @ weight
-        gw = dy[r].t() @ own
-        for p in ex.peers:
-            gw.addmm_(dy[p].t(), gathered[p].wait())
-            gathered[p].release()
-        gb = dy.sum((0, 1)) if ctx.has_bias else None
-        for p in ex.peers:
-            gx += partials[p].wait()
-            partials[p].release()
-        return gx.view(x.shape), gw, gb, None
+def column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator, has_bias: bool):
+    """(dX, dW, db) of y = all_gather(x) W^T + b: dX = reduce_scatter(dY W), dW = dY^T all_gather(x), db = sum dY.
+    x is this rank's block (re-gathered here); db is empty without a bias."""
+    ex, n, r = comm.peer_exchange(), comm.size, comm.rank
+    own = x.contiguous().reshape(-1, x.shape[-1])
+    dy = _rows(grad.contiguous(), n)
+    gathered = ex.push({p: own for p in ex.peers})  # the input again, for dW
+    partials = {}
+    for p in ex.peers:
+        partials.update(ex.push({p: dy[p] @ weight}))
+    gx = dy[r] @ weight
+    gw = dy[r].t() @ own
+    for p in ex.peers:
+        gw.addmm_(dy[p].t(), gathered[p].wait())
+        gathered[p].release()
+    gb = dy.sum((0, 1)) if has_bias else grad.new_empty(0)
+    for p in ex.peers:
+        gx += partials[p].wait()
+        partials[p].release()
+    return gx.view(x.shape), gw, gb
 
 
-class RowLinear(torch.autograd.Function):
-    """y = reduce_scatter_sp(x W^T)."""
+def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
+    """(dX, dW) of y = reduce_scatter(x W^T): dY = all_gather(dy), dX = dY W, dW = dY^T x."""
+    ex, n, r = comm.peer_exchange(), comm.size, comm.rank
+    own = grad.contiguous().reshape(-1, grad.shape[-1])
+    xs = _rows(x.contiguous(), n)
+    incoming = ex.push({p: own for p in ex.peers})
+    gx = x.new_empty(x.shape)
+    out = _rows(gx, n)
+    torch.mm(own, weight, out=out[r])
+    gw = own.t() @ xs[r]
+    for p in ex.peers:
+        dy = incoming[p].wait()
+        torch.mm(dy, weight, out=out[p])
+        gw.addmm_(dy.t(), xs[p])
+        incoming[p].release()
+    return gx, gw
 
-    @staticmethod
-    def forward(ctx, x, weight, comm):
-        ctx.save_for_backward(x, weight)
-        ctx.comm = comm
-        return matmul_reduce_scatter(x, weight.t(), comm)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        comm = ctx.comm
-        ex, n, r = comm.peer_exchange(), comm.size, comm.rank
-        own = grad.contiguous().reshape(-1, grad.shape[-1])
-        xs = _rows(x.contiguous(), n)
-        incoming = ex.push({p: own for p in ex.peers})
-        gx = x.new_empty(x.shape)
-        out = _rows(gx, n)
-        torch.mm(own, weight, out=out[r])
-        gw = own.t() @ xs[r]
-        for p in ex.peers:
-            dy = incoming[p].wait()
-            torch.mm(dy, weight, out=out[p])
-            gw.addmm_(dy.t(), xs[p])
-            incoming[p].release()
-        return gx, gw, None
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@torch.library.custom_op("tpframe::ce_column_linear", mutates_args=())
+def ce_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm_name: str) -> torch.Tensor:
+    """all_gather(x) weight^T + bias, x this rank's sequence block."""
+    comm = comm_ops.lookup(comm_name)
+    if _capturing(x):
+        return torch.nn.functional.linear(comm.all_gather(x.contiguous()), weight, bias)
+    return all_gather_matmul(x, weight.t(), comm, bias)
+
+
+@ce_column_linear.register_fake
+def _(x, weight, bias, comm_name):
+    return x.new_empty((comm_ops.lookup(comm_name).size * x.shape[0],) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+
+
+@torch.library.custom_op("tpframe::ce_column_backward", mutates_args=())
+def ce_column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
+                       comm_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    comm = comm_ops.lookup(comm_name)
+    if _capturing(grad):
+        g2 = grad.reshape(-1, grad.shape[-1])
+        full = comm.all_gather(x.contiguous())
+        gb = g2.sum(0) if has_bias else grad.new_empty(0)
+        return comm.reduce_scatter(grad.matmul(weight)), g2.t() @ full.reshape(-1, full.shape[-1]), gb
+    return column_backward(grad, x, weight, comm, has_bias)
+
+
+@ce_column_backward.register_fake
+def _(grad, x, weight, has_bias, comm_name):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), grad.new_empty(weight.shape[0] if has_bias else 0)
+
+
+@torch.library.custom_op("tpframe::ce_row_linear", mutates_args=())
+def ce_row_linear(x: torch.Tensor, weight: torch.Tensor, comm_name: str) -> torch.Tensor:
+    """reduce_scatter(x weight^T) over dim 0 (the sequence)."""
+    comm = comm_ops.lookup(comm_name)
+    if _capturing(x):
+        return comm.reduce_scatter(torch.nn.functional.linear(x, weight))
+    return matmul_reduce_scatter(x, weight.t(), comm)
+
+
+@ce_row_linear.register_fake
+def _(x, weight, comm_name):
+    return x.new_empty((x.shape[0] // comm_ops.lookup(comm_name).size,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+
+
+@torch.library.custom_op("tpframe::ce_row_backward", mutates_args=())
+def ce_row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    comm = comm_ops.lookup(comm_name)
+    if _capturing(grad):
+        full = comm.all_gather(grad.contiguous())
+        return full.matmul(weight), full.reshape(-1, full.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    return row_backward(grad, x, weight, comm)
+
+
+@ce_row_backward.register_fake
+def _(grad, x, weight, comm_name):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _column_setup(ctx, inputs, output):
+    x, weight, bias, comm_name = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.comm_name, ctx.has_bias = comm_name, bias is not None
+
+
+def _column_grads(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw, gb = torch.ops.tpframe.ce_column_backward(grad, x, weight, ctx.has_bias, ctx.comm_name)
+    return gx, gw, (gb if ctx.has_bias else None), None
+
+
+def _row_setup(ctx, inputs, output):
+    x, weight, comm_name = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.comm_name = comm_name
+
+
+def _row_grads(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx, gw = torch.ops.tpframe.ce_row_backward(grad, x, weight, ctx.comm_name)
+    return gx, gw, None
+
+
+ce_column_linear.register_autograd(_column_grads, setup_context=_column_setup)
+ce_row_linear.register_autograd(_row_grads, setup_context=_row_setup)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.layers import async_tp_ce
+from tpframe.layers import async_tp_ce  # noqa: F401 - defines torch.ops.tpframe.ce_* (parallel.async_tp=copy_engine)
 from tpframe.layers.async_tp import (
     FusedAllGatherLinear,
     FusedLinearReduceScatter,
@@ -137,7 +137,7 @@ def column_parallel_linear(
         if mode == "ring":  # its weight gradient is computed in backward, not deferred
             y = _ColumnLinear.apply(x, weight, bias, comm, True, True)
         elif mode == "copy_engine":
-            y = async_tp_ce.ColumnLinear.apply(x, weight, bias, comm)
+            y = torch.ops.tpframe.ce_column_linear(x, weight, bias, comm.name)
         else:
             y = FusedAllGatherLinear.apply(x, weight, bias, comm)
     elif not entered and not fp8 and not deferring() and overlaps_entry_grad(comm):
@@ -171,8 +171,10 @@ def row_parallel_linear(
     if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
         y = torch.ops.tpframe.ring_row_linear(x, weight, comm.name)
     elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
-        fn = {"ring": RingLinearReduceScatter, "copy_engine": async_tp_ce.RowLinear}.get(mode, FusedLinearReduceScatter)
-        y = fn.apply(x, weight, comm)
+        if mode == "copy_engine":
+            y = torch.ops.tpframe.ce_row_linear(x, weight, comm.name)
+        else:
+            y = (RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter).apply(x, weight, comm)
     else:
         y = local_linear(x, weight, fp8=fp8, decode_kernel=decode_kernel)
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
@@ -325,6 +327,8 @@ def enable_async_tp(model: nn.Module, mode: bool | str | None = "ring") -> int:
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
             m.async_tp = mode
             n += 1
+            if mode == "copy_engine":  # set up now (a collective), before any block is traced
+                m.comm.peer_exchange()
     return n
 
 
