@@ -98,3 +98,46 @@ def test_copy_engine_async_tp_layers_match_one_process_on_one_gpu(dtype, tol, la
         worst = max(errors, key=lambda e: e[2])
         assert worst[2] <= tol, f"{dtype}, rank {late_rank} late: worst relative error {worst} (call, tensor, error)"
         assert pushes == 5 * 6, f"{pushes} pushes to the peer in 6 calls: the copy-engine ops did not run every time"
+
+
+def _pushes_ahead_of_slow_reads():
+    """Each rank pushes 2 * SLOTS + 1 tensors before reading any; its reads are slow on the GPU. A push into a
+    slot must wait until the peer has read the slot's previous tensor."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from tpframe.comm.copy_engine import ipc_peer_memory
+    from tpframe.comm.peer_exchange import PeerExchange
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(device)
+    ex = PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
+                      rank=rank, size=2, device=device)
+    pushes = 2 * ex.SLOTS + 1
+    # Load the kernels first: loading a module waits for the GPU to go idle, which it would not while a push waits
+    # for a read that a kernel launched after the load would do.
+    torch.cuda._sleep(1)
+    torch.ones(8, device=device).clone()
+    torch.cuda.synchronize()
+    incoming = [ex.push({1 - rank: torch.full((1 << 18,), 1000.0 * rank + i, device=device)})[1 - rank]
+                for i in range(pushes)]
+    got = []
+    for inc in incoming:
+        torch.cuda._sleep(5_000_000)  # a slow reader: the peer's later pushes must not overwrite this slot first
+        got.append(inc.wait().clone())
+        inc.release()
+    torch.cuda.synchronize()
+    return [(t.min().item(), t.max().item()) for t in got]
+
+
+@pytest.mark.gpu(count=1)
+def test_a_slot_is_pushed_into_again_only_after_its_reader_released_it():
+    # Pushes queued ahead of the reads they wait for (the layers never do that: they read what they were pushed
+    # before pushing again) would block the reads if the two streams shared one hardware queue: give each its own.
+    for rank, got in enumerate(run_distributed(_pushes_ahead_of_slow_reads, 2, backend="gloo", timeout=120,
+                                               env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})):
+        want = [(1000.0 * (1 - rank) + i,) * 2 for i in range(len(got))]
+        assert got == want, f"rank {rank} read {got}, the peer pushed {want}"

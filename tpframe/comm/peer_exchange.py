@@ -15,8 +15,10 @@ c % SLOTS, generation g = c // SLOTS + 1:
   d, compute stream (`Incoming.wait`): wait ARRIVED[s][slot] >= g; read the slot in place (a GEMM's operand);
   d, compute stream (`Incoming.release`): after the reads, write FREED[d][slot] = g into s's flags.
 Waits are the GPU front end's (`cuStreamWaitValue32`), never an SM's, and compare `>=` wrap-safely: no flag is
-ever reset. A push waits only for its own data and for a read that precedes it in every rank's program order, so
-no order of arrival deadlocks. Not under CUDA-graph capture (a replay would repeat the generations).
+ever reset. Callers push before they wait, and read what they were pushed before pushing into that slot again
+(the layers read each push within the same op): then every wait depends only on work both ranks have already
+queued, so no order of arrival deadlocks, even where CUDA stalls the host until the GPU is idle (loading a kernel
+module the first time it is launched). Not under CUDA-graph capture (a replay would repeat the generations).
 
 Slots grow on the first push larger than them: every rank makes that push at the same call, so the re-allocation
 (a collective) happens in step on all ranks.
