@@ -41,6 +41,25 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
         torch.addmm(bias, a, b, out=out)
 
 
+class _WeightGrad:
+    """dW = sum over the sequence blocks of a^T b, block by block as they arrive, rounded once to the blocks' dtype
+    as one GEMM over the whole sequence would be (bf16/fp16 blocks on CUDA accumulate in fp32)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.dtype = a.dtype
+        wide = a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+        self.acc = torch.mm(a.t(), b, out_dtype=torch.float32) if wide else a.t() @ b
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.acc.dtype == self.dtype:
+            self.acc.addmm_(a.t(), b)
+        else:
+            self.acc = torch.addmm(self.acc, a.t(), b, out_dtype=torch.float32)
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.dtype)
+
+
 def all_gather_matmul(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator, bias: torch.Tensor | None = None):
     """all_gather(x) @ w_t + bias over dim 0: x [m, ..., k] this rank's block, w_t [k, o] -> [n * m, ..., o]."""
     ex, n, r = comm.peer_exchange(), comm.size, comm.rank
@@ -84,15 +103,15 @@ def column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, c
     for p in ex.peers:
         partials.update(ex.push({p: dy[p] @ weight}))
     gx = dy[r] @ weight
-    gw = dy[r].t() @ own
+    gw = _WeightGrad(dy[r], own)
     for p in ex.peers:
-        gw.addmm_(dy[p].t(), gathered[p].wait())
+        gw.add(dy[p], gathered[p].wait())
         gathered[p].release()
     gb = dy.sum((0, 1)) if has_bias else grad.new_empty(0)
     for p in ex.peers:
         gx += partials[p].wait()
         partials[p].release()
-    return gx.view(x.shape), gw, gb
+    return gx.view(x.shape), gw.result(), gb
 
 
 def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
@@ -104,13 +123,13 @@ def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm
     gx = x.new_empty(x.shape)
     out = _rows(gx, n)
     torch.mm(own, weight, out=out[r])
-    gw = own.t() @ xs[r]
+    gw = _WeightGrad(own, xs[r])
     for p in ex.peers:
         dy = incoming[p].wait()
         torch.mm(dy, weight, out=out[p])
-        gw.addmm_(dy.t(), xs[p])
+        gw.add(dy, xs[p])
         incoming[p].release()
-    return gx, gw
+    return gx, gw.result()
 
 
 def _capturing(x: torch.Tensor) -> bool:
