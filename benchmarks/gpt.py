@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP SM_MARGIN
+                                                      #   EMULATE_TP
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
@@ -21,7 +22,8 @@ GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the w
 graph's static buffers) and times its replays: what a training-step CUDA graph would save over launching the same
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
 only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8; TFLOP/s still counts the
-model's FLOPs, so it compares directly with the bf16 rows).
+model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
+with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication.
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
@@ -73,6 +75,16 @@ def async_mode() -> str | bool:
     return modes[value]
 
 
+def emulate_tp(comm, n: int) -> None:
+    """Make a one-rank TP group pass for rank 0 of `n`: the layers build rank 0's shards, and the collectives stay
+    local, each with the bytes a real one writes here (all-gather: n copies; reduce-scatter: the sum of n blocks)
+    but no transfer and no wait. The values are not a real TP=n model's; the per-GPU work is."""
+    comm.size, comm.rank = n, 0
+    comm.all_gather = lambda x, dim=0: torch.cat([x] * n, dim)
+    comm.reduce_scatter = lambda x, dim=0: sum(x.chunk(n, dim))
+    comm.all_reduce = lambda x, op="sum", *, donate=False: x if donate else x.clone()
+
+
 # -- one run (under torchrun) ---------------------------------------------------------------------
 def run_one() -> None:
     from tpframe.models import BuildContext, build_model
@@ -84,9 +96,15 @@ def run_one() -> None:
                                 comm_backend=os.environ.get("COMM", "auto"))
     state.tp_comm.overlap_backward = flag("TP_OVERLAP")  # comm.overlap_backward
     state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 32)  # comm.overlap_sm_margin (its default)
+    tp = state.tp
+    if env("EMULATE_TP", 0) > 1:
+        if state.world_size != 1:
+            raise SystemExit("EMULATE_TP=n runs one process")
+        tp = env("EMULATE_TP", 0)
+        emulate_tp(state.tp_comm, tp)
     H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
-    sp = flag("SP") and state.tp > 1
+    sp = flag("SP") and tp > 1
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
                       activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"))
@@ -162,14 +180,15 @@ def run_one() -> None:
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
                 f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}")
         line = (
-            f"RESULT tpframe tp={state.tp} sp={int(sp)} comm={state.tp_comm.requested} {tags} world={state.world_size} "
+            f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "
+            f"comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
-            f"{flops / dt / state.tp / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}"
+            f"{flops / dt / tp / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}"
         )
         print(line, flush=True)
         if not flag("NO_APPEND"):
             with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
-                f.write(f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
+                f.write(f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} EMULATE_TP={tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
                         f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
                         f"x{state.world_size}, "
                         f"torch {torch.__version__}:\n  {line}\n")
