@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -264,3 +265,38 @@ def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
                       vocab_multiple=128, norm="rmsnorm", activation="swiglu", bias=False)
     assert int(results[1][0]) == GPT.flops_per_token(SimpleNamespace(cfg=cfg, comm=SimpleNamespace(size=1)), 16)
     assert results[2] == results[1]  # same FLOPs and the same loss (3 decimals) at TP=2 + SP
+
+
+def _emulated_tp2_rank():
+    import importlib.util
+    from pathlib import Path
+
+    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import initialize_parallel, seed_parallel_rng
+
+    spec = importlib.util.spec_from_file_location("bench_gpt", Path(__file__).resolve().parent.parent / "benchmarks" / "gpt.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    state = initialize_parallel(tp=1)
+    bench.emulate_tp(state.tp_comm, 2)
+    x = torch.arange(12.0).view(6, 2)
+    assert torch.equal(state.tp_comm.all_gather(x), torch.cat([x, x]))
+    assert torch.equal(state.tp_comm.reduce_scatter(x), x[:3] + x[3:])
+    model = build_model(GPT_CFG, BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=seed_parallel_rng(0)))
+    shapes = {name: tuple(m.weight.shape) for name, m in model.named_modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    loss = model(ids, ids).mean()
+    loss.backward()
+    return shapes, loss.item(), all(p.grad is not None for p in model.parameters())
+
+
+def test_emulated_tp_runs_one_ranks_shards_with_local_collectives():
+    """benchmarks/gpt.py EMULATE_TP=2: one process builds rank 0's shards of TP=2 (half of every column layer's
+    outputs, half of every row layer's inputs) and trains through the local stand-ins of the collectives."""
+    shapes, loss, grads = run_distributed(_emulated_tp2_rank, 1)[0]
+    h = GPT_CFG.hidden
+    assert shapes and all((out * 2 in (3 * h, 4 * h) and inp == h) or (out == h and inp * 2 in (h, 4 * h))
+                          for out, inp in shapes.values()), shapes
+    assert math.isfinite(loss) and grads
