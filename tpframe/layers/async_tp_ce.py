@@ -27,11 +27,7 @@ import torch
 
 from tpframe.comm import Communicator
 from tpframe.comm import ops as comm_ops
-
-
-def _rows(x: torch.Tensor, blocks: int) -> torch.Tensor:
-    """x [blocks * m, ..., k] as [blocks, m * ..., k] (a view of the contiguous tensor)."""
-    return x.reshape(blocks, -1, x.shape[-1])
+from tpframe.layers.async_tp import _row_setup, _rows
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -206,12 +202,6 @@ def _column_grads(ctx, grad):
     x, weight = ctx.saved_tensors
     gx, gw, gb = torch.ops.tpframe.ce_column_backward(grad, x, weight, ctx.has_bias, ctx.comm_name)
     return gx, gw, (gb if ctx.has_bias else None), None
-
-
-def _row_setup(ctx, inputs, output):
-    x, weight, comm_name = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.comm_name = comm_name
 
 
 def _row_grads(ctx, grad):
