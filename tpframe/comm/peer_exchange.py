@@ -45,16 +45,19 @@ class Incoming:
     __slots__ = ("exchange", "source", "slot", "gen", "shape", "dtype")
 
     def __init__(self, exchange: "PeerExchange", source: int, slot: int, gen: int, shape, dtype):
-        self.exchange, self.source, self.slot, self.gen, self.shape, self.dtype = exchange, source, slot, gen, shape, dtype
+        self.exchange, self.source, self.slot, self.gen = exchange, source, slot, gen
+        self.shape, self.dtype = shape, dtype
 
     def wait(self) -> torch.Tensor:
         ex = self.exchange
-        stream_wait(torch.cuda.current_stream(ex.device), ex._flag(ex.rank, ex._arrived(self.source, self.slot)), self.gen)
+        arrived = ex._flag(ex.rank, ex._arrived(self.source, self.slot))
+        stream_wait(torch.cuda.current_stream(ex.device), arrived, self.gen)
         return ex._region(ex.rank, self.source, self.slot, self.shape, self.dtype)
 
     def release(self) -> None:
         ex = self.exchange
-        stream_write(torch.cuda.current_stream(ex.device), ex._flag(self.source, ex._freed(ex.rank, self.slot)), self.gen)
+        freed = ex._flag(self.source, ex._freed(ex.rank, self.slot))
+        stream_write(torch.cuda.current_stream(ex.device), freed, self.gen)
 
 
 class PeerExchange:
@@ -111,7 +114,8 @@ class PeerExchange:
             torch.cuda.synchronize(self.device)
             self.memory = None
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
-        self.memory = self.factory(numel=(self.size - 1) * self.SLOTS * self.slot_bytes, flags=2 * self.size * self.SLOTS)
+        self.memory = self.factory(numel=(self.size - 1) * self.SLOTS * self.slot_bytes,
+                                   flags=2 * self.size * self.SLOTS)
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:

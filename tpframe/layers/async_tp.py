@@ -20,9 +20,9 @@ Three modes:
                    input into a symmetric workspace first; CUDA only);
     "copy_engine"  tpframe/layers/async_tp_ce.py: blocks pushed straight into the peers' memory by the copy
                    engines, read where they land; no SM held by the transfers, no margin (CUDA, one host).
-"symm_mem" runs eagerly only; "copy_engine" is two custom ops (async_tp_ce.py), eager and compiled alike. The ring also runs inside compiled blocks, as the custom ops below (opaque to
-Inductor, which fuses what is around them; their autograd formulas call each other); under CUDA-graph capture both
-modes take the plain path.
+"symm_mem" runs eagerly only; "copy_engine" is custom ops (async_tp_ce.py), eager and compiled alike. The ring
+also runs inside compiled blocks, as the custom ops below (opaque to Inductor, which fuses what is around them;
+their autograd formulas call each other); under CUDA-graph capture every mode takes the plain path.
 
     torch.ops.tpframe.ring_column_linear(x, w, bias, comm)  -> (all_gather(x), all_gather(x) w^T + bias)
     torch.ops.tpframe.ring_row_linear(x, w, comm)           -> reduce_scatter(x w^T)
@@ -62,7 +62,9 @@ def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     if comm.size == 1:
         return False
     if mode == "copy_engine":
-        return x.is_cuda and (comm.has_peer_exchange if torch.compiler.is_compiling() else comm.peer_exchange() is not None)
+        if not x.is_cuda:
+            return False
+        return comm.has_peer_exchange if torch.compiler.is_compiling() else comm.peer_exchange() is not None
     if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     if mode == "ring":

@@ -4,12 +4,12 @@ Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is 
 Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
         then the full bias [out] is added once.
 
-Async TP (`async_tp="ring"`, `"symm_mem"` or `"copy_engine"`, with sequence parallelism; tpframe/layers/async_tp.py): each
-GEMM and its sequence collective are one autograd Function whose collective is micro-pipelined with the
-GEMM's blocks:
+Async TP (`async_tp="ring"`, `"symm_mem"` or `"copy_engine"`, with sequence parallelism;
+tpframe/layers/async_tp.py): each GEMM and its sequence collective are one autograd Function (or custom op) whose
+collective is micro-pipelined with the GEMM's blocks:
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
-Where it cannot run (tp = 1, no SP, under torch.compile or CUDA-graph capture; "symm_mem" also without
+Where it cannot run (tp = 1, no SP, CUDA-graph capture; under torch.compile "symm_mem"; "symm_mem" also without
 symmetric memory, "copy_engine" without the copy-engine transport) the same layers take the plain path below.
 With `comm.overlap_backward` (off by default), in eager training at tp > 1 a column layer's entry into the TP
 region and its GEMM are one autograd Function (`_ColumnLinear`) whose backward starts the input gradient's
@@ -127,7 +127,7 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
-    `async_tp`: None, "ring", "symm_mem" or "copy_engine" (True = "ring"): pipeline the SP all-gather under the GEMM.
+    `async_tp`: None, "ring", "symm_mem" or "copy_engine" (True = "ring"): the SP all-gather under the GEMM.
     `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
     mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
@@ -316,8 +316,8 @@ class RowParallelLinear(nn.Module):
 
 
 def enable_async_tp(model: nn.Module, mode: bool | str | None = "ring") -> int:
-    """Set async TP's mode ("ring", "symm_mem", "copy_engine"; True = "ring"; None/False: off) in every sequence-parallel
-    linear layer of `model`; returns how many.
+    """Set async TP's mode ("ring", "symm_mem", "copy_engine"; True = "ring"; None/False: off) in every
+    sequence-parallel linear layer of `model`; returns how many.
 
     Layers fall back to the plain path per call where `async_tp_available` says no (tp = 1, compiling,
     capturing; "symm_mem" also on CPU or without symmetric memory on the group, "copy_engine" on CPU or without
