@@ -102,6 +102,10 @@ class PeerMemory:
     def buffer(self) -> torch.Tensor:
         return self.buffers[self.rank]
 
+    def flag(self, owner: int, index: int) -> int:
+        """The device address of int32 flag `index` of rank `owner`'s array (for stream_write / stream_wait)."""
+        return self.flags[owner].data_ptr() + 4 * index
+
 
 def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device,
                           timeout_s: float = TIMEOUT_S, dtype: torch.dtype = torch.float32) -> PeerMemory:
@@ -195,9 +199,6 @@ class CopyEngineSync:
     def _done(self, src: int) -> int:
         return 2 * len(self.ranges) * self.size + src
 
-    def _at(self, rank: int, index: int) -> int:
-        return self.memory.flags[rank].data_ptr() + 4 * index
-
     def _slice(self, b: int, r: int) -> tuple[int, int]:
         start, stop = self.ranges[b]
         width = (stop - start) // self.size
@@ -213,14 +214,14 @@ class CopyEngineSync:
         ready.record(compute)
         self.signal.wait_event(ready)
         for p in self.peers:
-            stream_write(self.signal, self._at(p, self._ready(b, me)), e)
+            stream_write(self.signal, self.memory.flag(p, self._ready(b, me)), e)
         lo, hi = self._slice(b, me)
         slot = len(self.launched) % self.SLOTS
         scratch = self.scratch[slot][: len(self.peers) * (hi - lo)].view(len(self.peers), hi - lo)  # contiguous
         if self._slot_free[slot] is not None:
             self.pull.wait_event(self._slot_free[slot])
         for p in self.peers:
-            stream_wait(self.pull, self._at(me, self._ready(b, p)), e)
+            stream_wait(self.pull, self.memory.flag(me, self._ready(b, p)), e)
         with torch.cuda.stream(self.pull):
             for j, p in enumerate(self.peers):
                 scratch[j].copy_(self.memory.buffers[p][lo:hi])
@@ -235,10 +236,10 @@ class CopyEngineSync:
         self._slot_free[slot] = freed
         if not self.scatter_only:
             for p in self.peers:
-                stream_write(self.reduce, self._at(p, self._reduced(b, me)), e)
+                stream_write(self.reduce, self.memory.flag(p, self._reduced(b, me)), e)
             self.gather.wait_event(ready)
             for p in self.peers:
-                stream_wait(self.gather, self._at(me, self._reduced(b, p)), e)
+                stream_wait(self.gather, self.memory.flag(me, self._reduced(b, p)), e)
                 plo, phi = self._slice(b, p)
                 with torch.cuda.stream(self.gather):
                     self.buffer[plo:phi].copy_(self.memory.buffers[p][plo:phi])
@@ -257,12 +258,12 @@ class CopyEngineSync:
         if last is not self.reduce:
             last.wait_stream(self.reduce)
         for p in self.peers:
-            stream_write(last, self._at(p, self._done(me)), e)
+            stream_write(last, self.memory.flag(p, self._done(me)), e)
         compute = torch.cuda.current_stream(self.device)
         compute.wait_stream(last)
         compute.wait_stream(self.pull)
         for p in self.peers:
-            stream_wait(compute, self._at(me, self._done(p)), e)
+            stream_wait(compute, self.memory.flag(me, self._done(p)), e)
         self.launched = []
         # A peer that never syncs would leave the GPU waiting and the host silent at its next read of the GPU:
         # bound it here (the step reads the gradient norm right after this anyway, so the host waits either way).

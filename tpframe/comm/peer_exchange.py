@@ -50,13 +50,13 @@ class Incoming:
 
     def wait(self) -> torch.Tensor:
         ex = self.exchange
-        arrived = ex._flag(ex.rank, ex._arrived(self.source, self.slot))
+        arrived = ex.memory.flag(ex.rank, ex._arrived(self.source, self.slot))
         stream_wait(torch.cuda.current_stream(ex.device), arrived, self.gen)
         return ex._region(ex.rank, self.source, self.slot, self.shape, self.dtype)
 
     def release(self) -> None:
         ex = self.exchange
-        freed = ex._flag(self.source, ex._freed(ex.rank, self.slot))
+        freed = ex.memory.flag(self.source, ex._freed(ex.rank, self.slot))
         stream_write(torch.cuda.current_stream(ex.device), freed, self.gen)
 
 
@@ -98,9 +98,6 @@ class PeerExchange:
     def _freed(self, reader: int, slot: int) -> int:
         return (self.size + reader) * self.SLOTS + slot
 
-    def _flag(self, owner: int, index: int) -> int:
-        return self.memory.flags[owner].data_ptr() + 4 * index
-
     def _region(self, owner: int, source: int, slot: int, shape, dtype) -> torch.Tensor:
         start = (((source - owner - 1) % self.size) * self.SLOTS + slot) * self.slot_bytes
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -133,10 +130,10 @@ class PeerExchange:
             self.sent[peer] += 1
             slot, gen = count % self.SLOTS, count // self.SLOTS + 1
             if gen > 1:
-                stream_wait(self.stream, self._flag(self.rank, self._freed(peer, slot)), gen - 1)
+                stream_wait(self.stream, self.memory.flag(self.rank, self._freed(peer, slot)), gen - 1)
             with torch.cuda.stream(self.stream):
                 self._region(peer, self.rank, slot, t.shape, t.dtype).copy_(t)
-            stream_write(self.stream, self._flag(peer, self._arrived(self.rank, slot)), gen)
+            stream_write(self.stream, self.memory.flag(peer, self._arrived(self.rank, slot)), gen)
             t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has run
             count = self.received[peer]
             self.received[peer] += 1
