@@ -78,11 +78,21 @@ def async_mode() -> str | bool:
 def emulate_tp(comm, n: int) -> None:
     """Make a one-rank TP group pass for rank 0 of `n`: the layers build rank 0's shards, and the collectives stay
     local, each with the bytes a real one writes here (all-gather: n copies; reduce-scatter: the sum of n blocks)
-    but no transfer and no wait. The values are not a real TP=n model's; the per-GPU work is."""
+    but no transfer and no wait; async TP's copy-engine pushes go into local buffers with every flag already set.
+    The values are not a real TP=n model's; the per-GPU work and the host's are."""
     comm.size, comm.rank = n, 0
     comm.all_gather = lambda x, dim=0: torch.cat([x] * n, dim)
     comm.reduce_scatter = lambda x, dim=0: sum(x.chunk(n, dim))
     comm.all_reduce = lambda x, op="sum", *, donate=False: x if donate else x.clone()
+    if comm.device.type == "cuda":  # async_tp=copy_engine: pushes copied into local stand-ins, every wait passed
+        from tpframe.comm.copy_engine import PeerMemory
+        from tpframe.comm.peer_exchange import PeerExchange
+
+        def memory(*, numel: int, flags: int) -> PeerMemory:
+            return PeerMemory(0, n, [torch.empty(numel, dtype=torch.uint8, device=comm.device) for _ in range(n)],
+                              [torch.full((flags,), 1 << 30, dtype=torch.int32, device=comm.device) for _ in range(n)])
+
+        comm.use_peer_exchange(PeerExchange(memory, rank=0, size=n, device=comm.device))
 
 
 # -- one run (under torchrun) ---------------------------------------------------------------------

@@ -51,6 +51,16 @@ def _driver():
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
         fns[name] = fn
+    copy = lib.cuMemcpyDtoDAsync_v2
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    copy.restype = ctypes.c_int
+    fns["copy"] = copy
+    for name, argtypes in (("cuEventCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                           ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+                           ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fns[name] = fn
     attr = lib.cuDeviceGetAttribute
     attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
     attr.restype = ctypes.c_int
@@ -63,16 +73,42 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUresult {rc}")
 
 
-def stream_write(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """When `stream` reaches this point, store `value` (32 bits) at device address `address` (after a fence)."""
-    _check(_driver()["cuStreamWriteValue32_v2"](stream.cuda_stream, address, value & 0xFFFFFFFF, 0),
+def _handle(stream) -> int:
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
+def stream_write(stream, address: int, value: int) -> None:
+    """When `stream` (a torch.cuda.Stream or a raw handle) reaches this point, store `value` (32 bits) at device
+    address `address` (after a fence)."""
+    _check(_driver()["cuStreamWriteValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, 0),
            "cuStreamWriteValue32")
 
 
-def stream_wait(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """Work queued on `stream` after this waits until the int32 at `address` is >= `value` (wrap-safe)."""
-    _check(_driver()["cuStreamWaitValue32_v2"](stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_GEQ),
+def stream_wait(stream, address: int, value: int) -> None:
+    """Work queued on `stream` (a torch.cuda.Stream or a raw handle) after this waits until the int32 at
+    `address` is >= `value` (wrap-safe)."""
+    _check(_driver()["cuStreamWaitValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
            "cuStreamWaitValue32")
+
+
+def stream_copy(stream, dst: int, src: int, nbytes: int) -> None:
+    """Queue a device-to-device copy of `nbytes` on `stream` (raw addresses: what torch's same-device `copy_`
+    calls, without its host cost; a peer's mapped memory as `dst` makes it a copy engine's transfer)."""
+    _check(_driver()["copy"](dst, src, nbytes, _handle(stream)), "cuMemcpyDtoDAsync")
+
+
+class StreamOrder:
+    """`after(later, earlier)`: work queued on stream `later` from now on waits for what `earlier` has queued so
+    far (raw handles; one reused event, as `torch.cuda.Stream.wait_stream` does with a new one each call)."""
+
+    def __init__(self):
+        event = ctypes.c_void_p()
+        _check(_driver()["cuEventCreate"](ctypes.byref(event), 0x2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
+        self.event = event
+
+    def after(self, later: int, earlier: int) -> None:
+        _check(_driver()["cuEventRecord"](self.event, earlier), "cuEventRecord")
+        _check(_driver()["cuStreamWaitEvent"](later, self.event, 0), "cuStreamWaitEvent")
 
 
 def stream_memops_supported(device: torch.device) -> bool:

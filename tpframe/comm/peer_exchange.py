@@ -32,7 +32,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tpframe.comm.copy_engine import PeerMemory, copy_engine_available, stream_wait, stream_write
+from tpframe.comm.copy_engine import (PeerMemory, StreamOrder, copy_engine_available, stream_copy, stream_wait,
+                                     stream_write)
 
 _ALIGN = 1 << 20  # slot sizes are rounded up to whole MiB
 
@@ -50,20 +51,21 @@ class Incoming:
 
     def wait(self) -> torch.Tensor:
         ex = self.exchange
-        arrived = ex.memory.flag(ex.rank, ex._arrived(self.source, self.slot))
-        stream_wait(torch.cuda.current_stream(ex.device), arrived, self.gen)
-        return ex._region(ex.rank, self.source, self.slot, self.shape, self.dtype)
+        stream_wait(ex.current(), ex.flag(ex.rank, ex._arrived(self.source, self.slot)), self.gen)
+        return ex._incoming_view(self.source, self.slot, self.shape, self.dtype)
 
     def release(self) -> None:
         ex = self.exchange
-        freed = ex.memory.flag(self.source, ex._freed(ex.rank, self.slot))
-        stream_write(torch.cuda.current_stream(ex.device), freed, self.gen)
+        stream_write(ex.current(), ex.flag(self.source, ex._freed(ex.rank, self.slot)), self.gen)
 
 
 class PeerExchange:
     """`push({peer: tensor})`: each tensor copied into that peer's slot for this rank; returns, per peer, the
     `Incoming` tensor that peer pushes to this rank in its matching call (same shape and dtype: the collectives
-    built on it are symmetric). `memory_factory(numel=, flags=)` allocates a PeerMemory of bytes (a collective)."""
+    built on it are symmetric). `memory_factory(numel=, flags=)` allocates a PeerMemory of bytes (a collective).
+
+    Each layer call makes a few pushes, waits and releases, so their host cost counts at small shapes: they work
+    on raw stream handles and addresses (ctypes driver calls), not torch's stream and tensor objects."""
 
     SLOTS = 4  # per source: the column layer's backward has two pushes from each peer in flight
 
@@ -71,10 +73,12 @@ class PeerExchange:
         self.factory, self.rank, self.size, self.device = memory_factory, rank, size, device
         self.peers = [(rank + j) % size for j in range(1, size)]  # nearest first
         self.stream = torch.cuda.Stream(device)
+        self._order = StreamOrder()
         self.memory: PeerMemory | None = None
         self.slot_bytes = 0
         self.sent = [0] * size
         self.received = [0] * size
+        self._views: dict = {}  # (source, slot, shape, dtype) -> this rank's slot as a tensor
 
     @classmethod
     def for_group(cls, group, device: torch.device) -> "PeerExchange | None":
@@ -90,6 +94,10 @@ class PeerExchange:
         factory = functools.partial(symmetric_peer_memory, group, device=device, dtype=torch.uint8)
         return cls(factory, rank=dist.get_rank(group), size=dist.get_world_size(group), device=device)
 
+    def current(self) -> int:
+        """The raw handle of this device's current stream."""
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
+
     # -- layout: per rank, (size - 1) * SLOTS slots (by source, this rank's own excluded), ARRIVED flags by
     # (source, slot), FREED by (reader, slot)
     def _arrived(self, source: int, slot: int) -> int:
@@ -98,10 +106,20 @@ class PeerExchange:
     def _freed(self, reader: int, slot: int) -> int:
         return (self.size + reader) * self.SLOTS + slot
 
-    def _region(self, owner: int, source: int, slot: int, shape, dtype) -> torch.Tensor:
-        start = (((source - owner - 1) % self.size) * self.SLOTS + slot) * self.slot_bytes
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return self.memory.buffers[owner][start : start + nbytes].view(dtype).view(shape)
+    def flag(self, owner: int, index: int) -> int:
+        return self._flag_base[owner] + 4 * index
+
+    def _offset(self, owner: int, source: int, slot: int) -> int:
+        return (((source - owner - 1) % self.size) * self.SLOTS + slot) * self.slot_bytes
+
+    def _incoming_view(self, source: int, slot: int, shape, dtype) -> torch.Tensor:
+        key = (source, slot, shape, dtype)
+        view = self._views.get(key)
+        if view is None:
+            start = self._offset(self.rank, source, slot)
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            view = self._views[key] = self.memory.buffers[self.rank][start : start + nbytes].view(dtype).view(shape)
+        return view
 
     def _ensure(self, nbytes: int) -> None:
         """Slots of at least `nbytes` (a collective, reached by every rank at the same push)."""
@@ -109,10 +127,12 @@ class PeerExchange:
             return
         if self.memory is not None:  # every earlier push was read: the compute streams waited for them
             torch.cuda.synchronize(self.device)
-            self.memory = None
+            self.memory, self._views = None, {}
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
         self.memory = self.factory(numel=(self.size - 1) * self.SLOTS * self.slot_bytes,
                                    flags=2 * self.size * self.SLOTS)
+        self._flag_base = [f.data_ptr() for f in self.memory.flags]
+        self._buffer_base = [b.data_ptr() for b in self.memory.buffers]
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
@@ -122,18 +142,18 @@ class PeerExchange:
             if not t.is_contiguous():
                 raise ValueError("PeerExchange.push needs contiguous tensors")
         self._ensure(max(t.numel() * t.element_size() for t in sends.values()))
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
+        push = self.stream.cuda_stream
+        self._order.after(push, self.current())
         incoming = {}
         for peer, t in sends.items():
             count = self.sent[peer]
             self.sent[peer] += 1
             slot, gen = count % self.SLOTS, count // self.SLOTS + 1
             if gen > 1:
-                stream_wait(self.stream, self.memory.flag(self.rank, self._freed(peer, slot)), gen - 1)
-            with torch.cuda.stream(self.stream):
-                self._region(peer, self.rank, slot, t.shape, t.dtype).copy_(t)
-            stream_write(self.stream, self.memory.flag(peer, self._arrived(self.rank, slot)), gen)
+                stream_wait(push, self.flag(self.rank, self._freed(peer, slot)), gen - 1)
+            nbytes = t.numel() * t.element_size()
+            stream_copy(push, self._buffer_base[peer] + self._offset(peer, self.rank, slot), t.data_ptr(), nbytes)
+            stream_write(push, self.flag(peer, self._arrived(self.rank, slot)), gen)
             t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has run
             count = self.received[peer]
             self.received[peer] += 1

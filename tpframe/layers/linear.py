@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.layers import async_tp_ce  # noqa: F401 - defines torch.ops.tpframe.ce_* (parallel.async_tp=copy_engine)
+from tpframe.layers.async_tp_ce import ce_column, ce_row  # parallel.async_tp=copy_engine
 from tpframe.layers.async_tp import (
     FusedAllGatherLinear,
     FusedLinearReduceScatter,
@@ -137,7 +137,7 @@ def column_parallel_linear(
         if mode == "ring":  # its weight gradient is computed in backward, not deferred
             y = _ColumnLinear.apply(x, weight, bias, comm, True, True)
         elif mode == "copy_engine":
-            y = torch.ops.tpframe.ce_column_linear(x, weight, bias, comm.name)
+            y = ce_column(x, weight, bias, comm)
         else:
             y = FusedAllGatherLinear.apply(x, weight, bias, comm)
     elif not entered and not fp8 and not deferring() and overlaps_entry_grad(comm):
@@ -172,7 +172,7 @@ def row_parallel_linear(
         y = torch.ops.tpframe.ring_row_linear(x, weight, comm.name)
     elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
         if mode == "copy_engine":
-            y = torch.ops.tpframe.ce_row_linear(x, weight, comm.name)
+            y = ce_row(x, weight, comm)
         else:
             y = (RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter).apply(x, weight, comm)
     else:
