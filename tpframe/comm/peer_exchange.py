@@ -6,22 +6,26 @@ persistent, so a GEMM beside them either waits or slows them (tpframe/comm/margi
 `cudaMemcpyAsync` runs on the copy engines (DMA) and holds no SM: the GEMM beside it keeps every SM.
 
 Each rank owns, in memory every peer can write (torch's symmetric memory; CUDA IPC in the one-GPU tests), `SLOTS`
-slots per peer it receives from and two int32 flag arrays. For a push of tensor t from rank s to rank d, the c-th from s
-to d (counted on both sides: every rank makes the same pushes in the same order, as with any collective), in slot
-c % SLOTS, generation g = c // SLOTS + 1:
+regions of `size` blocks and two int32 flag arrays; block s of a region is where source s writes. For a push of
+tensor t from rank s to rank d, the c-th from s to d (counted on both sides: every rank makes the same pushes in the
+same order, as with any collective), in region slot c % SLOTS, generation g = c // SLOTS + 1:
   s, push stream:   wait for the compute stream (t is ready); wait FREED[d][slot] >= g - 1 in s's flags (d has
-                    read the slot's previous generation); copy t into d's slot (copy engine); write ARRIVED[s][slot] = g
-                    into d's flags;
-  d, compute stream (`Incoming.wait`): wait ARRIVED[s][slot] >= g; read the slot in place (a GEMM's operand);
+                    read the slot's previous generation); copy t into block s of d's region (copy engine); write
+                    ARRIVED[s][slot] = g into d's flags;
+  d, compute stream (`Incoming.wait`): wait ARRIVED[s][slot] >= g; read the block in place (a GEMM's operand);
   d, compute stream (`Incoming.release`): after the reads, write FREED[d][slot] = g into s's flags.
+`gather(t)` pushes t to every peer and copies it into block `rank` of this rank's own region (a local copy-engine
+copy), so the region is the whole all-gathered tensor, contiguous: one GEMM can read it (a weight gradient over the
+whole sequence, rounded once).
 Waits are the GPU front end's (`cuStreamWaitValue32`), never an SM's, and compare `>=` wrap-safely: no flag is
 ever reset. Callers push before they wait, and read what they were pushed before pushing into that slot again
 (the layers read each push within the same op): then every wait depends only on work both ranks have already
 queued, so no order of arrival deadlocks, even where CUDA stalls the host until the GPU is idle (loading a kernel
 module the first time it is launched). Not under CUDA-graph capture (a replay would repeat the generations).
 
-Slots grow on the first push larger than them: every rank makes that push at the same call, so the re-allocation
-(a collective) happens in step on all ranks.
+Blocks are sized to the largest tensor pushed so far (rounded up to 16 bytes, so a model's fixed-shape pushes
+fill them and a gathered region is one contiguous tensor); they grow on the first push larger than them: every
+rank makes that push at the same call, so the re-allocation (a collective) happens in step on all ranks.
 """
 
 from __future__ import annotations
@@ -32,15 +36,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tpframe.comm.copy_engine import (PeerMemory, StreamOrder, copy_engine_available, stream_copy, stream_wait,
+from tpframe.comm.copy_engine import (PeerMemory, RawEvent, copy_engine_available, stream_copy, stream_wait,
                                      stream_write)
 
-_ALIGN = 1 << 20  # slot sizes are rounded up to whole MiB
+_ALIGN = 16  # bytes: every block starts aligned for any dtype
 
 
 class Incoming:
-    """A tensor a peer pushed (or is pushing) into this rank's slot: `wait()` returns it once it has arrived (the
-    current stream waits, not the host); `release()` hands the slot back once the current stream's reads of it
+    """A tensor a peer pushed (or is pushing) into this rank's region: `wait()` returns it once it has arrived (the
+    current stream waits, not the host); `release()` hands the block back once the current stream's reads of it
     are queued. Use it between the two only."""
 
     __slots__ = ("exchange", "source", "slot", "gen", "shape", "dtype")
@@ -52,33 +56,62 @@ class Incoming:
     def wait(self) -> torch.Tensor:
         ex = self.exchange
         stream_wait(ex.current(), ex.flag(ex.rank, ex._arrived(self.source, self.slot)), self.gen)
-        return ex._incoming_view(self.source, self.slot, self.shape, self.dtype)
+        return ex._view(self.slot, self.source, self.shape, self.dtype)
 
     def release(self) -> None:
         ex = self.exchange
         stream_write(ex.current(), ex.flag(self.source, ex._freed(ex.rank, self.slot)), self.gen)
 
 
+class Gathered:
+    """What `PeerExchange.gather` returns: `wait(peer)` one peer's block; `full()` the whole gathered tensor (every
+    block arrived, this rank's own copied in); `release()` after the reads, as for `Incoming`."""
+
+    __slots__ = ("exchange", "incoming", "slot", "own", "shape", "dtype")
+
+    def __init__(self, exchange: "PeerExchange", incoming: dict[int, Incoming], slot: int, own: RawEvent, shape,
+                 dtype):
+        self.exchange, self.incoming, self.slot, self.own = exchange, incoming, slot, own
+        self.shape, self.dtype = shape, dtype
+
+    def wait(self, peer: int) -> torch.Tensor:
+        return self.incoming[peer].wait()
+
+    def full(self) -> torch.Tensor:
+        ex = self.exchange
+        for inc in self.incoming.values():
+            inc.wait()
+        self.own.block(ex.current())
+        return ex._view(self.slot, None, self.shape, self.dtype)
+
+    def release(self) -> None:
+        for inc in self.incoming.values():
+            inc.release()
+
+
 class PeerExchange:
-    """`push({peer: tensor})`: each tensor copied into that peer's slot for this rank; returns, per peer, the
+    """`push({peer: tensor})`: each tensor copied into that peer's region for this rank; returns, per peer, the
     `Incoming` tensor that peer pushes to this rank in its matching call (same shape and dtype: the collectives
-    built on it are symmetric). `memory_factory(numel=, flags=)` allocates a PeerMemory of bytes (a collective).
+    built on it are symmetric). `gather(tensor)`: the all-gather of dim 0 into one of this rank's regions.
+    `memory_factory(numel=, flags=)` allocates a PeerMemory of bytes (a collective).
 
     Each layer call makes a few pushes, waits and releases, so their host cost counts at small shapes: they work
     on raw stream handles and addresses (ctypes driver calls), not torch's stream and tensor objects."""
 
-    SLOTS = 4  # per source: the column layer's backward has two pushes from each peer in flight
+    SLOTS = 4  # regions: the column layer's backward has two pushes from each peer in flight
 
     def __init__(self, memory_factory, *, rank: int, size: int, device: torch.device):
         self.factory, self.rank, self.size, self.device = memory_factory, rank, size, device
         self.peers = [(rank + j) % size for j in range(1, size)]  # nearest first
         self.stream = torch.cuda.Stream(device)
-        self._order = StreamOrder()
+        self._order = RawEvent()
+        self._own = [RawEvent() for _ in range(self.SLOTS)]  # per region: `gather`'s local copy done
         self.memory: PeerMemory | None = None
         self.slot_bytes = 0
-        self.sent = [0] * size
+        self.sent = [0] * size  # per peer, since the slots were last (re)allocated
         self.received = [0] * size
-        self._views: dict = {}  # (source, slot, shape, dtype) -> this rank's slot as a tensor
+        self.pushes = 0  # tensors pushed in all
+        self._views: dict = {}  # (slot, block or None, shape, dtype) -> this rank's memory as a tensor
 
     @classmethod
     def for_group(cls, group, device: torch.device) -> "PeerExchange | None":
@@ -98,8 +131,8 @@ class PeerExchange:
         """The raw handle of this device's current stream."""
         return torch._C._cuda_getCurrentRawStream(self.device.index)
 
-    # -- layout: per rank, (size - 1) * SLOTS slots (by source, this rank's own excluded), ARRIVED flags by
-    # (source, slot), FREED by (reader, slot)
+    # -- layout: per rank SLOTS regions of `size` blocks (block s: from source s); ARRIVED flags by (source, slot),
+    # FREED by (reader, slot)
     def _arrived(self, source: int, slot: int) -> int:
         return source * self.SLOTS + slot
 
@@ -109,39 +142,50 @@ class PeerExchange:
     def flag(self, owner: int, index: int) -> int:
         return self._flag_base[owner] + 4 * index
 
-    def _offset(self, owner: int, source: int, slot: int) -> int:
-        return (((source - owner - 1) % self.size) * self.SLOTS + slot) * self.slot_bytes
+    def _offset(self, slot: int, block: int) -> int:
+        return (slot * self.size + block) * self.slot_bytes
 
-    def _incoming_view(self, source: int, slot: int, shape, dtype) -> torch.Tensor:
-        key = (source, slot, shape, dtype)
+    def _view(self, slot: int, block: int | None, shape, dtype) -> torch.Tensor:
+        """Block `block` of this rank's region `slot` as a tensor of `shape`; block None: the region's blocks as one
+        tensor of `size * shape[0]` rows, in place where the blocks fill their slots (the layers' pushes all have
+        the one shape of a sequence block), else a copy."""
+        key = (slot, block, shape, dtype)
         view = self._views.get(key)
         if view is None:
-            start = self._offset(self.rank, source, slot)
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            view = self._views[key] = self.memory.buffers[self.rank][start : start + nbytes].view(dtype).view(shape)
+            if block is None and nbytes != self.slot_bytes:
+                return torch.cat([self._view(slot, b, shape, dtype) for b in range(self.size)])
+            if block is None:
+                shape = (self.size * shape[0],) + tuple(shape[1:])
+                block, nbytes = 0, self.size * nbytes
+            start = self._offset(slot, block)
+            view = self.memory.buffers[self.rank][start : start + nbytes].view(dtype).view(shape)
+            self._views[key] = view
         return view
 
     def _ensure(self, nbytes: int) -> None:
-        """Slots of at least `nbytes` (a collective, reached by every rank at the same push)."""
+        """Blocks of at least `nbytes` (a collective, reached by every rank at the same push)."""
         if nbytes <= self.slot_bytes:
             return
         if self.memory is not None:  # every earlier push was read: the compute streams waited for them
             torch.cuda.synchronize(self.device)
             self.memory, self._views = None, {}
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
-        self.memory = self.factory(numel=(self.size - 1) * self.SLOTS * self.slot_bytes,
-                                   flags=2 * self.size * self.SLOTS)
+        self.memory = self.factory(numel=self.SLOTS * self.size * self.slot_bytes, flags=2 * self.size * self.SLOTS)
         self._flag_base = [f.data_ptr() for f in self.memory.flags]
         self._buffer_base = [b.data_ptr() for b in self.memory.buffers]
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
-        """Copy each `sends[peer]` (contiguous, on this device) into `peer`'s slot for this rank, on the push stream
-        after the current stream's work so far; return what each of those peers pushes here in return."""
+        """Copy each `sends[peer]` (contiguous, on this device) into `peer`'s region for this rank, on the push
+        stream after the current stream's work so far; return what each of those peers pushes here in return."""
         for t in sends.values():
             if not t.is_contiguous():
                 raise ValueError("PeerExchange.push needs contiguous tensors")
         self._ensure(max(t.numel() * t.element_size() for t in sends.values()))
+        return self._send(sends)
+
+    def _send(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
         push = self.stream.cuda_stream
         self._order.after(push, self.current())
         incoming = {}
@@ -152,10 +196,29 @@ class PeerExchange:
             if gen > 1:
                 stream_wait(push, self.flag(self.rank, self._freed(peer, slot)), gen - 1)
             nbytes = t.numel() * t.element_size()
-            stream_copy(push, self._buffer_base[peer] + self._offset(peer, self.rank, slot), t.data_ptr(), nbytes)
+            stream_copy(push, self._buffer_base[peer] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
             stream_write(push, self.flag(peer, self._arrived(self.rank, slot)), gen)
             t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has run
+            self.pushes += 1
             count = self.received[peer]
             self.received[peer] += 1
             incoming[peer] = Incoming(self, peer, count % self.SLOTS, count // self.SLOTS + 1, t.shape, t.dtype)
         return incoming
+
+    def gather(self, t: torch.Tensor) -> Gathered:
+        """All-gather of `t` (contiguous) over dim 0: pushed to every peer, and copied (copy engine) into block
+        `rank` of the region the peers' blocks land in, so that `full()` reads the gathered tensor in place."""
+        if not t.is_contiguous():
+            raise ValueError("PeerExchange.gather needs a contiguous tensor")
+        nbytes = t.numel() * t.element_size()
+        self._ensure(nbytes)
+        incoming = self._send({p: t for p in self.peers})
+        slots = {inc.slot for inc in incoming.values()}
+        if len(slots) != 1:
+            raise RuntimeError(f"PeerExchange.gather: peers' blocks in different regions {sorted(slots)} "
+                               "(pushes to some peers only, between gathers)")
+        slot = slots.pop()
+        push = self.stream.cuda_stream  # after the compute stream's reads of this region's last generation
+        stream_copy(push, self._buffer_base[self.rank] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
+        self._own[slot].record(push)
+        return Gathered(self, incoming, slot, self._own[slot], t.shape, t.dtype)

@@ -7,11 +7,14 @@ cuBLAS's persistent GEMMs that works only with `comm.overlap_sm_margin` SMs left
 the peer's block where it landed, so nothing is staged. With n = tp ranks, rank r, blocks t of the sequence:
 
     column  forward   push x_r to every peer; y_r = x_r W^T + b; then per peer p: y_p = x_p W^T + b on arrival
-            backward  push x_r again (the input is re-gathered, not saved whole: 1/n of the activation memory)
+            backward  gather x again (the input is re-gathered, not saved whole: 1/n of the activation memory)
                       and, per peer p, the partial dX_p = dY_p W as soon as it is computed; dX_r = dY_r W,
-                      dW = sum_t dY_t^T x_t (x_p read on arrival), db = sum dY; dX_r += the peers' partials
+                      db = sum dY, dW = dY^T x_all (x gathered where it lands); dX_r += the peers' partials
     row     forward   per peer p: push the partial y_p = x_p W^T; y_r = x_r W^T; y_r += the peers' partials
-            backward  push dy_r; dX_r = dy_r W, dW = dy_r^T x_r; per peer p on arrival: dX_p = dy_p W, dW += dy_p^T x_p
+            backward  gather dy; dX_r = dy_r W; per peer p on arrival: dX_p = dy_p W; then dW = dY_all^T x
+
+The gathers (`PeerExchange.gather`) land the peers' blocks beside a copy-engine copy of this rank's own block, so
+each weight gradient is one GEMM over the whole sequence, read in place and rounded once.
 
 The layers call `ce_column` / `ce_row`: inside compiled blocks the two custom ops below (opaque to Inductor, which
 fuses what is around them; their backward formulas are custom ops too), eagerly two autograd Functions over the same
@@ -38,30 +41,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor 
         torch.addmm(bias, a, b, out=out)
 
 
-class _WeightGrad:
-    """dW = sum over the sequence blocks of a^T b, block by block as they arrive, rounded once to the blocks' dtype
-    as one GEMM over the whole sequence would be (bf16/fp16 blocks on CUDA accumulate in fp32)."""
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor):
-        self.dtype = a.dtype
-        wide = a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
-        self.acc = torch.mm(a.t(), b, out_dtype=torch.float32) if wide else a.t() @ b
-
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        if self.acc.dtype == self.dtype:
-            self.acc.addmm_(a.t(), b)
-        else:
-            self.acc = torch.addmm(self.acc, a.t(), b, out_dtype=torch.float32)
-
-    def result(self) -> torch.Tensor:
-        return self.acc.to(self.dtype)
-
-
 def all_gather_matmul(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator, bias: torch.Tensor | None = None):
     """all_gather(x) @ w_t + bias over dim 0: x [m, ..., k] this rank's block, w_t [k, o] -> [n * m, ..., o]."""
     ex, n, r = comm.peer_exchange(), comm.size, comm.rank
-    x = x.contiguous()
-    own = x.reshape(-1, x.shape[-1])
+    own = x.contiguous().view(-1, x.shape[-1])
     incoming = ex.push({p: own for p in ex.peers})
     y = x.new_empty((n * x.shape[0],) + x.shape[1:-1] + (w_t.shape[1],))
     out = _rows(y, n)
@@ -75,10 +58,9 @@ def all_gather_matmul(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator, bi
 def matmul_reduce_scatter(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """reduce_scatter(x @ w_t) over dim 0: x [n * m, ..., k], w_t [k, o] -> [m, ..., o], this rank's block summed."""
     ex, n, r = comm.peer_exchange(), comm.size, comm.rank
-    x = x.contiguous()
     if x.shape[0] % n:
         raise ValueError(f"async TP needs dim 0 of {tuple(x.shape)} divisible by tp={n} (the sequence under SP)")
-    blocks = _rows(x, n)
+    blocks = _rows(x.contiguous(), n)
     incoming = {}
     for p in ex.peers:
         incoming.update(ex.push({p: blocks[p] @ w_t}))
@@ -91,42 +73,39 @@ def matmul_reduce_scatter(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator
 
 def column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator, has_bias: bool):
     """(dX, dW, db) of y = all_gather(x) W^T + b: dX = reduce_scatter(dY W), dW = dY^T all_gather(x), db = sum dY.
-    x is this rank's block (re-gathered here); db is empty without a bias."""
+    x is this rank's block, gathered again here (under the dX GEMMs) for dW: one GEMM over the whole sequence,
+    rounded once. db is empty without a bias."""
     ex, n, r = comm.peer_exchange(), comm.size, comm.rank
-    own = x.contiguous().reshape(-1, x.shape[-1])
-    dy = _rows(grad.contiguous(), n)
-    gathered = ex.push({p: own for p in ex.peers})  # the input again, for dW
+    dy = grad.contiguous().view(-1, grad.shape[-1])
+    blocks = _rows(dy, n)
+    gathered = ex.gather(x.contiguous().view(-1, x.shape[-1]))  # the input again, for dW
     partials = {}
     for p in ex.peers:
-        partials.update(ex.push({p: dy[p] @ weight}))
-    gx = dy[r] @ weight
-    gw = _WeightGrad(dy[r], own)
-    for p in ex.peers:
-        gw.add(dy[p], gathered[p].wait())
-        gathered[p].release()
-    gb = dy.sum((0, 1)) if has_bias else grad.new_empty(0)
+        partials.update(ex.push({p: blocks[p] @ weight}))
+    gx = blocks[r] @ weight
+    gb = dy.sum(0) if has_bias else grad.new_empty(0)
+    gw = dy.t() @ gathered.full()
+    gathered.release()
     for p in ex.peers:
         gx += partials[p].wait()
         partials[p].release()
-    return gx.view(x.shape), gw.result(), gb
+    return gx.view(x.shape), gw, gb
 
 
 def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
-    """(dX, dW) of y = reduce_scatter(x W^T): dY = all_gather(dy), dX = dY W, dW = dY^T x."""
+    """(dX, dW) of y = reduce_scatter(x W^T): dY = all_gather(dy), dX = dY W (block by block as dY arrives),
+    dW = dY^T x (one GEMM over the whole sequence, rounded once)."""
     ex, n, r = comm.peer_exchange(), comm.size, comm.rank
-    own = grad.contiguous().reshape(-1, grad.shape[-1])
-    xs = _rows(x.contiguous(), n)
-    incoming = ex.push({p: own for p in ex.peers})
+    own = grad.contiguous().view(-1, grad.shape[-1])
+    gathered = ex.gather(own)
     gx = x.new_empty(x.shape)
     out = _rows(gx, n)
     torch.mm(own, weight, out=out[r])
-    gw = _WeightGrad(own, xs[r])
     for p in ex.peers:
-        dy = incoming[p].wait()
-        torch.mm(dy, weight, out=out[p])
-        gw.add(dy, xs[p])
-        incoming[p].release()
-    return gx, gw.result()
+        torch.mm(gathered.wait(p), weight, out=out[p])
+    gw = gathered.full().t() @ x.reshape(-1, x.shape[-1])
+    gathered.release()
+    return gx, gw
 
 
 def _capturing(x: torch.Tensor) -> bool:
