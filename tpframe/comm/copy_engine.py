@@ -213,10 +213,18 @@ class CopyEngineSync:
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.device = memory.buffer.device
         self.signal, self.pull, self.reduce, self.gather = (torch.cuda.Stream(self.device) for _ in range(4))
+        self._raw = {name: getattr(self, name).cuda_stream for name in ("signal", "pull", "reduce", "gather")}
         widest = max((stop - start) // self.size for start, stop in self.ranges)
         self.scratch = [torch.empty(len(self.peers) * widest, dtype=torch.float32, device=self.device)
                         for _ in range(self.SLOTS)]
-        self._slot_free: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        # Each bucket's launch is a dozen stream operations: raw handles, addresses and reused events (ctypes
+        # driver calls) keep its host cost a fraction of torch's stream contexts, views and new events.
+        self._ready, self._pulled = RawEvent(), RawEvent()
+        self._slot_free = [RawEvent() for _ in range(self.SLOTS)]
+        self._slot_used = [False] * self.SLOTS
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (bucket, slot) -> operands
+        self._base = [b.data_ptr() for b in memory.buffers]
+        self._item = memory.buffer.element_size()
         # Load the reduction kernel now: loading a GPU module waits for the device to go idle, and once a stream
         # waits on a peer's flag it is not idle until the peer signals (a peer that never does would then hang
         # the host inside the load, before `finish` could time out and say so).
@@ -234,7 +242,7 @@ class CopyEngineSync:
         return self.memory.buffer
 
     # flag indices in each rank's array: what rank `src` says about bucket b
-    def _ready(self, b: int, src: int) -> int:
+    def _ready_flag(self, b: int, src: int) -> int:
         return b * self.size + src
 
     def _reduced(self, b: int, src: int) -> int:
@@ -252,42 +260,46 @@ class CopyEngineSync:
         """Start bucket b's collective; its gradients are complete on the current stream."""
         if not self.launched:
             self.epoch += 1
-        e, me = self.epoch, self.rank
-        compute = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        self.signal.wait_event(ready)
+        e, me, raw = self.epoch, self.rank, self._raw
+        self._ready.record(torch._C._cuda_getCurrentRawStream(self.device.index))
+        self._ready.block(raw["signal"])
         for p in self.peers:
-            stream_write(self.signal, self.memory.flag(p, self._ready(b, me)), e)
+            stream_write(raw["signal"], self.memory.flag(p, self._ready_flag(b, me)), e)
         lo, hi = self._slice(b, me)
         slot = len(self.launched) % self.SLOTS
-        scratch = self.scratch[slot][: len(self.peers) * (hi - lo)].view(len(self.peers), hi - lo)  # contiguous
-        if self._slot_free[slot] is not None:
-            self.pull.wait_event(self._slot_free[slot])
+        own, scratch = self._operands(b, slot, lo, hi)
+        if self._slot_used[slot]:
+            self._slot_free[slot].block(raw["pull"])
         for p in self.peers:
-            stream_wait(self.pull, self.memory.flag(me, self._ready(b, p)), e)
-        with torch.cuda.stream(self.pull):
-            for j, p in enumerate(self.peers):
-                scratch[j].copy_(self.memory.buffers[p][lo:hi])
-        pulled = torch.cuda.Event()
-        pulled.record(self.pull)
-        self.reduce.wait_event(ready)
-        self.reduce.wait_event(pulled)
+            stream_wait(raw["pull"], self.memory.flag(me, self._ready_flag(b, p)), e)
+        width = (hi - lo) * self._item
+        for j, p in enumerate(self.peers):
+            stream_copy(raw["pull"], scratch.data_ptr() + j * width, self._base[p] + lo * self._item, width)
+        self._pulled.record(raw["pull"])
+        self._ready.block(raw["reduce"])
+        self._pulled.block(raw["reduce"])
         with torch.cuda.stream(self.reduce):
-            scaled_sum_(self.buffer[lo:hi], scratch, self.scale)
-        freed = torch.cuda.Event()
-        freed.record(self.reduce)
-        self._slot_free[slot] = freed
+            scaled_sum_(own, scratch, self.scale)
+        self._slot_free[slot].record(raw["reduce"])
+        self._slot_used[slot] = True
         if not self.scatter_only:
             for p in self.peers:
-                stream_write(self.reduce, self.memory.flag(p, self._reduced(b, me)), e)
-            self.gather.wait_event(ready)
+                stream_write(raw["reduce"], self.memory.flag(p, self._reduced(b, me)), e)
+            self._ready.block(raw["gather"])
             for p in self.peers:
-                stream_wait(self.gather, self.memory.flag(me, self._reduced(b, p)), e)
+                stream_wait(raw["gather"], self.memory.flag(me, self._reduced(b, p)), e)
                 plo, phi = self._slice(b, p)
-                with torch.cuda.stream(self.gather):
-                    self.buffer[plo:phi].copy_(self.memory.buffers[p][plo:phi])
+                offset = plo * self._item
+                stream_copy(raw["gather"], self._base[me] + offset, self._base[p] + offset, (phi - plo) * self._item)
         self.launched.append(b)
+
+    def _operands(self, b: int, slot: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of bucket b, and the scratch rows its peers' slices are pulled into (cached views)."""
+        views = self._views.get((b, slot))
+        if views is None:
+            scratch = self.scratch[slot][: len(self.peers) * (hi - lo)].view(len(self.peers), hi - lo)
+            views = self._views[(b, slot)] = (self.buffer[lo:hi], scratch)
+        return views
 
     def finish(self) -> None:
         """The current stream waits until every launched bucket is synced here and every peer is done
