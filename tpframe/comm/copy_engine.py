@@ -142,13 +142,18 @@ class PeerMemory:
     keepalive: list = field(default_factory=list)
     timeout_s: float = TIMEOUT_S  # how long `CopyEngineSync.finish` waits for the peers before it raises
 
+    def __post_init__(self):
+        # device addresses, taken once: the transports compute a few per stream operation, on the host's hot path
+        self.base = [b.data_ptr() for b in self.buffers]  # of each rank's buffer (for stream_copy)
+        self._flag_base = [f.data_ptr() for f in self.flags]
+
     @property
     def buffer(self) -> torch.Tensor:
         return self.buffers[self.rank]
 
     def flag(self, owner: int, index: int) -> int:
         """The device address of int32 flag `index` of rank `owner`'s array (for stream_write / stream_wait)."""
-        return self.flags[owner].data_ptr() + 4 * index
+        return self._flag_base[owner] + 4 * index
 
 
 def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device,
@@ -220,10 +225,8 @@ class CopyEngineSync:
         # Each bucket's launch is a dozen stream operations: raw handles, addresses and reused events (ctypes
         # driver calls) keep its host cost a fraction of torch's stream contexts, views and new events.
         self._ready, self._pulled = RawEvent(), RawEvent()
-        self._slot_free = [RawEvent() for _ in range(self.SLOTS)]
-        self._slot_used = [False] * self.SLOTS
+        self._slot_free = [RawEvent() for _ in range(self.SLOTS)]  # waiting on one never recorded is a no-op
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (bucket, slot) -> operands
-        self._base = [b.data_ptr() for b in memory.buffers]
         self._item = memory.buffer.element_size()
         # Load the reduction kernel now: loading a GPU module waits for the device to go idle, and once a stream
         # waits on a peer's flag it is not idle until the peer signals (a peer that never does would then hang
@@ -268,20 +271,18 @@ class CopyEngineSync:
         lo, hi = self._slice(b, me)
         slot = len(self.launched) % self.SLOTS
         own, scratch = self._operands(b, slot, lo, hi)
-        if self._slot_used[slot]:
-            self._slot_free[slot].block(raw["pull"])
+        self._slot_free[slot].block(raw["pull"])
         for p in self.peers:
             stream_wait(raw["pull"], self.memory.flag(me, self._ready_flag(b, p)), e)
         width = (hi - lo) * self._item
         for j, p in enumerate(self.peers):
-            stream_copy(raw["pull"], scratch.data_ptr() + j * width, self._base[p] + lo * self._item, width)
+            stream_copy(raw["pull"], scratch.data_ptr() + j * width, self.memory.base[p] + lo * self._item, width)
         self._pulled.record(raw["pull"])
         self._ready.block(raw["reduce"])
         self._pulled.block(raw["reduce"])
         with torch.cuda.stream(self.reduce):
             scaled_sum_(own, scratch, self.scale)
         self._slot_free[slot].record(raw["reduce"])
-        self._slot_used[slot] = True
         if not self.scatter_only:
             for p in self.peers:
                 stream_write(raw["reduce"], self.memory.flag(p, self._reduced(b, me)), e)
@@ -289,8 +290,8 @@ class CopyEngineSync:
             for p in self.peers:
                 stream_wait(raw["gather"], self.memory.flag(me, self._reduced(b, p)), e)
                 plo, phi = self._slice(b, p)
-                offset = plo * self._item
-                stream_copy(raw["gather"], self._base[me] + offset, self._base[p] + offset, (phi - plo) * self._item)
+                offset, nbytes = plo * self._item, (phi - plo) * self._item
+                stream_copy(raw["gather"], self.memory.base[me] + offset, self.memory.base[p] + offset, nbytes)
         self.launched.append(b)
 
     def _operands(self, b: int, slot: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,12 +55,12 @@ class Incoming:
 
     def wait(self) -> torch.Tensor:
         ex = self.exchange
-        stream_wait(ex.current(), ex.flag(ex.rank, ex._arrived(self.source, self.slot)), self.gen)
+        stream_wait(ex.current(), ex.memory.flag(ex.rank, ex._arrived(self.source, self.slot)), self.gen)
         return ex._view(self.slot, self.source, self.shape, self.dtype)
 
     def release(self) -> None:
         ex = self.exchange
-        stream_write(ex.current(), ex.flag(self.source, ex._freed(ex.rank, self.slot)), self.gen)
+        stream_write(ex.current(), ex.memory.flag(self.source, ex._freed(ex.rank, self.slot)), self.gen)
 
 
 class Gathered:
@@ -139,9 +139,6 @@ class PeerExchange:
     def _freed(self, reader: int, slot: int) -> int:
         return (self.size + reader) * self.SLOTS + slot
 
-    def flag(self, owner: int, index: int) -> int:
-        return self._flag_base[owner] + 4 * index
-
     def _offset(self, slot: int, block: int) -> int:
         return (slot * self.size + block) * self.slot_bytes
 
@@ -172,8 +169,6 @@ class PeerExchange:
             self.memory, self._views = None, {}
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
         self.memory = self.factory(numel=self.SLOTS * self.size * self.slot_bytes, flags=2 * self.size * self.SLOTS)
-        self._flag_base = [f.data_ptr() for f in self.memory.flags]
-        self._buffer_base = [b.data_ptr() for b in self.memory.buffers]
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
@@ -194,10 +189,10 @@ class PeerExchange:
             self.sent[peer] += 1
             slot, gen = count % self.SLOTS, count // self.SLOTS + 1
             if gen > 1:
-                stream_wait(push, self.flag(self.rank, self._freed(peer, slot)), gen - 1)
+                stream_wait(push, self.memory.flag(self.rank, self._freed(peer, slot)), gen - 1)
             nbytes = t.numel() * t.element_size()
-            stream_copy(push, self._buffer_base[peer] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
-            stream_write(push, self.flag(peer, self._arrived(self.rank, slot)), gen)
+            stream_copy(push, self.memory.base[peer] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
+            stream_write(push, self.memory.flag(peer, self._arrived(self.rank, slot)), gen)
             t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has run
             self.pushes += 1
             count = self.received[peer]
@@ -219,6 +214,6 @@ class PeerExchange:
                                "(pushes to some peers only, between gathers)")
         slot = slots.pop()
         push = self.stream.cuda_stream  # after the compute stream's reads of this region's last generation
-        stream_copy(push, self._buffer_base[self.rank] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
+        stream_copy(push, self.memory.base[self.rank] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
         self._own[slot].record(push)
         return Gathered(self, incoming, slot, self._own[slot], t.shape, t.dtype)
