@@ -144,7 +144,8 @@ def row_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: C
 
 class _EagerColumn(torch.autograd.Function):
     """The column layer outside torch.compile: the same bodies as the custom ops without their dispatch, which
-    costs more host time than the copies' own calls (measured on an H100 host: ~0.5 ms per layer call)."""
+    costs more host time than the copies' own calls (0.15-0.3 ms per layer, forward and backward, on an H100 host:
+    benchmarks/async_tp_host.py)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
