@@ -23,7 +23,8 @@ graph's static buffers) and times its replays: what a training-step CUDA graph w
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
 only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8; TFLOP/s still counts the
 model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
-with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication.
+with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
+with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag set): that path's own work.
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
