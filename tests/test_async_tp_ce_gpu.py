@@ -83,7 +83,6 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
         for name, got, want in pairs:
             err = ((got.double() - want).norm() / want.norm()).item()
             errors.append((call, name, err))
-    # per call, pushes to the peer: the column layer's forward 1 and backward 2, the row layer's 1 and 1
     return errors, exchange.pushes
 
 
@@ -93,11 +92,26 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_copy_engine_async_tp_layers_match_one_process_on_one_gpu(dtype, tol, late_rank, compiled):
     """Eager, and inside torch.compile (fullgraph: the custom ops trace without breaks)."""
-    for errors, pushes in run_distributed(_ce_layers_match_one_process, 2, dtype, late_rank, compiled, backend="gloo",
+    _check_ranks(2, dtype, tol, late_rank, compiled)
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("dtype,tol,compiled", [("float32", 1e-5, False), ("bfloat16", 1e-2, True)],
+                         ids=["eager-float32", "compiled-bfloat16"])
+def test_copy_engine_async_tp_at_tp4_on_one_gpu(dtype, tol, compiled):
+    """Four processes: three peers per rank, so a gathered region holds four blocks and each push goes to three
+    peers' regions at once; the last rank is late."""
+    _check_ranks(4, dtype, tol, 3, compiled)
+
+
+def _check_ranks(n: int, dtype: str, tol: float, late_rank: int, compiled: bool) -> None:
+    for errors, pushes in run_distributed(_ce_layers_match_one_process, n, dtype, late_rank, compiled, backend="gloo",
                                           timeout=300):
         worst = max(errors, key=lambda e: e[2])
         assert worst[2] <= tol, f"{dtype}, rank {late_rank} late: worst relative error {worst} (call, tensor, error)"
-        assert pushes == 5 * 6, f"{pushes} pushes to the peer in 6 calls: the copy-engine ops did not run every time"
+        # per call and peer: the column layer's forward 1 and backward 2 (a gather and a push), the row layer's 1 and 1
+        assert pushes == 5 * 6 * (n - 1), (f"{pushes} pushes at tp={n} in 6 calls: the copy-engine ops did not run "
+                                           "every time")
 
 
 def _pushes_ahead_of_slow_reads():
