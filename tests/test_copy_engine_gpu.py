@@ -12,8 +12,8 @@ from tests.training_utils import train_in_process
 
 
 def _synced_buckets(mode: str, late_rank: int):
-    """Three steps of a GradBuffer at DP=2 synced by copy engines (two micro-batches each, small buckets,
-    overlapped); `late_rank`'s GPU sleeps before its last backward, so its peer's pulls must wait for it.
+    """Three steps of a GradBuffer at DP=world size synced by copy engines (two micro-batches each, small buckets,
+    overlapped); `late_rank`'s GPU sleeps before its last backward, so its peers' pulls must wait for it.
     Per step: the buffer, the ranges this rank owns, each weight's offset and exact mean gradient."""
     import functools
     import time
@@ -24,7 +24,7 @@ def _synced_buckets(mode: str, late_rank: int):
     from tpframe.comm.copy_engine import ipc_peer_memory
     from tpframe.parallel.grad_buffer import GradBuffer
 
-    rank = dist.get_rank()
+    rank, n = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.device_count() - 1 if dist.get_backend() == "gloo" else rank)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -34,13 +34,13 @@ def _synced_buckets(mode: str, late_rank: int):
     else:
         from tpframe.comm.copy_engine import dp_peer_memory
 
-        peer = dp_peer_memory("copy_engine", dist.group.WORLD, 2, device)
-    buf = GradBuffer(weights, dist.group.WORLD, dp_size=2, dp_rank=rank, bucket_bytes=2048, mode=mode,
+        peer = dp_peer_memory("copy_engine", dist.group.WORLD, n, device)
+    buf = GradBuffer(weights, dist.group.WORLD, dp_size=n, dp_rank=rank, bucket_bytes=2048, mode=mode,
                      peer_memory=peer)
     buf.events = []
     out = []
     for step in range(3):
-        scales = [(1.0 / 3.0 + step, 7.0 - step), (0.25, 5.0 + step)]  # [micro-batch][rank]
+        scales = [[1.0 / 3.0 + step + r for r in range(n)], [7.0 - step - 0.5 * r for r in range(n)]]  # [mb][rank]
         buf.zero()
         sum((w * w).sum() for w in weights).mul(scales[0][rank]).backward()
         buf.start_sync()
@@ -53,8 +53,7 @@ def _synced_buckets(mode: str, late_rank: int):
         means = []
         for w in weights:
             x = w.detach().double()
-            g = [2 * x * scales[0][r] + 3 * x * x * scales[1][r] for r in range(2)]
-            means.append(((g[0] + g[1]) / 2).float().cpu())
+            means.append((sum(2 * x * scales[0][r] + 3 * x * x * scales[1][r] for r in range(n)) / n).float().cpu())
         owned = [buf.shard_range(b) for b in buf.buckets] if mode == "reduce_scatter" else [(0, buf.numel)]
         out.append((buf.buffer.cpu(), owned, [(buf.offsets[w], m) for w, m in zip(weights, means)]))
     last_grad = max(i for i, (kind, _) in enumerate(buf.events) if kind == "grad")
@@ -83,6 +82,13 @@ def test_copy_engine_buckets_average_on_one_gpu(mode, late_rank):
     """Two processes on one GPU (CUDA IPC): every bucket holds the fp32 mean of both ranks' gradients, three
     steps running (flag epochs, scratch slots reused), with either rank late on the GPU."""
     _check(run_distributed(_synced_buckets, 2, mode, late_rank, backend="gloo"), mode)
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_copy_engine_buckets_average_at_dp4_on_one_gpu(mode):
+    """Four processes on one GPU: each bucket pulled from three peers into three scratch rows, the last rank late."""
+    _check(run_distributed(_synced_buckets, 4, mode, 3, backend="gloo"), mode)
 
 
 def _one_rank_never_syncs():
