@@ -185,7 +185,9 @@ class Zero1Strategy(GradStrategy):
                 continue
             for i, b in enumerate(part.grads.buckets):
                 lo, hi = part.grads.shard_range(b)
-                work = _all_gather(part.params[b.start : b.stop], part.params[lo:hi].clone(), group=part.group,
+                # In place: this rank's slice of the output is its input (NCCL skips the self-copy; gloo
+                # gathers into a scratch buffer and copies out), so no clone of the shard is needed.
+                work = _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.group,
                                    async_op=background)
                 if background:
                     self._gathers[(k, i)] = work
