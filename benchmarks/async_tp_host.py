@@ -3,7 +3,7 @@
     python benchmarks/async_tp_host.py        # one GPU
 
 One process stands in for rank 0 of TP=2 (`benchmarks/gpt.py`'s `emulate_tp`): the collectives stay local and the
-copy-engine pushes go into local stand-ins for the peer's memory with every flag already set, so no wait stalls
+copy-engine pushes go into local stand-ins for the peer's memory and every flag wait passes, so no wait stalls
 the GPU. The layers are tiny (a column + row pair, h=256, f=1024, 128 rows of bf16) so that the host paces: the
 time per call is what the Python, dispatch and driver calls cost the caller. The plain rows launch no NCCL call
 (their collectives are local copies): a real plain step adds one launch per collective. Median of ROUNDS rounds of

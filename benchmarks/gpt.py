@@ -24,7 +24,7 @@ kernels one by one. CKPT=full|selective recomputes in backward (parallel.activat
 only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8; TFLOP/s still counts the
 model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
-with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag set): that path's own work.
+with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's own work.
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
@@ -79,21 +79,35 @@ def async_mode() -> str | bool:
 def emulate_tp(comm, n: int) -> None:
     """Make a one-rank TP group pass for rank 0 of `n`: the layers build rank 0's shards, and the collectives stay
     local, each with the bytes a real one writes here (all-gather: n copies; reduce-scatter: the sum of n blocks)
-    but no transfer and no wait; async TP's copy-engine pushes go into local buffers with every flag already set.
+    but no transfer and no wait; async TP's copy-engine pushes go into local buffers and every flag wait passes.
     The values are not a real TP=n model's; the per-GPU work and the host's are."""
     comm.size, comm.rank = n, 0
     comm.all_gather = lambda x, dim=0: torch.cat([x] * n, dim)
     comm.reduce_scatter = lambda x, dim=0: sum(x.chunk(n, dim))
     comm.all_reduce = lambda x, op="sum", *, donate=False: x if donate else x.clone()
     if comm.device.type == "cuda":  # async_tp=copy_engine: pushes copied into local stand-ins, every wait passed
-        from tpframe.comm.copy_engine import PeerMemory
+        from tpframe.comm.copy_engine import PeerMemory, stream_wait, stream_write
         from tpframe.comm.peer_exchange import PeerExchange
 
         def memory(*, numel: int, flags: int) -> PeerMemory:
             return PeerMemory(0, n, [torch.empty(numel, dtype=torch.uint8, device=comm.device) for _ in range(n)],
-                              [torch.full((flags,), 1 << 30, dtype=torch.int32, device=comm.device) for _ in range(n)])
+                              [torch.zeros(flags, dtype=torch.int32, device=comm.device) for _ in range(n)])
 
-        comm.use_peer_exchange(PeerExchange(memory, rank=0, size=n, device=comm.device))
+        class LocalExchange(PeerExchange):
+            """Every flag operation still queued (its host and GPU cost), on flags where it passes: waits on one
+            that stays 1, writes into another."""
+
+            flags = torch.tensor([1, 0], dtype=torch.int32, device=comm.device)
+            always, scratch = flags.data_ptr(), flags.data_ptr() + 4
+
+            def _take(self, stream, address):
+                stream_wait(stream, self.always, 1)
+                stream_write(stream, self.scratch, 0)
+
+            def _set(self, stream, address, value):
+                stream_write(stream, self.scratch, value)
+
+        comm.use_peer_exchange(LocalExchange(memory, rank=0, size=n, device=comm.device))
 
 
 # -- one run (under torchrun) ---------------------------------------------------------------------
@@ -184,8 +198,9 @@ def run_one() -> None:
         from tpframe.layers.linear import async_tp_available
 
         # else the layers fell back (no symmetric memory for symm_mem, whose ops compiled blocks do not trace; the
-        # ring's and copy_engine's are custom ops there)
-        ran_async = (ctx.async_tp and async_tp_available(state.tp_comm, inp, ctx.async_tp) and not flag("GRAPH")
+        # ring's and copy_engine's are custom ops there; a CUDA graph captures copy_engine's only)
+        ran_async = (ctx.async_tp and async_tp_available(state.tp_comm, inp, ctx.async_tp)
+                     and (not flag("GRAPH") or ctx.async_tp == "copy_engine")
                      and (ctx.async_tp in ("ring", "copy_engine") or not flag("COMPILE")))
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "

@@ -6,22 +6,27 @@ persistent, so a GEMM beside them either waits or slows them (tpframe/comm/margi
 `cudaMemcpyAsync` runs on the copy engines (DMA) and holds no SM: the GEMM beside it keeps every SM.
 
 Each rank owns, in memory every peer can write (torch's symmetric memory; CUDA IPC in the one-GPU tests), `SLOTS`
-regions of `size` blocks and two int32 flag arrays; block s of a region is where source s writes. For a push of
-tensor t from rank s to rank d, the c-th from s to d (counted on both sides: every rank makes the same pushes in the
-same order, as with any collective), in region slot c % SLOTS, generation g = c // SLOTS + 1:
-  s, push stream:   wait for the compute stream (t is ready); wait FREED[d][slot] >= g - 1 in s's flags (d has
-                    read the slot's previous generation); copy t into block s of d's region (copy engine); write
-                    ARRIVED[s][slot] = g into d's flags;
-  d, compute stream (`Incoming.wait`): wait ARRIVED[s][slot] >= g; read the block in place (a GEMM's operand);
-  d, compute stream (`Incoming.release`): after the reads, write FREED[d][slot] = g into s's flags.
+regions of `size` blocks and two int32 flag arrays; block s of a region is where source s writes. For the c-th push
+of a tensor t from rank s to rank d (counted on both sides: every rank makes the same pushes in the same order, as
+with any collective), in region slot c % SLOTS, a two-flag handshake whose flags are 0 or 1:
+  s, push stream:   wait for the compute stream (t is ready); wait FREE[d][slot] == 1 in s's flags (d has read
+                    what s pushed into this slot before; 1 from the start), set it to 0; copy t into block s of d's
+                    region (copy engine); set ARRIVED[s][slot] = 1 in d's flags;
+  d, compute stream (`Incoming.wait`): wait ARRIVED[s][slot] == 1, set it to 0; read the block in place (a GEMM's
+                    operand);
+  d, compute stream (`Incoming.release`): after the reads, set FREE[d][slot] = 1 in s's flags.
+Each flag is set by one side and cleared by the other, in turn, so after every completed exchange the flags are back
+where they started: the same stream operations are right every time they run, which is what lets a CUDA graph
+capture the layers and replay them (no counter or generation is baked into the graph). Each op ends with its compute
+stream waiting for the push stream (`join`), so the pushed tensors' memory is not reused before their copies have
+run and a capture's forked stream is joined back.
 `gather(t)` pushes t to every peer and copies it into block `rank` of this rank's own region (a local copy-engine
 copy), so the region is the whole all-gathered tensor, contiguous: one GEMM can read it (a weight gradient over the
 whole sequence, rounded once).
-Waits are the GPU front end's (`cuStreamWaitValue32`), never an SM's, and compare `>=` wrap-safely: no flag is
-ever reset. Callers push before they wait, and read what they were pushed before pushing into that slot again
-(the layers read each push within the same op): then every wait depends only on work both ranks have already
-queued, so no order of arrival deadlocks, even where CUDA stalls the host until the GPU is idle (loading a kernel
-module the first time it is launched). Not under CUDA-graph capture (a replay would repeat the generations).
+Waits are the GPU front end's (`cuStreamWaitValue32`), never an SM's. Callers push before they wait, and read what
+they were pushed before pushing into that slot again (the layers read each push within the same op): then every wait
+depends only on work both ranks have already queued, so no order of arrival deadlocks, even where CUDA stalls the
+host until the GPU is idle (loading a kernel module the first time it is launched).
 
 Blocks are sized to the largest tensor pushed so far (rounded up to 16 bytes, so a model's fixed-shape pushes
 fill them and a gathered region is one contiguous tensor); they grow on the first push larger than them: every
@@ -47,20 +52,22 @@ class Incoming:
     current stream waits, not the host); `release()` hands the block back once the current stream's reads of it
     are queued. Use it between the two only."""
 
-    __slots__ = ("exchange", "source", "slot", "gen", "shape", "dtype")
+    __slots__ = ("exchange", "source", "slot", "shape", "dtype", "waited")
 
-    def __init__(self, exchange: "PeerExchange", source: int, slot: int, gen: int, shape, dtype):
-        self.exchange, self.source, self.slot, self.gen = exchange, source, slot, gen
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, exchange: "PeerExchange", source: int, slot: int, shape, dtype):
+        self.exchange, self.source, self.slot, self.shape, self.dtype = exchange, source, slot, shape, dtype
+        self.waited = False
 
     def wait(self) -> torch.Tensor:
         ex = self.exchange
-        stream_wait(ex.current(), ex.memory.flag(ex.rank, ex._arrived(self.source, self.slot)), self.gen)
+        if not self.waited:  # the wait clears the flag, so it is queued once
+            ex._take(ex.current(), ex.memory.flag(ex.rank, ex._arrived(self.source, self.slot)))
+            self.waited = True
         return ex._view(self.slot, self.source, self.shape, self.dtype)
 
     def release(self) -> None:
         ex = self.exchange
-        stream_write(ex.current(), ex.memory.flag(self.source, ex._freed(ex.rank, self.slot)), self.gen)
+        ex._set(ex.current(), ex.memory.flag(self.source, ex._free(ex.rank, self.slot)), 1)
 
 
 class Gathered:
@@ -96,7 +103,8 @@ class PeerExchange:
     `memory_factory(numel=, flags=)` allocates a PeerMemory of bytes (a collective).
 
     Each layer call makes a few pushes, waits and releases, so their host cost counts at small shapes: they work
-    on raw stream handles and addresses (ctypes driver calls), not torch's stream and tensor objects."""
+    on raw stream handles and addresses (ctypes driver calls), not torch's stream and tensor objects. Every op
+    that pushes ends with `join()`."""
 
     SLOTS = 4  # regions: the column layer's backward has two pushes from each peer in flight
 
@@ -104,7 +112,7 @@ class PeerExchange:
         self.factory, self.rank, self.size, self.device = memory_factory, rank, size, device
         self.peers = [(rank + j) % size for j in range(1, size)]  # nearest first
         self.stream = torch.cuda.Stream(device)
-        self._order = RawEvent()
+        self._order, self._joined = RawEvent(), RawEvent()
         self._own = [RawEvent() for _ in range(self.SLOTS)]  # per region: `gather`'s local copy done
         self.memory: PeerMemory | None = None
         self.slot_bytes = 0
@@ -112,6 +120,7 @@ class PeerExchange:
         self.received = [0] * size
         self.pushes = 0  # tensors pushed in all
         self._views: dict = {}  # (slot, block or None, shape, dtype) -> this rank's memory as a tensor
+        self._held: list[torch.Tensor] = []  # pushed since the last join: their copies may not have run yet
 
     @classmethod
     def for_group(cls, group, device: torch.device) -> "PeerExchange | None":
@@ -131,12 +140,28 @@ class PeerExchange:
         """The raw handle of this device's current stream."""
         return torch._C._cuda_getCurrentRawStream(self.device.index)
 
+    def join(self) -> None:
+        """The current stream waits for everything queued on the push stream so far: the end of every op that
+        pushes (the pushed tensors' memory may then be reused; under CUDA-graph capture, the push stream, forked
+        into the capture by the first push, is joined back)."""
+        self._joined.after(self.current(), self.stream.cuda_stream)
+        self._held.clear()
+
+    # -- flags (two stream memory operations; a stand-in exchange may point them elsewhere)
+    def _take(self, stream: int, address: int) -> None:
+        """Queue on `stream`: wait until the flag at `address` is 1, then set it to 0."""
+        stream_wait(stream, address, 1)
+        stream_write(stream, address, 0)
+
+    def _set(self, stream: int, address: int, value: int) -> None:
+        stream_write(stream, address, value)
+
     # -- layout: per rank SLOTS regions of `size` blocks (block s: from source s); ARRIVED flags by (source, slot),
-    # FREED by (reader, slot)
+    # FREE by (reader, slot)
     def _arrived(self, source: int, slot: int) -> int:
         return source * self.SLOTS + slot
 
-    def _freed(self, reader: int, slot: int) -> int:
+    def _free(self, reader: int, slot: int) -> int:
         return (self.size + reader) * self.SLOTS + slot
 
     def _offset(self, slot: int, block: int) -> int:
@@ -164,11 +189,17 @@ class PeerExchange:
         """Blocks of at least `nbytes` (a collective, reached by every rank at the same push)."""
         if nbytes <= self.slot_bytes:
             return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"PeerExchange: a push of {nbytes} bytes under CUDA-graph capture outgrows the slots "
+                               f"({self.slot_bytes} bytes), which cannot be re-allocated there: run the captured "
+                               "step once eagerly before capturing it")
         if self.memory is not None:  # every earlier push was read: the compute streams waited for them
             torch.cuda.synchronize(self.device)
             self.memory, self._views = None, {}
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
         self.memory = self.factory(numel=self.SLOTS * self.size * self.slot_bytes, flags=2 * self.size * self.SLOTS)
+        # every slot starts free: FREE = 1 (peers set it only after this rank's first push, queued after this)
+        self.memory.flags[self.rank][self._free(0, 0):].fill_(1)
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
@@ -185,19 +216,16 @@ class PeerExchange:
         self._order.after(push, self.current())
         incoming = {}
         for peer, t in sends.items():
-            count = self.sent[peer]
+            slot = self.sent[peer] % self.SLOTS
             self.sent[peer] += 1
-            slot, gen = count % self.SLOTS, count // self.SLOTS + 1
-            if gen > 1:
-                stream_wait(push, self.memory.flag(self.rank, self._freed(peer, slot)), gen - 1)
-            nbytes = t.numel() * t.element_size()
-            stream_copy(push, self.memory.base[peer] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
-            stream_write(push, self.memory.flag(peer, self._arrived(self.rank, slot)), gen)
-            t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has run
+            self._take(push, self.memory.flag(self.rank, self._free(peer, slot)))
+            stream_copy(push, self.memory.base[peer] + self._offset(slot, self.rank), t.data_ptr(),
+                        t.numel() * t.element_size())
+            self._set(push, self.memory.flag(peer, self._arrived(self.rank, slot)), 1)
+            self._held.append(t)
             self.pushes += 1
-            count = self.received[peer]
+            incoming[peer] = Incoming(self, peer, self.received[peer] % self.SLOTS, t.shape, t.dtype)
             self.received[peer] += 1
-            incoming[peer] = Incoming(self, peer, count % self.SLOTS, count // self.SLOTS + 1, t.shape, t.dtype)
         return incoming
 
     def gather(self, t: torch.Tensor) -> Gathered:

@@ -18,8 +18,9 @@ each weight gradient is one GEMM over the whole sequence, read in place and roun
 
 The layers call `ce_column` / `ce_row`: inside compiled blocks the two custom ops below (opaque to Inductor, which
 fuses what is around them; their backward formulas are custom ops too), eagerly two autograd Functions over the same
-bodies (the custom ops' dispatch costs host time a small layer cannot spare). Inside a CUDA-graph capture either
-takes the plain all-gather / reduce-scatter and one GEMM (a replay would repeat the flags' generations).
+bodies (the custom ops' dispatch costs host time a small layer cannot spare). CUDA graphs capture either (the
+exchange's flag handshake leaves its flags as it found them, so a replay is right), which takes the host's cost of
+their many small calls out of a captured step.
 
     torch.ops.tpframe.ce_column_linear(x, w, bias, comm)  -> all_gather(x) w^T + bias
     torch.ops.tpframe.ce_row_linear(x, w, comm)           -> reduce_scatter(x w^T)
@@ -52,6 +53,7 @@ def all_gather_matmul(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator, bi
     for p in ex.peers:
         _mm(incoming[p].wait(), w_t, out[p], bias)
         incoming[p].release()
+    ex.join()
     return y
 
 
@@ -68,6 +70,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w_t: torch.Tensor, comm: Communicator
     for p in ex.peers:
         y += incoming[p].wait()
         incoming[p].release()
+    ex.join()
     return y.view((x.shape[0] // n,) + x.shape[1:-1] + (w_t.shape[1],))
 
 
@@ -89,6 +92,7 @@ def column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, c
     for p in ex.peers:
         gx += partials[p].wait()
         partials[p].release()
+    ex.join()
     return gx.view(x.shape), gw, gb
 
 
@@ -105,40 +109,25 @@ def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm
         torch.mm(gathered.wait(p), weight, out=out[p])
     gw = gathered.full().t() @ x.reshape(-1, x.shape[-1])
     gathered.release()
+    ex.join()
     return gx, gw
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-# -- one body per direction, for the custom ops (compiled blocks) and the autograd Functions (eager) alike; inside
-# a CUDA-graph capture each takes the plain collectives and one GEMM
+# -- one body per direction, for the custom ops (compiled blocks) and the autograd Functions (eager) alike; CUDA
+# graphs capture them too (the exchange's stream operations are the same at every replay)
 def column_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Communicator):
-    if _capturing(x):
-        return torch.nn.functional.linear(comm.all_gather(x.contiguous()), weight, bias)
     return all_gather_matmul(x, weight.t(), comm, bias)
 
 
 def column_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator, has_bias: bool):
-    if _capturing(grad):
-        g2 = grad.reshape(-1, grad.shape[-1])
-        full = comm.all_gather(x.contiguous())
-        gb = g2.sum(0) if has_bias else grad.new_empty(0)
-        return comm.reduce_scatter(grad.matmul(weight)), g2.t() @ full.reshape(-1, full.shape[-1]), gb
     return column_backward(grad, x, weight, comm, has_bias)
 
 
 def row_forward(x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
-    if _capturing(x):
-        return comm.reduce_scatter(torch.nn.functional.linear(x, weight))
     return matmul_reduce_scatter(x, weight.t(), comm)
 
 
 def row_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
-    if _capturing(grad):
-        full = comm.all_gather(grad.contiguous())
-        return full.matmul(weight), full.reshape(-1, full.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
     return row_backward(grad, x, weight, comm)
 
 
