@@ -224,7 +224,15 @@ def _ce_layers_replayed_from_a_graph(late_rank: int):
                                 ("fc2.weight.grad", fc2.weight.grad, ref[2].grad.chunk(n, 1)[rank]),
                                 ("fc2.bias.grad", b2_grad, ref[3].grad)]:
             errors.append((call, name, ((got.double() - want).norm() / want.norm()).item()))
-    return errors, pushes_captured, exchange.pushes
+    pushes_replayed = exchange.pushes
+    # a capture whose push outgrows the slots (which cannot be re-allocated there) is refused, saying why
+    refusal = ""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            exchange.push({p: torch.zeros(4 * s * 3 * h, device=device) for p in exchange.peers})
+    except RuntimeError as e:
+        refusal = str(e)
+    return errors, pushes_captured, pushes_replayed, refusal
 
 
 @pytest.mark.gpu(count=1)
@@ -232,9 +240,11 @@ def _ce_layers_replayed_from_a_graph(late_rank: int):
 def test_copy_engine_async_tp_layers_replayed_from_a_cuda_graph(late_rank):
     """The flag handshake leaves the flags as it found them, so the captured pushes, waits and releases are right
     at every replay: four replays with new inputs match the float64 reference, either rank late; the replays run
-    no Python (the push count stays at the warm-up's and the capture's 3 calls x 5 pushes)."""
-    for errors, captured, after in run_distributed(_ce_layers_replayed_from_a_graph, 2, late_rank, backend="gloo",
-                                                   timeout=300):
+    no Python (the push count stays at the warm-up's and the capture's 3 calls x 5 pushes). A capture that would
+    have to grow the slots is refused with a message."""
+    for errors, captured, after, refusal in run_distributed(_ce_layers_replayed_from_a_graph, 2, late_rank,
+                                                            backend="gloo", timeout=300):
         worst = max(errors, key=lambda e: e[2])
         assert worst[2] <= 1e-5, f"rank {late_rank} late: worst relative error {worst} (replay, tensor, error)"
         assert captured == after == 3 * 5, f"pushes: {captured} after the capture, {after} after the replays"
+        assert "outgrows the slots" in refusal and "eagerly before capturing" in refusal, refusal
