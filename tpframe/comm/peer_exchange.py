@@ -66,6 +66,8 @@ class Incoming:
         return ex._view(self.slot, self.source, self.shape, self.dtype)
 
     def release(self) -> None:
+        if not self.waited:  # its ARRIVED flag would stay set and the next push's be lost: the handshake breaks
+            raise RuntimeError("PeerExchange: release() of a block that was never waited for")
         ex = self.exchange
         ex._set(ex.current(), ex.memory.flag(self.source, ex._free(ex.rank, self.slot)), 1)
 
