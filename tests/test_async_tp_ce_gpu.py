@@ -2,7 +2,7 @@
 
 On one GPU, two processes share their slots by CUDA IPC, so pushes, flags, slot reuse and the waits for a late
 peer run for real. A column + row layer pair at TP=2 with SP must give a single process's full-weight computation:
-output, input gradient, every weight and bias gradient; several calls (slots reused past their generations, slots
+output, input gradient, every weight and bias gradient; several calls (each slot reused, slots
 grown for a bigger input), with either rank's GPU made late before its forward and before its backward; eagerly,
 inside torch.compile, and captured in a CUDA graph and replayed.
 """
@@ -12,7 +12,10 @@ import pytest
 from tests.dist_utils import run_distributed
 
 
-def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool):
+def _ce_pair(dtype):
+    """Two ranks' copy-engine exchange over CUDA IPC on one GPU and a column + row layer pair (h=64, f=256, SP,
+    async_tp=copy_engine, random biases); returns (rank, n, device, exchange, fc1, fc2, gathered), `gathered(t, dim)`
+    being the full tensor of every rank's shard t."""
     import functools
 
     import torch
@@ -23,7 +26,6 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
     from tpframe.comm.peer_exchange import PeerExchange
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
 
-    dtype = getattr(torch, dtype_name)
     rank, n = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
@@ -31,10 +33,9 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
     exchange = PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
                             rank=rank, size=n, device=device)
     comm.use_peer_exchange(exchange)
-    h, f = 64, 256
     torch.manual_seed(0)
     kw = dict(sequence_parallel=True, comm=comm, dtype=dtype, device=device, async_tp="copy_engine")
-    fc1, fc2 = ColumnParallelLinear(h, f, **kw), RowParallelLinear(f, h, **kw)
+    fc1, fc2 = ColumnParallelLinear(64, 256, **kw), RowParallelLinear(256, 64, **kw)
     with torch.no_grad():
         fc1.bias.normal_(generator=torch.Generator(device).manual_seed(5))
         fc2.bias.normal_(generator=torch.Generator(device).manual_seed(6))
@@ -44,6 +45,15 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
         dist.all_gather(parts, t.detach().cpu().contiguous())
         return torch.cat(parts, dim).to(device)
 
+    return rank, n, device, exchange, fc1, fc2, gathered
+
+
+def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    rank, n, device, exchange, fc1, fc2, gathered = _ce_pair(dtype)
+    h = fc1.weight.shape[1]
     w1, b1, w2 = gathered(fc1.weight, 0), gathered(fc1.bias, 0), fc2.weight.detach()
     w2 = gathered(w2, 1)
     b2 = fc2.bias.detach()
@@ -54,7 +64,7 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
     if compiled:
         pair = torch.compile(pair, fullgraph=True, dynamic=False)
     errors = []
-    for call, s in enumerate((16, 16, 40, 16, 40, 40)):  # 4 slots per source: generations 1 and 2; 40 grows them
+    for call, s in enumerate((16, 16, 40, 16, 40, 40)):  # 4 slots per source, each used twice; 40 grows them
         g = torch.Generator(device).manual_seed(100 + call)
         x_full = torch.randn(s, 3, h, device=device, generator=g).to(dtype)
         grad_full = torch.randn(s, 3, h, device=device, generator=g).to(dtype)
@@ -159,34 +169,12 @@ def test_a_slot_is_pushed_into_again_only_after_its_reader_released_it():
 
 def _ce_layers_replayed_from_a_graph(late_rank: int):
     """The pair's forward+backward captured once (after two eager warm-up calls) and replayed with new inputs."""
-    import functools
-
     import torch
-    import torch.distributed as dist
 
-    from tpframe.comm import Communicator
-    from tpframe.comm.copy_engine import ipc_peer_memory
-    from tpframe.comm.peer_exchange import PeerExchange
     from tpframe.inference.graph import CapturedStep
-    from tpframe.layers import ColumnParallelLinear, RowParallelLinear
 
-    rank, n = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.device_count() - 1)
-    torch.cuda.set_device(device)
-    comm = Communicator(dist.group.WORLD, backend="nccl", device=device)
-    exchange = PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
-                            rank=rank, size=n, device=device)
-    comm.use_peer_exchange(exchange)
-    h, f, s = 64, 256, 16
-    torch.manual_seed(0)
-    kw = dict(sequence_parallel=True, comm=comm, dtype=torch.float32, device=device, async_tp="copy_engine")
-    fc1, fc2 = ColumnParallelLinear(h, f, **kw), RowParallelLinear(f, h, **kw)
-
-    def full(t, dim):
-        parts = [torch.empty_like(t.cpu()) for _ in range(n)]
-        dist.all_gather(parts, t.detach().cpu().contiguous())
-        return torch.cat(parts, dim).to(device)
-
+    rank, n, device, exchange, fc1, fc2, full = _ce_pair(torch.float32)
+    h, s = fc1.weight.shape[1], 16
     w1, b1, w2, b2 = full(fc1.weight, 0), full(fc1.bias, 0), full(fc2.weight, 1), fc2.bias.detach()
     x = torch.zeros(s // n, 3, h, device=device, requires_grad=True)  # the graph's static input and gradient
     grad = torch.zeros(s // n, 3, h, device=device)

@@ -243,7 +243,7 @@ class PeerExchange:
             raise RuntimeError(f"PeerExchange.gather: peers' blocks in different regions {sorted(slots)} "
                                "(pushes to some peers only, between gathers)")
         slot = slots.pop()
-        push = self.stream.cuda_stream  # after the compute stream's reads of this region's last generation
+        push = self.stream.cuda_stream  # after the compute stream's reads of this region's last use
         stream_copy(push, self.memory.base[self.rank] + self._offset(slot, self.rank), t.data_ptr(), nbytes)
         self._own[slot].record(push)
         return Gathered(self, incoming, slot, self._own[slot], t.shape, t.dtype)

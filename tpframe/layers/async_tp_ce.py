@@ -113,24 +113,6 @@ def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm
     return gx, gw
 
 
-# -- one body per direction, for the custom ops (compiled blocks) and the autograd Functions (eager) alike; CUDA
-# graphs capture them too (the exchange's stream operations are the same at every replay)
-def column_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Communicator):
-    return all_gather_matmul(x, weight.t(), comm, bias)
-
-
-def column_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator, has_bias: bool):
-    return column_backward(grad, x, weight, comm, has_bias)
-
-
-def row_forward(x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
-    return matmul_reduce_scatter(x, weight.t(), comm)
-
-
-def row_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm: Communicator):
-    return row_backward(grad, x, weight, comm)
-
-
 class _EagerColumn(torch.autograd.Function):
     """The column layer outside torch.compile: the same bodies as the custom ops without their dispatch, which
     costs more host time than the copies' own calls (0.15-0.3 ms per layer, forward and backward, on an H100 host:
@@ -140,12 +122,12 @@ class _EagerColumn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, comm):
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.has_bias = comm, bias is not None
-        return column_forward(x, weight, bias, comm)
+        return all_gather_matmul(x, weight.t(), comm, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        gx, gw, gb = column_grads(grad, x, weight, ctx.comm, ctx.has_bias)
+        gx, gw, gb = column_backward(grad, x, weight, ctx.comm, ctx.has_bias)
         return gx, gw, (gb if ctx.has_bias else None), None
 
 
@@ -154,12 +136,12 @@ class _EagerRow(torch.autograd.Function):
     def forward(ctx, x, weight, comm):
         ctx.save_for_backward(x, weight)
         ctx.comm = comm
-        return row_forward(x, weight, comm)
+        return matmul_reduce_scatter(x, weight.t(), comm)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        gx, gw = row_grads(grad, x, weight, ctx.comm)
+        gx, gw = row_backward(grad, x, weight, ctx.comm)
         return gx, gw, None
 
 
@@ -180,7 +162,7 @@ def ce_row(x: torch.Tensor, weight: torch.Tensor, comm: Communicator) -> torch.T
 @torch.library.custom_op("tpframe::ce_column_linear", mutates_args=())
 def ce_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm_name: str) -> torch.Tensor:
     """all_gather(x) weight^T + bias, x this rank's sequence block."""
-    return column_forward(x, weight, bias, comm_ops.lookup(comm_name))
+    return all_gather_matmul(x, weight.t(), comm_ops.lookup(comm_name), bias)
 
 
 @ce_column_linear.register_fake
@@ -191,7 +173,7 @@ def _(x, weight, bias, comm_name):
 @torch.library.custom_op("tpframe::ce_column_backward", mutates_args=())
 def ce_column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
                        comm_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return column_grads(grad, x, weight, comm_ops.lookup(comm_name), has_bias)
+    return column_backward(grad, x, weight, comm_ops.lookup(comm_name), has_bias)
 
 
 @ce_column_backward.register_fake
@@ -202,7 +184,7 @@ def _(grad, x, weight, has_bias, comm_name):
 @torch.library.custom_op("tpframe::ce_row_linear", mutates_args=())
 def ce_row_linear(x: torch.Tensor, weight: torch.Tensor, comm_name: str) -> torch.Tensor:
     """reduce_scatter(x weight^T) over dim 0 (the sequence)."""
-    return row_forward(x, weight, comm_ops.lookup(comm_name))
+    return matmul_reduce_scatter(x, weight.t(), comm_ops.lookup(comm_name))
 
 
 @ce_row_linear.register_fake
@@ -213,7 +195,7 @@ def _(x, weight, comm_name):
 @torch.library.custom_op("tpframe::ce_row_backward", mutates_args=())
 def ce_row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return row_grads(grad, x, weight, comm_ops.lookup(comm_name))
+    return row_backward(grad, x, weight, comm_ops.lookup(comm_name))
 
 
 @ce_row_backward.register_fake
