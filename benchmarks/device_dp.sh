@@ -6,8 +6,19 @@
 # DP=1 and ddp with overlap off and on (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU
 # timeline says how long the collectives ran and how much of that no computation hid; then DP=1 and overlapped
 # ddp again with CUDA_DEVICE_MAX_CONNECTIONS=1.
+# COPY_ENGINE=1: the copy-engine gradient sync's question, in about 7 minutes: its 2-GPU tests and the DP tests,
+# then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/env.txt
+if [ "${COPY_ENGINE:-0}" = 1 ]; then
+  S=$SECONDS
+  timeout 90 python3 -m pytest -q tests/test_copy_engine_gpu.py -p no:cacheprovider -rs -x 2>&1 | tail -4
+  timeout 60 python3 -m pytest -q tests/test_gpu_training.py -k "every_dp_strategy or average_inside" \
+    -p no:cacheprovider -rs 2>&1 | tail -3
+  CKPT=1 APPEND=0 ROW_TIMEOUT=90 ROWS="DP=1;ddp, overlap on;ddp, overlap on, copy-engine sync;zero1;zero1, copy-engine sync" \
+    timeout $((430 - (SECONDS - S))) python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_ce.log | grep -v "^W1"
+  exit 0
+fi
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then
   timeout 90 python3 -m pytest -q tests/test_gpu_training.py -k nccl_gradient -p no:cacheprovider -rs 2>&1 | tail -3
   CKPT=1 STEPS=6 ROWS="DP=1;ddp, overlap off;ddp, overlap on" PROFILE=$OUT/dp_prof timeout ${T_BENCH:-240} \
