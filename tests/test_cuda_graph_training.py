@@ -46,20 +46,26 @@ def test_gradient_buffer_bookkeeping_can_be_read_and_restored():
     used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
     buf = GradBuffer([*used.parameters(), *unused.parameters()], None, dp_size=1, bucket_bytes=64)
     buf.zero()
-    at_start = buf.fresh_state()
+    at_start = buf.host_state()
     used(torch.ones(2, 4)).sum().backward()
-    after = buf.fresh_state()
-    stale = set().union(*after)
-    assert stale == {id(p) for p in unused.parameters()}, "only the params without a gradient stay stale"
-    buf.set_fresh_state(at_start)  # as if the backward had been a replay: the hooks did not run
-    assert set().union(*buf.fresh_state()) == {id(p) for p in [*used.parameters(), *unused.parameters()]}
+    after = buf.host_state()
+
+    def stale():
+        return set().union(*(fresh for fresh, _, _ in buf.host_state()[0]))
+
+    assert stale() == {id(p) for p in unused.parameters()}, "only the params without a gradient stay stale"
+    buf.set_host_state(at_start)  # as if the backward had been a replay: the hooks did not run
+    assert stale() == {id(p) for p in [*used.parameters(), *unused.parameters()]}
     buf.buffer.fill_(7.0)
-    buf.set_fresh_state(after)
+    buf.set_host_state(after)
     buf.finish_sync()
     assert all(float(p.main_grad.abs().max()) == 0 for p in unused.parameters())
     assert all(float(p.main_grad.min()) == 7.0 for p in used.parameters()), "a received gradient is kept"
+    assert all(b.launched for b in buf.buckets) and buf.syncing
+    buf.set_host_state(after)  # a replayed step that synced nothing yet: its buckets are launched again
+    assert not any(b.launched for b in buf.buckets) and not buf.syncing
     with pytest.raises(ValueError):
-        buf.set_fresh_state(after[:-1])
+        buf.set_host_state((after[0][:-1], *after[1:]))
 
 
 def _eager_and_graphed(overrides: list[str], root: str) -> dict:

@@ -149,8 +149,6 @@ BAD = [
     (["parallel.dp_strategy=fsdp", "parallel.overlap_param_gather=true"],
      "parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got fsdp)"),
     (["parallel.dp_comm=ce"], "parallel.dp_comm='ce' is not allowed; choose one of 'nccl', 'copy_engine'"),
-    (["parallel.dp_comm=copy_engine", "train.cuda_graph=true"],
-     "train.cuda_graph replays a fixed step, and parallel.dp_comm=copy_engine signals a new epoch every step"),
     (["parallel.dp_strategy=fsdp", "parallel.dp_comm=copy_engine"],
      "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through FSDP2's own"),
 ]

@@ -9,16 +9,20 @@ front end, no SM), and the only SM work is one short reduction kernel per bucket
 GEMMs like any other kernel. torch's `_low_contention_*` symmetric-memory collectives use the same idea.
 
 Per bucket b (every rank launches its buckets in the same order, as NCCL requires too), rank r:
-  1. signal stream: after the compute stream has finished the bucket's gradients, write READY(b, r) = epoch
-     into every peer's flags;
-  2. pull stream: wait for READY(b, p) from every peer p, then copy slice r of p's bucket into a scratch slot;
+  1. signal stream: after the compute stream has finished the bucket's gradients, set READY(b, r) = 1 in every
+     peer's flags;
+  2. pull stream: take READY(b, p) from every peer p (wait until it is 1, set it to 0), then copy slice r of p's
+     bucket into a scratch slot;
   3. reduce stream: slice r of r's own bucket = (own + pulled) * scale (one kernel, tpframe/kernels/scaled_sum.py);
-     write REDUCED(b, r) = epoch to peers;
-  4. (all-reduce only) gather stream: wait for REDUCED(b, p), copy slice p of p's bucket into r's buffer.
-After the last bucket every rank writes DONE(r) (it has read everything it will read from its peers this
-step) and the compute stream waits for every peer's DONE before the buffer is written again. Flags hold a
-per-step epoch, so nothing needs resetting; waits are `>=` (wrap-safe). Signals never wait on peers, so no
-order of arrival deadlocks.
+     set REDUCED(b, r) = 1 in the peers' flags;
+  4. (all-reduce only) gather stream: take REDUCED(b, p), copy slice p of p's bucket into r's buffer.
+After the last bucket every rank sets DONE(r) = 1 in its peers' flags (it has read everything it will read from
+them this step), and the compute stream takes every peer's DONE before the buffer is written again. Every flag
+is set by one rank and cleared by another, once per step each, and a rank sets a flag again only after the DONE
+that follows its clearing: so each step leaves the flags as it found them, and the same stream operations are
+right every step. That is what lets a CUDA graph capture the sync inside the training step
+(tpframe/parallel/graphed.py): no counter is baked into the graph. Signals never wait on peers, so no order of
+arrival deadlocks.
 
 The buffer and the flags must be addressable by every peer: `symmetric_peer_memory` (torch's symmetric
 memory: one host, peer access, CUDA) in production; `ipc_peer_memory` (CUDA IPC handles) lets two processes
@@ -89,6 +93,13 @@ def stream_wait(stream, address: int, value: int) -> None:
     `address` is >= `value` (wrap-safe)."""
     _check(_driver()["cuStreamWaitValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
            "cuStreamWaitValue32")
+
+
+def stream_take(stream, address: int) -> None:
+    """Work queued on `stream` after this waits until the int32 flag at `address` is 1, which it then resets to 0
+    (one side of a handshake whose other side sets the flag to 1 with `stream_write`)."""
+    stream_wait(stream, address, 1)
+    stream_write(stream, address, 0)
 
 
 def stream_copy(stream, dst: int, src: int, nbytes: int) -> None:
@@ -206,7 +217,8 @@ class CopyEngineSync:
 
     `ranges[b]` = [start, stop) of bucket b in the flat buffer, a multiple of `size` long; `scatter_only`:
     reduce-scatter (zero1: rank r's slice r of each bucket gets the result) instead of all-reduce; `scale`
-    multiplies the sum (1 / ranks averaged over)."""
+    multiplies the sum (1 / ranks averaged over). Per step: `launch(b)` for every bucket, then `finish()`. Both may
+    be captured into a CUDA graph; a replayed `finish` is then waited for by a later eager `finish()`."""
 
     SLOTS = 2  # scratch slots: the pull of bucket b+1 need not wait for the reduction of bucket b
 
@@ -225,7 +237,7 @@ class CopyEngineSync:
         # Each bucket's launch is a dozen stream operations: raw handles, addresses and reused events (ctypes
         # driver calls) keep its host cost a fraction of torch's stream contexts, views and new events.
         self._ready, self._pulled = RawEvent(), RawEvent()
-        self._slot_free = [RawEvent() for _ in range(self.SLOTS)]  # waiting on one never recorded is a no-op
+        self._slot_free = [RawEvent() for _ in range(self.SLOTS)]
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (bucket, slot) -> operands
         self._item = memory.buffer.element_size()
         # Load the reduction kernel now: loading a GPU module waits for the device to go idle, and once a stream
@@ -233,8 +245,9 @@ class CopyEngineSync:
         # the host inside the load, before `finish` could time out and say so).
         scaled_sum_(torch.zeros(8, device=self.device), torch.zeros(1, 8, device=self.device), 0.5)
         torch.cuda.synchronize(self.device)
-        self.epoch = 0
+        self.steps = 0  # syncs queued (eagerly or by a capture)
         self.launched: list[int] = []  # buckets launched this step, in order
+        self.unwaited = False  # a finished sync the host has not yet waited for (bounded: `finish`)
 
     @staticmethod
     def flags_needed(buckets: int, size: int) -> int:
@@ -261,19 +274,22 @@ class CopyEngineSync:
 
     def launch(self, b: int) -> None:
         """Start bucket b's collective; its gradients are complete on the current stream."""
-        if not self.launched:
-            self.epoch += 1
-        e, me, raw = self.epoch, self.rank, self._raw
+        me, raw = self.rank, self._raw
         self._ready.record(torch._C._cuda_getCurrentRawStream(self.device.index))
         self._ready.block(raw["signal"])
         for p in self.peers:
-            stream_write(raw["signal"], self.memory.flag(p, self._ready_flag(b, me)), e)
+            stream_write(raw["signal"], self.memory.flag(p, self._ready_flag(b, me)), 1)
         lo, hi = self._slice(b, me)
         slot = len(self.launched) % self.SLOTS
         own, scratch = self._operands(b, slot, lo, hi)
-        self._slot_free[slot].block(raw["pull"])
+        # the pull stream joins the current stream's order (a capture forks it from there) and, from the third
+        # bucket of a step on, waits until the reduction that last read this scratch slot is done (the previous
+        # step's were waited for by its `finish`)
+        self._ready.block(raw["pull"])
+        if len(self.launched) >= self.SLOTS:
+            self._slot_free[slot].block(raw["pull"])
         for p in self.peers:
-            stream_wait(raw["pull"], self.memory.flag(me, self._ready_flag(b, p)), e)
+            stream_take(raw["pull"], self.memory.flag(me, self._ready_flag(b, p)))
         width = (hi - lo) * self._item
         for j, p in enumerate(self.peers):
             stream_copy(raw["pull"], scratch.data_ptr() + j * width, self.memory.base[p] + lo * self._item, width)
@@ -285,10 +301,10 @@ class CopyEngineSync:
         self._slot_free[slot].record(raw["reduce"])
         if not self.scatter_only:
             for p in self.peers:
-                stream_write(raw["reduce"], self.memory.flag(p, self._reduced(b, me)), e)
+                stream_write(raw["reduce"], self.memory.flag(p, self._reduced(b, me)), 1)
             self._ready.block(raw["gather"])
             for p in self.peers:
-                stream_wait(raw["gather"], self.memory.flag(me, self._reduced(b, p)), e)
+                stream_take(raw["gather"], self.memory.flag(me, self._reduced(b, p)))
                 plo, phi = self._slice(b, p)
                 offset, nbytes = plo * self._item, (phi - plo) * self._item
                 stream_copy(raw["gather"], self.memory.base[me] + offset, self.memory.base[p] + offset, nbytes)
@@ -303,29 +319,44 @@ class CopyEngineSync:
         return views
 
     def finish(self) -> None:
-        """The current stream waits until every launched bucket is synced here and every peer is done
-        reading this rank's buffer (so the next backward may write it)."""
-        if not self.launched:
-            return
-        if len(self.launched) != len(self.ranges):
-            raise RuntimeError(f"copy-engine sync finished with {len(self.launched)} of {len(self.ranges)} buckets "
-                               "launched; every rank must launch every bucket each step")
-        e, me = self.epoch, self.rank
+        """The current stream waits until every launched bucket is synced here and every peer is done reading
+        this rank's buffer (so the next backward may write it); then, outside a capture, the host waits for that,
+        bounded by the memory's `timeout_s` (also for a sync a replayed graph queued: `unwaited`)."""
+        if self.launched:
+            if len(self.launched) != len(self.ranges):
+                raise RuntimeError(f"copy-engine sync finished with {len(self.launched)} of {len(self.ranges)} "
+                                   "buckets launched; every rank must launch every bucket each step")
+            self._queue_done()
+            self.launched = []
+            self.unwaited = True
+        if self.unwaited and not torch.cuda.is_current_stream_capturing():
+            self.steps += 1
+            self._wait_bounded()
+            self.unwaited = False
+
+    def _queue_done(self) -> None:
+        me = self.rank
         last = self.reduce if self.scatter_only else self.gather
         if last is not self.reduce:
             last.wait_stream(self.reduce)
         for p in self.peers:
-            stream_write(last, self.memory.flag(p, self._done(me)), e)
+            stream_write(last, self.memory.flag(p, self._done(me)), 1)
         compute = torch.cuda.current_stream(self.device)
-        compute.wait_stream(last)
-        compute.wait_stream(self.pull)
+        for side in (last, self.pull, self.signal):  # every stream the step forked is joined back
+            compute.wait_stream(side)
+        # wait for every peer's DONE before clearing any: while the wait lasts, the missing peers' flags are the 0s
         for p in self.peers:
-            stream_wait(compute, self.memory.flag(me, self._done(p)), e)
-        self.launched = []
-        # A peer that never syncs would leave the GPU waiting and the host silent at its next read of the GPU:
-        # bound it here (the step reads the gradient norm right after this anyway, so the host waits either way).
+            stream_wait(compute, self.memory.flag(me, self._done(p)), 1)
+        for p in self.peers:
+            stream_write(compute, self.memory.flag(me, self._done(p)), 0)
+
+    def _wait_bounded(self) -> None:
+        """Wait on the host for the current stream's work so far (the queued sync), at most `timeout_s`. A peer
+        that never syncs would leave the GPU waiting and the host silent at its next read of the GPU: bound it here
+        (the step reads the gradient norm right after this anyway, so the host waits either way)."""
+        me = self.rank
         synced = torch.cuda.Event()
-        synced.record(compute)
+        synced.record(torch.cuda.current_stream(self.device))
         deadline, pause = time.monotonic() + self.memory.timeout_s, 0.0
         while not synced.query():
             if time.monotonic() > deadline:
@@ -334,11 +365,19 @@ class CopyEngineSync:
                 with torch.cuda.stream(side):
                     flags.copy_(self.memory.flags[me], non_blocking=True)
                 side.synchronize()
-                missing = [p for p in self.peers if int(flags[self._done(p)]) - e < 0]
-                raise RuntimeError(f"copy-engine gradient sync: step {e} not done after {self.memory.timeout_s:.0f} s; "
-                                   f"DP peer(s) {missing or self.peers} (ranks in the DP group) never finished theirs")
+                missing = [p for p in self.peers if int(flags[self._done(p)]) == 0]
+                raise RuntimeError(f"copy-engine gradient sync: step {self.steps} not done after "
+                                   f"{self.memory.timeout_s:.0f} s; DP peer(s) {missing or self.peers} (ranks in the "
+                                   "DP group) never finished theirs")
             time.sleep(pause)
             pause = min(1e-4, pause + 1e-5)  # the host reacts within 0.1 ms: the clip norm follows at once
+
+    def host_state(self) -> tuple:
+        """The host bookkeeping a captured step leaves (a CUDA-graphed schedule restores it after each replay)."""
+        return list(self.launched), self.unwaited
+
+    def set_host_state(self, state: tuple) -> None:
+        self.launched, self.unwaited = list(state[0]), state[1]
 
 
 def copy_engine_available(group, device: torch.device) -> tuple[bool, str]:

@@ -41,7 +41,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tpframe.comm.copy_engine import (PeerMemory, RawEvent, copy_engine_available, stream_copy, stream_wait,
+from tpframe.comm.copy_engine import (PeerMemory, RawEvent, copy_engine_available, stream_copy, stream_take,
                                      stream_write)
 
 _ALIGN = 16  # bytes: every block starts aligned for any dtype
@@ -152,8 +152,7 @@ class PeerExchange:
     # -- flags (two stream memory operations; a stand-in exchange may point them elsewhere)
     def _take(self, stream: int, address: int) -> None:
         """Queue on `stream`: wait until the flag at `address` is 1, then set it to 0."""
-        stream_wait(stream, address, 1)
-        stream_write(stream, address, 0)
+        stream_take(stream, address)
 
     def _set(self, stream: int, address: int, value: int) -> None:
         stream_write(stream, address, value)

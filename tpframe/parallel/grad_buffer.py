@@ -21,8 +21,9 @@ bucket's slice d of this rank's own buffer, so no second buffer is needed).
 
 With `peer_memory` (parallel.dp_comm=copy_engine) the buffer lives in memory every DP rank can address and
 each bucket is synced by the copy engines instead of NCCL (tpframe/comm/copy_engine.py): no SM is held
-while the bytes move, so the sync does not slow the backward GEMMs it hides behind. Under CUDA-graph
-capture the NCCL collective is used.
+while the bytes move, so the sync does not slow the backward GEMMs it hides behind. Its stream operations are
+the same every step, so a CUDA-graphed step captures it, overlapped, inside the last micro-batch's backward
+(`sync_in_graph`; tpframe/parallel/graphed.py); the NCCL collectives run after the replays instead.
 
 Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
 so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
@@ -183,14 +184,24 @@ class GradBuffer:
                 b.work.wait()
                 b.work = None
 
-    def fresh_state(self) -> list[set]:
-        """Which params have no gradient yet this step, per bucket (a CUDA-graphed schedule restores it
-        after each replay, since the hooks that keep it do not run then)."""
-        return [set(b.fresh) for b in self.buckets]
+    @property
+    def sync_in_graph(self) -> bool:
+        """Whether a CUDA graph may capture this buffer's DP sync (the copy-engine one; see the module docstring)."""
+        return self._ce is not None
 
-    def set_fresh_state(self, state: list[set]) -> None:
-        for b, fresh in zip(self.buckets, state, strict=True):
-            b.fresh = set(fresh)
+    def host_state(self) -> tuple:
+        """The host bookkeeping of this step so far: per bucket which params have no gradient yet, whether it was
+        launched and how many gradients it still waits for; whether syncing; the copy-engine sync's own. A
+        CUDA-graphed schedule restores it after each replay, since the hooks that keep it do not run then."""
+        buckets = [(set(b.fresh), b.launched, b.pending) for b in self.buckets]
+        return buckets, self.syncing, self._ce.host_state() if self._ce is not None else None
+
+    def set_host_state(self, state: tuple) -> None:
+        buckets, self.syncing, ce = state
+        for b, (fresh, launched, pending) in zip(self.buckets, buckets, strict=True):
+            b.fresh, b.launched, b.pending = set(fresh), launched, pending
+        if self._ce is not None:
+            self._ce.set_host_state(ce)
 
     def _accumulate(self, p: nn.Parameter) -> None:
         b = self.bucket_of[p]
@@ -216,7 +227,7 @@ class GradBuffer:
         if self.events is not None:
             self.events.append(("launch", b.index))
         data = self.buffer[b.start : b.stop]
-        if self._ce is not None and not torch.cuda.is_current_stream_capturing():
+        if self._ce is not None:
             self._ce.launch(b.index)  # averages in its reduction
             return
         if self.average_over > 1 and not self._avg_in_collective:

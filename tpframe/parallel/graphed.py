@@ -3,18 +3,22 @@
 short (small models, small micro-batches) and costs nothing measurable at GPT-1.3B (benchmarks/RESULTS.md).
 
 The first `warmup_steps` optimizer steps run eagerly (compilation, cuBLAS and NCCL set-up, the
-Communicator's plans). The next step captures two graphs into one memory pool, reading static input
-buffers the batches are copied into:
+Communicator's plans). The next step captures up to three graphs into one memory pool, reading static
+input buffers the batches are copied into:
   - "first": the step's first micro-batch, whose gradient hooks *copy* into the fp32 `main_grad`
     (the gradient buffer's lazy zeroing, tpframe.parallel.grad_buffer);
-  - "rest": any later micro-batch, whose hooks *add*.
+  - "rest": any later micro-batch, whose hooks *add*;
+  - "+sync" on either: the step's last micro-batch with the DP gradient sync inside, each bucket launched
+    as its last gradient lands (overlapped with the rest of backward, as eagerly), where the gradient
+    buffer's sync can be captured (`sync_in_graph`: parallel.dp_comm=copy_engine).
 Python does not run on a replay, so the gradient buffer's own bookkeeping (which params still have a
-stale `main_grad`) is set after each replay to what it was after the capture.
+stale `main_grad`, which buckets were launched) is set after each replay to what it was after the capture.
 
-What the graph holds: forward, backward, the gradient accumulation and the TP collectives (the
-Communicator picks its graph-mode backend during capture). What it does not: the DP gradient sync,
-which runs after the last replay in `finish_grad_sync` (no overlap with backward: at the shapes where
-graphs pay, the gradients are small), clipping and the optimizer step. Not random: dropout must be 0
+What the graphs hold: forward, backward, the gradient accumulation, the TP collectives (the
+Communicator picks its graph-mode backend during capture) and the copy-engine DP sync. What they do not:
+an NCCL DP gradient sync, which runs after the last replay in `finish_grad_sync` (no overlap with
+backward: at the shapes where graphs pay, the gradients are small), clipping and the optimizer step; the
+host's bounded wait for a captured copy-engine sync is in `finish_grad_sync` too. Not random: dropout must be 0
 (the TP RNG tracker swaps generator states on the host, which a replay cannot repeat), so activation
 recompute does not save RNG states (tpframe.parallel.recompute, `preserve_rng=False`).
 
@@ -60,7 +64,8 @@ class GraphedForwardBackward:
         self.calls = 0
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.losses: dict[str, torch.Tensor] = {}  # each graph's static output: its micro-batch's loss / n
-        self.fresh_after: dict[str, list[set]] = {}  # the gradient buffer's bookkeeping after each graph
+        self.state_after: dict[str, tuple] = {}  # the gradient buffer's host bookkeeping after each graph
+        self.keys: list[str] = []  # per micro-batch of a step: the graph it replays
         self.inputs: torch.Tensor | None = None
         self.labels: torch.Tensor | None = None
         self.num_micro_batches = 0
@@ -98,9 +103,9 @@ class GraphedForwardBackward:
                                    f"has {tuple(input_ids.shape)}; set train.cuda_graph=false for varying shapes")
             self.inputs.copy_(input_ids, non_blocking=True)
             self.labels.copy_(labels, non_blocking=True)
-            which = "first" if i == 0 else "rest"
+            which = self.keys[i]
             self.graphs[which].replay()
-            buffer.set_fresh_state(self.fresh_after[which])
+            buffer.set_host_state(self.state_after[which])
             loss_sum += self.losses[which]
         return loss_sum
 
@@ -141,7 +146,7 @@ class GraphedForwardBackward:
         self.decision = "eager"
         self.graphs.clear()
         self.losses.clear()
-        self.fresh_after.clear()
+        self.state_after.clear()
         self.inputs = self.labels = None
         torch.cuda.empty_cache()
         self.log(f"{why}: running eagerly")
@@ -157,30 +162,45 @@ class GraphedForwardBackward:
 
         return forward_backward_no_pipelining(model, _Rest(), num_micro_batches, grad_sync=grad_sync, device=device)
 
+    @staticmethod
+    def _keys(num_micro_batches: int, sync_in_graph: bool) -> list[str]:
+        """The graph each micro-batch replays: "first" / "rest", the last with "+sync" when the DP sync is
+        captured."""
+        keys = ["first"] + ["rest"] * (num_micro_batches - 1)
+        if sync_in_graph:
+            keys[-1] += "+sync"
+        return keys
+
     def _capture(self, model: nn.Module, buffer, input_ids: torch.Tensor, labels: torch.Tensor,
                  num_micro_batches: int, device: torch.device) -> None:
-        """Capture "first" (and "rest" when the step has more micro-batches); the buffer's bookkeeping is
-        left as it was (a step's start: every main_grad stale), since capturing runs no kernel."""
+        """Capture each graph the step's micro-batches replay (`keys`), in step order; the buffer's bookkeeping is
+        left as it was (a step's start: every main_grad stale, nothing launched), since capturing runs no kernel."""
+        self.keys = keys = self._keys(num_micro_batches, buffer.sync_in_graph)
         self.inputs = torch.empty_like(input_ids, device=device)
         self.labels = torch.empty_like(labels, device=device)
         self.num_micro_batches = num_micro_batches
-        at_start = buffer.fresh_state()
+        at_start = buffer.host_state()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph pool takes their place
         pool = None
         try:
-            for which in ("first", "rest")[: 1 + (num_micro_batches > 1)]:
+            for which in dict.fromkeys(keys):  # distinct, in step order
                 graph = torch.cuda.CUDAGraph()
+                sync = which.endswith("+sync")
                 # thread-local: a background checkpoint writer may touch CUDA while this thread captures
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     loss = model(self.inputs, self.labels).mean() / num_micro_batches
+                    if sync:
+                        buffer.start_sync()
                     loss.backward()
+                    if sync:
+                        buffer.finish_sync()  # queues what is left; the host's wait comes after the replay
                 pool = graph.pool()
                 self.graphs[which], self.losses[which] = graph, loss.detach()
-                self.fresh_after[which] = buffer.fresh_state()
+                self.state_after[which] = buffer.host_state()
         except RuntimeError as e:
             self.graphs.clear()
             raise ConfigError(f"train.cuda_graph could not capture the training step ({str(e).strip().splitlines()[0][:160]}); "
                               "set train.cuda_graph=false") from None
         finally:
-            buffer.set_fresh_state(at_start)
+            buffer.set_host_state(at_start)

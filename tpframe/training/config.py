@@ -488,9 +488,6 @@ def cuda_graph_obstacle(cfg: Config) -> str | None:
     if p.dp_strategy == "fsdp":
         return ("train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or zero1, "
                 "or set train.cuda_graph=false")
-    if p.dp_comm == "copy_engine":  # its flags carry a per-step epoch, which a replayed graph would repeat
-        return ("train.cuda_graph replays a fixed step, and parallel.dp_comm=copy_engine signals a new epoch every "
-                "step; set parallel.dp_comm=nccl or train.cuda_graph=false")
     if p.overlap_param_gather:
         return ("train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
                 "set parallel.overlap_param_gather=false or train.cuda_graph=false")
