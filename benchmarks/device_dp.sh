@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/env.txt
 if [ "${COPY_ENGINE:-0}" = 1 ]; then
   S=$SECONDS
-  timeout 90 python3 -m pytest -q tests/test_copy_engine_gpu.py -p no:cacheprovider -rs -x 2>&1 | tail -4
+  timeout 150 python3 -m pytest -q tests/test_copy_engine_gpu.py -p no:cacheprovider -rs -x 2>&1 | tail -4
   timeout 60 python3 -m pytest -q tests/test_gpu_training.py -k "every_dp_strategy or average_inside" \
     -p no:cacheprovider -rs 2>&1 | tail -3
   CKPT=1 APPEND=0 ROW_TIMEOUT=90 ROWS="DP=1;ddp, overlap on;ddp, overlap on, copy-engine sync;zero1;zero1, copy-engine sync" \

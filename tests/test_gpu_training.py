@@ -37,6 +37,28 @@ def test_symm_and_nccl_give_the_same_gpt_losses_at_tp2(tmp_path, sp):
     assert nccl[-1] < nccl[0]
 
 
+def _graphed_losses(overrides):
+    trainer = train_in_process(overrides, keep_trainer=True)
+    return [r["loss"] for r in trainer.history], getattr(trainer.forward_backward, "captured", False)
+
+
+def test_copy_engine_async_tp_trains_as_the_plain_path_eagerly_and_from_cuda_graphs_at_tp2(tmp_path):
+    """The Trainer at TP=2 + SP with parallel.async_tp=copy_engine, eagerly and with train.cuda_graph (the pushes,
+    flags and GEMM blocks replayed): the same fp32 losses as the plain path."""
+    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=8", "model.dropout=0",
+              "model.attention_dropout=0", "train.dtype=float32"]
+    runs = {}
+    for name, extra in (("plain", []), ("copy_engine", ["parallel.async_tp=copy_engine"]),
+                        ("copy_engine+graph", ["parallel.async_tp=copy_engine", "train.cuda_graph=true"])):
+        runs[name] = run_distributed(_graphed_losses, 2, [*common, *extra, f"train.run_dir={tmp_path}/{name}"],
+                                     backend="nccl")[0]
+    plain = runs["plain"][0]
+    assert runs["copy_engine+graph"][1] and not runs["copy_engine"][1]
+    for name in ("copy_engine", "copy_engine+graph"):
+        for step, (a, b) in enumerate(zip(runs[name][0], plain), 1):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{name} step {step}: loss {a!r} vs plain {b!r}"
+
+
 def test_bf16_training_resumes_from_an_async_checkpoint_on_gpu(tmp_path):
     common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.dtype=bfloat16", "train.steps=10", "comm.backend=auto"]
     straight = run_distributed(_losses_and_backend, 2, [*common, f"train.run_dir={tmp_path}/a"], backend="nccl")[0][0]
