@@ -1,6 +1,6 @@
 """Gradient buckets synced by copy engines (parallel.dp_comm=copy_engine, tpframe/comm/copy_engine.py).
 
-On one GPU, two processes share their buffers by CUDA IPC: the protocol (flags, epochs, slot reuse, the
+On one GPU, two processes share their buffers by CUDA IPC: the protocol (flag handshakes, slot reuse, the
 waits for a late peer) runs for real, copies included. On two GPUs, torch's symmetric memory: the buffers
 equal NCCL's, and ddp and zero1 train as with NCCL.
 """
@@ -80,7 +80,7 @@ def _check(results, mode):
 @pytest.mark.parametrize("late_rank", [0, 1])
 def test_copy_engine_buckets_average_on_one_gpu(mode, late_rank):
     """Two processes on one GPU (CUDA IPC): every bucket holds the fp32 mean of both ranks' gradients, three
-    steps running (flag epochs, scratch slots reused), with either rank late on the GPU."""
+    steps running (flags handed back and forth, scratch slots reused), with either rank late on the GPU."""
     _check(run_distributed(_synced_buckets, 2, mode, late_rank, backend="gloo"), mode)
 
 
