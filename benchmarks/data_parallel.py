@@ -5,6 +5,7 @@
     CKPT=1 python benchmarks/data_parallel.py          # with activation checkpointing (activations no longer dominate)
     APPEND=0 LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64 MB=2 STEPS=3 python benchmarks/data_parallel.py   # CPU dry run (gloo)
     ROWS="DP=1;ddp, overlap on" PROFILE=/tmp/dp python benchmarks/data_parallel.py   # some rows; a profiled step each
+    GRAPH=1 LAYERS=12 HIDDEN=768 HEADS=12 SEQ=1024 MB=16 python benchmarks/data_parallel.py  # GPT-125M, CUDA-graphed
 
 Each row is one `torchrun` worker run: a GPT (LayerNorm, rotary, GELU, biases, tied, V=50304; GPT-1.3B
 shape by default: L=24 H=2048 16 heads, seq 2048, micro-batch 8 per GPU, bf16) trained on random
@@ -17,7 +18,9 @@ peak - resident is what a step adds on top (activations, the bf16 gradients in f
 which no DP strategy shards: it sets how far zero1/fsdp can bring the peak down. Each row also gives every
 rank's own median step (a slower GPU paces the whole DP group). PROFILE=folder profiles one more step per row
 (rank 0's chrome trace and op table there) and adds its GPU timeline: busy time, how long the collectives ran
-and how much of that no computation hid.
+and how much of that no computation hid. GRAPH=1 replays each micro-batch from a CUDA graph (train.cuda_graph's
+schedule, tpframe/parallel/graphed.py) after two eager steps: the copy-engine sync is then inside the last
+micro-batch's graph, NCCL's after it; fsdp rows are skipped (not graphed); CUDA only.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl") -> None:
     from tpframe.models.config import ModelConfig
     from tpframe.optim import OptimConfig, build_strategy
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
+    from tpframe.parallel.graphed import GraphedForwardBackward
     from tpframe.parallel.schedules import forward_backward_no_pipelining
 
     state = initialize_parallel(tp=1)
@@ -81,21 +85,26 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl") -> None:
             return t[:, :-1], t[:, 1:]
 
     batches = RandomBatches()
+    schedule = GraphedForwardBackward(warmup_steps=2) if env("GRAPH", 0) == 1 else forward_backward_no_pipelining
 
     def step():
         opt.zero_grad()
-        loss = forward_backward_no_pipelining(model, batches, ACCUM, grad_sync=opt, device=state.device)
+        loss = schedule(model, batches, ACCUM, grad_sync=opt, device=state.device)
         opt.finish_grad_sync()
         opt.clip_grad_norm(1.0)
         opt.step(1e-4)
         return loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
+    graphed = schedule is not forward_backward_no_pipelining
+    for i in range(3):
+        if graphed and i == 2:  # the capture allocates the graphs' memory, which replays reuse: count it in the peak
+            sync()
+            torch.cuda.reset_peak_memory_stats()
         step()
     sync()
     resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")  # between steps
-    if cuda:
+    if cuda and not graphed:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(STEPS):
@@ -158,6 +167,9 @@ def main() -> None:
     for name, strategy, overlap, n, dp_comm in ROWS:
         if only and name not in only:
             continue
+        if env("GRAPH", 0) == 1 and strategy == "fsdp":
+            print(f"{name}: skipped (GRAPH=1 graphs ddp and zero1 steps only)", flush=True)
+            continue
         procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
                "--worker", strategy, str(int(overlap)), dp_comm]
@@ -180,9 +192,10 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     shape = (f"L={env('LAYERS', 24)} H={env('HIDDEN', 2048)} heads={env('HEADS', 16)} seq={env('SEQ', 2048)} "
              f"micro-batch {env('MB', 8)} x {env('ACCUM', 1)} per GPU"
-             + (", activation checkpointing" if env("CKPT", 0) == 1 else ""))
+             + (", activation checkpointing" if env("CKPT", 0) == 1 else "")
+             + (", each micro-batch replayed from a CUDA graph" if env("GRAPH", 0) == 1 else ""))
     head = [f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
-            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT') if k in os.environ)} "
+            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH') if k in os.environ)} "
             "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
             "", "| run | dp | step (s) | vs DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
             "| peak - resident GiB | optimizer state GiB |", "|---|---|---|---|---|---|---|---|---|---|"]

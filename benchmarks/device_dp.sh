@@ -6,8 +6,8 @@
 # DP=1 and ddp with overlap off and on (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU
 # timeline says how long the collectives ran and how much of that no computation hid; then DP=1 and overlapped
 # ddp again with CUDA_DEVICE_MAX_CONNECTIONS=1.
-# COPY_ENGINE=1: the copy-engine gradient sync's question, in about 7 minutes: its 2-GPU tests and the DP tests,
-# then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1).
+# COPY_ENGINE=1: the copy-engine gradient sync's question, in about 9 minutes: its 2-GPU tests and the DP tests,
+# then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1), then GPT-125M CUDA-graphed (GRAPH=1).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/env.txt
 if [ "${COPY_ENGINE:-0}" = 1 ]; then
@@ -17,6 +17,10 @@ if [ "${COPY_ENGINE:-0}" = 1 ]; then
     -p no:cacheprovider -rs 2>&1 | tail -3
   CKPT=1 APPEND=0 ROW_TIMEOUT=90 ROWS="DP=1;ddp, overlap on;ddp, overlap on, copy-engine sync;zero1;zero1, copy-engine sync" \
     timeout $((430 - (SECONDS - S))) python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_ce.log | grep -v "^W1"
+  # GPT-125M with each micro-batch replayed from a CUDA graph: NCCL's sync after the replay, the copy-engine one inside
+  GRAPH=1 LAYERS=12 HIDDEN=768 HEADS=12 SEQ=1024 MB=16 STEPS=20 APPEND=0 ROW_TIMEOUT=60 \
+    ROWS="DP=1;ddp, overlap on;ddp, overlap on, copy-engine sync;zero1, copy-engine sync" \
+    timeout $((560 - (SECONDS - S))) python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_ce_graph.log | grep -v "^W1"
   exit 0
 fi
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then
