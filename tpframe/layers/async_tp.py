@@ -22,7 +22,9 @@ Three modes:
                    engines, read where they land; no SM held by the transfers, no margin (CUDA, one host).
 "symm_mem" runs eagerly only; "copy_engine" is custom ops (async_tp_ce.py), eager and compiled alike. The ring
 also runs inside compiled blocks, as the custom ops below (opaque to Inductor, which fuses what is around them;
-their autograd formulas call each other); under CUDA-graph capture every mode takes the plain path.
+their autograd formulas call each other); under CUDA-graph capture "copy_engine" is captured (its flags return
+to where they started after every exchange), the eager "ring" and "symm_mem" layers take the plain path, and the
+ring's custom ops take one collective and one GEMM.
 
     torch.ops.tpframe.ring_column_linear(x, w, bias, comm)  -> (all_gather(x), all_gather(x) w^T + bias)
     torch.ops.tpframe.ring_row_linear(x, w, comm)           -> reduce_scatter(x w^T)
@@ -58,7 +60,7 @@ def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
     torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory,
     "copy_engine" CUDA with the group's copy-engine transport (`Communicator.peer_exchange`), and its custom ops
-    also run in compiled blocks (set up before tracing: `enable_async_tp`) and under capture (the plain path inside)."""
+    also run in compiled blocks (set up before tracing: `enable_async_tp`) and under CUDA-graph capture."""
     if comm.size == 1:
         return False
     if mode == "copy_engine":
