@@ -68,7 +68,6 @@ class GraphedForwardBackward:
         self.keys: list[str] = []  # per micro-batch of a step: the graph it replays
         self.inputs: torch.Tensor | None = None
         self.labels: torch.Tensor | None = None
-        self.num_micro_batches = 0
 
     @property
     def captured(self) -> bool:
@@ -80,8 +79,8 @@ class GraphedForwardBackward:
         mode = "eager" if self.calls <= self.warmup_steps else self.decision or self._probe(device)
         if mode == "eager":
             return forward_backward_no_pipelining(model, batches, num_micro_batches, grad_sync=grad_sync, device=device)
-        if self.captured and num_micro_batches != self.num_micro_batches:
-            raise RuntimeError(f"train.cuda_graph captured steps of {self.num_micro_batches} micro-batches, "
+        if self.captured and num_micro_batches != len(self.keys):
+            raise RuntimeError(f"train.cuda_graph captured steps of {len(self.keys)} micro-batches, "
                                f"this one has {num_micro_batches}")
         buffer = grad_sync.grads
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -178,7 +177,6 @@ class GraphedForwardBackward:
         self.keys = keys = self._keys(num_micro_batches, buffer.sync_in_graph)
         self.inputs = torch.empty_like(input_ids, device=device)
         self.labels = torch.empty_like(labels, device=device)
-        self.num_micro_batches = num_micro_batches
         at_start = buffer.host_state()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph pool takes their place
