@@ -495,8 +495,8 @@ def cuda_graph_obstacle(cfg: Config) -> str | None:
         return (f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
                 f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
     if p.cp > 1:  # train.compile works: CP attention runs eager between the compiled parts of a block
-        return ("train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention is not "
-                "captured: tpframe/parallel/context.py); set train.cuda_graph=false or parallel.cp=1")
+        return ("train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention's all-gather "
+                "and chunk kernels are not verified under capture); set train.cuda_graph=false or parallel.cp=1")
     if m.moe_experts and p.ep > 1:
         return ("train.cuda_graph is not supported with parallel.ep > 1 yet (the all-to-all is sized on the host, "
                 "every layer); set train.cuda_graph=false or parallel.ep=1")
