@@ -1,6 +1,7 @@
 #!/bin/bash
-# One device call (repo root; nvidia-h200-x2 runs the 2-GPU tests too): every GPU test of the suite (`-m gpu`, every file that has one), one pytest per file so a
-# hang costs one file's time limit; stops starting files once BUDGET_S seconds are spent. Logs under $OUT.
+# One device call (repo root; nvidia-h200-x2 runs the 2-GPU tests too): every GPU test of the suite (`-m gpu`,
+# every file that has one), one pytest per file so a hang costs one file's time limit; stops starting files once
+# BUDGET_S seconds are spent. Logs under $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 START=$SECONDS; BUDGET_S=${BUDGET_S:-520}
 { nvidia-smi --query-gpu=name,memory.total --format=csv
