@@ -75,6 +75,17 @@ def _meta_without(saved: Path, tmp: Path, key: str) -> str:
     return str(step)
 
 
+def _run_dir_holding(tmp: Path, name: str, content) -> str:
+    """A run directory holding `name`: a file with `content`, or a directory for None."""
+    run = tmp / "other_run"
+    run.mkdir()
+    if content is None:
+        (run / name).mkdir()
+    else:
+        (run / name).write_text(content)
+    return str(run)
+
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -244,6 +255,13 @@ CASES = [
     # the run directory
     ("run-dir-is-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}"], {}), "is a file, not a directory"),
     ("run-dir-empty", lambda t, s: (['train.run_dir=""'], {}), "train.run_dir is empty"),
+    ("run-dir-checkpoints-is-file", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'checkpoints', 'x')}"], {}),
+     "holds a file named checkpoints"),
+    ("run-dir-metrics-is-dir", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'metrics.jsonl', None)}"], {}),
+     "holds a directory named metrics.jsonl"),
+    ("run-dir-config-section-not-mapping",
+     lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
+     "holds a config.yaml that cannot be read (not a mapping of sections)"),
     ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
     ("ckpt-dir-is-file", lambda t, s: ([f"checkpoint.dir={_file(t, 'taken', 'x')}"], {}), "checkpoint.dir="),
     ("run-dir-of-another-run", lambda t, s: ([f"train.run_dir={s}", "model.hidden=64"], {}),
