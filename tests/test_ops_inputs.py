@@ -75,6 +75,30 @@ def _meta_without(saved: Path, tmp: Path, key: str) -> str:
     return str(step)
 
 
+def _meta_with(saved: Path, tmp: Path, key: str, value) -> str:
+    """A copy of the saved step whose meta.json has `key` set to `value` (bytes: the whole file)."""
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    if isinstance(value, bytes):
+        (step / "meta.json").write_bytes(value)
+        return str(step)
+    meta = json.loads((step / "meta.json").read_text())
+    meta[key] = value
+    (step / "meta.json").write_text(json.dumps(meta))
+    return str(step)
+
+
+def _root_with_latest(tmp: Path, latest) -> str:
+    """A checkpoints root whose `latest` is `latest` (bytes) or, for None, a directory."""
+    root = tmp / "ckpts"
+    root.mkdir()
+    if latest is None:
+        (root / "latest").mkdir()
+    else:
+        (root / "latest").write_bytes(latest)
+    return str(root)
+
+
 def _run_dir_holding(tmp: Path, name: str, content) -> str:
     """A run directory holding `name`: a file with `content`, or a directory for None."""
     run = tmp / "other_run"
@@ -283,6 +307,17 @@ CASES = [
     # checkpoints
     ("load-missing", lambda t, s: ([f"checkpoint.load={t}/nope"], {}), "does not exist"),
     ("meta-missing-key", lambda t, s: ([f"checkpoint.load={_meta_without(s, t, 'data')}"], {}), "meta.json lacks data"),
+    *[(f"meta-{key}-{value!r}", lambda t, s, key=key, value=value: ([f"checkpoint.load={_meta_with(s, t, key, value)}"],
+                                                                     {}), f"is malformed (wrong type or missing fields in: {key})")
+      for key, value in (("architecture", 5), ("vocab", {}), ("train", {}), ("step", "x"), ("layout", 5),
+                         ("config", {"model": {}}))],
+    ("meta-not-utf8", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"{\xff}")], {}),
+     "meta.json is corrupt ('utf-8' codec can't decode"),
+    ("latest-not-utf8", lambda t, s: (["checkpoint.load=" + _root_with_latest(t, b"step_\xff")], {}),
+     "latest cannot be read ('utf-8' codec can't decode"),
+    ("latest-is-dir", lambda t, s: ([f"checkpoint.load={_root_with_latest(t, None)}"], {}),
+     "latest cannot be read ([Errno 21] Is a directory"),
+    ("latest-empty", lambda t, s: ([f"checkpoint.load={_root_with_latest(t, b'')}"], {}), "latest is empty"),
     ("resume-other-seed", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "data.seed=7"], {}),
      "data.seed is 1234 in the checkpoint but 7 now"),
     ("resume-other-seq-len", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "train.seq_len=16"], {}),
