@@ -129,6 +129,16 @@ def test_bad_token_files_name_the_path_and_the_fix(tmp_path):
         train.next()
 
 
+@pytest.mark.parametrize("text_file,out", [("a.txt", "a.txt"), ("a.json", "a"), ("a.txt", ".")],
+                         ids=["out-is-the-input", "sidecar-is-the-input", "out-is-a-directory"])
+def test_an_output_that_would_destroy_an_input_or_is_a_directory_is_refused(tmp_path, monkeypatch, text_file, out):
+    (tmp_path / text_file).write_text(TEXT)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="is also the output|is a directory"):
+        write_token_file([text_file], out)
+    assert [(p.name, p.read_text()) for p in tmp_path.iterdir()] == [(text_file, TEXT)]
+
+
 def test_bad_jsonl_names_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": 3}\n')
