@@ -307,8 +307,9 @@ CASES = [
     # checkpoints
     ("load-missing", lambda t, s: ([f"checkpoint.load={t}/nope"], {}), "does not exist"),
     ("meta-missing-key", lambda t, s: ([f"checkpoint.load={_meta_without(s, t, 'data')}"], {}), "meta.json lacks data"),
-    *[(f"meta-{key}-{value!r}", lambda t, s, key=key, value=value: ([f"checkpoint.load={_meta_with(s, t, key, value)}"],
-                                                                     {}), f"is malformed (wrong type or missing fields in: {key})")
+    *[(f"meta-{key}-{value!r}",
+       lambda t, s, key=key, value=value: ([f"checkpoint.load={_meta_with(s, t, key, value)}"], {}),
+       f"is malformed (wrong type or missing fields in: {key})")
       for key, value in (("architecture", 5), ("vocab", {}), ("train", {}), ("step", "x"), ("layout", 5),
                          ("config", {"model": {}}))],
     ("meta-not-utf8", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"{\xff}")], {}),
@@ -424,3 +425,67 @@ def test_more_ranks_on_a_host_than_gpus_is_one_line(monkeypatch, env):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"each rank needs its own GPU; launch at most 1 per host"):
         train.prepare(BASE)
+
+
+# -- the tools, and the launcher with another script ------------------------------------------------------
+
+def _tool(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _metrics_file(tmp: Path, text: str) -> str:
+    """A run directory whose metrics.jsonl holds `text`."""
+    _file(tmp, "metrics.jsonl", text)
+    return str(tmp)
+
+
+def _garbled_metadata(saved: Path, tmp: Path) -> str:
+    """A copy of the saved step whose DCP index is garbage of the recorded size (a size-only check passes)."""
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    (step / ".metadata").write_bytes(b"\x80" * (step / ".metadata").stat().st_size)
+    return str(step)
+
+
+# (tool, argv with {ckpt} {tmp} {file} {run} in it or a builder(tmp, saved) -> argv, expected text)
+TOOL_CASES = [
+    ("checkpoint", [], "the following arguments are required: command (see checkpoint.py --help)"),
+    ("checkpoint", ["export", "{ckpt}"],
+     "the following arguments are required: --out (see checkpoint.py export --help)"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{tmp}"], "is a directory; name the file"),
+    ("checkpoint", ["export", "{ckpt}", "--out", ""], "is a directory; name the file"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{file}/model.safetensors"], "cannot be created: '{file}' is a file"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{file}", "--format", "hf"],
+     "is a file; --format hf writes a directory"),
+    ("checkpoint", lambda t, s: ["inspect", _garbled_metadata(s, t)], ".metadata cannot be read"),
+    ("prepare_data", ["--out", "x.bin"], "the following arguments are required: INPUT (see prepare_data.py --help)"),
+    ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
+    ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
+    ("plot_loss", lambda t, s: [_metrics_file(t, "[1, 2]\n")], "metrics.jsonl:1: not a metrics record"),
+    ("plot_loss", lambda t, s: [_metrics_file(t, '{"kind": "train", "loss": 1}\n')],
+     "metrics.jsonl:1: not a metrics record"),
+]
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(TOOL_CASES)])
+def test_a_tool_given_bad_input_prints_one_line_exits_2_and_writes_nothing(case, tmp_path, saved_run, capsys):
+    name, argv, expected = case
+    subs = {"{ckpt}": str(saved_run / "checkpoints"), "{tmp}": str(tmp_path), "{run}": str(saved_run),
+            "{file}": _file(tmp_path, "taken", "x")}
+    if callable(argv):
+        argv = argv(tmp_path, saved_run)
+    for key, value in subs.items():
+        argv, expected = [a.replace(key, value) for a in argv], expected.replace(key, value)
+    before = {p: _snapshot(p) for p in (saved_run, tmp_path)}
+    code = _tool(name).main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    assert expected in lines[0], lines[0]
+    assert {p: _snapshot(p) for p in before} == before, "a tool given bad input wrote or changed a file"
+
