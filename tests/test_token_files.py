@@ -116,6 +116,10 @@ def test_bad_token_files_name_the_path_and_the_fix(tmp_path):
     fails(r"dtype 'uint16' for vocab_size 70000")
     sidecar_path(out).write_text(json.dumps({k: v for k, v in json.loads(good).items() if k != "num_tokens"}))
     fails(r"lacks or mistypes num_tokens")
+    sidecar_path(out).write_text(json.dumps({**json.loads(good), "tokenizer": {"kind": "huggingface"}}))
+    fails(r"malformed tokenizer record .*'huggingface' with its 'file'")  # generate.py raised KeyError: 'file'
+    sidecar_path(out).write_text(json.dumps({**json.loads(good), "vocab_size": 0}))
+    fails(r"says vocab_size 0; it must be at least 1")
     sidecar_path(out).unlink()
     fails(r"sidecar .*c.bin.json.* is missing")
     sidecar_path(out).write_text(good)

@@ -210,10 +210,17 @@ def read_sidecar(path: str | Path, key: str = "data.path") -> dict:
     if bad or meta["format"] != FORMAT:
         what = f"lacks or mistypes {', '.join(bad)}" if bad else f"has format {meta['format']!r}, expected {FORMAT!r}"
         raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} {what}; {fix}")
-    if meta["vocab_size"] < 1 or meta["dtype"] != token_dtype(meta["vocab_size"]).name:
+    tok = meta["tokenizer"]
+    if not (tok.get("kind") == "bytes" or tok.get("kind") == "huggingface" and isinstance(tok.get("file"), str)):
+        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} has a malformed tokenizer record {tok!r} (kind "
+                         f"'bytes', or 'huggingface' with its 'file'); {fix}")
+    if meta["vocab_size"] < 1:
+        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} says vocab_size {meta['vocab_size']}; it must be "
+                         f"at least 1; {fix}")
+    if meta["dtype"] != token_dtype(meta["vocab_size"]).name:
         raise ValueError(
             f"{key}={str(path)!r}: sidecar says dtype {meta['dtype']!r} for vocab_size {meta['vocab_size']}, "
-            f"expected {token_dtype(max(meta['vocab_size'], 1)).name!r}; {fix}"
+            f"expected {token_dtype(meta['vocab_size']).name!r}; {fix}"
         )
     expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
     actual = path.stat().st_size
