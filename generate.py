@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tpframe.errors import ConfigError
+from tpframe.errors import ArgumentParser, ConfigError
 from tpframe.launch import single_process_env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
                    help="step directory, checkpoints root (with `latest`) or .safetensors")
     p.add_argument("--tp", type=int, default=None,
@@ -92,6 +92,8 @@ def prepare(argv: list[str] | None) -> Plan:
                           f"launch with torchrun --nproc-per-node {tp}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not -(2**63) <= args.seed < 2**64:
+        raise ConfigError(f"--seed {args.seed} does not fit torch's 64-bit generator seed; use 0 to 2**64-1")
     try:
         sampling(args).validate()
     except ValueError as e:

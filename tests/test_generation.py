@@ -167,6 +167,51 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, caps
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "does not exist" in out.stderr
 
 
+def _export_with_header(tmp_path, **header) -> str:
+    """A tiny .safetensors file whose tpframe header fields are `header` (a string, or a dict updating model_config)."""
+    from safetensors.torch import save_file
+
+    from tpframe.models.config import ModelConfig
+
+    meta = {"format": "tpframe", "step": "1", "model_config": json.dumps(dataclasses.asdict(ModelConfig()))}
+    for key, value in header.items():
+        meta[key] = json.dumps({**json.loads(meta[key]), **value}) if isinstance(value, dict) else value
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"), metadata=meta)
+    return str(tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt", "hi"], "the following arguments are required: --checkpoint (see generate.py --help)"),
+    (["--checkpoint", "x", "--prompt", "hi", "--temprature", "1"], "unrecognized arguments: --temprature 1"),
+    (["--checkpoint", "x", "--prompt", "hi", "--seed", str(2**70)], "--seed 1180591620717411303424 does not fit"),
+    (["--checkpoint", "{export}", "--prompts", "{tmp}"], "--prompts '{tmp}' is not a file"),
+    (["--checkpoint", "{export}", "--prompts", "{tmp}/latin1.txt"], "is not UTF-8 text (byte 0 is 0xe9)"),
+    (["--checkpoint", "{export:model_config=not json}", "--prompt", "hi"], "has a corrupt header (Expecting value"),
+    (["--checkpoint", "{export:step=x}", "--prompt", "hi"], "has a corrupt header (invalid literal for int()"),
+    (["--checkpoint", "{export:hidden=big}", "--prompt", "hi"], "model.hidden='big' must be an integer"),
+    (["--checkpoint", "{export:heads=0}", "--prompt", "hi"], "model config cannot be built (model.heads=0)"),
+    (["--checkpoint", "{export:norm=batchnorm}", "--prompt", "hi"], "model.norm='batchnorm' is not allowed"),
+], ids=["no-checkpoint", "unknown-flag", "seed-beyond-64-bits", "prompts-dir", "prompts-not-utf8",
+        "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal"])
+def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
+    """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
+    (tmp_path / "latin1.txt").write_bytes("\u00e9t\u00e9\n".encode("latin-1"))
+
+    def fill(arg):
+        if arg == "{export}":
+            return _export_with_header(tmp_path)
+        if arg.startswith("{export:"):
+            key, value = arg[len("{export:"):-1].split("=", 1)
+            if key in ("model_config", "step"):
+                return _export_with_header(tmp_path, **{key: value})
+            return _export_with_header(tmp_path, model_config={key: int(value) if value.isdigit() else value})
+        return arg.replace("{tmp}", str(tmp_path))
+
+    code, err = _cli([fill(a) for a in argv], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: "), (code, err)
+    assert needle.replace("{tmp}", str(tmp_path)) in err, err
+
+
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1 2 3 "}\n"The cat"\n\n{"text": ""}\n')

@@ -253,6 +253,13 @@ def test_plot_loss_writes_a_png(tmp_path, capsys):
     assert "plot_loss.py: error:" in capsys.readouterr().err
 
 
+def test_plot_loss_names_the_file_it_wrote_when_out_has_no_suffix(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 2.0}\n')
+    assert _load_tool("plot_loss").main([str(tmp_path), "--out", str(tmp_path / "curve")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'curve.png'}"  # matplotlib adds .png itself
+    assert (tmp_path / "curve.png").is_file() and not (tmp_path / "curve").exists()
+
+
 def test_plot_loss_cli_exits_2_on_a_missing_file(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_loss.py"), str(tmp_path)],
                             capture_output=True, text=True, timeout=60)

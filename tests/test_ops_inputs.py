@@ -75,6 +75,41 @@ def _meta_without(saved: Path, tmp: Path, key: str) -> str:
     return str(step)
 
 
+def _meta_with(saved: Path, tmp: Path, key: str, value) -> str:
+    """A copy of the saved step whose meta.json has `key` set to `value` (bytes: the whole file)."""
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    if isinstance(value, bytes):
+        (step / "meta.json").write_bytes(value)
+        return str(step)
+    meta = json.loads((step / "meta.json").read_text())
+    meta[key] = value
+    (step / "meta.json").write_text(json.dumps(meta))
+    return str(step)
+
+
+def _root_with_latest(tmp: Path, latest) -> str:
+    """A checkpoints root whose `latest` is `latest` (bytes) or, for None, a directory."""
+    root = tmp / "ckpts"
+    root.mkdir()
+    if latest is None:
+        (root / "latest").mkdir()
+    else:
+        (root / "latest").write_bytes(latest)
+    return str(root)
+
+
+def _run_dir_holding(tmp: Path, name: str, content) -> str:
+    """A run directory holding `name`: a file with `content`, or a directory for None."""
+    run = tmp / "other_run"
+    run.mkdir()
+    if content is None:
+        (run / name).mkdir()
+    else:
+        (run / name).write_text(content)
+    return str(run)
+
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -117,6 +152,19 @@ CASES = [
     ("bad-literal", lambda t, s: (["model.norm=batchnorm"], {}), "model.norm='batchnorm' is not allowed"),
     # numbers
     ("lr-inf", lambda t, s: (["optim.lr=.inf"], {}), "optim.lr=inf must be a finite number"),
+    ("lr-beyond-float32", lambda t, s: (["optim.lr=1e39", "optim.min_lr=0"], {}),
+     "optim.lr=1e+39 is beyond float32's range"),
+    ("aux-loss-beyond-float32", lambda t, s: (["model.moe_experts=4", "model.moe_aux_loss=1e308"], {}),
+     "model.moe_aux_loss=1e+308 is beyond float32's range"),
+    ("bucket-beyond-float32", lambda t, s: (["parallel.grad_bucket_mb=1e308"], {}),
+     "parallel.grad_bucket_mb=1e+308 is beyond float32's range"),
+    ("timeout-huge", lambda t, s: (["comm.timeout_s=1e10"], {}), "comm.timeout_s=1e+10 must be > 0 and < 1e+06"),
+    ("seed-beyond-64-bits", lambda t, s: (["train.seed=18446744073709551615"], {}),
+     "train.seed=18446744073709551615 must be below 2**63"),
+    ("ffn-hidden-zero", lambda t, s: (["model.ffn_hidden=0"], {}), "model.ffn_hidden=0 must be at least 1"),
+    ("ffn-hidden-negative", lambda t, s: (["model.ffn_hidden=-128"], {}), "model.ffn_hidden=-128 must be at least 1"),
+    ("moe-ffn-hidden-zero", lambda t, s: (["model.moe_experts=4", "model.moe_ffn_hidden=0"], {}),
+     "model.moe_ffn_hidden=0 must be at least 1"),
     ("lr-nan", lambda t, s: (["optim.lr=nan"], {}), "optim.lr=nan must be a finite number"),
     ("wd-nan", lambda t, s: (["optim.weight_decay=nan"], {}), "optim.weight_decay=nan must be a finite number"),
     ("norm-eps-nan", lambda t, s: (["model.norm_eps=.nan"], {}), "model.norm_eps=nan must be a finite number"),
@@ -230,6 +278,14 @@ CASES = [
     ("env-symm-buffer", lambda t, s: ([], {"TPFRAME_SYMM_BUFFER_MB": "-4"}), "TPFRAME_SYMM_BUFFER_MB='-4'"),
     # the run directory
     ("run-dir-is-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}"], {}), "is a file, not a directory"),
+    ("run-dir-empty", lambda t, s: (['train.run_dir=""'], {}), "train.run_dir is empty"),
+    ("run-dir-checkpoints-is-file", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'checkpoints', 'x')}"], {}),
+     "holds a file named checkpoints"),
+    ("run-dir-metrics-is-dir", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'metrics.jsonl', None)}"], {}),
+     "holds a directory named metrics.jsonl"),
+    ("run-dir-config-section-not-mapping",
+     lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
+     "holds a config.yaml that cannot be read (not a mapping of sections)"),
     ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
     ("ckpt-dir-is-file", lambda t, s: ([f"checkpoint.dir={_file(t, 'taken', 'x')}"], {}), "checkpoint.dir="),
     ("run-dir-of-another-run", lambda t, s: ([f"train.run_dir={s}", "model.hidden=64"], {}),
@@ -239,6 +295,8 @@ CASES = [
      "data.source is 'synthetic' in the checkpoint but 'stdlib' now"),
     # data
     ("tokens-without-path", lambda t, s: (["data.source=tokens"], {}), "data.source=tokens needs data.path"),
+    ("valid-path-without-tokens", lambda t, s: ([f"data.valid_path={t}/v.bin"], {}),
+     "data.valid_path is a held-out token file for data.source=tokens"),
     ("tokens-missing", lambda t, s: (["data.source=tokens", f"data.path={t}/none.bin"], {}),
      "the token file does not exist"),
     ("token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path={_token_file(t, 300)}"], {}),
@@ -249,6 +307,18 @@ CASES = [
     # checkpoints
     ("load-missing", lambda t, s: ([f"checkpoint.load={t}/nope"], {}), "does not exist"),
     ("meta-missing-key", lambda t, s: ([f"checkpoint.load={_meta_without(s, t, 'data')}"], {}), "meta.json lacks data"),
+    *[(f"meta-{key}-{value!r}",
+       lambda t, s, key=key, value=value: ([f"checkpoint.load={_meta_with(s, t, key, value)}"], {}),
+       f"is malformed (wrong type or missing fields in: {key})")
+      for key, value in (("architecture", 5), ("vocab", {}), ("train", {}), ("step", "x"), ("layout", 5),
+                         ("config", {"model": {}}))],
+    ("meta-not-utf8", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"{\xff}")], {}),
+     "meta.json is corrupt ('utf-8' codec can't decode"),
+    ("latest-not-utf8", lambda t, s: (["checkpoint.load=" + _root_with_latest(t, b"step_\xff")], {}),
+     "latest cannot be read ('utf-8' codec can't decode"),
+    ("latest-is-dir", lambda t, s: ([f"checkpoint.load={_root_with_latest(t, None)}"], {}),
+     "latest cannot be read ([Errno 21] Is a directory"),
+    ("latest-empty", lambda t, s: ([f"checkpoint.load={_root_with_latest(t, b'')}"], {}), "latest is empty"),
     ("resume-other-seed", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "data.seed=7"], {}),
      "data.seed is 1234 in the checkpoint but 7 now"),
     ("resume-other-seq-len", lambda t, s: ([f"checkpoint.load={s}/checkpoints", "train.seq_len=16"], {}),
@@ -355,3 +425,77 @@ def test_more_ranks_on_a_host_than_gpus_is_one_line(monkeypatch, env):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"each rank needs its own GPU; launch at most 1 per host"):
         train.prepare(BASE)
+
+
+# -- the tools, and the launcher with another script ------------------------------------------------------
+
+def _tool(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _metrics_file(tmp: Path, text: str) -> str:
+    """A run directory whose metrics.jsonl holds `text`."""
+    _file(tmp, "metrics.jsonl", text)
+    return str(tmp)
+
+
+def _garbled_metadata(saved: Path, tmp: Path) -> str:
+    """A copy of the saved step whose DCP index is garbage of the recorded size (a size-only check passes)."""
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    (step / ".metadata").write_bytes(b"\x80" * (step / ".metadata").stat().st_size)
+    return str(step)
+
+
+# (tool, argv with {ckpt} {tmp} {file} {run} in it or a builder(tmp, saved) -> argv, expected text)
+TOOL_CASES = [
+    ("checkpoint", [], "the following arguments are required: command (see checkpoint.py --help)"),
+    ("checkpoint", ["export", "{ckpt}"],
+     "the following arguments are required: --out (see checkpoint.py export --help)"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{tmp}"], "is a directory; name the file"),
+    ("checkpoint", ["export", "{ckpt}", "--out", ""], "is a directory; name the file"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{file}/model.safetensors"], "cannot be created: '{file}' is a file"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{file}", "--format", "hf"],
+     "is a file; --format hf writes a directory"),
+    ("checkpoint", lambda t, s: ["inspect", _garbled_metadata(s, t)], ".metadata cannot be read"),
+    ("prepare_data", ["--out", "x.bin"], "the following arguments are required: INPUT (see prepare_data.py --help)"),
+    ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
+    ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
+    ("plot_loss", lambda t, s: [_metrics_file(t, "[1, 2]\n")], "metrics.jsonl:1: not a metrics record"),
+    ("plot_loss", lambda t, s: [_metrics_file(t, '{"kind": "train", "loss": 1}\n')],
+     "metrics.jsonl:1: not a metrics record"),
+]
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(TOOL_CASES)])
+def test_a_tool_given_bad_input_prints_one_line_exits_2_and_writes_nothing(case, tmp_path, saved_run, capsys):
+    name, argv, expected = case
+    subs = {"{ckpt}": str(saved_run / "checkpoints"), "{tmp}": str(tmp_path), "{run}": str(saved_run),
+            "{file}": _file(tmp_path, "taken", "x")}
+    if callable(argv):
+        argv = argv(tmp_path, saved_run)
+    for key, value in subs.items():
+        argv, expected = [a.replace(key, value) for a in argv], expected.replace(key, value)
+    before = {p: _snapshot(p) for p in (saved_run, tmp_path)}
+    code = _tool(name).main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    assert expected in lines[0], lines[0]
+    assert {p: _snapshot(p) for p in before} == before, "a tool given bad input wrote or changed a file"
+
+
+def test_the_launcher_runs_only_a_train_style_pre_flight(tmp_path, monkeypatch):
+    """generate.py also defines `prepare`, with another signature: the parent's pre-flight crashed importing it."""
+    from tpframe.errors import ConfigError
+    from tpframe.launch import preflight
+
+    monkeypatch.chdir(REPO)
+    preflight(os.path.join(REPO, "generate.py"), ["--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"], 2)
+    with pytest.raises(ConfigError, match="world size 2 is not divisible by parallel.tp"):
+        preflight(os.path.join(REPO, "train.py"), [*BASE, "parallel.tp=4", f"train.run_dir={tmp_path}/run"], 2)

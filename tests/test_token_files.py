@@ -116,6 +116,10 @@ def test_bad_token_files_name_the_path_and_the_fix(tmp_path):
     fails(r"dtype 'uint16' for vocab_size 70000")
     sidecar_path(out).write_text(json.dumps({k: v for k, v in json.loads(good).items() if k != "num_tokens"}))
     fails(r"lacks or mistypes num_tokens")
+    sidecar_path(out).write_text(json.dumps({**json.loads(good), "tokenizer": {"kind": "huggingface"}}))
+    fails(r"malformed tokenizer record .*'huggingface' with its 'file'")  # generate.py raised KeyError: 'file'
+    sidecar_path(out).write_text(json.dumps({**json.loads(good), "vocab_size": 0}))
+    fails(r"says vocab_size 0; it must be at least 1")
     sidecar_path(out).unlink()
     fails(r"sidecar .*c.bin.json.* is missing")
     sidecar_path(out).write_text(good)
@@ -127,6 +131,16 @@ def test_bad_token_files_name_the_path_and_the_fix(tmp_path):
     train, _, _ = build_data(DataConfig(source="tokens", path=str(out)), 32, 2, 0, 1)
     with pytest.raises(ValueError, match="token id .* >= vocab_size 60"):
         train.next()
+
+
+@pytest.mark.parametrize("text_file,out", [("a.txt", "a.txt"), ("a.json", "a"), ("a.txt", ".")],
+                         ids=["out-is-the-input", "sidecar-is-the-input", "out-is-a-directory"])
+def test_an_output_that_would_destroy_an_input_or_is_a_directory_is_refused(tmp_path, monkeypatch, text_file, out):
+    (tmp_path / text_file).write_text(TEXT)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="is also the output|is a directory"):
+        write_token_file([text_file], out)
+    assert [(p.name, p.read_text()) for p in tmp_path.iterdir()] == [(text_file, TEXT)]
 
 
 def test_bad_jsonl_names_the_line(tmp_path):

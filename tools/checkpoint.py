@@ -11,13 +11,14 @@ Import: start any layout from either with `checkpoint.init_from=model.safetensor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.checkpoint import resolve, verify  # noqa: E402
-from tpframe.errors import ConfigError  # noqa: E402
+from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
+from tpframe.errors import ArgumentParser, ConfigError  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -34,13 +35,33 @@ def inspect(path: Path) -> str:
         f"files       {len(meta['files'])}, {sum(f['size'] for f in meta['files'].values()) / 2**20:.1f} MiB",
         "tensors:",
     ]
-    index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:  # verify checked its size only: a flipped byte shows here
+        index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - unpickling raises many types
+        raise CheckpointError(f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e}): the checkpoint is "
+                              "corrupt; use an older step_* directory") from None
     for key in sorted(index):
         md = index[key]
         if isinstance(md, TensorStorageMetadata):
             dtype = str(md.properties.dtype).replace("torch.", "")
             lines.append(f"  {key:60s} {str(tuple(md.size)):>16s} {dtype:9s} {len(md.chunks)} chunk(s)")
     return "\n".join(lines)
+
+
+def check_out(out: str, fmt: str) -> None:
+    """The export's destination can be written: checked before the checkpoint is read, so nothing is half-written."""
+    path = Path(out)
+    if fmt == "hf" and path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out!r} is a file; --format hf writes a directory")
+    if fmt == "safetensors" and (not path.name or path.is_dir()):
+        raise ConfigError(f"--out {out!r} is a directory; name the file, e.g. --out {str(path / 'model.safetensors')}")
+    probe = path if path.is_dir() else path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--out {out!r} cannot be created: {str(probe)!r} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out!r}: no permission to write in {str(probe)!r}")
 
 
 def export(path: Path, out: str, fmt: str) -> str:
@@ -59,7 +80,8 @@ def export(path: Path, out: str, fmt: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="checkpoint.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="step, layout, tensors and shapes")
     p_inspect.add_argument("checkpoint")
@@ -69,15 +91,19 @@ def main(argv=None) -> int:
     p_export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                           help="safetensors: tpframe's logical tensor names; hf: config.json + model.safetensors "
                                "(+ tokenizer files) for transformers' AutoModelForCausalLM")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         path = resolve(args.checkpoint)
         if args.command == "inspect":
             print(inspect(path))
         else:
+            check_out(args.out, args.format)
             verify(path, "crc")
             print(export(path, args.out, args.format))
-    except ConfigError as e:  # CheckpointError, HFMappingError
+    except ConfigError as e:  # CheckpointError, HFMappingError, a usage mistake
+        print(f"tpframe: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the disk fills up, the destination vanishes ...
         print(f"tpframe: {e}", file=sys.stderr)
         return 2
     return 0

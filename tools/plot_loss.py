@@ -7,18 +7,23 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from tpframe.errors import ArgumentParser  # noqa: E402
 from tpframe.training.logger import read_metrics  # noqa: E402
 
 
 def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the loss curve(s) of `run_dir` to `out` (default <run_dir>/loss.png); ValueError if no loss."""
     run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / "loss.png"
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory; name the image, e.g. --out {out / 'loss.png'}")
+    if not out.suffix:  # matplotlib would add .png itself, and the path printed would not be the file written
+        out = out.with_name(out.name + ".png")
     records = read_metrics(run_dir / "metrics.jsonl")
     curves = {kind: [(r["step"], r["loss"]) for r in records if r.get("kind") == kind and r.get("loss") is not None]
               for kind in ("train", "eval")}
@@ -41,7 +46,6 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_title(str(run_dir))
     ax.grid(alpha=0.3)
     ax.legend()
-    out = Path(out) if out else run_dir / "loss.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -49,11 +53,11 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="plot_loss.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     parser.add_argument("--out", help="the PNG to write (default: RUN_DIR/loss.png)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         out = plot_loss(args.run_dir, args.out)
     except (ValueError, OSError) as e:
         print(f"plot_loss.py: error: {e}", file=sys.stderr)

@@ -12,24 +12,24 @@ tokenizer is byte-level (vocab 256, byte 0 ends each document); --tokenizer take
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tpframe.data.tokenizer import sidecar_path, write_token_file  # noqa: E402
+from tpframe.errors import ArgumentParser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt (or any text) and .jsonl files")
     parser.add_argument("--out", required=True, help="the token file to write, e.g. data/foo.bin")
     parser.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file (default: byte-level)")
     parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
     parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         meta = write_token_file(args.inputs, args.out, args.tokenizer, args.jsonl_key, args.eot_token)
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)

@@ -63,12 +63,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _defines_prepare(path: Path) -> bool:
-    """Whether the script defines a top-level `prepare` (read, not run: other scripts may act on import)."""
+    """Whether the script defines a top-level `prepare(argv, *, world_size, rank, device_check)` like train.py's
+    (read, not run: other scripts may act on import; generate.py's `prepare(argv)` is another function)."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError):
         return False
-    return any(isinstance(node, ast.FunctionDef) and node.name == "prepare" for node in tree.body)
+    return any(isinstance(node, ast.FunctionDef) and node.name == "prepare"
+               and {"world_size", "rank", "device_check"} <= {a.arg for a in node.args.args + node.args.kwonlyargs}
+               for node in tree.body)
 
 
 def preflight(script: str, script_args: list[str], world_size: int) -> None:
@@ -79,6 +82,7 @@ def preflight(script: str, script_args: list[str], world_size: int) -> None:
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("_tpframe_launched_script", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered, as an import would: dataclasses look their module up
     spec.loader.exec_module(module)  # train.py only defines functions when not __main__
     prepare = getattr(module, "prepare", None)
     if prepare is not None:

@@ -29,6 +29,27 @@ LATEST = "latest"
 META_KEYS = ("step", "train", "data", "architecture", "layout", "vocab", "config", "files")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_dict(v) -> bool:
+    return isinstance(v, dict)
+
+
+# The shape of what resuming, exporting and generating read from meta.json (beyond META_KEYS being there).
+_META_SHAPE = {
+    "step": _is_int,
+    "train": lambda v: _is_dict(v) and _is_int(v.get("step")),
+    "data": _is_dict,
+    "architecture": _is_dict,
+    "layout": lambda v: _is_dict(v) and all(map(_is_int, v.values())),
+    "vocab": lambda v: _is_dict(v) and _is_int(v.get("size")) and _is_int(v.get("padded"))
+    and isinstance(v.get("tensors"), list),
+    "config": lambda v: _is_dict(v) and all(_is_dict(v.get(k)) for k in ("model", "data", "train")),
+}
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used, explained: what is wrong and what to do."""
 
@@ -47,7 +68,13 @@ def resolve(path: str | Path) -> Path:
     marker = path / LATEST
     if not marker.exists():
         raise CheckpointError(f"{str(path)!r} is neither a checkpoint (no {META}) nor a checkpoint root (no '{LATEST}')")
-    target = path / marker.read_text().strip()
+    try:
+        name = marker.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{marker} cannot be read ({e}); point checkpoint.load at a step_* directory") from None
+    if not name:
+        raise CheckpointError(f"{marker} is empty; point checkpoint.load at a step_* directory")
+    target = path / name
     if not (target / META).exists():
         raise CheckpointError(f"{marker} names {target.name!r}, which is missing or incomplete; point checkpoint.load at an older step_* directory")
     return target
@@ -70,8 +97,8 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
             "it will not be loaded. Use an older step_* directory."
         )
     try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{meta_file} is corrupt ({e}); use an older step_* directory") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
@@ -83,6 +110,10 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
     if not isinstance(meta["files"], dict) or not all(isinstance(v, dict) and {"size", "crc32"} <= set(v)
                                                       for v in meta["files"].values()):
         raise CheckpointError(f"{meta_file} has a malformed 'files' record; use an older step_* directory")
+    malformed = [key for key, ok in _META_SHAPE.items() if not ok(meta[key])]
+    if malformed:
+        raise CheckpointError(f"{meta_file} is malformed (wrong type or missing fields in: {', '.join(malformed)}); "
+                              "use an older step_* directory")
     for name, info in meta["files"].items():
         f = path / name
         if not f.exists():

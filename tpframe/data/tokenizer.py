@@ -144,9 +144,15 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
         raise ValueError(f"input file {missing[0]!r} does not exist{more}")
     if not inputs:
         raise ValueError("no input files given; pass one or more .txt or .jsonl files")
+    out = Path(out)
+    if not out.name or out.is_dir():
+        raise ValueError(f"the output {str(out)!r} is a directory; name the token file, e.g. {str(out / 'tokens.bin')!r}")
+    overwritten = [str(p) for p in inputs if Path(p).resolve() in (out.resolve(), sidecar_path(out).resolve())]
+    if overwritten:  # the rename at the end would replace the text with its own tokens
+        raise ValueError(f"input file {overwritten[0]!r} is also the output {str(out)!r} (or its sidecar); writing "
+                         "would destroy it: pick another output name")
     tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
     dtype = token_dtype(tok.vocab_size)
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     digest, count, docs, eot = hashlib.sha256(), 0, 0, np.array([tok.eot_id], dtype=dtype)
@@ -204,10 +210,17 @@ def read_sidecar(path: str | Path, key: str = "data.path") -> dict:
     if bad or meta["format"] != FORMAT:
         what = f"lacks or mistypes {', '.join(bad)}" if bad else f"has format {meta['format']!r}, expected {FORMAT!r}"
         raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} {what}; {fix}")
-    if meta["vocab_size"] < 1 or meta["dtype"] != token_dtype(meta["vocab_size"]).name:
+    tok = meta["tokenizer"]
+    if not (tok.get("kind") == "bytes" or tok.get("kind") == "huggingface" and isinstance(tok.get("file"), str)):
+        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} has a malformed tokenizer record {tok!r} (kind "
+                         f"'bytes', or 'huggingface' with its 'file'); {fix}")
+    if meta["vocab_size"] < 1:
+        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} says vocab_size {meta['vocab_size']}; it must be "
+                         f"at least 1; {fix}")
+    if meta["dtype"] != token_dtype(meta["vocab_size"]).name:
         raise ValueError(
             f"{key}={str(path)!r}: sidecar says dtype {meta['dtype']!r} for vocab_size {meta['vocab_size']}, "
-            f"expected {token_dtype(max(meta['vocab_size'], 1)).name!r}; {fix}"
+            f"expected {token_dtype(meta['vocab_size']).name!r}; {fix}"
         )
     expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
     actual = path.stat().st_size

@@ -35,12 +35,27 @@ class ModelSource:
 
 
 def model_config_from(d: dict, where: str) -> ModelConfig:
+    """The recorded `model:` section as a checked ModelConfig (the types and sizes a run's config would need)."""
+    from tpframe.training.config import from_dict
+
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: the recorded model config is a {type(d).__name__}, not a mapping")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(f"{where}: model settings {unknown} are unknown to this tpframe; "
                           "generate with the tpframe version that wrote it")
-    return ModelConfig(**d)
+    try:
+        cfg = from_dict({"model": d}).model
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    bad = [f"model.{k}={getattr(cfg, k)}" for k in ("vocab_size", "hidden", "layers", "heads", "max_seq_len")
+           if getattr(cfg, k) < 1]
+    if not bad and cfg.hidden % cfg.heads:
+        bad = [f"model.hidden={cfg.hidden} is not divisible by model.heads={cfg.heads}"]
+    if bad:
+        raise ConfigError(f"{where}: the recorded model config cannot be built ({bad[0]}); was it written by tpframe?")
+    return cfg
 
 
 def open_source(path: str | Path) -> ModelSource:
@@ -57,8 +72,13 @@ def open_source(path: str | Path) -> ModelSource:
         if "model_config" not in header:
             raise ConfigError(f"--checkpoint {str(p)!r} has no model_config in its header: not a tpframe export "
                               "(make one with `python tools/checkpoint.py export DIR --out FILE`)")
-        cfg = model_config_from(json.loads(header["model_config"]), str(p))
-        return ModelSource(p, "safetensors", cfg, step=int(header["step"]) if "step" in header else None)
+        try:
+            recorded, step = json.loads(header["model_config"]), header.get("step")
+            step = int(step) if step is not None else None
+        except ValueError as e:  # JSONDecodeError too
+            raise ConfigError(f"--checkpoint {str(p)!r} has a corrupt header ({e}); export it again with "
+                              "`python tools/checkpoint.py export DIR --out FILE`") from None
+        return ModelSource(p, "safetensors", model_config_from(recorded, str(p)), step=step)
     step_dir = resolve(p)  # CheckpointError (a ConfigError) when it does not exist or names nothing
     meta = verify(step_dir, "crc")
     cfg = model_config_from(meta["config"]["model"], str(step_dir / "meta.json"))

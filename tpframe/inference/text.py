@@ -72,8 +72,13 @@ def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
     if file:
         path = Path(file)
         if not path.is_file():
-            raise ConfigError(f"--prompts {file!r} does not exist")
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            raise ConfigError(f"--prompts {file!r} " + ("is not a file" if path.exists() else "does not exist"))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompts {file!r} is not UTF-8 text (byte {e.start} is "
+                              f"{e.object[e.start]:#04x})") from None
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             out.append(_jsonl_prompt(line, f"{file}:{lineno}") if path.suffix == ".jsonl" else line)

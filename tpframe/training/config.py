@@ -298,6 +298,11 @@ def validate(cfg: Config, world_size: int) -> None:
         positive(key, value)
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must not be negative")
+    if not t.run_dir.strip():  # "" would be the current directory, filled with checkpoints/ and config.yaml
+        raise ConfigError("train.run_dir is empty; give the run a directory, e.g. train.run_dir=runs/my_run")
+    for key, value in (("model.ffn_hidden", m.ffn_hidden), ("model.moe_ffn_hidden", m.moe_ffn_hidden)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1 (null: sized from model.hidden)")
     if p.cp < 1:
         raise ConfigError(f"parallel.cp={p.cp} must be at least 1 (1: no context parallelism)")
     if world_size % (p.tp * p.cp * p.pp):
@@ -380,6 +385,9 @@ def _validate_data(d) -> None:
     if d.source != "tokens" and (d.path or d.weights):
         raise ConfigError(f"data.path and data.weights are for data.source=tokens (got data.source={d.source}); "
                           "set data.source=tokens or drop them")
+    if d.source != "tokens" and d.valid_path:  # it would be ignored
+        raise ConfigError(f"data.valid_path is a held-out token file for data.source=tokens (got "
+                          f"data.source={d.source}); set data.source=tokens or drop it")
     if d.weights is not None and isinstance(d.path, str):
         raise ConfigError("data.weights blends several token files: give data.path as a list of as many files, "
                           "e.g. data.path=[a.bin,b.bin] data.weights=[0.7,0.3]")

@@ -249,7 +249,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"{str(path)!r} does not exist; a run writes it when logging.jsonl=true")
     records: list[dict] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a bad byte: that line is not valid JSON
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -259,6 +259,9 @@ def read_metrics(path: str | Path) -> list[dict]:
                 if not line.endswith("\n"):  # a crash mid-write: ignore the torn last line
                     break
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError(f"{path}:{lineno}: not a metrics record (a JSON object with an integer 'step'); "
+                                 "is this a tpframe metrics.jsonl?")
             if rec.get("kind") == "start":
                 records = [r for r in records if r["step"] <= rec["step"]]
             else:

@@ -183,13 +183,20 @@ def check_run_dir(cfg, resuming: bool = False) -> None:
     _check_writable_dir("train.run_dir", run_dir)
     if cfg.checkpoint.dir:
         _check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir))
+    # what the run writes there, in the way: found now, not when the first save fails after hours of training
+    if not cfg.checkpoint.dir and (run_dir / "checkpoints").is_file():
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a file named checkpoints, where the run saves its "
+                          "checkpoints; pick another train.run_dir or set checkpoint.dir")
+    if (run_dir / "metrics.jsonl").is_dir():
+        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a directory named metrics.jsonl, where the run "
+                          "writes its metrics; pick another train.run_dir")
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
         return
     try:
         saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
-        if not isinstance(saved, dict):
-            raise ValueError("not a mapping")
+        if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+            raise ValueError("not a mapping of sections")
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a config.yaml that cannot be read ({e}); "
                           "pick another train.run_dir") from None

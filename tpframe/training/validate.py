@@ -94,6 +94,10 @@ def parse_override_value(item: str, raw: str) -> Any:
 # -- numbers ----------------------------------------------------------------------------------------
 
 # (key, lowest, highest, lowest included): every float here must also be finite.
+# The timeouts' ceiling: torch's stores and process groups count milliseconds in C integers (1e10 s overflows).
+TIMEOUT_MAX_S = 1e6
+FLOAT32_MAX = 3.4028234663852886e38  # a float beyond it becomes inf in a float32 tensor (optim.lr: AdamW fails)
+SEED_LIMIT = 2**63  # torch seeds are 64-bit and the model adds per-layer and per-rank offsets to train.seed
 _RANGES = (
     ("model.norm_eps", 0.0, 1.0, False),
     ("model.init_std", 0.0, None, False),
@@ -102,7 +106,8 @@ _RANGES = (
     ("optim.weight_decay", 0.0, None, True),
     ("optim.grad_clip", 0.0, None, True),
     ("logging.peak_tflops", 0.0, None, False),
-    ("comm.timeout_s", 0.0, None, False),
+    ("comm.timeout_s", 0.0, TIMEOUT_MAX_S, False),
+    ("parallel.pp_timeout_s", 0.0, TIMEOUT_MAX_S, False),
     ("train.loss_spike_z", 0.0, None, True),
 )
 
@@ -124,6 +129,8 @@ def check_numbers(cfg) -> None:
     for key, value in floats.items():
         if not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
+        if abs(value) > FLOAT32_MAX:
+            raise ConfigError(f"{key}={value:g} is beyond float32's range (3.4e+38), where it would become inf")
     for key, low, high, closed in _RANGES:
         value = floats.get(key)
         if value is None:
@@ -135,6 +142,9 @@ def check_numbers(cfg) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}={getattr(getattr(cfg, section), name)} must be a non-negative integer")
+    if cfg.train.seed >= SEED_LIMIT:
+        raise ConfigError(f"train.seed={cfg.train.seed} must be below 2**63 (torch's seeds are 64-bit and each layer "
+                          "and rank adds an offset)")
     if cfg.data.synthetic_tokens < 2:
         raise ConfigError(f"data.synthetic_tokens={cfg.data.synthetic_tokens} must be at least 2")
     if cfg.train.max_skipped_steps < 0:
