@@ -1,6 +1,6 @@
 """Generate text from a tpframe checkpoint, tensor-parallel.
 
-    torchrun --nproc-per-node N generate.py --checkpoint DIR [--tp N] --prompt "..." [--prompt ...] \
+    python -m tpframe.launch --nproc-per-node N generate.py --checkpoint DIR [--tp N] --prompt "..." [--prompt ...] \
         [--prompts FILE] [--max-new-tokens 64] [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--json]
     python generate.py --checkpoint DIR --prompt "..."          # one process, no torchrun needed
 
@@ -80,12 +80,13 @@ def check_tp(cfg, tp: int) -> None:
             raise ConfigError(f"tensor-parallel size {tp} does not divide {key} = {value}; run with fewer processes")
 
 
-def prepare(argv: list[str] | None) -> Plan:
+def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
+    """Check everything before any process group; `world_size` defaults to the launcher's env (WORLD_SIZE)."""
     from tpframe.inference.loading import open_source
     from tpframe.inference.text import encode_prompts, read_prompts, resolve_tokenizer
 
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     tp = args.tp if args.tp is not None else world
     if tp != world:
         raise ConfigError(f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "
