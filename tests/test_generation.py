@@ -181,6 +181,20 @@ def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
         assert 0 not in r["token_ids"] and r["tokens_per_s"] >= 0  # stops before the end-of-text byte
 
 
+def test_help_keeps_its_usage_lines_and_describes_every_option(capsys):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert '[--prompt ...] \\\n        [--prompts FILE]' in out, out  # the usage's continuation line stays a line
+    options = out.split("\noptions:\n", 1)[1]
+    for flag in ("--max-new-tokens", "--temperature", "--top-k", "--top-p"):
+        line = next(line for line in options.splitlines() if line.strip().startswith(flag))
+        assert "default" in line or "default" in options.split(line, 1)[1].split("\n  --", 1)[0], (flag, options)
+
+
 def test_tpframe_launch_runs_generate_and_checks_it_first(checkpoint, tmp_path):
     """`python -m tpframe.launch --nproc-per-node 2 generate.py ...`, the launcher train.py uses: the parent runs
     generate.py's pre-flight for the whole world (a mistake is one line, exit 2, no worker), then TP=2 generates."""
