@@ -138,6 +138,17 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text
 
 
+def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
+    """A consolidated export must be named .safetensors (generate.py tells it from a directory by that), and an HF
+    export is a directory: either mistake is one line and exit code 2, checked before the checkpoint is read."""
+    for fmt, out, needle in ((["--format", "safetensors"], "model.bin", "is a .safetensors file"),
+                             (["--format", "hf"], "hf_model.safetensors", "writes a directory")):
+        res = subprocess.run([sys.executable, "tools/checkpoint.py", "export", str(tmp_path / "none"), *fmt, "--out",
+                              str(tmp_path / out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert not (tmp_path / out).exists()
+
+
 def _torchrun(nproc, args, env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))

@@ -43,6 +43,17 @@ def inspect(path: Path) -> str:
     return "\n".join(lines)
 
 
+def check_out(out: str, fmt: str) -> None:
+    """generate.py and checkpoint.init_from tell a consolidated file from an HF directory by the .safetensors suffix."""
+    is_file_name = Path(out).suffix == ".safetensors"
+    if fmt == "safetensors" and not is_file_name:
+        raise ConfigError(f"--out {out!r}: a consolidated export is a .safetensors file (generate.py reads it by that "
+                          "name); use e.g. --out model.safetensors, or --format hf for a directory")
+    if fmt == "hf" and is_file_name:
+        raise ConfigError(f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
+                          "use e.g. --out hf_model, or drop --format hf for one .safetensors file")
+
+
 def export(path: Path, out: str, fmt: str) -> str:
     if fmt == "hf":
         from tpframe.checkpoint.hf import export_hf
@@ -71,6 +82,8 @@ def main(argv=None) -> int:
                                "(+ tokenizer files) for transformers' AutoModelForCausalLM")
     args = parser.parse_args(argv)
     try:
+        if args.command == "export":
+            check_out(args.out, args.format)
         path = resolve(args.checkpoint)
         if args.command == "inspect":
             print(inspect(path))
