@@ -138,6 +138,32 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text
 
 
+def test_a_model_mismatch_names_each_sides_configured_values():
+    """A key only one side's architecture holds (max_seq_len sizes a tensor with learned positions only) is shown
+    with the other side's configured value: neither 'config None' nor listed at all when both configs agree."""
+    import dataclasses
+
+    from tpframe.checkpoint.files import CheckpointError, check_compatible
+    from tpframe.models.config import architecture
+    from tpframe.training.config import from_dict
+
+    def meta_of(model):
+        m = from_dict({"model": model}).model
+        return {"architecture": architecture(m), "config": {"model": dataclasses.asdict(m)}, "vocab": {"padded": 256}}
+
+    learned = {"max_seq_len": 128, "position": "learned"}
+    rotary = from_dict({"model": {"max_seq_len": 128, "position": "rotary"}})
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(rotary, meta_of(learned))
+    assert "model.position: checkpoint 'learned', config 'rotary'" in str(e.value)
+    assert "max_seq_len" not in str(e.value), "both sides have max_seq_len 128"
+    with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 128, config 64$"):
+        check_compatible(from_dict({"model": {"max_seq_len": 64, "position": "learned"}}), meta_of(learned))
+    with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 64, config 128;"):
+        check_compatible(from_dict({"model": {"max_seq_len": 128, "position": "learned"}}),
+                         meta_of({"max_seq_len": 64, "position": "rotary"}))
+
+
 def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
     """A consolidated export must be named .safetensors (generate.py tells it from a directory by that), and an HF
     export is a directory: either mistake is one line and exit code 2, checked before the checkpoint is read."""

@@ -101,8 +101,10 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
 def check_compatible(cfg, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
     mine, theirs = architecture(cfg.model), meta["architecture"]
-    diffs = [f"model.{k}: checkpoint {theirs.get(k)!r}, config {mine.get(k)!r}" for k in sorted(set(mine) | set(theirs))
-             if mine.get(k) != theirs.get(k)]
+    saved = meta.get("config", {}).get("model", {})  # a key only one side's architecture holds (max_seq_len with
+    # learned positions, the MoE keys) is shown, and compared, with the other side's configured value, not None
+    both = {k: (theirs.get(k, saved.get(k)), mine.get(k, getattr(cfg.model, k, None))) for k in set(mine) | set(theirs)}
+    diffs = [f"model.{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in sorted(both.items()) if a != b]
     if diffs:
         raise CheckpointError("checkpoint and config describe different models: " + "; ".join(diffs))
     padded = padded_vocab(cfg.model, cfg.parallel.tp)
