@@ -164,6 +164,26 @@ def test_a_model_mismatch_names_each_sides_configured_values():
                          meta_of({"max_seq_len": 64, "position": "rotary"}))
 
 
+def test_an_init_from_file_of_another_model_names_each_sides_configured_values(tmp_path):
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from tpframe.checkpoint.files import CheckpointError
+    from tpframe.checkpoint.init_from import check_init_from
+    from tpframe.training.config import from_dict
+
+    exported = from_dict({"model": {"max_seq_len": 128, "position": "learned"}}).model
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"),
+              metadata={"format": "tpframe", "model_config": json.dumps(dataclasses.asdict(exported))})
+    cfg = from_dict({"model": {"max_seq_len": 128, "position": "rotary"},
+                     "checkpoint": {"init_from": str(tmp_path / "m.safetensors")}})
+    with pytest.raises(CheckpointError) as e:
+        check_init_from(cfg)
+    assert "model.position='rotary' but the file has 'learned'" in str(e.value)
+    assert "max_seq_len" not in str(e.value), "both sides have max_seq_len 128"
+
+
 def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
     """A consolidated export must be named .safetensors (generate.py tells it from a directory by that), and an HF
     export is a directory: either mistake is one line and exit code 2, checked before the checkpoint is read."""
