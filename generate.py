@@ -1,8 +1,9 @@
 """Generate text from a tpframe checkpoint, tensor-parallel.
 
-    torchrun --nproc-per-node N generate.py --checkpoint DIR [--tp N] --prompt "..." [--prompt ...] \
+    python -m tpframe.launch --nproc-per-node N generate.py --checkpoint DIR [--tp N] --prompt "..." [--prompt ...] \\
         [--prompts FILE] [--max-new-tokens 64] [--greedy | --temperature T --top-k K --top-p P] [--seed S] [--json]
-    python generate.py --checkpoint DIR --prompt "..."          # one process, no torchrun needed
+    torchrun --standalone --nproc-per-node N generate.py ...    # works too
+    python generate.py --checkpoint DIR --prompt "..."          # one process, no launcher needed
 
 DIR is a checkpoint step directory, a checkpoints root with `latest`, or a .safetensors export
 (tools/checkpoint.py export). The checkpoint may have been saved at any TP/PP/DP layout; its weights are
@@ -39,12 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tensor-parallel size (default and only choice: the world size)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", help="a file of prompts: one per line, or .jsonl ('prompt' or 'text' key, or strings)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature, top-k, top-p)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same tokens at any TP size)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens of total probability p (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; the same tokens at any TP size)")
     p.add_argument("--tokenizer",
                    help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
@@ -80,12 +82,13 @@ def check_tp(cfg, tp: int) -> None:
             raise ConfigError(f"tensor-parallel size {tp} does not divide {key} = {value}; run with fewer processes")
 
 
-def prepare(argv: list[str] | None) -> Plan:
+def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
+    """Check everything before any process group; `world_size` defaults to the launcher's env (WORLD_SIZE)."""
     from tpframe.inference.loading import open_source
     from tpframe.inference.text import encode_prompts, read_prompts, resolve_tokenizer
 
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     tp = args.tp if args.tp is not None else world
     if tp != world:
         raise ConfigError(f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "

@@ -1,7 +1,7 @@
 """Collective latency and bus bandwidth on one node: NCCL, torch's symm_mem all-reduce ops and tpframe's
 symm kernels, side by side, eager and under CUDA graph replay. Writes the thresholds `auto` uses.
 
-    torchrun --nproc-per-node 2 benchmarks/comm.py \
+    torchrun --nproc-per-node 2 benchmarks/comm.py \\
         [--max-mib 256] [--results benchmarks/RESULTS.md] [--thresholds tpframe/comm/symm/thresholds.json]
 
 Per op, dtype and size (4 KiB .. --max-mib, x2 steps; random normal data) every implementation is timed

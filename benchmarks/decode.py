@@ -1,7 +1,7 @@
 """Decode latency: tpframe generation at TP=1 and TP=2 (NCCL eager, NCCL + CUDA graph, symm + CUDA graph)
 against Hugging Face transformers on the same weights, side by side in one run.
 
-    torchrun --nproc-per-node 2 benchmarks/decode.py [--batches 1,8] [--prompt-len 128] [--new-tokens 128] \
+    torchrun --nproc-per-node 2 benchmarks/decode.py [--batches 1,8] [--prompt-len 128] [--new-tokens 128] \\
         [--hf eager,compile] [--results benchmarks/RESULTS.md]
 
 Model: GPT-1.3B-shaped, Llama-style so that transformers' LlamaForCausalLM runs the very same weights

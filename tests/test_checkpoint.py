@@ -138,6 +138,63 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text
 
 
+def test_a_model_mismatch_names_each_sides_configured_values():
+    """A key only one side's architecture holds (max_seq_len sizes a tensor with learned positions only) is shown
+    with the other side's configured value: neither 'config None' nor listed at all when both configs agree."""
+    import dataclasses
+
+    from tpframe.checkpoint.files import CheckpointError, check_compatible
+    from tpframe.models.config import architecture
+    from tpframe.training.config import from_dict
+
+    def meta_of(model):
+        m = from_dict({"model": model}).model
+        return {"architecture": architecture(m), "config": {"model": dataclasses.asdict(m)}, "vocab": {"padded": 256}}
+
+    learned = {"max_seq_len": 128, "position": "learned"}
+    rotary = from_dict({"model": {"max_seq_len": 128, "position": "rotary"}})
+    with pytest.raises(CheckpointError) as e:
+        check_compatible(rotary, meta_of(learned))
+    assert "model.position: checkpoint 'learned', config 'rotary'" in str(e.value)
+    assert "max_seq_len" not in str(e.value), "both sides have max_seq_len 128"
+    with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 128, config 64$"):
+        check_compatible(from_dict({"model": {"max_seq_len": 64, "position": "learned"}}), meta_of(learned))
+    with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 64, config 128;"):
+        check_compatible(from_dict({"model": {"max_seq_len": 128, "position": "learned"}}),
+                         meta_of({"max_seq_len": 64, "position": "rotary"}))
+
+
+def test_an_init_from_file_of_another_model_names_each_sides_configured_values(tmp_path):
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from tpframe.checkpoint.files import CheckpointError
+    from tpframe.checkpoint.init_from import check_init_from
+    from tpframe.training.config import from_dict
+
+    exported = from_dict({"model": {"max_seq_len": 128, "position": "learned"}}).model
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"),
+              metadata={"format": "tpframe", "model_config": json.dumps(dataclasses.asdict(exported))})
+    cfg = from_dict({"model": {"max_seq_len": 128, "position": "rotary"},
+                     "checkpoint": {"init_from": str(tmp_path / "m.safetensors")}})
+    with pytest.raises(CheckpointError) as e:
+        check_init_from(cfg)
+    assert "model.position='rotary' but the file has 'learned'" in str(e.value)
+    assert "max_seq_len" not in str(e.value), "both sides have max_seq_len 128"
+
+
+def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
+    """A consolidated export must be named .safetensors (generate.py tells it from a directory by that), and an HF
+    export is a directory: either mistake is one line and exit code 2, checked before the checkpoint is read."""
+    for fmt, out, needle in ((["--format", "safetensors"], "model.bin", "is a .safetensors file"),
+                             (["--format", "hf"], "hf_model.safetensors", "writes a directory")):
+        res = subprocess.run([sys.executable, "tools/checkpoint.py", "export", str(tmp_path / "none"), *fmt, "--out",
+                              str(tmp_path / out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert not (tmp_path / out).exists()
+
+
 def _torchrun(nproc, args, env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))

@@ -226,6 +226,40 @@ def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
         assert 0 not in r["token_ids"] and r["tokens_per_s"] >= 0  # stops before the end-of-text byte
 
 
+def test_help_keeps_its_usage_lines_and_describes_every_option(capsys):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert '[--prompt ...] \\\n        [--prompts FILE]' in out, out  # the usage's continuation line stays a line
+    options = out.split("\noptions:\n", 1)[1]
+    for flag in ("--max-new-tokens", "--temperature", "--top-k", "--top-p"):
+        line = next(line for line in options.splitlines() if line.strip().startswith(flag))
+        assert "default" in line or "default" in options.split(line, 1)[1].split("\n  --", 1)[0], (flag, options)
+
+
+def test_tpframe_launch_runs_generate_and_checks_it_first(checkpoint, tmp_path):
+    """`python -m tpframe.launch --nproc-per-node 2 generate.py ...`, the launcher train.py uses: the parent runs
+    generate.py's pre-flight for the whole world (a mistake is one line, exit 2, no worker), then TP=2 generates."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+
+    def launch(*args):
+        return subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node", "2", "generate.py", *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+    bad = launch("--checkpoint", str(tmp_path / "nope"), "--prompt", "hi")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr, bad.stderr
+    out = launch("--checkpoint", str(checkpoint / "checkpoints"), "--tp", "2", "--prompt", "1 2 3 ",
+                 "--max-new-tokens", "4", "--greedy", "--ignore-eos", "--json")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(records) == 1 and len(records[0]["token_ids"]) == 4, out.stdout
+
+
 def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers

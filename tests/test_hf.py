@@ -109,12 +109,14 @@ def _round_trip(tmp: str):
     return out
 
 
-def _first_batch(config, overrides):
-    """The first optimizer step's sequences (every micro-batch of the global batch, DP=1), as train.py reads them."""
+def _first_batch(config, overrides, run_dir):
+    """The first optimizer step's sequences (every micro-batch of the global batch, DP=1), as train.py reads them.
+    `run_dir`: a fresh one (the config's own, e.g. runs/tiny_cpu, may hold the README quick start's run)."""
     sys.path.insert(0, REPO)
     import train
 
-    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides, "parallel.tp=1"]
+    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides, "parallel.tp=1",
+            f"train.run_dir={run_dir}"]
     cfg, data, _, _ = train.prepare(argv)
     batches = [data.next() for _ in range(cfg.train.global_batch_size // cfg.train.micro_batch_size)]
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
@@ -131,7 +133,7 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
             logits = model(IDS).logits
         torch.testing.assert_close(logits, got["logits"][name], atol=1e-4, rtol=0, msg=f"{name}: HF vs tpframe TP=1")
         if name in ARCHS:  # the HF directory imported at TP=2 starts where the exported model is
-            ids, labels = _first_batch(*ARCHS[name])
+            ids, labels = _first_batch(*ARCHS[name], tmp_path / f"{name}_batch")
             with torch.no_grad():
                 hf_loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten()).item()
             assert got["first_loss"][name] == pytest.approx(hf_loss, abs=1e-5), name

@@ -490,12 +490,14 @@ def test_a_tool_given_bad_input_prints_one_line_exits_2_and_writes_nothing(case,
     assert {p: _snapshot(p) for p in before} == before, "a tool given bad input wrote or changed a file"
 
 
-def test_the_launcher_runs_only_a_train_style_pre_flight(tmp_path, monkeypatch):
-    """generate.py also defines `prepare`, with another signature: the parent's pre-flight crashed importing it."""
+def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkeypatch):
+    """generate.py's `prepare` takes only world_size: the parent's pre-flight crashed importing it (its Plan
+    dataclass, an unregistered module) and now runs it, as it runs train.py's."""
     from tpframe.errors import ConfigError
     from tpframe.launch import preflight
 
     monkeypatch.chdir(REPO)
-    preflight(os.path.join(REPO, "generate.py"), ["--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"], 2)
+    with pytest.raises(ConfigError, match="does not exist"):
+        preflight(os.path.join(REPO, "generate.py"), ["--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"], 2)
     with pytest.raises(ConfigError, match="world size 2 is not divisible by parallel.tp"):
         preflight(os.path.join(REPO, "train.py"), [*BASE, "parallel.tp=4", f"train.run_dir={tmp_path}/run"], 2)

@@ -49,12 +49,20 @@ def inspect(path: Path) -> str:
 
 
 def check_out(out: str, fmt: str) -> None:
-    """The export's destination can be written: checked before the checkpoint is read, so nothing is half-written."""
-    path = Path(out)
+    """The export's destination: named as generate.py and checkpoint.init_from tell a consolidated file from an HF
+    directory (the .safetensors suffix), and writable; checked before the checkpoint is read, so nothing is
+    half-written."""
+    path, is_file_name = Path(out), Path(out).suffix == ".safetensors"
     if fmt == "hf" and path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file; --format hf writes a directory")
     if fmt == "safetensors" and (not path.name or path.is_dir()):
         raise ConfigError(f"--out {out!r} is a directory; name the file, e.g. --out {str(path / 'model.safetensors')}")
+    if fmt == "safetensors" and not is_file_name:
+        raise ConfigError(f"--out {out!r}: a consolidated export is a .safetensors file (generate.py reads it by that "
+                          "name); use e.g. --out model.safetensors, or --format hf for a directory")
+    if fmt == "hf" and is_file_name:
+        raise ConfigError(f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
+                          "use e.g. --out hf_model, or drop --format hf for one .safetensors file")
     probe = path if path.is_dir() else path.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -93,11 +101,12 @@ def main(argv=None) -> int:
                                "(+ tokenizer files) for transformers' AutoModelForCausalLM")
     try:
         args = parser.parse_args(argv)
+        if args.command == "export":
+            check_out(args.out, args.format)
         path = resolve(args.checkpoint)
         if args.command == "inspect":
             print(inspect(path))
         else:
-            check_out(args.out, args.format)
             verify(path, "crc")
             print(export(path, args.out, args.format))
     except ConfigError as e:  # CheckpointError, HFMappingError, a usage mistake

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import inspect
 import logging
 import os
 import signal
@@ -51,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                         help="worker processes on this node (one per GPU)")
     parser.add_argument("--no-check", action="store_true", help="skip the parent's pre-flight check")
-    parser.add_argument("script", help="the training script, e.g. train.py")
+    parser.add_argument("script", help="the script: train.py, or generate.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     parser.error = lambda message: (_ for _ in ()).throw(LaunchError(message))  # one line, not usage + error
     args = parser.parse_args(argv)
@@ -63,30 +64,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _defines_prepare(path: Path) -> bool:
-    """Whether the script defines a top-level `prepare(argv, *, world_size, rank, device_check)` like train.py's
-    (read, not run: other scripts may act on import; generate.py's `prepare(argv)` is another function)."""
+    """Whether the script defines a top-level `prepare` (read, not run: other scripts may act on import)."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError):
         return False
-    return any(isinstance(node, ast.FunctionDef) and node.name == "prepare"
-               and {"world_size", "rank", "device_check"} <= {a.arg for a in node.args.args + node.args.kwonlyargs}
-               for node in tree.body)
+    return any(isinstance(node, ast.FunctionDef) and node.name == "prepare" for node in tree.body)
 
 
 def preflight(script: str, script_args: list[str], world_size: int) -> None:
-    """The script's own pre-flight for the whole world, when it has one (train.py's `prepare`)."""
+    """The script's own pre-flight for the whole world, when it has one (train.py's or generate.py's `prepare`)."""
     path = Path(script).resolve()
     if not _defines_prepare(path):
         return
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("_tpframe_launched_script", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # registered, as an import would: dataclasses look their module up
-    spec.loader.exec_module(module)  # train.py only defines functions when not __main__
+    sys.modules[spec.name] = module  # a dataclass in the script (generate.py's Plan) looks its module up there
+    spec.loader.exec_module(module)  # train.py and generate.py only define functions when not __main__
     prepare = getattr(module, "prepare", None)
     if prepare is not None:
-        prepare(script_args, world_size=world_size, rank=0, device_check=False)
+        accepted = inspect.signature(prepare).parameters  # train.py's takes all three, generate.py's world_size
+        options = dict(world_size=world_size, rank=0, device_check=False)
+        prepare(script_args, **{k: v for k, v in options.items() if k in accepted})
 
 
 def _children() -> list[int]:

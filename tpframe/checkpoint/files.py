@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tpframe.errors import ConfigError
-from tpframe.models.config import architecture, padded_vocab
+from tpframe.models.config import architecture_diffs, padded_vocab
 
 FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
 META = "meta.json"
@@ -131,9 +131,8 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
 
 def check_compatible(cfg, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
-    mine, theirs = architecture(cfg.model), meta["architecture"]
-    diffs = [f"model.{k}: checkpoint {theirs.get(k)!r}, config {mine.get(k)!r}" for k in sorted(set(mine) | set(theirs))
-             if mine.get(k) != theirs.get(k)]
+    diffs = [f"model.{k}: checkpoint {theirs!r}, config {mine!r}" for k, mine, theirs
+             in architecture_diffs(cfg.model, meta["architecture"], meta.get("config", {}).get("model", {}))]
     if diffs:
         raise CheckpointError("checkpoint and config describe different models: " + "; ".join(diffs))
     padded = padded_vocab(cfg.model, cfg.parallel.tp)

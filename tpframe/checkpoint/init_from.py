@@ -9,13 +9,14 @@ by tpframe.checkpoint.hf), so any TP layout, and any pipeline stage, takes its o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from torch import nn
 
 from tpframe.checkpoint.files import CheckpointError
-from tpframe.models.config import ModelConfig, architecture
+from tpframe.models.config import ModelConfig, architecture, architecture_diffs
 
 
 def _consolidated_model(path: Path) -> dict | None:
@@ -49,9 +50,9 @@ def check_init_from(cfg) -> None:
     if recorded is not None:
         from tpframe.training.config import from_dict
 
-        theirs, mine = architecture(from_dict({"model": recorded}).model), architecture(cfg.model)
-        diffs = [f"model.{k}={mine.get(k)!r} but the file has {theirs.get(k)!r}"
-                 for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        theirs = from_dict({"model": recorded}).model
+        diffs = [f"model.{k}={mine!r} but the file has {other!r}" for k, mine, other
+                 in architecture_diffs(cfg.model, architecture(theirs), dataclasses.asdict(theirs))]
         if diffs:
             raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
 

@@ -78,6 +78,15 @@ def architecture(m: ModelConfig) -> dict:
     return arch
 
 
+def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> list[tuple[str, object, object]]:
+    """(key, mine, theirs) for each architecture field two models do not share, by key. `theirs` is the other
+    model's architecture() and `theirs_model` its model section: a key only one side's architecture holds
+    (max_seq_len with learned positions, the MoE keys) is compared with the other side's configured value."""
+    ours = architecture(mine)
+    pairs = ((k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k))) for k in sorted({*ours, *theirs}))
+    return [(k, a, b) for k, a, b in pairs if a != b]
+
+
 def padded_vocab(m: ModelConfig, tp: int) -> int:
     """Rows of the vocabulary tables at TP size `tp` (a multiple of model.vocab_multiple and of tp)."""
     return padded_vocab_size(m.vocab_size, tp, m.vocab_multiple)

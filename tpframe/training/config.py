@@ -78,7 +78,9 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (fp32 masters and grad accumulation either way)
     seed: int = 1234  # weights, dropout
     eval_interval: int = 100  # 0 disables evaluation
-    eval_steps: int = 10  # held-out micro-batches per evaluation
+    # held-out micro-batches per evaluation on each DP rank: eval_steps*micro_batch_size*dp sequences, so two
+    # layouts' eval losses compare only at the same micro_batch_size*dp
+    eval_steps: int = 10
     run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
     # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps; "auto": time 3 eager and
