@@ -146,7 +146,8 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
         raise ValueError("no input files given; pass one or more .txt or .jsonl files")
     out = Path(out)
     if not out.name or out.is_dir():
-        raise ValueError(f"the output {str(out)!r} is a directory; name the token file, e.g. {str(out / 'tokens.bin')!r}")
+        raise ValueError(f"the output {str(out)!r} is a directory; name the token file, "
+                         f"e.g. {str(out / 'tokens.bin')!r}")
     overwritten = [str(p) for p in inputs if Path(p).resolve() in (out.resolve(), sidecar_path(out).resolve())]
     if overwritten:  # the rename at the end would replace the text with its own tokens
         raise ValueError(f"input file {overwritten[0]!r} is also the output {str(out)!r} (or its sidecar); writing "

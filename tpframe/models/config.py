@@ -83,7 +83,8 @@ def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> l
     model's architecture() and `theirs_model` its model section: a key only one side's architecture holds
     (max_seq_len with learned positions, the MoE keys) is compared with the other side's configured value."""
     ours = architecture(mine)
-    pairs = ((k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k))) for k in sorted({*ours, *theirs}))
+    pairs = ((k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k)))
+             for k in sorted({*ours, *theirs}))
     return [(k, a, b) for k, a, b in pairs if a != b]
 
 
