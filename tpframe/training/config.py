@@ -92,6 +92,9 @@ class TrainConfig:
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
     loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
     check_memory: bool = True  # refuse a layout whose memory estimate exceeds the device's (README: operations)
+    # TP > 1: in each launch's first step, weights replicated over TP must get the same gradient on every TP rank
+    # (tpframe/training/replicas.py: a layer missing its sequence_parallel tag stops with exit code 2)
+    check_replicas: bool = True
 
 
 @dataclass

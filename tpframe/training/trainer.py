@@ -12,6 +12,7 @@ or ends training, as `guard` (tpframe/training/health.py) decides.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from tpframe.training.config import Config, grad_accumulation_steps
 from tpframe.training.energy import EnergyMeter, sum_over_ranks
 from tpframe.training.health import StepGuard
 from tpframe.training.profiler import StepProfiler
+from tpframe.training.replicas import ReplicaGradCheck
 from tpframe.training.timers import PhaseTimers, TimedBatches
 
 
@@ -59,6 +61,9 @@ class Trainer:
         self.stop_requested = False  # set when the checkpointer saw a preemption signal
         self.timers = PhaseTimers(parallel.device, cfg.logging.timers)
         self.energy = EnergyMeter.open(parallel.device, logger.info)  # None on CPU: no energy fields
+        # the launch's first step compares TP-replicated weights' gradients over TP (then dropped)
+        self.replica_check = (ReplicaGradCheck(model, parallel.tp_comm)
+                              if cfg.train.check_replicas and parallel.tp > 1 else None)
 
     # -- checkpointed counters (the Stateful protocol) -------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -115,8 +120,12 @@ class Trainer:
         self.strategy.zero_grad()
         reset_expert_load(self.moe_layers)
         mark(step, "forward_backward")
-        loss_sum = self.forward_backward(self.model, TimedBatches(self.train_data, self.timers), self.accum,
-                                         grad_sync=self.strategy, device=parallel.device)
+        check, self.replica_check = self.replica_check, None
+        with check or contextlib.nullcontext():
+            loss_sum = self.forward_backward(self.model, TimedBatches(self.train_data, self.timers), self.accum,
+                                             grad_sync=self.strategy, device=parallel.device)
+        if check is not None:
+            check.verify()  # before any update: a ConfigError, exit code 2
         self.timers.mark("fwd_bwd")
         mark(step, "grad_sync")
         self.strategy.finish_grad_sync()
