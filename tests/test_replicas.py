@@ -82,26 +82,30 @@ PLUGIN = textwrap.dedent('''
 ''')
 
 
-def _train_untagged(plugin_dir: str, run_dir: str, check: bool):
+def _train_untagged(plugin_dir: str, run_dir: str, check: bool, strategy: str = "ddp"):
     from tests.training_utils import train_in_process
     from tpframe.errors import ConfigError
 
     sys.path.insert(0, plugin_dir)
     overrides = ["model.name=untagged_gpt:build", "parallel.tp=2", "parallel.sequence_parallel=true",
                  "train.steps=3", f"train.run_dir={run_dir}", "checkpoint.save_at_end=true",
-                 f"train.check_replicas={str(check).lower()}"]
+                 f"train.check_replicas={str(check).lower()}", f"parallel.dp_strategy={strategy}",
+                 "train.global_batch_size=16"]
     try:
         return [r["loss"] for r in train_in_process(overrides)]
     except ConfigError as e:
         return str(e)
 
 
-def test_train_stops_before_the_first_update_when_a_plugin_model_drops_its_sequence_parallel_tags(tmp_path):
+@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("fsdp", 4)])  # fsdp: TP=2 x DP=2, grads read from .grad
+def test_train_stops_before_the_first_update_when_a_plugin_model_drops_its_sequence_parallel_tags(tmp_path, strategy,
+                                                                                                 world):
     (tmp_path / "untagged_gpt.py").write_text(PLUGIN)
-    errors = run_distributed(_train_untagged, 2, str(tmp_path), str(tmp_path / "run"), True)
-    assert errors[0] == errors[1] and isinstance(errors[0], str), errors  # every rank stops, with one message
+    errors = run_distributed(_train_untagged, world, str(tmp_path), str(tmp_path / "run"), True, strategy)
+    assert all(isinstance(e, str) for e in errors), errors  # every rank stops before its first update
+    assert all(errors[r] == errors[r + 1] for r in range(0, world, 2)), errors  # one message per TP group (TP=2)
     assert "blocks.0.norm1.weight" in errors[0] and "sequence_parallel=ctx.sequence_parallel" in errors[0], errors[0]
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing saved from the drifting model
-    # the escape hatch trains (and drifts): what the check exists to prevent
-    losses = run_distributed(_train_untagged, 2, str(tmp_path), str(tmp_path / "unchecked"), False)
-    assert len(losses[0]) == 3, losses
+    if strategy == "ddp":  # the escape hatch trains (and drifts): what the check exists to prevent
+        losses = run_distributed(_train_untagged, world, str(tmp_path), str(tmp_path / "unchecked"), False)
+        assert len(losses[0]) == 3, losses
