@@ -79,15 +79,27 @@ PLUGIN = textwrap.dedent('''
                 for p in m.parameters():
                     p.sequence_parallel = False
         return model
+
+
+    def build_last_stage(cfg, ctx):
+        """The same mistake in the final norm only: on a pipeline, only the last stage holds it."""
+        model = BUILTIN["gpt"](cfg, ctx)
+        if model.final_norm is not None:
+            for p in model.final_norm.parameters():
+                p.sequence_parallel = False
+        return model
+
+
+    build_last_stage.supports_pipeline = True
 ''')
 
 
-def _train_untagged(plugin_dir: str, run_dir: str, check: bool, strategy: str = "ddp"):
+def _train_untagged(plugin_dir: str, run_dir: str, check: bool, strategy: str = "ddp", more=()):
     from tests.training_utils import train_in_process
     from tpframe.errors import ConfigError
 
     sys.path.insert(0, plugin_dir)
-    overrides = ["model.name=untagged_gpt:build", "parallel.tp=2", "parallel.sequence_parallel=true",
+    overrides = ["model.name=untagged_gpt:build", *more, "parallel.tp=2", "parallel.sequence_parallel=true",
                  "train.steps=3", f"train.run_dir={run_dir}", "checkpoint.save_at_end=true",
                  f"train.check_replicas={str(check).lower()}", f"parallel.dp_strategy={strategy}",
                  "train.global_batch_size=16"]
@@ -109,3 +121,13 @@ def test_train_stops_before_the_first_update_when_a_plugin_model_drops_its_seque
     if strategy == "ddp":  # the escape hatch trains (and drifts): what the check exists to prevent
         losses = run_distributed(_train_untagged, world, str(tmp_path), str(tmp_path / "unchecked"), False)
         assert len(losses[0]) == 3, losses
+
+
+def test_every_stage_stops_when_one_pipeline_stages_replicas_disagree(tmp_path):
+    """PP=2 x TP=2: only the last stage's TP group finds its untagged final norm; the first stage's ranks stop too
+    (a world-wide agreement), rather than wait for activations that never come."""
+    (tmp_path / "untagged_gpt.py").write_text(PLUGIN)
+    errors = run_distributed(_train_untagged, 4, str(tmp_path), str(tmp_path / "run"), True, "ddp",
+                             ["model.name=untagged_gpt:build_last_stage", "parallel.pp=2"])
+    assert all("another TP group" in e for e in errors[:2]), errors  # stage 0: ranks 0, 1
+    assert all("final_norm.weight" in e for e in errors[2:]), errors  # stage 1 names the weights

@@ -15,12 +15,13 @@ rank order). A partial gradient differs by far more than MAX_SPREAD, so the chec
     check = ReplicaGradCheck(model, tp_comm)   # hooks on, recording
     with check:
         forward_backward(...)
-    check.verify()                             # ConfigError naming the weights, on every TP rank alike
+    check.verify()                             # ConfigError naming the weights (every rank of the world stops)
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpframe.comm import Communicator
@@ -43,8 +44,8 @@ class ReplicaGradCheck:
     """Records, while entered, the gradient backward computes for each `watched` weight on this rank (summed over
     the micro-batches and uses); `verify` compares the records over `tp_comm` (every rank must call it)."""
 
-    def __init__(self, model: nn.Module, tp_comm: Communicator):
-        self.params, self.comm = watched(model), tp_comm
+    def __init__(self, model: nn.Module, tp_comm: Communicator, *, device: torch.device | str = "cpu"):
+        self.params, self.comm, self.device = watched(model), tp_comm, torch.device(device)
         self.grads: dict[int, torch.Tensor] = {}
         self._hooks: list = []
 
@@ -86,9 +87,16 @@ class ReplicaGradCheck:
 
     def verify(self) -> None:
         """Raise a ConfigError (exit code 2, before the first update) naming the weights whose TP copies got
-        different gradients."""
+        different gradients; every rank of the world calls it and raises when any TP group found one."""
         bad = [(n, s) for n, s in self.spreads() if not s <= MAX_SPREAD]
         self.grads.clear()
+        found = torch.tensor([float(len(bad))], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # other TP groups (stages, DP replicas) stop too
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found.item() and not bad:
+            raise ConfigError("another TP group's replicated weights got different gradients on its TP ranks in "
+                              "step 1 (rank 0's line, or that group's, names them); train.check_replicas=false "
+                              "skips this check")
         if bad:
             names = ", ".join(f"{n} ({s:.2g})" for n, s in bad[:4]) + (f" and {len(bad) - 4} more" * (len(bad) > 4))
             raise ConfigError(

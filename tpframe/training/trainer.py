@@ -62,7 +62,7 @@ class Trainer:
         self.timers = PhaseTimers(parallel.device, cfg.logging.timers)
         self.energy = EnergyMeter.open(parallel.device, logger.info)  # None on CPU: no energy fields
         # the launch's first step compares TP-replicated weights' gradients over TP (then dropped)
-        self.replica_check = (ReplicaGradCheck(model, parallel.tp_comm)
+        self.replica_check = (ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
                               if cfg.train.check_replicas and parallel.tp > 1 else None)
 
     # -- checkpointed counters (the Stateful protocol) -------------------------------------------
