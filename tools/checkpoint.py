@@ -11,7 +11,6 @@ Import: start any layout from either with `checkpoint.init_from=model.safetensor
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
 from tpframe.errors import ArgumentParser, ConfigError  # noqa: E402
+from tpframe.training.preflight import check_creatable  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -63,13 +63,7 @@ def check_out(out: str, fmt: str) -> None:
     if fmt == "hf" and is_file_name:
         raise ConfigError(f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
                           "use e.g. --out hf_model, or drop --format hf for one .safetensors file")
-    probe = path if path.is_dir() else path.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"--out {out!r} cannot be created: {str(probe)!r} is a file")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out!r}: no permission to write in {str(probe)!r}")
+    check_creatable(f"--out {out!r}", path)
 
 
 def export(path: Path, out: str, fmt: str) -> str:

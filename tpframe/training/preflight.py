@@ -124,19 +124,22 @@ def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: 
 # -- the run directory ------------------------------------------------------------------------------
 
 
-def _check_writable_dir(key: str, path: Path) -> None:
-    if path.exists():
-        if not path.is_dir():
-            raise ConfigError(f"{key}={str(path)!r} is a file, not a directory; pick another {key}")
-        probe = path
-    else:
-        probe = path.parent
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if not probe.is_dir():
-            raise ConfigError(f"{key}={str(path)!r} cannot be created: {str(probe)!r} is a file")
+def check_creatable(label: str, path: Path) -> None:
+    """`path` (a directory that exists, or a file or directory to create) can be written; `label` names it in the
+    error (`train.run_dir='x'`, `--out 'x'`)."""
+    probe = path if path.is_dir() else path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{label} cannot be created: {str(probe)!r} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={str(path)!r}: no permission to write in {str(probe)!r}")
+        raise ConfigError(f"{label}: no permission to write in {str(probe)!r}")
+
+
+def _check_writable_dir(key: str, path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={str(path)!r} is a file, not a directory; pick another {key}")
+    check_creatable(f"{key}={str(path)!r}", path)
 
 
 def identity(config: dict) -> dict[str, Any]:
