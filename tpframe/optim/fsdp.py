@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
@@ -43,11 +42,8 @@ from tpframe.optim.strategy import (
     weights_key,
 )
 from tpframe.parallel.grad_buffer import allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
+from tpframe.parallel.sharding import local_tensor
 from tpframe.parallel.state import ParallelState
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _row_start(p: torch.Tensor) -> int:
@@ -100,16 +96,17 @@ class FSDPStrategy(GradStrategy):
     def finish_grad_sync(self) -> None:
         # FSDP2 reduce-scattered every micro-batch; DP ranks shard every TP rank's param the same way,
         # so the partial sequence-parallel shards line up across TP
-        sp = [_local(p.grad) for _, p in self.named if p.grad is not None and p.sequence_parallel]
+        sp = [local_tensor(p.grad) for _, p in self.named if p.grad is not None and p.sequence_parallel]
         allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
         # FSDP2 shards each param on its own: a tied weight's rows split alike on the first and last stage
-        tied = [_local(p.grad) for _, p in self.named if p.grad is not None and p.pipeline_tied]
+        tied = [local_tensor(p.grad) for _, p in self.named if p.grad is not None and p.pipeline_tied]
         allreduce_pipeline_tied_grads(tied, self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        grads = [_local(p.grad) for _, p in self.named if p.grad is not None]
+        grads = [local_tensor(p.grad) for _, p in self.named if p.grad is not None]
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
-        counted = [_local(p.grad) for _, p in self.named if p.grad is not None and counts_once(p, tp_rank, pp_rank)]
+        counted = [local_tensor(p.grad) for _, p in self.named
+                   if p.grad is not None and counts_once(p, tp_rank, pp_rank)]
         comms = [self.parallel.dp_cp_comm, self.parallel.mp_comm]
         return clip_by_global_norm(counted, grads, max_norm, comms, self.parallel.device)
 
@@ -119,7 +116,7 @@ class FSDPStrategy(GradStrategy):
         self.optimizer.step()
 
     def _pieces(self, out: dict, key: str, name: str, p: torch.Tensor, data: torch.Tensor) -> None:
-        local = _local(data)
+        local = local_tensor(data)
         assert local.is_contiguous()
         cols = p.shape[1] if p.dim() == 2 else 1
         add_chunks(out, key, name, p, self.parallel.tp_rank, self.parallel.tp, local.view(-1), _row_start(p) * cols)
@@ -130,7 +127,8 @@ class FSDPStrategy(GradStrategy):
         out: dict = {}
         for name, p in self.named:
             if available is None:  # saving: the weights computed with, and (bf16 runs) the fp32 master
-                self._pieces(out, "model/{}", name, p, _local(p.detach()).to(self.compute_dtype) if mixed else p.detach())
+                param = local_tensor(p.detach()).to(self.compute_dtype) if mixed else p.detach()
+                self._pieces(out, "model/{}", name, p, param)
                 if mixed:
                     self._pieces(out, "optim/{}/master", name, p, p.detach())
             else:  # loading: the fp32 param is the master, so it takes the checkpoint's master where there is one
@@ -146,7 +144,7 @@ class FSDPStrategy(GradStrategy):
 
     def state_bytes(self) -> int:
         ensure_adamw_state(self.optimizer)
-        moments = sum(_local(self.optimizer.state[p][k]).numel() * 4 for _, p in self.named for k in MOMENTS)
+        moments = sum(local_tensor(self.optimizer.state[p][k]).numel() * 4 for _, p in self.named for k in MOMENTS)
         return moments  # the sharded fp32 params are the masters and the model at once
 
     def describe(self) -> str:

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tpframe.comm import Communicator
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: an FSDP2 DTensor's local shard, any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass

@@ -26,12 +26,9 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.errors import ConfigError
+from tpframe.parallel.sharding import local_tensor
 
 MAX_SPREAD = 1e-3  # largest |g_rank - g_rank0| / |g| tolerated for a replicated weight's gradient
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # FSDP2's DTensor: this rank's shard
 
 
 def watched(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -50,7 +47,7 @@ class ReplicaGradCheck:
         self._hooks: list = []
 
     def _record(self, i: int, grad: torch.Tensor) -> None:
-        g = _local(grad).detach().float()
+        g = local_tensor(grad).detach().float()
         self.grads[i] = self.grads[i] + g if i in self.grads else g.clone()
 
     def __enter__(self) -> "ReplicaGradCheck":
@@ -68,8 +65,8 @@ class ReplicaGradCheck:
         if i in self.grads:
             return self.grads[i]
         if p.grad is not None:
-            return _local(p.grad).detach().float()
-        return torch.zeros_like(_local(p.detach()), dtype=torch.float32)
+            return local_tensor(p.grad).detach().float()
+        return torch.zeros_like(local_tensor(p.detach()), dtype=torch.float32)
 
     def spreads(self) -> list[tuple[str, float]]:
         """(name, spread) for each watched weight: the largest |g_r - g_0| over TP ranks r, over the largest |g_r|
