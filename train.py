@@ -118,7 +118,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None)
-    checks.check_run_dir(cfg, resuming=resume[0] is not None)
+    checks.check_run_dir(cfg, resuming=resume[0] is not None, probe_lock=rank == 0)
     return cfg, train_data, valid_data, resume
 
 
@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpframe import exits
     from tpframe.parallel.heartbeat import CommFailure
     from tpframe.training.health import TrainingAborted
+    from tpframe.training.run_lock import RunDirLock
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
     try:
@@ -280,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return exits.config_error(str(e), rank)
     single_process_env()
+    lock = RunDirLock(prepared[0].train.run_dir)  # one training per run directory, held by rank 0
+    if rank == 0:
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            return exits.config_error(str(e), rank)
     try:
         run(*prepared)
     except ConfigError as e:  # found once the process groups exist (e.g. a model that builds only for real)
@@ -293,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         return exits.EXIT_COMM
     except KeyboardInterrupt:
         return exits.EXIT_INTERRUPTED
+    finally:
+        lock.release()
     return 0
 
 

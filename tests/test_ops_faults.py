@@ -315,6 +315,35 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path,
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 
+def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_path):
+    """One training per run directory: while one trains, a second launch there (a job submitted twice) exits 2
+    with the holder's pid, from the launcher's pre-flight, and leaves the first run's files as they were."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    first = subprocess.Popen([sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *TINY,
+                              "parallel.tp=1", "train.steps=100000", f"train.run_dir={run_dir}"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _read_until(first, _is_step(2))
+        before = {p.name: p.stat().st_size for p in run_dir.iterdir() if p.name != "metrics.jsonl"}
+        second = subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", *SCRIPT,
+                                 f"train.run_dir={run_dir}"], cwd=REPO, capture_output=True, text=True, env=env,
+                                timeout=120)
+        assert first.poll() is None, "the first run is still training"
+        first.send_signal(signal.SIGTERM)
+        rest = first.communicate(timeout=120)[0]
+    finally:
+        first.kill()
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 2 and len(lines) == 1, second.stderr
+    assert (f"train.run_dir={str(run_dir)!r} is in use by another training (pid {first.pid} on " in lines[0]
+            and "pick another train.run_dir" in lines[0]), lines[0]
+    assert first.returncode == 0 and "Traceback" not in rest, rest
+    assert {p: s for p, s in before.items() if p != "checkpoints"} == {
+        p.name: p.stat().st_size for p in run_dir.iterdir() if p.name in before and p.name != "checkpoints"}
+
+
 def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[list[str], float, str]:
     """Freeze rank 1 (SIGSTOP) of a launched run after step 3; return the output lines up to rank 0's `tpframe:`
     report, how long that took, and the rest of the output. The frozen rank is killed afterwards: the launcher

@@ -2,8 +2,9 @@
 scheduler can act on.
 
     0  trained to the end, or stopped by SIGTERM/SIGUSR1 after saving a checkpoint
-    2  a mistake in the config, the data, the run directory or a checkpoint (nothing was written), or a model
-       whose TP replicas get different gradients (found in step 1, before any update: training/replicas.py)
+    2  a mistake in the config, the data, the run directory (or one another training uses now) or a checkpoint
+       (nothing was written), or a model whose TP replicas get different gradients (found in step 1, before
+       any update: training/replicas.py)
     3  training stopped on non-finite steps (train.on_nonfinite, train.max_skipped_steps)
     4  a rank stopped responding or a collective failed (comm.timeout_s)
 

@@ -4,7 +4,7 @@ run before any process group exists and before anything is written. Each failure
     model = dry_build(cfg)                        # the model of TP rank 0 on the meta device (no memory)
     check_device(cfg, "cuda", local_world=2, local_rank=0)  # switches this machine cannot run, one GPU per rank
     check_memory(cfg, world, model, ...)          # the estimate against the device (train.check_memory)
-    check_run_dir(cfg)                            # a file, not writable, or another run's directory
+    check_run_dir(cfg)                            # a file, not writable, another run's, or in use now
     check_token_ids(train_data, valid_data, cfg)  # token files whose ids exceed their sidecar's vocab
     check_resume(cfg, meta, train_data)           # the checkpoint's config and data position fit this run
     check_init_from(cfg, model)                   # consolidated weights: a safetensors file of this model
@@ -24,6 +24,7 @@ from torch import nn
 
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, architecture
+from tpframe.training.run_lock import check_free
 
 # What makes two runs the same run: a run directory holds one; a checkpoint resumes only into it.
 DATA_IDENTITY = ("source", "seed", "synthetic_tokens", "valid_fraction")
@@ -179,11 +180,14 @@ def _paths_differ(saved: dict, current: dict) -> list[str]:
     return out
 
 
-def check_run_dir(cfg, resuming: bool = False) -> None:
+def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> None:
     """The run directory (and checkpoint dir) can be written, and holds no other run. When resuming, the
-    checkpoint's data position has already proven the data the same, wherever its file now lives."""
+    checkpoint's data position has already proven the data the same, wherever its file now lives.
+    `probe_lock`: whether no training holds it now (rank 0 only: its own launch's rank 0 may already hold it)."""
     run_dir = Path(cfg.train.run_dir)
     _check_writable_dir("train.run_dir", run_dir)
+    if probe_lock:
+        check_free(run_dir)
     if cfg.checkpoint.dir:
         _check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir))
     # what the run writes there, in the way: found now, not when the first save fails after hours of training
