@@ -84,16 +84,22 @@ class ReplicaGradCheck:
 
     def verify(self) -> None:
         """Raise a ConfigError (exit code 2, before the first update) naming the weights whose TP copies got
-        different gradients; every rank of the world calls it and raises when any TP group found one."""
+        different gradients; every rank of the world calls it and raises the same line when any TP group found
+        one (a pipeline stage or DP replica without the mistake would otherwise wait for peers that stopped)."""
         bad = [(n, s) for n, s in self.spreads() if not s <= MAX_SPREAD]
         self.grads.clear()
-        found = torch.tensor([float(len(bad))], device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # other TP groups (stages, DP replicas) stop too
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            found = torch.tensor([float(len(bad))], device=self.device)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found.item() and not bad:
-            raise ConfigError("another TP group's replicated weights got different gradients on its TP ranks in "
-                              "step 1 (rank 0's line, or that group's, names them); train.check_replicas=false "
-                              "skips this check")
+            if not found.item():
+                return
+            everyone: list = [None] * world  # the names every TP group found, so rank 0's line has them all
+            dist.all_gather_object(everyone, bad)
+            first: dict[str, float] = {}
+            for name, spread in (item for found_here in everyone for item in found_here):
+                first.setdefault(name, spread)
+            bad = list(first.items())
         if bad:
             names = ", ".join(f"{n} ({s:.2g})" for n, s in bad[:4]) + (f" and {len(bad) - 4} more" * (len(bad) > 4))
             raise ConfigError(
