@@ -269,8 +269,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train; the exit code (0, 2, 3, 4) and the one line each failure prints are tpframe/exits.py's."""
+    """Train; the exit code (0, 2, 3, 4, 5) and the one line each failure prints are tpframe/exits.py's."""
     from tpframe import exits
+    from tpframe.checkpoint.files import SaveFailed
     from tpframe.parallel.heartbeat import CommFailure
     from tpframe.training.health import TrainingAborted
     from tpframe.training.run_lock import RunDirLock
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except CommFailure as e:
         exits.report(str(e), show=e.report)
         return exits.EXIT_COMM
+    except SaveFailed as e:  # every rank raises it alike (tpframe/checkpoint/checkpointer.py)
+        exits.report(f"checkpoint not saved: {e}", show=rank == 0)
+        return exits.EXIT_SAVE
     except KeyboardInterrupt:
         return exits.EXIT_INTERRUPTED
     finally:

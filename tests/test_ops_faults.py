@@ -114,6 +114,68 @@ def test_a_non_finite_state_is_never_published(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
 
 
+def _fail_one_save(root, phase):
+    """train.main on 2 ranks where one rank's part of step 4's checkpoint fails as a full disk would: DCP's shard
+    write on rank 1 (blocking or in the background), the RNG file's torch.save on rank 0, or rank 0's publishing
+    (meta.json). Returns (exit code, stderr, stdout)."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import filesystem
+
+    from tpframe.checkpoint import checkpointer as ckpt
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    rank, original = dist.get_rank(), {}
+
+    def failing(name, owner, when):
+        original[name] = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if when(*args):
+                raise full
+            return original[name](*args, **kwargs)
+
+        setattr(owner, name, call)
+
+    in_step_4 = lambda *a: any("step_00000004" in str(x) for x in a)  # noqa: E731
+    if phase in ("dcp", "dcp-async"):
+        failing("write_data", filesystem.FileSystemWriter, lambda self, *a: rank == 1 and in_step_4(self.path))
+    elif phase == "rng":
+        failing("save", ckpt.torch, lambda obj, path, *a: rank == 0 and in_step_4(path))
+    else:
+        failing("write_atomic", ckpt, lambda path, text: rank == 0 and in_step_4(path) and path.name == "meta.json")
+    args = [*ARGS, f"train.run_dir={root}/{phase}", "checkpoint.interval=2",
+            f"checkpoint.async_save={str(phase == 'dcp-async').lower()}"]
+    try:
+        return _main(args)
+    finally:
+        for name, fn in original.items():
+            setattr(filesystem.FileSystemWriter if name == "write_data" else ckpt.torch if name == "save" else ckpt,
+                    name, fn)
+
+
+@pytest.mark.parametrize("phase, where", [("dcp", "rank 1: OSError"), ("dcp-async", "rank 1: OSError"),
+                                          ("rng", "rank 0: OSError"), ("publish", "rank 0: OSError")])
+def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_keeps_the_last(tmp_path, phase,
+                                                                                             where):
+    """A full disk in any phase of a save, on any one rank: no rank waits for another in a collective, the partial
+    checkpoint is removed, the previous one stays `latest`, and every rank stops with exit code 5 and one line."""
+    results = run_distributed(_fail_one_save, 2, str(tmp_path), phase)
+    root = tmp_path / phase / "checkpoints"
+    for rank, (code, err, _) in enumerate(results):
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 5 and "Traceback" not in err, (rank, err)
+        assert len(lines) == (rank == 0), (rank, err)  # rank 0 prints the one line
+    line = results[0][1].strip()
+    assert line.startswith(f"tpframe: checkpoint not saved: checkpoint step 4 could not be written to {str(root)!r} "
+                           f"({where}: [Errno 28] No space left on device"), line
+    assert line.endswith("the last one, step_00000002, is intact: free space (or set checkpoint.dir) and relaunch "
+                         "to resume from it"), line
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"], "the partial step 4 is gone"
+    assert (root / "latest").read_text() == "step_00000002"
+
+
 class _Data:
     def __init__(self):
         self.position = 0

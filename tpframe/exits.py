@@ -7,6 +7,7 @@ scheduler can act on.
        any update: training/replicas.py)
     3  training stopped on non-finite steps (train.on_nonfinite, train.max_skipped_steps)
     4  a rank stopped responding or a collective failed (comm.timeout_s)
+    5  a checkpoint could not be written (a full disk, a read-only folder): the previous one stays `latest`
 
 Under torchrun (or tpframe.launch) every rank finds the same config mistake on its own, before any
 process group exists. Rank 0 prints it; the other ranks wait until the launcher stops them (it does
@@ -24,7 +25,7 @@ import signal
 import sys
 import time
 
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_COMM, EXIT_INTERRUPTED = 2, 3, 4, 130
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_COMM, EXIT_SAVE, EXIT_INTERRUPTED = 2, 3, 4, 5, 130
 RANK_ERROR_GRACE_S = 20.0
 
 

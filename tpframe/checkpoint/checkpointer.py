@@ -9,6 +9,9 @@ It is handed the objects whose state a checkpoint holds, each with `state_dict()
 Writing goes to `step_N.partial`; only when every rank has finished are sizes and CRC32s recorded in
 meta.json, the directory renamed and `latest` rewritten, so a crash mid-save leaves the previous
 checkpoint as `latest`. An async save copies the state to CPU and writes it with `dcp.async_save`.
+A write that fails on any rank (a full disk, a folder made read-only) is agreed on by all of them after each
+phase, the partial directory is removed, and every rank raises the same `SaveFailed` line: a rank never waits
+in a collective for a peer that has given up, and the previous checkpoint stays `latest`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tpframe.checkpoint import dcp_io
 from tpframe.checkpoint.finite import all_finite
@@ -32,6 +36,7 @@ from tpframe.checkpoint.files import (
     LATEST,
     META,
     CheckpointError,
+    SaveFailed,
     checkpoint_root,
     file_record,
     last_healthy,
@@ -108,30 +113,64 @@ class Checkpointer:
                      f"the last one is {last_healthy(self.root) or 'none'}")
             return None
         final, partial = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.partial"
-        if self.parallel.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in (partial, final):
-                if stale.exists():
-                    shutil.rmtree(stale)
-            partial.mkdir()
-        dist.barrier(group=self.group)
-        torch.save(self.rng.state_dict(), partial / f"rng_{self.parallel.rank}.pt")
+
+        def make_partial() -> None:
+            if self.parallel.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in (partial, final):
+                    if stale.exists():
+                        shutil.rmtree(stale)
+                partial.mkdir()
+
+        self._agreed(step, partial, make_partial)  # a collective: every rank waits for the folder
+        self._agreed(step, partial, lambda: torch.save(self.rng.state_dict(), partial / f"rng_{self.parallel.rank}.pt"))
         meta = self._meta(step)
         if blocking:
-            dcp_io.save(state, partial, self.group)
+            self._agreed(step, partial, lambda: dcp_io.save(state, partial, self.group))
             self._fault_injection(step)
             self._publish(partial, final, meta)
         else:  # staged to CPU now (the next step changes the weights), written in the background
-            self.pending = (dcp_io.async_save(state, partial, self.async_group), step, partial, meta)
+            pending = None
+
+            def start() -> None:
+                nonlocal pending
+                pending = dcp_io.async_save(state, partial, self.async_group)
+
+            self._agreed(step, partial, start)
+            self.pending = (pending, step, partial, meta)
         self.last_saved_step = step
         return final
 
     def _finish_async(self) -> None:
         future, step, partial, meta = self.pending
         self.pending = None
-        future.result()  # re-raises a failed background write
+        self._agreed(step, partial, future.result)  # re-raises a failed background write
         self._fault_injection(step)
         self._publish(partial, self.root / f"step_{step:08d}", meta)
+
+    def _agreed(self, step: int, partial: Path, work: Callable[[], Any]) -> None:
+        """Run this rank's part of a save; when it failed on any rank, remove the partial checkpoint and raise the
+        same SaveFailed on every rank (a collective: every rank calls it for every phase)."""
+        error = None
+        try:
+            work()
+        except CheckpointException as e:  # DCP's own collective failure: every rank holds every failing rank's cause
+            error = "; ".join(f"rank {r}: {_cause(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+        except (OSError, RuntimeError) as e:  # torch.save's write failures are RuntimeErrors
+            error = f"rank {self.parallel.rank}: {_cause(e)}"
+        errors: list = [None] * self.parallel.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = list(dict.fromkeys(e for e in errors if e))
+        if not failed:
+            return
+        if self.parallel.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # its space back; `latest` never pointed at it
+        dist.barrier(group=self.group)
+        intact = (self.root / LATEST).read_text().strip() if (self.root / LATEST).is_file() else None
+        raise SaveFailed(
+            f"checkpoint step {step} could not be written to {str(self.root)!r} ({'; '.join(failed)[:400]}); "
+            + (f"the last one, {intact}, is intact: free space (or set checkpoint.dir) and relaunch to resume from it"
+               if intact else "no earlier checkpoint exists: free space or set checkpoint.dir, then relaunch"))
 
     def _fault_injection(self, step: int) -> None:
         if os.environ.get(FAULT_ENV) == str(step) and self.parallel.rank == int(os.environ.get("TPFRAME_FAULT_RANK", "0")):
@@ -163,11 +202,16 @@ class Checkpointer:
                 if f.name.startswith(f"__{rank}_") or f.name == f"rng_{rank}.pt" or (rank == 0 and f.name == ".metadata")}
         gathered: list[dict] = [None] * self.parallel.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, mine, group=self.group)
+
+        def publish() -> None:
+            if rank == 0:
+                record = dict(meta, files={k: v for d in gathered for k, v in d.items()}, saved_at=time.time())
+                write_atomic(partial / META, json.dumps(record, indent=1))
+                os.rename(partial, final)
+                write_atomic(self.root / LATEST, final.name)
+
+        self._agreed(meta["step"], partial, publish)
         if rank == 0:
-            meta = dict(meta, files={k: v for d in gathered for k, v in d.items()}, saved_at=time.time())
-            write_atomic(partial / META, json.dumps(meta, indent=1))
-            os.rename(partial, final)
-            write_atomic(self.root / LATEST, final.name)
             prune(self.root, self.cfg.checkpoint.keep_last)
         dist.barrier(group=self.group)
 
@@ -196,3 +240,9 @@ class Checkpointer:
         self.last_saved_step = meta["step"]
         dist.barrier(group=self.group)
         return meta["step"]
+
+
+def _cause(e: BaseException) -> str:
+    """An error's one-line cause, e.g. "[Errno 28] No space left on device: '.../__1_0.distcp'"."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"

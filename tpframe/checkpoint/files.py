@@ -54,6 +54,11 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used, explained: what is wrong and what to do."""
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written (a full disk, a folder made read-only): raised on every rank alike, with
+    one line naming the rank, the cause and the checkpoint still intact; the run stops (tpframe/exits.py)."""
+
+
 def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.run_dir) / "checkpoints"
 
