@@ -125,6 +125,36 @@ def test_read_metrics_skips_a_torn_last_line_and_rejects_missing_or_empty(tmp_pa
         read_metrics(path)
 
 
+def test_a_full_disk_costs_metrics_records_not_the_run_and_leaves_no_torn_line(tmp_path, monkeypatch, capsys, clock):
+    """metrics.jsonl on a full disk: the record is undone (a partial write truncated away), one warning, the run goes
+    on; when the disk has room again the next records land and a second warning counts what only the console has."""
+    import errno
+    import os
+
+    log = MetricsLogger(LoggingConfig(progress=False), tmp_path, True, total_steps=9, config={})
+    real, full = os.write, {"on": False}
+
+    def write(fd, data):
+        if full["on"]:
+            real(fd, data[:7])  # the disk takes a few bytes, then it is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(tlog.os, "write", write)
+    log.log_train(1, {"loss": 3.0})
+    full["on"] = True
+    for step in (2, 3, 4):
+        log.log_train(step, {"loss": 3.0 - step / 10})
+    full["on"] = False
+    log.log_train(5, {"loss": 2.0})
+    log.close()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert "metrics.jsonl cannot be written ([Errno 28] No space left on device)" in err[0], err
+    assert "metrics.jsonl is written again; 3 records before step 5 are only on the console" in err[1], err
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 3.0), (5, 2.0)]
+
+
 def test_non_main_rank_writes_and_prints_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     log = MetricsLogger(LoggingConfig(wandb=True), run_dir, False, total_steps=10, config={"a": 1})

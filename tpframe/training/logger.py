@@ -19,6 +19,7 @@ per-phase times (`data_ms`, `fwd_bwd_ms`, ... see tpframe/training/timers.py) go
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import netrc
 import os
@@ -48,7 +49,8 @@ class MetricsLogger:
         self._out = stream or sys.stdout
         self._tty = bool(getattr(self._out, "isatty", lambda: False)())
         self._bar_shown = False
-        self._jsonl: TextIO | None = None
+        self._jsonl: int | None = None  # an O_APPEND descriptor: each record one os.write, undone if it fails
+        self._lost = 0  # records metrics.jsonl could not take (a full disk); the console still shows them
         self._wandb = None
         self._tensorboard = None
         self._rate = collections.deque([(start_step, time.monotonic())], maxlen=_RATE_WINDOW)
@@ -60,7 +62,7 @@ class MetricsLogger:
         partial.write_text(yaml.safe_dump(config, sort_keys=False))
         os.replace(partial, self.run_dir / "config.yaml")
         if cfg.jsonl:
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = os.open(self.run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._write_record(start_step, "start", {})  # records after this step from earlier runs are stale
         if cfg.wandb:
             self._wandb = _init_wandb(cfg, self.run_dir, config, self._warn)
@@ -103,7 +105,7 @@ class MetricsLogger:
             self._out.flush()
             self._bar_shown = False
         if self._jsonl is not None:
-            self._jsonl.close()
+            os.close(self._jsonl)
             self._jsonl = None
         if self._wandb is not None:
             self._wandb.finish()
@@ -121,10 +123,25 @@ class MetricsLogger:
     # -- internals --------------------------------------------------------------------------------
 
     def _write_record(self, step: int, kind: str, metrics: dict[str, float | None]) -> None:
-        if self._jsonl is not None:
-            record = {"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()  # a crash loses nothing
+        if self._jsonl is None:
+            return
+        data = (json.dumps({"step": step, "kind": kind, "time": round(time.time(), 3), **metrics}) + "\n").encode()
+        end = os.fstat(self._jsonl).st_size
+        try:  # unbuffered: a crash loses nothing
+            if os.write(self._jsonl, data) != len(data):
+                raise OSError(f"only part of a {len(data)}-byte record was written")
+        except OSError as e:  # a full disk must not end the run here: the checkpoint save decides (exit code 5)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._jsonl, end)  # no torn line for read_metrics to trip on
+            if not self._lost:
+                self._warn(f"{self.run_dir / 'metrics.jsonl'} cannot be written ({e}); its records go to the "
+                           "console only until it can")
+            self._lost += 1
+            return
+        if self._lost:
+            self._warn(f"{self.run_dir / 'metrics.jsonl'} is written again; {self._lost} records before step {step} "
+                       "are only on the console")
+            self._lost = 0
 
     def _write_scalars(self, step: int, kind: str, metrics: dict[str, float | None]) -> None:
         scalars = {f"{kind}/{k}": v for k, v in metrics.items() if v is not None}
