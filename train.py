@@ -10,7 +10,7 @@ The path of a token, top to bottom:
     -> vocab_parallel_cross_entropy (tpframe/layers/cross_entropy.py) -> per-token loss.
 
 Configuration mistakes stop here with one line and exit code 2, before any process group exists and
-before anything is written (`prepare`); exit codes 3 and 4 are tpframe/exits.py's.
+before anything is written (`prepare`); exit codes 3, 4 and 5 are tpframe/exits.py's.
 """
 
 from __future__ import annotations
@@ -122,24 +122,10 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     return cfg, train_data, valid_data, resume
 
 
-def run(cfg, train_data, valid_data, resume=(None, None)):
-    """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
-    from tpframe.checkpoint.checkpointer import Checkpointer
-    from tpframe.checkpoint.files import last_healthy
-    from tpframe.checkpoint.init_from import load_init_from
-    from tpframe.models import BuildContext
-    from tpframe.optim import build_strategy
-    from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.heartbeat import (CommFailure, Heartbeat, Progress, configure_flight_recorder,
-                                            is_comm_failure)
-    from tpframe.parallel.pipeline import build_pipeline, build_stages, pipeline_numel, pipeline_union
-    from tpframe.parallel.rng import RNGState
-    from tpframe.parallel.schedules import get_forward_only
-    from tpframe.training.flops import peak_tflops
-    from tpframe.training.health import TrainingAborted
-    from tpframe.training.logger import MetricsLogger
-    from tpframe.training.profiler import StepProfiler
-    from tpframe.training.trainer import Trainer
+def _parallel_state(cfg):
+    """The process groups of cfg.parallel (a rendezvous that times out is a CommFailure: one line, exit code 4)."""
+    from tpframe.parallel import initialize_parallel
+    from tpframe.parallel.heartbeat import CommFailure, configure_flight_recorder, is_comm_failure
 
     p = cfg.parallel
     if torch.cuda.is_available():
@@ -147,42 +133,119 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     try:
         state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, comm_backend=cfg.comm.backend,
                                     timeout_s=cfg.comm.timeout_s)
-        state.tp_comm.overlap_backward = cfg.comm.overlap_backward
-        state.tp_comm.overlap_sm_margin = cfg.comm.overlap_sm_margin
     except Exception as e:
         if not is_comm_failure(e):
             raise
         raise CommFailure(f"the process groups could not be set up within comm.timeout_s={cfg.comm.timeout_s:g}: "
                           f"{str(e).strip().splitlines()[0][:200]}") from None
+    state.tp_comm.overlap_backward = cfg.comm.overlap_backward
+    state.tp_comm.overlap_sm_margin = cfg.comm.overlap_sm_margin
+    return state
+
+
+def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str]]:
+    """This rank's model (its pipeline stages' chunks; pp=1: the whole model) with fp8, compile and init_from
+    applied, and the lines that say what was done to it."""
+    from tpframe.checkpoint.init_from import load_init_from
+    from tpframe.models import BuildContext
+    from tpframe.parallel.pipeline import build_stages
+
+    p, notes = cfg.parallel, []
+    ctx = BuildContext(
+        state.tp_comm, sequence_parallel=p.sequence_parallel, **p.recompute_context(),
+        rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else DTYPES[cfg.train.dtype],  # fsdp: fp32 masters
+        device=state.device, seed=cfg.train.seed, async_tp=p.async_tp, cp_comm=state.cp_comm, ep_comm=state.ep_comm,
+    )
+    model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
+                         layers_per_stage=p.layers_per_stage)
+    chunks = getattr(model, "chunks", [model])
+    if cfg.train.fp8:  # the blocks' linear layers; the head and embedding stay bf16 (torchtitan's choice)
+        from tpframe.layers.linear import enable_fp8
+
+        done = [enable_fp8(chunk, small_layers=cfg.train.fp8_small_layers) for chunk in chunks]
+        skipped = [name for _, names in done for name in names]
+        notes.append(f"float8 GEMMs in {sum(n for n, _ in done)} linear layers" + (
+            f"; {len(skipped)} stay in {cfg.train.dtype}: " + ", ".join(skipped[:3])
+            + (" ..." if len(skipped) > 3 else "") if skipped else ""))
+    if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
+        from tpframe.models.compile import compile_model
+
+        for chunk in chunks:
+            compile_model(chunk)
+    if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
+        source = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp,
+                                partial=p.pp > 1 or p.virtual_stages > 1)
+        notes.append(f"initialized the weights from {source}")
+    return model, notes
+
+
+def _describe(cfg, state, *, num_params: int, strategy, trainer) -> list[str]:
+    """The start-up lines: the model and layout, the gradient strategy, activation recompute."""
+    p = cfg.parallel
+    schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
+    lines = [
+        f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x "
+        + (f"cp {state.cp} x " if state.cp > 1 else "") + f"dp {state.dp} x pp {state.pp}{schedule}"
+        + (f" (experts over ep {state.ep})" if state.ep > 1 else "") + f" | {cfg.train.dtype} on {state.device.type} | "
+        f"seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
+        f"{cfg.train.micro_batch_size} per rank)",
+        f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank",
+    ]
+    if p.recompute != "none":
+        what = {"selective": "selective (norms and activation functions; GEMM and attention outputs kept)",
+                "full": "full (whole blocks from their input" + (
+                    f"; the first {p.recompute_layers} of each chunk)" if p.recompute_layers else ")")}
+        lines.append(f"activation recompute: {what[p.recompute]}")
+    return lines
+
+
+def _train(cfg, trainer, checkpointer, logger) -> None:
+    """Train to train.steps (or a stop), save at the end; a run stopped on non-finite steps names the last
+    healthy checkpoint."""
+    from tpframe.checkpoint.files import last_healthy
+    from tpframe.training.health import TrainingAborted
+
+    try:
+        trainer.train(checkpointer)
+        checkpointer.finish(trainer.step, trainer.stop_requested)
+        if trainer.history:
+            last = trainer.history[-1]
+            logger.info(
+                f"done at step {trainer.step}: loss {last['loss']:.4f}"
+                + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
+                + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}"
+                   if checkpointer.last_saved_step >= 0 else "")
+            )
+    except TrainingAborted as e:
+        checkpointer.finish(trainer.step, stopped=True)  # an earlier, healthy step's background save publishes
+        healthy = last_healthy(checkpointer.root)
+        raise TrainingAborted(f"{e}; " + (f"the last healthy checkpoint is {healthy} (checkpoint.load={healthy})"
+                                          if healthy else "no healthy checkpoint was saved")) from None
+    finally:
+        logger.close()
+
+
+def run(cfg, train_data, valid_data, resume=(None, None)):
+    """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
+    from tpframe.checkpoint.checkpointer import Checkpointer
+    from tpframe.optim import build_strategy
+    from tpframe.parallel import destroy_parallel, seed_parallel_rng
+    from tpframe.parallel.heartbeat import Heartbeat, Progress
+    from tpframe.parallel.pipeline import build_pipeline, pipeline_numel, pipeline_union
+    from tpframe.parallel.rng import RNGState
+    from tpframe.parallel.schedules import get_forward_only
+    from tpframe.training.flops import peak_tflops
+    from tpframe.training.logger import MetricsLogger
+    from tpframe.training.profiler import StepProfiler
+    from tpframe.training.trainer import Trainer
+
+    p, dtype = cfg.parallel, DTYPES[cfg.train.dtype]
+    state = _parallel_state(cfg)
     progress = Progress()  # what this rank is doing, for the heartbeat's reports
     beat = Heartbeat.start(state, timeout_s=cfg.comm.timeout_s, progress=progress)
     try:
         tracker = seed_parallel_rng(cfg.train.seed)
-        dtype = DTYPES[cfg.train.dtype]
-        ctx = BuildContext(
-            state.tp_comm, sequence_parallel=p.sequence_parallel, **p.recompute_context(),
-            rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else dtype,  # fsdp: fp32 masters
-            device=state.device, seed=cfg.train.seed, async_tp=p.async_tp, cp_comm=state.cp_comm,
-            ep_comm=state.ep_comm,
-        )
-        model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
-                             layers_per_stage=p.layers_per_stage)  # pp=1: the whole model
-        if cfg.train.fp8:  # the blocks' linear layers; the head and embedding stay bf16 (torchtitan's choice)
-            from tpframe.layers.linear import enable_fp8
-
-            fp8_layers, fp8_skipped = 0, []
-            for chunk in getattr(model, "chunks", [model]):
-                n, skipped = enable_fp8(chunk, small_layers=cfg.train.fp8_small_layers)
-                fp8_layers, fp8_skipped = fp8_layers + n, fp8_skipped + skipped
-        if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
-            from tpframe.models.compile import compile_model
-
-            for chunk in getattr(model, "chunks", [model]):
-                compile_model(chunk)
-        initialized = None
-        if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
-            initialized = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp,
-                                         partial=p.pp > 1 or p.virtual_stages > 1)
+        model, notes = _build_model(cfg, state, tracker, resume)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once
         vocab_tables = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
         vocab_tensors = pipeline_union(state, vocab_tables)  # every stage's (embedding first, head last)
@@ -211,50 +274,16 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                                     vocab_tensors=vocab_tensors, resume=resume, log=logger.info, health=trainer.guard)
         progress.mark(0, "load")
         checkpointer.load()  # model, optimizer, data position, RNG, step
-        schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
-        logger.info(
-            f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x "
-            + (f"cp {state.cp} x " if state.cp > 1 else "") + f"dp {state.dp} x pp {state.pp}{schedule}"
-            + (f" (experts over ep {state.ep})" if state.ep > 1 else "") + f" | {cfg.train.dtype} on {state.device.type} | seq {cfg.train.seq_len}, "
-            f"global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
-            f"{cfg.train.micro_batch_size} per rank)"
-        )
-        logger.info(f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank")
-        if p.recompute != "none":
-            what = {"selective": "selective (norms and activation functions; GEMM and attention outputs kept)",
-                    "full": "full (whole blocks from their input" + (
-                        f"; the first {p.recompute_layers} of each chunk)" if p.recompute_layers else ")")}
-            logger.info(f"activation recompute: {what[p.recompute]}")
-        if cfg.train.fp8:
-            logger.info(f"float8 GEMMs in {fp8_layers} linear layers" + (
-                f"; {len(fp8_skipped)} stay in {cfg.train.dtype}: " + ", ".join(fp8_skipped[:3])
-                + (" ..." if len(fp8_skipped) > 3 else "") if fp8_skipped else ""))
+        for line in _describe(cfg, state, num_params=num_params, strategy=strategy, trainer=trainer) + notes:
+            logger.info(line)
         if checkpointer.loaded_from is not None:
             ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
-        elif initialized:
-            logger.info(f"initialized the weights from {initialized}")
         if trainer.step >= cfg.train.steps:  # e.g. a finished run launched again
             logger.info(f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
                         "nothing to train; raise train.steps to continue it, or use another train.run_dir"
                         if trainer.step else "train.steps=0: nothing to train")
-        try:
-            trainer.train(checkpointer)
-            checkpointer.finish(trainer.step, trainer.stop_requested)
-            if trainer.history:
-                last = trainer.history[-1]
-                logger.info(
-                    f"done at step {trainer.step}: loss {last['loss']:.4f}"
-                    + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
-                    + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}" if checkpointer.last_saved_step >= 0 else "")
-                )
-        except TrainingAborted as e:
-            checkpointer.finish(trainer.step, stopped=True)  # an earlier, healthy step's background save publishes
-            healthy = last_healthy(checkpointer.root)
-            raise TrainingAborted(f"{e}; " + (f"the last healthy checkpoint is {healthy} (checkpoint.load={healthy})"
-                                              if healthy else "no healthy checkpoint was saved")) from None
-        finally:
-            logger.close()
+        _train(cfg, trainer, checkpointer, logger)
         trainer.checkpointer = checkpointer
         return trainer
     except Exception as e:
