@@ -119,6 +119,20 @@ def test_train_help_single_process_command_is_in_readme():
     assert command in runs, f"train.py's docstring shows {command!r}, which no README run block has"
 
 
+def test_every_config_key_the_readme_names_exists():
+    """A `section.key` in backticks anywhere in README.md (the Megatron-LM table, the prose) is a real config key."""
+    import dataclasses
+
+    from tpframe.training.config import Config
+
+    sections = {f.name: {g.name for g in dataclasses.fields(f.type if isinstance(f.type, type) else f.default_factory())}
+                for f in dataclasses.fields(Config)}
+    key = r"`(?:[a-z_]+\.)?\b(" + "|".join(sections) + r")\.([a-z_0-9]+)(?:[=:][^`]*)?`"  # `k`, `k=v`, `a.k: v`
+    named = {(s, k) for s, k in re.findall(key, README.read_text()) if k not in ("py", "safetensors", "main")}
+    unknown = sorted(f"{s}.{k}" for s, k in named if k not in sections[s])
+    assert len(named) > 60 and not unknown, unknown
+
+
 def _run_block(b: Block, work: Path, env: dict) -> str | None:
     """None if the block ran cleanly, else what went wrong."""
     if b.lang == "bash":
