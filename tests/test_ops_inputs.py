@@ -287,6 +287,13 @@ CASES = [
      lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
      "holds a config.yaml that cannot be read (not a mapping of sections)"),
     ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
+    # root may write anywhere by os.access, yet nothing can be created in /proc or /sys: the probe finds out
+    ("run-dir-under-proc", lambda t, s: (["train.run_dir=/proc/tpframe_run"], {}),
+     "train.run_dir='/proc/tpframe_run' cannot be created: writing in '/proc' failed"),
+    ("run-dir-under-sys", lambda t, s: (["train.run_dir=/sys/kernel/tpframe_run/x"], {}),
+     "cannot be created: writing in '/sys/kernel' failed"),
+    ("ckpt-dir-under-proc", lambda t, s: (["checkpoint.dir=/proc/tpframe_checkpoints"], {}),
+     "checkpoint.dir='/proc/tpframe_checkpoints' cannot be created: writing in '/proc' failed"),
     ("ckpt-dir-is-file", lambda t, s: ([f"checkpoint.dir={_file(t, 'taken', 'x')}"], {}), "checkpoint.dir="),
     ("run-dir-of-another-run", lambda t, s: ([f"train.run_dir={s}", "model.hidden=64"], {}),
      "holds another run (model.ffn_hidden is 128 there but 256 now; model.hidden is 32 there but 64 now)"),
@@ -463,9 +470,15 @@ TOOL_CASES = [
     ("checkpoint", ["export", "{ckpt}", "--out", "{file}", "--format", "hf"],
      "is a file; --format hf writes a directory"),
     ("checkpoint", lambda t, s: ["inspect", _garbled_metadata(s, t)], ".metadata cannot be read"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "/proc/tpframe/model.safetensors"],
+     "--out '/proc/tpframe/model.safetensors' cannot be created: writing in '/proc' failed"),
+    ("checkpoint", ["export", "{ckpt}", "--format", "hf", "--out", "/sys/kernel/hf_model"],
+     "--out '/sys/kernel/hf_model' cannot be created: writing in '/sys/kernel' failed"),
     ("prepare_data", ["--out", "x.bin"], "the following arguments are required: INPUT (see prepare_data.py --help)"),
+    ("prepare_data", ["{file}", "--out", "/proc/tokens.bin"], "--out '/proc/tokens.bin' cannot be created"),
     ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
     ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
+    ("plot_loss", ["{run}", "--out", "/proc/loss.png"], "--out '/proc/loss.png' cannot be created"),
     ("plot_loss", lambda t, s: [_metrics_file(t, "[1, 2]\n")], "metrics.jsonl:1: not a metrics record"),
     ("plot_loss", lambda t, s: [_metrics_file(t, '{"kind": "train", "loss": 1}\n')],
      "metrics.jsonl:1: not a metrics record"),
@@ -488,6 +501,28 @@ def test_a_tool_given_bad_input_prints_one_line_exits_2_and_writes_nothing(case,
     assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
     assert expected in lines[0], lines[0]
     assert {p: _snapshot(p) for p in before} == before, "a tool given bad input wrote or changed a file"
+
+
+def test_the_write_probe_leaves_nothing_behind_and_finds_a_folder_that_takes_no_new_folders(tmp_path, monkeypatch):
+    """check_creatable creates and removes a probe where the writer will write (os.access says yes to root even on
+    /proc): nothing stays, whether the check passes or fails half-way (a file could be made, a folder not)."""
+    from tpframe.errors import ConfigError
+    from tpframe.paths import check_creatable
+
+    (tmp_path / "run").mkdir()
+    for path, directory in ((tmp_path / "run", True), (tmp_path / "new" / "deeper", True),
+                            (tmp_path / "x.bin", False), (tmp_path / "sub" / "x.bin", False)):
+        check_creatable(f"{str(path)!r}", path, directory=directory)
+    assert [p.name for p in tmp_path.rglob("*")] == ["run"]
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    with pytest.raises(ConfigError, match=rf"^'x' cannot be created: writing in '{tmp_path}' failed \(Permission denied\)"):
+        check_creatable("'x'", tmp_path / "new_run", directory=True)
+    check_creatable("'x'", tmp_path / "run", directory=True)  # an existing folder: only files are made in it
+    assert [p.name for p in tmp_path.rglob("*")] == ["run"]
 
 
 def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkeypatch):

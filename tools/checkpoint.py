@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
 from tpframe.errors import ArgumentParser, ConfigError  # noqa: E402
-from tpframe.training.preflight import check_creatable  # noqa: E402
+from tpframe.paths import check_creatable  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -63,7 +63,7 @@ def check_out(out: str, fmt: str) -> None:
     if fmt == "hf" and is_file_name:
         raise ConfigError(f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
                           "use e.g. --out hf_model, or drop --format hf for one .safetensors file")
-    check_creatable(f"--out {out!r}", path)
+    check_creatable(f"--out {out!r}", path, directory=fmt == "hf")
 
 
 def export(path: Path, out: str, fmt: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tpframe.errors import ArgumentParser  # noqa: E402
+from tpframe.paths import check_creatable  # noqa: E402
 from tpframe.training.logger import read_metrics  # noqa: E402
 
 
@@ -24,6 +25,7 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"--out {str(out)!r} is a directory; name the image, e.g. --out {out / 'loss.png'}")
     if not out.suffix:  # matplotlib would add .png itself, and the path printed would not be the file written
         out = out.with_name(out.name + ".png")
+    check_creatable(f"--out {str(out)!r}", out)
     records = read_metrics(run_dir / "metrics.jsonl")
     curves = {kind: [(r["step"], r["loss"]) for r in records if r.get("kind") == kind and r.get("loss") is not None]
               for kind in ("train", "eval")}

@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from tpframe.data.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
+from tpframe.paths import check_creatable
 
 FORMAT = "tpframe.tokens/1"
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -152,6 +153,7 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
     if overwritten:  # the rename at the end would replace the text with its own tokens
         raise ValueError(f"input file {overwritten[0]!r} is also the output {str(out)!r} (or its sidecar); writing "
                          "would destroy it: pick another output name")
+    check_creatable(f"--out {str(out)!r}", out)
     tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
