@@ -459,6 +459,22 @@ def _garbled_metadata(saved: Path, tmp: Path) -> str:
     return str(step)
 
 
+def _foreign_safetensors(tmp: Path) -> str:
+    """Somebody else's safetensors file (a Hugging Face save: format=pt, no tpframe header)."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp / "theirs.safetensors"), metadata={"format": "pt"})
+    return str(tmp / "theirs.safetensors")
+
+
+def _folder(tmp: Path, name: str, files: dict) -> str:
+    """A folder `name` holding `files` (name -> text, or a callable(path) that writes it)."""
+    (tmp / name).mkdir()
+    for file, content in files.items():
+        content(tmp / name / file) if callable(content) else (tmp / name / file).write_text(content)
+    return str(tmp / name)
+
+
 # (tool, argv with {ckpt} {tmp} {file} {run} in it or a builder(tmp, saved) -> argv, expected text)
 TOOL_CASES = [
     ("checkpoint", [], "the following arguments are required: command (see checkpoint.py --help)"),
@@ -476,9 +492,30 @@ TOOL_CASES = [
      "--out '/sys/kernel/hf_model' cannot be created: writing in '/sys/kernel' failed"),
     ("prepare_data", ["--out", "x.bin"], "the following arguments are required: INPUT (see prepare_data.py --help)"),
     ("prepare_data", ["{file}", "--out", "/proc/tokens.bin"], "--out '/proc/tokens.bin' cannot be created"),
+    # an --out holding what the tool did not write is kept (--force overwrites it)
+    ("prepare_data", lambda t, s: [_file(t, "in.txt", "hello"), "--out", _file(t, "notes.txt", "my notes")],
+     "--out '{tmp}/notes.txt' exists and is not a token file made by prepare_data.py (no sidecar "
+     "'{tmp}/notes.txt.json' of format 'tpframe.tokens/1' beside it); pass --force to overwrite it"),
+    ("prepare_data", lambda t, s: [_file(t, "in.txt", "hello"), "--out", _file(t, "d.bin.json", "{}")[:-5]],
+     "would replace '{tmp}/d.bin.json' (its sidecar's name), which is not a tpframe token sidecar; pass --force"),
+    ("checkpoint", lambda t, s: ["export", str(s / "checkpoints"), "--out", _foreign_safetensors(t)],
+     "--out '{tmp}/theirs.safetensors' exists and is not a tpframe export (a .safetensors file whose header says "
+     "format=tpframe); pass --force to overwrite it, or pick another path"),
+    ("checkpoint", lambda t, s: ["export", str(s / "checkpoints"), "--format", "hf", "--out",
+                                 _folder(t, "mine", {"notes.md": "x", "config.json": "{}"})],
+     "--out '{tmp}/mine' is a directory holding files a tpframe export does not write ('notes.md'); pass --force"),
+    ("checkpoint", lambda t, s: ["export", str(s / "checkpoints"), "--format", "hf", "--out",
+                                 _folder(t, "hf", {"config.json": "{}", "model.safetensors": lambda p: shutil.copy(
+                                     _foreign_safetensors(t), p)})],
+     "--out '{tmp}/hf' is a directory of model files without tpframe's tpframe_export.json: not a tpframe export; "
+     "pass --force"),
     ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
     ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
     ("plot_loss", ["{run}", "--out", "/proc/loss.png"], "--out '/proc/loss.png' cannot be created"),
+    ("plot_loss", lambda t, s: [str(s), "--out", _file(t, "notes.txt", "my notes")],
+     "--out '{tmp}/notes.txt' exists and is not a PNG plot_loss.py drew; pass --force"),
+    ("plot_loss", lambda t, s: [str(s), "--out", _file(t, "photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64))],
+     "--out '{tmp}/photo.png' exists and is not a PNG plot_loss.py drew; pass --force"),
     ("plot_loss", lambda t, s: [_metrics_file(t, "[1, 2]\n")], "metrics.jsonl:1: not a metrics record"),
     ("plot_loss", lambda t, s: [_metrics_file(t, '{"kind": "train", "loss": 1}\n')],
      "metrics.jsonl:1: not a metrics record"),
@@ -501,6 +538,72 @@ def test_a_tool_given_bad_input_prints_one_line_exits_2_and_writes_nothing(case,
     assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
     assert expected in lines[0], lines[0]
     assert {p: _snapshot(p) for p in before} == before, "a tool given bad input wrote or changed a file"
+
+
+def test_each_tool_replaces_its_own_earlier_output_and_anything_else_only_with_force(tmp_path, saved_run, capsys):
+    from safetensors import safe_open
+
+    from tpframe.data.tokenizer import is_token_sidecar
+
+    prepare, plot, ckpt = _tool("prepare_data"), _tool("plot_loss"), _tool("checkpoint")
+    text, out = _file(tmp_path, "in.txt", "hello world " * 50), tmp_path / "t.bin"
+    assert prepare.main([text, "--out", str(out)]) == 0
+    first = out.read_bytes()
+    _file(tmp_path, "in.txt", "other words " * 20)
+    assert prepare.main([text, "--out", str(out)]) == 0 and out.read_bytes() != first  # its own token file
+    notes = _file(tmp_path, "notes.txt", "my notes")
+    assert prepare.main([text, "--out", notes]) == 2 and Path(notes).read_text() == "my notes"
+    assert prepare.main([text, "--out", notes, "--force"]) == 0 and is_token_sidecar(notes + ".json")
+
+    png = tmp_path / "loss.png"
+    assert plot.main([str(saved_run), "--out", str(png)]) == 0 and plot.main([str(saved_run), "--out", str(png)]) == 0
+    photo = _file(tmp_path, "photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64))
+    assert plot.main([str(saved_run), "--out", photo]) == 2
+    assert plot.main([str(saved_run), "--out", photo, "--force"]) == 0 and plot.is_plot(Path(photo))
+
+    root = str(saved_run / "checkpoints")
+    for target in (tmp_path / "m.safetensors", tmp_path / "m.safetensors", _foreign_safetensors(tmp_path)):
+        force = ["--force"] if "theirs" in str(target) else []
+        assert ckpt.main(["export", root, "--out", str(target), *force]) == 0
+        with safe_open(str(target), "pt") as f:
+            assert f.metadata()["format"] == "tpframe"
+
+    hf = tmp_path / "hf"
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(hf)]) == 0
+    (hf / "tokenizer.json").write_text("{}")  # an earlier export's tokenizer: this run has none, so it goes
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(hf)]) == 0
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tpframe_export.json"]
+    (tmp_path / "empty").mkdir()
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(tmp_path / "empty")]) == 0
+    mine = Path(_folder(tmp_path, "mine", {"notes.md": "keep me", "config.json": "{}"}))
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(mine)]) == 2
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(mine), "--force"]) == 0
+    assert (mine / "notes.md").read_text() == "keep me" and "model_type" in (mine / "config.json").read_text()
+    assert json.loads((mine / "tpframe_export.json").read_text())["exported_by"] == "tpframe"
+    assert not [p for p in tmp_path.rglob(".*")], "a temporary file or folder was left behind"
+    capsys.readouterr()
+
+
+def test_an_export_that_fails_half_way_leaves_the_earlier_export_as_it_was(tmp_path, saved_run, monkeypatch, capsys):
+    """Written beside --out and renamed into place: a full disk mid-write costs the new export, never the old one."""
+    import safetensors.torch
+
+    ckpt, root = _tool("checkpoint"), str(saved_run / "checkpoints")
+    assert ckpt.main(["export", root, "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    before = _snapshot(tmp_path)
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    capsys.readouterr()
+    for extra in ([], ["--format", "hf"]):
+        out = str(tmp_path / ("hf" if extra else "m.safetensors"))
+        assert ckpt.main(["export", root, *extra, "--out", out]) == 2
+        assert capsys.readouterr().err.strip() == "tpframe: [Errno 28] No space left on device"
+    assert _snapshot(tmp_path) == before, "the earlier export was changed, or a temporary file left behind"
 
 
 def test_the_write_probe_leaves_nothing_behind_and_finds_a_folder_that_takes_no_new_folders(tmp_path, monkeypatch):
