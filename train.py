@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     parser = _ArgumentParser(description=__doc__, epilog=help_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100 (each key once)")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 

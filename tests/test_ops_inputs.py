@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, train_in_process
+from tests.training_utils import REPO, TINY, merge_overrides, train_in_process, with_overrides
 
-BASE = ["--config", "configs/tiny_cpu.yaml", *TINY, "parallel.tp=1", "train.steps=2"]
+BASE = merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, ["parallel.tp=1", "train.steps=2"])
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPFRAME_COMM_BACKEND", "TPFRAME_FAULT_NAN",
             "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 
@@ -144,6 +144,10 @@ CASES = [
      "is not valid YAML"),
     ("override-no-equals", lambda t, s: (["train.steps"], {}), "must look like section.key=value"),
     ("override-three-parts", lambda t, s: (["train.steps.x=1"], {}), "must be section.key"),
+    ("override-twice", lambda t, s: (["optim.lr=1e-3", "optim.lr=2e-3"], {}),
+     "override optim.lr is given twice ('optim.lr=1e-3' and 'optim.lr=2e-3'); give it once"),
+    ("override-twice-same-value", lambda t, s: (["train.steps=3", "model.hidden=64", " train.steps =3"], {}),
+     "override train.steps is given twice ('train.steps=3' and ' train.steps =3')"),
     ("unknown-key", lambda t, s: (["model.hiden=64"], {}),
      "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
     ("unknown-section", lambda t, s: (["modle.hidden=64"], {}), "unknown config section 'modle'"),
@@ -360,7 +364,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
     before = {p: _snapshot(p) for p in (saved_run, *(tmp_path.iterdir()))}
-    code = train.main([*BASE, f"train.run_dir={run_dir}", *extra])
+    code = train.main(with_overrides([*BASE, f"train.run_dir={run_dir}"], extra))  # extra's keys replace BASE's
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
@@ -379,6 +383,7 @@ LAUNCH_CASES = [
     (["model.hiden=64"], {}, "unknown config key 'model.hiden'"),
     (["optim.lr=nan"], {}, "optim.lr=nan must be a finite number"),
     ([], {"TPFRAME_COMM_BACKEND": "bogus"}, "env var TPFRAME_COMM_BACKEND='bogus'"),
+    (["optim.lr=1e-3", "optim.lr=2e-3"], {}, "override optim.lr is given twice"),
 ]
 
 
@@ -392,9 +397,9 @@ def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=full)
 
 
-@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env"])
+@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env", "twice"])
 def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp_path):
-    out = _launch([*SCRIPT, f"train.run_dir={tmp_path}/run", *overrides], env)
+    out = _launch(with_overrides([*SCRIPT, f"train.run_dir={tmp_path}/run"], overrides), env)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr
     assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "run").exists()
@@ -638,4 +643,5 @@ def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkey
     with pytest.raises(ConfigError, match="does not exist"):
         preflight(os.path.join(REPO, "generate.py"), ["--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"], 2)
     with pytest.raises(ConfigError, match="world size 2 is not divisible by parallel.tp"):
-        preflight(os.path.join(REPO, "train.py"), [*BASE, "parallel.tp=4", f"train.run_dir={tmp_path}/run"], 2)
+        preflight(os.path.join(REPO, "train.py"), with_overrides(BASE, ["parallel.tp=4", f"train.run_dir={tmp_path}/run"]),
+                  2)
