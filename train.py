@@ -21,13 +21,14 @@ import sys
 
 import torch
 
+from tpframe.errors import ArgumentParser
 from tpframe.launch import single_process_env
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class _ArgumentParser(ArgumentParser):  # refuses --config given twice, too
     def error(self, message: str):  # one line, like every other mistake (argparse prints usage + error)
         raise ConfigError(f"{message} (usage: train.py [--config FILE] [section.key=value ...])")
 

@@ -207,12 +207,18 @@ def _export_with_header(tmp_path, **header) -> str:
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
         (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
+        (["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
+         "argument --temperature: given twice (--temperature 0.5 and --temperature 0.8); give it once (see generate.py "
+         "--help)"),
+        (["--cuda-graph", "--no-cuda-graph"], "argument --cuda-graph/--no-cuda-graph: given twice (--cuda-graph and "
+                                              "--no-cuda-graph)"),
     )],
 ], ids=["no-checkpoint", "unknown-flag", "seed-beyond-64-bits", "prompts-dir", "prompts-not-utf8",
         "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal",
         "temperature-inf", "temperature-nan", "temperature-negative", "temperature-below-float32",
         "temperature-beyond-float32", "greedy-temperature-nan", "greedy-top-k-0", "top-k-negative", "top-p-nan",
-        "top-p-inf", "top-p-0", "max-new-tokens-0", "max-new-tokens-negative", "top-k-inf"])
+        "top-p-inf", "top-p-0", "max-new-tokens-0", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
+        "cuda-graph-twice"])
 def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
     """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
     (tmp_path / "latin1.txt").write_bytes("\u00e9t\u00e9\n".encode("latin-1"))

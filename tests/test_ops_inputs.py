@@ -144,6 +144,9 @@ CASES = [
      "is not valid YAML"),
     ("override-no-equals", lambda t, s: (["train.steps"], {}), "must look like section.key=value"),
     ("override-three-parts", lambda t, s: (["train.steps.x=1"], {}), "must be section.key"),
+    ("config-twice", lambda t, s: (["--config", "configs/tiny_cpu.yaml", "--config", _file(t, "c.yaml", "train:\n")],
+                                   {}), "argument --config: given twice (--config configs/tiny_cpu.yaml and --config "
+                                        "{tmp}/c.yaml); give it once (usage: train.py"),
     ("override-twice", lambda t, s: (["optim.lr=1e-3", "optim.lr=2e-3"], {}),
      "override optim.lr is given twice ('optim.lr=1e-3' and 'optim.lr=2e-3'); give it once"),
     ("override-twice-same-value", lambda t, s: (["train.steps=3", "model.hidden=64", " train.steps =3"], {}),
@@ -368,6 +371,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    expected = expected.replace("{tmp}", str(tmp_path))
     assert lines[0].startswith("tpframe: config error: ") and expected in lines[0], lines[0]
     assert not run_dir.exists(), "nothing may be written before pre-flight passed"
     assert {p: _snapshot(p) for p in before} == before, "an existing file or run was modified"
@@ -496,6 +500,11 @@ TOOL_CASES = [
     ("checkpoint", ["export", "{ckpt}", "--format", "hf", "--out", "/sys/kernel/hf_model"],
      "--out '/sys/kernel/hf_model' cannot be created: writing in '/sys/kernel' failed"),
     ("prepare_data", ["--out", "x.bin"], "the following arguments are required: INPUT (see prepare_data.py --help)"),
+    ("prepare_data", ["{file}", "--out", "{tmp}/a.bin", "--out", "{tmp}/b.bin"],
+     "argument --out: given twice (--out {tmp}/a.bin and --out {tmp}/b.bin); give it once (see prepare_data.py --help)"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{tmp}/m.safetensors", "--format", "hf", "--format", "safetensors"],
+     "argument --format: given twice (--format hf and --format safetensors); give it once (see checkpoint.py export"),
+    ("plot_loss", ["{run}", "--force", "--out", "{tmp}/a.png", "--force"], "argument --force: given twice"),
     ("prepare_data", ["{file}", "--out", "/proc/tokens.bin"], "--out '/proc/tokens.bin' cannot be created"),
     # an --out holding what the tool did not write is kept (--force overwrites it)
     ("prepare_data", lambda t, s: [_file(t, "in.txt", "hello"), "--out", _file(t, "notes.txt", "my notes")],
@@ -631,6 +640,15 @@ def test_the_write_probe_leaves_nothing_behind_and_finds_a_folder_that_takes_no_
         check_creatable("'x'", tmp_path / "new_run", directory=True)
     check_creatable("'x'", tmp_path / "run", directory=True)  # an existing folder: only files are made in it
     assert [p.name for p in tmp_path.rglob("*")] == ["run"]
+
+
+def test_the_launcher_refuses_an_option_given_twice(capsys):
+    from tpframe.launch import main
+
+    assert main(["--nproc-per-node", "2", "--nproc-per-node", "4", "train.py"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "tpframe.launch: argument --nproc-per-node/--nproc_per_node: given twice (--nproc-per-node 2 and "
+        "--nproc-per-node 4); give it once (usage: python -m tpframe.launch --nproc-per-node N train.py ARGS...)"]
 
 
 def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkeypatch):

@@ -24,10 +24,16 @@ def override_key(arg: str) -> str | None:
 
 
 def with_overrides(base: list[str], overrides: list[str]) -> list[str]:
-    """train.py's arguments `base` without the keys `overrides` sets, then `overrides` as given (a key twice in them
-    stays twice): train.py refuses a key given twice, so a test's layers of settings replace each other here."""
+    """train.py's arguments `base` without the keys `overrides` sets (and without its `--config FILE` when they
+    have one), then `overrides` as given (a key twice in them stays twice): train.py refuses a key or option given
+    twice, so a test's layers of settings replace each other here."""
     keys = {override_key(a) for a in overrides} - {None}
-    return [a for a in base if override_key(a) not in keys] + list(overrides)
+    out, drop_config = [], "--config" in overrides
+    for i, arg in enumerate(base):
+        config_pair = drop_config and (arg == "--config" or (i > 0 and base[i - 1] == "--config"))
+        if not config_pair and override_key(arg) not in keys:
+            out.append(arg)
+    return out + list(overrides)
 
 
 def merge_overrides(*groups: list[str]) -> list[str]:
