@@ -4,6 +4,7 @@ pre-flight, the token-file writer and the tools share it.
     check_creatable("--out 'm.safetensors'", Path("m.safetensors"))   # ConfigError unless a file can be made there
     refuse_existing("--out 'notes.txt'", "is not a token file made by prepare_data.py")   # the --force line
     tmp = temporary_name(Path("m.safetensors"))   # a new name beside it: write there, then os.replace(tmp, path)
+    path = link_target(path)                        # through a symbolic link: the rename replaces what it points to
 """
 
 from __future__ import annotations
@@ -62,3 +63,9 @@ def refuse_existing(label: str, what: str) -> None:
 def temporary_name(path: Path, kind: str = "tmp") -> Path:
     """An unused name in `path`'s folder (so renaming it over `path` is atomic) that no user file has."""
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def link_target(path: Path) -> Path:
+    """Where a symbolic link `path` points (else `path`): a new file renamed over the link itself would replace the
+    link and leave the old content where it points, which writing through the link never did."""
+    return path.resolve() if path.is_symlink() else path

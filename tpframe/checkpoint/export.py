@@ -18,7 +18,7 @@ from torch import nn
 
 from tpframe.checkpoint.dcp_io import read_full_tensors
 from tpframe.parallel.sharding import param_shards
-from tpframe.paths import refuse_existing, temporary_name
+from tpframe.paths import link_target, refuse_existing, temporary_name
 
 
 def safetensors_module():
@@ -71,7 +71,7 @@ def foreign_export_file(out: str | Path) -> str | None:
 def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: bool = False) -> dict[str, torch.Tensor]:
     """Write `checkpoint`'s model tensors to `out_file`. An existing file is replaced only when it is an earlier export
     (or with `force`); the new one is written under a temporary name beside it and renamed over it when complete."""
-    out = Path(out_file)
+    out = link_target(Path(out_file))
     if not force and (why := foreign_export_file(out)):
         refuse_existing(f"--out {str(out)!r}", why)
     tensors = read_model_tensors(checkpoint)

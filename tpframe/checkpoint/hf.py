@@ -31,7 +31,7 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.tokenizer import first_path
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
-from tpframe.paths import refuse_existing, temporary_name
+from tpframe.paths import link_target, refuse_existing, temporary_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -537,7 +537,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     from tpframe.checkpoint.export import read_model_tensors, safetensors_module
     from tpframe.training.config import from_dict
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    checkpoint, out_dir = Path(checkpoint), link_target(Path(out_dir))
     if not force and (why := foreign_export_dir(out_dir)):
         refuse_existing(f"--out {str(out_dir)!r}", why)
     meta = json.loads((checkpoint / "meta.json").read_text())
