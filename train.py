@@ -21,13 +21,14 @@ import sys
 
 import torch
 
+from tpframe.errors import ArgumentParser
 from tpframe.launch import single_process_env
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class _ArgumentParser(ArgumentParser):  # refuses --config given twice, too
     def error(self, message: str):  # one line, like every other mistake (argparse prints usage + error)
         raise ConfigError(f"{message} (usage: train.py [--config FILE] [section.key=value ...])")
 
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     parser = _ArgumentParser(description=__doc__, epilog=help_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100 (each key once)")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 

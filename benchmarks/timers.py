@@ -32,10 +32,11 @@ PHASES = ("data_ms", "fwd_bwd_ms", "grad_sync_ms", "optim_ms", "ckpt_ms")
 def run_mode(mode: str, run_dir: str, steps: int, extra: list[str]) -> list[dict]:
     config = os.environ.get("CONFIG", str(ROOT / "configs" / "gpt_125m.yaml"))
     tp = os.environ.get("TP", os.environ.get("WORLD_SIZE", "1"))
-    args = ["--config", config, f"parallel.tp={tp}", f"train.steps={steps}", "train.eval_interval=0",
-            "logging.interval=10", "logging.progress=false", "checkpoint.save_at_end=false",
-            "checkpoint.auto_resume=false",
-            f"logging.timers={mode}", f"train.run_dir={run_dir}/{mode}", *extra]
+    given = {a.split("=", 1)[0] for a in extra}  # train.py refuses a key given twice: the command line's win
+    args = ["--config", config, *(a for a in [
+        f"parallel.tp={tp}", f"train.steps={steps}", "train.eval_interval=0", "logging.interval=10",
+        "logging.progress=false", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
+        f"train.run_dir={run_dir}/{mode}"] if a.split("=", 1)[0] not in given), f"logging.timers={mode}", *extra]
     cfg, train_data, valid_data, resume = train.prepare(args)
     train.run(cfg, train_data, valid_data, resume)
     path = Path(run_dir) / mode / "metrics.jsonl"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, train_in_process
+from tests.training_utils import REPO, TINY, merge_overrides, train_in_process
 
 STEPS = ["train.steps=20"]
 
@@ -196,7 +196,8 @@ def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
 
 
 def _torchrun(nproc, args, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+           *merge_overrides(args)]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
 
 
@@ -240,7 +241,8 @@ def test_incompatible_layout_is_refused_before_loading(tmp_path):
         (["parallel.tp=4"], "the vocabulary was padded to 258 rows when saved but pads to 260 at parallel.tp=4"),
     ):
         out = subprocess.run(
-            [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *TINY, *vocab, *overrides, f"checkpoint.load={step}"],
+            [sys.executable, "train.py", *merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, vocab, overrides,
+                                                          [f"checkpoint.load={step}"])],
             cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "4"},
         )
         assert out.returncode == 2 and message in out.stderr, out.stderr

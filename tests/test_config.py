@@ -48,6 +48,7 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         (["data.path=[a.bin]"], 1, "data.path and data.weights are for data.source=tokens"),
         (["optim.lr=-1"], 1, "optim.lr=-1.0"),
         (["train.steps"], 1, "must look like section.key=value"),
+        (["optim.lr=1e-3", "train.steps=3", "optim.lr=1e-3"], 1, "override optim.lr is given twice"),
     ],
 )
 def test_bad_config_is_one_clear_error(overrides, world, message):

@@ -191,8 +191,34 @@ def _export_with_header(tmp_path, **header) -> str:
     (["--checkpoint", "{export:hidden=big}", "--prompt", "hi"], "model.hidden='big' must be an integer"),
     (["--checkpoint", "{export:heads=0}", "--prompt", "hi"], "model config cannot be built (model.heads=0)"),
     (["--checkpoint", "{export:norm=batchnorm}", "--prompt", "hi"], "model.norm='batchnorm' is not allowed"),
+    *[(["--checkpoint", "x", "--prompt", "hi", *flags], needle) for flags, needle in (
+        (["--temperature", "inf"], "--temperature must be a finite number > 0 within float32's range (1.18e-38 to "
+                                   "3.4e+38; use --greedy for argmax), got inf"),
+        (["--temperature", "nan"], "--temperature must be a finite number > 0 within float32's range"),
+        (["--temperature", "-0.5"], "got -0.5"),
+        (["--temperature", "1e-40"], "got 1e-40"),  # 0 in float32: logits / 0
+        (["--temperature", "1e39"], "got 1e+39"),  # inf in float32
+        (["--greedy", "--temperature", "nan"], "got nan"),  # ignored by --greedy, still a mistake
+        (["--greedy", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+        (["--top-k", "-5"], "--top-k must be >= 1, got -5"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["--top-p", "inf"], "--top-p must be in (0, 1], got inf"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
+        (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
+        (["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
+         "argument --temperature: given twice (--temperature 0.5 and --temperature 0.8); give it once (see generate.py "
+         "--help)"),
+        (["--cuda-graph", "--no-cuda-graph"], "argument --cuda-graph/--no-cuda-graph: given twice (--cuda-graph and "
+                                              "--no-cuda-graph)"),
+    )],
 ], ids=["no-checkpoint", "unknown-flag", "seed-beyond-64-bits", "prompts-dir", "prompts-not-utf8",
-        "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal"])
+        "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal",
+        "temperature-inf", "temperature-nan", "temperature-negative", "temperature-below-float32",
+        "temperature-beyond-float32", "greedy-temperature-nan", "greedy-top-k-0", "top-k-negative", "top-p-nan",
+        "top-p-inf", "top-p-0", "max-new-tokens-0", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
+        "cuda-graph-twice"])
 def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
     """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
     (tmp_path / "latin1.txt").write_bytes("\u00e9t\u00e9\n".encode("latin-1"))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, train_in_process
+from tests.training_utils import REPO, TINY, merge_overrides, train_in_process
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the dev extras: pip install -e '.[dev]'")
 
@@ -115,8 +115,8 @@ def _first_batch(config, overrides, run_dir):
     sys.path.insert(0, REPO)
     import train
 
-    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides, "parallel.tp=1",
-            f"train.run_dir={run_dir}"]
+    argv = merge_overrides(["--config", os.path.join(REPO, "configs", config)], TINY, overrides,
+                           ["parallel.tp=1", f"train.run_dir={run_dir}"])
     cfg, data, _, _ = train.prepare(argv)
     batches = [data.next() for _ in range(cfg.train.global_batch_size // cfg.train.micro_batch_size)]
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
@@ -166,9 +166,9 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
     sys.path.insert(0, REPO)
     import train
 
-    argv = ["--config", os.path.join(REPO, "configs", "llama_hf_cpu.yaml"), *TINY, *ARCHS["llama"][1],
-            "model.hidden=64", "model.ffn_hidden=128", "parallel.tp=1", f"checkpoint.init_from={tmp_path / 'llama/hf'}",
-            f"train.run_dir={tmp_path / 'mismatch'}"]
+    argv = merge_overrides(["--config", os.path.join(REPO, "configs", "llama_hf_cpu.yaml")], TINY, ARCHS["llama"][1],
+                           ["model.hidden=64", "model.ffn_hidden=128", "parallel.tp=1",
+                            f"checkpoint.init_from={tmp_path / 'llama/hf'}", f"train.run_dir={tmp_path / 'mismatch'}"])
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"tpframe: config error: checkpoint.init_from={str(tmp_path / 'llama/hf')!r}: its config.json "

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, train_in_process
+from tests.training_utils import REPO, TINY, merge_overrides, train_in_process
 
 STEPS = 8
 # 2 ranks at DP=2, 2 micro-batches of 2 per rank and step
 COMMON = ["parallel.tp=1", "train.micro_batch_size=2", f"train.steps={STEPS}"]
-ARGS = ["--config", os.path.join(REPO, "configs/tiny_cpu.yaml"), *TINY, *COMMON]
+ARGS = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY, COMMON)
 
 
 def _losses(overrides):
@@ -37,7 +37,7 @@ def _main(args):
 
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        code = train.main(args)
+        code = train.main(merge_overrides(args))  # a test's own settings replace ARGS's
     return code, err.getvalue(), out.getvalue()
 
 
@@ -145,8 +145,8 @@ def _fail_one_save(root, phase):
         failing("save", ckpt.torch, lambda obj, path, *a: rank == 0 and in_step_4(path))
     else:
         failing("write_atomic", ckpt, lambda path, text: rank == 0 and in_step_4(path) and path.name == "meta.json")
-    args = [*ARGS, f"train.run_dir={root}/{phase}", "checkpoint.interval=2",
-            f"checkpoint.async_save={str(phase == 'dcp-async').lower()}"]
+    args = merge_overrides(ARGS, [f"train.run_dir={root}/{phase}", "checkpoint.interval=2",
+                                  f"checkpoint.async_save={str(phase == 'dcp-async').lower()}"])
     try:
         return _main(args)
     finally:
@@ -323,12 +323,12 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
 # -- launcher drills: preemption and a stopped rank ---------------------------------------------------------
 
 
-SCRIPT = ["train.py", "--config", "configs/tiny_cpu.yaml", *TINY, *COMMON]
+SCRIPT = merge_overrides(["train.py", "--config", "configs/tiny_cpu.yaml"], TINY, COMMON)
 
 
 def _launch(args, env=None):
     """The README's launcher, 2 workers; --no-check: the parent's pre-flight is test_ops_inputs.py's business."""
-    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", "--no-check", *args]
+    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", "--no-check", *merge_overrides(args)]
     full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
     full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
@@ -383,14 +383,15 @@ def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    first = subprocess.Popen([sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *TINY,
-                              "parallel.tp=1", "train.steps=100000", f"train.run_dir={run_dir}"],
+    first = subprocess.Popen([sys.executable, *merge_overrides(["train.py", "--config", "configs/tiny_cpu.yaml"], TINY,
+                                                               ["parallel.tp=1", "train.steps=100000",
+                                                                f"train.run_dir={run_dir}"])],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         _read_until(first, _is_step(2))
         before = {p.name: p.stat().st_size for p in run_dir.iterdir() if p.name != "metrics.jsonl"}
-        second = subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", *SCRIPT,
-                                 f"train.run_dir={run_dir}"], cwd=REPO, capture_output=True, text=True, env=env,
+        second = subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2",
+                                 *merge_overrides(SCRIPT, [f"train.run_dir={run_dir}"])], cwd=REPO, capture_output=True, text=True, env=env,
                                 timeout=120)
         assert first.poll() is None, "the first run is still training"
         first.send_signal(signal.SIGTERM)

@@ -1,5 +1,5 @@
-"""Every mistake is one line and exit code 2, with nothing written: 73 bad inputs through train.main in this
-process, a few through the README's launcher (and torchrun) with 2 processes."""
+"""Every mistake is one line and exit code 2, with nothing written: 137 bad inputs through train.main in this
+process, 26 through the tools, a few through the README's launcher (and torchrun) with 2 processes."""
 
 import json
 import os
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, train_in_process
+from tests.training_utils import REPO, TINY, merge_overrides, train_in_process, with_overrides
 
-BASE = ["--config", "configs/tiny_cpu.yaml", *TINY, "parallel.tp=1", "train.steps=2"]
+BASE = merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, ["parallel.tp=1", "train.steps=2"])
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPFRAME_COMM_BACKEND", "TPFRAME_FAULT_NAN",
             "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 
@@ -144,6 +144,13 @@ CASES = [
      "is not valid YAML"),
     ("override-no-equals", lambda t, s: (["train.steps"], {}), "must look like section.key=value"),
     ("override-three-parts", lambda t, s: (["train.steps.x=1"], {}), "must be section.key"),
+    ("config-twice", lambda t, s: (["--config", "configs/tiny_cpu.yaml", "--config", _file(t, "c.yaml", "train:\n")],
+                                   {}), "argument --config: given twice (--config configs/tiny_cpu.yaml and --config "
+                                        "{tmp}/c.yaml); give it once (usage: train.py"),
+    ("override-twice", lambda t, s: (["optim.lr=1e-3", "optim.lr=2e-3"], {}),
+     "override optim.lr is given twice ('optim.lr=1e-3' and 'optim.lr=2e-3'); give it once"),
+    ("override-twice-same-value", lambda t, s: (["train.steps=3", "model.hidden=64", " train.steps =3"], {}),
+     "override train.steps is given twice ('train.steps=3' and ' train.steps =3')"),
     ("unknown-key", lambda t, s: (["model.hiden=64"], {}),
      "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
     ("unknown-section", lambda t, s: (["modle.hidden=64"], {}), "unknown config section 'modle'"),
@@ -287,6 +294,13 @@ CASES = [
      lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
      "holds a config.yaml that cannot be read (not a mapping of sections)"),
     ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
+    # root may write anywhere by os.access, yet nothing can be created in /proc or /sys: the probe finds out
+    ("run-dir-under-proc", lambda t, s: (["train.run_dir=/proc/tpframe_run"], {}),
+     "train.run_dir='/proc/tpframe_run' cannot be created: writing in '/proc' failed"),
+    ("run-dir-under-sys", lambda t, s: (["train.run_dir=/sys/kernel/tpframe_run/x"], {}),
+     "cannot be created: writing in '/sys/kernel' failed"),
+    ("ckpt-dir-under-proc", lambda t, s: (["checkpoint.dir=/proc/tpframe_checkpoints"], {}),
+     "checkpoint.dir='/proc/tpframe_checkpoints' cannot be created: writing in '/proc' failed"),
     ("ckpt-dir-is-file", lambda t, s: ([f"checkpoint.dir={_file(t, 'taken', 'x')}"], {}), "checkpoint.dir="),
     ("run-dir-of-another-run", lambda t, s: ([f"train.run_dir={s}", "model.hidden=64"], {}),
      "holds another run (model.ffn_hidden is 128 there but 256 now; model.hidden is 32 there but 64 now)"),
@@ -353,10 +367,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
     before = {p: _snapshot(p) for p in (saved_run, *(tmp_path.iterdir()))}
-    code = train.main([*BASE, f"train.run_dir={run_dir}", *extra])
+    code = train.main(with_overrides([*BASE, f"train.run_dir={run_dir}"], extra))  # extra's keys replace BASE's
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    expected = expected.replace("{tmp}", str(tmp_path))
     assert lines[0].startswith("tpframe: config error: ") and expected in lines[0], lines[0]
     assert not run_dir.exists(), "nothing may be written before pre-flight passed"
     assert {p: _snapshot(p) for p in before} == before, "an existing file or run was modified"
@@ -372,6 +387,7 @@ LAUNCH_CASES = [
     (["model.hiden=64"], {}, "unknown config key 'model.hiden'"),
     (["optim.lr=nan"], {}, "optim.lr=nan must be a finite number"),
     ([], {"TPFRAME_COMM_BACKEND": "bogus"}, "env var TPFRAME_COMM_BACKEND='bogus'"),
+    (["optim.lr=1e-3", "optim.lr=2e-3"], {}, "override optim.lr is given twice"),
 ]
 
 
@@ -385,9 +401,9 @@ def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=full)
 
 
-@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env"])
+@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env", "twice"])
 def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp_path):
-    out = _launch([*SCRIPT, f"train.run_dir={tmp_path}/run", *overrides], env)
+    out = _launch(with_overrides([*SCRIPT, f"train.run_dir={tmp_path}/run"], overrides), env)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr
     assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "run").exists()
@@ -452,6 +468,22 @@ def _garbled_metadata(saved: Path, tmp: Path) -> str:
     return str(step)
 
 
+def _foreign_safetensors(tmp: Path) -> str:
+    """Somebody else's safetensors file (a Hugging Face save: format=pt, no tpframe header)."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp / "theirs.safetensors"), metadata={"format": "pt"})
+    return str(tmp / "theirs.safetensors")
+
+
+def _folder(tmp: Path, name: str, files: dict) -> str:
+    """A folder `name` holding `files` (name -> text, or a callable(path) that writes it)."""
+    (tmp / name).mkdir()
+    for file, content in files.items():
+        content(tmp / name / file) if callable(content) else (tmp / name / file).write_text(content)
+    return str(tmp / name)
+
+
 # (tool, argv with {ckpt} {tmp} {file} {run} in it or a builder(tmp, saved) -> argv, expected text)
 TOOL_CASES = [
     ("checkpoint", [], "the following arguments are required: command (see checkpoint.py --help)"),
@@ -463,9 +495,41 @@ TOOL_CASES = [
     ("checkpoint", ["export", "{ckpt}", "--out", "{file}", "--format", "hf"],
      "is a file; --format hf writes a directory"),
     ("checkpoint", lambda t, s: ["inspect", _garbled_metadata(s, t)], ".metadata cannot be read"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "/proc/tpframe/model.safetensors"],
+     "--out '/proc/tpframe/model.safetensors' cannot be created: writing in '/proc' failed"),
+    ("checkpoint", ["export", "{ckpt}", "--format", "hf", "--out", "/sys/kernel/hf_model"],
+     "--out '/sys/kernel/hf_model' cannot be created: writing in '/sys/kernel' failed"),
     ("prepare_data", ["--out", "x.bin"], "the following arguments are required: INPUT (see prepare_data.py --help)"),
+    ("prepare_data", ["{file}", "--out", "{tmp}/a.bin", "--out", "{tmp}/b.bin"],
+     "argument --out: given twice (--out {tmp}/a.bin and --out {tmp}/b.bin); give it once (see prepare_data.py --help)"),
+    ("checkpoint", ["export", "{ckpt}", "--out", "{tmp}/m.safetensors", "--format", "hf", "--format", "safetensors"],
+     "argument --format: given twice (--format hf and --format safetensors); give it once (see checkpoint.py export"),
+    ("plot_loss", ["{run}", "--force", "--out", "{tmp}/a.png", "--force"], "argument --force: given twice"),
+    ("prepare_data", ["{file}", "--out", "/proc/tokens.bin"], "--out '/proc/tokens.bin' cannot be created"),
+    # an --out holding what the tool did not write is kept (--force overwrites it)
+    ("prepare_data", lambda t, s: [_file(t, "in.txt", "hello"), "--out", _file(t, "notes.txt", "my notes")],
+     "--out '{tmp}/notes.txt' exists and is not a token file made by prepare_data.py (no sidecar "
+     "'{tmp}/notes.txt.json' of format 'tpframe.tokens/1' beside it); pass --force to overwrite it"),
+    ("prepare_data", lambda t, s: [_file(t, "in.txt", "hello"), "--out", _file(t, "d.bin.json", "{}")[:-5]],
+     "would replace '{tmp}/d.bin.json' (its sidecar's name), which is not a tpframe token sidecar; pass --force"),
+    ("checkpoint", lambda t, s: ["export", str(s / "checkpoints"), "--out", _foreign_safetensors(t)],
+     "--out '{tmp}/theirs.safetensors' exists and is not a tpframe export (a .safetensors file whose header says "
+     "format=tpframe); pass --force to overwrite it, or pick another path"),
+    ("checkpoint", lambda t, s: ["export", str(s / "checkpoints"), "--format", "hf", "--out",
+                                 _folder(t, "mine", {"notes.md": "x", "config.json": "{}"})],
+     "--out '{tmp}/mine' is a directory holding files a tpframe export does not write ('notes.md'); pass --force"),
+    ("checkpoint", lambda t, s: ["export", str(s / "checkpoints"), "--format", "hf", "--out",
+                                 _folder(t, "hf", {"config.json": "{}", "model.safetensors": lambda p: shutil.copy(
+                                     _foreign_safetensors(t), p)})],
+     "--out '{tmp}/hf' is a directory of model files without tpframe's tpframe_export.json: not a tpframe export; "
+     "pass --force"),
     ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
     ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
+    ("plot_loss", ["{run}", "--out", "/proc/loss.png"], "--out '/proc/loss.png' cannot be created"),
+    ("plot_loss", lambda t, s: [str(s), "--out", _file(t, "notes.txt", "my notes")],
+     "--out '{tmp}/notes.txt' exists and is not a PNG plot_loss.py drew; pass --force"),
+    ("plot_loss", lambda t, s: [str(s), "--out", _file(t, "photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64))],
+     "--out '{tmp}/photo.png' exists and is not a PNG plot_loss.py drew; pass --force"),
     ("plot_loss", lambda t, s: [_metrics_file(t, "[1, 2]\n")], "metrics.jsonl:1: not a metrics record"),
     ("plot_loss", lambda t, s: [_metrics_file(t, '{"kind": "train", "loss": 1}\n')],
      "metrics.jsonl:1: not a metrics record"),
@@ -490,6 +554,107 @@ def test_a_tool_given_bad_input_prints_one_line_exits_2_and_writes_nothing(case,
     assert {p: _snapshot(p) for p in before} == before, "a tool given bad input wrote or changed a file"
 
 
+def test_each_tool_replaces_its_own_earlier_output_and_anything_else_only_with_force(tmp_path, saved_run, capsys):
+    from safetensors import safe_open
+
+    from tpframe.data.tokenizer import is_token_sidecar
+
+    prepare, plot, ckpt = _tool("prepare_data"), _tool("plot_loss"), _tool("checkpoint")
+    text, out = _file(tmp_path, "in.txt", "hello world " * 50), tmp_path / "t.bin"
+    assert prepare.main([text, "--out", str(out)]) == 0
+    first = out.read_bytes()
+    _file(tmp_path, "in.txt", "other words " * 20)
+    assert prepare.main([text, "--out", str(out)]) == 0 and out.read_bytes() != first  # its own token file
+    notes = _file(tmp_path, "notes.txt", "my notes")
+    assert prepare.main([text, "--out", notes]) == 2 and Path(notes).read_text() == "my notes"
+    assert prepare.main([text, "--out", notes, "--force"]) == 0 and is_token_sidecar(notes + ".json")
+
+    png = tmp_path / "loss.png"
+    assert plot.main([str(saved_run), "--out", str(png)]) == 0 and plot.main([str(saved_run), "--out", str(png)]) == 0
+    photo = _file(tmp_path, "photo.png", b"\x89PNG\r\n\x1a\n" + bytes(64))
+    assert plot.main([str(saved_run), "--out", photo]) == 2
+    assert plot.main([str(saved_run), "--out", photo, "--force"]) == 0 and plot.is_plot(Path(photo))
+
+    root = str(saved_run / "checkpoints")
+    for target in (tmp_path / "m.safetensors", tmp_path / "m.safetensors", _foreign_safetensors(tmp_path)):
+        force = ["--force"] if "theirs" in str(target) else []
+        assert ckpt.main(["export", root, "--out", str(target), *force]) == 0
+        with safe_open(str(target), "pt") as f:
+            assert f.metadata()["format"] == "tpframe"
+
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "m.safetensors")  # written through, as before the rename
+    assert ckpt.main(["export", root, "--out", str(tmp_path / "link.safetensors")]) == 0
+    assert (tmp_path / "link.safetensors").is_symlink()
+
+    hf = tmp_path / "hf"
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(hf)]) == 0
+    (hf / "tokenizer.json").write_text("{}")  # an earlier export's tokenizer: this run has none, so it goes
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(hf)]) == 0
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tpframe_export.json"]
+    (tmp_path / "empty").mkdir()
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(tmp_path / "empty")]) == 0
+    mine = Path(_folder(tmp_path, "mine", {"notes.md": "keep me", "config.json": "{}"}))
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(mine)]) == 2
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(mine), "--force"]) == 0
+    assert (mine / "notes.md").read_text() == "keep me" and "model_type" in (mine / "config.json").read_text()
+    assert json.loads((mine / "tpframe_export.json").read_text())["exported_by"] == "tpframe"
+    assert not [p for p in tmp_path.rglob(".*")], "a temporary file or folder was left behind"
+    capsys.readouterr()
+
+
+def test_an_export_that_fails_half_way_leaves_the_earlier_export_as_it_was(tmp_path, saved_run, monkeypatch, capsys):
+    """Written beside --out and renamed into place: a full disk mid-write costs the new export, never the old one."""
+    import safetensors.torch
+
+    ckpt, root = _tool("checkpoint"), str(saved_run / "checkpoints")
+    assert ckpt.main(["export", root, "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert ckpt.main(["export", root, "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    before = _snapshot(tmp_path)
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    capsys.readouterr()
+    for extra in ([], ["--format", "hf"]):
+        out = str(tmp_path / ("hf" if extra else "m.safetensors"))
+        assert ckpt.main(["export", root, *extra, "--out", out]) == 2
+        assert capsys.readouterr().err.strip() == "tpframe: [Errno 28] No space left on device"
+    assert _snapshot(tmp_path) == before, "the earlier export was changed, or a temporary file left behind"
+
+
+def test_the_write_probe_leaves_nothing_behind_and_finds_a_folder_that_takes_no_new_folders(tmp_path, monkeypatch):
+    """check_creatable creates and removes a probe where the writer will write (os.access says yes to root even on
+    /proc): nothing stays, whether the check passes or fails half-way (a file could be made, a folder not)."""
+    from tpframe.errors import ConfigError
+    from tpframe.paths import check_creatable
+
+    (tmp_path / "run").mkdir()
+    for path, directory in ((tmp_path / "run", True), (tmp_path / "new" / "deeper", True),
+                            (tmp_path / "x.bin", False), (tmp_path / "sub" / "x.bin", False)):
+        check_creatable(f"{str(path)!r}", path, directory=directory)
+    assert [p.name for p in tmp_path.rglob("*")] == ["run"]
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    with pytest.raises(ConfigError, match=rf"^'x' cannot be created: writing in '{tmp_path}' failed \(Permission denied\)"):
+        check_creatable("'x'", tmp_path / "new_run", directory=True)
+    check_creatable("'x'", tmp_path / "run", directory=True)  # an existing folder: only files are made in it
+    assert [p.name for p in tmp_path.rglob("*")] == ["run"]
+
+
+def test_the_launcher_refuses_an_option_given_twice(capsys):
+    from tpframe.launch import main
+
+    assert main(["--nproc-per-node", "2", "--nproc-per-node", "4", "train.py"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "tpframe.launch: argument --nproc-per-node/--nproc_per_node: given twice (--nproc-per-node 2 and "
+        "--nproc-per-node 4); give it once (usage: python -m tpframe.launch --nproc-per-node N train.py ARGS...)"]
+
+
 def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkeypatch):
     """generate.py's `prepare` takes only world_size: the parent's pre-flight crashed importing it (its Plan
     dataclass, an unregistered module) and now runs it, as it runs train.py's."""
@@ -500,4 +665,5 @@ def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkey
     with pytest.raises(ConfigError, match="does not exist"):
         preflight(os.path.join(REPO, "generate.py"), ["--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"], 2)
     with pytest.raises(ConfigError, match="world size 2 is not divisible by parallel.tp"):
-        preflight(os.path.join(REPO, "train.py"), [*BASE, "parallel.tp=4", f"train.run_dir={tmp_path}/run"], 2)
+        preflight(os.path.join(REPO, "train.py"), with_overrides(BASE, ["parallel.tp=4", f"train.run_dir={tmp_path}/run"]),
+                  2)

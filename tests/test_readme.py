@@ -12,7 +12,8 @@ ones' runs), and beside them, one after another, the `independent` ones (two cha
 with OMP_NUM_THREADS=1 and these rewrites, so that the README takes about a minute and tests what it says:
   - `pip install ...` commands are dropped: the environment under test is the installed one;
   - `python -m pytest ...` commands are dropped: the suite is what runs this test;
-  - every `train.py` training command gets SHORT appended (later overrides win): one step;
+  - every `train.py` training command gets SHORT appended, replacing the command's own values of those keys (train.py
+    refuses a key given twice): one step;
   - the files a user would bring are made first: USER_FILES (text, a JSONL corpus, a `tokenizers` JSON).
 A block passes when it exits 0 and prints no `...Warning` line to stderr (a console people can read).
 """
@@ -33,6 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
+SHORT_KEYS = re.compile(r"(?<=\s)(?:%s)=\S*" % "|".join(re.escape(a.split("=")[0]) for a in SHORT))
 MARKER = re.compile(r"^<!-- readme-test: (run(?: torchrun=(\d+))?( independent)?|skip: (.+)) -->$")
 FENCE = re.compile(r"^```(bash|python)\s*$")
 TEXT = "The cat sat on the mat. The dog sat on the log. A bird sang in the tree by the house.\n"
@@ -85,7 +87,8 @@ def rewrite_bash(code: str) -> str:
         command, _, comment = line.partition(" #") if not line.lstrip().startswith("#") else ("", "", line)
         parts = [p.strip() for p in command.split("&&") if p.strip()]
         parts = [p for p in parts if not p.startswith("pip install") and not p.startswith("python -m pytest")]
-        parts = [f"{p} {' '.join(SHORT)}" if re.search(r"\btrain\.py\b", p) and "--help" not in p else p for p in parts]
+        parts = [f"{SHORT_KEYS.sub('', p).rstrip()} {' '.join(SHORT)}" if re.search(r"\btrain\.py\b", p) and "--help" not in p
+                 else p for p in parts]
         if parts:
             out.append(" && ".join(parts))
     return "\n".join(out) + "\n"

@@ -17,14 +17,41 @@ TINY = [
 ]
 
 
+def override_key(arg: str) -> str | None:
+    """The `section.key` of a `section.key=value` argument of train.py; None for any other (--config, its file)."""
+    head, eq, _ = arg.partition("=")
+    return head.strip() if eq and not arg.startswith("-") and "." in head and "/" not in head else None
+
+
+def with_overrides(base: list[str], overrides: list[str]) -> list[str]:
+    """train.py's arguments `base` without the keys `overrides` sets (and without its `--config FILE` when they
+    have one), then `overrides` as given (a key twice in them stays twice): train.py refuses a key or option given
+    twice, so a test's layers of settings replace each other here."""
+    keys = {override_key(a) for a in overrides} - {None}
+    out, drop_config = [], "--config" in overrides
+    for i, arg in enumerate(base):
+        config_pair = drop_config and (arg == "--config" or (i > 0 and base[i - 1] == "--config"))
+        if not config_pair and override_key(arg) not in keys:
+            out.append(arg)
+    return out + list(overrides)
+
+
+def merge_overrides(*groups: list[str]) -> list[str]:
+    """Layers of train.py arguments (defaults first), a later `section.key=value` replacing an earlier one."""
+    out: list[str] = []
+    for arg in (a for group in groups for a in group):
+        out = with_overrides(out, [arg])
+    return out
+
+
 def train_in_process(overrides: list[str], keep_trainer: bool = False, config: str = "tiny_cpu.yaml"):
-    """train.py's prepare + run in this (already distributed) process, from configs/<config> made TINY;
-    returns per-step records."""
+    """train.py's prepare + run in this (already distributed) process, from configs/<config> made TINY (`overrides`
+    replace TINY's values, later ones earlier ones); returns per-step records."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import train
 
-    argv = ["--config", os.path.join(REPO, "configs", config), *TINY, *overrides]
+    argv = merge_overrides(["--config", os.path.join(REPO, "configs", config)], TINY, overrides)
     cfg, train_data, valid_data, resume = train.prepare(argv)
     trainer = train.run(cfg, train_data, valid_data, resume)
     return trainer if keep_trainer else trainer.history

@@ -5,6 +5,9 @@ Hugging Face model directory (GPT-2 or Llama) that transformers' from_pretrained
     python tools/checkpoint.py export runs/x/checkpoints --out model.safetensors
     python tools/checkpoint.py export runs/x/checkpoints --format hf --out hf_model/
 
+An export replaces an earlier export at --out (written beside it and renamed into place when complete); anything
+else there is kept, with one error line, unless --force.
+
 Import: start any layout from either with `checkpoint.init_from=model.safetensors` (or `=hf_model`).
 """
 
@@ -18,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
 from tpframe.errors import ArgumentParser, ConfigError  # noqa: E402
-from tpframe.training.preflight import check_creatable  # noqa: E402
+from tpframe.paths import check_creatable, refuse_existing  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -48,10 +51,10 @@ def inspect(path: Path) -> str:
     return "\n".join(lines)
 
 
-def check_out(out: str, fmt: str) -> None:
+def check_out(out: str, fmt: str, force: bool = False) -> None:
     """The export's destination: named as generate.py and checkpoint.init_from tell a consolidated file from an HF
-    directory (the .safetensors suffix), and writable; checked before the checkpoint is read, so nothing is
-    half-written."""
+    directory (the .safetensors suffix), writable, and holding nothing but an earlier export (unless `force`);
+    checked before the checkpoint is read."""
     path, is_file_name = Path(out), Path(out).suffix == ".safetensors"
     if fmt == "hf" and path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file; --format hf writes a directory")
@@ -63,21 +66,27 @@ def check_out(out: str, fmt: str) -> None:
     if fmt == "hf" and is_file_name:
         raise ConfigError(f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
                           "use e.g. --out hf_model, or drop --format hf for one .safetensors file")
-    check_creatable(f"--out {out!r}", path)
+    if not force:
+        from tpframe.checkpoint.export import foreign_export_file
+        from tpframe.checkpoint.hf import foreign_export_dir
+
+        if why := (foreign_export_dir if fmt == "hf" else foreign_export_file)(path):
+            refuse_existing(f"--out {out!r}", why)
+    check_creatable(f"--out {out!r}", path, directory=fmt == "hf")
 
 
-def export(path: Path, out: str, fmt: str) -> str:
+def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
     if fmt == "hf":
         from tpframe.checkpoint.hf import export_hf
 
-        info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr))
+        info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr), force=force)
         tokenizer = (f", tokenizer from {info['tokenizer']}" if info["tokenizer"]
                      else ", no tokenizer files (byte-level data)")
         return (f"wrote a Hugging Face {info['architecture']} model (step {info['step']}: {info['tensors']} tensors, "
                 f"{info['params']:,} parameters, {info['dtype']}{tokenizer}) to {out}")
     from tpframe.checkpoint.export import export_consolidated
 
-    tensors = export_consolidated(path, out)
+    tensors = export_consolidated(path, out, force=force)
     return f"wrote {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()):,} parameters to {out}"
 
 
@@ -93,16 +102,20 @@ def main(argv=None) -> int:
     p_export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                           help="safetensors: tpframe's logical tensor names; hf: config.json + model.safetensors "
                                "(+ tokenizer files) for transformers' AutoModelForCausalLM")
+    p_export.add_argument("--force", action="store_true",
+                          help="write --out even if what is there is not an earlier tpframe export (an earlier "
+                               "export is replaced without it); with --format hf, into a directory of other files: "
+                               "the export's own files there are replaced and the others kept")
     try:
         args = parser.parse_args(argv)
         if args.command == "export":
-            check_out(args.out, args.format)
+            check_out(args.out, args.format, args.force)
         path = resolve(args.checkpoint)
         if args.command == "inspect":
             print(inspect(path))
         else:
             verify(path, "crc")
-            print(export(path, args.out, args.format))
+            print(export(path, args.out, args.format, args.force))
     except ConfigError as e:  # CheckpointError, HFMappingError, a usage mistake
         print(f"tpframe: {e}", file=sys.stderr)
         return 2

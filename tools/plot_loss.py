@@ -7,23 +7,44 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tpframe.errors import ArgumentParser  # noqa: E402
+from tpframe.paths import check_creatable, link_target, refuse_existing, temporary_name  # noqa: E402
 from tpframe.training.logger import read_metrics  # noqa: E402
 
 
-def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the loss curve(s) of `run_dir` to `out` (default <run_dir>/loss.png); ValueError if no loss."""
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def is_plot(path: Path) -> bool:
+    """Whether `path` is a PNG that matplotlib drew (its Software text chunk follows the header): an earlier plot
+    this tool may replace, not a picture of the user's."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(PNG_SIGNATURE) and b"Software\x00Matplotlib" in head
+
+
+def plot_loss(run_dir: str | Path, out: str | Path | None = None, force: bool = False) -> Path:
+    """Write the loss curve(s) of `run_dir` to `out` (default <run_dir>/loss.png); ValueError if no loss, or if `out`
+    holds anything but an earlier plot (unless `force`)."""
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "loss.png"
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a directory; name the image, e.g. --out {out / 'loss.png'}")
     if not out.suffix:  # matplotlib would add .png itself, and the path printed would not be the file written
         out = out.with_name(out.name + ".png")
+    target = link_target(out)  # the file written: where a symbolic link --out points
+    if out.exists() and not force and not is_plot(out):
+        refuse_existing(f"--out {str(out)!r}", "exists and is not a PNG plot_loss.py drew")
+    check_creatable(f"--out {str(out)!r}", out)
     records = read_metrics(run_dir / "metrics.jsonl")
     curves = {kind: [(r["step"], r["loss"]) for r in records if r.get("kind") == kind and r.get("loss") is not None]
               for kind in ("train", "eval")}
@@ -47,18 +68,24 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    tmp = temporary_name(target)  # renamed over it once complete: never a half-written image in its place
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format=out.suffix[1:].lower())
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="plot_loss.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    parser.add_argument("--out", help="the PNG to write (default: RUN_DIR/loss.png)")
+    parser.add_argument("--out", help="the PNG to write (default: RUN_DIR/loss.png); an earlier plot there is replaced")
+    parser.add_argument("--force", action="store_true", help="overwrite --out even if it is not an earlier plot")
     try:
         args = parser.parse_args(argv)
-        out = plot_loss(args.run_dir, args.out)
+        out = plot_loss(args.run_dir, args.out, force=args.force)
     except (ValueError, OSError) as e:
         print(f"plot_loss.py: error: {e}", file=sys.stderr)
         return 2

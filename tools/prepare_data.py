@@ -5,9 +5,10 @@
     python tools/prepare_data.py corpus.jsonl --jsonl-key text --tokenizer tokenizer.json --out data/c.bin
 
 `.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one
-UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar). The built-in
-tokenizer is byte-level (vocab 256, byte 0 ends each document); --tokenizer takes a Hugging Face
-`tokenizers` JSON file (its EOT token ends each document). Bad input: one error line, exit code 2.
+UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar); an earlier token
+file there is replaced, anything else only with --force. The built-in tokenizer is byte-level (vocab
+256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT token
+ends each document). Bad input: one error line, exit code 2.
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file (default: byte-level)")
     parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
     parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite OUT (and OUT.json) even if they are not a token file made by this tool "
+                        "(an earlier token file is replaced without it)")
     try:
         args = parser.parse_args(argv)
-        meta = write_token_file(args.inputs, args.out, args.tokenizer, args.jsonl_key, args.eot_token)
+        meta = write_token_file(args.inputs, args.out, args.tokenizer, args.jsonl_key, args.eot_token,
+                                force=args.force)
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 2

@@ -3,14 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 
 class ConfigError(ValueError):
     """A configuration mistake, phrased for the user: the key, the value, and what to do."""
 
 
+_GIVEN = "_tpframe_options_given"  # {action: how it was given}, on the namespace while one parse runs
+_REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction, argparse._HelpAction,
+               argparse._VersionAction)
+
+
+@functools.cache
+def _once(cls: type) -> type:
+    """`cls` (an argparse action) refusing a second use in one parse: argparse would keep the last silently."""
+
+    class Once(cls):
+        def __call__(self, parser, namespace, values, option_string=None):
+            given = getattr(namespace, _GIVEN, None)
+            text = option_string if self.nargs == 0 else " ".join(
+                [option_string, *(map(str, values) if isinstance(values, list) else [str(values)])])
+            if given is not None and self in given:
+                raise argparse.ArgumentError(self, f"given twice ({given[self]} and {text}); give it once")
+            if given is not None:
+                given[self] = text
+            super().__call__(parser, namespace, values, option_string)
+
+    Once.__name__ = Once.__qualname__ = cls.__name__
+    return Once
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes raise one ConfigError line pointing at --help (argparse prints usage + error)."""
+    """argparse whose usage mistakes raise one ConfigError line pointing at --help (argparse prints usage + error),
+    and which refuses an option given twice (`--temperature 0.5 --temperature 0.8`; argparse keeps the last one
+    silently); options meant to repeat say so with action="append"."""
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and not isinstance(action, _REPEATABLE):
+            action.__class__ = _once(type(action))
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = argparse.Namespace() if namespace is None else namespace
+        setattr(namespace, _GIVEN, {})
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            if hasattr(namespace, _GIVEN):
+                delattr(namespace, _GIVEN)
 
     def error(self, message: str):
         raise ConfigError(f"{message} (see {self.prog} --help)")

@@ -48,8 +48,10 @@ class LaunchError(Exception):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tpframe.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tpframe.errors import ArgumentParser  # refuses an option given twice
+
+    parser = ArgumentParser(prog="python -m tpframe.launch", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                         help="worker processes on this node (one per GPU)")
     parser.add_argument("--no-check", action="store_true", help="skip the parent's pre-flight check")

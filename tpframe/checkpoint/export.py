@@ -9,6 +9,7 @@ Exporting needs no process group: DCP reads the global tensors in one process.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from tpframe.checkpoint.dcp_io import read_full_tensors
 from tpframe.parallel.sharding import param_shards
+from tpframe.paths import link_target, refuse_existing, temporary_name
 
 
 def safetensors_module():
@@ -39,13 +41,50 @@ def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_consolidated(checkpoint: str | Path, out_file: str | Path) -> dict[str, torch.Tensor]:
+def safetensors_metadata(path: str | Path) -> dict | None:
+    """The `__metadata__` of a safetensors file's header ({} when it has none), read without the library; None when
+    `path` is not a safetensors file (missing, a directory, too short, a header that is not JSON)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100_000_000:  # the format's own limit on the header
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    if not isinstance(header, dict):
+        return None
+    metadata = header.get("__metadata__", {})
+    return metadata if isinstance(metadata, dict) else None
+
+
+def foreign_export_file(out: str | Path) -> str | None:
+    """Why writing a consolidated export to `out` would destroy something tpframe did not write, or None when `out`
+    is missing or an earlier export (its header's format is "tpframe", as export_consolidated has always written)."""
+    if not Path(out).exists():
+        return None
+    if (safetensors_metadata(out) or {}).get("format") != "tpframe":
+        return "exists and is not a tpframe export (a .safetensors file whose header says format=tpframe)"
+    return None
+
+
+def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: bool = False) -> dict[str, torch.Tensor]:
+    """Write `checkpoint`'s model tensors to `out_file`. An existing file is replaced only when it is an earlier export
+    (or with `force`); the new one is written under a temporary name beside it and renamed over it when complete."""
+    out = link_target(Path(out_file))
+    if not force and (why := foreign_export_file(out)):
+        refuse_existing(f"--out {str(out)!r}", why)
     tensors = read_model_tensors(checkpoint)
     meta = json.loads((Path(checkpoint) / "meta.json").read_text())
     header = {"format": "tpframe", "tpframe_version": meta["tpframe_version"], "step": str(meta["step"]),
               "model_config": json.dumps(meta["config"]["model"])}
-    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-    safetensors_module().save_file(tensors, str(out_file), metadata=header)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(out)
+    try:
+        safetensors_module().save_file(tensors, str(tmp), metadata=header)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return tensors
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,10 +31,17 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.tokenizer import first_path
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
+from tpframe.paths import link_target, refuse_existing, temporary_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# export_hf's own file, {"exported_by": "tpframe", ...}: what tells an earlier export (which a new one may replace) from
+# any other model directory. Not in the weights' header: safetensors writes its keys in no fixed order, and the export
+# is byte-for-byte the same every time
+MARKER = "tpframe_export.json"
+EXPORT_FILES = (CONFIG, WEIGHTS, *TOKENIZER_FILES, MARKER)  # all that export_hf writes
 # buffers some HF checkpoints carry that are not weights (GPT-2's causal mask, rotary frequencies)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -466,16 +474,72 @@ def write_tokenizer(out_dir: Path, record: dict, model_max_length: int) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print) -> dict[str, Any]:
+def foreign_export_dir(out_dir: str | Path) -> str | None:
+    """Why an HF export to `out_dir` would replace something tpframe did not write, or None when `out_dir` is missing,
+    empty, or an earlier export: only EXPORT_FILES, MARKER among them (exports written before the marker was added
+    cannot be told from any other HF model: they need --force once)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        return "is a file; --format hf writes a directory"
+    if not out_dir.exists():
+        return None
+    names = sorted(p.name for p in out_dir.iterdir())
+    other = [n for n in names if n not in EXPORT_FILES]
+    if other:
+        return (f"is a directory holding files a tpframe export does not write ({', '.join(map(repr, other[:3]))}"
+                f"{', ...' if len(other) > 3 else ''})")
+    if names and not _is_marker(out_dir / MARKER):
+        return f"is a directory of model files without tpframe's {MARKER}: not a tpframe export"
+    return None
+
+
+def _is_marker(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("exported_by") == "tpframe"
+    except (OSError, ValueError, AttributeError):  # missing, not JSON, not an object
+        return False
+
+
+def _publish(new: Path, out: Path) -> None:
+    """Put the finished export `new` (a folder beside `out`) at `out`. A missing or empty `out`: one rename. An earlier
+    export: moved aside, the new one renamed in, the old one deleted, so `out` is never half-written (a crash between
+    the renames leaves the old export beside it under a hidden name). Another directory (--force): the export's
+    files replaced one by one (a name this export does not write, such as an old tokenizer, removed), the rest kept."""
+    if not out.exists() or not any(out.iterdir()):
+        os.replace(new, out)  # rename(2) replaces an empty directory
+    elif foreign_export_dir(out) is None:
+        old = temporary_name(out, "old")
+        os.rename(out, old)
+        try:
+            os.rename(new, out)
+        except OSError:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old)
+    else:
+        for name in EXPORT_FILES:
+            if (new / name).exists():
+                os.replace(new / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
+        new.rmdir()
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print,
+              force: bool = False) -> dict[str, Any]:
     """A tpframe checkpoint (any layout) -> an HF directory `AutoModelForCausalLM.from_pretrained` loads.
 
-    Refuses (HFMappingError) before writing anything when the model has no HF equivalent.
+    Refuses (HFMappingError) before writing anything when the model has no HF equivalent, and (ConfigError) a
+    `out_dir` holding anything but an earlier export unless `force`. Written into a new folder beside `out_dir`
+    and moved into place when complete (`_publish`).
     Returns a summary: architecture, tensor and parameter counts, the tokenizer written (or None).
     """
     from tpframe.checkpoint.export import read_model_tensors, safetensors_module
     from tpframe.training.config import from_dict
 
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    checkpoint, out_dir = Path(checkpoint), link_target(Path(out_dir))
+    if not force and (why := foreign_export_dir(out_dir)):
+        refuse_existing(f"--out {str(out_dir)!r}", why)
     meta = json.loads((checkpoint / "meta.json").read_text())
     m = from_dict({"model": meta["config"]["model"]}).model
     arch = hf_architecture(m)  # refuse before reading or writing anything
@@ -483,10 +547,19 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     tensors = to_hf(read_model_tensors(checkpoint), m)
     dtype = next(iter(tensors.values())).dtype
     config = hf_config(m, dtype=dtype, eos_token_id=tokenizer["eot_id"] if tokenizer else None)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    safetensors_module().save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
-    if tokenizer:
-        write_tokenizer(out_dir, tokenizer, m.max_seq_len)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    new = temporary_name(out_dir)
+    new.mkdir()
+    try:
+        (new / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        safetensors_module().save_file(tensors, str(new / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer:
+            write_tokenizer(new, tokenizer, m.max_seq_len)
+        mark = {"exported_by": "tpframe", "tpframe_version": meta.get("tpframe_version"), "step": meta["step"]}
+        (new / MARKER).write_text(json.dumps(mark, indent=2) + "\n")
+        _publish(new, out_dir)
+    finally:
+        if new.exists():
+            shutil.rmtree(new)
     return {"architecture": arch, "tensors": len(tensors), "params": sum(t.numel() for t in tensors.values()),
             "dtype": _DTYPES[dtype], "step": meta["step"], "tokenizer": str(tokenizer["file"]) if tokenizer else None}

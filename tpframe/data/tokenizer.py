@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from tpframe.data.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
+from tpframe.paths import check_creatable, refuse_existing, temporary_name
 
 FORMAT = "tpframe.tokens/1"
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -132,10 +133,34 @@ def _jsonl_text(line: str, key: str, where: str) -> str:
 # -- writing and opening token files ----------------------------------------------------------
 
 
+def is_token_sidecar(path: str | Path) -> bool:
+    """Whether `path` is a sidecar write_token_file wrote (a JSON object whose format is tpframe.tokens/...)."""
+    try:
+        if Path(path).stat().st_size > 1 << 28:  # a sidecar lists its sources: large, but not this large
+            return False
+        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, a directory, not UTF-8, not JSON
+        return False
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith(FORMAT.split("/")[0] + "/")
+
+
+def foreign_output(out: str | Path) -> str | None:
+    """Why writing token file `out` (and its sidecar) would destroy something write_token_file did not make, or None
+    when only an earlier token file (or nothing) is there."""
+    out, side = Path(out), sidecar_path(out)
+    if out.exists() and not is_token_sidecar(side):
+        return (f"exists and is not a token file made by prepare_data.py (no sidecar {str(side)!r} of format "
+                f"{FORMAT!r} beside it)")
+    if side.exists() and not is_token_sidecar(side):
+        return f"would replace {str(side)!r} (its sidecar's name), which is not a tpframe token sidecar"
+    return None
+
+
 def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str | Path | None = None,
-                     jsonl_key: str = "text", eot_token: str | None = None) -> dict:
+                     jsonl_key: str = "text", eot_token: str | None = None, force: bool = False) -> dict:
     """Tokenize `inputs` into `out` (+ `out.json`), streaming; returns the sidecar dict.
 
+    An `out` that exists is replaced only when it is an earlier token file (its sidecar says so) or with `force`.
     Written to temporary names and renamed at the end, so a failed run leaves no half file behind.
     """
     missing = [str(p) for p in inputs if not Path(p).is_file()]
@@ -152,10 +177,13 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
     if overwritten:  # the rename at the end would replace the text with its own tokens
         raise ValueError(f"input file {overwritten[0]!r} is also the output {str(out)!r} (or its sidecar); writing "
                          "would destroy it: pick another output name")
+    if not force and (why := foreign_output(out)):
+        refuse_existing(f"--out {str(out)!r}", why)
+    check_creatable(f"--out {str(out)!r}", out)
     tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp, sidecar_tmp = temporary_name(out), temporary_name(sidecar_path(out))
     digest, count, docs, eot = hashlib.sha256(), 0, 0, np.array([tok.eot_id], dtype=dtype)
     try:
         with open(tmp, "wb") as f:
@@ -171,14 +199,13 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
             "eot_id": tok.eot_id, "tokenizer": tok.info, "sha256": digest.hexdigest(),
             "sources": [str(p) for p in inputs],
         }
-        sidecar_tmp = tmp.with_name(tmp.name + ".json")
         sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
         sidecar_path(out).unlink(missing_ok=True)  # never pair an old sidecar with new tokens
         os.replace(tmp, out)
         os.replace(sidecar_tmp, sidecar_path(out))
         return meta
     finally:
-        for leftover in (tmp, tmp.with_name(tmp.name + ".json")):
+        for leftover in (tmp, sidecar_tmp):
             leftover.unlink(missing_ok=True)
 
 

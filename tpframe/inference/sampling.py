@@ -31,10 +31,12 @@ class SamplingConfig:
     top_p: float | None = None
 
     def validate(self) -> None:
-        if self.greedy:
-            return
-        if not self.temperature > 0:
-            raise ValueError(f"--temperature must be > 0 (use --greedy for argmax), got {self.temperature}")
+        """Each value, with --greedy too (which ignores them: a NaN given is still a mistake). The temperature divides
+        float32 logits: beyond float32's range it is 0 or inf there, and the padding rows' -inf / inf is NaN."""
+        t, f32 = self.temperature, torch.finfo(torch.float32)
+        if not (isinstance(t, (int, float)) and f32.tiny <= t <= f32.max):  # False for NaN
+            raise ValueError(f"--temperature must be a finite number > 0 within float32's range ({f32.tiny:.3g} to "
+                             f"{f32.max:.3g}; use --greedy for argmax), got {t}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:

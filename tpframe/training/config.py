@@ -256,7 +256,9 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` strings (values parsed as YAML) to nested dicts."""
+    """Apply `section.key=value` strings (values parsed as YAML) to nested dicts. A key given twice is refused, as
+    in the YAML file: which one was meant cannot be known."""
+    given: dict[tuple[str, str], str] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
@@ -265,6 +267,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"override key {dotted!r} must be section.key (e.g. parallel.tp=2)")
         section, key = parts
+        if (section, key) in given:
+            raise ConfigError(f"override {section}.{key} is given twice ({given[section, key]!r} and {item!r}); "
+                              "give it once")
+        given[section, key] = item
         value = parse_override_value(item, raw)
         if section not in data or data[section] is None:
             data[section] = {}

@@ -13,7 +13,6 @@ run before any process group exists and before anything is written. Each failure
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, architecture
+from tpframe.paths import check_creatable
 from tpframe.training.run_lock import check_free
 
 # What makes two runs the same run: a run directory holds one; a checkpoint resumes only into it.
@@ -125,22 +125,10 @@ def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: 
 # -- the run directory ------------------------------------------------------------------------------
 
 
-def check_creatable(label: str, path: Path) -> None:
-    """`path` (a directory that exists, or a file or directory to create) can be written; `label` names it in the
-    error (`train.run_dir='x'`, `--out 'x'`)."""
-    probe = path if path.is_dir() else path.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"{label} cannot be created: {str(probe)!r} is a file")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{label}: no permission to write in {str(probe)!r}")
-
-
 def _check_writable_dir(key: str, path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{key}={str(path)!r} is a file, not a directory; pick another {key}")
-    check_creatable(f"{key}={str(path)!r}", path)
+    check_creatable(f"{key}={str(path)!r}", path, directory=True)
 
 
 def identity(config: dict) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""Where tpframe writes, checked before anything is written; on the ground floor beside errors.py, so the run's
+pre-flight, the token-file writer and the tools share it.
+
+    check_creatable("--out 'm.safetensors'", Path("m.safetensors"))   # ConfigError unless a file can be made there
+    refuse_existing("--out 'notes.txt'", "is not a token file made by prepare_data.py")   # the --force line
+    tmp = temporary_name(Path("m.safetensors"))   # a new name beside it: write there, then os.replace(tmp, path)
+    path = link_target(path)                        # through a symbolic link: the rename replaces what it points to
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from tpframe.errors import ConfigError
+
+_PROBE = ".tpframe-probe-"
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself when it exists, else its nearest ancestor that does."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _probe(folder: Path, directory: bool) -> None:
+    """Create and remove a file (and, with `directory`, a folder) in `folder`: what the writer will do there. os.access
+    says yes where creating fails (root on /proc and /sys, a read-only mount); trying is the only answer."""
+    name = folder / f"{_PROBE}{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)
+    os.unlink(name)
+    if directory:
+        os.mkdir(name)
+        os.rmdir(name)
+
+
+def check_creatable(label: str, path: Path, *, directory: bool = False) -> None:
+    """`path` (a directory that exists, a file to write, or with `directory` a directory to make) can be written:
+    a probe file (and folder, where folders must be made) is created and removed in the nearest existing folder, so
+    nothing is left behind whether the check passes or fails. `label` names it in the error (`train.run_dir='x'`,
+    `--out 'x'`)."""
+    path = Path(path)
+    target = path if path.is_dir() else path.parent
+    folder = nearest_existing(target)
+    if not folder.is_dir():
+        raise ConfigError(f"{label} cannot be created: {str(folder)!r} is a file")
+    makes_folders = folder != target or (directory and not path.exists())
+    try:
+        _probe(folder, makes_folders)
+    except OSError as e:
+        raise ConfigError(f"{label} cannot be created: writing in {str(folder)!r} failed "
+                          f"({e.strerror or type(e).__name__}); pick a path on a writable file system") from None
+
+
+def refuse_existing(label: str, what: str) -> None:
+    """The one line for an output path that holds something this tool did not write."""
+    raise ConfigError(f"{label} {what}; pass --force to overwrite it, or pick another path")
+
+
+def temporary_name(path: Path, kind: str = "tmp") -> Path:
+    """An unused name in `path`'s folder (so renaming it over `path` is atomic) that no user file has."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def link_target(path: Path) -> Path:
+    """Where a symbolic link `path` points (else `path`): a new file renamed over the link itself would replace the
+    link and leave the old content where it points, which writing through the link never did."""
+    return path.resolve() if path.is_symlink() else path
