@@ -213,6 +213,8 @@ LAYOUTS = {
     "ep=2 zero1": ["parallel.ep=2", "parallel.dp_strategy=zero1", "parallel.grad_bucket_mb=0.01",
                    "parallel.overlap_param_gather=true"],
     "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas
+    # one replica per expert (ep = dp): FSDP2 runs no collective for the experts and must divide by dp once
+    "ep=4 fsdp": ["parallel.ep=4", "parallel.dp_strategy=fsdp"],
 }
 # DeepSeek-V3's router (sigmoid, expert bias at a rate that changes choices within 10 steps): every layout must
 # count the same slots (summed over DP and CP, per PP stage, once under recompute) and checkpoint the biases
