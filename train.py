@@ -181,8 +181,10 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                 compile_model(chunk)
         initialized = None
         if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
+            # partial: a pipeline stage holds some blocks, an EP rank some experts (the pre-flight matched the
+            # file against the whole model)
             initialized = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp,
-                                         partial=p.pp > 1 or p.virtual_stages > 1)
+                                         partial=p.pp > 1 or p.virtual_stages > 1 or p.ep > 1)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once
         vocab_tables = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
         vocab_tensors = pipeline_union(state, vocab_tables)  # every stage's (embedding first, head last)
