@@ -174,8 +174,10 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         for chunk in chunks:
             compile_model(chunk)
     if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
+        # partial: a pipeline stage holds some blocks, an EP rank some experts (the pre-flight matched the file
+        # against the whole model)
         source = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp,
-                                partial=p.pp > 1 or p.virtual_stages > 1)
+                                partial=p.pp > 1 or p.virtual_stages > 1 or p.ep > 1)
         notes.append(f"initialized the weights from {source}")
     return model, notes
 

@@ -5,6 +5,8 @@ SP, DP, EP, CP, PP and recompute layouts against DP alone (fp32), and checkpoint
 layouts."""
 
 
+import math
+
 import pytest
 import torch
 
@@ -213,6 +215,8 @@ LAYOUTS = {
     "ep=2 zero1": ["parallel.ep=2", "parallel.dp_strategy=zero1", "parallel.grad_bucket_mb=0.01",
                    "parallel.overlap_param_gather=true"],
     "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas
+    # one replica per expert (ep = dp): FSDP2 runs no collective for the experts and must divide by dp once
+    "ep=4 fsdp": ["parallel.ep=4", "parallel.dp_strategy=fsdp"],
 }
 # DeepSeek-V3's router (sigmoid, expert bias at a rate that changes choices within 10 steps): every layout must
 # count the same slots (summed over DP and CP, per PP stage, once under recompute) and checkpoint the biases
@@ -242,6 +246,16 @@ def _train_layouts(tmp: str):
                         ("resumed at tp=2 x dp=2", ["parallel.tp=2", DP2])):
         history = train_in_process([*COMMON, *extra, f"checkpoint.load={saved}", f"train.run_dir={tmp}/{name}"])
         out[name] = (history, None)
+    # its consolidated export starts new runs at dp=4 and at ep=4 (each EP rank takes only its experts)
+    import torch.distributed as dist
+
+    from tpframe.checkpoint.export import export_consolidated
+
+    exported = f"{tmp}/step5_rank{dist.get_rank()}.safetensors"
+    export_consolidated(saved, exported)
+    for name, extra in (("init at dp=4", []), ("init at ep=4", LAYOUTS["ep=4"])):
+        out[name] = (train_in_process([*COMMON, *extra, f"checkpoint.init_from={exported}", "train.steps=2",
+                                       f"train.run_dir={tmp}/{name}"]), None)
     return out
 
 
@@ -255,6 +269,10 @@ def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path)
     biases = [v for n, v in ref_weights.items() if n.endswith("mlp.expert_bias")]
     assert len(biases) == 2 and all(b.abs().max() > 0.005 for b in biases)  # moved, and compared below
     assert all(r["moe_z_loss"] > 0 for r in ref_history)
+    (init_dp, _), (init_ep, _) = results.pop("init at dp=4"), results.pop("init at ep=4")
+    assert init_dp[0]["loss"] < ref[1]["loss"] - 0.5  # trained weights, not a fresh model
+    for a, b in zip(init_ep, init_dp, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
     assert_layouts_follow(ref_history, results, grad_norm_rel=1e-4)
     for name, (history, weights) in results.items():
         if weights is not None:

@@ -346,7 +346,11 @@ BAD_PIPELINE_CONFIGS = [
     (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2", "model.layers=6"], "2",
      "model.layers=6 is not divisible by parallel.pp*parallel.virtual_stages = 2*2 = 4"),
     (["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[1,2]"], "2",
-     "parallel.layers_per_stage=[1, 2] must be 2 counts"),
+     "parallel.layers_per_stage=[1, 2] must be 2 counts (parallel.pp*parallel.virtual_stages), each at least 1, "
+     "adding up to model.layers=4 (they add up to 3)"),
+    # the count that breaks the rule is named, not the sum (which is right here)
+    (["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[0,4]"], "2", "(a stage of 0 layers)"),
+    (["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[1,1,2]"], "2", "(it has 3)"),
     (["parallel.pp=2", "parallel.layers_per_stage=three"], "2", "parallel.layers_per_stage='three' must be a list"),
     (["parallel.pp=2", "parallel.virtual_stages=2"], "2",
      "parallel.virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b"),

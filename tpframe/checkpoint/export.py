@@ -99,7 +99,8 @@ def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int,
 def copy_logical_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp_rank: int, tp: int, *,
                          source: str, partial: bool = False) -> int:
     """Copy this rank's shard of each full logical tensor in `tensors` (read lazily, name by name) into
-    `model`; returns the number of logical parameters loaded. A pipeline stage (`partial`) takes only its own."""
+    `model`; returns the number of logical parameters loaded. A pipeline stage or an expert-parallel rank
+    (`partial`) takes only its own."""
     expected, loaded = set(), 0
     for name, param in model.named_parameters():
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
@@ -118,6 +119,6 @@ def copy_logical_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], 
             target.copy_(piece)
             loaded += full.numel()
     extra = sorted(set(tensors) - expected)
-    if extra and not partial:  # a pipeline stage holds only some of the tensors
+    if extra and not partial:  # a pipeline stage (an EP rank) holds only some of the tensors
         raise ValueError(f"{source} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     return loaded

@@ -59,8 +59,8 @@ def check_init_from(cfg) -> None:
 
 def load_init_from(model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *,
                    partial: bool = False) -> str:
-    """Copy this rank's shards from `path` into `model` (`partial`: a pipeline stage, which holds only some
-    of the tensors); returns what was loaded, for the log."""
+    """Copy this rank's shards from `path` into `model` (`partial`: a pipeline stage or an expert-parallel
+    rank, which holds only some of the tensors); returns what was loaded, for the log."""
     from tpframe.checkpoint import hf
     from tpframe.checkpoint.export import copy_logical_tensors, safetensors_module
 

@@ -78,7 +78,11 @@ class FSDPStrategy(GradStrategy):
             for block in root.blocks.values() if hasattr(root, "blocks") else []:
                 for expert in [m for m in block.modules() if getattr(m, "is_expert", False)] if expert_mesh else []:
                     fully_shard(expert, mesh=expert_mesh, mp_policy=policy, ignored_params=frozen)
-                    expert.set_force_sum_reduction_for_comms(True)  # summed over the replicas, then / dp*cp
+                    if parallel.edp > 1:  # summed over the replicas (gloo has no PREMUL_SUM), then / dp*cp
+                        expert.set_force_sum_reduction_for_comms(True)
+                    # One replica (ep == dp*cp): FSDP2 runs no collective and divides by the factor itself;
+                    # forcing a sum there would divide twice (torch 2.13's single-rank path: the copy divides,
+                    # then the post-divide divides again), halving every expert gradient at dp*cp = 2.
                     expert.set_gradient_divide_factor(parallel.dp_cp)
                 fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=frozen)
             fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=frozen)

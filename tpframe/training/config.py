@@ -573,9 +573,11 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
     if p.layers_per_stage is not None:
         counts = p.layers_per_stage
         if len(counts) != stages or min(counts) < 1 or sum(counts) != layers:
+            wrong = (f"it has {len(counts)}" if len(counts) != stages else
+                     f"a stage of {min(counts)} layers" if min(counts) < 1 else f"they add up to {sum(counts)}")
             raise ConfigError(
                 f"parallel.layers_per_stage={counts} must be {stages} counts (parallel.pp*parallel.virtual_stages), "
-                f"each at least 1, adding up to model.layers={layers} (they add up to {sum(counts)})"
+                f"each at least 1, adding up to model.layers={layers} ({wrong})"
             )
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     if micro < p.pp or (schedule == "interleaved_1f1b" and micro % p.pp):
