@@ -239,11 +239,12 @@ class GPT(nn.Module):
             return vocab_parallel_head_cross_entropy(
                 self.final_norm(x), weight, labels.t(), comm=self.comm, sequence_parallel=self.sequence_parallel,
                 vocab_size=self.cfg.vocab_size,
-            ).t()
+            ).t().contiguous()  # [b, s]; not a view: FSDP2 warns on each rank when a module returns one
         logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm, vocab_size=self.cfg.vocab_size).t()
+        return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm,
+                                            vocab_size=self.cfg.vocab_size).t().contiguous()
 
     # -- accounting -----------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:
