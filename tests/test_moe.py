@@ -242,6 +242,10 @@ def _train_layouts(tmp: str):
         out[name] = (trainer.history, _weights(trainer) if plain else None)
     # the step-5 checkpoint of the TP=2 x EP=2 zero1 run resumes with ddp without EP, at EP=4, and at TP=2 x DP=2
     saved = f"{tmp}/tp=2 x ep=2 zero1/checkpoints/step_00000005"
+    import json
+
+    assert json.loads(open(f"{saved}/meta.json").read())["layout"] == {"world": 4, "tp": 2, "cp": 1, "dp": 2,
+                                                                       "pp": 1, "ep": 2}
     for name, extra in (("resumed at dp=4", []), ("resumed at ep=4", LAYOUTS["ep=4"]),
                         ("resumed at tp=2 x dp=2", ["parallel.tp=2", DP2])):
         history = train_in_process([*COMMON, *extra, f"checkpoint.load={saved}", f"train.run_dir={tmp}/{name}"])

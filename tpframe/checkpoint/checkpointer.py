@@ -193,7 +193,7 @@ class Checkpointer:
 
     def layout(self) -> dict[str, Any]:
         p = self.parallel
-        return {"world": p.world_size, "tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+        return {"world": p.world_size, "tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp, "ep": p.ep}
 
     def _publish(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
         """Every rank is done: record sizes and CRCs, write meta.json, rename, point `latest` at it."""
@@ -231,7 +231,9 @@ class Checkpointer:
         for name, obj in self.meta_states.items():
             if name in meta:  # a checkpoint older than a state (e.g. "health") leaves it fresh
                 obj.load_state_dict(meta[name])
-        if {"cp": 1, **meta["layout"]} == self.layout():  # checkpoints from before CP name no cp
+        # the RNG streams follow tp, cp, dp and pp ranks, not ep; checkpoints from before CP (and EP) name neither
+        same = lambda layout: {k: v for k, v in {"cp": 1, **layout}.items() if k != "ep"}  # noqa: E731
+        if same(meta["layout"]) == same(self.layout()):
             self.rng.load_state_dict(torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False))
         else:
             self.log(f"resharding checkpoint from layout {meta['layout']} to {self.layout()}: model and optimizer "
