@@ -334,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     except SaveFailed as e:  # every rank raises it alike (tpframe/checkpoint/checkpointer.py)
         exits.report(f"checkpoint not saved: {e}", show=rank == 0)
         return exits.EXIT_SAVE
+    except OSError as e:  # a full disk or a folder made read-only under another of the run's files (its config)
+        if e.errno not in exits.DISK_FULL_OR_READ_ONLY:
+            raise
+        exits.report(f"cannot write {e.filename or 'a file of the run'} ({e.strerror}): free space or make it "
+                     "writable, then relaunch (the last checkpoint is intact)", show=True)
+        return exits.EXIT_SAVE
     except KeyboardInterrupt:
         return exits.EXIT_INTERRUPTED
     finally:

@@ -176,6 +176,28 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_
     assert (root / "latest").read_text() == "step_00000002"
 
 
+def test_a_full_disk_at_the_runs_config_is_one_line_and_exit_5(tmp_path, monkeypatch):
+    """The run's first write after the pre-flight (config.yaml) on a full disk: one line naming the file, exit 5."""
+    import errno
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.name.startswith(".config.yaml."):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # restored after the one-process run
+        monkeypatch.delenv(key, raising=False)
+    code, err, _ = _main(merge_overrides(ARGS, [f"train.run_dir={tmp_path}/run"]))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 5 and len(lines) == 1, err
+    assert lines[0].startswith(f"tpframe: cannot write {tmp_path}/run/.config.yaml.") and \
+        "(No space left on device): free space or make it writable, then relaunch" in lines[0], lines[0]
+
+
 class _Data:
     def __init__(self):
         self.position = 0

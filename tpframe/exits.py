@@ -7,7 +7,8 @@ scheduler can act on.
        any update: training/replicas.py)
     3  training stopped on non-finite steps (train.on_nonfinite, train.max_skipped_steps)
     4  a rank stopped responding or a collective failed (comm.timeout_s)
-    5  a checkpoint could not be written (a full disk, a read-only folder): the previous one stays `latest`
+    5  a checkpoint (or another file the run must write, its config) could not be written: a full disk, a
+       read-only folder; the previous checkpoint stays `latest`
 
 Under torchrun (or tpframe.launch) every rank finds the same config mistake on its own, before any
 process group exists. Rank 0 prints it; the other ranks wait until the launcher stops them (it does
@@ -19,6 +20,7 @@ shows it instead of a link.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -26,6 +28,7 @@ import sys
 import time
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_COMM, EXIT_SAVE, EXIT_INTERRUPTED = 2, 3, 4, 5, 130
+DISK_FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # OSErrors that end a run with EXIT_SAVE
 RANK_ERROR_GRACE_S = 20.0
 
 
