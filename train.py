@@ -10,7 +10,7 @@ The path of a token, top to bottom:
     -> vocab_parallel_cross_entropy (tpframe/layers/cross_entropy.py) -> per-token loss.
 
 Configuration mistakes stop here with one line and exit code 2, before any process group exists and
-before anything is written (`prepare`); exit codes 3, 4 and 5 are tpframe/exits.py's.
+before anything is written (`prepare`); exit codes 3 to 6 are tpframe/exits.py's.
 """
 
 from __future__ import annotations
@@ -289,6 +289,14 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         _train(cfg, trainer, checkpointer, logger)
         trainer.checkpointer = checkpointer
         return trainer
+    except torch.OutOfMemoryError as e:  # this rank alone: its line goes out now, before the teardown below
+        from tpframe import exits
+        from tpframe.training.memory import out_of_memory
+
+        failure = out_of_memory(e, cfg, rank=state.rank, dp=state.dp * state.cp, step=progress.step, phase=progress.phase,
+                                device=state.device)
+        exits.report(f"out of memory: {failure}", show=True)
+        raise failure from None
     except Exception as e:
         failure = beat.explain(e) if beat is not None else e  # a communication failure, explained in one line
         if failure is e:
@@ -301,11 +309,12 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train; the exit code (0, 2, 3, 4, 5) and the one line each failure prints are tpframe/exits.py's."""
+    """Train; the exit code (0, 2, 3, 4, 5, 6) and the one line each failure prints are tpframe/exits.py's."""
     from tpframe import exits
     from tpframe.checkpoint.files import SaveFailed
     from tpframe.parallel.heartbeat import CommFailure
     from tpframe.training.health import TrainingAborted
+    from tpframe.training.memory import OutOfMemory
     from tpframe.training.run_lock import RunDirLock
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
@@ -334,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     except SaveFailed as e:  # every rank raises it alike (tpframe/checkpoint/checkpointer.py)
         exits.report(f"checkpoint not saved: {e}", show=rank == 0)
         return exits.EXIT_SAVE
+    except OutOfMemory:  # printed where it happened (run)
+        return exits.EXIT_OOM
     except OSError as e:  # a full disk or a folder made read-only under another of the run's files (its config)
         if e.errno not in exits.DISK_FULL_OR_READ_ONLY:
             raise

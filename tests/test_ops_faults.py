@@ -198,6 +198,38 @@ def test_a_full_disk_at_the_runs_config_is_one_line_and_exit_5(tmp_path, monkeyp
         "(No space left on device): free space or make it writable, then relaunch" in lines[0], lines[0]
 
 
+def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_path, monkeypatch):
+    """A layout the estimate let start runs out of device memory in step 2: one line (where, how much, what to
+    change), exit code 6, not a traceback (torch's allocator text cut at its first sentences)."""
+    import torch
+
+    from tpframe.models.gpt import GPT
+
+    original, calls = GPT.forward, []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # step 2's first micro-batch (4 per step here)
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                "1.20 GiB is free. Including non-PyTorch memory, this process has 77.9 GiB memory in use. Of the "
+                "allocated memory 70 GiB is allocated by PyTorch\nSee documentation for Memory Management")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    code, err, _ = _main(merge_overrides(ARGS, [f"train.run_dir={tmp_path}/run", "checkpoint.interval=1"]))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 6 and len(lines) == 1, err
+    assert lines[0] == (
+        "tpframe: out of memory: rank 0 ran out of cpu memory in step 2 (forward_backward): CUDA out of memory. Tried "
+        "to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is free; to fit, try a smaller "
+        "train.micro_batch_size (the global batch stays: more accumulation) or model, a larger parallel.tp with "
+        "parallel.sequence_parallel=true, parallel.activation_checkpointing=selective or full"), lines[0]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000001"  # step 1's save stays
+
+
 class _Data:
     def __init__(self):
         self.position = 0
@@ -478,6 +510,23 @@ def test_memory_check_compares_with_the_cuda_device(monkeypatch):
     cfg = train.prepare([*base, "model.hidden=16384", "model.heads=128", "train.check_memory=false",
                          "train.run_dir=/tmp/tpframe_gpu_memory_skip"], world_size=1, rank=0)[0]
     assert cfg.train.check_memory is False
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_one_line_and_exit_6(tmp_path):
+    """GPT-125M at micro-batch 512 (the logits alone 52 GB) with the estimate switched off: the allocator fails in
+    step 1's forward; the launcher passes on one line and exit code 6."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
+    env.update(PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, "train.py", "--config", "configs/gpt_125m.yaml", "parallel.tp=1",
+                          "train.micro_batch_size=512", "train.global_batch_size=512", "train.steps=2",
+                          "train.check_memory=false", "train.compile=false", f"train.run_dir={tmp_path}/run"],
+                         cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 6 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("tpframe: out of memory: rank 0 ran out of cuda memory in step 1 (") and \
+        "Tried to allocate" in lines[0] and "tpframe's peak so far" in lines[0] and \
+        "parallel.activation_checkpointing=selective or full" in lines[0], lines[0]
 
 
 @pytest.mark.gpu(count=2)

@@ -9,6 +9,7 @@ scheduler can act on.
     4  a rank stopped responding or a collective failed (comm.timeout_s)
     5  a checkpoint (or another file the run must write, its config) could not be written: a full disk, a
        read-only folder; the previous checkpoint stays `latest`
+    6  a rank ran out of device memory mid-run (the layout passed the pre-flight's estimate but does not fit)
 
 Under torchrun (or tpframe.launch) every rank finds the same config mistake on its own, before any
 process group exists. Rank 0 prints it; the other ranks wait until the launcher stops them (it does
@@ -27,7 +28,7 @@ import signal
 import sys
 import time
 
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_COMM, EXIT_SAVE, EXIT_INTERRUPTED = 2, 3, 4, 5, 130
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_COMM, EXIT_SAVE, EXIT_OOM, EXIT_INTERRUPTED = 2, 3, 4, 5, 6, 130
 DISK_FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # OSErrors that end a run with EXIT_SAVE
 RANK_ERROR_GRACE_S = 20.0
 

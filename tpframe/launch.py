@@ -30,7 +30,7 @@ from pathlib import Path
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 TPFRAME_CODES = {2: "config error", 3: "training stopped on non-finite steps", 4: "a rank stopped responding",
-                 5: "checkpoint not saved"}
+                 5: "checkpoint not saved", 6: "out of memory"}
 
 
 def single_process_env() -> None:

@@ -90,7 +90,8 @@ def configure_flight_recorder(run_dir: str | Path) -> None:
     Must run before the NCCL process groups are created."""
     global _TRACE_PREFIX
     trace_dir = Path(run_dir) / "nccl_trace"
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the old name: torch 2.11+ warns on every rank for it
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if os.environ.get(TRACE_PREFIX_ENV, _TRACE_PREFIX) == _TRACE_PREFIX:  # unset, or set by an earlier run here
         trace_dir.mkdir(parents=True, exist_ok=True)

@@ -168,20 +168,41 @@ def check_fits(cfg, est: MemoryEstimate, *, device_type: str, local_rank: int = 
     need = est.total * (local_world if device_type == "cpu" else 1)
     if need <= capacity:
         return
-    p = cfg.parallel
     per = f"{gib(est.total)} per rank"
     if device_type == "cpu" and local_world > 1:
         per += f" x {local_world} ranks on this host"
-    fixes = ["a smaller train.micro_batch_size or model", "a larger parallel.tp"]
-    if p.recompute != "full":
-        fixes.append("parallel.activation_checkpointing=selective or full" if p.recompute == "none"
-                      else "parallel.activation_checkpointing=full")
-    if p.dp_strategy == "ddp":
-        fixes.append("parallel.dp_strategy=zero1 or fsdp")
     raise ConfigError(
-        f"this run needs about {per} ({est.describe()}) but {what}; try {', '.join(fixes)} "
+        f"this run needs about {per} ({est.describe()}) but {what}; try {', '.join(_fixes(cfg))} "
         "(train.check_memory=false skips this estimate)"
     )
+
+
+def _fixes(cfg, dp: int | None = None) -> list[str]:
+    """What makes a layout need less memory per rank, of what this config does not do already (`dp`: the ranks
+    zero1 or fsdp would shard over; None: unknown)."""
+    p = cfg.parallel
+    fixes = ["a smaller train.micro_batch_size (the global batch stays: more accumulation) or model",
+             "a larger parallel.tp" + ("" if p.sequence_parallel else " with parallel.sequence_parallel=true")]
+    if p.recompute != "full":
+        fixes.append("parallel.activation_checkpointing=selective or full" if p.recompute == "none"
+                     else "parallel.activation_checkpointing=full")
+    if p.dp_strategy == "ddp" and (dp is None or dp > 1):
+        fixes.append("parallel.dp_strategy=zero1 or fsdp")
+    return fixes
+
+
+class OutOfMemory(Exception):
+    """The device ran out of memory during the run (the estimate let it start): exit code 6, one line."""
+
+
+def out_of_memory(error: BaseException, cfg, *, rank: int, dp: int, step: int, phase: str,
+                  device: torch.device) -> OutOfMemory:
+    """`error` (torch.OutOfMemoryError) as the one line a user acts on: where, how much, and what to change."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0][:240].rstrip(".")
+    peak = f"; tpframe's peak so far {gib(torch.cuda.max_memory_allocated(device))}" if device.type == "cuda" else ""
+    return OutOfMemory(f"rank {rank} ran out of {device.type} memory in step {step} ({phase}): {first}{peak}; "
+                       f"to fit, try {', '.join(_fixes(cfg, dp))}")
 
 
 def local_world_size(world_size: int) -> int:
