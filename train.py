@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpframe.parallel.heartbeat import CommFailure
     from tpframe.training.health import TrainingAborted
     from tpframe.training.memory import OutOfMemory
-    from tpframe.training.run_lock import RunDirLock
+    from tpframe.training.run_lock import locks_of
 
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
     try:
@@ -323,12 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return exits.config_error(str(e), rank)
     single_process_env()
-    lock = RunDirLock(prepared[0].train.run_dir)  # one training per run directory, held by rank 0
-    if rank == 0:
-        try:
+    locks = locks_of(prepared[0]) if rank == 0 else []  # one training per run (and checkpoint) directory
+    try:
+        for lock in locks:
             lock.acquire()
-        except ConfigError as e:
-            return exits.config_error(str(e), rank)
+    except ConfigError as e:
+        for lock in locks:
+            lock.release()
+        return exits.config_error(str(e), rank)
     try:
         run(*prepared)
     except ConfigError as e:  # found once the process groups exist (e.g. a model that builds only for real)
@@ -354,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return exits.EXIT_INTERRUPTED
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
     return 0
 
 

@@ -26,3 +26,25 @@ def test_a_held_run_dir_refuses_a_second_holder_and_the_probe_until_released(tmp
     second = RunDirLock(run_dir)
     second.acquire()  # the file stays between runs; a free lock is taken again
     second.release()
+
+
+def test_a_checkpoint_dir_shared_by_two_run_dirs_is_locked_too(tmp_path):
+    from types import SimpleNamespace
+
+    from tpframe.training.run_lock import locks_of
+
+    def cfg(run_dir, ckpt=None):
+        return SimpleNamespace(train=SimpleNamespace(run_dir=str(run_dir)), checkpoint=SimpleNamespace(dir=ckpt))
+
+    assert [lock.key for lock in locks_of(cfg(tmp_path / "a"))] == ["train.run_dir"]
+    assert [lock.key for lock in locks_of(cfg(tmp_path / "a", str(tmp_path / "a")))] == ["train.run_dir"]
+    first = locks_of(cfg(tmp_path / "a", str(tmp_path / "ckpt")))
+    for lock in first:
+        lock.acquire()
+    second = locks_of(cfg(tmp_path / "b", str(tmp_path / "ckpt")))
+    second[0].acquire()  # its own run dir is free
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir='.*ckpt' is in use by another training .* pick another "
+                                          r"checkpoint.dir$"):
+        second[1].acquire()
+    for lock in first + second:
+        lock.release()

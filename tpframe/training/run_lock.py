@@ -1,4 +1,5 @@
-"""One training per run directory: global rank 0 holds an exclusive lock on `RUN_DIR/.lock` while it trains.
+"""One training per run directory: global rank 0 holds an exclusive lock on `RUN_DIR/.lock` while it trains
+(and on `checkpoint.dir/.lock` when the checkpoints live elsewhere: `locks_of`).
 
 Two launches on one `train.run_dir` (a job submitted twice, a scheduler's retry while the first still runs)
 would both append metrics, save checkpoints into one folder and prune each other's. The second is refused
@@ -27,9 +28,9 @@ from tpframe.errors import ConfigError
 LOCK_NAME = ".lock"
 
 
-def _refusal(run_dir: Path, holder: str) -> ConfigError:
-    return ConfigError(f"train.run_dir={str(run_dir)!r} is in use by another training ({holder or 'holder unknown'}); "
-                       "wait for it to end, stop it, or pick another train.run_dir")
+def _refusal(key: str, run_dir: Path, holder: str) -> ConfigError:
+    return ConfigError(f"{key}={str(run_dir)!r} is in use by another training ({holder or 'holder unknown'}); "
+                       f"wait for it to end, stop it, or pick another {key}")
 
 
 def _try_lock(fd: int) -> bool:
@@ -47,8 +48,8 @@ def _holder(fd: int) -> str:
         return ""
 
 
-def check_free(run_dir: str | Path) -> None:
-    """Raise the refusal when another process holds `run_dir`'s lock; write nothing."""
+def check_free(run_dir: str | Path, key: str = "train.run_dir") -> None:
+    """Raise the refusal when another process holds `run_dir`'s lock (`key` names it); write nothing."""
     path = Path(run_dir) / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -56,15 +57,15 @@ def check_free(run_dir: str | Path) -> None:
         return
     try:
         if not _try_lock(fd):
-            raise _refusal(Path(run_dir), _holder(fd))
+            raise _refusal(key, Path(run_dir), _holder(fd))
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 
 
 class RunDirLock:
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | Path, key: str = "train.run_dir"):
+        self.run_dir, self.key = Path(run_dir), key
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -73,7 +74,7 @@ class RunDirLock:
         if not _try_lock(fd):
             holder = _holder(fd)
             os.close(fd)
-            raise _refusal(self.run_dir, holder)
+            raise _refusal(self.key, self.run_dir, holder)
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
@@ -84,3 +85,12 @@ class RunDirLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def locks_of(cfg) -> list[RunDirLock]:
+    """The folders a run writes into and must not share with a running one: its run dir, and its checkpoint dir
+    when that is set elsewhere."""
+    locks = [RunDirLock(cfg.train.run_dir)]
+    if cfg.checkpoint.dir and Path(cfg.checkpoint.dir).resolve() != Path(cfg.train.run_dir).resolve():
+        locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir"))
+    return locks
