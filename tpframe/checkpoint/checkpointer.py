@@ -45,6 +45,7 @@ from tpframe.checkpoint.files import (
     write_atomic,
 )
 from tpframe.models.config import architecture, padded_vocab
+from tpframe.parallel.heartbeat import is_comm_failure
 from tpframe.version import __version__
 
 FAULT_ENV = "TPFRAME_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL this rank mid-save at the given step
@@ -157,6 +158,8 @@ class Checkpointer:
         except CheckpointException as e:  # DCP's own collective failure: every rank holds every failing rank's cause
             error = "; ".join(f"rank {r}: {_cause(exc)}" for r, (exc, _) in sorted(e.failures.items()))
         except (OSError, RuntimeError) as e:  # torch.save's write failures are RuntimeErrors
+            if is_comm_failure(e):  # a peer gone: the heartbeat's line (exit 4), not a disk's
+                raise
             error = f"rank {self.parallel.rank}: {_cause(e)}"
         errors: list = [None] * self.parallel.world_size
         dist.all_gather_object(errors, error, group=self.group)
