@@ -176,6 +176,15 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_
     assert (root / "latest").read_text() == "step_00000002"
 
 
+def _one_process_world(monkeypatch) -> None:
+    """train.main in this process as `python train.py` runs: no launcher env. What its single_process_env sets
+    (RANK, MASTER_PORT, ...) is undone after the test: setenv records each key, so the later tests' children do
+    not inherit this run's rendezvous port (delenv alone records nothing for an absent key)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
 def test_a_full_disk_at_the_runs_config_is_one_line_and_exit_5(tmp_path, monkeypatch):
     """The run's first write after the pre-flight (config.yaml) on a full disk: one line naming the file, exit 5."""
     import errno
@@ -189,8 +198,7 @@ def test_a_full_disk_at_the_runs_config_is_one_line_and_exit_5(tmp_path, monkeyp
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "write_text", write_text)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # restored after the one-process run
-        monkeypatch.delenv(key, raising=False)
+    _one_process_world(monkeypatch)
     code, err, _ = _main(merge_overrides(ARGS, [f"train.run_dir={tmp_path}/run"]))
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 5 and len(lines) == 1, err
@@ -217,8 +225,7 @@ def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_pa
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", forward)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+    _one_process_world(monkeypatch)
     code, err, _ = _main(merge_overrides(ARGS, [f"train.run_dir={tmp_path}/run", "checkpoint.interval=1"]))
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 6 and len(lines) == 1, err
