@@ -7,14 +7,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tpframe.errors import ArgumentParser  # noqa: E402
-from tpframe.paths import check_creatable, link_target, refuse_existing, temporary_name  # noqa: E402
+from tpframe.paths import check_creatable, refuse_existing, replacing  # noqa: E402
 from tpframe.training.logger import read_metrics  # noqa: E402
 
 
@@ -41,7 +40,6 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None, force: bool = 
         raise ValueError(f"--out {str(out)!r} is a directory; name the image, e.g. --out {out / 'loss.png'}")
     if not out.suffix:  # matplotlib would add .png itself, and the path printed would not be the file written
         out = out.with_name(out.name + ".png")
-    target = link_target(out)  # the file written: where a symbolic link --out points
     if out.exists() and not force and not is_plot(out):
         refuse_existing(f"--out {str(out)!r}", "exists and is not a PNG plot_loss.py drew")
     check_creatable(f"--out {str(out)!r}", out)
@@ -68,13 +66,11 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None, force: bool = 
     ax.grid(alpha=0.3)
     ax.legend()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(target)  # renamed over it once complete: never a half-written image in its place
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight", format=out.suffix[1:].lower())
-        os.replace(tmp, target)
+        with replacing(out) as tmp:  # through a symbolic --out, to what it points at
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format=out.suffix[1:].lower())
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return out
 
 

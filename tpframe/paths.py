@@ -4,13 +4,16 @@ pre-flight, the token-file writer and the tools share it.
     check_creatable("--out 'm.safetensors'", Path("m.safetensors"))   # ConfigError unless a file can be made there
     refuse_existing("--out 'notes.txt'", "is not a token file made by prepare_data.py")   # the --force line
     tmp = temporary_name(Path("m.safetensors"))   # a new name beside it: write there, then os.replace(tmp, path)
+    with replacing(Path("m.safetensors")) as tmp:  # the same, renamed over the file (or a link's target) on success
     path = link_target(path)                        # through a symbolic link: the rename replaces what it points to
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 from tpframe.errors import ConfigError
@@ -69,3 +72,16 @@ def link_target(path: Path) -> Path:
     """Where a symbolic link `path` points (else `path`): a new file renamed over the link itself would replace the
     link and leave the old content where it points, which writing through the link never did."""
     return path.resolve() if path.is_symlink() else path
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary name beside `path` for the block to write; renamed over `path` (over what a symbolic link points
+    to) when the block ends without error, removed otherwise: never a half-written file in `path`'s place."""
+    target = link_target(path)
+    tmp = temporary_name(target)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

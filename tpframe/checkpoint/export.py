@@ -9,7 +9,6 @@ Exporting needs no process group: DCP reads the global tensors in one process.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import nn
 
 from tpframe.checkpoint.dcp_io import read_full_tensors
 from tpframe.parallel.sharding import param_shards
-from tpframe.paths import link_target, refuse_existing, temporary_name
+from tpframe.paths import link_target, refuse_existing, replacing
 
 
 def safetensors_module():
@@ -79,12 +78,8 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: boo
     header = {"format": "tpframe", "tpframe_version": meta["tpframe_version"], "step": str(meta["step"]),
               "model_config": json.dumps(meta["config"]["model"])}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(out)
-    try:
+    with replacing(out) as tmp:
         safetensors_module().save_file(tensors, str(tmp), metadata=header)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return tensors
 
 
