@@ -79,8 +79,8 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     (tpframe.launch's parent process, which must not touch the GPUs)."""
     from tpframe.checkpoint import preflight
     from tpframe.data import build_data
-    from tpframe.models import (check_context_parallel_support, check_pipeline_support, check_recompute_support,
-                                resolve_builder)
+    from tpframe.models import (check_context_parallel_support, check_document_mask_support, check_pipeline_support,
+                                check_recompute_support, resolve_builder)
     from tpframe.parallel.state import coords_of, cp_of
     from tpframe.training import preflight as checks
     from tpframe.training.memory import local_world_size
@@ -93,6 +93,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     builder = resolve_builder(cfg.model.name)
     check_pipeline_support(cfg.model.name, builder, cfg.parallel.pp)
     check_context_parallel_support(cfg.model.name, builder, cfg.parallel.cp)
+    check_document_mask_support(cfg.model.name, builder, cfg.model.attention_mask)
     check_recompute_support(cfg.model.name, builder, selective=cfg.parallel.recompute == "selective",
                             layers=cfg.parallel.recompute_layers)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
@@ -116,6 +117,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
             f"set model.vocab_size={data_vocab} or more"
         )
     checks.check_token_ids(cfg, train_data, valid_data)
+    checks.resolve_end_of_document(cfg, train_data)
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None)

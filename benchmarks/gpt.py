@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP SM_MARGIN
-                                                      #   EMULATE_TP
+                                                      #   EMULATE_TP DOC_LEN
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
@@ -25,6 +25,8 @@ only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (tra
 model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
 with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's own work.
+DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
+(model.attention_mask=document; TFLOP/s still counts whole-row causal attention).
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
 
@@ -132,7 +134,8 @@ def run_one() -> None:
     sp = flag("SP") and tp > 1
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
-                      activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"))
+                      activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"),
+                      attention_mask="document" if env("DOC_LEN", 0) else "causal", eod_id=0)
     tracker = seed_parallel_rng(1234)
     ckpt = {"0": "none", "1": "full"}.get(os.environ.get("CKPT", "0"), os.environ.get("CKPT", "0"))
     if ckpt not in ("none", "full", "selective"):
@@ -164,7 +167,9 @@ def run_one() -> None:
     if flag("COMPILE"):
         compile_model(model)
     g = torch.Generator(device=state.device).manual_seed(state.dp_rank)  # TP ranks share the batch
-    tokens = torch.randint(0, V, (MB, S + 1), device=state.device, generator=g)
+    tokens = torch.randint(1 if env("DOC_LEN", 0) else 0, V, (MB, S + 1), device=state.device, generator=g)
+    if env("DOC_LEN", 0):  # packed documents of 1..2*DOC_LEN-1 tokens (mean DOC_LEN), each ended by token 0
+        tokens.view(-1)[document_ends(tokens.numel(), env("DOC_LEN", 0)).to(state.device)] = 0
     inp, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step():
@@ -204,7 +209,8 @@ def run_one() -> None:
                      and (ctx.async_tp in ("ring", "copy_engine") or not flag("COMPILE")))
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
-                f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}")
+                f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}"
+                + (f" doc_len={env('DOC_LEN', 0)}" if env("DOC_LEN", 0) else ""))
         line = (
             f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "
             f"comm={state.tp_comm.requested} {tags} world={state.world_size} "
@@ -219,6 +225,14 @@ def run_one() -> None:
                         f"x{state.world_size}, "
                         f"torch {torch.__version__}:\n  {line}\n")
     destroy_parallel()
+
+
+def document_ends(n: int, mean: int, seed: int = 0) -> torch.Tensor:
+    """Positions of the end-of-document tokens in a stream of n tokens whose documents are 1..2*mean-1 long."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 2 * mean, (n // mean + 2,), generator=g)
+    ends = torch.cumsum(lengths, 0) - 1
+    return ends[ends < n]
 
 
 def graphed_step(model, inp, labels):

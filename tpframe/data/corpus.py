@@ -29,11 +29,13 @@ class TokenStream:
     """A 1-D token stream `tokens [n]` (ids < vocab_size; an ndarray or a read-only memmap).
 
     `fingerprint` names the content, so a checkpoint's data position is never applied to other data.
+    `eot_id` is the token that ends each document (None: the stream has no document ends).
     """
 
     tokens: np.ndarray
     vocab_size: int
     fingerprint: str
+    eot_id: int | None = None
 
 
 def content_fingerprint(kind: str, tokens: np.ndarray) -> str:
@@ -199,4 +201,4 @@ def _stdlib_corpus(max_bytes: int, root: str) -> TokenStream:
         raise ValueError(f"data.source=stdlib found no .py files under {root!r}; use data.source=synthetic")
     tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
     tokens.flags.writeable = False
-    return TokenStream(tokens, BYTE_VOCAB, content_fingerprint("stdlib", tokens))
+    return TokenStream(tokens, BYTE_VOCAB, content_fingerprint("stdlib", tokens), EOD_BYTE)

@@ -283,8 +283,8 @@ def split_stream(stream: TokenStream, valid_fraction: float, seq_len: int, fix: 
             f"the corpus has {n:,} tokens: too few for a training and a held-out part of at least "
             f"train.seq_len+1={seq_len + 1} tokens each at data.valid_fraction={valid_fraction}; {fix}"
         )
-    head = TokenStream(stream.tokens[:cut], stream.vocab_size, f"{stream.fingerprint}[:{cut}]")
-    tail = TokenStream(stream.tokens[cut:], stream.vocab_size, f"{stream.fingerprint}[{cut}:]")
+    head = TokenStream(stream.tokens[:cut], stream.vocab_size, f"{stream.fingerprint}[:{cut}]", stream.eot_id)
+    tail = TokenStream(stream.tokens[cut:], stream.vocab_size, f"{stream.fingerprint}[{cut}:]", stream.eot_id)
     return head, tail
 
 

@@ -267,4 +267,4 @@ def open_token_file(path: str | Path, key: str = "data.path") -> tuple[TokenStre
         raise ValueError(f"{key}={str(path)!r} holds no tokens; re-run tools/prepare_data.py with non-empty inputs")
     tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r", shape=(meta["num_tokens"],))
     fingerprint = f"tokens-{str(meta.get('sha256', ''))[:16] or meta['num_tokens']}"
-    return TokenStream(tokens, meta["vocab_size"], fingerprint), meta
+    return TokenStream(tokens, meta["vocab_size"], fingerprint, meta.get("eot_id")), meta

@@ -22,6 +22,7 @@ from tpframe.comm import Communicator
 from tpframe.kernels import HAVE_TRITON
 from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
+from tpframe.layers.documents import Documents, document_attention
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
@@ -124,10 +125,11 @@ class ParallelAttention(nn.Module):
         self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, *,
-                entered: bool = False) -> torch.Tensor:
+                entered: bool = False, documents: Documents | None = None) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. `cache`: one layer's view of a KV cache (`append(k, v)` -> every
         slot's keys and values [b, nkv/tp, L, d]; `mask` [b, 1, s, L], True where a query may look).
-        `entered=True`: x is already `self.qkv.enter(x)` (selective recompute)."""
+        `entered=True`: x is already `self.qkv.enter(x)` (selective recompute). `documents`: packed
+        documents (tpframe/layers/documents.py), each attending only to itself."""
         qkv = self.qkv(x, entered=entered)  # [s, b, (nq + 2 nkv)/tp * d]
         s, b = qkv.shape[:2]
         d = self.head_dim
@@ -143,13 +145,15 @@ class ParallelAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
         elif dropout > 0 and self.rng_tracker is not None:
             with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
-                out = self._causal(q, k, v, dropout, gqa)
+                out = self._causal(q, k, v, dropout, gqa, documents)
         else:
-            out = self._causal(q, k, v, dropout, gqa)
+            out = self._causal(q, k, v, dropout, gqa, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.proj(out)
 
-    def _causal(self, q, k, v, dropout: float, gqa: bool) -> torch.Tensor:
+    def _causal(self, q, k, v, dropout: float, gqa: bool, documents: Documents | None = None) -> torch.Tensor:
+        if documents is not None:  # the pre-flight refuses documents with CP
+            return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
             return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -91,6 +91,7 @@ build_gpt.supports_pipeline = True  # builds only ctx.stage (see the module docs
 build_gpt.supports_selective_recompute = True  # honours ctx.selective_recompute
 build_gpt.supports_recompute_layers = True  # honours ctx.recompute_layers
 build_gpt.supports_context_parallel = True  # honours ctx.cp_comm
+build_gpt.supports_document_mask = True  # honours model.attention_mask=document (tpframe/layers/documents.py)
 
 BUILTIN = {"gpt": build_gpt}
 REQUIRED_METHODS = ("forward", "flops_per_token")
@@ -113,6 +114,15 @@ def check_context_parallel_support(name: str, builder: Callable, cp: int) -> Non
             "sequences; use parallel.cp=1, or place tokens at their global positions and attend with "
             "tpframe.parallel.context (or pass ctx.cp_comm to ParallelAttention), then set "
             "supports_context_parallel = True on its builder (README)")
+
+
+def check_document_mask_support(name: str, builder: Callable, attention_mask: str) -> None:
+    """A ConfigError when model.attention_mask=document asks a model that would silently attend across documents."""
+    if attention_mask == "document" and not getattr(builder, "supports_document_mask", False):
+        raise ConfigError(
+            f"model.name={name!r} does not implement model.attention_mask=document, so its attention would cross "
+            "document ends; use model.attention_mask=causal, or attend with tpframe.layers.documents (pass "
+            "documents= to ParallelAttention) and set supports_document_mask = True on its builder (README)")
 
 
 def check_recompute_support(name: str, builder: Callable, *, selective: bool, layers: int | None) -> None:

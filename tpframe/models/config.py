@@ -22,6 +22,10 @@ class ModelConfig:
     norm_eps: float = 1e-5  # epsilon of every norm
     position: Literal["learned", "rotary"] = "learned"  # learned table (GPT-2) or rotary, rotate-half (Llama)
     rope_theta: float = 10000.0  # rotary base wavelength
+    # causal: every token sees all earlier tokens of its row; document: only those of its own document, and
+    # positions restart at each document (README: Data, packed documents)
+    attention_mask: Literal["causal", "document"] = "causal"
+    eod_id: int | None = None  # the token that ends a document (attention_mask=document); None: the data's
     activation: Literal["gelu", "swiglu", "relu"] = "gelu"  # MLP: gelu (tanh approximation), swiglu (gated), relu
     bias: bool = True  # biases in the linear layers and LayerNorm
     dropout: float = 0.0  # on the residual branches and embeddings

@@ -27,6 +27,7 @@ from tpframe.layers import vocab_parallel_cross_entropy
 from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
 from tpframe.layers.linear import enable_async_tp
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
+from tpframe.layers.documents import Documents
 from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
@@ -83,22 +84,23 @@ class TransformerBlock(nn.Module):
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         self.selective_recompute = ctx.selective_recompute
 
-    def forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, cache=None, documents: Documents | None = None) -> torch.Tensor:
+        """`documents`: the micro-batch's packed documents (model.attention_mask=document), else None."""
         if self.selective_recompute and cache is None and self.training and torch.is_grad_enabled():
             if torch.compiler.is_compiling():  # Inductor recomputes what torch's selective checkpointing marks
-                return selective_checkpoint(self._forward, x, rotary)
-            return self._forward_selective(x, rotary)
-        return self._forward(x, rotary, cache)
+                return selective_checkpoint(self._forward, x, rotary, None, documents)
+            return self._forward_selective(x, rotary, documents)
+        return self._forward(x, rotary, cache, documents)
 
-    def _forward(self, x: torch.Tensor, rotary=None, cache=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x), rotary, cache))
+    def _forward(self, x: torch.Tensor, rotary=None, cache=None, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), rotary, cache, documents=documents))
         return x + self.dropout(self.mlp(self.norm2(x)))
 
-    def _forward_selective(self, x: torch.Tensor, rotary) -> torch.Tensor:
+    def _forward_selective(self, x: torch.Tensor, rotary, documents: Documents | None = None) -> torch.Tensor:
         """`_forward` keeping neither the norm outputs (all-gathered under SP) nor the MLP activation for
         backward: each is freed once its GEMM has run and recomputed when backward reaches that GEMM."""
         normed = RecomputedOutput(lambda t: self.attn.qkv.enter(self.norm1(t)), x)
-        a = self.attn(normed.output, rotary, entered=True)
+        a = self.attn(normed.output, rotary, entered=True, documents=documents)
         normed.discard(after=a)
         x = x + self.dropout(a)
         normed = RecomputedOutput(lambda t: self.mlp.enter(self.norm2(t)), x)
@@ -177,7 +179,11 @@ class GPT(nn.Module):
         ids = input_ids.t()
         x = self.embedding(ids)
         if self.position is not None and positions is not None:
-            x = x + self.position[positions.t()]  # [s, b, h]
+            positions = positions.t()  # [s, b]
+            if self.sequence_parallel:  # this rank's tokens
+                s = positions.shape[0] // self.comm.size
+                positions = positions[self.comm.rank * s : (self.comm.rank + 1) * s]
+            x = x + self.position[positions]  # [s(/tp), b, h]
         elif self.position is not None:
             s, tp = ids.shape[0], self.comm.size
             table = self.position[self._local_positions(s)] if self.cp > 1 else self.position[:s]
@@ -200,8 +206,24 @@ class GPT(nn.Module):
         return column_parallel_linear(x, self.embedding.weight, None, self.comm, self.sequence_parallel,
                                       decode_kernel=self.fused_head_loss)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None) -> torch.Tensor:
-        """First stage: `x` is input_ids [b, s]; later stages: hidden states [s(/tp), b, h].
+    @property
+    def needs_input_ids(self) -> bool:
+        """Whether a later pipeline stage needs the micro-batch's input ids too (`input_ids=`): it finds the
+        documents in them (model.attention_mask=document)."""
+        return self.cfg.attention_mask == "document"
+
+    def documents(self, input_ids: torch.Tensor) -> Documents | None:
+        """The packed documents of input ids [b, s] (model.attention_mask=document), else None."""
+        if self.cfg.attention_mask != "document":
+            return None
+        if self.cfg.eod_id is None:
+            raise ValueError("model.attention_mask=document needs model.eod_id (train.py sets it from the data)")
+        return Documents.from_tokens(input_ids, self.cfg.eod_id)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: `x` is input_ids [b, s]; later stages: hidden states [s(/tp), b, h] (and, with
+        model.attention_mask=document, `input_ids` [b, s], where the documents are found).
 
         Returns hidden states [s(/tp), b, h] on a stage that is not the last; on the last, the
         per-token loss [b, s] in fp32 when `labels` is given, else local logits [b, s, V/tp].
@@ -210,6 +232,12 @@ class GPT(nn.Module):
         cache, and the result is the local logits of the last position only, [b, V/tp].
         """
         positions = cache.positions if cache is not None else None
+        documents = None
+        if cache is None and self.cfg.attention_mask == "document":
+            if input_ids is None and not self.stage.first:
+                raise ValueError("model.attention_mask=document: a later pipeline stage needs input_ids= as well")
+            documents = self.documents(x if self.stage.first else input_ids)
+            positions = documents.positions
         if self.stage.first:
             if x.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
@@ -227,9 +255,9 @@ class GPT(nn.Module):
             if cache is not None:
                 x = block(x, rotary, cache.layer(i))
             elif self.training and self.ctx.recomputes_block(n):
-                x = recompute(block, x, rotary, preserve_rng=self.uses_dropout)
+                x = recompute(block, x, rotary, None, documents, preserve_rng=self.uses_dropout)
             else:
-                x = block(x, rotary)
+                x = block(x, rotary, documents=documents)
         if not self.stage.last:
             return x
         if cache is not None:

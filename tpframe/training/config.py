@@ -316,6 +316,9 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be at least 1 (null: sized from model.hidden)")
     if p.cp < 1:
         raise ConfigError(f"parallel.cp={p.cp} must be at least 1 (1: no context parallelism)")
+    if m.attention_mask == "document" and p.cp > 1:
+        raise ConfigError("model.attention_mask=document does not run with parallel.cp > 1 yet (context-parallel "
+                          "attention is causal over the whole row); set parallel.cp=1 or model.attention_mask=causal")
     if world_size % (p.tp * p.cp * p.pp):
         what, names = (f"{p.tp}*{p.cp}*{p.pp}", "tp/cp/pp") if p.cp > 1 else (f"{p.tp}*{p.pp}", "tp/pp")
         raise ConfigError(
@@ -337,6 +340,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rotary positions need an even head dim; model.hidden/model.heads = {m.hidden // m.heads}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if m.eod_id is not None and not 0 <= m.eod_id < m.vocab_size:
+        raise ConfigError(f"model.eod_id={m.eod_id} is not a token id of model.vocab_size={m.vocab_size}; give the "
+                          "token that ends a document, or null for the data's own")
     if p.async_tp and not p.sequence_parallel:
         raise ConfigError("parallel.async_tp overlaps the sequence-parallel collectives; "
                           "set parallel.sequence_parallel=true")
@@ -513,6 +519,9 @@ def cuda_graph_obstacle(cfg: Config) -> str | None:
     if m.dropout > 0 or m.attention_dropout > 0:
         return (f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
                 f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
+    if m.attention_mask == "document":
+        return ("train.cuda_graph cannot replay model.attention_mask=document: the documents' boundaries, read on the "
+                "host, change every batch; set train.cuda_graph=false or model.attention_mask=causal")
     if p.cp > 1:  # train.compile works: CP attention runs eager between the compiled parts of a block
         return ("train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention's all-gather "
                 "and chunk kernels are not verified under capture); set train.cuda_graph=false or parallel.cp=1")

@@ -102,14 +102,17 @@ class PipelineSchedule:
         """F: receive (or embed) the input, run the chunk, send its output on. Returns (input, output)."""
         stage = self._stage(a)
         input_ids, labels = batch
+        extra = {}
         if stage == 0:
             x = input_ids.to(device, non_blocking=True)
         else:
             x = self.links.recv("act", self.shape, self.dtype, stage=stage, mb=a.mb)
             x.requires_grad_(torch.is_grad_enabled())
+            if getattr(chunk, "needs_input_ids", False):  # packed documents: every stage's attention needs them
+                extra["input_ids"] = input_ids.to(device, non_blocking=True)
         if stage == self.stages - 1:
-            return x, chunk(x, labels.to(device, non_blocking=True))  # per-token loss [b, s]
-        y = chunk(x)
+            return x, chunk(x, labels.to(device, non_blocking=True), **extra)  # per-token loss [b, s]
+        y = chunk(x, **extra)
         if tuple(y.shape) != self.shape or y.dtype != self.dtype:
             raise RuntimeError(f"pipeline stage {stage} produced activations {tuple(y.shape)} {y.dtype}; the pipeline "
                                f"sends {self.shape} {self.dtype} ([s(/tp), b, h] in the compute dtype)")

@@ -1,0 +1,102 @@
+"""Packed documents: attention that stays inside each document, positions that restart at each.
+
+A training row of `s` tokens is cut from a stream of documents, each ended by an end-of-document token
+(EOD), so one row holds the tail of one document, several whole ones and the head of another. With
+`model.attention_mask=document` each token attends only to the earlier tokens of its own document and sits
+at its position within it, so a packed row computes exactly what each document would alone (Megatron's
+`--reset-attention-mask --reset-position-ids`; torchtitan's block-causal mask). An EOD belongs to the
+document it ends; the token after it starts the next.
+
+    input ids   a b c EOD d e EOD f
+    documents   0 0 0  0  1 1  1  2
+    positions   0 1 2  3  0 1  2  0
+
+`Documents.from_tokens` computes this once per micro-batch; attention then runs one of two ways:
+- on CUDA in bf16/fp16, Flash attention over variable-length sequences (`torch.nn.attention.varlen`):
+  every document of every row is one sequence of the flattened batch, and no mask is materialized;
+- elsewhere (the CPU, fp32, attention dropout), SDPA with the dense mask [b, 1, s, s].
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+_VARLEN_ARGS = set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """Where the documents of a micro-batch [b, s] begin (module docstring).
+
+    ids [b, s]: each token's document within its row; positions [b, s]: its position within its document;
+    cu_seqlens [n+1] int32 and max_len: the n documents of the flattened b*s tokens (CUDA only, else None)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_len: int = 0
+
+    @classmethod
+    def from_tokens(cls, input_ids: torch.Tensor, eod_id: int, *, varlen: bool | None = None) -> Documents:
+        """From input ids [b, s]. `varlen` (default: on CUDA) also finds cu_seqlens and max_len; their
+        boundaries are read back to the host (the varlen kernel sizes its grid by them): one device-to-host
+        copy of b*s booleans per micro-batch."""
+        b, s = input_ids.shape
+        eod = input_ids == eod_id
+        ids = torch.cumsum(eod, dim=1) - eod.long()  # EODs strictly before each token
+        starts = torch.ones_like(eod)
+        starts[:, 1:] = eod[:, :-1]  # a row's first token, and every token after an EOD
+        index = torch.arange(s, device=input_ids.device).expand(b, s)
+        first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document began
+        positions = index - first
+        if not (input_ids.is_cuda if varlen is None else varlen):
+            return cls(ids, positions)
+        bounds = torch.cat([starts.flatten().cpu().nonzero().flatten(), torch.tensor([b * s])])
+        cu = bounds.to(torch.int32).to(input_ids.device, non_blocking=True)
+        return cls(ids, positions, cu, int((bounds[1:] - bounds[:-1]).max()))
+
+    def mask(self) -> torch.Tensor:
+        """[b, 1, s, s] bool, True where a query may attend a key: an earlier (or the same) token of its document."""
+        s = self.ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=self.ids.device).tril()
+        return ((self.ids[:, :, None] == self.ids[:, None, :]) & causal)[:, None]
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, *,
+                       dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention inside each document: q [b, nq, s, d], k and v [b, nkv, s, d] -> [b, nq, s, d]."""
+    if uses_varlen(q, docs, dropout_p):
+        return _varlen(q, k, v, docs, enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
+def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0) -> bool:
+    """Whether `document_attention` runs the variable-length Flash kernel for these inputs."""
+    return (_varlen_attn is not None and docs.cu_seqlens is not None and dropout_p == 0 and q.is_cuda
+            and q.dtype in VARLEN_DTYPES and q.shape[-1] <= 256)
+
+
+@torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
+def _varlen(q, k, v, docs: Documents, enable_gqa: bool) -> torch.Tensor:
+    b, nq, s, d = q.shape
+    if enable_gqa and "enable_gqa" not in _VARLEN_ARGS:  # torch versions without GQA in varlen_attn
+        k, v = (t.repeat_interleave(nq // t.shape[1], dim=1) for t in (k, v))
+        enable_gqa = False
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [b*s, n, d]
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    if "is_causal" in _VARLEN_ARGS:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)  # causal
+    out = _varlen_attn(*flat, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, **extra)
+    return out.view(b, s, nq, d).transpose(1, 2)
