@@ -24,3 +24,5 @@ def pytest_collection_modifyitems(config, items):
         need = marker.kwargs.get("count", 1)
         if n_gpus < need:
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {n_gpus}: run on the GPU device"))
+        elif need < int(os.environ.get("TPFRAME_GPU_TESTS_FROM", "1")):  # a multi-GPU call runs only what needs it
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s); TPFRAME_GPU_TESTS_FROM asks for more"))
