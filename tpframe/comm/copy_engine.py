@@ -42,7 +42,7 @@ import torch.distributed as dist
 from tpframe.kernels.scaled_sum import scaled_sum_
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
-_STREAM_MEM_OPS_ATTR = 92  # CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
+_V2_MEMOPS_DRIVER = 11070  # the driver API version from which the V2 stream memory operations exist (CUDA 11.7)
 TIMEOUT_S = 600.0  # how long `CopyEngineSync.finish` waits for its peers when no comm.timeout_s is given
 
 
@@ -65,10 +65,9 @@ def _driver():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
         fns[name] = fn
-    attr = lib.cuDeviceGetAttribute
-    attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
-    attr.restype = ctypes.c_int
-    fns["attr"] = attr
+    version = lib.cuDriverGetVersion
+    version.argtypes, version.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+    fns["version"] = version
     return fns
 
 
@@ -131,12 +130,14 @@ class RawEvent:
 
 
 def stream_memops_supported(device: torch.device) -> bool:
-    """Whether this GPU and driver run stream memory operations (on by default since CUDA 12)."""
+    """Whether this driver runs the V2 stream memory operations: "available by default on all platforms" from
+    CUDA 11.7 on (the driver API's docs). The V1 attribute, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, says
+    nothing about them: CUDA 12 deprecated it, and newer drivers answer 0 while the V2 operations work."""
+    del device  # a property of the driver, the same for every GPU it runs
     try:
         value = ctypes.c_int(0)
-        rc = _driver()["attr"](ctypes.byref(value), _STREAM_MEM_OPS_ATTR, device.index)
-        return rc == 0 and value.value == 1
-    except (OSError, AttributeError):
+        return _driver()["version"](ctypes.byref(value)) == 0 and value.value >= _V2_MEMOPS_DRIVER
+    except (OSError, AttributeError):  # no libcuda, or one without the V2 symbols
         return False
 
 
