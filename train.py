@@ -201,6 +201,8 @@ def _describe(cfg, state, *, num_params: int, strategy, trainer) -> list[str]:
                 "full": "full (whole blocks from their input" + (
                     f"; the first {p.recompute_layers} of each chunk)" if p.recompute_layers else ")")}
         lines.append(f"activation recompute: {what[p.recompute]}")
+    if cfg.model.attention_mask == "document":
+        lines.append(f"attention within each document (token {cfg.model.eod_id} ends one; positions restart)")
     return lines
 
 
