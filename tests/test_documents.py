@@ -103,16 +103,18 @@ def _same(a, b, what, rel=1e-5):
 
 def test_document_masking_trains_the_same_at_every_layout(tmp_path):
     """train.py with each line of the synthetic corpus one document (eod_id=10, '\\n'), rotary positions: TP=2 + SP,
-    PP=2 and DP=2 follow one process, and causal attention does not (the option reaches the model)."""
+    PP=2, CP=2 (with TP=2 + SP too) and DP=2 follow one process, and causal attention does not (the option reaches the model)."""
     rotary = ["model.position=rotary", "optim.grad_clip=0.5"]
     ref, ref_norms = run_distributed(_layout_losses, 1, [*rotary, f"train.run_dir={tmp_path}/ref"])[0]
-    for name, nproc, extra in (
+    for i, (name, nproc, extra) in enumerate((
         ("TP=2+SP", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
         ("PP=2", 2, ["parallel.pp=2"]),
+        ("CP=2", 2, ["parallel.cp=2"]),
+        ("CP=2 x TP=2 + SP", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
         ("DP=2 zero1, selective recompute", 2, ["train.micro_batch_size=2", "parallel.dp_strategy=zero1",
                                                 "parallel.activation_checkpointing=selective"]),
-    ):
-        losses, norms = run_distributed(_layout_losses, nproc, [*rotary, *extra, f"train.run_dir={tmp_path}/{nproc}{len(extra)}"])[0]
+    )):
+        losses, norms = run_distributed(_layout_losses, nproc, [*rotary, *extra, f"train.run_dir={tmp_path}/{i}"])[0]
         _same(losses, ref, name)
         _same(norms, ref_norms, f"{name} grad norm", rel=1e-4)
     causal, _ = run_distributed(_layout_losses, 1, [*rotary, "model.attention_mask=causal", f"train.run_dir={tmp_path}/c"])[0]
@@ -124,6 +126,8 @@ def test_learned_positions_restart_at_each_document_under_pipeline_and_full_reco
     pp, _ = run_distributed(_layout_losses, 2, ["parallel.pp=2", "parallel.activation_checkpointing=full",
                                                 f"train.run_dir={tmp_path}/b"])[0]
     _same(pp, ref, "PP=2 + full recompute, learned positions")
+    cp, _ = run_distributed(_layout_losses, 4, ["parallel.cp=2", "parallel.pp=2", f"train.run_dir={tmp_path}/c"])[0]
+    _same(cp, ref, "CP=2 x PP=2, learned positions")
 
 
 def test_the_end_of_document_token_comes_from_the_data(tmp_path, monkeypatch):

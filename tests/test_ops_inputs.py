@@ -235,8 +235,6 @@ CASES = [
     ("document-user-model", lambda t, s: (["model.attention_mask=document", "data.source=stdlib",
                                            "model.name=examples.parallel_llama:build"], {}),
      "does not implement model.attention_mask=document, so its attention would cross document ends"),
-    ("document-cp", lambda t, s: (["model.attention_mask=document", "parallel.cp=2"], {"WORLD_SIZE": "2"}),
-     "model.attention_mask=document does not run with parallel.cp > 1 yet"),
     ("document-cuda-graph", lambda t, s: (["model.attention_mask=document", "train.cuda_graph=true"], {}),
      "train.cuda_graph cannot replay model.attention_mask=document"),
     ("document-no-ends", lambda t, s: (["model.attention_mask=document"], {}),

@@ -22,7 +22,7 @@ from tpframe.comm import Communicator
 from tpframe.kernels import HAVE_TRITON
 from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
-from tpframe.layers.documents import Documents, document_attention
+from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
@@ -152,7 +152,10 @@ class ParallelAttention(nn.Module):
         return self.proj(out)
 
     def _causal(self, q, k, v, dropout: float, gqa: bool, documents: Documents | None = None) -> torch.Tensor:
-        if documents is not None:  # the pre-flight refuses documents with CP
+        if documents is not None and self.cp_comm is not None:
+            return context_parallel_document_attention(q, k, v, self.cp_comm, documents, dropout_p=dropout,
+                                                       enable_gqa=gqa)
+        if documents is not None:
             return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
             return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa)

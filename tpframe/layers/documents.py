@@ -80,6 +80,25 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
+@torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/parallel/context.py)
+def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, docs: Documents, *,
+                                        dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
+    """This CP rank's queries q [b, nq, 2c, d] (its chunks r and 2cp-1-r) over the whole sequence's keys, inside
+    each document: k and v [b, nkv, 2c, d] are all-gathered over `comm` as for causal CP attention, and `docs`
+    describes the whole rows ([b, S]). SDPA with the [b, 1, 2c, S] mask of these queries' rows (no varlen kernel
+    here yet: the chunks' documents need their own sequence offsets)."""
+    from tpframe.parallel.context import gather_sequence, local_positions
+
+    kv = gather_sequence(torch.stack([k, v]), comm)  # [2, b, nkv, S, d]
+    s = kv.shape[-2]
+    rows = local_positions(q.shape[-2], rank=comm.rank, size=comm.size, device=q.device)  # global positions
+    keys = torch.arange(s, device=q.device)
+    ids = docs.ids
+    mask = (ids[:, rows, None] == ids[:, None, :]) & (rows[:, None] >= keys[None, :])
+    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None], dropout_p=dropout_p,
+                                          enable_gqa=enable_gqa)
+
+
 def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0) -> bool:
     """Whether `document_attention` runs the variable-length Flash kernel for these inputs."""
     return (_varlen_attn is not None and docs.cu_seqlens is not None and dropout_p == 0 and q.is_cuda

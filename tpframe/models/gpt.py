@@ -33,7 +33,7 @@ from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
-from tpframe.parallel.context import local_positions
+from tpframe.parallel.context import gather_token_ids, local_positions
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
 
@@ -218,6 +218,8 @@ class GPT(nn.Module):
             return None
         if self.cfg.eod_id is None:
             raise ValueError("model.attention_mask=document needs model.eod_id (train.py sets it from the data)")
+        if self.cp > 1:  # this rank's tokens [b, S/cp]: the documents are those of the whole rows
+            return Documents.from_tokens(gather_token_ids(input_ids, self.ctx.cp_comm), self.cfg.eod_id, varlen=False)
         return Documents.from_tokens(input_ids, self.cfg.eod_id)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
@@ -236,8 +238,10 @@ class GPT(nn.Module):
         if cache is None and self.cfg.attention_mask == "document":
             if input_ids is None and not self.stage.first:
                 raise ValueError("model.attention_mask=document: a later pipeline stage needs input_ids= as well")
-            documents = self.documents(x if self.stage.first else input_ids)
-            positions = documents.positions
+            ids = x if self.stage.first else input_ids
+            documents = self.documents(ids)
+            positions = documents.positions  # [b, S]; under CP this rank's tokens' of them
+            positions = positions if self.cp == 1 else positions[:, self._local_positions(ids.shape[1])]
         if self.stage.first:
             if x.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")

@@ -25,6 +25,7 @@ which with each rank's loss a mean over its own tokens gives the mean over the w
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
@@ -69,6 +70,14 @@ def gather_sequence(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
     sequence [..., S, d] in order. Backward: the gradient's slices reduce-scattered to their owners."""
     _check(t.shape[-2], comm.size)
     return order_chunks(gather_from_sp(t.unsqueeze(0).contiguous(), comm))
+
+
+def gather_token_ids(ids: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Every CP rank's token ids [b, S/cp] -> the whole sequences [b, S], in order (packed documents: where a
+    local token's document began may lie in another rank's chunk). No gradient: ids."""
+    parts = [torch.empty_like(ids) for _ in range(comm.size)]
+    dist.all_gather(parts, ids.contiguous(), group=comm.group)
+    return order_chunks(torch.stack(parts).unsqueeze(-1)).squeeze(-1)
 
 
 def order_chunks(g: torch.Tensor) -> torch.Tensor:

@@ -316,9 +316,6 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be at least 1 (null: sized from model.hidden)")
     if p.cp < 1:
         raise ConfigError(f"parallel.cp={p.cp} must be at least 1 (1: no context parallelism)")
-    if m.attention_mask == "document" and p.cp > 1:
-        raise ConfigError("model.attention_mask=document does not run with parallel.cp > 1 yet (context-parallel "
-                          "attention is causal over the whole row); set parallel.cp=1 or model.attention_mask=causal")
     if world_size % (p.tp * p.cp * p.pp):
         what, names = (f"{p.tp}*{p.cp}*{p.pp}", "tp/cp/pp") if p.cp > 1 else (f"{p.tp}*{p.pp}", "tp/pp")
         raise ConfigError(
