@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from comm import report  # noqa: E402
+from cp_attention import timed  # noqa: E402
 from gpt import document_ends  # noqa: E402
 from tpframe.layers.documents import Documents, document_attention, uses_varlen  # noqa: E402
 
@@ -42,21 +42,6 @@ SHAPES = {  # name: (batch, seq, query heads, kv heads, head dim)
     "GPT-1.3B (b=8 S=2048, 16 heads, d=128)": (8, 2048, 16, 16, 128),
     "Llama-8B-style (b=1 S=8192, 32 heads, GQA 8, d=128)": (1, 8192, 32, 8, 128),
 }
-
-
-def timed(fn, *, warmup: int = 3, iters: int = 10) -> float:
-    """Median ms of `fn()` over `iters` calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:

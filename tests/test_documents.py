@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.reference import assert_close
+from tests.reference import assert_close, loss_and_full_tensors
 from tests.reference_gpt import reference_loss
 from tests.training_utils import train_in_process
 from tpframe.layers.documents import Documents
@@ -53,17 +53,11 @@ def test_documents_of_a_row():
 def _packed_vs_alone(cfg: ModelConfig, sp: bool):
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
-    from tpframe.parallel.sharding import gather_full_tensors
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
     model = build_model(cfg, BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=seed_parallel_rng(0), seed=11))
     ids, labels = packed_rows()
-    loss = model(ids, labels)
-    loss.mean().backward()
-    allreduce_sequence_parallel_grads(sequence_parallel_grads(model.parameters()), state.tp_comm)
-    weights = gather_full_tensors(model, state.tp_comm)
-    grads = gather_full_tensors(model, state.tp_comm, source="grad")
+    loss, weights, grads = loss_and_full_tensors(model, ids, labels, state.tp_comm)
 
     P = {k: v.clone().requires_grad_() for k, v in weights.items()}
     causal = dataclasses.replace(cfg, attention_mask="causal")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.reference import assert_close
+from tests.reference import assert_close, loss_and_full_tensors
 from tests.reference_gpt import reference_loss
 from tpframe.models.config import ModelConfig
 
@@ -21,8 +21,7 @@ B, S = 2, 8
 def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
-    from tpframe.parallel.sharding import gather_full_tensors, logical_numel
+    from tpframe.parallel.sharding import logical_numel
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
     tracker = seed_parallel_rng(0)
@@ -30,11 +29,7 @@ def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    loss = model(ids, labels)
-    loss.mean().backward()
-    allreduce_sequence_parallel_grads(sequence_parallel_grads(model.parameters()), state.tp_comm)
-    weights = gather_full_tensors(model, state.tp_comm)
-    grads = gather_full_tensors(model, state.tp_comm, source="grad")
+    loss, weights, grads = loss_and_full_tensors(model, ids, labels, state.tp_comm)
 
     P = {k: v.clone().requires_grad_() for k, v in weights.items()}
     ref = reference_loss(cfg, P, ids, labels)
