@@ -86,8 +86,12 @@ def test_a_packed_row_computes_each_document_alone(cfg, tp):
 
 
 def _layout_losses(overrides):
-    history = train_in_process(["parallel.tp=1", "model.attention_mask=document", "model.eod_id=10", *overrides])
-    return [r["loss"] for r in history], [r["grad_norm"] for r in history]
+    """train.py's 10 losses then its 2 eval losses (steps 5 and 10), and its gradient norms."""
+    history = train_in_process(["parallel.tp=1", "model.attention_mask=document", "model.eod_id=10",
+                                "train.eval_interval=5", "train.eval_steps=2", *overrides])
+    evals = [r["eval_loss"] for r in history if "eval_loss" in r]
+    assert len(evals) == 2
+    return [r["loss"] for r in history] + evals, [r["grad_norm"] for r in history]
 
 
 def _same(a, b, what, rel=1e-5):
