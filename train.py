@@ -244,6 +244,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     from tpframe.training.flops import peak_tflops
     from tpframe.training.logger import MetricsLogger
     from tpframe.training.profiler import StepProfiler
+    from tpframe.training.run_lock import run_folders
+    from tpframe.training.shared_dir import check_shared
     from tpframe.training.trainer import Trainer
 
     p, dtype = cfg.parallel, DTYPES[cfg.train.dtype]
@@ -251,6 +253,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
     progress = Progress()  # what this rank is doing, for the heartbeat's reports
     beat = Heartbeat.start(state, timeout_s=cfg.comm.timeout_s, progress=progress)
     try:
+        check_shared(run_folders(cfg), rank=state.rank)  # several nodes: one filesystem for the run's files
         tracker = seed_parallel_rng(cfg.train.seed)
         model, notes = _build_model(cfg, state, tracker, resume)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once

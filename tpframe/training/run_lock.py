@@ -87,10 +87,14 @@ class RunDirLock:
             self.fd = None
 
 
-def locks_of(cfg) -> list[RunDirLock]:
-    """The folders a run writes into and must not share with a running one: its run dir, and its checkpoint dir
-    when that is set elsewhere."""
-    locks = [RunDirLock(cfg.train.run_dir)]
+def run_folders(cfg) -> list[tuple[str, str]]:
+    """(key, path) of the folders a run writes into: its run dir, and its checkpoint dir when that is set elsewhere."""
+    folders = [("train.run_dir", cfg.train.run_dir)]
     if cfg.checkpoint.dir and Path(cfg.checkpoint.dir).resolve() != Path(cfg.train.run_dir).resolve():
-        locks.append(RunDirLock(cfg.checkpoint.dir, "checkpoint.dir"))
-    return locks
+        folders.append(("checkpoint.dir", cfg.checkpoint.dir))
+    return folders
+
+
+def locks_of(cfg) -> list[RunDirLock]:
+    """The locks of a run's folders (`run_folders`), which it must not share with a running one."""
+    return [RunDirLock(path, key) for key, path in run_folders(cfg)]
