@@ -240,7 +240,7 @@ class GPT(nn.Module):
                 raise ValueError("model.attention_mask=document: a later pipeline stage needs input_ids= as well")
             ids = x if self.stage.first else input_ids
             documents = self.documents(ids)
-            positions = documents.positions  # [b, S]; under CP this rank's tokens' of them
+            positions = documents.positions  # [b, S]; under CP, those of this rank's tokens (next line)
             positions = positions if self.cp == 1 else positions[:, self._local_positions(ids.shape[1])]
         if self.stage.first:
             if x.shape[1] > self.cfg.max_seq_len:
