@@ -20,6 +20,7 @@ from torch import nn
 from tpframe.errors import ConfigError
 from tpframe.layers import ParallelLMHead, ParallelMLP, RMSNorm, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
+from tpframe.layers.documents import Documents
 from tpframe.layers.utils import normal_init, scaled_normal_init
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size
@@ -41,9 +42,9 @@ class ParallelBlock(nn.Module):
                                       rng_tracker=ctx.rng_tracker, **common)
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation="swiglu", **common)
 
-    def forward(self, x: torch.Tensor, rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary, documents: Documents | None = None) -> torch.Tensor:
         h = self.norm(x)
-        return x + self.attn(h, rotary) + self.mlp(h)
+        return x + self.attn(h, rotary, documents=documents) + self.mlp(h)
 
 
 class ParallelLlama(nn.Module):
@@ -66,12 +67,15 @@ class ParallelLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids.t())  # [s(/tp), b, h]
-        rotary = self.rotary(input_ids.shape[1], x.dtype)
+        docs = None  # model.attention_mask=document: each packed document attends to itself, from position 0
+        if self.cfg.attention_mask == "document":
+            docs = Documents.from_tokens(input_ids, self.cfg.eod_id)
+        rotary = self.rotary(input_ids.shape[1], x.dtype) if docs is None else self.rotary.at(docs.positions, x.dtype)
         for n, block in enumerate(self.blocks.values()):
             if self.training and self.ctx.recomputes_block(n):  # full recompute (of the first N, ctx.recompute_layers)
-                x = recompute(block, x, rotary, preserve_rng=self.cfg.attention_dropout > 0)
+                x = recompute(block, x, rotary, docs, preserve_rng=self.cfg.attention_dropout > 0)
             else:
-                x = block(x, rotary)
+                x = block(x, rotary, docs)
         logits = self.head(self.final_norm(x))  # [s, b, V/tp]
         return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.ctx.comm, vocab_size=self.cfg.vocab_size).t()
 
@@ -96,3 +100,4 @@ def build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
 
 
 build.supports_recompute_layers = True  # honours ctx.recompute_layers (ctx.selective_recompute it does not)
+build.supports_document_mask = True  # honours model.attention_mask=document

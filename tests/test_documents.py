@@ -85,6 +85,13 @@ def test_a_packed_row_computes_each_document_alone(cfg, tp):
     assert differs > 1e-3
 
 
+def build_without_documents(cfg, ctx):
+    """A user model's builder that does not declare supports_document_mask (the pre-flight must refuse it)."""
+    from tpframe.models import build_gpt
+
+    return build_gpt(cfg, ctx)
+
+
 def _layout_losses(overrides):
     """train.py's 10 losses then its 2 eval losses (steps 5 and 10), and its gradient norms."""
     history = train_in_process(["parallel.tp=1", "model.attention_mask=document", "model.eod_id=10",
@@ -264,3 +271,17 @@ def test_train_py_with_documents_on_one_gpu_learns_eager_and_compiled(tmp_path):
                                backend="nccl", timeout=300)[0]
     _same(compiled, eager, "train.compile=true vs eager, bf16", rel=2e-2)
     assert eager[-1] < eager[0] - 0.5
+
+
+def test_a_user_model_takes_the_documents_through_the_layers(tmp_path):
+    """examples/parallel_llama.py passes `documents=` to ParallelAttention: TP=2 + SP follows one process, and the
+    mask changes what it computes."""
+    llama = ["model.name=examples.parallel_llama:build", "model.norm=rmsnorm", "model.position=rotary",
+             "model.activation=swiglu", "model.bias=false", "model.tie_embeddings=false", "model.kv_heads=2",
+             "parallel.activation_checkpointing=full"]
+    one, _ = run_distributed(_layout_losses, 1, [*llama, f"train.run_dir={tmp_path}/a"])[0]
+    two, _ = run_distributed(_layout_losses, 2, [*llama, "parallel.tp=2", "parallel.sequence_parallel=true",
+                                                 f"train.run_dir={tmp_path}/b"])[0]
+    _same(two, one, "user model TP=2+SP vs TP=1", rel=1e-4)
+    causal, _ = run_distributed(_layout_losses, 1, [*llama, "model.attention_mask=causal", f"train.run_dir={tmp_path}/c"])[0]
+    assert abs(causal[0] - one[0]) > 1e-4

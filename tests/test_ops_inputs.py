@@ -233,7 +233,7 @@ CASES = [
                                             "model.name=examples.parallel_llama:build"], {}),
      "does not implement selective recompute"),
     ("document-user-model", lambda t, s: (["model.attention_mask=document", "data.source=stdlib",
-                                           "model.name=examples.parallel_llama:build"], {}),
+                                           "model.name=tests.test_documents:build_without_documents"], {}),
      "does not implement model.attention_mask=document, so its attention would cross document ends"),
     ("document-cuda-graph", lambda t, s: (["model.attention_mask=document", "train.cuda_graph=true"], {}),
      "train.cuda_graph cannot replay model.attention_mask=document"),
