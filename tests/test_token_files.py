@@ -31,6 +31,7 @@ def test_byte_level_round_trip_of_txt_and_jsonl(tmp_path):
     meta = write_token_file([txt, jsonl], out)
     expected = TEXT.encode() + b"\0" + "first doc \u00e9".encode() + b"\0" + b"second\0"
     assert meta["num_tokens"] == len(expected) and meta["dtype"] == "uint16" and meta["vocab_size"] == 256
+    assert meta["num_documents"] == 3  # the text file, and the jsonl's two (its empty line is none)
     assert json.loads(sidecar_path(out).read_text()) == meta
     stream, _ = open_token_file(out)
     assert bytes(np.asarray(stream.tokens, dtype=np.uint8)) == expected

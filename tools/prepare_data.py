@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
-          f"tokenizer {meta['tokenizer']['kind']}) from {len(args.inputs)} file(s) to {args.out} "
-          f"and {sidecar_path(args.out)}")
+          f"tokenizer {meta['tokenizer']['kind']}) from {len(args.inputs)} file(s), {meta['num_documents']:,} "
+          f"document(s) of {meta['num_tokens'] / meta['num_documents']:,.0f} tokens on average (end-of-document "
+          f"tokens included), to {args.out} and {sidecar_path(args.out)}")
     print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
     return 0
 

@@ -5,7 +5,8 @@
     stream, meta = open_token_file("data/foo.bin")                   # TokenStream over a memmap
 
 The token file is raw little-endian `uint16` (vocab <= 65535) or `uint32`; `<file>.json` holds
-format, num_tokens, dtype, vocab_size, the tokenizer, eot_id, sha256 of the tokens and the sources.
+format, num_tokens, dtype, vocab_size, the tokenizer, eot_id, num_documents (each ended by eot_id), sha256 of the
+tokens and the sources.
 Every document ends with the end-of-text id: byte 0 (NUL) for the byte-level tokenizer, which keeps
 vocab 256 (NUL bytes inside the text are dropped), or the tokenizer's own EOT token.
 """
@@ -196,7 +197,7 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
             raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no text")
         meta = {
             "format": FORMAT, "num_tokens": count, "dtype": dtype.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "tokenizer": tok.info, "sha256": digest.hexdigest(),
+            "eot_id": tok.eot_id, "num_documents": docs, "tokenizer": tok.info, "sha256": digest.hexdigest(),
             "sources": [str(p) for p in inputs],
         }
         sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
