@@ -203,6 +203,9 @@ def _describe(cfg, state, *, num_params: int, strategy, trainer) -> list[str]:
         lines.append(f"activation recompute: {what[p.recompute]}")
     if cfg.model.attention_mask == "document":
         lines.append(f"attention within each document (token {cfg.model.eod_id} ends one; positions restart)")
+    if cfg.data.eod_mask_loss:
+        lines.append(f"no loss on the token after each {cfg.model.eod_id} (data.eod_mask_loss); the loss is the mean "
+                     "over the global batch's other tokens")
     return lines
 
 

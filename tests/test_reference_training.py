@@ -115,8 +115,8 @@ def _global_batches(ranks: list[dict], accum: int) -> list[tuple[torch.Tensor, t
 
 
 def plain_torch_training(cfg, initial: dict, batches, hp: dict, clip: float, decay: str, decay_fraction=None):
-    """nanoGPT's loop on the logical tensors: one forward of the global batch, mean over its tokens, backward,
-    clip_grad_norm_, AdamW with decay on >=2-D tensors only."""
+    """nanoGPT's loop on the logical tensors: one forward of the global batch, mean over its tokens (those whose
+    label is not -100), backward, clip_grad_norm_, AdamW with decay on >=2-D tensors only."""
     P = {k: v.clone().requires_grad_() for k, v in initial.items()}
     decay_params = [p for p in P.values() if p.dim() >= 2]
     no_decay = [p for p in P.values() if p.dim() < 2]
@@ -130,7 +130,7 @@ def plain_torch_training(cfg, initial: dict, batches, hp: dict, clip: float, dec
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        loss = reference_loss(cfg, P, ids, labels).mean()
+        loss = reference_loss(cfg, P, ids, labels).sum() / (labels != -100).sum()  # -100: no loss (eod_mask_loss)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(P.values()), clip).item()
         opt.step()
@@ -177,6 +177,9 @@ CASES = {
     "gpt-tied-dp2-cosine": (1, 2, [], "cosine", None),
     "llama-untied-tp2-sp-wsd-linear": (2, 1, ["parallel.sequence_parallel=true", *LLAMA], "linear", 0.5),
     "llama-untied-dp2-zero1-linear": (1, 2, ["parallel.dp_strategy=zero1", *LLAMA], "linear", None),
+    # no loss after each newline of the synthetic text: micro-batches and DP ranks hold different counts of the
+    # tokens that carry one, and the step must still be their mean over the global batch
+    "gpt-tied-dp2-eod-mask-loss": (1, 2, ["data.eod_mask_loss=true", "model.eod_id=10"], "cosine", None),
 }
 # not torch.optim.AdamW's defaults (0.9, 0.999, 1e-8, 0.01), so a setting dropped on the way to torch shows
 HP = dict(lr=1e-2, min_lr=1e-3, warmup=3, weight_decay=0.1, beta1=0.8, beta2=0.95, eps=1e-6)
@@ -204,6 +207,12 @@ def test_training_step_equals_plain_torch_adamw_loop(tmp_path, case):
     assert all(len(r["batches"]) == STEPS * accum for r in ranks), [len(r["batches"]) for r in ranks]
     batches = _global_batches(ranks, accum)
     assert all(ids.shape == labels.shape == (GLOBAL, 32) for ids, labels in batches)
+    masked = "data.eod_mask_loss=true" in extra
+    for ids, labels in batches:  # masked exactly after each end-of-document, or nowhere
+        assert torch.equal(labels == -100, (ids == 10) if masked else torch.zeros_like(ids, dtype=torch.bool)), case
+    if masked:  # the micro-batches differ in how many tokens count: a mean per micro-batch would be wrong
+        counts = {int((m[1] != -100).sum()) for r in ranks for m in r["batches"]}
+        assert len(counts) > 1, counts
 
     # the reference in float64: what is compared is tpframe's fp32 error, not the sum of two fp32 errors
     initial = {k: v.double() for k, v in first["initial"].items()}

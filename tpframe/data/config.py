@@ -15,6 +15,9 @@ class DataConfig:
     valid_fraction: float = 0.05  # held-out share when no separate validation file is given
     synthetic_tokens: int = 2_000_000  # size of the generated corpus (source=synthetic)
     seed: int = 1234  # data order; independent of the model seed
+    # no loss on the token after each end-of-document (model.eod_id), the loss averaged over the tokens that carry
+    # one in the global batch (Megatron's --eod-mask-loss)
+    eod_mask_loss: bool = False
 
     @property
     def paths(self) -> list[str]:

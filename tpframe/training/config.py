@@ -516,6 +516,9 @@ def cuda_graph_obstacle(cfg: Config) -> str | None:
     if m.dropout > 0 or m.attention_dropout > 0:
         return (f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
                 f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
+    if cfg.data.eod_mask_loss:
+        return ("train.cuda_graph replays a fixed loss scale, and data.eod_mask_loss scales each step by its count of "
+                "tokens that carry a loss; set train.cuda_graph=false or data.eod_mask_loss=false")
     if m.attention_mask == "document":
         return ("train.cuda_graph cannot replay model.attention_mask=document: the documents' boundaries, read on the "
                 "host, change every batch; set train.cuda_graph=false or model.attention_mask=causal")

@@ -232,15 +232,17 @@ def check_token_ids(cfg, *iterators) -> None:
 
 
 def resolve_end_of_document(cfg, train_data) -> None:
-    """model.attention_mask=document: model.eod_id, when not given, becomes the data's end-of-document token
-    (the byte 0 of data.source=stdlib, a token file's `eot_id`); data without one needs it set."""
+    """model.attention_mask=document, data.eod_mask_loss: model.eod_id, when not given, becomes the data's
+    end-of-document token (the byte 0 of data.source=stdlib, a token file's `eot_id`); data without one needs it set."""
     m = cfg.model
-    if m.attention_mask != "document" or m.eod_id is not None:
+    uses = [key for key, on in (("model.attention_mask=document", m.attention_mask == "document"),
+                                ("data.eod_mask_loss=true", cfg.data.eod_mask_loss)) if on]
+    if not uses or m.eod_id is not None:
         return
     eot = train_data.streams[0].eot_id
     if eot is None:
         raise ConfigError(
-            f"model.attention_mask=document: data.source={cfg.data.source} marks no document ends; set model.eod_id "
+            f"{' and '.join(uses)}: data.source={cfg.data.source} marks no document ends; set model.eod_id "
             "to the token that ends a document (e.g. model.eod_id=10 makes each line of the synthetic corpus one), "
             "or use data.source=stdlib or tokens")
     m.eod_id = int(eot)

@@ -28,6 +28,7 @@ from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
 from tpframe.training.energy import EnergyMeter, sum_over_ranks
 from tpframe.training.health import StepGuard
+from tpframe.training.loss_mask import StepBatches, per_token_scale
 from tpframe.training.profiler import StepProfiler
 from tpframe.training.replicas import ReplicaGradCheck
 from tpframe.training.timers import PhaseTimers, TimedBatches
@@ -48,6 +49,7 @@ class Trainer:
         self.progress = progress or Progress()  # what this rank is doing, for timeout reports
         self.profiler = profiler  # the config's `profile` window on this rank, or None
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
+        self.eod_mask = cfg.model.eod_id if cfg.data.eod_mask_loss else None  # labels after it carry no loss
         # MoE: the load-balancing loss weighed like each micro-batch's loss, and logged (its mean over the layers)
         self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
         set_aux_loss_scale(model, 1.0 / self.accum)
@@ -121,9 +123,13 @@ class Trainer:
         reset_expert_load(self.moe_layers)
         mark(step, "forward_backward")
         check, self.replica_check = self.replica_check, None
+        batches, scale = TimedBatches(self.train_data, self.timers), None
+        if self.eod_mask is not None:  # data.eod_mask_loss: the step read up front, its valid tokens counted
+            batches = StepBatches(batches, self.accum, self.eod_mask)
+            scale = per_token_scale(batches.valid_tokens, parallel)
         with check or contextlib.nullcontext():
-            loss_sum = self.forward_backward(self.model, TimedBatches(self.train_data, self.timers), self.accum,
-                                             grad_sync=self.strategy, device=parallel.device)
+            loss_sum = self.forward_backward(self.model, batches, self.accum, grad_sync=self.strategy,
+                                             device=parallel.device, **({} if scale is None else {"loss_scale": scale}))
         if check is not None:
             check.verify()  # before any update: a ConfigError, exit code 2
         self.timers.mark("fwd_bwd")
@@ -141,7 +147,11 @@ class Trainer:
         self.progress.mark(self.step, "eval")
         self.model.eval()
         self.valid_data.reset()
-        mean = self.forward_only(self.model, self.valid_data, self.cfg.train.eval_steps, device=self.parallel.device)
+        batches, extra, n = self.valid_data, {}, self.cfg.train.eval_steps
+        if self.eod_mask is not None:  # the mean over the held-out tokens that carry a loss
+            batches = StepBatches(batches, n, self.eod_mask)
+            extra["loss_scale"] = per_token_scale(batches.valid_tokens, self.parallel)
+        mean = self.forward_only(self.model, batches, n, device=self.parallel.device, **extra)
         self.model.train()
         return self.parallel.dp_cp_comm.all_reduce(mean).item() / self.parallel.dp_cp
 

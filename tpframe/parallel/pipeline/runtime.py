@@ -21,6 +21,7 @@ from tpframe.layers.weight_grad import WeightGradStore
 from tpframe.parallel.pipeline.layout import model_chunks
 from tpframe.parallel.pipeline.orders import Action, schedule_order, splits_backward
 from tpframe.parallel.pipeline.p2p import PipelineLinks
+from tpframe.parallel.schedules import micro_batch_loss
 from tpframe.parallel.state import ParallelState
 
 
@@ -45,7 +46,7 @@ class PipelineSchedule:
 
     # -- one training step -----------------------------------------------------------------------
     def forward_backward(self, model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
-                         device: torch.device) -> torch.Tensor:
+                         device: torch.device, loss_scale: float | None = None) -> torch.Tensor:
         chunks, m = model_chunks(model), num_micro_batches
         data = [batches.next() for _ in range(m)]
         order = self.order(m)
@@ -61,7 +62,7 @@ class PipelineSchedule:
                 if a.kind == "F":
                     x, out = self._forward(chunks[a.chunk], a, data[a.mb], device)
                     if self._last(a):
-                        out = out.mean() / m
+                        out = micro_batch_loss(out, m, loss_scale)
                         loss_sum += out.detach()
                     saved[(a.chunk, a.mb)] = (x, out)
                 elif a.kind == "B":
@@ -77,8 +78,10 @@ class PipelineSchedule:
         return loss
 
     @torch.no_grad()
-    def forward_only(self, model: nn.Module, batches, num_micro_batches: int, *, device: torch.device) -> torch.Tensor:
-        """Mean loss over `num_micro_batches` (evaluation): every micro-batch through every chunk, in order."""
+    def forward_only(self, model: nn.Module, batches, num_micro_batches: int, *, device: torch.device,
+                     loss_scale: float | None = None) -> torch.Tensor:
+        """Mean loss over `num_micro_batches` (evaluation): every micro-batch through every chunk, in order (with
+        `loss_scale`: the sum of `micro_batch_loss`, as in training)."""
         chunks = model_chunks(model)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for mb in range(num_micro_batches):
@@ -87,9 +90,10 @@ class PipelineSchedule:
                 a = Action("F", chunk, mb)
                 _, out = self._forward(chunks[chunk], a, batch, device)
                 if self._last(a):
-                    loss_sum += out.mean()
+                    loss_sum += micro_batch_loss(out, 1, loss_scale)
         self.links.wait_sends()
-        return self.state.pp_comm.all_reduce(loss_sum) / max(1, num_micro_batches)
+        total = self.state.pp_comm.all_reduce(loss_sum)
+        return total / max(1, num_micro_batches) if loss_scale is None else total
 
     # -- actions ---------------------------------------------------------------------------------
     def _stage(self, a: Action) -> int:

@@ -1,0 +1,70 @@
+"""data.eod_mask_loss: no loss after an end-of-document token, and the loss a mean over the global batch's tokens
+that carry one, the same on every layout (the absolute value against plain PyTorch: tests/test_reference_training.py)."""
+
+import math
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.training_utils import train_in_process
+from tpframe.training.loss_mask import IGNORE_INDEX, StepBatches, mask_after_end_of_document
+
+
+class _Batches:
+    def __init__(self, items):
+        self.items, self.position = list(items), 0
+
+    def next(self):
+        self.position += 1
+        return self.items[self.position - 1]
+
+
+def test_labels_after_an_end_of_document_are_ignored_and_counted_out():
+    ids = torch.tensor([[5, 0, 7, 8], [0, 0, 3, 4]])
+    labels = torch.tensor([[0, 7, 8, 9], [0, 3, 4, 5]])
+    assert mask_after_end_of_document(ids, labels, 0).tolist() == [[0, -100, 8, 9], [-100, -100, 4, 5]]
+    source = _Batches([(ids, labels), (ids[:1], labels[:1])])
+    step = StepBatches(source, 2, 0)
+    assert source.position == 2 and step.valid_tokens == 5 + 3 and step.position == 2  # read up front; attrs pass
+    assert torch.equal(step.next()[1], mask_after_end_of_document(ids, labels, 0))
+    step.next()
+    with pytest.raises(RuntimeError, match="more than the step's 2 micro-batches"):
+        step.next()
+    assert IGNORE_INDEX == -100
+
+
+def _losses(overrides):
+    history = train_in_process(["parallel.tp=1", "data.eod_mask_loss=true", "model.eod_id=10", "train.eval_interval=5",
+                                "model.position=rotary", *overrides])
+    return [r["loss"] for r in history] + [r["eval_loss"] for r in history if "eval_loss" in r]
+
+
+def _same(a, b, what):
+    assert len(a) == len(b) == 12, (what, len(a), len(b))
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7), f"{what}: value {i}: {x!r} vs {y!r}"
+
+
+def test_every_layout_averages_over_the_same_tokens(tmp_path):
+    """One micro-batch of 8 per step against: 4 of 2 (accumulation), DP=2 (ddp and zero1), TP=2 + SP, PP=2, CP=2;
+    each micro-batch holds a different count of tokens that carry a loss."""
+    one = ["train.micro_batch_size=8", "train.eval_steps=2"]  # evaluation: 16 held-out samples in every layout
+    ref = run_distributed(_losses, 1, [*one, f"train.run_dir={tmp_path}/ref"])[0]
+    plain = run_distributed(_losses, 1, [*one, "data.eod_mask_loss=false", f"train.run_dir={tmp_path}/plain"])[0]
+    assert abs(plain[0] - ref[0]) > 1e-4, "the mask must change the loss"
+    for i, (name, nproc, extra) in enumerate((
+        ("4 micro-batches of 2", 1, ["train.micro_batch_size=2", "train.eval_steps=8"]),
+        ("DP=2, 2 micro-batches of 2 each", 2, ["train.micro_batch_size=2", "train.eval_steps=4"]),
+        ("DP=2 zero1", 2, ["train.micro_batch_size=4", "train.eval_steps=2", "parallel.dp_strategy=zero1"]),
+        ("TP=2 + SP", 2, [*one, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("PP=2, 2 micro-batches", 2, ["train.micro_batch_size=4", "train.eval_steps=4", "parallel.pp=2"]),
+        ("CP=2 with document attention", 2, [*one, "parallel.cp=2"]),
+    )):
+        if "document" in name:  # the same mask with packed documents on both sides
+            ref_docs = run_distributed(_losses, 1, [*one, "model.attention_mask=document",
+                                                    f"train.run_dir={tmp_path}/refdoc"])[0]
+            got = run_distributed(_losses, nproc, [*extra, "model.attention_mask=document", f"train.run_dir={tmp_path}/{i}"])[0]
+            _same(got, ref_docs, name)
+        else:
+            _same(run_distributed(_losses, nproc, [*extra, f"train.run_dir={tmp_path}/{i}"])[0], ref, name)
