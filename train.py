@@ -303,7 +303,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         from tpframe import exits
         from tpframe.training.memory import out_of_memory
 
-        failure = out_of_memory(e, cfg, rank=state.rank, dp=state.dp * state.cp, step=progress.step, phase=progress.phase,
+        failure = out_of_memory(e, cfg, rank=state.rank, dp=state.dp_cp, step=progress.step, phase=progress.phase,
                                 device=state.device)
         exits.report(f"out of memory: {failure}", show=True)
         raise failure from None

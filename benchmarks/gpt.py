@@ -132,10 +132,11 @@ def run_one() -> None:
     H, L, NH = env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16)
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and tp > 1
+    doc_len = env("DOC_LEN", 0)  # packed documents of mean length doc_len (0: causal rows)
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
                       activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"),
-                      attention_mask="document" if env("DOC_LEN", 0) else "causal", eod_id=0)
+                      attention_mask="document" if doc_len else "causal", eod_id=0)
     tracker = seed_parallel_rng(1234)
     ckpt = {"0": "none", "1": "full"}.get(os.environ.get("CKPT", "0"), os.environ.get("CKPT", "0"))
     if ckpt not in ("none", "full", "selective"):
@@ -167,9 +168,9 @@ def run_one() -> None:
     if flag("COMPILE"):
         compile_model(model)
     g = torch.Generator(device=state.device).manual_seed(state.dp_rank)  # TP ranks share the batch
-    tokens = torch.randint(1 if env("DOC_LEN", 0) else 0, V, (MB, S + 1), device=state.device, generator=g)
-    if env("DOC_LEN", 0):  # packed documents of 1..2*DOC_LEN-1 tokens (mean DOC_LEN), each ended by token 0
-        tokens.view(-1)[document_ends(tokens.numel(), env("DOC_LEN", 0)).to(state.device)] = 0
+    tokens = torch.randint(1 if doc_len else 0, V, (MB, S + 1), device=state.device, generator=g)
+    if doc_len:  # packed documents of 1..2*DOC_LEN-1 tokens (mean DOC_LEN), each ended by token 0
+        tokens.view(-1)[document_ends(tokens.numel(), doc_len).to(state.device)] = 0
     inp, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step():
@@ -210,7 +211,7 @@ def run_one() -> None:
         tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
                 f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
                 f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}"
-                + (f" doc_len={env('DOC_LEN', 0)}" if env("DOC_LEN", 0) else ""))
+                + (f" doc_len={doc_len}" if doc_len else ""))
         line = (
             f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "
             f"comm={state.tp_comm.requested} {tags} world={state.world_size} "

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpframe.parallel.context import gather_sequence, local_positions
+
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # pragma: no cover - older torch
@@ -87,8 +89,6 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
     each document: k and v [b, nkv, 2c, d] are all-gathered over `comm` as for causal CP attention, and `docs`
     describes the whole rows ([b, S]). SDPA with the [b, 1, 2c, S] mask of these queries' rows (no varlen kernel
     here yet: the chunks' documents need their own sequence offsets)."""
-    from tpframe.parallel.context import gather_sequence, local_positions
-
     kv = gather_sequence(torch.stack([k, v]), comm)  # [2, b, nkv, S, d]
     s = kv.shape[-2]
     rows = local_positions(q.shape[-2], rank=comm.rank, size=comm.size, device=q.device)  # global positions

@@ -24,7 +24,7 @@ from torch import nn
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, architecture
 from tpframe.paths import check_creatable
-from tpframe.training.run_lock import check_free, locks_of
+from tpframe.training.run_lock import check_free, run_folders
 
 # What makes two runs the same run: a run directory holds one; a checkpoint resumes only into it.
 DATA_IDENTITY = ("source", "seed", "synthetic_tokens", "valid_fraction")
@@ -175,8 +175,8 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
     run_dir = Path(cfg.train.run_dir)
     _check_writable_dir("train.run_dir", run_dir)
     if probe_lock:
-        for lock in locks_of(cfg):
-            check_free(lock.run_dir, lock.key)
+        for key, path in run_folders(cfg):
+            check_free(path, key)
     if cfg.checkpoint.dir:
         _check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir))
     # what the run writes there, in the way: found now, not when the first save fails after hours of training

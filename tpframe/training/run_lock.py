@@ -10,7 +10,7 @@ instead: one line naming the holder (pid, host, start time), exit 2, before it w
     ...train...
     lock.release()        # or the process ends: the kernel drops a flock with its last descriptor
 
-`check_free` is the pre-flight's probe (`tpframe.launch`'s parent, every rank): it takes and drops the lock on
+`check_free` is the pre-flight's probe (`tpframe.launch`'s parent, and rank 0): it takes and drops the lock on
 an existing lock file and creates nothing. The file itself stays after a run: removing a lock file races with
 a process that has just opened it, and its stale text is read only while someone holds it.
 """

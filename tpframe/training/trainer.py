@@ -123,13 +123,10 @@ class Trainer:
         reset_expert_load(self.moe_layers)
         mark(step, "forward_backward")
         check, self.replica_check = self.replica_check, None
-        batches, scale = TimedBatches(self.train_data, self.timers), None
-        if self.eod_mask is not None:  # data.eod_mask_loss: the step read up front, its valid tokens counted
-            batches = StepBatches(batches, self.accum, self.eod_mask)
-            scale = per_token_scale(batches.valid_tokens, parallel)
+        batches, extra = self._batches(TimedBatches(self.train_data, self.timers), self.accum)
         with check or contextlib.nullcontext():
             loss_sum = self.forward_backward(self.model, batches, self.accum, grad_sync=self.strategy,
-                                             device=parallel.device, **({} if scale is None else {"loss_scale": scale}))
+                                             device=parallel.device, **extra)
         if check is not None:
             check.verify()  # before any update: a ConfigError, exit code 2
         self.timers.mark("fwd_bwd")
@@ -141,17 +138,22 @@ class Trainer:
         mark(step, "loss")
         return parallel.dp_cp_comm.all_reduce(loss_sum).item() / parallel.dp_cp, grad_norm  # CP: each rank's tokens
 
+    def _batches(self, batches, n: int) -> tuple[Any, dict[str, float]]:
+        """What a schedule reads `n` micro-batches from, and its extra keywords: with data.eod_mask_loss the
+        micro-batches read up front, masked, and the `loss_scale` of their tokens that carry a loss."""
+        if self.eod_mask is None:
+            return batches, {}
+        batches = StepBatches(batches, n, self.eod_mask)
+        return batches, {"loss_scale": per_token_scale(batches.valid_tokens, self.parallel)}
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the same `eval_steps` held-out micro-batches every time, averaged over DP."""
         self.progress.mark(self.step, "eval")
         self.model.eval()
         self.valid_data.reset()
-        batches, extra, n = self.valid_data, {}, self.cfg.train.eval_steps
-        if self.eod_mask is not None:  # the mean over the held-out tokens that carry a loss
-            batches = StepBatches(batches, n, self.eod_mask)
-            extra["loss_scale"] = per_token_scale(batches.valid_tokens, self.parallel)
-        mean = self.forward_only(self.model, batches, n, device=self.parallel.device, **extra)
+        batches, extra = self._batches(self.valid_data, self.cfg.train.eval_steps)
+        mean = self.forward_only(self.model, batches, self.cfg.train.eval_steps, device=self.parallel.device, **extra)
         self.model.train()
         return self.parallel.dp_cp_comm.all_reduce(mean).item() / self.parallel.dp_cp
 
