@@ -175,7 +175,7 @@ def main() -> None:
                "--worker", strategy, str(int(overlap)), dp_comm]
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
-        gpus = [{"CUDA_VISIBLE_DEVICES": str(i)} if copies > 1 else {} for i in range(copies)]
+        gpus = [{"CUDA_VISIBLE_DEVICES": str(i), "PROFILE": ""} if copies > 1 else {} for i in range(copies)]  # DP=1 profiles
         running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                     env={**os.environ, **g}) for g in gpus]
         outs = [(p.communicate(timeout=env("ROW_TIMEOUT", 300)), p.returncode) for p in running]
@@ -184,7 +184,11 @@ def main() -> None:
         if any(c for _, c in outs) or not lines:
             print(f"{name}: failed (exit {[c for _, c in outs]})\n{stderr[-2000:]}", flush=True)
             continue
-        results.append((name, json.loads(lines[-1][len("RESULT "):])))
+        result = json.loads(lines[-1][len("RESULT "):])
+        if copies > 1:  # one DP=1 run per GPU: each GPU's own median (a DP group is paced by its slowest GPU)
+            each = [[x for x in out.splitlines() if x.startswith("RESULT ")] for (out, _), _ in outs]
+            result["rank_step_s"] = [json.loads(x[-1][len("RESULT "):])["step_s"] if x else float("nan") for x in each]
+        results.append((name, result))
         print(name, results[-1][1], flush=True)
     base = next((r for n, r in results if n == "DP=1"), None)
     import torch
@@ -198,17 +202,19 @@ def main() -> None:
             f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH') if k in os.environ)} "
             "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
             "", "| run | dp | step (s) | vs DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
-            "| peak - resident GiB | optimizer state GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| peak - resident GiB | optimizer state GiB | each GPU's median step (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     ddp = next((r for n, r in results if n == "ddp, overlap on"), None)
     rows = [f"| {n} | {r['dp']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | {r['tflops']:.0f} | "
             f"{r['peak_gib']:.1f} | {r['peak_gib'] / ddp['peak_gib'] if ddp else float('nan'):.2f}x "
-            f"| {r['resident_gib']:.1f} | {r['peak_gib'] - r['resident_gib']:.1f} | {r['opt_state_gib']:.2f} |"
+            f"| {r['resident_gib']:.1f} | {r['peak_gib'] - r['resident_gib']:.1f} | {r['opt_state_gib']:.2f} "
+            f"| {' / '.join(f'{t:.3f}' for t in r['rank_step_s'])} |"
             for n, r in results] if base else []
     if any("comm_ms" in r for _, r in results):  # PROFILE: the profiled step's GPU timeline, rank 0
         rows += ["", "| run | profiled step: GPU span ms | GPU busy ms | collectives ms | collectives with no compute "
-                 "beside them ms | each rank's median step (s) |", "|---|---|---|---|---|---|"]
+                 "beside them ms |", "|---|---|---|---|---|"]
         rows += [f"| {n} | {r['gpu_span_ms']:.1f} | {r['gpu_busy_ms']:.1f} | {r['comm_ms']:.1f} | "
-                 f"{r['comm_exposed_ms']:.1f} | {' / '.join(f'{t:.3f}' for t in r['rank_step_s'])} |"
+                 f"{r['comm_exposed_ms']:.1f} |"
                  for n, r in results if "comm_ms" in r]
     table = "\n".join(head + rows)
     print(table)

@@ -1,0 +1,83 @@
+"""Where a DP step's extra time goes: the GPU timelines of benchmarks/data_parallel.py's profiled steps, side by side.
+
+    PROFILE=/tmp/dp ROWS="DP=1;ddp, overlap on" python benchmarks/data_parallel.py
+    python benchmarks/dp_timeline.py /tmp/dp [--base ddp-overlap1-nccl-dp1]
+
+Reads every chrome trace in the folder (rank 0's, one step each) and splits its GPU span into: computation (the
+union of every kernel, copy and memset that is not a collective), collectives no computation hid (exposed), and
+idle (nothing on the GPU). Against the base trace (DP=1), a DP step's extra span is then
+computation that got slower (kernels slowed by the collectives beside them) + exposed collectives (the tail after
+backward, or traffic overlap did not hide) + idle (the host or a wait kept the GPU empty). Then, per trace, the
+kernel names whose summed time grew the most against the base: which kernels the collectives slowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tpframe.training.profiler import _GPU_CATEGORIES, _is_comm, _length, _union  # noqa: E402
+
+
+def breakdown(trace: Path) -> dict:
+    events = json.loads(trace.read_text())["traceEvents"]
+    comm, other, by_name = [], [], defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES:
+            span = (e["ts"], e["ts"] + e["dur"])
+            (comm if _is_comm(e) else other).append(span)
+            by_name[e.get("name", "?")[:90]] += e["dur"] / 1e3
+    everything = _union(comm + other)
+    if not everything:
+        return {}
+    compute, comm_u = _union(other), _union(comm)
+    span = (everything[-1][1] - everything[0][0]) / 1e3
+    busy, computing = _length(everything) / 1e3, _length(compute) / 1e3
+    return {"span": span, "compute": computing, "exposed": busy - computing, "idle": span - busy,
+            "comm": _length(comm_u) / 1e3, "by_name": by_name}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder")
+    ap.add_argument("--base", default=None, help="the DP=1 trace's name (default: the one ending in -dp1)")
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args()
+    traces = sorted(Path(args.folder).glob("*.json"))
+    if not traces:
+        print(f"dp_timeline.py: no chrome traces (*.json) in {args.folder}; run benchmarks/data_parallel.py with "
+              "PROFILE=<folder> first", file=sys.stderr)
+        raise SystemExit(2)
+    rows = {t.stem: breakdown(t) for t in traces}
+    rows = {k: v for k, v in rows.items() if v}
+    base_name = args.base or next((k for k in rows if k.endswith("-dp1")), None)
+    if base_name not in rows:
+        print(f"dp_timeline.py: no base trace {base_name!r} among {', '.join(rows)}; name one with --base",
+              file=sys.stderr)
+        raise SystemExit(2)
+    base = rows[base_name]
+    print(f"GPU timeline of one profiled step, ms (base: {base_name})\n")
+    print("| trace | span | computation | exposed collectives | idle | collectives (all) | extra span | "
+          "of which slower computation | exposed | idle |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['span']:.1f} | {r['compute']:.1f} | {r['exposed']:.1f} | {r['idle']:.1f} | "
+              f"{r['comm']:.1f} | {r['span'] - base['span']:+.1f} | {r['compute'] - base['compute']:+.1f} | "
+              f"{r['exposed'] - base['exposed']:+.1f} | {r['idle'] - base['idle']:+.1f} |")
+    for name, r in rows.items():
+        if name == base_name:
+            continue
+        grown = sorted(((r["by_name"].get(k, 0.0) - base["by_name"].get(k, 0.0), k)
+                        for k in set(r["by_name"]) | set(base["by_name"])), reverse=True)[: args.top]
+        print(f"\n{name}: kernels whose summed time grew most against the base (ms)")
+        for delta, k in grown:
+            print(f"  {delta:+8.2f}  {base['by_name'].get(k, 0.0):8.2f} -> {r['by_name'].get(k, 0.0):8.2f}  {k}")
+
+
+if __name__ == "__main__":
+    main()
