@@ -206,14 +206,15 @@ DP2 = "train.eval_steps=4"
 LAYOUTS = {
     "ep=4": ["parallel.ep=4"],
     "tp=2 + SP x dp=2": ["parallel.tp=2", "parallel.sequence_parallel=true", DP2],
-    "tp=2 x ep=2 zero1": ["parallel.tp=2", "parallel.ep=2", "parallel.dp_strategy=zero1", DP2],
+    # the copies of every weight compared every 3 steps in three layouts (train.compare_replicas_every): none differ
+    "tp=2 x ep=2 zero1": ["parallel.tp=2", "parallel.ep=2", "parallel.dp_strategy=zero1", DP2, "train.compare_replicas_every=3"],
     "cp=2 x dp=2 x ep=4": ["parallel.cp=2", "parallel.ep=4", DP2],
-    "pp=2 x ep=2": ["parallel.pp=2", "parallel.ep=2", DP2],
+    "pp=2 x ep=2": ["parallel.pp=2", "parallel.ep=2", DP2, "train.compare_replicas_every=3"],
     "ep=2 full recompute": ["parallel.ep=2", "parallel.activation_checkpointing=full"],
     "ep=2 selective": ["parallel.ep=2", "parallel.activation_checkpointing=selective"],
     # experts sharded over their 2 replicas, the rest over 4; small buckets, gathers overlapped with the forward
     "ep=2 zero1": ["parallel.ep=2", "parallel.dp_strategy=zero1", "parallel.grad_bucket_mb=0.01",
-                   "parallel.overlap_param_gather=true"],
+                   "parallel.overlap_param_gather=true", "train.compare_replicas_every=3"],
     "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas
     # one replica per expert (ep = dp): FSDP2 runs no collective for the experts and must divide by dp once
     "ep=4 fsdp": ["parallel.ep=4", "parallel.dp_strategy=fsdp"],
@@ -239,6 +240,9 @@ def _train_layouts(tmp: str):
         trainer = train_in_process([*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"],
                                    keep_trainer=True)
         plain = not any(k in " ".join(extra) for k in ("tp=2", "pp=2", "fsdp"))  # whole parameters (some experts) here
+        if trainer.weight_check is not None:  # steps 3, 6 and 9 compared, the experts over their 2 replicas at ep=2 dp=4
+            assert trainer.weight_check.checks == 3, name
+            assert ("expert-data-parallel (2 copies)" in trainer.weight_check.compares) == (name == "ep=2 zero1"), name
         out[name] = (trainer.history, _weights(trainer) if plain else None)
     # the step-5 checkpoint of the TP=2 x EP=2 zero1 run resumes with ddp without EP, at EP=4, and at TP=2 x DP=2
     saved = f"{tmp}/tp=2 x ep=2 zero1/checkpoints/step_00000005"

@@ -5,7 +5,8 @@ scheduler can act on.
     2  a mistake in the config, the data, the run directory (or one another training uses now) or a checkpoint
        (nothing was written), or a model whose TP replicas get different gradients (found in step 1, before
        any update: training/replicas.py)
-    3  training stopped on non-finite steps (train.on_nonfinite, train.max_skipped_steps)
+    3  training stopped on non-finite steps (train.on_nonfinite, train.max_skipped_steps), or on copies of a
+       weight that are no longer identical across ranks (train.compare_replicas_every)
     4  a rank stopped responding or a collective failed (comm.timeout_s)
     5  a checkpoint (or another file the run must write, its config) could not be written: a full disk, a
        read-only folder; the previous checkpoint stays `latest`

@@ -95,6 +95,10 @@ class TrainConfig:
     # TP > 1: in each launch's first step, weights replicated over TP must get the same gradient on every TP rank
     # (tpframe/training/replicas.py: a layer missing its sequence_parallel tag stops with exit code 2)
     check_replicas: bool = True
+    # every N steps, after the update: the copies of each weight (over DP, CP, TP, expert replicas) must still be
+    # bit-identical; a copy that drifted (a bit flip, a rank that computed another update) stops training, exit
+    # code 3 (tpframe/training/replica_weights.py; Megatron's --check-weight-hash-across-dp-replicas-interval). 0: off
+    compare_replicas_every: int = 0
 
 
 @dataclass
@@ -376,6 +380,13 @@ def validate(cfg: Config, world_size: int) -> None:
                           "(0: GEMMs beside a collective use every SM)")
     if not p.grad_bucket_mb > 0 or p.grad_bucket_mb != p.grad_bucket_mb:
         raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
+    if cfg.train.compare_replicas_every < 0:
+        raise ConfigError(f"train.compare_replicas_every={cfg.train.compare_replicas_every} must be a number of steps "
+                          ">= 0 (0: off)")
+    if cfg.train.compare_replicas_every and p.dp_strategy == "fsdp":
+        raise ConfigError("train.compare_replicas_every compares the copies ddp and zero1 keep of each weight; fsdp keeps "
+                          "one shard per rank, so there is nothing to compare: set parallel.dp_strategy=ddp or zero1, "
+                          "or train.compare_replicas_every=0")
     if p.dp_comm == "copy_engine" and p.dp_strategy == "fsdp":
         raise ConfigError("parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
                           "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1")

@@ -30,6 +30,7 @@ from tpframe.training.energy import EnergyMeter, sum_over_ranks
 from tpframe.training.health import StepGuard
 from tpframe.training.loss_mask import StepBatches, per_token_scale
 from tpframe.training.profiler import StepProfiler
+from tpframe.training.replica_weights import ReplicaWeightCheck
 from tpframe.training.replicas import ReplicaGradCheck
 from tpframe.training.timers import PhaseTimers, TimedBatches
 
@@ -66,6 +67,9 @@ class Trainer:
         # the launch's first step compares TP-replicated weights' gradients over TP (then dropped)
         self.replica_check = (ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
                               if cfg.train.check_replicas and parallel.tp > 1 else None)
+        # every train.compare_replicas_every steps: the copies of each weight still bit-identical over the ranks
+        self.weight_check = (ReplicaWeightCheck(model, parallel, every=cfg.train.compare_replicas_every)
+                             if cfg.train.compare_replicas_every else None)
 
     # -- checkpointed counters (the Stateful protocol) -------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -91,6 +95,12 @@ class Trainer:
             self.skipped_steps += 1
         self.timers.mark("optim")
         self.step += 1
+        if self.weight_check is not None and self.weight_check.due(self.step):
+            self.progress.mark(self.step, "compare_replicas")
+            wait = getattr(self.strategy, "wait_params", None)  # zero1's all-gathers of the updated weights
+            if wait is not None:
+                wait()
+            self.weight_check.verify(self.step)  # ReplicasDiverged (exit code 3) on every rank, or nothing
         self.tokens_seen += self.tokens_per_step
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         if self.cfg.model.moe_experts:  # every rank takes part (a stage may hold no MoE layer)
