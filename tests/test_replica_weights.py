@@ -100,3 +100,21 @@ def test_the_tied_embedding_of_the_first_and_last_pipeline_stage_is_compared(tmp
     results = run_distributed(_main, 2, args, env={FAULT_FLIP_ENV: "2:1"})
     assert [r[0] for r in results] == [3, 3], results[0][1][-2000:]
     assert "first/last pipeline stage rank 1's copy of" in results[0][1]
+
+
+# -- on GPUs -------------------------------------------------------------------------------------------
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hash_is_the_same_on_the_gpu_as_on_the_cpu(dtype):
+    t = torch.randn(9_000_000, generator=torch.Generator().manual_seed(1)).to(dtype)  # several passes
+    assert torch.equal(weight_hash(t.cuda()).cpu(), weight_hash(t))
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_dp2_bf16_compares_and_stops_on_a_flipped_bit(tmp_path):
+    """DP=2 over NCCL in bf16: equal copies pass at steps 2 and 4, a bit flipped on rank 1 stops both at step 6."""
+    args = [*ARGS, "parallel.tp=1", "train.dtype=bfloat16", "train.steps=8", "train.compare_replicas_every=2",
+            f"train.run_dir={tmp_path}"]
+    results = run_distributed(_main, 2, args, env={FAULT_FLIP_ENV: "6:1"}, backend="nccl")
+    assert [r[0] for r in results] == [3, 3], results[0][1][-2000:]
+    assert "step 6: copies of the weights are no longer identical: data-parallel rank 1's copy of" in results[0][1]

@@ -8,8 +8,8 @@ update makes the copies drift apart, and training goes on silently: the gradient
 different models, and a checkpoint keeps one rank's copy. Megatron-Core's
 `--check-weight-hash-across-dp-replicas-interval` checks the same.
 
-The check hashes each weight's bytes on its own device (two int64 sums: of the bytes, and of the bytes weighted by
-their position, modulo the prime 2^61 - 1, so a changed, swapped or moved byte changes the hash), gathers the hashes
+The check hashes each weight's bytes on its own device (two sums of its 16-bit words: plain, and weighted by their
+position, modulo the prime 2^61 - 1, so a changed, swapped or moved word changes the hash), gathers the hashes
 over each group that holds copies, and compares them with the group's first rank's. Any difference anywhere stops
 every rank together with `ReplicasDiverged` (exit code 3), naming the weights and the ranks whose copies differ; the
 checkpoints saved before remain (train.py names the last healthy one).
@@ -34,23 +34,52 @@ from tpframe.training.health import TrainingAborted
 
 FAULT_FLIP_ENV = "TPFRAME_FAULT_FLIP"
 _PRIME = (1 << 61) - 1
-_CHUNK = 1 << 24  # bytes hashed per pass: position-weighted sums stay below 2^48 before the modulo
+_CHUNK = 1 << 24  # 16-bit words hashed per pass: a pass's position-weighted sum stays below 2^55
+_WEIGHTS: dict = {}  # device -> int32 position weights 1..32749 of one pass (products fit int32)
+
+
+def _pass_sums(t: torch.Tensor) -> torch.Tensor:
+    """[passes, 2] int64 on t's device: per pass over t's bytes (as 16-bit words), their sum and their
+    position-weighted sum. int32 arithmetic (words < 2^16, weights < 2^15), sums accumulated in int64 by torch."""
+    data = t.detach().contiguous().reshape(-1)
+    words = data.view(torch.int16) if data.numel() * data.element_size() % 2 == 0 else data.view(torch.uint8)
+    weights = _WEIGHTS.get(t.device)
+    if weights is None:
+        weights = _WEIGHTS[t.device] = torch.arange(_CHUNK, dtype=torch.int32, device=t.device) % 32749 + 1
+    out = []
+    for start in range(0, words.numel(), _CHUNK):
+        x = words[start : start + _CHUNK].to(torch.int32)
+        if words.dtype == torch.int16:
+            x.bitwise_and_(0xFFFF)  # the word's bits as an unsigned number
+        total = x.sum()
+        out.append(torch.stack([total, x.mul_(weights[: x.numel()]).sum()]))
+    return torch.stack(out) if out else torch.zeros(0, 2, dtype=torch.int64, device=t.device)
+
+
+def weight_hashes(tensors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """[n, 2] int64 (on `device`, default the first tensor's): per tensor, the sum of its bytes (as 16-bit words)
+    and their position-weighted sum (each pass weighted by its index), modulo 2^61 - 1. The passes' sums are
+    combined on the host in exact integers, after one device-to-host copy for all the tensors."""
+    sums = [_pass_sums(t) for t in tensors]
+    flat = torch.cat(sums).tolist() if sums else []
+    out, i = [], 0
+    for s in sums:
+        h1 = h2 = 0
+        for j in range(s.shape[0]):
+            h1 = (h1 + flat[i + j][0]) % _PRIME
+            h2 = (h2 + flat[i + j][1] * (j + 1)) % _PRIME
+        out.append((h1, h2))
+        i += s.shape[0]
+    return torch.tensor(out, dtype=torch.int64, device=device or (tensors[0].device if tensors else None))
+
+
+def weight_hash(t: torch.Tensor) -> torch.Tensor:
+    """[2] int64 on t's device: `weight_hashes` of one tensor."""
+    return weight_hashes([t])[0]
 
 
 class ReplicasDiverged(TrainingAborted):
     """Copies of a weight that should be identical differ across ranks."""
-
-
-def weight_hash(t: torch.Tensor) -> torch.Tensor:
-    """[2] int64 on t's device: the sum of t's bytes and their position-weighted sum, each modulo 2^61 - 1."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    out = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for start in range(0, data.numel(), _CHUNK):
-        x = data[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + x.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
-        out[0] = (out[0] + x.sum()) % _PRIME
-        out[1] = (out[1] + (x * weights).sum()) % _PRIME
-    return out
 
 
 def parse_flip_spec(spec: str | None) -> tuple[int, int] | None:
@@ -111,10 +140,11 @@ class ReplicaWeightCheck:
         """Hash, gather, compare; raise ReplicasDiverged on every rank if any group differs anywhere."""
         self._inject(step)
         device = self.parallel.device
-        hashes: dict[int, torch.Tensor] = {}  # id(param) -> its hash, computed once for every group
+        unique = list({id(p): p for _, _, _, params in self.groups for _, p in params}.values())
+        hashes = dict(zip(map(id, unique), weight_hashes(unique, device)))  # each weight once, one host read
         found: list[str] = []
         for what, group, ranks, params in self.groups:
-            mine = torch.stack([hashes.setdefault(id(p), weight_hash(p)) for _, p in params])  # [n, 2]
+            mine = torch.stack([hashes[id(p)] for _, p in params])  # [n, 2]
             every = [torch.empty_like(mine) for _ in ranks]
             dist.all_gather(every, mine, group=group)
             first = every[0]
