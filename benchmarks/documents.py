@@ -6,7 +6,9 @@ Attention alone, forward + backward, random bf16 q, k, v and upstream gradient, 
 1..2m-1 tokens (mean m), side by side in one process:
   - causal, whole rows: SDPA's causal Flash attention over each row, no document mask (what the mask costs against);
   - tpframe: tpframe.layers.documents.document_attention (variable-length Flash attention, one sequence per
-    document of the flattened batch), and the `Documents` it needs built from the token ids (timed apart);
+    document of the flattened batch), and the `Documents` it needs built from the token ids (timed apart); given
+    q, k, v in token-major memory ([b, s, n, d], as the attention layer writes them for documents) and, for
+    comparison, head-major ([b, n, s, d], which it must copy to [b*s, n, d] and back);
   - dense mask: SDPA with the [b, 1, s, s] boolean mask (tpframe's fallback off CUDA or with attention dropout);
   - flex + compile: torch's flex_attention compiled, with a block-causal BlockMask (torchtitan's document masking),
     and building that BlockMask per batch (timed apart).
@@ -72,22 +74,29 @@ def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:
                 return create_block_mask(block_causal, b, None, s, s, device=dev)
 
             bm = block_mask()
+            # the same values in token-major memory ([b, s, n, d]), as tpframe's attention layer now hands them over
+            # for documents: varlen reads them as [b*s, n, d] with no copy, and its gradients go back as they come
+            leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+            qt, kt, vt = (t.transpose(1, 2) for t in leaves)
             runs = {
                 "causal, whole rows (no document mask)":
                     lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
-                "tpframe document_attention (varlen Flash)":
+                "tpframe document_attention (varlen Flash), head-major inputs (copied)":
                     lambda: document_attention(q, k, v, docs, enable_gqa=gqa),
+                "tpframe document_attention (varlen Flash), token-major inputs (the model's)":
+                    lambda: document_attention(qt, kt, vt, docs, enable_gqa=gqa),
                 "dense mask SDPA (tpframe's fallback)":
                     lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), enable_gqa=gqa),
                 "flex_attention + compile, block-causal (torchtitan's way)":
                     lambda: flex(q, k, v, block_mask=bm, enable_gqa=gqa),
             }
             want = runs["dense mask SDPA (tpframe's fallback)"]().float()
-            setup = {"tpframe document_attention (varlen Flash)": timed(lambda: Documents.from_tokens(ids, 0)),
+            setup = {"tpframe document_attention (varlen Flash), token-major inputs (the model's)":
+                     timed(lambda: Documents.from_tokens(ids, 0)),
                      "flex_attention + compile, block-causal (torchtitan's way)": timed(block_mask)}
             for label, fn in runs.items():
-                def fwd_bwd(fn=fn):
-                    torch.autograd.grad(fn(), (q, k, v), dout)
+                def fwd_bwd(fn=fn, inputs=leaves if "token-major" in label else (q, k, v)):
+                    torch.autograd.grad(fn(), inputs, dout)
 
                 ms = timed(fwd_bwd)
                 with torch.no_grad():
@@ -97,7 +106,7 @@ def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:
                             + (f"{per_batch:.2f}" if per_batch is not None else "-")
                             + f" | {useful / ms / 1e9:.0f} | " + ("-" if err != err else f"{err:.1e}") + " |")
                 print(rows[-1], flush=True)
-            del q, k, v, dout, bm
+            del q, k, v, dout, bm, leaves, qt, kt, vt
             torch.cuda.empty_cache()
     return rows
 

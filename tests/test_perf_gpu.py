@@ -40,21 +40,30 @@ def test_triton_rotary_matches_the_torch_path(dtype):
         outs = {}
         torch._dynamo.reset()
         compiled = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin)), fullgraph=True)
+        compiled_tm = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin), token_major=True), fullgraph=True)
+        token_major = lambda g: g.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 (varlen's gradients)
         for name, fn in (("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False)),
                          ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d)),
-                         ("compiled", lambda: compiled(x))):  # the kernels as the custom op tpframe::qkv_rotary
+                         ("compiled", lambda: compiled(x)),  # the kernels as the custom op tpframe::qkv_rotary
+                         ("fused token-major", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, token_major=True)),
+                         ("compiled token-major", lambda: compiled_tm(x))):
             out = fn()
-            grad = torch.autograd.grad(out, x, [g.to(dtype) for g in grads64])[0]
+            if "token-major" in name:
+                assert all(o.transpose(1, 2).is_contiguous() for o in out), name
+            grads = [g.to(dtype) for g in grads64]
+            grad = torch.autograd.grad(out, x, [token_major(g) for g in grads] if "token" in name else grads)[0]
             outs[name] = ([rel_err(o, r) for o, r in zip(out, ref)], rel_err(grad, ref_grad))
         case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} per_row={per_row} {dtype}"
         (fwd_e, bwd_e) = outs["eager"]
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        for name in ("fused", "compiled"):
+        for name in ("fused", "compiled", "fused token-major", "compiled token-major"):
             fwd_f, bwd_f = outs[name]
             assert max(fwd_f) <= max(tol, 1.01 * max(fwd_e)), f"{case}: {name} forward errors {fwd_f} vs eager {fwd_e}"
             assert bwd_f <= max(tol, 1.01 * bwd_e), f"{case}: {name} backward error {bwd_f} vs eager {bwd_e}"
         if s < 100:  # the op's registration (schema, fake, autograd) checked by torch itself
-            torch.library.opcheck(torch.ops.tpframe.qkv_rotary, (x.detach().requires_grad_(), cos, sin, nq, nkv, d))
+            for token_major in (False, True):
+                torch.library.opcheck(torch.ops.tpframe.qkv_rotary,
+                                      (x.detach().requires_grad_(), cos, sin, nq, nkv, d, token_major))
 
 
 @pytest.mark.gpu

@@ -41,6 +41,16 @@ def _check() -> None:
         for name, x, y in zip("qkv", got, ref):
             torch.testing.assert_close(x, y.contiguous(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
         torch.testing.assert_close(got_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} grad: {m}")
+        # token-major memory ([b, s, n, d], what varlen attention reads as [b*s, n, d]): the same values, and a
+        # backward that reads gradients in either layout
+        x = qkv.detach().clone().requires_grad_()
+        tm = qkv_rotary(x, *tables, nq, nkv, d, token_major=True)
+        for name, t, y in zip("qkv", tm, ref):
+            assert t.transpose(1, 2).is_contiguous(), f"{case} {name}: not token-major"
+            torch.testing.assert_close(t, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} token-major {name}: {m}")
+        strided = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grads]
+        tm_grad = torch.autograd.grad(tm, x, strided)[0]
+        torch.testing.assert_close(tm_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} token-major grad: {m}")
     bad = torch.randn(2, 2, 3, 1, 8)  # a table that is neither shared nor per row
     try:
         qkv_rotary(torch.randn(2, 2, 4 * 8), bad, bad, 2, 1, 8)

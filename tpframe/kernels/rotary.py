@@ -21,8 +21,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _qkv_rotary_fwd(qkv, cos, sin, q, k, v, S, B, CS, CB, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-                        HEADS: tl.constexpr, HALF: tl.constexpr):
+    def _qkv_rotary_fwd(qkv, cos, sin, q, k, v, S, B, CS, CB, QB, QN, QS, KB, KN, KS, NQ: tl.constexpr,
+                        NKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
         tok = tl.program_id(0)  # = s_i * B + b_i, the row of qkv
         s_i = tok // B
         b_i = tok % B
@@ -40,36 +40,38 @@ if HAVE_TRITON:
         rot = h < NQ + NKV  # q and k heads rotate; v heads are copied
         o1 = tl.where(rot, x1 * c1 - x2 * s1, x1).to(q.dtype.element_ty)
         o2 = tl.where(rot, x2 * c2 + x1 * s2, x2).to(q.dtype.element_ty)
-        sb = s_i.to(tl.int64) * D + j
+        # element strides of q's and of k's and v's (b, head, s) dims: head-major [b, n, s, d] or token-major
+        # [b, s, n, d] memory
+        bq, bk = b_i.to(tl.int64) * QB + s_i.to(tl.int64) * QS + j, b_i.to(tl.int64) * KB + s_i.to(tl.int64) * KS + j
         is_q = inside & (h < NQ)
-        dq = q + (b_i.to(tl.int64) * NQ + h) * (S * D) + sb
+        dq = q + bq + h.to(tl.int64) * QN
         tl.store(dq, o1, mask=is_q)
         tl.store(dq + D // 2, o2, mask=is_q)
         is_k = inside & (h >= NQ) & (h < NQ + NKV)
-        dk = k + (b_i.to(tl.int64) * NKV + (h - NQ)) * (S * D) + sb
+        dk = k + bk + (h - NQ).to(tl.int64) * KN
         tl.store(dk, o1, mask=is_k)
         tl.store(dk + D // 2, o2, mask=is_k)
         is_v = inside & (h >= NQ + NKV)
-        dv = v + (b_i.to(tl.int64) * NKV + (h - NQ - NKV)) * (S * D) + sb
+        dv = v + bk + (h - NQ - NKV).to(tl.int64) * KN
         tl.store(dv, o1, mask=is_v)
         tl.store(dv + D // 2, o2, mask=is_v)
 
     @triton.jit
-    def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, S, B, CS, CB, NQ: tl.constexpr, NKV: tl.constexpr,
-                        D: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
+    def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, S, B, CS, CB, QB, QN, QS, KB, KN, KS, VB, VN, VS,
+                        NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
         tok = tl.program_id(0)
         s_i = tok // B
         b_i = tok % B
         h = tl.arange(0, HEADS)[:, None]
         j = tl.arange(0, HALF)[None, :]
         inside = (h < NQ + 2 * NKV) & (j < D // 2)
-        sb = s_i.to(tl.int64) * D + j
+        b64, s64 = b_i.to(tl.int64), s_i.to(tl.int64)
         is_q = inside & (h < NQ)
         is_k = inside & (h >= NQ) & (h < NQ + NKV)
         is_v = inside & (h >= NQ + NKV)
-        pq = gq + (b_i.to(tl.int64) * NQ + h) * (S * D) + sb
-        pk = gk + (b_i.to(tl.int64) * NKV + (h - NQ)) * (S * D) + sb
-        pv = gv + (b_i.to(tl.int64) * NKV + (h - NQ - NKV)) * (S * D) + sb
+        pq = gq + b64 * QB + s64 * QS + h.to(tl.int64) * QN + j  # each gradient in its own layout (strides)
+        pk = gk + b64 * KB + s64 * KS + (h - NQ).to(tl.int64) * KN + j
+        pv = gv + b64 * VB + s64 * VS + (h - NQ - NKV).to(tl.int64) * VN + j
         g1 = (tl.load(pq, mask=is_q, other=0.0).to(tl.float32) + tl.load(pk, mask=is_k, other=0.0).to(tl.float32)
               + tl.load(pv, mask=is_v, other=0.0).to(tl.float32))
         g2 = (tl.load(pq + D // 2, mask=is_q, other=0.0).to(tl.float32)
@@ -100,12 +102,22 @@ def _table_strides(cos: torch.Tensor, d: int) -> tuple[int, int]:
     return rows * d, (d if rows > 1 else 0)
 
 
-def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int):
+def _empty(like: torch.Tensor, b: int, n: int, s: int, d: int, token_major: bool) -> torch.Tensor:
+    """[b, n, s, d]: contiguous, or a view of token-major [b, s, n, d] memory."""
+    return like.new_empty((b, s, n, d)).transpose(1, 2) if token_major else like.new_empty((b, n, s, d))
+
+
+def _bns_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int, token_major: bool = False):
     s, b = qkv.shape[:2]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    q = qkv.new_empty((b, nq, s, d))
-    k, v = qkv.new_empty((b, nkv, s, d)), qkv.new_empty((b, nkv, s, d))
-    _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, s, b, *_table_strides(cos, d), **_launch_meta(nq, nkv, d))
+    q, k, v = _empty(qkv, b, nq, s, d, token_major), _empty(qkv, b, nkv, s, d, token_major), \
+        _empty(qkv, b, nkv, s, d, token_major)
+    _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, s, b, *_table_strides(cos, d), *_bns_strides(q),
+                              *_bns_strides(k), **_launch_meta(nq, nkv, d))
     return q, k, v
 
 
@@ -113,8 +125,9 @@ def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int):
     b, _, s, _ = gq.shape
     gqkv = gq.new_empty((s, b, (nq + 2 * nkv) * d))
     cos, sin = cos.contiguous(), sin.contiguous()
-    _qkv_rotary_bwd[(s * b,)](gq.contiguous(), gk.contiguous(), gv.contiguous(), cos, sin, gqkv, s, b,
-                              *_table_strides(cos, d), **_launch_meta(nq, nkv, d))
+    gq, gk, gv = (g if g.stride(-1) == 1 else g.contiguous() for g in (gq, gk, gv))  # any (b, n, s) strides
+    _qkv_rotary_bwd[(s * b,)](gq, gk, gv, cos, sin, gqkv, s, b, *_table_strides(cos, d), *_bns_strides(gq),
+                              *_bns_strides(gk), *_bns_strides(gv), **_launch_meta(nq, nkv, d))
     return gqkv
 
 
@@ -122,10 +135,10 @@ class _QKVRotary(torch.autograd.Function):
     """The eager path: no op dispatch on the way to the kernels."""
 
     @staticmethod
-    def forward(ctx, qkv, cos, sin, nq, nkv, d):
+    def forward(ctx, qkv, cos, sin, nq, nkv, d, token_major):
         ctx.save_for_backward(cos, sin)
         ctx.dims, ctx.dtype = (qkv.shape[0], qkv.shape[1], nq, nkv, d), qkv.dtype
-        return _rotary_fwd(qkv, cos, sin, nq, nkv, d)
+        return _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major)
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
@@ -133,21 +146,22 @@ class _QKVRotary(torch.autograd.Function):
         s, b, nq, nkv, d = ctx.dims
         grads = [torch.zeros((b, n, s, d), dtype=ctx.dtype, device=cos.device) if g is None else g
                  for g, n in ((gq, nq), (gk, nkv), (gv, nkv))]
-        return _rotary_bwd(*grads, cos, sin, nq, nkv, d), None, None, None, None, None
+        return _rotary_bwd(*grads, cos, sin, nq, nkv, d), None, None, None, None, None, None
 
 
 # Under torch.compile the same kernels run as custom ops: opaque to Inductor, which would otherwise generate the
 # split + rotation + layout change itself, with a backward whose transposed stores cost ~10x the kernel's.
 @torch.library.custom_op("tpframe::qkv_rotary", mutates_args=())
 def qkv_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
-                  d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rotary_fwd(qkv, cos, sin, nq, nkv, d)
+                  d: int, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major)
 
 
 @qkv_rotary_op.register_fake
-def _(qkv, cos, sin, nq, nkv, d):
+def _(qkv, cos, sin, nq, nkv, d, token_major=False):
     s, b = qkv.shape[:2]
-    return (qkv.new_empty((b, nq, s, d)), qkv.new_empty((b, nkv, s, d)), qkv.new_empty((b, nkv, s, d)))
+    return (_empty(qkv, b, nq, s, d, token_major), _empty(qkv, b, nkv, s, d, token_major),
+            _empty(qkv, b, nkv, s, d, token_major))
 
 
 @torch.library.custom_op("tpframe::qkv_rotary_backward", mutates_args=())
@@ -163,22 +177,24 @@ def _(gq, gk, gv, cos, sin, nq, nkv, d):
 
 
 def _setup_context(ctx, inputs, output):
-    _, cos, sin, nq, nkv, d = inputs
+    _, cos, sin, nq, nkv, d, _ = inputs
     ctx.save_for_backward(cos, sin)
     ctx.dims = (nq, nkv, d)
 
 
 def _backward(ctx, gq, gk, gv):
     cos, sin = ctx.saved_tensors
-    return torch.ops.tpframe.qkv_rotary_backward(gq, gk, gv, cos, sin, *ctx.dims), None, None, None, None, None
+    return torch.ops.tpframe.qkv_rotary_backward(gq, gk, gv, cos, sin, *ctx.dims), None, None, None, None, None, None
 
 
 qkv_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int):
-    """The Triton path: (q, k, v), each contiguous [b, n, s, d]; cos/sin [s, 1, 1, d] (or [s, d]) shared by the
-    batch, or [s, b, 1, d] with a row per sequence."""
+def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int, *,
+               token_major: bool = False):
+    """The Triton path: (q, k, v), each [b, n, s, d], contiguous or (`token_major`) a view of [b, s, n, d] memory,
+    which variable-length attention reads as [b*s, n, d] without a copy; cos/sin [s, 1, 1, d] (or [s, d]) shared by
+    the batch, or [s, b, 1, d] with a row per sequence."""
     if not HAVE_TRITON:
         raise RuntimeError("qkv_rotary needs Triton")
     s, b = qkv.shape[:2]
@@ -187,5 +203,5 @@ def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int,
         raise ValueError(f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)} do not match "
                          f"nq={nq}, nkv={nkv}, d={d}")
     if torch.compiler.is_compiling():
-        return torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d)
-    return _QKVRotary.apply(qkv, cos, sin, nq, nkv, d)
+        return torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d, token_major)
+    return _QKVRotary.apply(qkv, cos, sin, nq, nkv, d, token_major)

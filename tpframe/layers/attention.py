@@ -22,7 +22,7 @@ from tpframe.comm import Communicator
 from tpframe.kernels import HAVE_TRITON
 from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
-from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention
+from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention, uses_varlen
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
@@ -66,8 +66,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused: bool = True):
+def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused: bool = True, *,
+                token_major: bool = False):
     """qkv [s, b, (nq + 2 nkv) d] -> SDPA's q [b, nq, s, d], k, v [b, nkv, s, d], rotary applied to q and k.
+    `token_major`: the fused kernel writes them in [b, s, n, d] memory (what variable-length attention reads).
 
     On CUDA one Triton kernel does the split, the rotation and the layout change (tpframe/kernels/rotary.py;
     under torch.compile as a custom op, since Inductor's own code for it is slow); elsewhere, or with
@@ -75,7 +77,7 @@ def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused
     or one row per sequence ([s, b, 1, d]: generation's left-padded rows, where it replaces ten small kernels
     per layer of every decode step)."""
     if fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda:
-        return qkv_rotary(qkv, *rotary, nq, nkv, d)
+        return qkv_rotary(qkv, *rotary, nq, nkv, d, token_major=token_major)
     s, b = qkv.shape[:2]
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
@@ -134,8 +136,12 @@ class ParallelAttention(nn.Module):
         s, b = qkv.shape[:2]
         d = self.head_dim
         # SDPA takes [b, n, s, d]
-        q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary)
         dropout = self.attention_dropout if self.training else 0.0
+        # the varlen kernel reads each document's tokens as rows of [b*s, n, d]: have them written that way
+        token_major = documents is not None and self.cp_comm is None and uses_varlen(qkv, documents, dropout,
+                                                                                     head_dim=d)
+        q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary,
+                              token_major=token_major)
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)

@@ -99,10 +99,11 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
                                           enable_gqa=enable_gqa)
 
 
-def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0) -> bool:
-    """Whether `document_attention` runs the variable-length Flash kernel for these inputs."""
+def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, head_dim: int | None = None) -> bool:
+    """Whether `document_attention` runs the variable-length Flash kernel for these inputs (q, or any tensor of
+    its device and dtype with `head_dim`)."""
     return (_varlen_attn is not None and docs.cu_seqlens is not None and dropout_p == 0 and q.is_cuda
-            and q.dtype in VARLEN_DTYPES and q.shape[-1] <= 256)
+            and q.dtype in VARLEN_DTYPES and (head_dim or q.shape[-1]) <= 256)
 
 
 @torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
