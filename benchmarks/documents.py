@@ -133,11 +133,60 @@ def model_rows(doc_len: int) -> list[str]:
     return rows
 
 
+def cp_rows(doc_len: int, dev: torch.device) -> list[str]:
+    """One CP rank's share of packed-document attention (rank 0's two query chunks over the gathered keys of a
+    Llama-8B-style row of S = 32768 tokens, 32 heads, GQA 8, d=128): the dense [b, 1, 2c, S] mask (tpframe's path
+    before, and off CUDA) against the variable-length sequences of `Documents.for_cp_rank`. The all-gather is the
+    same for both and not timed."""
+    from tpframe.layers import documents
+    from tpframe.parallel.context import local_positions, shard_sequence
+
+    b, s, nq, nkv, d = 1, 32768, 32, 8, 128
+    rows = []
+    for cp in (2, 4, 8):
+        g = torch.Generator(device=dev).manual_seed(0)
+        ids = torch.ones(b, s, dtype=torch.long)
+        ids.view(-1)[document_ends(b * s, doc_len)] = 0
+        ids = ids.to(dev)
+        docs = documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp)
+        q = shard_sequence(torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16), dim=2, rank=0,
+                           size=cp).requires_grad_()
+        kv = torch.randn(2, b, nkv, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn_like(q)
+        local = local_positions(s // cp, rank=0, size=cp, device=dev)
+        lengths = (docs.chunks[0].cu_k[1:] - docs.chunks[0].cu_k[:-1]).double(), \
+            (docs.chunks[1].cu_k[1:] - docs.chunks[1].cu_k[:-1]).double()
+        q_lens = [(c.cu_q[1:] - c.cu_q[:-1]).double() for c in docs.chunks]
+        # useful FLOPs: each query attends its document's earlier keys: 2 GEMMs fwd, 5 bwd, mean keys (lk - lq/2)
+        useful = sum(float((ql * (lk - ql / 2)).sum()) for ql, lk in zip(q_lens, lengths)) * 7 * 2 * nq * d
+
+        def dense():
+            mask = (docs.ids[:, local, None] == docs.ids[:, None, :]) & (local[:, None] >= torch.arange(s, device=dev))
+            return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None], enable_gqa=True)
+
+        def varlen():
+            return documents._varlen_chunks(q, kv, docs.chunks, True)
+
+        want = dense().float()
+        build = timed(lambda: documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp))
+        for label, fn in (("dense mask SDPA (before)", dense), ("varlen Flash, per chunk", varlen)):
+            ms = timed(lambda fn=fn: torch.autograd.grad(fn(), (q, kv), dout))
+            with torch.no_grad():
+                err = float((fn().float() - want).abs().max())
+            rows.append(f"| {cp} | {s // cp} | {doc_len} | {label} | {ms:.2f} | "
+                        + (f"{build:.2f}" if "varlen" in label else "-") + f" | {useful / ms / 1e9:.0f} | {err:.1e} |")
+            print(rows[-1], flush=True)
+        del q, kv, dout
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--doc-lens", default="256,1024")
     p.add_argument("--model", action="store_true", help="also GPT-1.3B's whole step through benchmarks/gpt.py")
     p.add_argument("--model-doc-len", type=int, default=512)
+    p.add_argument("--cp", action="store_true", help="also one CP rank's share at S=32768 (dense mask vs varlen)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     p.add_argument("--no-append", action="store_true")
     args = p.parse_args()
@@ -154,9 +203,15 @@ def main() -> int:
                  "forward + backward, 3 warm-up then 10 timed steps), one subprocess per row:", "",
                  "| blocks | attention | step ms | tokens/s | peak GiB |", "|---|---|---|---|---|",
                  *model_rows(args.model_doc_len)]
+    if args.cp:
+        model += ["", "One CP rank's share (rank 0) of a Llama-8B-style row, S=32768, 32 heads, GQA 8, d=128, documents "
+                  f"of mean length {args.model_doc_len}, bf16, forward + backward (the all-gather not timed; 'build' is "
+                  "Documents.for_cp_rank, once per micro-batch):", "",
+                  "| cp | local tokens | mean doc length | attention | fwd+bwd ms | build ms | useful TFLOP/s | "
+                  "max abs diff vs dense (fwd) |", "|---|---|---|---|---|---|---|---|", *cp_rows(args.model_doc_len, dev)]
     device = torch.cuda.get_device_name(dev)
     cmd = "python benchmarks/documents.py" + (f" --doc-lens {args.doc_lens}" if args.doc_lens != "256,1024" else "") + (
-        " --model" if args.model else "")
+        " --model" if args.model else "") + (" --cp" if args.cp else "")
     text = "\n".join([
         f"## Packed documents (model.attention_mask=document): 1x {device}, {datetime.date.today()}", "",
         f"Command: `{cmd}`. torch {torch.__version__}, bf16, forward + backward, median of 10 calls after 3 warm-up "

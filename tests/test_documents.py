@@ -176,6 +176,88 @@ def test_compiled_blocks_take_the_documents_without_graph_breaks(tmp_path):
 # -- GPU: the variable-length Flash path ---------------------------------------------------------------------
 
 
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=True, enable_gqa=False):
+    """torch.nn.attention.varlen's contract in plain torch: sequence i's queries q[cu_q[i]:cu_q[i+1]] over its keys,
+    causal with the mask aligned to the last key (Flash's bottom-right alignment)."""
+    assert is_causal
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = (t[a:z].transpose(0, 1) for t, a, z in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
+                                                            (v, cu_k[i], cu_k[i + 1])))
+        lq, lk = qi.shape[1], ki.shape[1]
+        assert 0 < lq <= max_q and lq <= lk <= max_k
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,
+                                                                     enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _cp_chunks_vs_dense(varlen, dev, dtype, *, b, s, nq, nkv, d, mean, seed=0):
+    """Every CP rank's queries (cp 2 and 4) through `_varlen_chunks` (with `varlen` as the kernel) against the
+    dense-mask CP attention: the largest (error, its scale) over output and q, k, v gradients."""
+    import tpframe.layers.documents as documents
+    from tpframe.parallel.context import local_positions, shard_sequence
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (b, s), generator=g)
+    ids[torch.rand(b, s, generator=g) < 1 / mean] = EOD
+    ids[0, s // 2 - 1] = ids[-1, 0] = EOD  # a document ends at a chunk edge; a row starts with a one-token one
+    q, k, v = (torch.randn(b, n, s, d, generator=g).to(dev, dtype) for n in (nq, nkv, nkv))
+    dout = torch.randn(b, nq, s, d, generator=g).to(dev, dtype)
+    worst = []
+    for cp in (2, 4):
+        for rank in range(cp):
+            docs = Documents.for_cp_rank(ids.to(dev), EOD, rank=rank, size=cp, varlen=True)
+            full = Documents.from_tokens(ids.to(dev), EOD, varlen=False)
+            assert torch.equal(docs.ids, full.ids) and docs.chunks is not None
+            ql, kk, vv = (t.clone().requires_grad_() for t in (shard_sequence(q, dim=2, rank=rank, size=cp), k, v))
+            dl = shard_sequence(dout, dim=2, rank=rank, size=cp)
+            got = documents._varlen_chunks(ql, torch.stack([kk, vv]), docs.chunks, nq != nkv) if varlen is None \
+                else _with_kernel(documents, varlen, lambda: documents._varlen_chunks(ql, torch.stack([kk, vv]),
+                                                                                      docs.chunks, nq != nkv))
+            got_grads = torch.autograd.grad(got, (ql, kk, vv), dl)
+            rows = local_positions(s // cp, rank=rank, size=cp, device=dev)
+            mask = (full.ids[:, rows, None] == full.ids[:, None, :]) & (rows[:, None] >= torch.arange(s, device=dev))
+            wide = torch.float64 if dtype == torch.float64 else torch.float32
+            ql32, k32, v32 = (t.detach().to(wide).requires_grad_() for t in (ql, kk, vv))
+            want = torch.nn.functional.scaled_dot_product_attention(ql32, k32, v32, attn_mask=mask[:, None],
+                                                                    enable_gqa=nq != nkv)
+            want_grads = torch.autograd.grad(want, (ql32, k32, v32), dl.to(wide))
+            for a, w in zip((got, *got_grads), (want, *want_grads)):
+                worst.append((float((a.to(wide) - w).abs().max()), float(w.abs().max())))
+    return worst
+
+
+def _with_kernel(documents, kernel, fn):
+    saved, saved_args = documents._varlen_attn, documents._VARLEN_ARGS
+    documents._varlen_attn, documents._VARLEN_ARGS = kernel, {"is_causal", "enable_gqa"}
+    try:
+        return fn()
+    finally:
+        documents._varlen_attn, documents._VARLEN_ARGS = saved, saved_args
+
+
+@pytest.mark.parametrize("nq,nkv", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_cp_chunks_as_variable_length_sequences_equal_the_dense_mask(nq, nkv):
+    """The sequences each CP rank's two query chunks make (pieces of documents, keys from the document's start,
+    rows and chunks back to back), run through the varlen contract in plain torch: the dense-mask CP attention's
+    output and gradients, at CP 2 and 4, every rank, documents that span chunks and ranks."""
+    worst = _cp_chunks_vs_dense(_reference_varlen, torch.device("cpu"), torch.float64, b=3, s=32, nq=nq, nkv=nkv,
+                                d=8, mean=6)
+    assert max(err for err, _ in worst) < 1e-10, worst
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("nq,nkv", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_cp_chunks_through_flash_varlen_equal_the_dense_mask_on_gpu(nq, nkv):
+    """The same with torch's Flash varlen kernel in bf16 (its causal mask aligned to each sequence's last key):
+    within bf16's error of the fp32 dense-mask result."""
+    worst = _cp_chunks_vs_dense(None, torch.device("cuda"), torch.bfloat16, b=2, s=1024, nq=nq, nkv=nkv, d=64,
+                                mean=100)
+    for err, scale in worst:
+        assert err <= 0.02 * scale + 0.02, worst
+
+
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("nq,nkv", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 def test_varlen_flash_attention_equals_the_dense_mask_on_gpu(nq, nkv):

@@ -47,6 +47,8 @@ class Documents:
     positions: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     max_len: int = 0
+    # context parallelism on CUDA: this CP rank's two query chunks as variable-length sequences (`for_cp_rank`)
+    chunks: tuple[ChunkSequences, ChunkSequences] | None = None
 
     @classmethod
     def from_tokens(cls, input_ids: torch.Tensor, eod_id: int, *, varlen: bool | None = None) -> Documents:
@@ -66,6 +68,24 @@ class Documents:
         bounds = torch.cat([starts.flatten().cpu().nonzero().flatten(), torch.tensor([b * s])])
         cu = bounds.to(torch.int32).to(input_ids.device, non_blocking=True)
         return cls(ids, positions, cu, int((bounds[1:] - bounds[:-1]).max()))
+
+    @classmethod
+    def for_cp_rank(cls, input_ids: torch.Tensor, eod_id: int, *, rank: int, size: int,
+                    varlen: bool | None = None) -> Documents:
+        """The documents of whole rows [b, S] (every CP rank's tokens, gathered) for CP rank `rank` of `size`,
+        whose queries are chunks `rank` and `2*size-1-rank` of c = S / (2 size) tokens. `varlen` (default: on
+        CUDA) also describes each chunk's documents as variable-length sequences (`ChunkSequences`), from one
+        device-to-host copy of the rows' document starts."""
+        docs = cls.from_tokens(input_ids, eod_id, varlen=False)
+        if not (input_ids.is_cuda if varlen is None else varlen):
+            return docs
+        b, s = input_ids.shape
+        c = s // (2 * size)
+        starts = (docs.positions == 0).cpu()  # each row's document starts (position 0 also starts a row)
+        rows = [row.nonzero().flatten().tolist() + [s] for row in starts]
+        chunks = tuple(ChunkSequences.of_chunk(rows, start, c, s, input_ids.device)
+                       for start in (rank * c, (2 * size - 1 - rank) * c))
+        return cls(docs.ids, docs.positions, chunks=chunks)
 
     def mask(self) -> torch.Tensor:
         """[b, 1, s, s] bool, True where a query may attend a key: an earlier (or the same) token of its document."""
@@ -87,9 +107,12 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
                                         dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
     """This CP rank's queries q [b, nq, 2c, d] (its chunks r and 2cp-1-r) over the whole sequence's keys, inside
     each document: k and v [b, nkv, 2c, d] are all-gathered over `comm` as for causal CP attention, and `docs`
-    describes the whole rows ([b, S]). SDPA with the [b, 1, 2c, S] mask of these queries' rows (no varlen kernel
-    here yet: the chunks' documents need their own sequence offsets)."""
+    describes the whole rows ([b, S]). On CUDA (bf16, no dropout) with `docs.chunks` (`Documents.for_cp_rank`):
+    variable-length Flash attention per chunk; elsewhere SDPA with the [b, 1, 2c, S] mask of these queries' rows."""
     kv = gather_sequence(torch.stack([k, v]), comm)  # [2, b, nkv, S, d]
+    if docs.chunks is not None and _varlen_attn is not None and dropout_p == 0 and q.is_cuda \
+            and q.dtype in VARLEN_DTYPES and q.shape[-1] <= 256:
+        return _varlen_chunks(q, kv, docs.chunks, enable_gqa)
     s = kv.shape[-2]
     rows = local_positions(q.shape[-2], rank=comm.rank, size=comm.size, device=q.device)  # global positions
     keys = torch.arange(s, device=q.device)
@@ -109,14 +132,67 @@ def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, hea
 @torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
 def _varlen(q, k, v, docs: Documents, enable_gqa: bool) -> torch.Tensor:
     b, nq, s, d = q.shape
-    if enable_gqa and "enable_gqa" not in _VARLEN_ARGS:  # torch versions without GQA in varlen_attn
-        k, v = (t.repeat_interleave(nq // t.shape[1], dim=1) for t in (k, v))
-        enable_gqa = False
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [b*s, n, d]
+    out = _varlen_causal(*flat, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, enable_gqa)
+    return out.view(b, s, nq, d).transpose(1, 2)
+
+
+def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa: bool) -> torch.Tensor:
+    """varlen_attn over [total, n, d] rows, causal with the mask aligned to each sequence's last key (Flash's
+    bottom-right alignment: a sequence of fewer queries than keys holds the last queries)."""
+    if enable_gqa and "enable_gqa" not in _VARLEN_ARGS:  # torch versions without GQA in varlen_attn
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        enable_gqa = False
     extra = {"enable_gqa": True} if enable_gqa else {}
     if "is_causal" in _VARLEN_ARGS:
         extra["is_causal"] = True
     else:
         extra["window_size"] = (-1, 0)  # causal
-    out = _varlen_attn(*flat, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, **extra)
-    return out.view(b, s, nq, d).transpose(1, 2)
+    return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
+
+
+def _varlen_chunks(q: torch.Tensor, kv: torch.Tensor, chunks, enable_gqa: bool) -> torch.Tensor:
+    """q [b, nq, 2c, d] (this CP rank's two chunks) over kv [2, b, nkv, S, d], one varlen call per chunk."""
+    b, nq, two_c, d = q.shape
+    c, nkv, s = two_c // 2, kv.shape[2], kv.shape[3]
+    flat = kv.transpose(2, 3).reshape(2, b * s, nkv, d)  # rows in (row, position) order
+    outs = []
+    for i, seqs in enumerate(chunks):
+        qc = q[:, :, i * c : (i + 1) * c].transpose(1, 2).reshape(b * c, nq, d)
+        keys = flat.index_select(1, seqs.keys)  # the keys each sequence reads, back to back
+        out = _varlen_causal(qc, keys[0], keys[1], seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, enable_gqa)
+        outs.append(out.view(b, c, nq, d))
+    return torch.cat(outs, dim=1).transpose(1, 2)
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkSequences:
+    """One CP query chunk (c tokens from `start` of each row) as variable-length sequences: one per piece of a
+    document inside the chunk, its queries the piece's tokens, its keys the document's tokens from its first up
+    to the piece's last (so the causal mask aligned to the last key is the document's). In a row the pieces'
+    key ranges follow each other from the first piece's document start to the chunk's end, so `keys` (rows of
+    the flattened [b*S] keys) lists them back to back without repeats."""
+
+    keys: torch.Tensor  # [total keys] int64
+    cu_q: torch.Tensor  # [n+1] int32
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of_chunk(cls, rows: list[list[int]], start: int, c: int, s: int, device) -> ChunkSequences:
+        """`rows[i]`: row i's document starts (ascending, with s appended)."""
+        q_lens, k_lens, keys = [], [], []
+        for i, bounds in enumerate(rows):
+            first = None
+            for ds, de in zip(bounds[:-1], bounds[1:]):
+                if de <= start or ds >= start + c:
+                    continue
+                qs, qe = max(ds, start), min(de, start + c)
+                first = ds if first is None else first
+                q_lens.append(qe - qs)
+                k_lens.append(qe - ds)
+            keys.append(torch.arange(i * s + first, i * s + start + c))
+        cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+        return cls(torch.cat(keys).to(device, non_blocking=True), cu(q_lens).to(device, non_blocking=True),
+                   cu(k_lens).to(device, non_blocking=True), max(q_lens), max(k_lens))

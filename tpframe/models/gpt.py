@@ -219,7 +219,8 @@ class GPT(nn.Module):
         if self.cfg.eod_id is None:
             raise ValueError("model.attention_mask=document needs model.eod_id (train.py sets it from the data)")
         if self.cp > 1:  # this rank's tokens [b, S/cp]: the documents are those of the whole rows
-            return Documents.from_tokens(gather_token_ids(input_ids, self.ctx.cp_comm), self.cfg.eod_id, varlen=False)
+            return Documents.for_cp_rank(gather_token_ids(input_ids, self.ctx.cp_comm), self.cfg.eod_id,
+                                         rank=self.cp_rank, size=self.cp)
         return Documents.from_tokens(input_ids, self.cfg.eod_id)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
