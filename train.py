@@ -135,7 +135,7 @@ def _parallel_state(cfg):
         configure_flight_recorder(cfg.train.run_dir)  # before the NCCL groups exist
     try:
         state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, comm_backend=cfg.comm.backend,
-                                    timeout_s=cfg.comm.timeout_s)
+                                    timeout_s=cfg.comm.timeout_s, dp_high_priority=p.dp_high_priority)
     except Exception as e:
         if not is_comm_failure(e):
             raise

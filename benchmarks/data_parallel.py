@@ -37,15 +37,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1 runs,
-    #        parallel.dp_comm)
-    ("DP=1", "ddp", True, "1", "nccl"),
-    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "nccl"),
-    ("ddp, overlap off", "ddp", False, "N", "nccl"),
-    ("ddp, overlap on", "ddp", True, "N", "nccl"),
-    ("ddp, overlap on, copy-engine sync", "ddp", True, "N", "copy_engine"),
-    ("zero1", "zero1", True, "N", "nccl"),
-    ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine"),
-    ("fsdp", "fsdp", True, "N", "nccl"),
+    #        parallel.dp_comm, parallel.dp_high_priority)
+    ("DP=1", "ddp", True, "1", "nccl", False),
+    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "nccl", False),
+    ("ddp, overlap off", "ddp", False, "N", "nccl", False),
+    ("ddp, overlap on", "ddp", True, "N", "nccl", False),
+    ("ddp, overlap on, high-priority stream", "ddp", True, "N", "nccl", True),
+    ("ddp, overlap on, copy-engine sync", "ddp", True, "N", "copy_engine", False),
+    ("ddp, overlap on, copy-engine sync, high-priority streams", "ddp", True, "N", "copy_engine", True),
+    ("zero1", "zero1", True, "N", "nccl", False),
+    ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine", False),
+    ("fsdp", "fsdp", True, "N", "nccl", False),
 ]
 
 
@@ -53,7 +55,7 @@ def env(name: str, default) -> int:
     return type(default)(os.environ.get(name, default))
 
 
-def worker(strategy: str, overlap: bool, dp_comm: str = "nccl") -> None:
+def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: bool = False) -> None:
     import torch
 
     from tpframe.models import BuildContext, build_model
@@ -63,7 +65,7 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl") -> None:
     from tpframe.parallel.graphed import GraphedForwardBackward
     from tpframe.parallel.schedules import forward_backward_no_pipelining
 
-    state = initialize_parallel(tp=1)
+    state = initialize_parallel(tp=1, dp_high_priority=high_priority)
     cuda = state.device.type == "cuda"
     H, L, NH, S, MB, ACCUM, STEPS = (env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048),
                                      env("MB", 8), env("ACCUM", 1), env("STEPS", 10))
@@ -118,8 +120,8 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl") -> None:
     torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
-    profiled = profile_step(step, os.environ.get("PROFILE"), f"{strategy}-overlap{int(overlap)}-{dp_comm}-dp{state.dp}",
-                            state.rank, cuda, sync)
+    name = f"{strategy}-overlap{int(overlap)}-{dp_comm}{'-hp' * high_priority}-dp{state.dp}"
+    profiled = profile_step(step, os.environ.get("PROFILE"), name, state.rank, cuda, sync)
     if state.rank == 0:
         print("RESULT " + json.dumps({
             "strategy": opt.describe(), "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
@@ -164,7 +166,7 @@ def main() -> None:
         print(f"ROWS: no row named {unknown[0]!r}; the rows are {'; '.join(row[0] for row in ROWS)} "
               "(separate several with ';')", file=sys.stderr)
         raise SystemExit(2)
-    for name, strategy, overlap, n, dp_comm in ROWS:
+    for name, strategy, overlap, n, dp_comm, high_priority in ROWS:
         if only and name not in only:
             continue
         if env("GRAPH", 0) == 1 and strategy == "fsdp":
@@ -172,7 +174,7 @@ def main() -> None:
             continue
         procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
-               "--worker", strategy, str(int(overlap)), dp_comm]
+               "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority))]
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
         gpus = [{"CUDA_VISIBLE_DEVICES": str(i), "PROFILE": ""} if copies > 1 else {} for i in range(copies)]  # DP=1 profiles
@@ -225,6 +227,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4])
+        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4], sys.argv[5] == "1")
     else:
         main()

@@ -2,9 +2,9 @@
 # One device call on nvidia-h200-x2 (repo root): the GPU training tests, then the data-parallel benchmark, as the
 # issue asks (micro-batch 8, activations dominate the peak) and with activation checkpointing (CKPT=1: the
 # optimizer state dominates, where ZeRO-1's halving shows in the peak). SKIP_TESTS=1 skips the tests.
-# PROFILE_ONLY=1: only the gradient-overlap question, in about 6 minutes: the bucket-averaging GPU test, then
+# PROFILE_ONLY=1: only the gradient-overlap question, in about 8 minutes: the bucket-averaging GPU test, then
 # DP=1 (alone, and on every GPU at once: each GPU's own speed) and ddp with overlap off, on, and with the copy-engine
-# sync (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU timeline says how long the
+# sync, each of the last two also on high-priority streams (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU timeline says how long the
 # collectives ran and how much of that no computation hid; benchmarks/dp_timeline.py then compares the traces.
 # COPY_ENGINE=1: the copy-engine gradient sync's question, in about 9 minutes: its 2-GPU tests and the DP tests,
 # then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1), then GPT-125M CUDA-graphed (GRAPH=1).
@@ -26,8 +26,8 @@ fi
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then
   timeout 90 python3 -m pytest -q tests/test_gpu_training.py -k nccl_gradient -p no:cacheprovider -rs 2>&1 | tail -3
   # each GPU's own DP=1 speed (a DP group runs at its slowest GPU's pace), then the profiled DP=2 rows
-  CKPT=1 STEPS=8 ROWS="DP=1;DP=1 on every GPU at once (no DP traffic);ddp, overlap off;ddp, overlap on;ddp, overlap on, copy-engine sync" \
-    PROFILE=$OUT/dp_prof timeout ${T_BENCH:-420} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_prof.log | tail -16
+  CKPT=1 STEPS=8 ROWS="DP=1;DP=1 on every GPU at once (no DP traffic);ddp, overlap off;ddp, overlap on;ddp, overlap on, high-priority stream;ddp, overlap on, copy-engine sync;ddp, overlap on, copy-engine sync, high-priority streams" \
+    PROFILE=$OUT/dp_prof timeout ${T_BENCH:-470} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_prof.log | tail -20
   python3 benchmarks/dp_timeline.py $OUT/dp_prof 2>&1 | tee $OUT/dp_timeline.txt | tail -40
   cp benchmarks/RESULTS.md $OUT/RESULTS.md
   exit 0

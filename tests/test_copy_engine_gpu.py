@@ -11,7 +11,7 @@ from tests.dist_utils import run_distributed
 from tests.training_utils import train_in_process
 
 
-def _synced_buckets(mode: str, late_rank: int):
+def _synced_buckets(mode: str, late_rank: int, high_priority: bool = False):
     """Three steps of a GradBuffer at DP=world size synced by copy engines (two micro-batches each, small buckets,
     overlapped); `late_rank`'s GPU sleeps before its last backward, so its peers' pulls must wait for it.
     Per step: the buffer, the ranges this rank owns, each weight's offset and exact mean gradient."""
@@ -36,7 +36,9 @@ def _synced_buckets(mode: str, late_rank: int):
 
         peer = dp_peer_memory("copy_engine", dist.group.WORLD, n, device)
     buf = GradBuffer(weights, dist.group.WORLD, dp_size=n, dp_rank=rank, bucket_bytes=2048, mode=mode,
-                     peer_memory=peer)
+                     peer_memory=peer, high_priority=high_priority)
+    if high_priority:  # parallel.dp_high_priority: the sync's streams outrank the default one
+        assert buf._ce.reduce.priority < torch.cuda.current_stream().priority
     buf.events = []
     out = []
     for step in range(3):
@@ -77,11 +79,12 @@ def _check(results, mode):
 
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
-@pytest.mark.parametrize("late_rank", [0, 1])
-def test_copy_engine_buckets_average_on_one_gpu(mode, late_rank):
+@pytest.mark.parametrize("late_rank,high_priority", [(0, False), (1, False), (1, True)])
+def test_copy_engine_buckets_average_on_one_gpu(mode, late_rank, high_priority):
     """Two processes on one GPU (CUDA IPC): every bucket holds the fp32 mean of both ranks' gradients, three
-    steps running (flags handed back and forth, scratch slots reused), with either rank late on the GPU."""
-    _check(run_distributed(_synced_buckets, 2, mode, late_rank, backend="gloo"), mode)
+    steps running (flags handed back and forth, scratch slots reused), with either rank late on the GPU; also
+    on high-priority streams (parallel.dp_high_priority)."""
+    _check(run_distributed(_synced_buckets, 2, mode, late_rank, high_priority, backend="gloo"), mode)
 
 
 @pytest.mark.gpu(count=1)

@@ -162,6 +162,8 @@ BAD = [
     (["parallel.dp_comm=ce"], "parallel.dp_comm='ce' is not allowed; choose one of 'nccl', 'copy_engine'"),
     (["parallel.dp_strategy=fsdp", "parallel.dp_comm=copy_engine"],
      "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through FSDP2's own"),
+    (["parallel.dp_strategy=fsdp", "parallel.dp_high_priority=true"],
+     "parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; fsdp syncs"),
 ]
 if not __import__("torch").cuda.is_available():  # a CUDA-only switch on a machine without CUDA
     BAD.append((["parallel.dp_comm=copy_engine"],

@@ -223,14 +223,18 @@ class CopyEngineSync:
 
     SLOTS = 2  # scratch slots: the pull of bucket b+1 need not wait for the reduction of bucket b
 
-    def __init__(self, memory: PeerMemory, ranges: list[tuple[int, int]], *, scatter_only: bool, scale: float):
+    def __init__(self, memory: PeerMemory, ranges: list[tuple[int, int]], *, scatter_only: bool, scale: float,
+                 high_priority: bool = False):
         if any((stop - start) % memory.size for start, stop in ranges):
             raise ValueError("every bucket must split evenly over the ranks")
         self.memory, self.ranges, self.scatter_only, self.scale = memory, list(ranges), scatter_only, scale
         self.rank, self.size = memory.rank, memory.size
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.device = memory.buffer.device
-        self.signal, self.pull, self.reduce, self.gather = (torch.cuda.Stream(self.device) for _ in range(4))
+        # high_priority (parallel.dp_high_priority): the reductions' CTAs go ahead of the backward's queued ones
+        priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0
+        self.signal, self.pull, self.reduce, self.gather = (torch.cuda.Stream(self.device, priority=priority)
+                                                             for _ in range(4))
         self._raw = {name: getattr(self, name).cuda_stream for name in ("signal", "pull", "reduce", "gather")}
         widest = max((stop - start) // self.size for start, stop in self.ranges)
         self.scratch = [torch.empty(len(self.peers) * widest, dtype=torch.float32, device=self.device)

@@ -51,8 +51,9 @@ class DDPStrategy(GradStrategy):
         # parallel.dp_comm=copy_engine: the dense buckets sync by copy engines (tpframe/comm/copy_engine.py)
         peer = dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device,
                               timeout_s=parallel.timeout_s)
-        self.grads = GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, bucket_bytes=bucket_bytes,
-                                overlap=overlap, mode="all_reduce", peer_memory=peer)
+        self.grads = GradBuffer(dense, parallel.dp_sync_group or parallel.dp_cp_group, dp_size=parallel.dp_cp,
+                                bucket_bytes=bucket_bytes, overlap=overlap, mode="all_reduce", peer_memory=peer,
+                                high_priority=parallel.dp_high_priority)
         self.expert_grads = None
         if self.expert_params:  # summed over the expert's replicas, averaged over every rank's loss
             self.expert_grads = GradBuffer(self.expert_params, parallel.edp_group, dp_size=parallel.edp,
@@ -139,5 +140,6 @@ class DDPStrategy(GradStrategy):
         n = sum(len(g.buckets) for g in self.buffers)
         experts = f", experts over ep={self.parallel.ep}" if self.expert_grads is not None else ""
         engine = ", copy-engine sync" if self.grads.sync_engine == "copy_engine" else ""
+        engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
         return (f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}"
                 f"{engine}{experts})")

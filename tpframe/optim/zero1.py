@@ -91,10 +91,12 @@ class Zero1Strategy(GradStrategy):
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
         experts = {id(p) for p in params if getattr(p, "expert", False)} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
-        self.parts = [self._shard([p for p in params if id(p) not in experts], parallel.dp_cp_group, parallel.dp_cp,
+        self.parts = [self._shard([p for p in params if id(p) not in experts],
+                                  parallel.dp_sync_group or parallel.dp_cp_group, parallel.dp_cp,
                                   parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap,
                                   peer_memory=dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp,
-                                                             parallel.device, timeout_s=parallel.timeout_s))]
+                                                             parallel.device, timeout_s=parallel.timeout_s),
+                                  high_priority=parallel.dp_high_priority)]
         if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
             self.parts.append(self._shard([p for p in params if id(p) in experts], parallel.edp_group, parallel.edp,
                                           parallel.edp_comm.rank, bucket_bytes=bucket_bytes, overlap=overlap,
@@ -111,10 +113,11 @@ class Zero1Strategy(GradStrategy):
             self._install_wait_hooks(model)
 
     def _shard(self, params: list[nn.Parameter], group, size: int, rank: int, *, bucket_bytes: int, overlap: bool,
-               average_over: int | None = None, peer_memory=None) -> Sharded:
+               average_over: int | None = None, peer_memory=None, high_priority: bool = False) -> Sharded:
         """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
         grads = GradBuffer(params, group, dp_size=size, dp_rank=rank, bucket_bytes=bucket_bytes, overlap=overlap,
-                           mode="reduce_scatter", average_over=average_over, peer_memory=peer_memory)
+                           mode="reduce_scatter", average_over=average_over, peer_memory=peer_memory,
+                           high_priority=high_priority)
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p in params:
@@ -251,6 +254,7 @@ class Zero1Strategy(GradStrategy):
     def describe(self) -> str:
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
         engine = ", copy-engine reduce-scatter" if self.grads.sync_engine == "copy_engine" else ""
+        engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
         n = sum(len(part.grads.buckets) for part in self.parts)
         experts = f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas" if len(self.parts) > 1 else ""
         return (f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "

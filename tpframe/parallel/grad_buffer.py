@@ -94,7 +94,7 @@ class GradBuffer:
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
                  dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce",
-                 average_over: int | None = None, peer_memory=None):
+                 average_over: int | None = None, peer_memory=None, high_priority: bool = False):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
@@ -146,7 +146,7 @@ class GradBuffer:
             if mode == "reduce_scatter" and memory.rank != dp_rank:
                 raise ValueError(f"peer memory rank {memory.rank} is not this buffer's DP rank {dp_rank}")
             self._ce = CopyEngineSync(memory, ranges, scatter_only=mode == "reduce_scatter",
-                                      scale=1.0 / self.average_over)
+                                      scale=1.0 / self.average_over, high_priority=high_priority)
             self.buffer = self._ce.buffer  # zeroed; padding stays zero
         else:
             self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)  # padding stays zero

@@ -47,6 +47,10 @@ class ParallelConfig:
     # their memories and one small reduction kernel per bucket, no SM held while bytes move; README: data
     # parallelism); falls back to nccl with a warning where unavailable
     dp_comm: Literal["nccl", "copy_engine"] = "nccl"
+    # ddp/zero1 on CUDA: the gradient sync (and zero1's param all-gather) on high-priority streams, so its kernels
+    # take free SMs ahead of the backward's queued GEMMs (NCCL: a DP communicator of its own; copy engines: their
+    # streams). Megatron-LM's --high-priority-stream-groups dp
+    dp_high_priority: bool = False
     pp_schedule: Literal["1f1b", "afab", "interleaved_1f1b", "zb_h1"] = "1f1b"  # README: pipeline parallelism
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
@@ -387,6 +391,10 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("train.compare_replicas_every compares the copies ddp and zero1 keep of each weight; fsdp keeps "
                           "one shard per rank, so there is nothing to compare: set parallel.dp_strategy=ddp or zero1, "
                           "or train.compare_replicas_every=0")
+    if p.dp_high_priority and p.dp_strategy == "fsdp":
+        raise ConfigError("parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; "
+                          "fsdp syncs through FSDP2's own collectives: set parallel.dp_high_priority=false or "
+                          "parallel.dp_strategy=ddp or zero1")
     if p.dp_comm == "copy_engine" and p.dp_strategy == "fsdp":
         raise ConfigError("parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
                           "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1")
