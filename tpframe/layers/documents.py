@@ -15,6 +15,9 @@ document it ends; the token after it starts the next.
 - on CUDA in bf16/fp16, Flash attention over variable-length sequences (`torch.nn.attention.varlen`):
   every document of every row is one sequence of the flattened batch, and no mask is materialized;
 - elsewhere (the CPU, fp32, attention dropout), SDPA with the dense mask [b, 1, s, s].
+Under context parallelism a rank's queries are two chunks of each row over the all-gathered keys:
+`Documents.for_cp_rank` makes each chunk's pieces of documents variable-length sequences (`ChunkSequences`), or
+the dense mask of the rank's rows is used.
 """
 
 from __future__ import annotations
@@ -110,8 +113,7 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
     describes the whole rows ([b, S]). On CUDA (bf16, no dropout) with `docs.chunks` (`Documents.for_cp_rank`):
     variable-length Flash attention per chunk; elsewhere SDPA with the [b, 1, 2c, S] mask of these queries' rows."""
     kv = gather_sequence(torch.stack([k, v]), comm)  # [2, b, nkv, S, d]
-    if docs.chunks is not None and _varlen_attn is not None and dropout_p == 0 and q.is_cuda \
-            and q.dtype in VARLEN_DTYPES and q.shape[-1] <= 256:
+    if docs.chunks is not None and _varlen_usable(q, dropout_p):
         return _varlen_chunks(q, kv, docs.chunks, enable_gqa)
     s = kv.shape[-2]
     rows = local_positions(q.shape[-2], rank=comm.rank, size=comm.size, device=q.device)  # global positions
@@ -125,8 +127,12 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
 def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, head_dim: int | None = None) -> bool:
     """Whether `document_attention` runs the variable-length Flash kernel for these inputs (q, or any tensor of
     its device and dtype with `head_dim`)."""
-    return (_varlen_attn is not None and docs.cu_seqlens is not None and dropout_p == 0 and q.is_cuda
-            and q.dtype in VARLEN_DTYPES and (head_dim or q.shape[-1]) <= 256)
+    return docs.cu_seqlens is not None and _varlen_usable(q, dropout_p, head_dim)
+
+
+def _varlen_usable(q: torch.Tensor, dropout_p: float, head_dim: int | None = None) -> bool:
+    return (_varlen_attn is not None and dropout_p == 0 and q.is_cuda and q.dtype in VARLEN_DTYPES
+            and (head_dim or q.shape[-1]) <= 256)
 
 
 @torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
