@@ -340,10 +340,14 @@ def _bf16_losses(overrides):
 
 @pytest.mark.gpu(count=2)
 def test_document_masking_trains_alike_on_one_and_two_gpus(tmp_path):
+    """TP=2 + SP and CP=2 (its queries' documents as varlen sequences per chunk) against one GPU."""
     one = run_distributed(_bf16_losses, 1, ["parallel.tp=1", f"train.run_dir={tmp_path}/a"], backend="nccl")[0]
     two = run_distributed(_bf16_losses, 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                             f"train.run_dir={tmp_path}/b"], backend="nccl")[0]
     _same(two, one, "TP=2+SP vs TP=1, bf16", rel=2e-2)
+    cp = run_distributed(_bf16_losses, 2, ["parallel.tp=1", "parallel.cp=2", f"train.run_dir={tmp_path}/c"],
+                         backend="nccl")[0]  # dp=1: the same micro-batches as one GPU's
+    _same(cp, one, "CP=2 (varlen per chunk) vs CP=1, bf16", rel=2e-2)
 
 
 @pytest.mark.gpu(count=1)
