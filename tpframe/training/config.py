@@ -130,6 +130,9 @@ class LoggingConfig:
     peak_tflops: float | None = None  # per-device peak for MFU; None: a table by device name
     tensorboard: bool = False  # also write every metric to <run_dir>/tensorboard (pip install tensorboard)
     timers: Literal["auto", "sync", "none"] = "auto"  # phase times per step: CUDA events or CPU clock; sync; none
+    # several ranks: at each log step, name a rank whose forward+backward takes more than this many times the median
+    # of its pipeline stage's ranks (tpframe/training/stragglers.py); 0: no line (fwd_bwd_max_ms, slowest_rank logged)
+    straggler_ratio: float = 1.1
 
 
 @dataclass
@@ -379,6 +382,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_data(cfg.data)
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
+    if cfg.logging.straggler_ratio and cfg.logging.straggler_ratio < 1:
+        raise ConfigError(f"logging.straggler_ratio={cfg.logging.straggler_ratio} must be 0 (off) or at least 1: a "
+                          "rank slower than this many times its stage's median is named, e.g. 1.1")
     if not 0 <= cfg.comm.overlap_sm_margin <= 64:
         raise ConfigError(f"comm.overlap_sm_margin={cfg.comm.overlap_sm_margin} must be between 0 and 64 SMs "
                           "(0: GEMMs beside a collective use every SM)")

@@ -32,6 +32,7 @@ from tpframe.training.loss_mask import StepBatches, per_token_scale
 from tpframe.training.profiler import StepProfiler
 from tpframe.training.replica_weights import ReplicaWeightCheck
 from tpframe.training.replicas import ReplicaGradCheck
+from tpframe.training.stragglers import StragglerReport
 from tpframe.training.timers import PhaseTimers, TimedBatches
 
 
@@ -67,6 +68,10 @@ class Trainer:
         # the launch's first step compares TP-replicated weights' gradients over TP (then dropped)
         self.replica_check = (ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
                               if cfg.train.check_replicas and parallel.tp > 1 else None)
+        # several ranks: at each log step, whose forward+backward was slow (the DP replicas wait for it)
+        self.stragglers = (StragglerReport(pp_rank=parallel.pp_rank, world=parallel.world_size,
+                                           ratio=cfg.logging.straggler_ratio, device=parallel.device)
+                           if parallel.world_size > 1 and cfg.logging.timers != "none" else None)
         # every train.compare_replicas_every steps: the copies of each weight still bit-identical over the ranks
         self.weight_check = (ReplicaWeightCheck(model, parallel, every=cfg.train.compare_replicas_every)
                              if cfg.train.compare_replicas_every else None)
@@ -192,6 +197,11 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 record.update(self._throughput(elapsed / window_steps))
                 record.update(self.timers.window())
+                if self.stragglers is not None and "fwd_bwd_ms" in record:
+                    found, line = self.stragglers(record["fwd_bwd_ms"])
+                    record.update(found)
+                    if line is not None:
+                        self.logger.info(line)
                 record.update(self._energy(window_steps, elapsed))
                 self.logger.log_train(self.step, {k: v for k, v in record.items() if k != "step"})
                 window_start, window_steps = time.perf_counter(), 0
