@@ -219,7 +219,8 @@ _FORMATS = {  # known keys, in console order
     "energy_j_per_token": lambda v: f"{_joules(v)}/tok",
     "mem_gib": lambda v: f"mem {v:.2f} GiB",
 }
-FILES_ONLY = ("data_ms", "fwd_bwd_ms", "grad_sync_ms", "optim_ms", "ckpt_ms")  # tpframe/training/timers.py
+# tpframe/training/timers.py and stragglers.py (a slow rank gets a console line of its own)
+FILES_ONLY = ("data_ms", "fwd_bwd_ms", "grad_sync_ms", "optim_ms", "ckpt_ms", "fwd_bwd_max_ms", "slowest_rank")
 _UNITS = (("_ms", _ms), ("_s", lambda v: f"{v:.3g} s"), ("_j", _joules), ("_gib", lambda v: f"{v:.2f} GiB"),
           ("_w", lambda v: f"{v:.0f} W"))
 
