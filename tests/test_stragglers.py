@@ -14,22 +14,22 @@ ARGS = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")]
                        ["train.steps=4", "train.micro_batch_size=2", "parallel.tp=1", "logging.interval=2"])
 
 
-def _slow_rank_1(args):
-    """rank 1's model takes 0.1 s longer per micro-batch (its GPU, say, is slower)."""
+def _slow_rank(args, slow: int):
+    """rank `slow`'s model takes 0.1 s longer per micro-batch (its GPU, say, is slower)."""
     import time
 
     import torch.distributed as dist
 
     from tpframe.models.gpt import GPT
 
-    if dist.get_rank() == 1:
+    if dist.get_rank() == slow:
         forward = GPT.forward
 
-        def slow(self, *a, **k):
+        def slowed(self, *a, **k):
             time.sleep(0.1)
             return forward(self, *a, **k)
 
-        GPT.forward = slow
+        GPT.forward = slowed
     return _main(args)
 
 
@@ -38,7 +38,7 @@ def _records(run_dir):
 
 
 def test_a_slow_data_parallel_rank_is_named(tmp_path):
-    (code, err, out), _ = run_distributed(_slow_rank_1, 2, [*ARGS, f"train.run_dir={tmp_path}"])
+    (code, err, out), _ = run_distributed(_slow_rank, 2, [*ARGS, f"train.run_dir={tmp_path}"], 1)
     assert code == 0, err[-2000:]
     lines = [x for x in (out + err).splitlines() if x.startswith("straggler:")]
     assert lines and all(x.startswith("straggler: rank 1 spent") for x in lines), out[-2000:]
@@ -47,28 +47,10 @@ def test_a_slow_data_parallel_rank_is_named(tmp_path):
     assert records and all(r["slowest_rank"] == 1 and r["fwd_bwd_max_ms"] > 200 for r in records), records
 
 
-def _slow_rank_3(args):
-    import time
-
-    import torch.distributed as dist
-
-    from tpframe.models.gpt import GPT
-
-    if dist.get_rank() == 3:
-        forward = GPT.forward
-
-        def slow(self, *a, **k):
-            time.sleep(0.1)
-            return forward(self, *a, **k)
-
-        GPT.forward = slow
-    return _main(args)
-
-
 def test_under_pipeline_parallelism_each_stage_is_compared_with_its_own_replicas(tmp_path):
     """PP=2 x DP=2 (stage 0: ranks 0, 1; stage 1: ranks 2, 3), rank 3 slow: its pipeline (ranks 1 and 3) waits for
     it in every micro-batch, so the line names one of the two, against its own stage's median."""
-    (code, err, out), *_ = run_distributed(_slow_rank_3, 4, [*ARGS, "parallel.pp=2", f"train.run_dir={tmp_path}"])
+    (code, err, out), *_ = run_distributed(_slow_rank, 4, [*ARGS, "parallel.pp=2", f"train.run_dir={tmp_path}"], 3)
     assert code == 0, err[-2000:]
     lines = [x for x in (out + err).splitlines() if x.startswith("straggler:")]
     assert lines and all(x.split()[2] in ("1", "3") and "of its pipeline stage's 2 ranks" in x for x in lines), lines
