@@ -1,7 +1,7 @@
 """How a tpframe process ends when something goes wrong: one line on stderr, and an exit code a
 scheduler can act on.
 
-    0  trained to the end, or stopped by SIGTERM/SIGUSR1 after saving a checkpoint
+    0  trained to the end, or stopped by SIGTERM/SIGUSR1 or train.time_limit_minutes after saving a checkpoint
     2  a mistake in the config, the data, the run directory (or one another training uses now) or a checkpoint
        (nothing was written), or a model whose TP replicas get different gradients (found in step 1, before
        any update: training/replicas.py)

@@ -1,4 +1,5 @@
-"""The checkpointer: saves on an interval, at the end and on SIGTERM/SIGUSR1; resumes any layout.
+"""The checkpointer: saves on an interval, at the end, on SIGTERM/SIGUSR1 and when `train.time_limit_minutes` has
+passed (then training stops, for the next job to resume); resumes any layout.
 
 It is handed the objects whose state a checkpoint holds, each with `state_dict()`/`load_state_dict()`
 (torchtitan's Stateful pattern), and reaches into nothing else:
@@ -68,6 +69,7 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
         self.pending: tuple[Any, int, Path, dict] | None = None  # (future, step, partial dir, meta) of an async save
         self.signal_received: int | None = None
+        self.started = time.monotonic()  # train.time_limit_minutes counts from here
         self.last_saved_step = -1
         if cfg.checkpoint.save_on_signal:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -81,14 +83,19 @@ class Checkpointer:
     # -- the hooks the trainer calls -------------------------------------------------------------
     def after_step(self, step: int) -> bool:
         """Save if due (or on a preemption signal); True when training must stop."""
-        # One tiny all-reduce: did any rank get a signal; has every rank finished its async write?
+        # One tiny all-reduce: did any rank get a signal; has every rank finished its async write; has any rank's
+        # clock passed train.time_limit_minutes?
         busy = self.pending is not None and not self.pending[0].done()
-        flags = torch.tensor([float(self.signal_received is not None), float(busy)])
+        limit = self.cfg.train.time_limit_minutes
+        late = limit is not None and time.monotonic() - self.started >= 60 * limit
+        flags = torch.tensor([float(self.signal_received is not None), float(busy), float(late)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         if self.pending is not None and flags[1] == 0:
             self._finish_async()
-        if flags[0] > 0:
-            self.log(f"preemption signal received: saving step {step} and stopping")
+        if flags[0] > 0 or (flags[2] > 0 and step < self.cfg.train.steps):
+            why = ("preemption signal received" if flags[0] > 0 else
+                   f"train.time_limit_minutes={limit:g} reached ({(time.monotonic() - self.started) / 60:.1f} min)")
+            self.log(f"{why}: saving step {step} and stopping; launch the same command again to resume")
             self.save(step, blocking=True)
             return True
         interval = self.cfg.checkpoint.interval

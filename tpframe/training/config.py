@@ -96,6 +96,9 @@ class TrainConfig:
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
     loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
     check_memory: bool = True  # refuse a layout whose memory estimate exceeds the device's (README: operations)
+    # save and stop (exit 0) after the first step that ends this many minutes after start-up, for the next job to
+    # resume (a scheduler's wall-clock limit, minus a save's time); Megatron's --exit-duration-in-mins. None: no limit
+    time_limit_minutes: float | None = None
     # TP > 1: in each launch's first step, weights replicated over TP must get the same gradient on every TP rank
     # (tpframe/training/replicas.py: a layer missing its sequence_parallel tag stops with exit code 2)
     check_replicas: bool = True
@@ -382,6 +385,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_data(cfg.data)
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
+    if cfg.train.time_limit_minutes is not None and not cfg.train.time_limit_minutes > 0:
+        raise ConfigError(f"train.time_limit_minutes={cfg.train.time_limit_minutes} must be a positive number of minutes "
+                          "(or null: no limit)")
     if cfg.logging.straggler_ratio and cfg.logging.straggler_ratio < 1:
         raise ConfigError(f"logging.straggler_ratio={cfg.logging.straggler_ratio} must be 0 (off) or at least 1: a "
                           "rank slower than this many times its stage's median is named, e.g. 1.1")

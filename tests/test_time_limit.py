@@ -1,0 +1,46 @@
+"""train.time_limit_minutes: the first step past the limit is saved and training stops (exit 0), and the same
+command resumes it; the resumed losses are the uninterrupted run's."""
+
+import json
+import os
+
+import pytest
+
+from tests.dist_utils import run_distributed
+from tests.test_ops_faults import _main
+from tests.training_utils import REPO, TINY, merge_overrides
+
+ARGS = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY,
+                       ["train.steps=5", "train.micro_batch_size=2", "parallel.tp=1", "checkpoint.auto_resume=true"])
+
+
+def _losses(run_dir):
+    """step -> loss of the run's final metrics.jsonl (a resumed run continues the file)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("kind") == "train":
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def test_a_run_past_its_time_limit_saves_stops_and_resumes_where_it_stopped(tmp_path):
+    straight = run_distributed(_main, 2, [*ARGS, f"train.run_dir={tmp_path}/a"])[0]
+    assert straight[0] == 0, straight[1][-2000:]
+    # a limit every step exceeds: step 1 is saved, the run stops
+    (code, err, out), _ = run_distributed(_main, 2, [*ARGS, "train.time_limit_minutes=1e-6", f"train.run_dir={tmp_path}/b"])
+    assert code == 0, err[-2000:]
+    assert "train.time_limit_minutes=1e-06 reached" in out + err and "saving step 1 and stopping" in out + err
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == ["step_00000001"]
+    (code, err, out), _ = run_distributed(_main, 2, [*ARGS, f"train.run_dir={tmp_path}/b"])  # the same command, no limit
+    assert code == 0 and "resumed at step 1" in out + err, err[-2000:]
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert sorted(b) == sorted(a) == [1, 2, 3, 4, 5]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a, b)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_limit_that_is_not_positive_is_refused(tmp_path, value):
+    (code, err, _), _ = run_distributed(_main, 2, [*ARGS, f"train.time_limit_minutes={value}", f"train.run_dir={tmp_path}"])
+    assert code == 2 and "must be a positive number of minutes" in err, err[-2000:]
