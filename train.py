@@ -206,6 +206,9 @@ def _describe(cfg, state, *, num_params: int, strategy, trainer) -> list[str]:
     if cfg.data.eod_mask_loss:
         lines.append(f"no loss on the token after each {cfg.model.eod_id} (data.eod_mask_loss); the loss is the mean "
                      "over the global batch's other tokens")
+    if cfg.train.time_limit_minutes is not None:
+        lines.append(f"time limit: after {cfg.train.time_limit_minutes:g} minutes the step is saved and training stops "
+                     "(train.time_limit_minutes); the same command resumes it")
     if trainer.weight_check is not None:
         lines.append(f"every {cfg.train.compare_replicas_every} steps the copies of each weight are compared: "
                      f"{trainer.weight_check.compares}")

@@ -30,6 +30,7 @@ def test_a_run_past_its_time_limit_saves_stops_and_resumes_where_it_stopped(tmp_
     # a limit every step exceeds: step 1 is saved, the run stops
     (code, err, out), _ = run_distributed(_main, 2, [*ARGS, "train.time_limit_minutes=1e-6", f"train.run_dir={tmp_path}/b"])
     assert code == 0, err[-2000:]
+    assert "time limit: after 1e-06 minutes the step is saved" in out + err  # said at start-up
     assert "train.time_limit_minutes=1e-06 reached" in out + err and "saving step 1 and stopping" in out + err
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == ["step_00000001"]
     (code, err, out), _ = run_distributed(_main, 2, [*ARGS, f"train.run_dir={tmp_path}/b"])  # the same command, no limit
