@@ -45,3 +45,40 @@ def test_a_run_past_its_time_limit_saves_stops_and_resumes_where_it_stopped(tmp_
 def test_a_limit_that_is_not_positive_is_refused(tmp_path, value):
     (code, err, _), _ = run_distributed(_main, 2, [*ARGS, f"train.time_limit_minutes={value}", f"train.run_dir={tmp_path}"])
     assert code == 2 and "must be a positive number of minutes" in err, err[-2000:]
+
+
+def _gc_calls(root: str):
+    """In a rank: (gc.collect's generations, gc.isenabled() at each step, gc.isenabled() after) for gc_interval=2
+    over 5 steps, then the same for gc_interval=0 over 2 steps."""
+    import gc
+
+    from tests.training_utils import train_in_process
+    from tpframe.training import trainer as trainer_module
+
+    out = []
+    for interval, steps in ((2, 5), (0, 2)):
+        calls, seen = [], []
+        real_collect, original = gc.collect, trainer_module.Trainer.train_step
+        trainer_module.gc.collect = lambda generation=2: calls.append(generation) or real_collect(generation)
+
+        def train_step(self):
+            seen.append(gc.isenabled())
+            return original(self)
+
+        trainer_module.Trainer.train_step = train_step
+        try:
+            train_in_process(["parallel.tp=1", f"train.steps={steps}", f"train.gc_interval={interval}",
+                              f"train.run_dir={root}/{interval}"])
+        finally:
+            trainer_module.gc.collect, trainer_module.Trainer.train_step = real_collect, original
+        out.append((calls, seen, gc.isenabled()))
+    return out
+
+
+def test_the_garbage_collector_runs_on_schedule_during_training_and_is_restored(tmp_path):
+    """train.gc_interval=2 over 5 steps: automatic collection off inside the loop, a full collection at the start and
+    the young generations after steps 2 and 4 (every rank at the same step); the collector as it was afterwards.
+    gc_interval=0 leaves Python's collector alone."""
+    (on, off), = run_distributed(_gc_calls, 1, str(tmp_path))
+    assert on == ([2, 1, 1], [False] * 5, True), on
+    assert off == ([], [True, True], True), off

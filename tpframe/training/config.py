@@ -99,6 +99,9 @@ class TrainConfig:
     # save and stop (exit 0) after the first step that ends this many minutes after start-up, for the next job to
     # resume (a scheduler's wall-clock limit, minus a save's time); Megatron's --exit-duration-in-mins. None: no limit
     time_limit_minutes: float | None = None
+    # Python's automatic garbage collector off while training; the young generations collected every N steps on every
+    # rank at once (an automatic pause on one rank stalls the others at the next collective). 0: automatic
+    gc_interval: int = 50
     # TP > 1: in each launch's first step, weights replicated over TP must get the same gradient on every TP rank
     # (tpframe/training/replicas.py: a layer missing its sequence_parallel tag stops with exit code 2)
     check_replicas: bool = True
@@ -385,6 +388,9 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_data(cfg.data)
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
+    if cfg.train.gc_interval < 0:
+        raise ConfigError(f"train.gc_interval={cfg.train.gc_interval} must be a number of steps >= 0 (0: Python's "
+                          "automatic garbage collection)")
     if cfg.train.time_limit_minutes is not None and not cfg.train.time_limit_minutes > 0:
         raise ConfigError(f"train.time_limit_minutes={cfg.train.time_limit_minutes} must be a positive number of minutes "
                           "(or null: no limit)")

@@ -13,6 +13,7 @@ or ends training, as `guard` (tpframe/training/health.py) decides.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from typing import Any, Callable
 
@@ -174,7 +175,12 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self, checkpointer=None) -> list[dict[str, Any]]:
+        with scheduled_gc(self.cfg.train.gc_interval):
+            return self._train(checkpointer)
+
+    def _train(self, checkpointer) -> list[dict[str, Any]]:
         cfg = self.cfg
+        gc_every = cfg.train.gc_interval
         interval, eval_every = cfg.logging.interval, cfg.train.eval_interval
         first_step = self.step + 1  # always logged: the starting loss of every launch is visible
         window_start, window_steps = time.perf_counter(), 0
@@ -187,6 +193,8 @@ class Trainer:
             if self.profiler is not None:
                 window_start += self.profiler.after_step(self.step)  # writing the trace is not training time
             window_steps += 1
+            if gc_every and self.step % gc_every == 0:  # every rank at the same step (scheduled_gc)
+                gc.collect(1)
             record = {"step": self.step, **metrics}
             self.progress.mark(self.step, "checkpoint")
             stop = checkpointer is not None and checkpointer.after_step(self.step)
@@ -240,3 +248,23 @@ class Trainer:
 
             out["mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
         return out
+
+
+@contextlib.contextmanager
+def scheduled_gc(interval: int):
+    """train.gc_interval > 0: Python's automatic garbage collector off while training (the loop collects the young
+    generations every `interval` steps, on every rank at the same step). An automatic collection pauses one rank at
+    a moment of its own, and the others wait for it at the next collective; torchtitan's `gc_freq` and Megatron's
+    `--manual-gc` do the same. The collector's state is restored afterwards."""
+    if not interval:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.collect()  # start from a clean heap
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
