@@ -1,5 +1,6 @@
-"""train.time_limit_minutes: the first step past the limit is saved and training stops (exit 0), and the same
-command resumes it; the resumed losses are the uninterrupted run's."""
+"""Long runs on a scheduler: train.time_limit_minutes (the first step past the limit is saved and training stops,
+exit 0, and the same command resumes it with the uninterrupted run's losses) and train.gc_interval (Python's
+collector on a schedule shared by every rank)."""
 
 import json
 import os
@@ -41,10 +42,14 @@ def test_a_run_past_its_time_limit_saves_stops_and_resumes_where_it_stopped(tmp_
         assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a, b)
 
 
-@pytest.mark.parametrize("value", ["0", "-5"])
-def test_a_limit_that_is_not_positive_is_refused(tmp_path, value):
-    (code, err, _), _ = run_distributed(_main, 2, [*ARGS, f"train.time_limit_minutes={value}", f"train.run_dir={tmp_path}"])
-    assert code == 2 and "must be a positive number of minutes" in err, err[-2000:]
+@pytest.mark.parametrize("override, message", [
+    ("train.time_limit_minutes=0", "must be a positive number of minutes"),
+    ("train.time_limit_minutes=-5", "must be a positive number of minutes"),
+    ("train.gc_interval=-1", "train.gc_interval=-1 must be a number of steps >= 0"),
+])
+def test_bad_limits_are_refused(tmp_path, override, message):
+    (code, err, _), _ = run_distributed(_main, 2, [*ARGS, override, f"train.run_dir={tmp_path}"])
+    assert code == 2 and message in err, err[-2000:]
 
 
 def _gc_calls(root: str):
