@@ -8,7 +8,8 @@ union of every kernel, copy and memset that is not a collective), collectives no
 idle (nothing on the GPU). Against the base trace (DP=1), a DP step's extra span is then
 computation that got slower (kernels slowed by the collectives beside them) + exposed collectives (the tail after
 backward, or traffic overlap did not hide) + idle (the host or a wait kept the GPU empty). Then, per trace, the
-kernel names whose summed time grew the most against the base: which kernels the collectives slowed.
+kernel names whose summed time grew the most against the base: which kernels the collectives slowed. Prints the
+table and appends it to benchmarks/RESULTS.md (--no-append: print only).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("folder")
     ap.add_argument("--base", default=None, help="the DP=1 trace's name (default: the one ending in -dp1)")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--no-append", action="store_true", help="print only (default: also append to benchmarks/RESULTS.md)")
     args = ap.parse_args()
     traces = sorted(Path(args.folder).glob("*.json"))
     if not traces:
@@ -61,22 +63,27 @@ def main() -> None:
               file=sys.stderr)
         raise SystemExit(2)
     base = rows[base_name]
-    print(f"GPU timeline of one profiled step, ms (base: {base_name})\n")
-    print("| trace | span | computation | exposed collectives | idle | collectives (all) | extra span | "
-          "of which slower computation | exposed | idle |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    out = [f"\n### Where DP steps' extra time goes: GPU timelines of one profiled step each (rank 0), ms",
+           f"`python benchmarks/dp_timeline.py {args.folder}` (base: {base_name})", "",
+           "| trace | span | computation | exposed collectives | idle | collectives (all) | extra span | "
+           "of which slower computation | exposed | idle |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        print(f"| {name} | {r['span']:.1f} | {r['compute']:.1f} | {r['exposed']:.1f} | {r['idle']:.1f} | "
-              f"{r['comm']:.1f} | {r['span'] - base['span']:+.1f} | {r['compute'] - base['compute']:+.1f} | "
-              f"{r['exposed'] - base['exposed']:+.1f} | {r['idle'] - base['idle']:+.1f} |")
+        out.append(f"| {name} | {r['span']:.1f} | {r['compute']:.1f} | {r['exposed']:.1f} | {r['idle']:.1f} | "
+                   f"{r['comm']:.1f} | {r['span'] - base['span']:+.1f} | {r['compute'] - base['compute']:+.1f} | "
+                   f"{r['exposed'] - base['exposed']:+.1f} | {r['idle'] - base['idle']:+.1f} |")
     for name, r in rows.items():
         if name == base_name:
             continue
         grown = sorted(((r["by_name"].get(k, 0.0) - base["by_name"].get(k, 0.0), k)
                         for k in set(r["by_name"]) | set(base["by_name"])), reverse=True)[: args.top]
-        print(f"\n{name}: kernels whose summed time grew most against the base (ms)")
-        for delta, k in grown:
-            print(f"  {delta:+8.2f}  {base['by_name'].get(k, 0.0):8.2f} -> {r['by_name'].get(k, 0.0):8.2f}  {k}")
+        out += ["", f"{name}: kernels whose summed time grew most against the base (ms)", ""]
+        out += [f"    {delta:+8.2f}  {base['by_name'].get(k, 0.0):8.2f} -> {r['by_name'].get(k, 0.0):8.2f}  {k}"
+                for delta, k in grown]
+    text = "\n".join(out)
+    print(text)
+    if not args.no_append:
+        with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
