@@ -224,7 +224,7 @@ def _cp_chunks_vs_dense(varlen, dev, dtype, *, b, s, nq, nkv, d, mean, seed=0):
                                                                     enable_gqa=nq != nkv)
             want_grads = torch.autograd.grad(want, (ql32, k32, v32), dl.to(wide))
             for a, w in zip((got, *got_grads), (want, *want_grads)):
-                worst.append((float((a.to(wide) - w).abs().max()), float(w.abs().max())))
+                worst.append((float((a.detach().to(wide) - w.detach()).abs().max()), float(w.detach().abs().max())))
     return worst
 
 
