@@ -349,5 +349,5 @@ def destroy_parallel() -> None:
     if isinstance(registry, dict):
         registry.clear()
     state.mesh = state.tp_group = state.dp_group = state.pp_group = state.mp_group = state.embedding_group = None
-    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = state.edp_group = None
+    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = state.edp_group = state.dp_sync_group = None
     state._groups = []
