@@ -17,7 +17,8 @@ last backward) the GPU work DP=2 would add on this rank, emulated:
 - "+ local DMA": before each reduction, the half-bucket copied into a scratch slot by cuMemcpyDtoDAsync on a side
   stream (a same-GPU stand-in for the pull over NVLink);
 - "16-CTA copy beside backward": NCCL's stand-in (benchmarks/overlap.py): a copy kernel of 16 CTAs moving the
-  bucket's bytes on a side stream, holding those SMs while it runs.
+  bucket's bytes on a side stream, holding those SMs while it runs;
+- ", high-priority stream": the same on a stream of the highest priority (parallel.dp_high_priority).
 
 Bytes per step at GPT-1.3B (1.41e9 params, fp32 buffer 5.6 GB): each reduction reads the half-bucket and the pulled
 half and writes the half (8.5 GB per step over all buckets); the DMA moves 2.8 GB; the copy kernel 11.3 GB (read +
@@ -41,7 +42,8 @@ def env(name: str, default):
 
 
 ROWS = ["DP=1 (nothing added)", "reduce beside backward", "reduce in compute stream",
-        "local DMA + reduce beside backward", "local DMA + reduce in compute stream", "16-CTA copy beside backward"]
+        "local DMA + reduce beside backward", "local DMA + reduce in compute stream", "16-CTA copy beside backward",
+        "reduce beside backward, high-priority stream", "16-CTA copy beside backward, high-priority stream"]
 
 
 class Emulated:
@@ -59,7 +61,8 @@ class Emulated:
         widest = max((b.stop - b.start) // 2 for b in buf.buckets)
         self.slots = [torch.randn(widest, device=buf.buffer.device) for _ in range(self.DEFER + 1)]
         self.peer = torch.randn(buf.numel, device=buf.buffer.device)  # the "peer's" buffer the DMA reads
-        self.side, self.dma = torch.cuda.Stream(), torch.cuda.Stream()
+        priority = torch.cuda.Stream.priority_range()[1] if "high-priority" in mode else 0  # parallel.dp_high_priority
+        self.side, self.dma = torch.cuda.Stream(priority=priority), torch.cuda.Stream(priority=priority)
         self.pulled = [RawEvent() for _ in self.slots]
         self.copy = copy_kernel() if mode.startswith("16-CTA") else None
         self.queue: list = []  # (bucket, slot) reductions not yet queued (compute-stream placement)
