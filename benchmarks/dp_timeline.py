@@ -15,32 +15,25 @@ table and appends it to benchmarks/RESULTS.md (--no-append: print only).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.training.profiler import _GPU_CATEGORIES, _is_comm, _length, _union  # noqa: E402
+from tpframe.training.profiler import gpu_events, gpu_timeline  # noqa: E402
 
 
 def breakdown(trace: Path) -> dict:
-    events = json.loads(trace.read_text())["traceEvents"]
-    comm, other, by_name = [], [], defaultdict(float)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES:
-            span = (e["ts"], e["ts"] + e["dur"])
-            (comm if _is_comm(e) else other).append(span)
-            by_name[e.get("name", "?")[:90]] += e["dur"] / 1e3
-    everything = _union(comm + other)
-    if not everything:
+    events = gpu_events(trace)
+    if not events:
         return {}
-    compute, comm_u = _union(other), _union(comm)
-    span = (everything[-1][1] - everything[0][0]) / 1e3
-    busy, computing = _length(everything) / 1e3, _length(compute) / 1e3
-    return {"span": span, "compute": computing, "exposed": busy - computing, "idle": span - busy,
-            "comm": _length(comm_u) / 1e3, "by_name": by_name}
+    span, busy, comm, exposed = gpu_timeline(events)
+    by_name = defaultdict(float)
+    for e in events:
+        by_name[e.get("name", "?")[:90]] += e["dur"] / 1e3
+    return {"span": span, "compute": busy - exposed, "exposed": exposed, "idle": span - busy, "comm": comm,
+            "by_name": by_name}
 
 
 def main() -> None:

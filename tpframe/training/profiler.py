@@ -168,24 +168,29 @@ def _length(spans) -> float:
     return sum(e - s for s, e in spans)
 
 
-def _gpu_spans(trace_path: str | Path) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(communication, everything else): the (start, end) in us of a chrome trace's GPU kernels, copies, memsets."""
+def gpu_events(trace_path: str | Path) -> list[dict]:
+    """A chrome trace's GPU kernels, copies and memsets (its complete events of those categories)."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES]
+
+
+def _gpu_spans(trace: str | Path | list[dict]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(communication, everything else): the (start, end) in us of a trace's GPU events (a path, or `gpu_events`)."""
     comm, other = [], []
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES:
-            (comm if _is_comm(e) else other).append((e["ts"], e["ts"] + e["dur"]))
+    for e in gpu_events(trace) if isinstance(trace, (str, Path)) else trace:
+        (comm if _is_comm(e) else other).append((e["ts"], e["ts"] + e["dur"]))
     return comm, other
 
 
-def gpu_timeline(trace_path: str | Path) -> tuple[float, float, float, float]:
-    """(span, busy, communication, exposed) in ms of a chrome trace's GPU activity, from one read of it.
+def gpu_timeline(trace: str | Path | list[dict]) -> tuple[float, float, float, float]:
+    """(span, busy, communication, exposed) in ms of a chrome trace's GPU activity (its path, or its `gpu_events`),
+    from one read of it.
 
     span: first kernel/copy/memset to last; busy: the union of their intervals (span - busy is the time the GPU
     sat idle between them). communication: how long some collective ran (the union of NCCL kernels, symm kernels
     and peer copies); exposed: how much of that no computation ran beside it, the time the collectives added to
     the step where overlap did not hide them."""
-    comm, other = _gpu_spans(trace_path)
+    comm, other = _gpu_spans(trace)
     spans = _union(comm + other)
     if not spans:
         return 0.0, 0.0, 0.0, 0.0
