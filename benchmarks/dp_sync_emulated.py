@@ -20,6 +20,12 @@ last backward) the GPU work DP=2 would add on this rank, emulated:
   bucket's bytes on a side stream, holding those SMs while it runs;
 - ", high-priority stream": the same on a stream of the highest priority (parallel.dp_high_priority).
 
+Each row also times, by CUDA events, every bucket's added work from its launch point on the compute stream to its
+end ("lag"), and how long the last of it ends after the backward ("tail"). On two GPUs a bucket's transfer cannot
+start before its work here has run (NCCL's kernel, or the reduction that frees a staging slot), so a side stream
+that the backward's kernels starve of SMs shows here as a lag far above the work's own time, and on two GPUs as
+transfers pushed behind the backward, exposed. High priority is the cure for that, if it is the cause.
+
 Bytes per step at GPT-1.3B (1.41e9 params, fp32 buffer 5.6 GB): each reduction reads the half-bucket and the pulled
 half and writes the half (8.5 GB per step over all buckets); the DMA moves 2.8 GB; the copy kernel 11.3 GB (read +
 write of every bucket). FLOPs per step: 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T, T = MB*SEQ.
@@ -67,6 +73,9 @@ class Emulated:
         self.copy = copy_kernel() if mode.startswith("16-CTA") else None
         self.queue: list = []  # (bucket, slot) reductions not yet queued (compute-stream placement)
         self.count = 0
+        self.started: dict = {}  # bucket index -> event on the compute stream at its launch
+        self.done: dict = {}  # bucket index -> event after its added work, on the stream that ran it
+        self.backward_end = None
         self._launch, self._finish = buf._launch, buf.finish_sync
         buf._launch, buf.finish_sync = self.launch, self.finish
 
@@ -77,6 +86,30 @@ class Emulated:
         half = (b.stop - b.start) // 2
         return self.buf.buffer[b.start : b.start + half], self.slots[slot][:half].view(1, half)
 
+    def mark(self, marks: dict, index: int, stream) -> None:
+        marks[index] = self.torch.cuda.Event(enable_timing=True)
+        marks[index].record(stream)
+
+    def lags(self) -> tuple[list[float], float]:
+        """After a synchronized step: each bucket's launch-to-done time (ms), and how long after the backward's
+        end the last added work ended (ms, 0 if before)."""
+        lags = [self.started[i].elapsed_time(e) for i, e in self.done.items()]
+        tail = max((self.backward_end.elapsed_time(e) for e in self.done.values()), default=0.0)
+        return lags, max(tail, 0.0)
+
+    def alone(self, b) -> float:
+        """Bucket `b`'s added work timed the same way on an idle GPU (ms): the lag with nothing to wait behind."""
+        torch = self.torch
+        torch.cuda.synchronize()
+        self.started.clear()
+        self.done.clear()
+        self.launch(b)
+        while self.queue:
+            self.reduce_in_compute(*self.queue.pop(0))
+        torch.cuda.synchronize()
+        self.count = 0
+        return self.started[b.index].elapsed_time(self.done[b.index])
+
     def launch(self, b) -> None:
         from tpframe.kernels.scaled_sum import scaled_sum_
 
@@ -85,11 +118,13 @@ class Emulated:
         if self.mode.startswith("DP=1"):
             return
         compute = torch.cuda.current_stream()
+        self.mark(self.started, b.index, compute)
         if self.copy is not None:
             self.side.wait_stream(compute)
             data = self.buf.buffer[b.start : b.stop]
             with torch.cuda.stream(self.side):
                 self.copy[(16,)](data, self.peer[: data.numel()], data.numel(), BLOCK=4096, CTAS=16, num_warps=8)
+            self.mark(self.done, b.index, self.side)
             return
         slot = self.count % len(self.slots)
         self.count += 1
@@ -105,6 +140,7 @@ class Emulated:
                 self.pulled[slot].block(self.side.cuda_stream)
             with torch.cuda.stream(self.side):
                 scaled_sum_(own, pulled, 0.5)
+            self.mark(self.done, b.index, self.side)
             return
         self.queue.append((b, slot))
         while len(self.queue) > self.DEFER:
@@ -116,8 +152,11 @@ class Emulated:
         if "DMA" in self.mode:
             self.pulled[slot].block(self.torch.cuda.current_stream().cuda_stream)
         scaled_sum_(*self.operands(b, slot), 0.5)
+        self.mark(self.done, b.index, self.torch.cuda.current_stream())
 
     def finish(self) -> None:
+        self.backward_end = self.torch.cuda.Event(enable_timing=True)
+        self.backward_end.record()
         self._finish()
         while self.queue:
             self.reduce_in_compute(*self.queue.pop(0))
@@ -182,27 +221,38 @@ def main() -> None:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-            times = []
+            times, lags, tails = [], [], []
             for _ in range(STEPS):
                 t0 = time.perf_counter()
                 step()
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
+                if emulated.done:
+                    step_lags, tail = emulated.lags()
+                    lags += step_lags
+                    tails.append(tail)
+            alone = emulated.alone(buf.buckets[1]) if lags else None  # a full 40 MB bucket
             emulated.remove()
             del emulated
             torch.cuda.empty_cache()
-            results.append((name, statistics.median(times), len(buf.buckets)))
+            lag = (statistics.median(lags), sorted(lags)[int(0.9 * (len(lags) - 1))], statistics.median(tails), alone) \
+                if lags else None
+            results.append((name, statistics.median(times), len(buf.buckets), lag))
             print(name, f"{results[-1][1] * 1e3:.1f} ms", flush=True)
     finally:
         dist.all_reduce = real
-    base = next((t for n, t, _ in results if n.startswith("DP=1")), None)
+    base = next((t for n, t, _, _ in results if n.startswith("DP=1")), None)
     buckets = results[0][2] if results else 0
     lines = [f"\n### DP=2's GPU work emulated on one GPU during the real GPT-1.3B step ({torch.cuda.get_device_name()}, "
              f"torch {torch.__version__}, L={L} H={H} heads={NH} seq={S} micro-batch {MB}, bf16, {buckets} buckets)",
              "`torchrun --standalone --nproc-per-node 1 benchmarks/dp_sync_emulated.py`; median of "
-             f"{STEPS} steps after 3 warm-up.", "", "| GPU work added per bucket | step ms | vs DP=1 | TFLOP/s |",
-             "|---|---|---|---|"]
-    lines += [f"| {n} | {t * 1e3:.1f} | {t / base:.3f}x | {flops / t / 1e12:.0f} |" for n, t, _ in results] if base else []
+             f"{STEPS} steps after 3 warm-up. Lag: a bucket's added work, launch point to end (median, 90th percentile over "
+             "buckets and steps); alone: the same for one full bucket on an idle GPU; tail: how long its last piece ends "
+             "after the backward (median over steps).", "",
+             "| GPU work added per bucket | step ms | vs DP=1 | TFLOP/s | lag ms (median / p90) | alone ms | tail ms |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {t * 1e3:.1f} | {t / base:.3f}x | {flops / t / 1e12:.0f} | "
+              + (f"{lag[0]:.2f} / {lag[1]:.2f} | {lag[3]:.2f} | {lag[2]:.2f} |" if lag else "| | |") for n, t, _, lag in results] if base else []
     table = "\n".join(lines)
     print(table)
     if env("APPEND", 1) and state.rank == 0:
