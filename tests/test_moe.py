@@ -182,16 +182,21 @@ def _split_worker(tp: int, ep: int, sp: bool):
         expected_out = expected_out.chunk(tp)[state.tp_rank]
     errors["output"] = (out - expected_out).abs().max().item()
     names = sorted(mine)
+    from tpframe.parallel.pipeline import pipeline_numel
+
+    # the start-up line's parameter count: every EP rank's experts, TP-unsplit (the one-process layer's)
+    counts = (pipeline_numel(moe, state), sum(p.numel() for p in ref.parameters()))
     destroy_parallel()
-    return errors, names
+    return errors, names, counts
 
 
 @pytest.mark.parametrize("tp,ep,sp", [(1, 4, False), (2, 2, True), (2, 2, False), (4, 1, True), (1, 2, False)])
 def test_layer_over_tp_and_ep_equals_one_process_with_every_expert(tp, ep, sp):
     results = run_distributed(_split_worker, 4, tp, ep, sp)
     held = set()
-    for errors, names in results:
+    for errors, names, (counted, every) in results:
         assert max(errors.values()) < 1e-12, errors
+        assert counted == every, (counted, every)
         held |= {n.split(".")[1] for n in names if n.startswith("experts.")}
     assert held == {str(e) for e in range(8)}  # every expert lives somewhere, under its global index
 

@@ -71,8 +71,8 @@ def build_stages(cfg, ctx, *, pp_rank: int, pp: int, virtual_stages: int = 1,
 
 
 def pipeline_numel(model: nn.Module, state) -> int:
-    """Parameters of the whole model this rank holds a part of (every stage's, a tied copy once;
-    TP-unsplit, vocabulary padding excluded). Collective over the pipeline group."""
+    """Parameters of the whole model this rank holds a part of (every stage's, every EP rank's experts, a tied copy
+    once; TP-unsplit, vocabulary padding excluded). Collective over the pipeline and expert-parallel groups."""
     import math
 
     import torch
@@ -80,7 +80,15 @@ def pipeline_numel(model: nn.Module, state) -> int:
     from tpframe.parallel.sharding import param_shards
 
     held = [(n, p) for n, p in model.named_parameters() if not (getattr(p, "pipeline_tied", False) and state.pp_rank)]
-    mine = sum(math.prod(s.global_shape) for n, p in held for s in param_shards(n, p, 0, state.tp))
+
+    def numel(params) -> int:
+        return sum(math.prod(s.global_shape) for n, p in params for s in param_shards(n, p, 0, state.tp))
+
+    mine = numel((n, p) for n, p in held if not getattr(p, "expert", False))
+    experts = numel((n, p) for n, p in held if getattr(p, "expert", False))  # this EP rank's experts only
+    if state.ep > 1:
+        experts = int(state.ep_comm.all_reduce(torch.tensor([experts], dtype=torch.float64, device=state.device)).item())
+    mine += experts
     if state.pp == 1:
         return mine
     return int(state.pp_comm.all_reduce(torch.tensor([mine], dtype=torch.float64, device=state.device)).item())
