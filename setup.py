@@ -14,10 +14,10 @@ setup(
     packages=find_packages(include=["tpframe", "tpframe.*"]),
     package_data={"tpframe": ["comm/symm/thresholds.json"]},
     python_requires=">=3.11",
-    install_requires=["torch>=2.11", "pyyaml", "numpy"],
+    install_requires=["torch>=2.11", "pyyaml", "numpy", "safetensors"],  # safetensors: exports, init_from
     extras_require={
         # transformers: the Hugging Face export/import tests; tensorboard: logging.tensorboard and its test
-        "dev": ["pytest>=7", "pytest-timeout", "safetensors", "matplotlib", "tokenizers", "transformers>=4.45",
+        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tokenizers", "transformers>=4.45",
                 "tensorboard", "accelerate"],  # accelerate: transformers' tp_plan (benchmarks/decode.py --hf-tp)
         "wandb": ["wandb"],
     },

@@ -123,6 +123,9 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     out = subprocess.run([sys.executable, "tools/checkpoint.py", "export", str(tmp_path / "a/checkpoints"), "--out", str(tmp_path / "m.safetensors")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' own 0600
     from safetensors.torch import load_file
 
     exported = load_file(str(tmp_path / "m.safetensors"))

@@ -123,6 +123,12 @@ def _first_batch(config, overrides, run_dir):
 
 
 @pytest.mark.slow
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def test_hf_export_and_import_round_trip(tmp_path, capsys):
     got = run_distributed(_round_trip, 2, str(tmp_path), timeout=300)[0]
     for name in [*ARCHS, *VARIANTS]:
@@ -153,6 +159,8 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
         f"(byte-level data)) to {tmp_path / 'cli'}"]
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "llama" / "hf" / name).read_bytes()
+        # readable by whoever may read the folder (safetensors itself creates its file 0600)
+        assert (tmp_path / "cli" / name).stat().st_mode & 0o777 == 0o666 & ~_umask(), name
 
     # an unmappable model: one line, exit 2, nothing written
     argv = ["export", str(tmp_path / "unmappable/checkpoints"), "--format", "hf", "--out", str(tmp_path / "no")]

@@ -9,6 +9,7 @@ Exporting needs no process group: DCP reads the global tensors in one process.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def safetensors_module():
     except ImportError:
         raise RuntimeError("safetensors is not installed: pip install safetensors (or tpframe[dev])") from None
     return safetensors.torch
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' `save_file`, with the permissions any other new file gets (the library creates it 0600: a
+    serving process or another user could not read the export)."""
+    safetensors_module().save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
@@ -79,7 +89,7 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: boo
               "model_config": json.dumps(meta["config"]["model"])}
     out.parent.mkdir(parents=True, exist_ok=True)
     with replacing(out) as tmp:
-        safetensors_module().save_file(tensors, str(tmp), metadata=header)
+        write_safetensors(tensors, tmp, header)
     return tensors
 
 

@@ -534,7 +534,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     and moved into place when complete (`_publish`).
     Returns a summary: architecture, tensor and parameter counts, the tokenizer written (or None).
     """
-    from tpframe.checkpoint.export import read_model_tensors, safetensors_module
+    from tpframe.checkpoint.export import read_model_tensors, write_safetensors
     from tpframe.training.config import from_dict
 
     checkpoint, out_dir = Path(checkpoint), link_target(Path(out_dir))
@@ -552,7 +552,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     new.mkdir()
     try:
         (new / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        safetensors_module().save_file(tensors, str(new / WEIGHTS), metadata={"format": "pt"})
+        write_safetensors(tensors, new / WEIGHTS, {"format": "pt"})
         if tokenizer:
             write_tokenizer(new, tokenizer, m.max_seq_len)
         mark = {"exported_by": "tpframe", "tpframe_version": meta.get("tpframe_version"), "step": meta["step"]}
