@@ -5,7 +5,7 @@ A data-parallel step runs at its slowest rank's pace: the other replicas wait fo
 step (the phase timers' `fwd_bwd`: the GPU's timeline on CUDA, the host clock on CPU) is all-gathered. The ranks of
 one pipeline stage do the same work, so each is compared with its stage's median. The record gets `fwd_bwd_max_ms`
 and `slowest_rank`, and a rank above `logging.straggler_ratio` times its stage's median is named in one log line
-(Megatron-Core's `--log-straggler`). TP ranks wait for each other inside every layer, so a slow GPU slows its whole
+(Megatron-Core's `--log-straggler`; not at a launch's first logged step, whose time is each rank's warm-up). TP ranks wait for each other inside every layer, so a slow GPU slows its whole
 TP group alike: the line then names one rank of that group.
 
     report = StragglerReport(pp_rank=state.pp_rank, world=state.world_size, ratio=1.1, device=state.device)
@@ -46,6 +46,6 @@ class StragglerReport:
         if not self.ratio or ratio <= self.ratio or n < 2:
             return metrics, None
         among = "its pipeline stage's" if len(stages) > 1 else "the"
-        return metrics, (f"straggler: rank {rank} spent {ms:.1f} ms per step in forward+backward, {ratio:.2f}x the "
+        return metrics, (f"straggler: rank {rank} spent {ms:.1f} ms per step in forward+backward, {ratio:.3f}x the "
                          f"median {median:.1f} ms of {among} {n} ranks; the others wait for it "
                          f"(logging.straggler_ratio={self.ratio:g})")

@@ -208,7 +208,7 @@ class Trainer:
                 if self.stragglers is not None and "fwd_bwd_ms" in record:
                     found, line = self.stragglers(record["fwd_bwd_ms"])
                     record.update(found)
-                    if line is not None:
+                    if line is not None and self.step != first_step:  # the first step's time is each rank's warm-up
                         self.logger.info(line)
                 record.update(self._energy(window_steps, elapsed))
                 self.logger.log_train(self.step, {k: v for k, v in record.items() if k != "step"})
