@@ -337,7 +337,7 @@ def validate(cfg: Config, world_size: int) -> None:
         what, names = (f"{p.tp}*{p.cp}*{p.pp}", "tp/cp/pp") if p.cp > 1 else (f"{p.tp}*{p.pp}", "tp/pp")
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.{names.replace('/', '*parallel.')} = {what}; "
-            f"launch a multiple of {p.tp * p.cp * p.pp} processes (torchrun --nproc-per-node) or change "
+            f"launch a multiple of {p.tp * p.cp * p.pp} processes (python -m tpframe.launch --nproc-per-node N) or change "
             f"parallel.{names}"
         )
     dp = world_size // (p.tp * p.cp * p.pp)
