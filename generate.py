@@ -162,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpframe: error: {e}", file=sys.stderr)
         return 2
     if rank0:
-        for r in records:
-            print(json.dumps(r, ensure_ascii=False) if plan.args.json else r["text"], flush=True)
+        for i, r in enumerate(records):
+            if plan.args.json:
+                print(json.dumps(r, ensure_ascii=False), flush=True)
+                continue
+            if len(records) > 1:  # a completion may hold newlines: each one under a line naming its prompt
+                print(f"=== prompt {i + 1}/{len(records)}: {r['prompt']!r}", flush=True)
+            print(r["text"], flush=True)
     return 0
 
 

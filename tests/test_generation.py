@@ -252,6 +252,20 @@ def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
         assert 0 not in r["token_ids"] and r["tokens_per_s"] >= 0  # stops before the end-of-text byte
 
 
+def test_cli_text_output_names_each_prompt_when_there_are_several(checkpoint, capsys):
+    import generate as cli
+
+    capsys.readouterr()
+    args = ["--checkpoint", str(checkpoint / "checkpoints"), "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
+    assert cli.main([*args, "--prompt", "1 2 3 ", "--prompt", "The"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert lines[0] == "=== prompt 1/2: '1 2 3 '"
+    second = lines.index("=== prompt 2/2: 'The'")
+    assert second >= 2 and lines[-1] == ""  # each completion (newlines and all) under its prompt's line
+    assert cli.main([*args, "--prompt", "The"]) == 0  # one prompt: the completion alone, as a pipe wants it
+    assert capsys.readouterr().out == "\n".join(lines[second + 1 :])
+
+
 def test_help_keeps_its_usage_lines_and_describes_every_option(capsys):
     sys.path.insert(0, REPO)
     import generate as cli
