@@ -331,6 +331,40 @@ def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
     assert isinstance(resolve_tokenizer(source, str(tmp_path / "tok.json")), HFTokenizer)
 
 
+def test_a_runs_relative_data_and_tokenizer_paths_resolve_from_any_folder(tmp_path, monkeypatch):
+    """prepare_data.py and train.py ran in one folder with relative paths; generation (and the HF export's tokenizer)
+    runs from another: the paths are taken from the folder the run was launched in (meta.json's cwd)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    from pathlib import Path
+
+    from tpframe.checkpoint.hf import tokenizer_record
+    from tpframe.data.tokenizer import HFTokenizer, write_token_file
+    from tpframe.errors import ConfigError
+    from tpframe.inference.loading import ModelSource
+    from tpframe.inference.text import resolve_tokenizer
+    from tpframe.models.config import ModelConfig
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir(), elsewhere.mkdir()
+    tok = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "<|endoftext|>": 1, "hi": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    monkeypatch.chdir(run)
+    tok.save("tok.json")
+    Path("a.txt").write_text("hi hi")
+    write_token_file([Path("a.txt")], Path("d.bin"), tokenizer=Path("tok.json"))
+    monkeypatch.chdir(elsewhere)
+    data = {"source": "tokens", "path": "d.bin"}
+    source = ModelSource(run / "checkpoints/step_00000001", "checkpoint", ModelConfig(vocab_size=8), data=data,
+                         cwd=str(run))
+    assert isinstance(resolve_tokenizer(source), HFTokenizer)
+    record = tokenizer_record({"data": data}, warn=pytest.fail, cwd=str(run))
+    assert record is not None and record["file"] == run / "tok.json"
+    with pytest.raises(ConfigError, match="does not exist"):  # without the recorded folder: relative to this one
+        resolve_tokenizer(dataclasses.replace(source, cwd=None))
+
+
 def test_decode_benchmark_runs_hugging_face_at_tp1_and_with_its_tp_plan_at_tp2(tmp_path):
     """benchmarks/decode.py on CPU (gloo, fp32, tiny shapes): its transformers rows, at TP=1 and with tp_plan="auto"
     at TP=2, run on the same weights as tpframe and produce the same greedy tokens."""

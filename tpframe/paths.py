@@ -6,6 +6,7 @@ pre-flight, the token-file writer and the tools share it.
     tmp = temporary_name(Path("m.safetensors"))   # a new name beside it: write there, then os.replace(tmp, path)
     with replacing(Path("m.safetensors")) as tmp:  # the same, renamed over the file (or a link's target) on success
     path = link_target(path)                        # through a symbolic link: the rename replaces what it points to
+    recorded_path("data/mine.bin", meta["cwd"])      # a run's relative path, from the folder the run was launched in
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from pathlib import Path
 from tpframe.errors import ConfigError
 
 _PROBE = ".tpframe-probe-"
+
+
+def recorded_path(path: str, cwd: str | None) -> str:
+    """A path a run recorded (its config's data.path, its token file's tokenizer): a relative one names a file in the
+    folder the run was launched from, `cwd` (its checkpoints' meta.json has it), when it exists there; otherwise the
+    path as given. So a checkpoint can be used from any folder."""
+    if cwd and not os.path.isabs(path) and os.path.exists(os.path.join(cwd, path)):
+        return os.path.join(cwd, path)
+    return path
 
 
 def nearest_existing(path: Path) -> Path:

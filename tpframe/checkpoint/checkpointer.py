@@ -198,6 +198,7 @@ class Checkpointer:
             "layout": self.layout(),
             "vocab": {"size": cfg.model.vocab_size, "padded": padded_vocab(cfg.model, p.tp), "tensors": self.vocab_tensors},
             "config": cfg.to_dict(),
+            "cwd": os.getcwd(),  # what the config's relative paths are relative to (tpframe.paths.recorded_path)
             "healthy": self.health.healthy_since(self.last_saved_step) if self.health is not None else True,
         }
 

@@ -31,7 +31,7 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.tokenizer import first_path
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
-from tpframe.paths import link_target, refuse_existing, temporary_name
+from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -446,12 +446,13 @@ def to_hf(tensors: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
     return out
 
 
-def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None]) -> dict | None:
-    """The HF tokenizer a run's token file was made with (its sidecar's record), if any and unchanged on disk."""
+def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None], cwd: str | None = None) -> dict | None:
+    """The HF tokenizer a run's token file was made with (its sidecar's record), if any and unchanged on disk;
+    `cwd`: the folder the run was launched from (relative paths are relative to it)."""
     data = config.get("data", {})
     if data.get("source") != "tokens" or not first_path(data.get("path")):
         return None
-    sidecar = Path(first_path(data["path"]) + ".json")
+    sidecar = Path(recorded_path(first_path(data["path"]), cwd) + ".json")
     if not sidecar.is_file():
         warn(f"no tokenizer files: the token file's sidecar {sidecar} is gone")
         return None
@@ -459,7 +460,7 @@ def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None]) -> dic
     info = meta.get("tokenizer", {})
     if info.get("kind") != "huggingface":
         return None
-    file = Path(info["file"])
+    file = Path(recorded_path(info["file"], cwd))
     if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != info.get("sha256"):
         warn(f"no tokenizer files: {file}, recorded in {sidecar}, is missing or has changed since the data was made")
         return None
@@ -543,7 +544,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     meta = json.loads((checkpoint / "meta.json").read_text())
     m = from_dict({"model": meta["config"]["model"]}).model
     arch = hf_architecture(m)  # refuse before reading or writing anything
-    tokenizer = tokenizer_record(meta["config"], warn)
+    tokenizer = tokenizer_record(meta["config"], warn, meta.get("cwd"))
     tensors = to_hf(read_model_tensors(checkpoint), m)
     dtype = next(iter(tensors.values())).dtype
     config = hf_config(m, dtype=dtype, eos_token_id=tokenizer["eot_id"] if tokenizer else None)

@@ -32,6 +32,7 @@ class ModelSource:
     model: ModelConfig
     data: dict | None = None  # the run's data config (checkpoints only): how its tokens were made
     step: int | None = None
+    cwd: str | None = None  # the folder the run was launched from: its data paths' base (checkpoints only)
 
 
 def model_config_from(d: dict, where: str) -> ModelConfig:
@@ -82,7 +83,8 @@ def open_source(path: str | Path) -> ModelSource:
     step_dir = resolve(p)  # CheckpointError (a ConfigError) when it does not exist or names nothing
     meta = verify(step_dir, "crc")
     cfg = model_config_from(meta["config"]["model"], str(step_dir / "meta.json"))
-    return ModelSource(step_dir, "checkpoint", cfg, data=meta["config"].get("data"), step=meta.get("step"))
+    return ModelSource(step_dir, "checkpoint", cfg, data=meta["config"].get("data"), step=meta.get("step"),
+                       cwd=meta.get("cwd"))
 
 
 def _safetensors_header(path: Path) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 from tpframe.data.tokenizer import ByteTokenizer, HFTokenizer, first_path, read_sidecar
 from tpframe.errors import ConfigError
 from tpframe.inference.loading import ModelSource
+from tpframe.paths import recorded_path
 
 BYTE_SOURCES = ("synthetic", "stdlib")
 
@@ -30,7 +31,7 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
         why = f"data.source={data['source']} is byte-level"
     elif data is not None and data.get("source") == "tokens":
         try:
-            side = read_sidecar(first_path(data.get("path")), key="the checkpoint's data.path")
+            side = read_sidecar(recorded_path(first_path(data.get("path")), source.cwd), key="the checkpoint's data.path")
             recorded, expected = side["tokenizer"], side["vocab_size"]
             why = f"the checkpoint's data {data.get('path')!r} was made with a tokenizer of vocabulary {expected}"
         except ValueError as e:
@@ -47,8 +48,9 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
         elif recorded.get("kind") == "bytes":
             tok = ByteTokenizer()
         else:
-            tok = HFTokenizer(recorded["file"], recorded.get("eot_token"))
-            digest = hashlib.sha256(Path(recorded["file"]).read_bytes()).hexdigest()
+            file = recorded_path(recorded["file"], source.cwd)
+            tok = HFTokenizer(file, recorded.get("eot_token"))
+            digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
             if recorded.get("sha256") and digest != recorded["sha256"]:
                 raise ConfigError(f"tokenizer {recorded['file']!r} changed since the data was prepared (sha256 differs); "
                                   "pass --tokenizer with the original file")
