@@ -241,6 +241,16 @@ def _train(cfg, trainer, checkpointer, logger) -> None:
         logger.close()
 
 
+def _schedule_change(cfg, meta: dict, step: int) -> str | None:
+    """The line saying how the learning-rate schedule differs from the resumed checkpoint's, or None."""
+    from tpframe.optim.lr import schedule_change
+    from tpframe.training.config import from_dict
+
+    saved = meta["config"]
+    return schedule_change(step, cfg.optim, cfg.train.steps, from_dict({"optim": saved["optim"]}).optim,
+                           saved["train"]["steps"])
+
+
 def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
@@ -298,6 +308,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         if checkpointer.loaded_from is not None:
             ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
+            if resume[1] is not None and (line := _schedule_change(cfg, resume[1], trainer.step)):
+                logger.info(line)
         if trainer.step >= cfg.train.steps:  # e.g. a finished run launched again
             logger.info(f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
                         "nothing to train; raise train.steps to continue it, or use another train.run_dir"

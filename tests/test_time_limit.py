@@ -36,10 +36,15 @@ def test_a_run_past_its_time_limit_saves_stops_and_resumes_where_it_stopped(tmp_
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == ["step_00000001"]
     (code, err, out), _ = run_distributed(_main, 2, [*ARGS, f"train.run_dir={tmp_path}/b"])  # the same command, no limit
     assert code == 0 and "resumed at step 1" in out + err, err[-2000:]
+    assert "learning-rate schedule changed" not in out + err  # the same schedule
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert sorted(b) == sorted(a) == [1, 2, 3, 4, 5]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-6), (step, a, b)
+    # relaunched for 7 steps (from its step-1 checkpoint): the resume says how the schedule moved
+    (code, err, out), _ = run_distributed(_main, 2, [*ARGS, "train.steps=7", f"train.run_dir={tmp_path}/b"])
+    assert code == 0 and "resumed at step 1" in out + err, err[-2000:]
+    assert "the learning-rate schedule changed since the checkpoint (train.steps 5 -> 7): step 2 runs at lr " in out
 
 
 @pytest.mark.parametrize("override, message", [

@@ -134,6 +134,20 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
     assert lr_at(60, OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear"), 110) == 0.5
 
 
+def test_a_resume_names_what_changed_in_the_learning_rate_schedule():
+    from tpframe.optim import OptimConfig
+    from tpframe.optim.lr import schedule_change
+
+    cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="linear")
+    assert schedule_change(50, cfg, 110, cfg, 110) is None
+    assert schedule_change(50, cfg, 210, cfg, 110) == ("the learning-rate schedule changed since the checkpoint "
+                                                       "(train.steps 110 -> 210): step 51 runs at lr 0.8, not 0.6")
+    warm = schedule_change(5, OptimConfig(lr=2.0, min_lr=0.0, warmup_steps=10, decay="linear"), 110, cfg, 110)
+    assert warm == ("the learning-rate schedule changed since the checkpoint (optim.lr 1.0 -> 2.0): step 6 runs at "
+                    "lr 1.2, not 0.6")
+    assert schedule_change(5, cfg, 210, cfg, 110).endswith("step 6 runs at lr 0.6 as before, later steps differ")
+
+
 def test_warmup_stable_decay_holds_the_rate_then_decays_over_the_last_fraction():
     from tpframe.optim import OptimConfig, lr_at
 
