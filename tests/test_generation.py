@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, train_in_process
+from tests.training_utils import REPO, torchrun_env, train_in_process
 
 # A small model with every decode-relevant option on: rotary positions, GQA, SwiGLU, RMSNorm, untied head.
 ARCH = ["model.position=rotary", "model.kv_heads=2", "model.activation=swiglu", "model.norm=rmsnorm",
@@ -205,6 +205,8 @@ def _export_with_header(tmp_path, **header) -> str:
         (["--top-p", "inf"], "--top-p must be in (0, 1], got inf"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--tp", "0"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got 0"),
+        (["--tp", "-1"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got -1"),
         (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
         (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
         (["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
@@ -217,7 +219,7 @@ def _export_with_header(tmp_path, **header) -> str:
         "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal",
         "temperature-inf", "temperature-nan", "temperature-negative", "temperature-below-float32",
         "temperature-beyond-float32", "greedy-temperature-nan", "greedy-top-k-0", "top-k-negative", "top-p-nan",
-        "top-p-inf", "top-p-0", "max-new-tokens-0", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
+        "top-p-inf", "top-p-0", "max-new-tokens-0", "tp-0", "tp-negative", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
         "cuda-graph-twice"])
 def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
     """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
@@ -236,6 +238,23 @@ def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, cap
     code, err = _cli([fill(a) for a in argv], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: "), (code, err)
     assert needle.replace("{tmp}", str(tmp_path)) in err, err
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "two"}, "env var WORLD_SIZE='two' must be an integer"),
+    ({"WORLD_SIZE": "0"}, "env var WORLD_SIZE='0' must be at least 1"),
+    ({**torchrun_env(2), "RANK": "5"}, "env var RANK=5 must be below WORLD_SIZE=2 (launch with python -m tpframe.launch"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "env var WORLD_SIZE=2 needs MASTER_ADDR, MASTER_PORT set too"),
+], ids=["world-word", "world-zero", "rank-beyond-world", "no-master"])
+def test_a_bad_launch_environment_is_one_line_with_exit_code_2(env, needle, monkeypatch, capsys):
+    """The torchrun env is checked before the checkpoint is read (it gave int()'s ValueError, a ZeroDivisionError,
+    or nothing at all from a rank that is not 0)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, err = _cli(["--checkpoint", "x", "--prompt", "hi"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: ") and needle in err, err
 
 
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, merge_overrides, train_in_process, with_overrides
+from tests.training_utils import REPO, TINY, merge_overrides, torchrun_env, train_in_process, with_overrides
 
 BASE = merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, ["parallel.tp=1", "train.steps=2"])
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPFRAME_COMM_BACKEND", "TPFRAME_FAULT_NAN",
-            "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TPFRAME_COMM_BACKEND",
+            "TPFRAME_FAULT_NAN", "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 
 
 def _file(tmp: Path, name: str, content) -> str:
@@ -296,6 +296,16 @@ CASES = [
     # environment
     ("env-comm-backend", lambda t, s: ([], {"TPFRAME_COMM_BACKEND": "bogus"}), "env var TPFRAME_COMM_BACKEND='bogus'"),
     ("env-world-size", lambda t, s: ([], {"WORLD_SIZE": "two"}), "env var WORLD_SIZE='two' must be an integer"),
+    ("env-world-size-zero", lambda t, s: ([], {"WORLD_SIZE": "0"}), "env var WORLD_SIZE='0' must be at least 1"),
+    ("env-rank-beyond-world", lambda t, s: (["parallel.tp=2"], {**torchrun_env(2), "RANK": "5"}),
+     "env var RANK=5 must be below WORLD_SIZE=2 (launch with python -m tpframe.launch --nproc-per-node N)"),
+    ("env-rank-word", lambda t, s: ([], {"RANK": "first"}), "env var RANK='first' must be an integer"),
+    ("env-no-master", lambda t, s: (["parallel.tp=2"], {"WORLD_SIZE": "2", "RANK": "0"}),
+     "env var WORLD_SIZE=2 needs MASTER_ADDR, MASTER_PORT set too"),
+    ("env-no-rank", lambda t, s: (["parallel.tp=2"], {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                     "MASTER_PORT": "29500"}), "WORLD_SIZE=2 needs RANK set too"),
+    ("env-port-beyond-range", lambda t, s: (["parallel.tp=2"], {**torchrun_env(2), "MASTER_PORT": "99999"}),
+     "env var MASTER_PORT='99999' must be a TCP port, an integer in 1..65535"),
     ("env-fault-spec", lambda t, s: ([], {"TPFRAME_FAULT_NAN": "soon"}), "env var TPFRAME_FAULT_NAN='soon'"),
     ("env-symm-buffer", lambda t, s: ([], {"TPFRAME_SYMM_BUFFER_MB": "-4"}), "TPFRAME_SYMM_BUFFER_MB='-4'"),
     # the run directory
@@ -378,6 +388,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("pre-flight passed a bad input"))
     extra, env = build(tmp_path, saved_run)
+    if set(env) == {"WORLD_SIZE"} and env["WORLD_SIZE"].isdigit():  # a layout's world: the rest of torchrun's env
+        env = {**torchrun_env(int(env["WORLD_SIZE"])), **env}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
@@ -450,7 +462,7 @@ def test_more_ranks_on_a_host_than_gpus_is_one_line(monkeypatch, env):
     import train
     from tpframe.errors import ConfigError
 
-    for key, value in env.items():
+    for key, value in {**torchrun_env(2), **env}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -4,7 +4,7 @@
     data = read_yaml_file("configs/x.yaml")      # ConfigError: duplicate key, not UTF-8, empty, not YAML
     value = parse_override_value("optim.lr=1e-3") # the value as YAML reads it, or a ConfigError
     check_numbers(cfg)                            # every float finite, every number in its range
-    check_env()                                   # TPFRAME_COMM_BACKEND, WORLD_SIZE, fault hooks ...
+    check_env()                                   # TPFRAME_COMM_BACKEND, fault hooks ...
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def _env_int(name: str, low: int) -> None:
 
 
 def check_env(comm_backend: str) -> None:
-    """The env vars tpframe reads, checked with the config (they override it)."""
+    """The env vars tpframe reads, checked with the config (they override it); the launcher's (WORLD_SIZE, RANK,
+    ...) are tpframe.launch.launch_env's."""
     from tpframe.comm.communicator import resolve_backend_name
     from tpframe.training.health import parse_fault_spec
 
@@ -175,8 +176,6 @@ def check_env(comm_backend: str) -> None:
         resolve_backend_name(comm_backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for name, low in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
-        _env_int(name, low)
     raw = os.environ.get("TPFRAME_SYMM_BUFFER_MB")
     if raw is not None:
         try:
