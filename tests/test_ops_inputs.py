@@ -185,6 +185,11 @@ CASES = [
     ("beta-range", lambda t, s: (["optim.beta2=1.0"], {}), "must be in [0, 1)"),
     ("skips-negative", lambda t, s: (["train.max_skipped_steps=-1"], {}),
      "train.max_skipped_steps=-1 must not be negative"),
+    # generated in every rank's pre-flight: it hung there, its memory growing
+    ("synthetic-tokens-1e10", lambda t, s: (["data.synthetic_tokens=1e10"], {}),
+     "data.synthetic_tokens=10,000,000,000 is more than the synthetic corpus takes (500,000,000 at most"),
+    ("synthetic-tokens-1e30", lambda t, s: (["data.synthetic_tokens=1e30"], {}),
+     "data.synthetic_tokens=1e+30 is more than the synthetic corpus takes"),
     # models and layouts
     ("not-a-builder", lambda t, s: (["model.name=json:dumps"], {}),
      "model.name='json:dumps': building the model failed"),

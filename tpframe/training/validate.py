@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from tpframe.data.corpus import SYNTHETIC_TOKENS_MAX
 from tpframe.errors import ConfigError
 
 
@@ -147,6 +148,12 @@ def check_numbers(cfg) -> None:
                           "and rank adds an offset)")
     if cfg.data.synthetic_tokens < 2:
         raise ConfigError(f"data.synthetic_tokens={cfg.data.synthetic_tokens} must be at least 2")
+    n = cfg.data.synthetic_tokens
+    if n > SYNTHETIC_TOKENS_MAX:
+        shown = f"{n:,}" if n < 10**15 else f"{n:.3g}"
+        raise ConfigError(f"data.synthetic_tokens={shown} is more than the synthetic corpus takes ({SYNTHETIC_TOKENS_MAX:,} at most: every rank "
+                          "generates it before training, about a minute and 2.5 GiB of memory for that many); for "
+                          "more data use data.source=tokens (tools/prepare_data.py)")
     if cfg.train.max_skipped_steps < 0:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must not be negative")
 
