@@ -88,12 +88,15 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     check_document_mask_support(cfg.model.name, builder, cfg.model.attention_mask)
     check_recompute_support(cfg.model.name, builder, selective=cfg.parallel.recompute == "selective",
                             layers=cfg.parallel.recompute_layers)
-    model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
     local_world, local_rank = (env.local_world_size, env.local_rank) if env else (world, 0)
+    where = dict(device_type=device, local_rank=local_rank, local_world=local_world)
+    if device_check or device == "cpu":  # a model too deep to build in a while: refused before it is built
+        checks.check_memory_before_build(cfg, world, **where)
+    model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     checks.check_device(cfg, device, local_world=local_world, local_rank=local_rank)
     if device_check or device == "cpu":
-        checks.check_memory(cfg, world, model, device_type=device, local_rank=local_rank, local_world=local_world)
+        checks.check_memory(cfg, world, model, **where)
     p = cfg.parallel
     _, dp_rank, _ = coords_of(rank, world, p.tp, p.pp, cp=p.cp)
     dp = world // (p.tp * p.cp * p.pp)

@@ -298,6 +298,8 @@ CASES = [
     ("micro-batch-1e9", lambda t, s: (["train.micro_batch_size=1e9", "train.global_batch_size=1e9"], {}),
      "this run needs about"),
     ("max-seq-1e11", lambda t, s: (["model.max_seq_len=1e11"], {}), "this run needs about"),
+    # estimated from builds of 1 and 2 layers: building them all on the meta device took ~3 ms a layer, in silence
+    ("layers-1e7", lambda t, s: (["model.layers=1e7"], {}), "this run needs about"),
     # environment
     ("env-comm-backend", lambda t, s: ([], {"TPFRAME_COMM_BACKEND": "bogus"}), "env var TPFRAME_COMM_BACKEND='bogus'"),
     ("env-world-size", lambda t, s: ([], {"WORLD_SIZE": "two"}), "env var WORLD_SIZE='two' must be an integer"),
