@@ -204,6 +204,9 @@ def _export_with_header(tmp_path, **header) -> str:
         (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
         (["--top-p", "inf"], "--top-p must be in (0, 1], got inf"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-p", "1e-300"], "--top-p must be at least 1.18e-38, float32's smallest normal number (below it is 0 "
+                                "in float32 and no token would be kept; use --greedy for the most likely token), got "
+                                "1e-300"),  # generated nothing: the nucleus kept no token
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (["--tp", "0"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got 0"),
         (["--tp", "-1"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got -1"),
@@ -219,7 +222,7 @@ def _export_with_header(tmp_path, **header) -> str:
         "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal",
         "temperature-inf", "temperature-nan", "temperature-negative", "temperature-below-float32",
         "temperature-beyond-float32", "greedy-temperature-nan", "greedy-top-k-0", "top-k-negative", "top-p-nan",
-        "top-p-inf", "top-p-0", "max-new-tokens-0", "tp-0", "tp-negative", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
+        "top-p-inf", "top-p-0", "top-p-below-float32", "max-new-tokens-0", "tp-0", "tp-negative", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
         "cuda-graph-twice"])
 def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
     """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
