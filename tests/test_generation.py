@@ -167,8 +167,9 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, caps
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "does not exist" in out.stderr
 
 
-def _export_with_header(tmp_path, **header) -> str:
-    """A tiny .safetensors file whose tpframe header fields are `header` (a string, or a dict updating model_config)."""
+def _export_with_header(tmp_path, tensors=None, **header) -> str:
+    """A tiny .safetensors file (of `tensors`) whose tpframe header fields are `header` (a string, or a dict updating
+    model_config)."""
     from safetensors.torch import save_file
 
     from tpframe.models.config import ModelConfig
@@ -176,7 +177,7 @@ def _export_with_header(tmp_path, **header) -> str:
     meta = {"format": "tpframe", "step": "1", "model_config": json.dumps(dataclasses.asdict(ModelConfig()))}
     for key, value in header.items():
         meta[key] = json.dumps({**json.loads(meta[key]), **value}) if isinstance(value, dict) else value
-    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"), metadata=meta)
+    save_file(tensors or {"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"), metadata=meta)
     return str(tmp_path / "m.safetensors")
 
 
@@ -241,6 +242,20 @@ def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, cap
     code, err = _cli([fill(a) for a in argv], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: "), (code, err)
     assert needle.replace("{tmp}", str(tmp_path)) in err, err
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_weights_that_are_not_finite_are_one_line_with_exit_code_2(bad, tmp_path, capsys, monkeypatch):
+    """They generated nothing (every logit NaN: token 0, the end of text) and exited 0."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    weights = {"embedding.weight": torch.zeros(4, 2), "blocks.0.attn.proj.weight": torch.tensor([[0.5, bad]])}
+    code, err = _cli(["--checkpoint", _export_with_header(tmp_path, weights), "--prompt", "a", "--max-new-tokens", "2"],
+                     capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err == (f"tpframe: error: --checkpoint '{tmp_path}/m.safetensors': tensor blocks.0.attn.proj.weight holds "
+                   f"1 {'NaN' if bad != bad else 'inf'} (of 2 values): weights that are not finite cannot be trained or "
+                   "generated from; use weights saved before they diverged"), err
 
 
 @pytest.mark.parametrize("env,needle", [

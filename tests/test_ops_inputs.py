@@ -40,9 +40,12 @@ def _token_file(tmp: Path, bad_id: int | None = None) -> str:
     return str(out)
 
 
-def _safetensors(tmp: Path, wrong_shape: bool) -> str:
+def _safetensors(tmp: Path, wrong_shape: bool, bad_value: float | None = None, hf: bool = False) -> str:
+    """BASE's weights (zeros) as a safetensors file, or (`hf`) a Hugging Face GPT-2 directory; `bad_value` in one
+    of them."""
     from safetensors.torch import save_file
 
+    from tpframe.checkpoint import hf as hf_format
     from tpframe.parallel.sharding import param_shards
     from tpframe.training import preflight
     from tpframe.training.config import load_config
@@ -53,6 +56,13 @@ def _safetensors(tmp: Path, wrong_shape: bool) -> str:
                for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)}
     if wrong_shape:
         tensors["blocks.0.attn.proj.weight"] = torch.zeros(3, 3)
+    if bad_value is not None:
+        tensors["blocks.1.mlp.fc2.weight"][3, 5] = bad_value
+    if hf:
+        (tmp / "hf").mkdir()
+        (tmp / "hf" / hf_format.CONFIG).write_text(json.dumps(hf_format.hf_config(cfg.model)))
+        save_file(hf_format.to_hf(tensors, cfg.model), str(tmp / "hf" / hf_format.WEIGHTS))
+        return str(tmp / "hf")
     save_file(tensors, str(tmp / "w.safetensors"))
     return str(tmp / "w.safetensors")
 
@@ -376,6 +386,13 @@ CASES = [
      "is not a safetensors file"),
     ("init-from-wrong-shape", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, True)}"], {}),
      "blocks.0.attn.proj.weight (3, 3)"),
+    # every step was skipped, the loss NaN, exit 0
+    ("init-from-nan", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('nan'))}"], {}),
+     "w.safetensors': tensor blocks.1.mlp.fc2.weight holds 1 NaN (of 4,096 values): weights that are not finite"),
+    ("init-from-inf", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('-inf'))}"], {}),
+     "tensor blocks.1.mlp.fc2.weight holds 1 inf (of 4,096 values)"),
+    ("init-from-hf-nan", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('nan'), hf=True)}"], {}),
+     "hf': tensor transformer.h.1.mlp.c_proj.weight holds 1 NaN (of 4,096 values)"),
 ]
 
 

@@ -306,7 +306,7 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
 
 
 def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
-    """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes."""
+    """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes, all finite."""
     file = cfg.checkpoint.init_from
     if not file or resuming or Path(file).is_dir():  # a Hugging Face directory: tpframe/checkpoint/init_from.py
         return
@@ -321,16 +321,18 @@ def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ConfigError(f"{key} is not a safetensors file ({str(e).splitlines()[0][:120]}); export one with "
                           "python tools/checkpoint.py export") from None
-    if model is None:
-        return
-    from tpframe.parallel.sharding import param_shards
+    if model is not None:
+        from tpframe.parallel.sharding import param_shards
 
-    want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
-            for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
-    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-    wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
-             for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
-    if missing or extra or wrong:
-        what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
-                else f"has other shapes: {'; '.join(wrong[:3])}")
-        raise ConfigError(f"{key} {what}; was it exported from a model with this config's architecture?")
+        want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
+                for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
+        missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+        wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
+                 for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
+        if missing or extra or wrong:
+            what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
+                    else f"has other shapes: {'; '.join(wrong[:3])}")
+            raise ConfigError(f"{key} {what}; was it exported from a model with this config's architecture?")
+    from tpframe.checkpoint.finite import check_finite_weights, safetensors_items
+
+    check_finite_weights(safetensors_items([Path(file)]), key)
