@@ -120,6 +120,10 @@ def _run_dir_holding(tmp: Path, name: str, content) -> str:
     return str(run)
 
 
+# 360 bytes of YAML aliases, each list ten of the one before: a list of 10^7 strings, whose repr is 58 MB
+ALIAS_BOMB = "model:\n  bias:\n" + "".join(
+    f"    - &l{i} [{','.join(['x'] * 10 if i == 0 else [f'*l{i - 1}'] * 10)}]\n" for i in range(7))
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -144,6 +148,11 @@ CASES = [
     ("bad-yaml", lambda t, s: (["--config", _file(t, "c.yaml", "model: [1, 2\n")], {}), "is not valid YAML"),
     ("list-key", lambda t, s: (["--config", _file(t, "c.yaml", "? [a, b]\n: 1\n")], {}),
      "a mapping key must be a name"),
+    ("alias-bomb", lambda t, s: (["--config", _file(t, "c.yaml", ALIAS_BOMB)], {}),
+     "model.bias=[['x', 'x', 'x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], [...], [...], ...], [[...], [...], "),
+    ("alias-bomb-key", lambda t, s: (["--config", _file(t, "c.yaml", ALIAS_BOMB.replace("model:\n", "train:\n")
+                                                                  .replace("  bias:\n", "  ?\n") + "  : 1\n")], {}),
+     "a mapping key must be a name, got [['x', 'x', 'x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], [...],"),
     ("config-is-dir", lambda t, s: (["--config", str(t)], {}), "is not a file"),
     ("config-missing", lambda t, s: (["--config", str(t / "nope.yaml")], {}), "does not exist"),
     # overrides and arguments
@@ -421,7 +430,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
     code = train.main(with_overrides([*BASE, f"train.run_dir={run_dir}"], extra))  # extra's keys replace BASE's
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err[:2000])
+    assert len(lines[0]) < 1000, lines[0][:2000]  # a line to read, whatever the value
     expected = expected.replace("{tmp}", str(tmp_path))
     assert lines[0].startswith("tpframe: config error: ") and expected in lines[0], lines[0]
     assert not run_dir.exists(), "nothing may be written before pre-flight passed"

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tpframe.data.corpus import SYNTHETIC_TOKENS_MAX
-from tpframe.errors import ConfigError
+from tpframe.errors import ConfigError, shown
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -34,9 +34,9 @@ def _strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = 
         try:
             first = seen.get(key)
         except TypeError:
-            raise ConfigError(f"line {line}: a mapping key must be a name, got {key!r}") from None
+            raise ConfigError(f"line {line}: a mapping key must be a name, got {shown(key)}") from None
         if first is not None:
-            raise ConfigError(f"key {key!r} appears twice in one mapping (lines {first} and {line}); "
+            raise ConfigError(f"key {shown(key)} appears twice in one mapping (lines {first} and {line}); "
                               "YAML would silently keep only the last: merge them")
         seen[key] = line
     return loader.construct_mapping(node, deep=deep)
