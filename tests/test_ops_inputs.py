@@ -301,6 +301,8 @@ CASES = [
                                      {"WORLD_SIZE": "2"}), "train.compile is not supported with parallel.ep > 1"),
     ("moe-cuda-graph-fp32", lambda t, s: (["model.moe_experts=4", "train.cuda_graph=true"], {}),
      "train.cuda_graph captures MoE experts only as grouped GEMMs"),
+    ("eval-steps-zero", lambda t, s: (["train.eval_interval=1", "train.eval_steps=0"], {}),  # no evaluation ran
+     "train.eval_interval=1 evaluates on train.eval_steps=0 held-out micro-batches: no evaluation would run"),
     ("wsd-fraction", lambda t, s: (["optim.decay_fraction=1.5"], {}), "optim.decay_fraction=1.5 must be in (0, 1]"),
     ("wsd-constant", lambda t, s: (["optim.decay_fraction=0.2", "optim.decay=constant"], {}),
      "optim.decay=constant has none"),

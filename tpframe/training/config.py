@@ -425,6 +425,10 @@ def validate(cfg: Config, world_size: int) -> None:
         _validate_fp8(cfg)
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
+    if t.eval_interval and not t.eval_steps:  # every evaluation would read nothing: none would run
+        raise ConfigError(f"train.eval_interval={t.eval_interval} evaluates on train.eval_steps=0 held-out "
+                          "micro-batches: no evaluation would run; set train.eval_steps to 1 or more, or "
+                          "train.eval_interval=0 to turn evaluation off")
     _validate_pipeline(cfg, dp)
     _validate_moe(cfg, dp)
     _validate_profile(cfg, world_size)
