@@ -366,6 +366,8 @@ CASES = [
      "data.valid_path is a held-out token file for data.source=tokens"),
     ("tokens-missing", lambda t, s: (["data.source=tokens", f"data.path={t}/none.bin"], {}),
      "the token file does not exist"),
+    ("tokens-path-is-dir", lambda t, s: (["data.source=tokens", f"data.path={t}"], {}),
+     "data.path='{tmp}': the token file is a directory, not a file; name the token file itself"),
     ("token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path={_token_file(t, 300)}"], {}),
      "holds token id 300 but its sidecar declares vocab_size 256"),
     ("blend-token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path=[{_token_file(t)},"
@@ -587,6 +589,12 @@ TOOL_CASES = [
      "--out '{tmp}/hf' is a directory of model files without tpframe's tpframe_export.json: not a tpframe export; "
      "pass --force"),
     ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
+    ("plot_loss", ["{run}/metrics.jsonl"],  # it said --out '{run}/metrics.jsonl/loss.png' cannot be created
+     "'{run}/metrics.jsonl' is a file; pass the run directory that holds metrics.jsonl, e.g. '{run}'"),
+    ("prepare_data", ["{file}", "--out", "{tmp}/o.bin", "--eot-token", "<|nope|>"],  # ignored: exit 0
+     "--eot-token is for --tokenizer FILE; the byte-level tokenizer ends documents with byte 0"),
+    ("prepare_data", ["{tmp}", "--out", "{tmp}/o.bin"],  # said "does not exist"
+     "input file '{tmp}' is a directory, not a file; pass the files in it, e.g. {tmp}/*.txt"),
     ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
     ("plot_loss", ["{run}", "--out", "/proc/loss.png"], "--out '/proc/loss.png' cannot be created"),
     ("plot_loss", lambda t, s: [str(s), "--out", _file(t, "notes.txt", "my notes")],
@@ -707,6 +715,15 @@ def test_the_write_probe_leaves_nothing_behind_and_finds_a_folder_that_takes_no_
         check_creatable("'x'", tmp_path / "new_run", directory=True)
     check_creatable("'x'", tmp_path / "run", directory=True)  # an existing folder: only files are made in it
     assert [p.name for p in tmp_path.rglob("*")] == ["run"]
+
+
+def test_the_launcher_says_a_directory_given_as_the_script_is_one(tmp_path, capsys):
+    from tpframe.launch import main
+
+    assert main(["--nproc-per-node", "1", str(tmp_path)]) == 2  # it said "does not exist"
+    assert capsys.readouterr().err.splitlines() == [
+        f"tpframe.launch: training script '{tmp_path}' is a directory, not a file (usage: python -m tpframe.launch "
+        "--nproc-per-node N train.py ARGS...)"]
 
 
 def test_the_launcher_refuses_an_option_given_twice(capsys):

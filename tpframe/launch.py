@@ -115,6 +115,7 @@ class LaunchError(Exception):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from tpframe.errors import ArgumentParser  # refuses an option given twice
+    from tpframe.paths import not_a_file
 
     parser = ArgumentParser(prog="python -m tpframe.launch", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,8 +128,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
-    if not Path(args.script).is_file():
-        raise LaunchError(f"training script {args.script!r} does not exist")
+    if why := not_a_file(args.script):
+        raise LaunchError(f"training script {args.script!r} {why}")
     return args
 
 
