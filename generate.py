@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from tpframe.errors import ArgumentParser, ConfigError
-from tpframe.launch import single_process_env
+from tpframe.launch import launch_env, single_process_env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -88,11 +87,13 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
     from tpframe.inference.text import encode_prompts, read_prompts, resolve_tokenizer
 
     args = parse_args(argv)
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size or launch_env().world_size
     tp = args.tp if args.tp is not None else world
+    if tp < 1:
+        raise ConfigError(f"--tp must be >= 1 (the tensor-parallel size: one process per rank), got {tp}")
     if tp != world:
         raise ConfigError(f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "
-                          f"launch with torchrun --nproc-per-node {tp}")
+                          f"launch with python -m tpframe.launch --nproc-per-node {tp}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not -(2**63) <= args.seed < 2**64:
@@ -152,7 +153,10 @@ def run(plan: Plan) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        rank0 = launch_env().rank == 0
+    except ConfigError:  # prepare says what is wrong with it, as rank 0
+        rank0 = True
     try:
         plan = prepare(argv)
         single_process_env()

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from tpframe.errors import ArgumentParser
-from tpframe.launch import single_process_env
+from tpframe.launch import launch_env, single_process_env
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,14 +40,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100 (each key once)")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, str(default))
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"env var {name}={raw!r} must be an integer") from None
 
 
 def _schedule(cfg, state, pipeline, log):
@@ -83,11 +75,11 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
                                 check_recompute_support, resolve_builder)
     from tpframe.parallel.state import coords_of, cp_of
     from tpframe.training import preflight as checks
-    from tpframe.training.memory import local_world_size
 
     args = parse_args(argv)
-    world = world_size or _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0) if rank is None else rank
+    env = launch_env() if world_size is None else None  # the launcher's parent checks for a world it will start
+    world = world_size or env.world_size
+    rank = env.rank if rank is None else rank
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world)  # the env vars that override the config too
     builder = resolve_builder(cfg.model.name)
@@ -96,13 +88,15 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     check_document_mask_support(cfg.model.name, builder, cfg.model.attention_mask)
     check_recompute_support(cfg.model.name, builder, selective=cfg.parallel.recompute == "selective",
                             layers=cfg.parallel.recompute_layers)
-    model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    local_world = local_world_size(world) if world_size is None else world
-    checks.check_device(cfg, device, local_world=local_world, local_rank=_env_int("LOCAL_RANK", 0))
+    local_world, local_rank = (env.local_world_size, env.local_rank) if env else (world, 0)
+    where = dict(device_type=device, local_rank=local_rank, local_world=local_world)
+    if device_check or device == "cpu":  # a model too deep to build in a while: refused before it is built
+        checks.check_memory_before_build(cfg, world, **where)
+    model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
+    checks.check_device(cfg, device, local_world=local_world, local_rank=local_rank)
     if device_check or device == "cpu":
-        checks.check_memory(cfg, world, model, device_type=device, local_rank=_env_int("LOCAL_RANK", 0),
-                            local_world=local_world)
+        checks.check_memory(cfg, world, model, **where)
     p = cfg.parallel
     _, dp_rank, _ = coords_of(rank, world, p.tp, p.pp, cp=p.cp)
     dp = world // (p.tp * p.cp * p.pp)
@@ -345,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     from tpframe.training.memory import OutOfMemory
     from tpframe.training.run_lock import locks_of
 
-    rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+    try:
+        rank = launch_env().rank
+    except ConfigError:  # prepare says what is wrong with it, as rank 0
+        rank = 0
     try:
         prepared = prepare(argv)
     except ConfigError as e:

@@ -351,12 +351,13 @@ def test_gemms_beside_a_collective_leave_the_sm_margin():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 @pytest.mark.parametrize("mode", ["symm_mem", "copy_engine"])
 def test_gpu_async_tp_modes_are_one_line_and_exit_2_without_cuda(mode, capsys, tmp_path, monkeypatch):
-    from tests.training_utils import REPO
+    from tests.training_utils import REPO, torchrun_env
 
     monkeypatch.syspath_prepend(REPO)
     import train
 
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for the tp=2 config
+    for key, value in torchrun_env(2).items():  # as torchrun sets it for the tp=2 config
+        monkeypatch.setenv(key, value)
     code = train.main(["--config", f"{REPO}/configs/tiny_cpu.yaml", f"train.run_dir={tmp_path}/run",
                        "parallel.sequence_parallel=true", f"parallel.async_tp={mode}"])
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]

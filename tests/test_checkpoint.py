@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, merge_overrides, train_in_process
+from tests.training_utils import REPO, TINY, merge_overrides, torchrun_env, train_in_process
 
 STEPS = ["train.steps=20"]
 
@@ -229,7 +229,7 @@ def test_truncated_shard_is_refused_with_a_clear_error(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-100])
     out = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *TINY, f"checkpoint.load={step}", f"train.run_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "2"},
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **torchrun_env(2)},
     )
     assert out.returncode == 2
     assert "truncated" in out.stderr and shard.name in out.stderr and "Traceback" not in out.stderr
@@ -246,6 +246,6 @@ def test_incompatible_layout_is_refused_before_loading(tmp_path):
         out = subprocess.run(
             [sys.executable, "train.py", *merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, vocab, overrides,
                                                           [f"checkpoint.load={step}"])],
-            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "4"},
+            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **torchrun_env(4)},
         )
         assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -172,12 +172,13 @@ if not __import__("torch").cuda.is_available():  # a CUDA-only switch on a machi
 
 @pytest.mark.parametrize("overrides,message", BAD)
 def test_bad_data_parallel_keys_are_one_line_and_exit_2(overrides, message, capsys, tmp_path, monkeypatch):
-    from tests.training_utils import REPO
+    from tests.training_utils import REPO, torchrun_env
 
     monkeypatch.syspath_prepend(REPO)
     import train
 
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for the tp=2 config
+    for key, value in torchrun_env(2).items():  # as torchrun sets it for the tp=2 config
+        monkeypatch.setenv(key, value)
     code = train.main(["--config", f"{REPO}/configs/tiny_cpu.yaml", f"train.run_dir={tmp_path}/run", *overrides])
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], lines

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, train_in_process
+from tests.training_utils import REPO, torchrun_env, train_in_process
 
 # A small model with every decode-relevant option on: rotary positions, GQA, SwiGLU, RMSNorm, untied head.
 ARCH = ["model.position=rotary", "model.kv_heads=2", "model.activation=swiglu", "model.norm=rmsnorm",
@@ -167,8 +167,9 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, caps
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "does not exist" in out.stderr
 
 
-def _export_with_header(tmp_path, **header) -> str:
-    """A tiny .safetensors file whose tpframe header fields are `header` (a string, or a dict updating model_config)."""
+def _export_with_header(tmp_path, tensors=None, **header) -> str:
+    """A tiny .safetensors file (of `tensors`) whose tpframe header fields are `header` (a string, or a dict updating
+    model_config)."""
     from safetensors.torch import save_file
 
     from tpframe.models.config import ModelConfig
@@ -176,7 +177,7 @@ def _export_with_header(tmp_path, **header) -> str:
     meta = {"format": "tpframe", "step": "1", "model_config": json.dumps(dataclasses.asdict(ModelConfig()))}
     for key, value in header.items():
         meta[key] = json.dumps({**json.loads(meta[key]), **value}) if isinstance(value, dict) else value
-    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"), metadata=meta)
+    save_file(tensors or {"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"), metadata=meta)
     return str(tmp_path / "m.safetensors")
 
 
@@ -204,7 +205,12 @@ def _export_with_header(tmp_path, **header) -> str:
         (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
         (["--top-p", "inf"], "--top-p must be in (0, 1], got inf"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-p", "1e-300"], "--top-p must be at least 1.18e-38, float32's smallest normal number (below it is 0 "
+                                "in float32 and no token would be kept; use --greedy for the most likely token), got "
+                                "1e-300"),  # generated nothing: the nucleus kept no token
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--tp", "0"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got 0"),
+        (["--tp", "-1"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got -1"),
         (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
         (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
         (["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
@@ -217,7 +223,7 @@ def _export_with_header(tmp_path, **header) -> str:
         "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal",
         "temperature-inf", "temperature-nan", "temperature-negative", "temperature-below-float32",
         "temperature-beyond-float32", "greedy-temperature-nan", "greedy-top-k-0", "top-k-negative", "top-p-nan",
-        "top-p-inf", "top-p-0", "max-new-tokens-0", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
+        "top-p-inf", "top-p-0", "top-p-below-float32", "max-new-tokens-0", "tp-0", "tp-negative", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
         "cuda-graph-twice"])
 def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
     """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
@@ -236,6 +242,37 @@ def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, cap
     code, err = _cli([fill(a) for a in argv], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: "), (code, err)
     assert needle.replace("{tmp}", str(tmp_path)) in err, err
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_weights_that_are_not_finite_are_one_line_with_exit_code_2(bad, tmp_path, capsys, monkeypatch):
+    """They generated nothing (every logit NaN: token 0, the end of text) and exited 0."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    weights = {"embedding.weight": torch.zeros(4, 2), "blocks.0.attn.proj.weight": torch.tensor([[0.5, bad]])}
+    code, err = _cli(["--checkpoint", _export_with_header(tmp_path, weights), "--prompt", "a", "--max-new-tokens", "2"],
+                     capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err == (f"tpframe: error: --checkpoint '{tmp_path}/m.safetensors': tensor blocks.0.attn.proj.weight holds "
+                   f"1 {'NaN' if bad != bad else 'inf'} (of 2 values): weights that are not finite cannot be trained or "
+                   "generated from; use weights saved before they diverged"), err
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "two"}, "env var WORLD_SIZE='two' must be an integer"),
+    ({"WORLD_SIZE": "0"}, "env var WORLD_SIZE='0' must be at least 1"),
+    ({**torchrun_env(2), "RANK": "5"}, "env var RANK=5 must be below WORLD_SIZE=2 (launch with python -m tpframe.launch"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "env var WORLD_SIZE=2 needs MASTER_ADDR, MASTER_PORT set too"),
+], ids=["world-word", "world-zero", "rank-beyond-world", "no-master"])
+def test_a_bad_launch_environment_is_one_line_with_exit_code_2(env, needle, monkeypatch, capsys):
+    """The torchrun env is checked before the checkpoint is read (it gave int()'s ValueError, a ZeroDivisionError,
+    or nothing at all from a rank that is not 0)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, err = _cli(["--checkpoint", "x", "--prompt", "hi"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: ") and needle in err, err
 
 
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):

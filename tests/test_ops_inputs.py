@@ -1,5 +1,5 @@
-"""Every mistake is one line and exit code 2, with nothing written: 137 bad inputs through train.main in this
-process, 26 through the tools, a few through the README's launcher (and torchrun) with 2 processes."""
+"""Every mistake is one line and exit code 2, with nothing written: 160 bad inputs through train.main in this
+process, 29 through the tools, a few through the README's launcher (and torchrun) with 2 processes."""
 
 import json
 import os
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, merge_overrides, train_in_process, with_overrides
+from tests.training_utils import REPO, TINY, merge_overrides, torchrun_env, train_in_process, with_overrides
 
 BASE = merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, ["parallel.tp=1", "train.steps=2"])
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TPFRAME_COMM_BACKEND", "TPFRAME_FAULT_NAN",
-            "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TPFRAME_COMM_BACKEND",
+            "TPFRAME_FAULT_NAN", "TPFRAME_SYMM_BUFFER_MB", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 
 
 def _file(tmp: Path, name: str, content) -> str:
@@ -40,9 +40,12 @@ def _token_file(tmp: Path, bad_id: int | None = None) -> str:
     return str(out)
 
 
-def _safetensors(tmp: Path, wrong_shape: bool) -> str:
+def _safetensors(tmp: Path, wrong_shape: bool, bad_value: float | None = None, hf: bool = False) -> str:
+    """BASE's weights (zeros) as a safetensors file, or (`hf`) a Hugging Face GPT-2 directory; `bad_value` in one
+    of them."""
     from safetensors.torch import save_file
 
+    from tpframe.checkpoint import hf as hf_format
     from tpframe.parallel.sharding import param_shards
     from tpframe.training import preflight
     from tpframe.training.config import load_config
@@ -53,6 +56,13 @@ def _safetensors(tmp: Path, wrong_shape: bool) -> str:
                for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)}
     if wrong_shape:
         tensors["blocks.0.attn.proj.weight"] = torch.zeros(3, 3)
+    if bad_value is not None:
+        tensors["blocks.1.mlp.fc2.weight"][3, 5] = bad_value
+    if hf:
+        (tmp / "hf").mkdir()
+        (tmp / "hf" / hf_format.CONFIG).write_text(json.dumps(hf_format.hf_config(cfg.model)))
+        save_file(hf_format.to_hf(tensors, cfg.model), str(tmp / "hf" / hf_format.WEIGHTS))
+        return str(tmp / "hf")
     save_file(tensors, str(tmp / "w.safetensors"))
     return str(tmp / "w.safetensors")
 
@@ -110,6 +120,10 @@ def _run_dir_holding(tmp: Path, name: str, content) -> str:
     return str(run)
 
 
+# 360 bytes of YAML aliases, each list ten of the one before: a list of 10^7 strings, whose repr is 58 MB
+ALIAS_BOMB = "model:\n  bias:\n" + "".join(
+    f"    - &l{i} [{','.join(['x'] * 10 if i == 0 else [f'*l{i - 1}'] * 10)}]\n" for i in range(7))
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -134,6 +148,11 @@ CASES = [
     ("bad-yaml", lambda t, s: (["--config", _file(t, "c.yaml", "model: [1, 2\n")], {}), "is not valid YAML"),
     ("list-key", lambda t, s: (["--config", _file(t, "c.yaml", "? [a, b]\n: 1\n")], {}),
      "a mapping key must be a name"),
+    ("alias-bomb", lambda t, s: (["--config", _file(t, "c.yaml", ALIAS_BOMB)], {}),
+     "model.bias=[['x', 'x', 'x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], [...], [...], ...], [[...], [...], "),
+    ("alias-bomb-key", lambda t, s: (["--config", _file(t, "c.yaml", ALIAS_BOMB.replace("model:\n", "train:\n")
+                                                                  .replace("  bias:\n", "  ?\n") + "  : 1\n")], {}),
+     "a mapping key must be a name, got [['x', 'x', 'x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], [...],"),
     ("config-is-dir", lambda t, s: (["--config", str(t)], {}), "is not a file"),
     ("config-missing", lambda t, s: (["--config", str(t / "nope.yaml")], {}), "does not exist"),
     # overrides and arguments
@@ -185,6 +204,11 @@ CASES = [
     ("beta-range", lambda t, s: (["optim.beta2=1.0"], {}), "must be in [0, 1)"),
     ("skips-negative", lambda t, s: (["train.max_skipped_steps=-1"], {}),
      "train.max_skipped_steps=-1 must not be negative"),
+    # generated in every rank's pre-flight: it hung there, its memory growing
+    ("synthetic-tokens-1e10", lambda t, s: (["data.synthetic_tokens=1e10"], {}),
+     "data.synthetic_tokens=10,000,000,000 is more than the synthetic corpus takes (500,000,000 at most"),
+    ("synthetic-tokens-1e30", lambda t, s: (["data.synthetic_tokens=1e30"], {}),
+     "data.synthetic_tokens=1e+30 is more than the synthetic corpus takes"),
     # models and layouts
     ("not-a-builder", lambda t, s: (["model.name=json:dumps"], {}),
      "model.name='json:dumps': building the model failed"),
@@ -277,6 +301,8 @@ CASES = [
                                      {"WORLD_SIZE": "2"}), "train.compile is not supported with parallel.ep > 1"),
     ("moe-cuda-graph-fp32", lambda t, s: (["model.moe_experts=4", "train.cuda_graph=true"], {}),
      "train.cuda_graph captures MoE experts only as grouped GEMMs"),
+    ("eval-steps-zero", lambda t, s: (["train.eval_interval=1", "train.eval_steps=0"], {}),  # no evaluation ran
+     "train.eval_interval=1 evaluates on train.eval_steps=0 held-out micro-batches: no evaluation would run"),
     ("wsd-fraction", lambda t, s: (["optim.decay_fraction=1.5"], {}), "optim.decay_fraction=1.5 must be in (0, 1]"),
     ("wsd-constant", lambda t, s: (["optim.decay_fraction=0.2", "optim.decay=constant"], {}),
      "optim.decay=constant has none"),
@@ -293,9 +319,21 @@ CASES = [
     ("micro-batch-1e9", lambda t, s: (["train.micro_batch_size=1e9", "train.global_batch_size=1e9"], {}),
      "this run needs about"),
     ("max-seq-1e11", lambda t, s: (["model.max_seq_len=1e11"], {}), "this run needs about"),
+    # estimated from builds of 1 and 2 layers: building them all on the meta device took ~3 ms a layer, in silence
+    ("layers-1e7", lambda t, s: (["model.layers=1e7"], {}), "this run needs about"),
     # environment
     ("env-comm-backend", lambda t, s: ([], {"TPFRAME_COMM_BACKEND": "bogus"}), "env var TPFRAME_COMM_BACKEND='bogus'"),
     ("env-world-size", lambda t, s: ([], {"WORLD_SIZE": "two"}), "env var WORLD_SIZE='two' must be an integer"),
+    ("env-world-size-zero", lambda t, s: ([], {"WORLD_SIZE": "0"}), "env var WORLD_SIZE='0' must be at least 1"),
+    ("env-rank-beyond-world", lambda t, s: (["parallel.tp=2"], {**torchrun_env(2), "RANK": "5"}),
+     "env var RANK=5 must be below WORLD_SIZE=2 (launch with python -m tpframe.launch --nproc-per-node N)"),
+    ("env-rank-word", lambda t, s: ([], {"RANK": "first"}), "env var RANK='first' must be an integer"),
+    ("env-no-master", lambda t, s: (["parallel.tp=2"], {"WORLD_SIZE": "2", "RANK": "0"}),
+     "env var WORLD_SIZE=2 needs MASTER_ADDR, MASTER_PORT set too"),
+    ("env-no-rank", lambda t, s: (["parallel.tp=2"], {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                     "MASTER_PORT": "29500"}), "WORLD_SIZE=2 needs RANK set too"),
+    ("env-port-beyond-range", lambda t, s: (["parallel.tp=2"], {**torchrun_env(2), "MASTER_PORT": "99999"}),
+     "env var MASTER_PORT='99999' must be a TCP port, an integer in 1..65535"),
     ("env-fault-spec", lambda t, s: ([], {"TPFRAME_FAULT_NAN": "soon"}), "env var TPFRAME_FAULT_NAN='soon'"),
     ("env-symm-buffer", lambda t, s: ([], {"TPFRAME_SYMM_BUFFER_MB": "-4"}), "TPFRAME_SYMM_BUFFER_MB='-4'"),
     # the run directory
@@ -328,6 +366,8 @@ CASES = [
      "data.valid_path is a held-out token file for data.source=tokens"),
     ("tokens-missing", lambda t, s: (["data.source=tokens", f"data.path={t}/none.bin"], {}),
      "the token file does not exist"),
+    ("tokens-path-is-dir", lambda t, s: (["data.source=tokens", f"data.path={t}"], {}),
+     "data.path='{tmp}': the token file is a directory, not a file; name the token file itself"),
     ("token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path={_token_file(t, 300)}"], {}),
      "holds token id 300 but its sidecar declares vocab_size 256"),
     ("blend-token-id-beyond-sidecar", lambda t, s: (["data.source=tokens", f"data.path=[{_token_file(t)},"
@@ -359,6 +399,13 @@ CASES = [
      "is not a safetensors file"),
     ("init-from-wrong-shape", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, True)}"], {}),
      "blocks.0.attn.proj.weight (3, 3)"),
+    # every step was skipped, the loss NaN, exit 0
+    ("init-from-nan", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('nan'))}"], {}),
+     "w.safetensors': tensor blocks.1.mlp.fc2.weight holds 1 NaN (of 4,096 values): weights that are not finite"),
+    ("init-from-inf", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('-inf'))}"], {}),
+     "tensor blocks.1.mlp.fc2.weight holds 1 inf (of 4,096 values)"),
+    ("init-from-hf-nan", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('nan'), hf=True)}"], {}),
+     "hf': tensor transformer.h.1.mlp.c_proj.weight holds 1 NaN (of 4,096 values)"),
 ]
 
 
@@ -378,6 +425,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("pre-flight passed a bad input"))
     extra, env = build(tmp_path, saved_run)
+    if set(env) == {"WORLD_SIZE"} and env["WORLD_SIZE"].isdigit():  # a layout's world: the rest of torchrun's env
+        env = {**torchrun_env(int(env["WORLD_SIZE"])), **env}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
@@ -385,7 +434,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
     code = train.main(with_overrides([*BASE, f"train.run_dir={run_dir}"], extra))  # extra's keys replace BASE's
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err[:2000])
+    assert len(lines[0]) < 1000, lines[0][:2000]  # a line to read, whatever the value
     expected = expected.replace("{tmp}", str(tmp_path))
     assert lines[0].startswith("tpframe: config error: ") and expected in lines[0], lines[0]
     assert not run_dir.exists(), "nothing may be written before pre-flight passed"
@@ -450,7 +500,7 @@ def test_more_ranks_on_a_host_than_gpus_is_one_line(monkeypatch, env):
     import train
     from tpframe.errors import ConfigError
 
-    for key, value in env.items():
+    for key, value in {**torchrun_env(2), **env}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -539,6 +589,12 @@ TOOL_CASES = [
      "--out '{tmp}/hf' is a directory of model files without tpframe's tpframe_export.json: not a tpframe export; "
      "pass --force"),
     ("plot_loss", [], "the following arguments are required: run_dir (see plot_loss.py --help)"),
+    ("plot_loss", ["{run}/metrics.jsonl"],  # it said --out '{run}/metrics.jsonl/loss.png' cannot be created
+     "'{run}/metrics.jsonl' is a file; pass the run directory that holds metrics.jsonl, e.g. '{run}'"),
+    ("prepare_data", ["{file}", "--out", "{tmp}/o.bin", "--eot-token", "<|nope|>"],  # ignored: exit 0
+     "--eot-token is for --tokenizer FILE; the byte-level tokenizer ends documents with byte 0"),
+    ("prepare_data", ["{tmp}", "--out", "{tmp}/o.bin"],  # said "does not exist"
+     "input file '{tmp}' is a directory, not a file; pass the files in it, e.g. {tmp}/*.txt"),
     ("plot_loss", ["{run}", "--out", "{tmp}"], "is a directory; name the image"),
     ("plot_loss", ["{run}", "--out", "/proc/loss.png"], "--out '/proc/loss.png' cannot be created"),
     ("plot_loss", lambda t, s: [str(s), "--out", _file(t, "notes.txt", "my notes")],
@@ -659,6 +715,15 @@ def test_the_write_probe_leaves_nothing_behind_and_finds_a_folder_that_takes_no_
         check_creatable("'x'", tmp_path / "new_run", directory=True)
     check_creatable("'x'", tmp_path / "run", directory=True)  # an existing folder: only files are made in it
     assert [p.name for p in tmp_path.rglob("*")] == ["run"]
+
+
+def test_the_launcher_says_a_directory_given_as_the_script_is_one(tmp_path, capsys):
+    from tpframe.launch import main
+
+    assert main(["--nproc-per-node", "1", str(tmp_path)]) == 2  # it said "does not exist"
+    assert capsys.readouterr().err.splitlines() == [
+        f"tpframe.launch: training script '{tmp_path}' is a directory, not a file (usage: python -m tpframe.launch "
+        "--nproc-per-node N train.py ARGS...)"]
 
 
 def test_the_launcher_refuses_an_option_given_twice(capsys):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, train_in_process, with_overrides
+from tests.training_utils import REPO, torchrun_env, train_in_process, with_overrides
 from tpframe.parallel.pipeline import SCHEDULES, schedule_order, simulate, split_layers, theoretical_bubble
 
 # -- schedule orders (pure functions) ------------------------------------------------------------
@@ -362,8 +362,8 @@ BAD_PIPELINE_CONFIGS = [
 def test_bad_pipeline_config_exits_2_with_one_clear_line(overrides, world, message, monkeypatch, capsys):
     import train
 
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setenv("WORLD_SIZE", world)
+    for key, value in torchrun_env(int(world)).items():
+        monkeypatch.setenv(key, value)
     code = train.main(with_overrides(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "parallel.tp=1",
                                       "model.layers=2", "train.global_batch_size=8", "train.micro_batch_size=2"], overrides))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

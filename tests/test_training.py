@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, train_in_process
+from tests.training_utils import REPO, torchrun_env, train_in_process
 
 
 def _losses(overrides):
@@ -110,8 +110,7 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("overrides,env,message", BAD_CONFIGS)
 def test_bad_config_exits_2_with_one_clear_line(overrides, env, message):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    full_env.update({"WORLD_SIZE": "2", **env})  # as torchrun would set it for the tp=2 config
+    full_env = {**os.environ, **torchrun_env(2), **env}  # as torchrun would set it for the tp=2 config
     out = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", "train.steps=1", *overrides],
         cwd=REPO, capture_output=True, text=True, env=full_env, timeout=120,

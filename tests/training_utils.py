@@ -17,6 +17,13 @@ TINY = [
 ]
 
 
+def torchrun_env(world_size: int, rank: int = 0) -> dict[str, str]:
+    """The env torchrun gives rank `rank` of `world_size` processes on one host: train.py's and generate.py's
+    pre-flight check all of it (tpframe.launch.launch_env), so a test that sets WORLD_SIZE sets the rest too."""
+    return {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
 def override_key(arg: str) -> str | None:
     """The `section.key` of a `section.key=value` argument of train.py; None for any other (--config, its file)."""
     head, eq, _ = arg.partition("=")

@@ -35,6 +35,9 @@ def plot_loss(run_dir: str | Path, out: str | Path | None = None, force: bool = 
     """Write the loss curve(s) of `run_dir` to `out` (default <run_dir>/loss.png); ValueError if no loss, or if `out`
     holds anything but an earlier plot (unless `force`)."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():  # its metrics.jsonl, say: the default --out would be a path inside that file
+        raise ValueError(f"{str(run_dir)!r} is a file; pass the run directory that holds metrics.jsonl, e.g. "
+                         f"{str(run_dir.parent)!r}")
     out = Path(out) if out else run_dir / "loss.png"
     if out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a directory; name the image, e.g. --out {out / 'loss.png'}")

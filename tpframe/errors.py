@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import argparse
 import functools
+import reprlib
 
 
 class ConfigError(ValueError):
     """A configuration mistake, phrased for the user: the key, the value, and what to do."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 2, 80, 80, 40
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = _SHOWN.maxfrozenset = _SHOWN.maxdict = 6
+SHOWN_MAX = 160
+
+
+def shown(value) -> str:
+    """repr(value) for an error line, cut to a line's worth (`[1, 2, ...]`, at most SHOWN_MAX characters): a value in
+    a config can be anything YAML builds, and a 327-byte file of nested aliases is a list whose repr is 58 MB."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= SHOWN_MAX else text[: SHOWN_MAX - 3] + "..."
 
 
 _GIVEN = "_tpframe_options_given"  # {action: how it was given}, on the namespace while one parse runs

@@ -27,20 +27,86 @@ import socket
 import sys
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 TPFRAME_CODES = {2: "config error", 3: "training stopped on non-finite steps", 4: "a rank stopped responding",
                  5: "checkpoint not saved", 6: "out of memory"}
 
 
+LAUNCH_HINT = "launch with python -m tpframe.launch --nproc-per-node N"
+
+
+class LaunchEnv(NamedTuple):
+    world_size: int
+    rank: int
+    local_rank: int
+    local_world_size: int
+
+
+def _world_exists() -> bool:
+    """Whether the program already built the world's process group itself (so MASTER_ADDR/PORT go unused)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def launch_env() -> LaunchEnv:
+    """This process's torchrun environment (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), checked before anything is written: train.py's and generate.py's pre-flight. Unset, it is a
+    world of one (`single_process_env` fills it in). A ConfigError names the variable and the fix."""
+    from tpframe.errors import ConfigError
+
+    env = os.environ
+
+    def integer(name: str, default: int, low: int) -> int:
+        raw = env.get(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"env var {name}={raw!r} must be an integer ({LAUNCH_HINT})") from None
+        if value < low:
+            raise ConfigError(f"env var {name}={raw!r} must be at least {low} ({LAUNCH_HINT})")
+        return value
+
+    world = integer("WORLD_SIZE", 1, 1)
+    rank = integer("RANK", 0, 0)
+    local_rank = integer("LOCAL_RANK", 0, 0)
+    local_world = integer("LOCAL_WORLD_SIZE", world, 1)
+    if rank >= world:
+        raise ConfigError(f"env var RANK={rank} must be below WORLD_SIZE={world} ({LAUNCH_HINT})")
+    if world > 1 and not _world_exists():  # the process group is built from these (tpframe.parallel.state)
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k, "").strip()]
+        if missing:
+            raise ConfigError(f"env var WORLD_SIZE={world} needs {', '.join(missing)} set too (the processes of a "
+                              f"world find each other through them; {LAUNCH_HINT}, which sets them)")
+    raw_port = env.get("MASTER_PORT")
+    if raw_port is not None and "RANK" in env:  # without RANK, single_process_env picks a port of its own
+        try:
+            port = int(raw_port)
+        except ValueError:
+            port = -1
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"env var MASTER_PORT={raw_port!r} must be a TCP port, an integer in 1..65535 "
+                              f"({LAUNCH_HINT})")
+    return LaunchEnv(world, rank, local_rank, local_world)
+
+
 def single_process_env() -> None:
-    """Let `python train.py` (or generate.py) run without a launcher: the env of a world of one process."""
-    if "RANK" in os.environ:
+    """Let `python train.py` (or generate.py) run without a launcher: the env of a world of one process. A
+    launched process keeps its env (checked by `launch_env`); a world of one given in part gets the rest."""
+    launched = "RANK" in os.environ
+    if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    if not launched or "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
+    for key, value in env.items():
+        if not launched or key not in os.environ:
+            os.environ[key] = value
 
 
 class LaunchError(Exception):
@@ -49,6 +115,7 @@ class LaunchError(Exception):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from tpframe.errors import ArgumentParser  # refuses an option given twice
+    from tpframe.paths import not_a_file
 
     parser = ArgumentParser(prog="python -m tpframe.launch", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,8 +128,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
-    if not Path(args.script).is_file():
-        raise LaunchError(f"training script {args.script!r} does not exist")
+    if why := not_a_file(args.script):
+        raise LaunchError(f"training script {args.script!r} {why}")
     return args
 
 

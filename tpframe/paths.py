@@ -7,6 +7,7 @@ pre-flight, the token-file writer and the tools share it.
     with replacing(Path("m.safetensors")) as tmp:  # the same, renamed over the file (or a link's target) on success
     path = link_target(path)                        # through a symbolic link: the rename replaces what it points to
     recorded_path("data/mine.bin", meta["cwd"])      # a run's relative path, from the folder the run was launched in
+    why = not_a_file("data/x.bin")                    # "does not exist", "is a directory, not a file", ... or None
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ def recorded_path(path: str, cwd: str | None) -> str:
     if cwd and not os.path.isabs(path) and os.path.exists(os.path.join(cwd, path)):
         return os.path.join(cwd, path)
     return path
+
+
+def not_a_file(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a file, in words that follow it ("does not exist", "is a directory, not a
+    file", "is not a regular file"); None when it is one."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory, not a file"
+    return "is not a regular file" if path.exists() else "does not exist"
 
 
 def nearest_existing(path: Path) -> Path:

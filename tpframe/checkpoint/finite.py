@@ -1,12 +1,42 @@
 """Is a strategy's state finite on every rank? Checked before a checkpoint is published (a checkpoint
-holding NaN or inf is never written: it would poison every run resumed from it)."""
+holding NaN or inf is never written: it would poison every run resumed from it). Weights read from elsewhere
+(checkpoint.init_from, generate.py's) are checked as they are read: `check_finite_weights`."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tpframe.errors import ConfigError
 from tpframe.parallel.sharding import LogicalChunks
+
+
+@torch.no_grad()
+def check_finite_weights(tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """ConfigError naming the first floating-point tensor of (name, tensor) pairs that holds NaN or inf: one
+    max-abs pass, a tensor at a time (a run initialized from it skips every step; generation yields nothing)."""
+    for name, t in tensors:
+        if not t.is_floating_point() or not t.numel() or torch.isfinite(torch.linalg.vector_norm(t, float("inf"))):
+            continue
+        counts = [f"{n:,} {what}" for what, n in (("NaN", int(torch.isnan(t).sum())), ("inf", int(torch.isinf(t).sum())))
+                  if n]
+        raise ConfigError(f"{where}: tensor {name} holds {' and '.join(counts)} (of {t.numel():,} values): weights "
+                          "that are not finite cannot be trained or generated from; use weights saved before they "
+                          "diverged")
+
+
+def safetensors_items(paths: Iterable[Path], names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the tensors in safetensors files (those in `names`; None: all), read one at a time."""
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
 
 
 @torch.no_grad()

@@ -421,12 +421,18 @@ class HFWeights(Mapping):
 
 
 def check_hf_dir(m: ModelConfig, path: str | Path) -> None:
-    """Pre-flight for `checkpoint.init_from=<HF dir>`: config.json equals the model section, weights complete."""
+    """Pre-flight for `checkpoint.init_from=<HF dir>`: config.json equals the model section, weights complete and
+    finite."""
     path = Path(path)
     where = f"checkpoint.init_from={str(path)!r}: its {CONFIG}"
     config = read_config(path)
     check_model_matches(m, config, where)
-    HFWeights(path, m).check()  # the model section describes the HF model: now its tensors and shapes
+    weights = HFWeights(path, m)
+    weights.check()  # the model section describes the HF model: now its tensors and shapes
+    from tpframe.checkpoint.finite import check_finite_weights, safetensors_items
+
+    check_finite_weights(safetensors_items(sorted(set(weights.files.values())), set(weights.names.values())),
+                         f"checkpoint.init_from={str(path)!r}")
 
 
 # -- export ----------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 
 BYTE_VOCAB = 256
+# data.synthetic_tokens' ceiling: every rank generates the corpus in its pre-flight, ~8M tokens/s on one core with
+# ~5 bytes per token at the peak (the lines, then their text), so 500M tokens take about a minute and 2.5 GiB
+SYNTHETIC_TOKENS_MAX = 500_000_000
 EOD_BYTE = 0  # end of document in byte-level streams
 STDLIB_MAX_BYTES = 4_000_000  # cap of the stdlib corpus: enough text, and it loads in well under a second
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

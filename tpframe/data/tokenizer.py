@@ -22,7 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from tpframe.data.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
-from tpframe.paths import check_creatable, refuse_existing, temporary_name
+from tpframe.paths import check_creatable, not_a_file, refuse_existing, temporary_name
 
 FORMAT = "tpframe.tokens/1"
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -67,8 +67,8 @@ class HFTokenizer:
                 "(or leave --tokenizer out for the built-in byte-level tokenizer)"
             ) from None
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"tokenizer file {str(path)!r} does not exist; pass a tokenizer.json saved by "
+        if why := not_a_file(path):
+            raise ValueError(f"tokenizer file {str(path)!r} {why}; pass a tokenizer.json saved by "
                              "the `tokenizers` package")
         try:
             self._tok = Tokenizer.from_file(str(path))
@@ -164,12 +164,16 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
     An `out` that exists is replaced only when it is an earlier token file (its sidecar says so) or with `force`.
     Written to temporary names and renamed at the end, so a failed run leaves no half file behind.
     """
-    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    missing = [(str(p), why) for p in inputs if (why := not_a_file(p))]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"input file {missing[0]!r} does not exist{more}")
+        name, why = missing[0]
+        hint = f"; pass the files in it, e.g. {os.path.join(name, '*.txt')}" if Path(name).is_dir() else ""
+        raise ValueError(f"input file {name!r} {why}{more}{hint}")
     if not inputs:
         raise ValueError("no input files given; pass one or more .txt or .jsonl files")
+    if eot_token is not None and not tokenizer:  # it would be ignored
+        raise ValueError("--eot-token is for --tokenizer FILE; the byte-level tokenizer ends documents with byte 0")
     out = Path(out)
     if not out.name or out.is_dir():
         raise ValueError(f"the output {str(out)!r} is a directory; name the token file, "
@@ -226,8 +230,10 @@ def read_sidecar(path: str | Path, key: str = "data.path") -> dict:
     """The sidecar of token file `path`, checked against the file; errors name `key` and the fix."""
     path, side = Path(path), sidecar_path(path)
     fix = f"make it with: python tools/prepare_data.py INPUT... --out {path}"
-    if not path.is_file():
-        raise ValueError(f"{key}={str(path)!r}: the token file does not exist; {fix}")
+    if why := not_a_file(path):
+        if path.is_dir():
+            fix = "name the token file itself (python tools/prepare_data.py INPUT... --out FILE makes one)"
+        raise ValueError(f"{key}={str(path)!r}: the token file {why}; {fix}")
     if not side.is_file():
         raise ValueError(f"{key}={str(path)!r}: its sidecar {str(side)!r} is missing; {fix}")
     try:

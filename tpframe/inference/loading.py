@@ -101,16 +101,22 @@ def _safetensors_header(path: Path) -> dict:
 
 
 def read_weights(source: ModelSource) -> dict[str, torch.Tensor]:
-    """Every model tensor in full, on the CPU, by logical name (vocabulary padding removed)."""
+    """Every model tensor in full, on the CPU, by logical name (vocabulary padding removed); ConfigError when
+    one holds NaN or inf."""
+    from tpframe.checkpoint.finite import check_finite_weights
+
     if source.kind == "safetensors":
         import safetensors.torch
 
-        return safetensors.torch.load_file(str(source.path))
-    from tpframe.checkpoint.export import read_model_tensors
+        tensors = safetensors.torch.load_file(str(source.path))
+    else:
+        from tpframe.checkpoint.export import read_model_tensors
 
-    with warnings.catch_warnings():  # DCP notes that it reads without a process group: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        return read_model_tensors(source.path)
+        with warnings.catch_warnings():  # DCP notes that it reads without a process group: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            tensors = read_model_tensors(source.path)
+    check_finite_weights(tensors.items(), f"--checkpoint {str(source.path)!r}")
+    return tensors
 
 
 @torch.no_grad()

@@ -32,7 +32,8 @@ class SamplingConfig:
 
     def validate(self) -> None:
         """Each value, with --greedy too (which ignores them: a NaN given is still a mistake). The temperature divides
-        float32 logits: beyond float32's range it is 0 or inf there, and the padding rows' -inf / inf is NaN."""
+        float32 logits: beyond float32's range it is 0 or inf there, and the padding rows' -inf / inf is NaN. The
+        top-p is compared with float32 probabilities: below float32's range it is 0 there, and no token is kept."""
         t, f32 = self.temperature, torch.finfo(torch.float32)
         if not (isinstance(t, (int, float)) and f32.tiny <= t <= f32.max):  # False for NaN
             raise ValueError(f"--temperature must be a finite number > 0 within float32's range ({f32.tiny:.3g} to "
@@ -41,6 +42,10 @@ class SamplingConfig:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_p is not None and self.top_p < f32.tiny:
+            raise ValueError(f"--top-p must be at least {f32.tiny:.3g}, float32's smallest normal number (below it is 0 "
+                             f"in float32 and no token would be kept; use --greedy for the most likely token), "
+                             f"got {self.top_p}")
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, comm: Communicator, vocab_start: int) -> torch.Tensor:

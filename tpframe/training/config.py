@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tpframe.data.config import DataConfig
-from tpframe.errors import ConfigError
+from tpframe.errors import ConfigError, shown
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
 from tpframe.optim.config import OptimConfig
 from tpframe.training.profiler import ProfileConfig
@@ -197,17 +197,17 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 errors.append(str(e))
         if bool in options and len(errors) == 2 and typing.get_origin(options[1]) is Literal:  # bool | Literal[...]
             choices = ", ".join(map(repr, typing.get_args(options[1])))
-            raise ConfigError(f"{key}={value!r} is not allowed; choose true, false or one of {choices}")
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+            raise ConfigError(f"{key}={shown(value)} is not allowed; choose true, false or one of {choices}")
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {shown(value)}")
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+            raise ConfigError(f"{key}={shown(value)} is not allowed; choose one of {', '.join(map(repr, choices))}")
         return value
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
+        raise ConfigError(f"{key}={shown(value)} must be true or false")
     if annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -218,7 +218,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 pass
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"{key}={value!r} must be an integer")
+        raise ConfigError(f"{key}={shown(value)} must be an integer")
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -227,16 +227,16 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}={value!r} must be a number")
+        raise ConfigError(f"{key}={shown(value)} must be a number")
     if annotation is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{key}={value!r} must be a string")
+        raise ConfigError(f"{key}={shown(value)} must be a string")
     if origin is list:
         (item,) = typing.get_args(annotation)
         if isinstance(value, (list, tuple)):
             return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        raise ConfigError(f"{key}={value!r} must be a list, e.g. [4, 4]")
+        raise ConfigError(f"{key}={shown(value)} must be a list, e.g. [4, 4]")
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
 
@@ -252,19 +252,19 @@ def from_dict(data: dict[str, Any]) -> Config:
     kwargs = {}
     for section, values in data.items():
         if not isinstance(section, str):
-            raise ConfigError(f"config section names are words (model, train, ...), got {section!r}")
+            raise ConfigError(f"config section names are words (model, train, ...), got {shown(section)}")
         if section not in sections:
             raise ConfigError(f"unknown config section '{section}'{_did_you_mean(section, sections)}")
         cls = sections[section]
         if values is None:
             values = {}
         if not isinstance(values, dict):
-            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {values!r}")
+            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {shown(values)}")
         types_ = _section_types(cls)
         fields = {}
         for key, value in values.items():
             if not isinstance(key, str):
-                raise ConfigError(f"keys of config section '{section}' are words, got {key!r}")
+                raise ConfigError(f"keys of config section '{section}' are words, got {shown(key)}")
             if key not in types_:
                 raise ConfigError(f"unknown config key '{section}.{key}'{_did_you_mean(key, types_, section + '.')}")
             fields[key] = _coerce(value, types_[key], f"{section}.{key}")
@@ -292,7 +292,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if section not in data or data[section] is None:
             data[section] = {}
         if not isinstance(data[section], dict):
-            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {data[section]!r}")
+            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {shown(data[section])}")
         data[section][key] = value
     return data
 
@@ -425,6 +425,10 @@ def validate(cfg: Config, world_size: int) -> None:
         _validate_fp8(cfg)
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
+    if t.eval_interval and not t.eval_steps:  # every evaluation would read nothing: none would run
+        raise ConfigError(f"train.eval_interval={t.eval_interval} evaluates on train.eval_steps=0 held-out "
+                          "micro-batches: no evaluation would run; set train.eval_steps to 1 or more, or "
+                          "train.eval_interval=0 to turn evaluation off")
     _validate_pipeline(cfg, dp)
     _validate_moe(cfg, dp)
     _validate_profile(cfg, world_size)
@@ -446,7 +450,7 @@ def _validate_data(d) -> None:
         raise ConfigError(f"data.weights has {len(d.weights)} entries but data.path lists {len(d.paths)} files; "
                           "give one weight per file")
     if d.weights is not None and not all(0.0 < w < float("inf") for w in d.weights):
-        raise ConfigError(f"data.weights={d.weights} must all be positive numbers (a share of samples per file)")
+        raise ConfigError(f"data.weights={shown(d.weights)} must all be positive numbers (a share of samples per file)")
 
 
 def _validate_profile(cfg: Config, world_size: int) -> None:
@@ -460,7 +464,7 @@ def _validate_profile(cfg: Config, world_size: int) -> None:
                           "nothing would be profiled; lower it, or set 0 to profile nothing")
     bad = [r for r in pr.ranks if not 0 <= r < world_size]
     if bad or not pr.ranks:
-        raise ConfigError(f"profile.ranks={pr.ranks} must name at least one rank, each in 0..{world_size - 1} "
+        raise ConfigError(f"profile.ranks={shown(pr.ranks)} must name at least one rank, each in 0..{world_size - 1} "
                           f"(world size {world_size})")
 
 
@@ -622,7 +626,7 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
             wrong = (f"it has {len(counts)}" if len(counts) != stages else
                      f"a stage of {min(counts)} layers" if min(counts) < 1 else f"they add up to {sum(counts)}")
             raise ConfigError(
-                f"parallel.layers_per_stage={counts} must be {stages} counts (parallel.pp*parallel.virtual_stages), "
+                f"parallel.layers_per_stage={shown(counts)} must be {stages} counts (parallel.pp*parallel.virtual_stages), "
                 f"each at least 1, adding up to model.layers={layers} ({wrong})"
             )
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)

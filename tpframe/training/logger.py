@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from tpframe.paths import not_a_file
 from tpframe.training.config import LoggingConfig
 
 _RESERVED = ("step", "kind", "time")
@@ -264,8 +265,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The train/eval records of a metrics.jsonl; a "start" record at step S drops the earlier records
     of steps after S (the restarted run replaced them). ValueError if missing, empty or corrupt."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{str(path)!r} does not exist; a run writes it when logging.jsonl=true")
+    if why := not_a_file(path):
+        raise ValueError(f"{str(path)!r} {why}; a run writes it when logging.jsonl=true")
     records: list[dict] = []
     with open(path, encoding="utf-8", errors="replace") as f:  # a bad byte: that line is not valid JSON
         for lineno, line in enumerate(f, 1):

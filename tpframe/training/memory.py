@@ -21,7 +21,6 @@ billion), not to pack a device to the last GiB: runs near the limit may still fa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +203,3 @@ def out_of_memory(error: BaseException, cfg, *, rank: int, dp: int, step: int, p
     return OutOfMemory(f"rank {rank} ran out of {device.type} memory in step {step} ({phase}): {first}{peak}; "
                        f"to fit, try {', '.join(_fixes(cfg, dp))}")
 
-
-def local_world_size(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

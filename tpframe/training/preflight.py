@@ -4,6 +4,7 @@ run before any process group exists and before anything is written. Each failure
     model = dry_build(cfg)                        # the model of TP rank 0 on the meta device (no memory)
     check_device(cfg, "cuda", local_world=2, local_rank=0)  # switches this machine cannot run, one GPU per rank
     check_memory(cfg, world, model, ...)          # the estimate against the device (train.check_memory)
+    check_memory_before_build(cfg, world, ...)    # the same from builds of 1 and 2 layers (a very deep model)
     check_run_dir(cfg)                            # a file, not writable, another run's, or in use now
     check_token_ids(train_data, valid_data, cfg)  # token files whose ids exceed their sidecar's vocab
     check_resume(cfg, meta, train_data)           # the checkpoint's config and data position fit this run
@@ -107,19 +108,49 @@ def dry_build(cfg) -> nn.Module | None:
     return model
 
 
-def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: str, local_rank: int,
-                 local_world: int) -> None:
-    from tpframe.training.memory import check_fits, estimate
-
-    if not cfg.train.check_memory or model is None:
-        return
+def _sizes(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters, of which MoE experts, buffer bytes) of a model built whole."""
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
+    return params, experts, sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int], **device) -> None:
+    from tpframe.training.memory import check_fits, estimate
+
+    params, experts, buffers = sizes
     params -= experts - experts // cfg.parallel.ep  # built whole here; a rank holds 1/ep of the experts
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     est = estimate(cfg, world_size, params=params, expert_params=experts // cfg.parallel.ep, buffer_bytes=buffers,
-                   device_type=device_type)
-    check_fits(cfg, est, device_type=device_type, local_rank=local_rank, local_world=local_world)
+                   device_type=device["device_type"])
+    check_fits(cfg, est, **device)
+
+
+def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: str, local_rank: int,
+                 local_world: int) -> None:
+    if not cfg.train.check_memory or model is None:
+        return
+    _check_sizes(cfg, world_size, _sizes(model), device_type=device_type, local_rank=local_rank,
+                 local_world=local_world)
+
+
+# A meta-device build takes ~3 ms a layer (100000 layers: minutes of silence before the estimate could run)
+EXTRAPOLATE_ABOVE_LAYERS = 16
+
+
+def check_memory_before_build(cfg, world_size: int, *, device_type: str, local_rank: int, local_world: int) -> None:
+    """check_memory before `dry_build` for a model of many layers: its sizes extrapolated to model.layers from
+    meta builds of one and two layers, so a model far too deep for the device is refused at once."""
+    if not cfg.train.check_memory or cfg.model.layers <= EXTRAPOLATE_ABOVE_LAYERS:
+        return
+    try:
+        small = [dry_build(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=n))) for n in (1, 2)]
+    except ConfigError:  # a builder that needs more layers: the full build says what it needs
+        return
+    if None in small:
+        return
+    one, two = map(_sizes, small)
+    sizes = tuple(a + (b - a) * (cfg.model.layers - 1) for a, b in zip(one, two))
+    _check_sizes(cfg, world_size, sizes, device_type=device_type, local_rank=local_rank, local_world=local_world)
 
 
 # -- the run directory ------------------------------------------------------------------------------
@@ -275,7 +306,7 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
 
 
 def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
-    """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes."""
+    """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes, all finite."""
     file = cfg.checkpoint.init_from
     if not file or resuming or Path(file).is_dir():  # a Hugging Face directory: tpframe/checkpoint/init_from.py
         return
@@ -290,16 +321,18 @@ def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ConfigError(f"{key} is not a safetensors file ({str(e).splitlines()[0][:120]}); export one with "
                           "python tools/checkpoint.py export") from None
-    if model is None:
-        return
-    from tpframe.parallel.sharding import param_shards
+    if model is not None:
+        from tpframe.parallel.sharding import param_shards
 
-    want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
-            for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
-    missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-    wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
-             for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
-    if missing or extra or wrong:
-        what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
-                else f"has other shapes: {'; '.join(wrong[:3])}")
-        raise ConfigError(f"{key} {what}; was it exported from a model with this config's architecture?")
+        want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
+                for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
+        missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+        wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
+                 for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
+        if missing or extra or wrong:
+            what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
+                    else f"has other shapes: {'; '.join(wrong[:3])}")
+            raise ConfigError(f"{key} {what}; was it exported from a model with this config's architecture?")
+    from tpframe.checkpoint.finite import check_finite_weights, safetensors_items
+
+    check_finite_weights(safetensors_items([Path(file)]), key)

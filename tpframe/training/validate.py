@@ -4,7 +4,7 @@
     data = read_yaml_file("configs/x.yaml")      # ConfigError: duplicate key, not UTF-8, empty, not YAML
     value = parse_override_value("optim.lr=1e-3") # the value as YAML reads it, or a ConfigError
     check_numbers(cfg)                            # every float finite, every number in its range
-    check_env()                                   # TPFRAME_COMM_BACKEND, WORLD_SIZE, fault hooks ...
+    check_env()                                   # TPFRAME_COMM_BACKEND, fault hooks ...
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from tpframe.errors import ConfigError
+from tpframe.data.corpus import SYNTHETIC_TOKENS_MAX
+from tpframe.errors import ConfigError, shown
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -33,9 +34,9 @@ def _strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = 
         try:
             first = seen.get(key)
         except TypeError:
-            raise ConfigError(f"line {line}: a mapping key must be a name, got {key!r}") from None
+            raise ConfigError(f"line {line}: a mapping key must be a name, got {shown(key)}") from None
         if first is not None:
-            raise ConfigError(f"key {key!r} appears twice in one mapping (lines {first} and {line}); "
+            raise ConfigError(f"key {shown(key)} appears twice in one mapping (lines {first} and {line}); "
                               "YAML would silently keep only the last: merge them")
         seen[key] = line
     return loader.construct_mapping(node, deep=deep)
@@ -147,6 +148,12 @@ def check_numbers(cfg) -> None:
                           "and rank adds an offset)")
     if cfg.data.synthetic_tokens < 2:
         raise ConfigError(f"data.synthetic_tokens={cfg.data.synthetic_tokens} must be at least 2")
+    n = cfg.data.synthetic_tokens
+    if n > SYNTHETIC_TOKENS_MAX:
+        shown = f"{n:,}" if n < 10**15 else f"{n:.3g}"
+        raise ConfigError(f"data.synthetic_tokens={shown} is more than the synthetic corpus takes ({SYNTHETIC_TOKENS_MAX:,} at most: every rank "
+                          "generates it before training, about a minute and 2.5 GiB of memory for that many); for "
+                          "more data use data.source=tokens (tools/prepare_data.py)")
     if cfg.train.max_skipped_steps < 0:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must not be negative")
 
@@ -167,7 +174,8 @@ def _env_int(name: str, low: int) -> None:
 
 
 def check_env(comm_backend: str) -> None:
-    """The env vars tpframe reads, checked with the config (they override it)."""
+    """The env vars tpframe reads, checked with the config (they override it); the launcher's (WORLD_SIZE, RANK,
+    ...) are tpframe.launch.launch_env's."""
     from tpframe.comm.communicator import resolve_backend_name
     from tpframe.training.health import parse_fault_spec
 
@@ -175,8 +183,6 @@ def check_env(comm_backend: str) -> None:
         resolve_backend_name(comm_backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for name, low in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)):
-        _env_int(name, low)
     raw = os.environ.get("TPFRAME_SYMM_BUFFER_MB")
     if raw is not None:
         try:
