@@ -301,6 +301,10 @@ CASES = [
     # the run directory
     ("run-dir-is-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}"], {}), "is a file, not a directory"),
     ("run-dir-empty", lambda t, s: (['train.run_dir=""'], {}), "train.run_dir is empty"),
+    *[(f"{key}-empty", lambda t, s, key=key: ([f"{key}=''"], {}), f"{key} is empty; give")
+      for key in ("checkpoint.dir", "checkpoint.load", "checkpoint.init_from", "data.valid_path")],
+    ("data-path-empty-in-blend", lambda t, s: (["data.source=tokens", "data.path=[a.bin, ' ']"], {}),
+     "data.path[1] is empty; give a token file made by tools/prepare_data.py"),
     ("run-dir-checkpoints-is-file", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'checkpoints', 'x')}"], {}),
      "holds a file named checkpoints"),
     ("run-dir-metrics-is-dir", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'metrics.jsonl', None)}"], {}),
