@@ -345,6 +345,8 @@ CASES = [
        f"is malformed (wrong type or missing fields in: {key})")
       for key, value in (("architecture", 5), ("vocab", {}), ("train", {}), ("step", "x"), ("layout", 5),
                          ("config", {"model": {}}))],
+    ("meta-not-an-object", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"[]")], {}),
+     "step_00000002/meta.json holds a JSON array, not an object: it is not a tpframe checkpoint's meta.json"),
     ("meta-not-utf8", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"{\xff}")], {}),
      "meta.json is corrupt ('utf-8' codec can't decode"),
     ("latest-not-utf8", lambda t, s: (["checkpoint.load=" + _root_with_latest(t, b"step_\xff")], {}),

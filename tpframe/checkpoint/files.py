@@ -85,6 +85,9 @@ def resolve(path: str | Path) -> Path:
     return target
 
 
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -105,9 +108,12 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{meta_file} is corrupt ({e}); use an older step_* directory") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{str(path)!r} has checkpoint format {found!r}; this tpframe reads format {FORMAT}")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} holds a JSON {_JSON_TYPES.get(type(meta), type(meta).__name__)}, not an "
+                              "object: it is not a tpframe checkpoint's meta.json; use an older step_* directory")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{str(path)!r} has checkpoint format {meta.get('format')!r}; this tpframe reads "
+                              f"format {FORMAT}")
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise CheckpointError(f"{meta_file} lacks {', '.join(missing)}: it was not written by a complete save; "
