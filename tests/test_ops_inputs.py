@@ -110,6 +110,12 @@ def _run_dir_holding(tmp: Path, name: str, content) -> str:
     return str(run)
 
 
+def _dangling(tmp: Path) -> str:
+    """A symbolic link to a folder that does not exist."""
+    (tmp / "dangling").symlink_to("/nonexistent/deeper")
+    return str(tmp / "dangling")
+
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -313,6 +319,13 @@ CASES = [
      lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
      "holds a config.yaml that cannot be read (not a mapping of sections)"),
     ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
+    ("run-dir-dangling-link", lambda t, s: ([f"train.run_dir={_dangling(t)}"], {}),
+     "train.run_dir='{tmp}/dangling' is a symbolic link to '/nonexistent/deeper', which does not exist: create it or "
+     "remove the link"),
+    ("run-dir-under-dangling-link", lambda t, s: ([f"train.run_dir={_dangling(t)}/run"], {}),
+     "train.run_dir='{tmp}/dangling/run' cannot be created: '{tmp}/dangling' is a symbolic link to '/nonexistent/deeper'"),
+    ("ckpt-dir-dangling-link", lambda t, s: ([f"checkpoint.dir={_dangling(t)}"], {}),
+     "checkpoint.dir='{tmp}/dangling' is a symbolic link to '/nonexistent/deeper', which does not exist"),
     # root may write anywhere by os.access, yet nothing can be created in /proc or /sys: the probe finds out
     ("run-dir-under-proc", lambda t, s: (["train.run_dir=/proc/tpframe_run"], {}),
      "train.run_dir='/proc/tpframe_run' cannot be created: writing in '/proc' failed"),
