@@ -315,6 +315,9 @@ CASES = [
      "holds a file named checkpoints"),
     ("run-dir-metrics-is-dir", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'metrics.jsonl', None)}"], {}),
      "holds a directory named metrics.jsonl"),
+    ("run-dir-metrics-not-ours", lambda t, s: (["train.run_dir=" + _run_dir_holding(t, "metrics.jsonl", "hello world\n")],
+                                               {}),
+     "holds a metrics.jsonl that tpframe did not write (its first line is not a tpframe metrics record: 'hello world')"),
     ("run-dir-config-section-not-mapping",
      lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
      "holds a config.yaml that cannot be read (not a mapping of sections)"),
@@ -413,6 +416,19 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
 
 def test_there_are_at_least_forty_bad_inputs():
     assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_metrics_file_is_appended_to_only_when_tpframe_wrote_it(tmp_path, saved_run):
+    from tpframe.training.logger import foreign_metrics
+
+    assert foreign_metrics(saved_run / "metrics.jsonl") is None
+    for text, why in (("", None), ('{"step": 3, "kind": "start", "time": 1.0}\n', None),
+                      ("hello world\n", "'hello world'"), ('{"step": 1}\n', "'{\"step\": 1}'"),
+                      ("[1, 2]\n", "'[1, 2]'"), ('{"step": true, "kind": "train"}\n', "'{\"step\": true"),
+                      ("x" * 100, "'" + "x" * 60 + "'...")):
+        (tmp_path / "m.jsonl").write_text(text)
+        found = foreign_metrics(tmp_path / "m.jsonl")
+        assert found == why if why is None else why in found, (text, found)
 
 
 # -- the same through the README's launcher, with 2 processes ---------------------------------------------

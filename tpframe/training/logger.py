@@ -260,6 +260,31 @@ def _as_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
+_KINDS = ("start", "train", "eval")
+
+
+def foreign_metrics(path: str | Path) -> str | None:
+    """Why the file `path` is not a metrics.jsonl a MetricsLogger wrote, whose records a run may append to: its first
+    line is not one of its records (MetricsLogger's first write is a "start" record). None for an empty file (a
+    run stopped before its first write) or one of ours."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or type(e).__name__})"
+    if not first:
+        return None
+    try:
+        rec = json.loads(first)
+    except ValueError:  # not JSON, or not UTF-8
+        rec = None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and rec.get("kind") in _KINDS:
+        return None
+    text = first.decode("utf-8", "replace").rstrip("\r\n")
+    return f"its first line is not a tpframe metrics record: {text[:60]!r}{'...' if len(text) > 60 else ''}"
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The train/eval records of a metrics.jsonl; a "start" record at step S drops the earlier records
     of steps after S (the restarted run replaced them). ValueError if missing, empty or corrupt."""

@@ -186,6 +186,12 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
     if (run_dir / "metrics.jsonl").is_dir():
         raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a directory named metrics.jsonl, where the run "
                           "writes its metrics; pick another train.run_dir")
+    if cfg.logging.jsonl and (run_dir / "metrics.jsonl").exists():  # the run appends to it
+        from tpframe.training.logger import foreign_metrics
+
+        if why := foreign_metrics(run_dir / "metrics.jsonl"):
+            raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a metrics.jsonl that tpframe did not write ({why}), "
+                              "where the run appends its metrics; move it away or pick another train.run_dir")
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
         return
