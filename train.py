@@ -122,6 +122,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     checks.check_resume(cfg, *resume, train_data)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None)
     checks.check_run_dir(cfg, resuming=resume[0] is not None, probe_lock=rank == 0)
+    checks.check_checkpoint_dir(cfg, resume[0])
     return cfg, train_data, valid_data, resume
 
 

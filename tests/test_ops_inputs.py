@@ -116,6 +116,20 @@ def _dangling(tmp: Path) -> str:
     return str(tmp / "dangling")
 
 
+def _user_step_folder(tmp: Path) -> str:
+    """A run directory whose checkpoints/ holds a user's folder named like a checkpoint (no meta.json)."""
+    step = tmp / "u4" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "data.txt").write_text("my data")
+    return str(tmp / "u4")
+
+
+def _checkpoints_copy(saved: Path, tmp: Path) -> str:
+    """A copy of the saved run's checkpoints folder (latest, step_00000002)."""
+    shutil.copytree(saved / "checkpoints", tmp / "ckpts")
+    return str(tmp / "ckpts")
+
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -342,6 +356,23 @@ CASES = [
     ("auto-resume-other-data", lambda t, s: ([f"train.run_dir={s}", "checkpoint.auto_resume=true",
      "data.source=stdlib"], {}),
      "data.source is 'synthetic' in the checkpoint but 'stdlib' now"),
+    # a folder the run saves into: its saves (and checkpoint.keep_last) would replace what it did not resume from
+    ("ckpt-dir-of-another-run", lambda t, s: ([f"checkpoint.dir={s}/checkpoints", "model.hidden=64",
+                                               "checkpoint.interval=1"], {}),
+     "/checkpoints' already holds checkpoints (newest step_00000002) that this run does not resume from "
+     "(checkpoint.auto_resume=false); its saves would replace them: resume from them (checkpoint.auto_resume=true), or "
+     "pick an empty checkpoint.dir"),
+    ("run-dir-started-over", lambda t, s: ([f"train.run_dir={s}"], {}),
+     "already holds checkpoints (newest checkpoints/step_00000002) that this run does not resume from "
+     "(checkpoint.auto_resume=false)"),
+    ("ckpt-dir-loading-another", lambda t, s: ([f"checkpoint.dir={_checkpoints_copy(s, t)}",
+                                                f"checkpoint.load={s}/checkpoints"], {}),
+     "checkpoint.dir='{tmp}/ckpts' already holds checkpoints (newest step_00000002) that this run does not resume from "
+     "(it loads checkpoint.load="),
+    ("ckpt-dir-user-folder", lambda t, s: ([f"train.run_dir={_user_step_folder(t)}", "checkpoint.interval=1",
+                                            "checkpoint.keep_last=1"], {}),
+     "train.run_dir='{tmp}/u4' holds 'checkpoints/step_00000001', which is not a tpframe checkpoint (no meta.json): "
+     "a save of that step would replace it; move it away or pick another train.run_dir"),
     # data
     ("tokens-without-path", lambda t, s: (["data.source=tokens"], {}), "data.source=tokens needs data.path"),
     ("valid-path-without-tokens", lambda t, s: ([f"data.valid_path={t}/v.bin"], {}),
@@ -416,6 +447,33 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
 
 def test_there_are_at_least_forty_bad_inputs():
     assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_run_saves_where_it_resumes_from_or_where_no_checkpoint_is(tmp_path, saved_run):
+    """The folders a run may save into (the refusals are in CASES): the one it resumes from, one of its own older
+    steps (going back replaces the later ones, as asked), or a folder without checkpoints; a run that never saves
+    may use any."""
+    from tpframe.checkpoint.files import preflight as resume_path
+    from tpframe.errors import ConfigError
+    from tpframe.training.config import load_config
+    from tpframe.training.preflight import check_checkpoint_dir
+
+    ckpts = saved_run / "checkpoints"
+
+    def check(*overrides):
+        cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), merge_overrides(TINY, ["parallel.tp=1"], overrides))
+        check_checkpoint_dir(cfg, resume_path(cfg)[0])
+
+    check(f"train.run_dir={saved_run}", "checkpoint.auto_resume=true")
+    check(f"train.run_dir={saved_run}", f"checkpoint.load={ckpts}/step_00000002")
+    check(f"train.run_dir={tmp_path}/new", f"checkpoint.load={ckpts}")
+    (tmp_path / "empty").mkdir()
+    check(f"train.run_dir={tmp_path}/new", f"checkpoint.dir={tmp_path}/empty", f"checkpoint.load={ckpts}")
+    check(f"train.run_dir={saved_run}", "checkpoint.save_on_signal=false")  # interval=0, save_at_end=false: no save
+    with pytest.raises(ConfigError, match="no 'latest' file names one to resume"):
+        (tmp_path / "nolatest").mkdir()
+        shutil.copytree(ckpts / "step_00000002", tmp_path / "nolatest" / "step_00000002")
+        check(f"train.run_dir={tmp_path}/new", f"checkpoint.dir={tmp_path}/nolatest", "checkpoint.auto_resume=true")
 
 
 def test_a_metrics_file_is_appended_to_only_when_tpframe_wrote_it(tmp_path, saved_run):

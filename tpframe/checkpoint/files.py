@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -26,6 +27,7 @@ from tpframe.models.config import architecture_diffs, padded_vocab
 FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
 META = "meta.json"
 LATEST = "latest"
+_STEP_NAME = re.compile(r"step_[0-9]+")  # what a save names its folder (step_00000100)
 META_KEYS = ("step", "train", "data", "architecture", "layout", "vocab", "config", "files")
 
 
@@ -186,8 +188,20 @@ def file_record(path: Path) -> dict[str, int]:
     return {"size": path.stat().st_size, "crc32": _crc32(path)}
 
 
+def is_checkpoint(step_dir: Path) -> bool:
+    """A published checkpoint: a step_* folder holding a meta.json (written before the folder gets its name)."""
+    return step_dir.is_dir() and not step_dir.name.endswith(".partial") and (step_dir / META).is_file()
+
+
 def published_steps(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    """The checkpoints in `root`, oldest first; a step_* folder without meta.json is not one (and never pruned)."""
+    return sorted(p for p in root.glob("step_*") if is_checkpoint(p))
+
+
+def foreign_steps(root: Path) -> list[Path]:
+    """What holds a name a save uses (step_<digits>) in `root` and is not a checkpoint: a save of that step would
+    replace it."""
+    return sorted(p for p in root.glob("step_*") if _STEP_NAME.fullmatch(p.name) and not is_checkpoint(p))
 
 
 def is_healthy(step_dir: Path) -> bool:
