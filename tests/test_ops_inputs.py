@@ -130,6 +130,16 @@ def _checkpoints_copy(saved: Path, tmp: Path) -> str:
     return str(tmp / "ckpts")
 
 
+def _flipped(saved: Path, tmp: Path, name: str) -> str:
+    """A copy of the saved step with byte 0 of its file `name` flipped: the recorded size, another CRC32."""
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    data = bytearray((step / name).read_bytes())
+    data[0] ^= 0xFF
+    (step / name).write_bytes(bytes(data))
+    return str(step)
+
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -394,6 +404,14 @@ CASES = [
                          ("config", {"model": {}}))],
     ("meta-not-an-object", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"[]")], {}),
      "step_00000002/meta.json holds a JSON array, not an object: it is not a tpframe checkpoint's meta.json"),
+    # checkpoint.verify=size lets a flipped byte through: the small files are read in the pre-flight
+    ("rng-corrupt-size-verified", lambda t, s: ([f"checkpoint.load={_flipped(s, t, 'rng_0.pt')}",
+                                                 "checkpoint.verify=size"], {}),
+     "checkpoint file {tmp}/step_00000002/rng_0.pt cannot be read (UnpicklingError: invalid load key, '\\xaf'.): it is "
+     "corrupt; no older checkpoint is beside it to resume from instead; checkpoint.verify=crc (the default) finds"),
+    ("metadata-corrupt-size-verified", lambda t, s: ([f"checkpoint.load={_flipped(s, t, '.metadata')}",
+                                                      "checkpoint.verify=size"], {}),
+     "checkpoint file {tmp}/step_00000002/.metadata cannot be read (UnpicklingError: "),
     ("meta-not-utf8", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"{\xff}")], {}),
      "meta.json is corrupt ('utf-8' codec can't decode"),
     ("latest-not-utf8", lambda t, s: (["checkpoint.load=" + _root_with_latest(t, b"step_\xff")], {}),
@@ -487,6 +505,61 @@ def test_a_metrics_file_is_appended_to_only_when_tpframe_wrote_it(tmp_path, save
         (tmp_path / "m.jsonl").write_text(text)
         found = foreign_metrics(tmp_path / "m.jsonl")
         assert found == why if why is None else why in found, (text, found)
+
+
+def test_a_shard_that_cannot_be_read_when_loading_is_one_line_exit_2_and_writes_nothing(tmp_path, saved_run,
+                                                                                       monkeypatch, capsys):
+    """checkpoint.verify=size passes a flipped byte in a shard, which only loading reads: every rank stops with one
+    line naming the file (found by its CRC32), before config.yaml or metrics.jsonl is written."""
+    import train
+    from tests.test_ops_faults import _one_process_world
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p: b for p, b in _snapshot(run).items() if p.name != ".lock"}
+    monkeypatch.chdir(REPO)
+    _one_process_world(monkeypatch)
+    code = train.main(with_overrides(BASE, [f"train.run_dir={run}", "train.steps=3", "checkpoint.auto_resume=true",
+                                            "checkpoint.verify=size"]))
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"tpframe: config error: checkpoint file {shard} cannot be read (rank 0: "), lines[0]
+    assert "it is corrupt (it fails its CRC32 check); no older checkpoint is beside it" in lines[0], lines[0]
+    assert {p: b for p, b in _snapshot(run).items() if p.name != ".lock"} == before, "the run wrote a file"
+
+
+def _main_restoring_rng_files(args):
+    """train.main in this rank, restoring RNG files whatever the layout: loading a world-of-one checkpoint at world
+    2, rank 1's read of rng_1.pt fails (there is none) while rank 0's succeeds."""
+    import contextlib
+    import io
+
+    import train
+    from tpframe.checkpoint import checkpointer
+
+    checkpointer.restores_rng = lambda saved, layout: True
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = train.main(args)
+    return code, err.getvalue()
+
+
+def test_a_checkpoint_file_one_rank_cannot_read_stops_every_rank_alike(tmp_path, saved_run):
+    """No rank waits in a collective for a rank whose read failed: every rank exits 2, rank 0 prints the line."""
+    step = saved_run / "checkpoints" / "step_00000002"
+    args = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY, [
+        "parallel.tp=1", "train.steps=3", f"train.run_dir={tmp_path}/run", f"checkpoint.load={step}"])
+    (code0, err0), (code1, err1) = run_distributed(_main_restoring_rng_files, 2, args)
+    assert code0 == code1 == 2 and err1 == "", (err0, err1)
+    assert err0 == (f"tpframe: config error: checkpoint {str(step)!r} cannot be loaded (rank 1: FileNotFoundError: "
+                    f"[Errno 2] No such file or directory: '{step}/rng_1.pt') although its files pass their CRC32 "
+                    "check\n"), err0
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 # -- the same through the README's launcher, with 2 processes ---------------------------------------------

@@ -142,6 +142,37 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
     return meta
 
 
+def read_cause(e: BaseException) -> str:
+    """Why reading a file failed, in one short line (torch.load's advice about weights_only buries the cause)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            text = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
+            break
+    return f"{type(e).__name__}: {text[:120]}"
+
+
+def unreadable(step: Path, name: str, cause: str, *, fails_crc: bool = False, verify_hint: bool = True
+               ) -> CheckpointError:
+    """The line for a file of checkpoint `step` that cannot be read although it has its recorded size: it is
+    corrupt. Names an older checkpoint beside it to resume from, when there is one."""
+    older = [p for p in published_steps(step.parent) if p.name < step.name]
+    fix = (f"resume from an older step_* folder (checkpoint.load={older[-1]})" if older else
+           "no older checkpoint is beside it to resume from instead")
+    return CheckpointError(
+        f"checkpoint file {step / name} cannot be read ({cause}): it is corrupt"
+        + (" (it fails its CRC32 check)" if fails_crc else "") + f"; {fix}"
+        + ("; checkpoint.verify=crc (the default) finds a corrupt file before the run starts" if verify_hint else ""))
+
+
+def restores_rng(saved_layout: dict[str, Any], layout: dict[str, Any]) -> bool:
+    """Whether a checkpoint's RNG files (rng_<rank>.pt) are restored: on the same layout only. The RNG streams follow
+    tp, cp, dp and pp ranks, not ep; checkpoints from before CP (and EP) name neither."""
+    same = lambda lay: {k: v for k, v in {"cp": 1, **lay}.items() if k != "ep"}  # noqa: E731
+    return same(saved_layout) == same(layout)
+
+
 def check_compatible(cfg, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
     diffs = [f"model.{k}: checkpoint {theirs!r}, config {mine!r}" for k, mine, theirs

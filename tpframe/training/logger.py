@@ -43,8 +43,11 @@ class MetricsLogger:
     """Console, JSONL and wandb logging for one run; a no-op on every rank but the main one."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: str | Path, is_main: bool, total_steps: int,
-                 config: dict, start_step: int = 0, stream: TextIO | None = None):
+                 config: dict, start_step: int = 0, stream: TextIO | None = None, open_files: bool = True):
+        """`open_files=False`: write nothing (config.yaml, metrics.jsonl, wandb, TensorBoard) until `open()`; the
+        console works at once (train.py opens them once a resumed checkpoint has loaded)."""
         self.cfg, self.run_dir, self.is_main = cfg, Path(run_dir), is_main
+        self._config, self._opened = config, False
         self.total_steps, self.start_step = total_steps, start_step
         self._out = stream or sys.stdout
         self._tty = bool(getattr(self._out, "isatty", lambda: False)())
@@ -54,8 +57,15 @@ class MetricsLogger:
         self._wandb = None
         self._tensorboard = None
         self._rate = collections.deque([(start_step, time.monotonic())], maxlen=_RATE_WINDOW)
-        if not is_main:
+        if open_files:
+            self.open()
+
+    def open(self) -> None:
+        """Write config.yaml and start metrics.jsonl, wandb and TensorBoard (main rank; once)."""
+        if not self.is_main or self._opened:
             return
+        self._opened = True
+        cfg, config, start_step = self.cfg, self._config, self.start_step
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # whole or not at all: another rank's pre-flight (train.py prepare) may be reading it right now
         partial = self.run_dir / f".config.yaml.{os.getpid()}"

@@ -8,6 +8,7 @@ run before any process group exists and before anything is written. Each failure
     check_checkpoint_dir(cfg, resume_path)        # checkpoints (or a user's step_* folder) a save would replace
     check_token_ids(train_data, valid_data, cfg)  # token files whose ids exceed their sidecar's vocab
     check_resume(cfg, meta, train_data)           # the checkpoint's config and data position fit this run
+    check_checkpoint_files(cfg, path, meta, ...)  # checkpoint.verify=size: its index and RNG files unpickle
     check_init_from(cfg, model)                   # consolidated weights: a safetensors file of this model
 """
 
@@ -314,6 +315,27 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
         train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
     except ValueError as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: {e}") from None
+
+
+def check_checkpoint_files(cfg, path: Path | None, meta: dict | None, *, world_size: int, rank: int) -> None:
+    """checkpoint.verify=size compares sizes only, so a flipped byte reaches loading: read now what is small and read
+    by every rank, DCP's index (.metadata), and on rank 0 the RNG files this layout restores. The shards are read
+    when loading; a corrupt one is named there (Checkpointer.load), before the run writes anything."""
+    if path is None or cfg.checkpoint.verify == "crc":  # every file's CRC32 was checked (files.verify)
+        return
+    from tpframe.checkpoint.dcp_io import read_index
+    from tpframe.checkpoint.files import read_cause, restores_rng, unreadable
+
+    read_index(path)
+    p = cfg.parallel
+    layout = {"world": world_size, "tp": p.tp, "cp": p.cp, "dp": world_size // (p.tp * p.cp * p.pp), "pp": p.pp}
+    if rank != 0 or not restores_rng(meta["layout"], layout):
+        return
+    for r in range(world_size):
+        try:
+            torch.load(path / f"rng_{r}.pt", map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises many types
+            raise unreadable(path, f"rng_{r}.pt", read_cause(e)) from None
 
 
 def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
