@@ -114,8 +114,10 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     checks.resolve_end_of_document(cfg, train_data)
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
+    checks.check_checkpoint_files(cfg, *resume, world_size=world, rank=rank)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None)
     checks.check_run_dir(cfg, resuming=resume[0] is not None, probe_lock=rank == 0)
+    checks.check_checkpoint_dir(cfg, resume[0])
     return cfg, train_data, valid_data, resume
 
 
@@ -284,7 +286,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             overlap_param_gather=p.overlap_param_gather, compute_dtype=dtype, dp_comm=p.dp_comm,
         )
         start_step = resume[1]["train"]["step"] if resume[1] else 0
-        logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step)
+        logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step,
+                               open_files=False)  # opened once the checkpoint has loaded: a corrupt one writes nothing
         trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
                           forward_backward=_schedule(cfg, state, pipeline, logger.info),
                           forward_only=get_forward_only(p.pp, pipeline), progress=progress,
@@ -297,6 +300,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                                     vocab_tensors=vocab_tensors, resume=resume, log=logger.info, health=trainer.guard)
         progress.mark(0, "load")
         checkpointer.load()  # model, optimizer, data position, RNG, step
+        logger.open()  # config.yaml, metrics.jsonl
         for line in _describe(cfg, state, num_params=num_params, strategy=strategy, trainer=trainer) + notes:
             logger.info(line)
         if checkpointer.loaded_from is not None:

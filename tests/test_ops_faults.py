@@ -314,6 +314,20 @@ def test_prune_never_deletes_the_last_healthy_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000008"]
 
 
+def test_prune_deletes_only_checkpoints(tmp_path):
+    """checkpoint.keep_last deletes folders with a meta.json only: a user's step_* folder is not a checkpoint."""
+    from tpframe.checkpoint.files import prune
+
+    (tmp_path / "step_00000001").mkdir()
+    (tmp_path / "step_00000001/data.txt").write_text("my data")
+    for step in (2, 3):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}/meta.json").write_text(json.dumps({"healthy": True}))
+    prune(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000003"]
+    assert (tmp_path / "step_00000001/data.txt").read_text() == "my data"
+
+
 def test_all_finite_sees_nan_and_inf_in_any_piece():
     from tpframe.checkpoint.finite import all_finite
     from tpframe.parallel.sharding import LogicalChunks

@@ -124,6 +124,37 @@ def _run_dir_holding(tmp: Path, name: str, content) -> str:
 ALIAS_BOMB = "model:\n  bias:\n" + "".join(
     f"    - &l{i} [{','.join(['x'] * 10 if i == 0 else [f'*l{i - 1}'] * 10)}]\n" for i in range(7))
 
+
+def _dangling(tmp: Path) -> str:
+    """A symbolic link to a folder that does not exist."""
+    (tmp / "dangling").symlink_to("/nonexistent/deeper")
+    return str(tmp / "dangling")
+
+
+def _user_step_folder(tmp: Path) -> str:
+    """A run directory whose checkpoints/ holds a user's folder named like a checkpoint (no meta.json)."""
+    step = tmp / "u4" / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "data.txt").write_text("my data")
+    return str(tmp / "u4")
+
+
+def _checkpoints_copy(saved: Path, tmp: Path) -> str:
+    """A copy of the saved run's checkpoints folder (latest, step_00000002)."""
+    shutil.copytree(saved / "checkpoints", tmp / "ckpts")
+    return str(tmp / "ckpts")
+
+
+def _flipped(saved: Path, tmp: Path, name: str) -> str:
+    """A copy of the saved step with byte 0 of its file `name` flipped: the recorded size, another CRC32."""
+    step = tmp / "step_00000002"
+    shutil.copytree(saved / "checkpoints" / "step_00000002", step)
+    data = bytearray((step / name).read_bytes())
+    data[0] ^= 0xFF
+    (step / name).write_bytes(bytes(data))
+    return str(step)
+
+
 # (id, builder(tmp, saved) -> (extra args, env), expected text in the one line)
 CASES = [
     # YAML files
@@ -339,14 +370,28 @@ CASES = [
     # the run directory
     ("run-dir-is-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}"], {}), "is a file, not a directory"),
     ("run-dir-empty", lambda t, s: (['train.run_dir=""'], {}), "train.run_dir is empty"),
+    *[(f"{key}-empty", lambda t, s, key=key: ([f"{key}=''"], {}), f"{key} is empty; give")
+      for key in ("checkpoint.dir", "checkpoint.load", "checkpoint.init_from", "data.valid_path")],
+    ("data-path-empty-in-blend", lambda t, s: (["data.source=tokens", "data.path=[a.bin, ' ']"], {}),
+     "data.path[1] is empty; give a token file made by tools/prepare_data.py"),
     ("run-dir-checkpoints-is-file", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'checkpoints', 'x')}"], {}),
      "holds a file named checkpoints"),
     ("run-dir-metrics-is-dir", lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'metrics.jsonl', None)}"], {}),
      "holds a directory named metrics.jsonl"),
+    ("run-dir-metrics-not-ours", lambda t, s: (["train.run_dir=" + _run_dir_holding(t, "metrics.jsonl", "hello world\n")],
+                                               {}),
+     "holds a metrics.jsonl that tpframe did not write (its first line is not a tpframe metrics record: 'hello world')"),
     ("run-dir-config-section-not-mapping",
      lambda t, s: ([f"train.run_dir={_run_dir_holding(t, 'config.yaml', 'model: [1]')}"], {}),
      "holds a config.yaml that cannot be read (not a mapping of sections)"),
     ("run-dir-under-file", lambda t, s: ([f"train.run_dir={_file(t, 'taken', 'x')}/run"], {}), "cannot be created"),
+    ("run-dir-dangling-link", lambda t, s: ([f"train.run_dir={_dangling(t)}"], {}),
+     "train.run_dir='{tmp}/dangling' is a symbolic link to '/nonexistent/deeper', which does not exist: create it or "
+     "remove the link"),
+    ("run-dir-under-dangling-link", lambda t, s: ([f"train.run_dir={_dangling(t)}/run"], {}),
+     "train.run_dir='{tmp}/dangling/run' cannot be created: '{tmp}/dangling' is a symbolic link to '/nonexistent/deeper'"),
+    ("ckpt-dir-dangling-link", lambda t, s: ([f"checkpoint.dir={_dangling(t)}"], {}),
+     "checkpoint.dir='{tmp}/dangling' is a symbolic link to '/nonexistent/deeper', which does not exist"),
     # root may write anywhere by os.access, yet nothing can be created in /proc or /sys: the probe finds out
     ("run-dir-under-proc", lambda t, s: (["train.run_dir=/proc/tpframe_run"], {}),
      "train.run_dir='/proc/tpframe_run' cannot be created: writing in '/proc' failed"),
@@ -360,6 +405,23 @@ CASES = [
     ("auto-resume-other-data", lambda t, s: ([f"train.run_dir={s}", "checkpoint.auto_resume=true",
      "data.source=stdlib"], {}),
      "data.source is 'synthetic' in the checkpoint but 'stdlib' now"),
+    # a folder the run saves into: its saves (and checkpoint.keep_last) would replace what it did not resume from
+    ("ckpt-dir-of-another-run", lambda t, s: ([f"checkpoint.dir={s}/checkpoints", "model.hidden=64",
+                                               "checkpoint.interval=1"], {}),
+     "/checkpoints' already holds checkpoints (newest step_00000002) that this run does not resume from "
+     "(checkpoint.auto_resume=false); its saves would replace them: resume from them (checkpoint.auto_resume=true), or "
+     "pick an empty checkpoint.dir"),
+    ("run-dir-started-over", lambda t, s: ([f"train.run_dir={s}"], {}),
+     "already holds checkpoints (newest checkpoints/step_00000002) that this run does not resume from "
+     "(checkpoint.auto_resume=false)"),
+    ("ckpt-dir-loading-another", lambda t, s: ([f"checkpoint.dir={_checkpoints_copy(s, t)}",
+                                                f"checkpoint.load={s}/checkpoints"], {}),
+     "checkpoint.dir='{tmp}/ckpts' already holds checkpoints (newest step_00000002) that this run does not resume from "
+     "(it loads checkpoint.load="),
+    ("ckpt-dir-user-folder", lambda t, s: ([f"train.run_dir={_user_step_folder(t)}", "checkpoint.interval=1",
+                                            "checkpoint.keep_last=1"], {}),
+     "train.run_dir='{tmp}/u4' holds 'checkpoints/step_00000001', which is not a tpframe checkpoint (no meta.json): "
+     "a save of that step would replace it; move it away or pick another train.run_dir"),
     # data
     ("tokens-without-path", lambda t, s: (["data.source=tokens"], {}), "data.source=tokens needs data.path"),
     ("valid-path-without-tokens", lambda t, s: ([f"data.valid_path={t}/v.bin"], {}),
@@ -381,6 +443,16 @@ CASES = [
        f"is malformed (wrong type or missing fields in: {key})")
       for key, value in (("architecture", 5), ("vocab", {}), ("train", {}), ("step", "x"), ("layout", 5),
                          ("config", {"model": {}}))],
+    ("meta-not-an-object", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"[]")], {}),
+     "step_00000002/meta.json holds a JSON array, not an object: it is not a tpframe checkpoint's meta.json"),
+    # checkpoint.verify=size lets a flipped byte through: the small files are read in the pre-flight
+    ("rng-corrupt-size-verified", lambda t, s: ([f"checkpoint.load={_flipped(s, t, 'rng_0.pt')}",
+                                                 "checkpoint.verify=size"], {}),
+     "checkpoint file {tmp}/step_00000002/rng_0.pt cannot be read (UnpicklingError: invalid load key, '\\xaf'.): it is "
+     "corrupt; no older checkpoint is beside it to resume from instead; checkpoint.verify=crc (the default) finds"),
+    ("metadata-corrupt-size-verified", lambda t, s: ([f"checkpoint.load={_flipped(s, t, '.metadata')}",
+                                                      "checkpoint.verify=size"], {}),
+     "checkpoint file {tmp}/step_00000002/.metadata cannot be read (UnpicklingError: "),
     ("meta-not-utf8", lambda t, s: (["checkpoint.load=" + _meta_with(s, t, "", b"{\xff}")], {}),
      "meta.json is corrupt ('utf-8' codec can't decode"),
     ("latest-not-utf8", lambda t, s: (["checkpoint.load=" + _root_with_latest(t, b"step_\xff")], {}),
@@ -444,6 +516,101 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, saved_r
 
 def test_there_are_at_least_forty_bad_inputs():
     assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_run_saves_where_it_resumes_from_or_where_no_checkpoint_is(tmp_path, saved_run):
+    """The folders a run may save into (the refusals are in CASES): the one it resumes from, one of its own older
+    steps (going back replaces the later ones, as asked), or a folder without checkpoints; a run that never saves
+    may use any."""
+    from tpframe.checkpoint.files import preflight as resume_path
+    from tpframe.errors import ConfigError
+    from tpframe.training.config import load_config
+    from tpframe.training.preflight import check_checkpoint_dir
+
+    ckpts = saved_run / "checkpoints"
+
+    def check(*overrides):
+        cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), merge_overrides(TINY, ["parallel.tp=1"], overrides))
+        check_checkpoint_dir(cfg, resume_path(cfg)[0])
+
+    check(f"train.run_dir={saved_run}", "checkpoint.auto_resume=true")
+    check(f"train.run_dir={saved_run}", f"checkpoint.load={ckpts}/step_00000002")
+    check(f"train.run_dir={tmp_path}/new", f"checkpoint.load={ckpts}")
+    (tmp_path / "empty").mkdir()
+    check(f"train.run_dir={tmp_path}/new", f"checkpoint.dir={tmp_path}/empty", f"checkpoint.load={ckpts}")
+    check(f"train.run_dir={saved_run}", "checkpoint.save_on_signal=false")  # interval=0, save_at_end=false: no save
+    with pytest.raises(ConfigError, match="no 'latest' file names one to resume"):
+        (tmp_path / "nolatest").mkdir()
+        shutil.copytree(ckpts / "step_00000002", tmp_path / "nolatest" / "step_00000002")
+        check(f"train.run_dir={tmp_path}/new", f"checkpoint.dir={tmp_path}/nolatest", "checkpoint.auto_resume=true")
+
+
+def test_a_metrics_file_is_appended_to_only_when_tpframe_wrote_it(tmp_path, saved_run):
+    from tpframe.training.logger import foreign_metrics
+
+    assert foreign_metrics(saved_run / "metrics.jsonl") is None
+    for text, why in (("", None), ('{"step": 3, "kind": "start", "time": 1.0}\n', None),
+                      ("hello world\n", "'hello world'"), ('{"step": 1}\n', "'{\"step\": 1}'"),
+                      ("[1, 2]\n", "'[1, 2]'"), ('{"step": true, "kind": "train"}\n', "'{\"step\": true"),
+                      ("x" * 100, "'" + "x" * 60 + "'...")):
+        (tmp_path / "m.jsonl").write_text(text)
+        found = foreign_metrics(tmp_path / "m.jsonl")
+        assert found == why if why is None else why in found, (text, found)
+
+
+def test_a_shard_that_cannot_be_read_when_loading_is_one_line_exit_2_and_writes_nothing(tmp_path, saved_run,
+                                                                                       monkeypatch, capsys):
+    """checkpoint.verify=size passes a flipped byte in a shard, which only loading reads: every rank stops with one
+    line naming the file (found by its CRC32), before config.yaml or metrics.jsonl is written."""
+    import train
+    from tests.test_ops_faults import _one_process_world
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p: b for p, b in _snapshot(run).items() if p.name != ".lock"}
+    monkeypatch.chdir(REPO)
+    _one_process_world(monkeypatch)
+    code = train.main(with_overrides(BASE, [f"train.run_dir={run}", "train.steps=3", "checkpoint.auto_resume=true",
+                                            "checkpoint.verify=size"]))
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"tpframe: config error: checkpoint file {shard} cannot be read (rank 0: "), lines[0]
+    assert "it is corrupt (it fails its CRC32 check); no older checkpoint is beside it" in lines[0], lines[0]
+    assert {p: b for p, b in _snapshot(run).items() if p.name != ".lock"} == before, "the run wrote a file"
+
+
+def _main_restoring_rng_files(args):
+    """train.main in this rank, restoring RNG files whatever the layout: loading a world-of-one checkpoint at world
+    2, rank 1's read of rng_1.pt fails (there is none) while rank 0's succeeds."""
+    import contextlib
+    import io
+
+    import train
+    from tpframe.checkpoint import checkpointer
+
+    checkpointer.restores_rng = lambda saved, layout: True
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = train.main(args)
+    return code, err.getvalue()
+
+
+def test_a_checkpoint_file_one_rank_cannot_read_stops_every_rank_alike(tmp_path, saved_run):
+    """No rank waits in a collective for a rank whose read failed: every rank exits 2, rank 0 prints the line."""
+    step = saved_run / "checkpoints" / "step_00000002"
+    args = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY, [
+        "parallel.tp=1", "train.steps=3", f"train.run_dir={tmp_path}/run", f"checkpoint.load={step}"])
+    (code0, err0), (code1, err1) = run_distributed(_main_restoring_rng_files, 2, args)
+    assert code0 == code1 == 2 and err1 == "", (err0, err1)
+    assert err0 == (f"tpframe: config error: checkpoint {str(step)!r} cannot be loaded (rank 1: FileNotFoundError: "
+                    f"[Errno 2] No such file or directory: '{step}/rng_1.pt') although its files pass their CRC32 "
+                    "check\n"), err0
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
 # -- the same through the README's launcher, with 2 processes ---------------------------------------------

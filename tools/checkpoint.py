@@ -19,14 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.checkpoint import CheckpointError, resolve, verify  # noqa: E402
+from tpframe.checkpoint import resolve, verify  # noqa: E402
 from tpframe.errors import ArgumentParser, ConfigError  # noqa: E402
 from tpframe.paths import check_creatable, refuse_existing  # noqa: E402
 
 
 def inspect(path: Path) -> str:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tpframe.checkpoint.dcp_io import read_index
 
     meta = verify(path, "size")
     lines = [
@@ -38,11 +39,7 @@ def inspect(path: Path) -> str:
         f"files       {len(meta['files'])}, {sum(f['size'] for f in meta['files'].values()) / 2**20:.1f} MiB",
         "tensors:",
     ]
-    try:  # verify checked its size only: a flipped byte shows here
-        index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - unpickling raises many types
-        raise CheckpointError(f"{path / '.metadata'} cannot be read ({type(e).__name__}: {e}): the checkpoint is "
-                              "corrupt; use an older step_* directory") from None
+    index = read_index(path, verify_hint=False)  # verify checked its size only: a flipped byte shows here
     for key in sorted(index):
         md = index[key]
         if isinstance(md, TensorStorageMetadata):

@@ -70,6 +70,15 @@ def check_creatable(label: str, path: Path, *, directory: bool = False) -> None:
     path = Path(path)
     target = path if path.is_dir() else path.parent
     folder = nearest_existing(target)
+    # a symbolic link to nothing among the folders the writer makes (exists() is False through one): mkdir fails on
+    # it with "File exists", and nothing can be made under it
+    for part in (path, *path.parents) if directory else (target, *target.parents):
+        if part == folder:
+            break
+        if part.is_symlink():
+            where = f"{label} is" if part == path else f"{label} cannot be created: {str(part)!r} is"
+            raise ConfigError(f"{where} a symbolic link to {os.readlink(part)!r}, which does not exist: create it or "
+                              "remove the link")
     if not folder.is_dir():
         raise ConfigError(f"{label} cannot be created: {str(folder)!r} is a file")
     makes_folders = folder != target or (directory and not path.exists())

@@ -42,7 +42,10 @@ from tpframe.checkpoint.files import (
     file_record,
     last_healthy,
     prune,
+    read_cause,
     remove_stale_partials,
+    restores_rng,
+    unreadable,
     write_atomic,
 )
 from tpframe.models.config import architecture, padded_vocab
@@ -233,19 +236,19 @@ class Checkpointer:
         if self.resume_path is None:
             return None
         path, meta = self.resume_path, self.resume_meta
+        keys = self._read(path, meta, lambda: dcp_io.saved_keys(path))
         try:
-            state = self.tensors.state_dict(available=dcp_io.saved_keys(path))
+            state = self.tensors.state_dict(available=keys)
         except KeyError as e:
             raise CheckpointError(f"{path}: {e.args[0]}") from None
-        dcp_io.load(state, path, self.group)
+        self._read(path, meta, lambda: dcp_io.load(state, path, self.group))
         self.tensors.load_state_dict(state)
         for name, obj in self.meta_states.items():
             if name in meta:  # a checkpoint older than a state (e.g. "health") leaves it fresh
                 obj.load_state_dict(meta[name])
-        # the RNG streams follow tp, cp, dp and pp ranks, not ep; checkpoints from before CP (and EP) name neither
-        same = lambda layout: {k: v for k, v in {"cp": 1, **layout}.items() if k != "ep"}  # noqa: E731
-        if same(meta["layout"]) == same(self.layout()):
-            self.rng.load_state_dict(torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False))
+        if restores_rng(meta["layout"], self.layout()):
+            self.rng.load_state_dict(self._read(
+                path, meta, lambda: torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False)))
         else:
             self.log(f"resharding checkpoint from layout {meta['layout']} to {self.layout()}: model and optimizer "
                      "restored; dropout RNG streams continue from this run's seed")
@@ -253,6 +256,55 @@ class Checkpointer:
         self.last_saved_step = meta["step"]
         dist.barrier(group=self.group)
         return meta["step"]
+
+    def _read(self, path: Path, meta: dict, work: Callable[[], Any]) -> Any:
+        """This rank's part of reading checkpoint `path` (every rank calls it for every part: a collective). A file that
+        cannot be read on any rank (checkpoint.verify=size passes a flipped byte) ends every rank with the same
+        CheckpointError naming it: no rank waits in a collective for a peer that has given up."""
+        error, out = None, None  # (the line, when it names the file already; the cause otherwise)
+        try:
+            out = work()
+        except CheckpointError as e:  # the file named (dcp_io.read_index)
+            error = (str(e), None)
+        except CheckpointException as e:  # DCP's: every rank holds every failing rank's cause
+            if oom := next((exc for exc, _ in e.failures.values() if isinstance(exc, torch.OutOfMemoryError)), None):
+                raise oom from None  # not the checkpoint's fault: exit code 6, on every rank alike
+            error = (None, "; ".join(f"rank {r}: {read_cause(exc)}" for r, (exc, _) in sorted(e.failures.items())))
+        except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises many types
+            if is_comm_failure(e) or isinstance(e, torch.OutOfMemoryError):  # exit codes 4 and 6, not a checkpoint's
+                raise
+            error = (None, f"rank {self.parallel.rank}: {read_cause(e)}")
+        errors: list = [None] * self.parallel.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [e for e in errors if e]
+        if not failed:
+            return out
+        if named := [line for line, _ in failed if line]:
+            raise CheckpointError(named[0])
+        raise self._unreadable(path, meta, "; ".join(dict.fromkeys(cause for _, cause in failed))[:400])
+
+    def _unreadable(self, path: Path, meta: dict, cause: str) -> CheckpointError:
+        """The error for a checkpoint that failed to load: the file whose CRC32 is not the recorded one (each rank checks
+        a share of the files: a collective), else the cause as it is."""
+        rank, world = self.parallel.rank, self.parallel.world_size
+        bad = None
+        for name in sorted(meta["files"])[rank::world]:
+            try:
+                if file_record(path / name)["crc32"] != meta["files"][name]["crc32"]:
+                    bad = name
+            except OSError:
+                bad = name
+            if bad:
+                break
+        found: list = [None] * world
+        dist.all_gather_object(found, bad, group=self.group)
+        bad = min((b for b in found if b), default=None)
+        if bad is not None:
+            return unreadable(path, bad, cause, fails_crc=True, verify_hint=self.cfg.checkpoint.verify != "crc")
+        saved_by = meta.get("torch_version")
+        return CheckpointError(f"checkpoint {str(path)!r} cannot be loaded ({cause}) although its files pass their "
+                               "CRC32 check" + (f"; it was saved by torch {saved_by}, this is torch {torch.__version__}"
+                                                if saved_by != torch.__version__ else ""))
 
 
 def _cause(e: BaseException) -> str:

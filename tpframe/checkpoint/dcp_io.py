@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tpframe.checkpoint.files import read_cause, unreadable
 from tpframe.parallel.sharding import LogicalChunks
 
 
@@ -76,14 +78,23 @@ def load(state: dict, path, group: dist.ProcessGroup) -> None:
     dcp.load(state, checkpoint_id=str(path), planner=ChunkLoadPlanner(), process_group=group)
 
 
+def read_index(path, *, verify_hint: bool = True) -> dict:
+    """DCP's index of a checkpoint directory (its .metadata): every tensor and object, by name. A corrupt one is a
+    CheckpointError naming it (a size check lets a flipped byte through; unpickling raises many types)."""
+    try:
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001
+        raise unreadable(Path(path), ".metadata", read_cause(e), verify_hint=verify_hint) from None
+
+
 def saved_keys(path) -> set[str]:
     """The names of every tensor and object a checkpoint directory holds."""
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return set(read_index(path))
 
 
 def read_full_tensors(path, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` in full, on the CPU, in one process (no process group needed)."""
-    index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    index = read_index(path, verify_hint=False)
     wanted = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in index.items()
               if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     with warnings.catch_warnings():  # DCP warns that it reads without a process group: that is the point here

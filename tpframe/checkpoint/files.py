@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -26,6 +27,7 @@ from tpframe.models.config import architecture_diffs, padded_vocab
 FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
 META = "meta.json"
 LATEST = "latest"
+_STEP_NAME = re.compile(r"step_[0-9]+")  # what a save names its folder (step_00000100)
 META_KEYS = ("step", "train", "data", "architecture", "layout", "vocab", "config", "files")
 
 
@@ -85,6 +87,9 @@ def resolve(path: str | Path) -> Path:
     return target
 
 
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def _crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -105,9 +110,12 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{meta_file} is corrupt ({e}); use an older step_* directory") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{str(path)!r} has checkpoint format {found!r}; this tpframe reads format {FORMAT}")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} holds a JSON {_JSON_TYPES.get(type(meta), type(meta).__name__)}, not an "
+                              "object: it is not a tpframe checkpoint's meta.json; use an older step_* directory")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{str(path)!r} has checkpoint format {meta.get('format')!r}; this tpframe reads "
+                              f"format {FORMAT}")
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise CheckpointError(f"{meta_file} lacks {', '.join(missing)}: it was not written by a complete save; "
@@ -132,6 +140,37 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
         if mode == "crc" and _crc32(f) != info["crc32"]:
             raise CheckpointError(f"checkpoint file {f} fails its CRC32 check (corrupt); use an older step_* directory")
     return meta
+
+
+def read_cause(e: BaseException) -> str:
+    """Why reading a file failed, in one short line (torch.load's advice about weights_only buries the cause)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            text = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
+            break
+    return f"{type(e).__name__}: {text[:120]}"
+
+
+def unreadable(step: Path, name: str, cause: str, *, fails_crc: bool = False, verify_hint: bool = True
+               ) -> CheckpointError:
+    """The line for a file of checkpoint `step` that cannot be read although it has its recorded size: it is
+    corrupt. Names an older checkpoint beside it to resume from, when there is one."""
+    older = [p for p in published_steps(step.parent) if p.name < step.name]
+    fix = (f"resume from an older step_* folder (checkpoint.load={older[-1]})" if older else
+           "no older checkpoint is beside it to resume from instead")
+    return CheckpointError(
+        f"checkpoint file {step / name} cannot be read ({cause}): it is corrupt"
+        + (" (it fails its CRC32 check)" if fails_crc else "") + f"; {fix}"
+        + ("; checkpoint.verify=crc (the default) finds a corrupt file before the run starts" if verify_hint else ""))
+
+
+def restores_rng(saved_layout: dict[str, Any], layout: dict[str, Any]) -> bool:
+    """Whether a checkpoint's RNG files (rng_<rank>.pt) are restored: on the same layout only. The RNG streams follow
+    tp, cp, dp and pp ranks, not ep; checkpoints from before CP (and EP) name neither."""
+    same = lambda lay: {k: v for k, v in {"cp": 1, **lay}.items() if k != "ep"}  # noqa: E731
+    return same(saved_layout) == same(layout)
 
 
 def check_compatible(cfg, meta: dict[str, Any]) -> None:
@@ -180,8 +219,20 @@ def file_record(path: Path) -> dict[str, int]:
     return {"size": path.stat().st_size, "crc32": _crc32(path)}
 
 
+def is_checkpoint(step_dir: Path) -> bool:
+    """A published checkpoint: a step_* folder holding a meta.json (written before the folder gets its name)."""
+    return step_dir.is_dir() and not step_dir.name.endswith(".partial") and (step_dir / META).is_file()
+
+
 def published_steps(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+    """The checkpoints in `root`, oldest first; a step_* folder without meta.json is not one (and never pruned)."""
+    return sorted(p for p in root.glob("step_*") if is_checkpoint(p))
+
+
+def foreign_steps(root: Path) -> list[Path]:
+    """What holds a name a save uses (step_<digits>) in `root` and is not a checkpoint: a save of that step would
+    replace it."""
+    return sorted(p for p in root.glob("step_*") if _STEP_NAME.fullmatch(p.name) and not is_checkpoint(p))
 
 
 def is_healthy(step_dir: Path) -> bool:

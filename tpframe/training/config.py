@@ -328,6 +328,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"train.steps={t.steps} must not be negative")
     if not t.run_dir.strip():  # "" would be the current directory, filled with checkpoints/ and config.yaml
         raise ConfigError("train.run_dir is empty; give the run a directory, e.g. train.run_dir=runs/my_run")
+    _refuse_empty_paths(cfg)
     for key, value in (("model.ffn_hidden", m.ffn_hidden), ("model.moe_ffn_hidden", m.moe_ffn_hidden)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1 (null: sized from model.hidden)")
@@ -432,6 +433,29 @@ def validate(cfg: Config, world_size: int) -> None:
     _validate_pipeline(cfg, dp)
     _validate_moe(cfg, dp)
     _validate_profile(cfg, world_size)
+
+
+# The path-valued keys besides train.run_dir, and what to give instead of "" (which is skipped as if unset, or read
+# as the current directory): null (or leaving the key out) is how to say "none".
+_PATH_KEYS = {
+    "checkpoint.dir": "a folder, or leave it out (null) for <train.run_dir>/checkpoints",
+    "checkpoint.load": "a step_* folder or a checkpoints folder holding 'latest', or leave it out (null)",
+    "checkpoint.init_from": "a .safetensors file or a Hugging Face model folder, or leave it out (null)",
+    "data.path": "a token file made by tools/prepare_data.py",
+    "data.valid_path": "a held-out token file, or leave it out (null) to hold out the tail of data.path",
+}
+
+
+def _refuse_empty_paths(cfg: Config) -> None:
+    """An empty string for a path key: refused like an empty train.run_dir (it was silently taken as unset)."""
+    for key, hint in _PATH_KEYS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        values = [(key, value)] if not isinstance(value, (list, tuple)) else [
+            (f"{key}[{i}]", v) for i, v in enumerate(value)]
+        for where, v in values:
+            if isinstance(v, str) and not v.strip():
+                raise ConfigError(f"{where} is empty; give {hint}")
 
 
 def _validate_data(d) -> None:

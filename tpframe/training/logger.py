@@ -44,8 +44,11 @@ class MetricsLogger:
     """Console, JSONL and wandb logging for one run; a no-op on every rank but the main one."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: str | Path, is_main: bool, total_steps: int,
-                 config: dict, start_step: int = 0, stream: TextIO | None = None):
+                 config: dict, start_step: int = 0, stream: TextIO | None = None, open_files: bool = True):
+        """`open_files=False`: write nothing (config.yaml, metrics.jsonl, wandb, TensorBoard) until `open()`; the
+        console works at once (train.py opens them once a resumed checkpoint has loaded)."""
         self.cfg, self.run_dir, self.is_main = cfg, Path(run_dir), is_main
+        self._config, self._opened = config, False
         self.total_steps, self.start_step = total_steps, start_step
         self._out = stream or sys.stdout
         self._tty = bool(getattr(self._out, "isatty", lambda: False)())
@@ -55,8 +58,15 @@ class MetricsLogger:
         self._wandb = None
         self._tensorboard = None
         self._rate = collections.deque([(start_step, time.monotonic())], maxlen=_RATE_WINDOW)
-        if not is_main:
+        if open_files:
+            self.open()
+
+    def open(self) -> None:
+        """Write config.yaml and start metrics.jsonl, wandb and TensorBoard (main rank; once)."""
+        if not self.is_main or self._opened:
             return
+        self._opened = True
+        cfg, config, start_step = self.cfg, self._config, self.start_step
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # whole or not at all: another rank's pre-flight (train.py prepare) may be reading it right now
         partial = self.run_dir / f".config.yaml.{os.getpid()}"
@@ -259,6 +269,31 @@ def _as_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
             raise ValueError(f"metric {key!r}={value!r} must be a number")
         out[key] = None if value is None else float(value)
     return out
+
+
+_KINDS = ("start", "train", "eval")
+
+
+def foreign_metrics(path: str | Path) -> str | None:
+    """Why the file `path` is not a metrics.jsonl a MetricsLogger wrote, whose records a run may append to: its first
+    line is not one of its records (MetricsLogger's first write is a "start" record). None for an empty file (a
+    run stopped before its first write) or one of ours."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or type(e).__name__})"
+    if not first:
+        return None
+    try:
+        rec = json.loads(first)
+    except ValueError:  # not JSON, or not UTF-8
+        rec = None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and rec.get("kind") in _KINDS:
+        return None
+    text = first.decode("utf-8", "replace").rstrip("\r\n")
+    return f"its first line is not a tpframe metrics record: {text[:60]!r}{'...' if len(text) > 60 else ''}"
 
 
 def read_metrics(path: str | Path) -> list[dict]:

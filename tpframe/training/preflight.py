@@ -6,8 +6,10 @@ run before any process group exists and before anything is written. Each failure
     check_memory(cfg, world, model, ...)          # the estimate against the device (train.check_memory)
     check_memory_before_build(cfg, world, ...)    # the same from builds of 1 and 2 layers (a very deep model)
     check_run_dir(cfg)                            # a file, not writable, another run's, or in use now
+    check_checkpoint_dir(cfg, resume_path)        # checkpoints (or a user's step_* folder) a save would replace
     check_token_ids(train_data, valid_data, cfg)  # token files whose ids exceed their sidecar's vocab
     check_resume(cfg, meta, train_data)           # the checkpoint's config and data position fit this run
+    check_checkpoint_files(cfg, path, meta, ...)  # checkpoint.verify=size: its index and RNG files unpickle
     check_init_from(cfg, model)                   # consolidated weights: a safetensors file of this model
 """
 
@@ -217,6 +219,12 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
     if (run_dir / "metrics.jsonl").is_dir():
         raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a directory named metrics.jsonl, where the run "
                           "writes its metrics; pick another train.run_dir")
+    if cfg.logging.jsonl and (run_dir / "metrics.jsonl").exists():  # the run appends to it
+        from tpframe.training.logger import foreign_metrics
+
+        if why := foreign_metrics(run_dir / "metrics.jsonl"):
+            raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a metrics.jsonl that tpframe did not write ({why}), "
+                              "where the run appends its metrics; move it away or pick another train.run_dir")
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
         return
@@ -236,6 +244,41 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
             f"train.run_dir={str(run_dir)!r} holds another run ({'; '.join(diffs[:3])}"
             f"{'; ...' if len(diffs) > 3 else ''}): pick another train.run_dir, or delete that one to start over"
         )
+
+
+def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
+    """The folder the run saves into (checkpoint.dir, or <train.run_dir>/checkpoints) holds nothing a save or
+    `checkpoint.keep_last` would replace or delete that is not this run's: no step_* entry that is not a checkpoint
+    (a user's folder), and no checkpoints unless the run resumes from one of them (`resume_path`, checkpoint.load
+    inside the folder included: going back to an older step replaces the later ones, as asked)."""
+    from tpframe.checkpoint.files import LATEST, META, checkpoint_root, foreign_steps, published_steps
+
+    ck = cfg.checkpoint
+    root = checkpoint_root(cfg)
+    saves = (ck.save_at_end or ck.save_on_signal or cfg.train.time_limit_minutes is not None
+             or 0 < ck.interval < cfg.train.steps)
+    if not saves or not root.is_dir():
+        return  # it never saves, or saves into a new folder
+    label = f"checkpoint.dir={str(root)!r}" if ck.dir else f"train.run_dir={cfg.train.run_dir!r}"
+    prefix = "" if ck.dir else f"{root.name}/"
+    other = "an empty checkpoint.dir" if ck.dir else "another train.run_dir (or an empty checkpoint.dir)"
+    if foreign := foreign_steps(root):
+        names = ", ".join(repr(prefix + p.name) for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(f"{label} holds {names}, which {'is' if len(foreign) == 1 else 'are'} not a tpframe "
+                          f"checkpoint (no {META}): a save of that step would replace it; move it away or pick {other}")
+    published = published_steps(root)
+    if not published or (resume_path is not None and Path(resume_path).resolve().parent == root.resolve()):
+        return
+    newest = published[-1]
+    if ck.load:
+        why, resume = f"it loads checkpoint.load={ck.load!r}", f"checkpoint.load={newest}"
+    elif not ck.auto_resume and (root / LATEST).is_file():
+        why, resume = "checkpoint.auto_resume=false", "checkpoint.auto_resume=true"
+    else:
+        why = "checkpoint.auto_resume=false" if not ck.auto_resume else f"no '{LATEST}' file names one to resume"
+        resume = f"checkpoint.load={newest}"
+    raise ConfigError(f"{label} already holds checkpoints (newest {prefix}{newest.name}) that this run does not resume from "
+                      f"({why}); its saves would replace them: resume from them ({resume}), or pick {other}")
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -303,6 +346,27 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
         train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
     except ValueError as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: {e}") from None
+
+
+def check_checkpoint_files(cfg, path: Path | None, meta: dict | None, *, world_size: int, rank: int) -> None:
+    """checkpoint.verify=size compares sizes only, so a flipped byte reaches loading: read now what is small and read
+    by every rank, DCP's index (.metadata), and on rank 0 the RNG files this layout restores. The shards are read
+    when loading; a corrupt one is named there (Checkpointer.load), before the run writes anything."""
+    if path is None or cfg.checkpoint.verify == "crc":  # every file's CRC32 was checked (files.verify)
+        return
+    from tpframe.checkpoint.dcp_io import read_index
+    from tpframe.checkpoint.files import read_cause, restores_rng, unreadable
+
+    read_index(path)
+    p = cfg.parallel
+    layout = {"world": world_size, "tp": p.tp, "cp": p.cp, "dp": world_size // (p.tp * p.cp * p.pp), "pp": p.pp}
+    if rank != 0 or not restores_rng(meta["layout"], layout):
+        return
+    for r in range(world_size):
+        try:
+            torch.load(path / f"rng_{r}.pt", map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises many types
+            raise unreadable(path, f"rng_{r}.pt", read_cause(e)) from None
 
 
 def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
