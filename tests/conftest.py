@@ -26,3 +26,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {n_gpus}: run on the GPU device"))
         elif need < int(os.environ.get("TPFRAME_GPU_TESTS_FROM", "1")):  # a multi-GPU call runs only what needs it
             item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s); TPFRAME_GPU_TESTS_FROM asks for more"))
+
+
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launch_env_restored():
+    """train.main and generate.main called in this process set a world of one in os.environ (as a launched run
+    needs): put the launcher's variables back after each test, so no later test or subprocess takes itself for a
+    worker of that world."""
+    before = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
