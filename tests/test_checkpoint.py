@@ -136,6 +136,16 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     assert exported.keys() == imported.keys()
     for k in exported:
         assert torch.equal(exported[k], imported[k]), k
+    # the checkpoint itself (its root: latest) starts a run at TP=1 x DP=2 with the same weights, at step 0
+    history, weights = run_distributed(_final_weights, 2, [
+        "train.steps=1", "parallel.tp=1", "model.tie_embeddings=false", "model.activation=swiglu",
+        f"checkpoint.init_from={tmp_path / 'a/checkpoints'}", f"train.run_dir={tmp_path}/c"])[0]
+    fresh = run_distributed(_final_weights, 2, [
+        "train.steps=1", "parallel.tp=1", "model.tie_embeddings=false", "model.activation=swiglu",
+        f"checkpoint.init_from={tmp_path / 'm.safetensors'}", f"train.run_dir={tmp_path}/d"])[0]
+    assert history == fresh[0] and len(history) == 1  # step 1 of a new run, from the same weights
+    for k in exported:
+        assert torch.equal(weights[k], fresh[1][k]), k
     text = subprocess.run([sys.executable, "tools/checkpoint.py", "inspect", str(tmp_path / "a/checkpoints")],
                           cwd=REPO, capture_output=True, text=True, timeout=120).stdout
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text

@@ -478,6 +478,11 @@ CASES = [
      "tensor blocks.1.mlp.fc2.weight holds 1 inf (of 4,096 values)"),
     ("init-from-hf-nan", lambda t, s: ([f"checkpoint.init_from={_safetensors(t, False, float('nan'), hf=True)}"], {}),
      "hf': tensor transformer.h.1.mlp.c_proj.weight holds 1 NaN (of 4,096 values)"),
+    ("init-from-checkpoint-of-other-model",
+     lambda t, s: ([f"checkpoint.init_from={s}/checkpoints", "model.layers=3"], {}),
+     "checkpoints' holds another model: model.layers=3 but the checkpoint has 2"),
+    ("init-from-dir-of-nothing", lambda t, s: ([f"checkpoint.init_from={t}"], {}),
+     "is a directory without config.json and not a tpframe checkpoint (no meta.json or latest)"),
 ]
 
 

@@ -92,9 +92,10 @@ def saved_keys(path) -> set[str]:
     return set(read_index(path))
 
 
-def read_full_tensors(path, prefix: str = "model/") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` in full, on the CPU, in one process (no process group needed)."""
-    index = read_index(path, verify_hint=False)
+def read_full_tensors(path, prefix: str = "model/", *, index: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` in full, on the CPU, in one process (no process group needed). `index`: the
+    checkpoint's (read_index), when the caller has it already."""
+    index = read_index(path, verify_hint=False) if index is None else index
     wanted = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in index.items()
               if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     with warnings.catch_warnings():  # DCP warns that it reads without a process group: that is the point here

@@ -38,6 +38,38 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     os.chmod(path, 0o666 & ~umask)
 
 
+class CheckpointWeights(Mapping):
+    """The model tensors of a tpframe checkpoint (any layout) under their logical names, each read in full when
+    asked for (one at a time, on the CPU, vocabulary padding rows removed): what `copy_logical_tensors` loads into
+    a model of any layout without holding the whole checkpoint in memory (checkpoint.init_from)."""
+
+    def __init__(self, step_dir: str | Path):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from tpframe.checkpoint.dcp_io import read_index
+
+        self.path = Path(step_dir)
+        meta = json.loads((self.path / "meta.json").read_text())
+        self.vocab, self.vocab_tensors = meta["vocab"]["size"], set(meta["vocab"]["tensors"])
+        self.index = {key: md for key, md in read_index(self.path, verify_hint=False).items()
+                      if key.startswith("model/") and isinstance(md, TensorStorageMetadata)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from tpframe.checkpoint.dcp_io import read_full_tensors
+
+        key = f"model/{name}"
+        if key not in self.index:
+            raise KeyError(name)
+        tensor = read_full_tensors(self.path, key, index={key: self.index[key]})[key]
+        return tensor[: self.vocab].contiguous() if name in self.vocab_tensors else tensor
+
+    def __iter__(self):
+        return (key[len("model/") :] for key in self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
 def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint in full (vocabulary padding rows removed), on the CPU."""
     path = Path(checkpoint)

@@ -1,10 +1,13 @@
-"""`checkpoint.init_from`: start a new run's weights from a consolidated safetensors file or an HF directory.
+"""`checkpoint.init_from`: start a new run's weights from a consolidated safetensors file, an HF directory, or a
+tpframe checkpoint (a step directory or a checkpoints root: its weights only, any layout; Megatron's `--finetune`:
+the optimizer state, step and data position start afresh).
 
     check_init_from(cfg)                                    # pre-flight: no process group, nothing loaded
     what = load_init_from(model, cfg, tp_rank, tp)          # this rank's shards; "<what was loaded>"
 
-Both sources are full logical tensors (tpframe.parallel.sharding names; an HF directory's are renamed
-by tpframe.checkpoint.hf), so any TP layout, and any pipeline stage, takes its own pieces.
+Every source is read as full logical tensors (tpframe.parallel.sharding names; an HF directory's are renamed
+by tpframe.checkpoint.hf; a checkpoint's read from its shards one at a time), so any TP layout, and any pipeline
+stage, takes its own pieces.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ def _consolidated_model(path: Path) -> dict | None:
     return json.loads(header["model_config"]) if header.get("format") == "tpframe" else None
 
 
+def tpframe_checkpoint(path: Path) -> Path | None:
+    """The step directory of a tpframe checkpoint at `path` (a step directory, or a root holding `latest`), or
+    None when `path` is not one."""
+    from tpframe.checkpoint.files import LATEST, META, resolve
+
+    if path.is_dir() and ((path / META).is_file() or (path / LATEST).is_file()):
+        return resolve(path)
+    return None
+
+
 def check_init_from(cfg) -> None:
     """One CheckpointError for an init_from that cannot become this run's model."""
     from tpframe.checkpoint import hf
@@ -40,10 +53,20 @@ def check_init_from(cfg) -> None:
     if hf.is_hf_dir(path):
         hf.check_hf_dir(cfg.model, path)
         return
+    step = tpframe_checkpoint(path)
+    if step is not None:
+        from tpframe.checkpoint.files import verify
+
+        meta = verify(step, cfg.checkpoint.verify)
+        diffs = [f"model.{k}={mine!r} but the checkpoint has {other!r}" for k, mine, other
+                 in architecture_diffs(cfg.model, meta["architecture"], meta["config"]["model"])]
+        if diffs:
+            raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
+        return
     if path.is_dir():
-        raise CheckpointError(f"{key} is a directory without {hf.CONFIG}: give a Hugging Face model directory, a "
-                              "safetensors file from tools/checkpoint.py export, or resume a checkpoint with "
-                              "checkpoint.load")
+        raise CheckpointError(f"{key} is a directory without {hf.CONFIG} and not a tpframe checkpoint (no meta.json "
+                              "or latest): give a Hugging Face model directory, a tpframe checkpoint, or a "
+                              "safetensors file from tools/checkpoint.py export")
     if not path.is_file():
         raise CheckpointError(f"{key} does not exist")
     recorded = _consolidated_model(path)
@@ -69,6 +92,12 @@ def load_init_from(model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: 
         config = hf.read_config(path)
         n = copy_logical_tensors(model, hf.HFWeights(path, m), tp_rank, tp, source=str(path), partial=partial)
         return f"Hugging Face {config['model_type']} model {path} ({n / 1e6:.2f}M parameters)"
+    step = tpframe_checkpoint(path)
+    if step is not None:
+        from tpframe.checkpoint.export import CheckpointWeights
+
+        n = copy_logical_tensors(model, CheckpointWeights(step), tp_rank, tp, source=str(step), partial=partial)
+        return f"the weights of checkpoint {step} ({n / 1e6:.2f}M parameters; optimizer, step and data start afresh)"
     tensors = safetensors_module().load_file(str(path))
     n = copy_logical_tensors(model, tensors, tp_rank, tp, source=str(path), partial=partial)
     return f"consolidated weights {path} ({len(tensors)} tensors, {n / 1e6:.2f}M parameters)"
