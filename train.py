@@ -237,6 +237,20 @@ def _train(cfg, trainer, checkpointer, logger) -> None:
         logger.close()
 
 
+def _evaluate_only(cfg, trainer, logger) -> None:
+    """train.eval_only: one evaluation of the loaded weights, logged (console and metrics.jsonl); nothing saved."""
+    import math
+
+    try:
+        loss = trainer.evaluate()
+        logger.log_eval(trainer.step, {"loss": loss})
+        sequences = cfg.train.eval_steps * cfg.train.micro_batch_size * trainer.parallel.dp
+        logger.info(f"evaluated the weights of step {trainer.step} on {sequences} held-out sequences of "
+                    f"{cfg.train.seq_len} tokens: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
+    finally:
+        logger.close()
+
+
 def _schedule_change(cfg, meta: dict, step: int) -> str | None:
     """The line saying how the learning-rate schedule differs from the resumed checkpoint's, or None."""
     from tpframe.optim.lr import schedule_change
@@ -308,6 +322,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
             if resume[1] is not None and (line := _schedule_change(cfg, resume[1], trainer.step)):
                 logger.info(line)
+        if cfg.train.eval_only:
+            _evaluate_only(cfg, trainer, logger)
+            return trainer
         if trainer.step >= cfg.train.steps:  # e.g. a finished run launched again
             logger.info(f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
                         "nothing to train; raise train.steps to continue it, or use another train.run_dir"

@@ -146,6 +146,18 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     assert history == fresh[0] and len(history) == 1  # step 1 of a new run, from the same weights
     for k in exported:
         assert torch.equal(weights[k], fresh[1][k]), k
+    # train.eval_only: the saved weights evaluated at TP=2 and at TP=1 x DP=2 (the same 4 sequences), nothing saved
+    evals = []
+    for name, layout in (("e", ["parallel.tp=2", "train.micro_batch_size=4"]),
+                         ("f", ["parallel.tp=1", "train.micro_batch_size=2"])):
+        run_distributed(_run, 2, ["train.eval_only=true", "train.eval_steps=1", "model.tie_embeddings=false",
+                                  "model.activation=swiglu", *layout, f"checkpoint.load={tmp_path / 'a/checkpoints'}",
+                                  f"train.run_dir={tmp_path}/{name}"])
+        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["kind"] for r in records if r["kind"] != "start"] == ["eval"] and records[-1]["step"] == 4, records
+        evals.append(records[-1]["loss"])
+        assert not (tmp_path / name / "checkpoints").exists()
+    assert evals[0] == pytest.approx(evals[1], rel=1e-6) and 0 < evals[0] < 6
     text = subprocess.run([sys.executable, "tools/checkpoint.py", "inspect", str(tmp_path / "a/checkpoints")],
                           cwd=REPO, capture_output=True, text=True, timeout=120).stdout
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text

@@ -85,6 +85,9 @@ class TrainConfig:
     # held-out micro-batches per evaluation on each DP rank: eval_steps*micro_batch_size*dp sequences, so two
     # layouts' eval losses compare only at the same micro_batch_size*dp
     eval_steps: int = 10
+    # evaluate the loaded weights (a resumed checkpoint, checkpoint.init_from, or the fresh model) once on
+    # eval_steps held-out micro-batches, then stop: no training step, no checkpoint (Megatron's --skip-train)
+    eval_only: bool = False
     run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/
     compile: bool = False  # torch.compile each transformer block (tpframe/models/compile.py); first steps compile
     # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps; "auto": time 3 eager and
@@ -426,6 +429,9 @@ def validate(cfg: Config, world_size: int) -> None:
         _validate_fp8(cfg)
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
+    if t.eval_only and not t.eval_steps:
+        raise ConfigError("train.eval_only=true evaluates on train.eval_steps=0 held-out micro-batches: nothing; "
+                          "set train.eval_steps to 1 or more")
     if t.eval_interval and not t.eval_steps:  # every evaluation would read nothing: none would run
         raise ConfigError(f"train.eval_interval={t.eval_interval} evaluates on train.eval_steps=0 held-out "
                           "micro-batches: no evaluation would run; set train.eval_steps to 1 or more, or "

@@ -255,8 +255,8 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
 
     ck = cfg.checkpoint
     root = checkpoint_root(cfg)
-    saves = (ck.save_at_end or ck.save_on_signal or cfg.train.time_limit_minutes is not None
-             or 0 < ck.interval < cfg.train.steps)
+    saves = not cfg.train.eval_only and (ck.save_at_end or ck.save_on_signal or cfg.train.time_limit_minutes is not None
+                                         or 0 < ck.interval < cfg.train.steps)
     if not saves or not root.is_dir():
         return  # it never saves, or saves into a new folder
     label = f"checkpoint.dir={str(root)!r}" if ck.dir else f"train.run_dir={cfg.train.run_dir!r}"
