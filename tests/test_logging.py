@@ -281,6 +281,16 @@ def test_plot_loss_writes_a_png(tmp_path, capsys):
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.main([str(tmp_path / "nowhere")]) == 2
     assert "plot_loss.py: error:" in capsys.readouterr().err
+    # two runs on one plot (each needs its losses; the plot needs a name)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 3.0}\n{"step": 2, "kind": "train", "loss": 2.0}\n')
+    assert plot.main([str(tmp_path), str(other), "--out", str(tmp_path / "both.png")]) == 0
+    assert (tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.main([str(tmp_path), str(other)]) == 2
+    assert capsys.readouterr().err.strip().endswith("2 runs go on one plot: name it with --out, e.g. --out loss.png")
+    assert plot.main([str(tmp_path), str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.png")]) == 2
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_plot_loss_names_the_file_it_wrote_when_out_has_no_suffix(tmp_path, capsys):
