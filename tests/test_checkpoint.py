@@ -117,6 +117,15 @@ def test_preemption_signal_saves_and_stops_cleanly(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000005"
 
 
+def _checkpoint_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tools_checkpoint", os.path.join(REPO, "tools", "checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_export_then_import_gives_identical_tensors(tmp_path):
     run_distributed(_run, 2, ["train.steps=4", "parallel.tp=2", "model.tie_embeddings=false", "model.activation=swiglu",
                               "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}/a"])
@@ -161,6 +170,11 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     text = subprocess.run([sys.executable, "tools/checkpoint.py", "inspect", str(tmp_path / "a/checkpoints")],
                           cwd=REPO, capture_output=True, text=True, timeout=120).stdout
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text
+    tool = _checkpoint_tool()
+    assert tool.inspected(str(tmp_path / "a")) == text.rstrip("\n")  # a run directory: its checkpoints
+    export = tool.inspected(str(tmp_path / "m.safetensors"))
+    assert export.startswith(f"export      {tmp_path / 'm.safetensors'}\nstep        4")
+    assert "model       name=gpt vocab_size=256 hidden=32" in export and "blocks.0.attn.qkv.k.weight" in export
 
 
 def test_a_model_mismatch_names_each_sides_configured_values():

@@ -1,7 +1,8 @@
 """Inspect a tpframe checkpoint, or export its weights: one consolidated safetensors file, or a
 Hugging Face model directory (GPT-2 or Llama) that transformers' from_pretrained loads.
 
-    python tools/checkpoint.py inspect runs/x/checkpoints            # `latest`, or a step_* directory
+    python tools/checkpoint.py inspect runs/x/checkpoints            # `latest`, or a step_* directory, or runs/x
+    python tools/checkpoint.py inspect model.safetensors             # an export: its step, model and tensors
     python tools/checkpoint.py export runs/x/checkpoints --out model.safetensors
     python tools/checkpoint.py export runs/x/checkpoints --format hf --out hf_model/
 
@@ -36,7 +37,7 @@ def inspect(path: Path) -> str:
         "layout      " + " ".join(f"{k}={v}" for k, v in meta["layout"].items()),
         f"versions    tpframe {meta['tpframe_version']}, torch {meta['torch_version']}",
         f"data        {meta['data']}",
-        f"files       {len(meta['files'])}, {sum(f['size'] for f in meta['files'].values()) / 2**20:.1f} MiB",
+        f"files       {len(meta['files'])} + meta.json, {sum(f['size'] for f in meta['files'].values()) / 2**20:.1f} MiB",
         "tensors:",
     ]
     index = read_index(path, verify_hint=False)  # verify checked its size only: a flipped byte shows here
@@ -46,6 +47,46 @@ def inspect(path: Path) -> str:
             dtype = str(md.properties.dtype).replace("torch.", "")
             lines.append(f"  {key:60s} {str(tuple(md.size)):>16s} {dtype:9s} {len(md.chunks)} chunk(s)")
     return "\n".join(lines)
+
+
+def inspect_export(path: Path) -> str:
+    """A consolidated export's header (step, versions, model) and tensors."""
+    import json
+
+    from safetensors import safe_open
+
+    from tpframe.checkpoint.export import safetensors_metadata
+
+    header = safetensors_metadata(path)
+    if header is None:
+        raise ConfigError(f"{str(path)!r} is not a safetensors file")
+    lines = [f"export      {path}"]
+    if header.get("format") == "tpframe":
+        from tpframe.models.config import architecture
+        from tpframe.training.config import from_dict
+
+        model = architecture(from_dict({"model": json.loads(header.get("model_config", "{}"))}).model)
+        lines += [f"step        {header.get('step')}   (tpframe {header.get('tpframe_version')})",
+                  "model       " + " ".join(f"{k}={v}" for k, v in model.items())]
+    else:
+        lines.append(f"header      {header or 'none'} (not written by tpframe)")
+    lines.append("tensors:")
+    with safe_open(str(path), framework="pt") as f:
+        for name in sorted(f.keys()):
+            part = f.get_slice(name)
+            lines.append(f"  {name:60s} {str(tuple(part.get_shape())):>16s} {part.get_dtype()}")
+    return "\n".join(lines)
+
+
+def inspected(target: str) -> str:
+    """`inspect`'s text for a step directory, a checkpoints root, a run directory (its checkpoints) or an export."""
+    path = Path(target)
+    if path.is_file() and path.suffix == ".safetensors":
+        return inspect_export(path)
+    if path.is_dir() and not (path / "meta.json").exists() and not (path / "latest").exists() \
+            and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"  # a run directory
+    return inspect(resolve(path))
 
 
 def check_out(out: str, fmt: str, force: bool = False) -> None:
@@ -91,8 +132,9 @@ def main(argv=None) -> int:
     parser = ArgumentParser(prog="checkpoint.py", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_inspect = sub.add_parser("inspect", help="step, layout, tensors and shapes")
-    p_inspect.add_argument("checkpoint")
+    p_inspect = sub.add_parser("inspect", help="step, layout, tensors and shapes (of a checkpoint or an export)")
+    p_inspect.add_argument("checkpoint", help="a step_* directory, a checkpoints root, a run directory, or an "
+                                              "exported .safetensors file")
     p_export = sub.add_parser("export", help="consolidated safetensors (default) or a Hugging Face model directory")
     p_export.add_argument("checkpoint")
     p_export.add_argument("--out", required=True, help="the .safetensors file, or the directory with --format hf")
@@ -107,10 +149,10 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         if args.command == "export":
             check_out(args.out, args.format, args.force)
-        path = resolve(args.checkpoint)
         if args.command == "inspect":
-            print(inspect(path))
+            print(inspected(args.checkpoint))
         else:
+            path = resolve(args.checkpoint)
             verify(path, "crc")
             print(export(path, args.out, args.format, args.force))
     except ConfigError as e:  # CheckpointError, HFMappingError, a usage mistake
