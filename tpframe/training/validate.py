@@ -19,6 +19,7 @@ import yaml
 
 from tpframe.data.corpus import SYNTHETIC_TOKENS_MAX
 from tpframe.errors import ConfigError, shown
+from tpframe.launch import env_int
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -161,18 +162,6 @@ def check_numbers(cfg) -> None:
 # -- environment ------------------------------------------------------------------------------------
 
 
-def _env_int(name: str, low: int) -> None:
-    raw = os.environ.get(name)
-    if raw is None:
-        return
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"env var {name}={raw!r} must be an integer") from None
-    if value < low:
-        raise ConfigError(f"env var {name}={raw!r} must be at least {low}")
-
-
 def check_env(comm_backend: str) -> None:
     """The env vars tpframe reads, checked with the config (they override it); the launcher's (WORLD_SIZE, RANK,
     ...) are tpframe.launch.launch_env's."""
@@ -193,4 +182,4 @@ def check_env(comm_backend: str) -> None:
             raise ConfigError(f"env var TPFRAME_SYMM_BUFFER_MB={raw!r} must be a positive number of MiB")
     parse_fault_spec(os.environ.get("TPFRAME_FAULT_NAN"))
     for name in ("TPFRAME_FAULT_KILL_DURING_SAVE", "TPFRAME_FAULT_RANK"):
-        _env_int(name, 0)
+        env_int(name, None, 0)
