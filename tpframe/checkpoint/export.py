@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tpframe.checkpoint.dcp_io import read_full_tensors
+from tpframe.checkpoint.dcp_io import read_full_tensors, read_index
 from tpframe.parallel.sharding import param_shards
 from tpframe.paths import link_target, refuse_existing, replacing
 
@@ -46,22 +46,25 @@ class CheckpointWeights(Mapping):
     def __init__(self, step_dir: str | Path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from tpframe.checkpoint.dcp_io import read_index
-
         self.path = Path(step_dir)
         meta = json.loads((self.path / "meta.json").read_text())
         self.vocab, self.vocab_tensors = meta["vocab"]["size"], set(meta["vocab"]["tensors"])
         self.index = {key: md for key, md in read_index(self.path, verify_hint=False).items()
                       if key.startswith("model/") and isinstance(md, TensorStorageMetadata)}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from tpframe.checkpoint.dcp_io import read_full_tensors
+    def _logical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[: self.vocab].contiguous() if name in self.vocab_tensors else tensor
 
+    def __getitem__(self, name: str) -> torch.Tensor:
         key = f"model/{name}"
         if key not in self.index:
             raise KeyError(name)
-        tensor = read_full_tensors(self.path, key, index={key: self.index[key]})[key]
-        return tensor[: self.vocab].contiguous() if name in self.vocab_tensors else tensor
+        return self._logical(name, read_full_tensors(self.path, key, index={key: self.index[key]})[key])
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every tensor at once (one read of the shards: an export's)."""
+        return {key[len("model/") :]: self._logical(key[len("model/") :], tensor)
+                for key, tensor in read_full_tensors(self.path, "model/", index=self.index).items()}
 
     def __iter__(self):
         return (key[len("model/") :] for key in self.index)
@@ -72,14 +75,7 @@ class CheckpointWeights(Mapping):
 
 def read_model_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint in full (vocabulary padding rows removed), on the CPU."""
-    path = Path(checkpoint)
-    meta = json.loads((path / "meta.json").read_text())
-    vocab, vocab_tensors = meta["vocab"]["size"], set(meta["vocab"]["tensors"])
-    out = {}
-    for key, tensor in read_full_tensors(path, "model/").items():
-        name = key[len("model/") :]
-        out[name] = tensor[:vocab].contiguous() if name in vocab_tensors else tensor
-    return out
+    return CheckpointWeights(checkpoint).read_all()
 
 
 def safetensors_metadata(path: str | Path) -> dict | None:

@@ -44,6 +44,14 @@ def tpframe_checkpoint(path: Path) -> Path | None:
     return None
 
 
+def _refuse_other_model(key: str, m: ModelConfig, arch: dict, recorded: dict, source: str) -> None:
+    """CheckpointError naming each architecture setting where `m` differs from the source's (`arch`, `recorded`)."""
+    diffs = [f"model.{k}={mine!r} but the {source} has {other!r}" for k, mine, other
+             in architecture_diffs(m, arch, recorded)]
+    if diffs:
+        raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
+
+
 def check_init_from(cfg) -> None:
     """One CheckpointError for an init_from that cannot become this run's model."""
     from tpframe.checkpoint import hf
@@ -58,10 +66,7 @@ def check_init_from(cfg) -> None:
         from tpframe.checkpoint.files import verify
 
         meta = verify(step, cfg.checkpoint.verify)
-        diffs = [f"model.{k}={mine!r} but the checkpoint has {other!r}" for k, mine, other
-                 in architecture_diffs(cfg.model, meta["architecture"], meta["config"]["model"])]
-        if diffs:
-            raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
+        _refuse_other_model(key, cfg.model, meta["architecture"], meta["config"]["model"], "checkpoint")
         return
     if path.is_dir():
         raise CheckpointError(f"{key} is a directory without {hf.CONFIG} and not a tpframe checkpoint (no meta.json "
@@ -74,10 +79,7 @@ def check_init_from(cfg) -> None:
         from tpframe.training.config import from_dict
 
         theirs = from_dict({"model": recorded}).model
-        diffs = [f"model.{k}={mine!r} but the file has {other!r}" for k, mine, other
-                 in architecture_diffs(cfg.model, architecture(theirs), dataclasses.asdict(theirs))]
-        if diffs:
-            raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
+        _refuse_other_model(key, cfg.model, architecture(theirs), dataclasses.asdict(theirs), "file")
 
 
 def load_init_from(model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *,
