@@ -21,6 +21,9 @@ rank's own median step (a slower GPU paces the whole DP group). PROFILE=folder p
 and how much of that no computation hid. GRAPH=1 replays each micro-batch from a CUDA graph (train.cuda_graph's
 schedule, tpframe/parallel/graphed.py) after two eager steps: the copy-engine sync is then inside the last
 micro-batch's graph, NCCL's after it; fsdp rows are skipped (not graphed); CUDA only.
+The "torch ... peer" rows run benchmarks/peer_dp.py: the same model in plain PyTorch under torch's DDP (nanoGPT's
+way: fp32 weights, bf16 autocast, fp32 gradient all-reduce overlapped with backward) or FSDP2 (torchtitan's way);
+their "vs its DP=1" divides by the peer's own DP=1 row: how much gradient traffic PyTorch's own DP hides here.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" 
     ("zero1", "zero1", True, "N", "nccl", False),
     ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine", False),
     ("fsdp", "fsdp", True, "N", "nccl", False),
+    # PyTorch's own DP on the same model (benchmarks/peer_dp.py), each divided by its own DP=1 row
+    ("torch peer, DP=1", "peer:ddp", True, "1", "nccl", False),
+    ("torch DDP peer (nanoGPT's way)", "peer:ddp", True, "N", "nccl", False),
+    ("torch FSDP2 peer (torchtitan's way)", "peer:fsdp", True, "N", "nccl", False),
 ]
 
 
@@ -169,12 +176,13 @@ def main() -> None:
     for name, strategy, overlap, n, dp_comm, high_priority in ROWS:
         if only and name not in only:
             continue
-        if env("GRAPH", 0) == 1 and strategy == "fsdp":
-            print(f"{name}: skipped (GRAPH=1 graphs ddp and zero1 steps only)", flush=True)
+        if env("GRAPH", 0) == 1 and (strategy == "fsdp" or strategy.startswith("peer:")):
+            print(f"{name}: skipped (GRAPH=1 graphs tpframe's ddp and zero1 steps only)", flush=True)
             continue
         procs = 1 if n.startswith("1") else nproc
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", __file__,
-               "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority))]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+        cmd += ([str(ROOT / "benchmarks" / "peer_dp.py"), strategy[len("peer:"):]] if strategy.startswith("peer:") else
+                [__file__, "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority))])
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
         gpus = [{"CUDA_VISIBLE_DEVICES": str(i), "PROFILE": ""} if copies > 1 else {} for i in range(copies)]  # DP=1 profiles
@@ -193,6 +201,7 @@ def main() -> None:
         results.append((name, result))
         print(name, results[-1][1], flush=True)
     base = next((r for n, r in results if n == "DP=1"), None)
+    peer_base = next((r for n, r in results if n == "torch peer, DP=1"), None)
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -203,15 +212,19 @@ def main() -> None:
     head = [f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
             f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH') if k in os.environ)} "
             "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
-            "", "| run | dp | step (s) | vs DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
+            "", "| run | dp | step (s) | vs its DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
             "| peak - resident GiB | optimizer state GiB | each GPU's median step (s) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ddp = next((r for n, r in results if n == "ddp, overlap on"), None)
-    rows = [f"| {n} | {r['dp']} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.3f}x | {r['tflops']:.0f} | "
+    def own_base(r):  # a peer is divided by the peer's DP=1 step, tpframe's rows by tpframe's
+        return peer_base if r["strategy"].startswith("torch ") else base
+
+    rows = [f"| {n} | {r['dp']} | {r['step_s']:.3f} | "
+            f"{r['step_s'] / own_base(r)['step_s'] if own_base(r) else float('nan'):.3f}x | {r['tflops']:.0f} | "
             f"{r['peak_gib']:.1f} | {r['peak_gib'] / ddp['peak_gib'] if ddp else float('nan'):.2f}x "
             f"| {r['resident_gib']:.1f} | {r['peak_gib'] - r['resident_gib']:.1f} | {r['opt_state_gib']:.2f} "
             f"| {' / '.join(f'{t:.3f}' for t in r['rank_step_s'])} |"
-            for n, r in results] if base else []
+            for n, r in results] if base or peer_base else []
     if any("comm_ms" in r for _, r in results):  # PROFILE: the profiled step's GPU timeline, rank 0
         rows += ["", "| run | profiled step: GPU span ms | GPU busy ms | collectives ms | collectives with no compute "
                  "beside them ms |", "|---|---|---|---|---|"]

@@ -6,6 +6,9 @@
 # DP=1 (alone, and on every GPU at once: each GPU's own speed) and ddp with overlap off, on, and with the copy-engine
 # sync, each of the last two also on high-priority streams (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU timeline says how long the
 # collectives ran and how much of that no computation hid; benchmarks/dp_timeline.py then compares the traces.
+# PEER=1: is the gap ours or the machine's? tpframe's DP=1 and overlapped ddp beside PyTorch's own DP on the same
+# model (benchmarks/peer_dp.py: DDP nanoGPT's way, FSDP2 torchtitan's way, and the peer's DP=1), CKPT=1, a profiled
+# step each, then the timeline split against each side's DP=1; about 6 minutes.
 # COPY_ENGINE=1: the copy-engine gradient sync's question, in about 9 minutes: its 2-GPU tests and the DP tests,
 # then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1), then GPT-125M CUDA-graphed (GRAPH=1).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,6 +24,14 @@ if [ "${COPY_ENGINE:-0}" = 1 ]; then
   GRAPH=1 LAYERS=12 HIDDEN=768 HEADS=12 SEQ=1024 MB=16 STEPS=20 APPEND=0 ROW_TIMEOUT=60 \
     ROWS="DP=1;ddp, overlap on;ddp, overlap on, copy-engine sync;zero1, copy-engine sync" \
     timeout $((560 - (SECONDS - S))) python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_ce_graph.log | grep -v "^W1"
+  exit 0
+fi
+if [ "${PEER:-0}" = 1 ]; then
+  CKPT=1 STEPS=8 ROWS="DP=1;ddp, overlap on;torch peer, DP=1;torch DDP peer (nanoGPT's way);torch FSDP2 peer (torchtitan's way)" \
+    PROFILE=$OUT/dp_peer timeout ${T_BENCH:-420} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_peer.log | tail -16
+  python3 benchmarks/dp_timeline.py $OUT/dp_peer --base ddp-overlap1-nccl-dp1 2>&1 | tee $OUT/dp_peer_timeline.txt | tail -30
+  python3 benchmarks/dp_timeline.py $OUT/dp_peer --base peer-ddp-dp1 2>&1 | tee -a $OUT/dp_peer_timeline.txt | tail -30
+  cp benchmarks/RESULTS.md $OUT/RESULTS.md
   exit 0
 fi
 if [ "${PROFILE_ONLY:-0}" = 1 ]; then

@@ -144,7 +144,11 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
                 hf_loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten()).item()
             assert got["first_loss"][name] == pytest.approx(hf_loss, abs=1e-5), name
             assert f"initialized the weights from Hugging Face {name} model {directory}" in got[f"console_{name}"]
-    assert not (tmp_path / "llama" / "hf" / "tokenizer.json").exists()  # byte-level data: no tokenizer to ship
+    # byte-level data ships a byte-level tokenizer: text <-> its UTF-8 bytes, generation stops at byte 0 (EOT)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "llama" / "hf"))
+    text = "héllo  wörld\n\tĀ 🙂"
+    assert tok(text)["input_ids"] == list(text.encode()) and tok.decode(list(text.encode())) == text
+    assert json.loads((tmp_path / "llama" / "hf" / "config.json").read_text())["eos_token_id"] == 0
 
     # the export command: one summary line, no warnings (README's runner runs it as a user would, too)
     capsys.readouterr()
@@ -155,9 +159,9 @@ def test_hf_export_and_import_round_trip(tmp_path, capsys):
     assert [str(w.message) for w in caught] == []
     out, err = capsys.readouterr()
     assert err == "" and out.splitlines() == [
-        f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, float32, no tokenizer files "
-        f"(byte-level data)) to {tmp_path / 'cli'}"]
-    for name in ("config.json", "model.safetensors"):
+        f"wrote a Hugging Face llama model (step 3: 21 tensors, 47,264 parameters, float32, byte-level tokenizer "
+        f"files) to {tmp_path / 'cli'}"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "llama" / "hf" / name).read_bytes()
         # readable by whoever may read the folder (safetensors itself creates its file 0600)
         assert (tmp_path / "cli" / name).stat().st_mode & 0o777 == 0o666 & ~_umask(), name
@@ -227,8 +231,12 @@ def test_the_runs_tokenizer_ships_with_the_export(tmp_path):
     loaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert loaded("the dog sat")["input_ids"] == tok.encode("the dog sat").ids
     assert loaded.eos_token == "<|endoftext|>" and loaded.model_max_length == 32
-    # byte-level data has no tokenizer; a tokenizer file changed since the data was made is not shipped
-    assert tokenizer_record({"data": {"source": "synthetic"}}, warnings.append) is None and warnings == []
+    # byte-level data (an embedded corpus, a byte-level token file) has the byte-level tokenizer; a tokenizer file
+    # changed since the data was made is not shipped
+    assert tokenizer_record({"data": {"source": "synthetic"}}, warnings.append)["kind"] == "bytes" and warnings == []
+    write_token_file([tmp_path / "a.txt"], tmp_path / "bytes.bin")
+    assert tokenizer_record({"data": {"source": "tokens", "path": str(tmp_path / "bytes.bin")}},
+                            warnings.append) == {"kind": "bytes", "eot_id": 0}
     (tmp_path / "tok.json").write_text((tmp_path / "tok.json").read_text().replace("mat", "rug"))
     assert tokenizer_record({"data": {"source": "tokens", "path": str(tmp_path / "data.bin")}}, warnings.append) is None
     assert len(warnings) == 1 and "has changed since the data was made" in warnings[0]

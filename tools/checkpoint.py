@@ -118,8 +118,8 @@ def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
         from tpframe.checkpoint.hf import export_hf
 
         info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr), force=force)
-        tokenizer = (f", tokenizer from {info['tokenizer']}" if info["tokenizer"]
-                     else ", no tokenizer files (byte-level data)")
+        tokenizer = {None: ", no tokenizer files", "byte-level": ", byte-level tokenizer files"}.get(
+            info["tokenizer"], f", tokenizer from {info['tokenizer']}")
         return (f"wrote a Hugging Face {info['architecture']} model (step {info['step']}: {info['tensors']} tensors, "
                 f"{info['params']:,} parameters, {info['dtype']}{tokenizer}) to {out}")
     from tpframe.checkpoint.export import export_consolidated

@@ -1,6 +1,6 @@
 """Hugging Face interop: tpframe's GPT as transformers' GPT-2 or Llama, both ways.
 
-    export_hf(step_dir, out_dir)        # config.json + model.safetensors (+ tokenizer files)
+    export_hf(step_dir, out_dir)        # config.json + model.safetensors + tokenizer files (when known)
     AutoModelForCausalLM.from_pretrained(out_dir)
     checkpoint.init_from=<HF dir>       # check_hf_dir in pre-flight, HFWeights at load time
 
@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tpframe.errors import ConfigError
-from tpframe.data.tokenizer import first_path
+from tpframe.data.corpus import EOD_BYTE
+from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, first_path
 from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
@@ -42,6 +43,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # is byte-for-byte the same every time
 MARKER = "tpframe_export.json"
 EXPORT_FILES = (CONFIG, WEIGHTS, *TOKENIZER_FILES, MARKER)  # all that export_hf writes
+BYTES = {"kind": "bytes", "eot_id": EOD_BYTE}
 # buffers some HF checkpoints carry that are not weights (GPT-2's causal mask, rotary frequencies)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -453,9 +455,12 @@ def to_hf(tensors: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
 
 
 def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None], cwd: str | None = None) -> dict | None:
-    """The HF tokenizer a run's token file was made with (its sidecar's record), if any and unchanged on disk;
+    """The tokenizer a run's data was made with: {"kind": "bytes", ...} for byte-level data (the embedded corpora, a
+    byte-level token file), else its token file's HF tokenizer (the sidecar's record), if unchanged on disk;
     `cwd`: the folder the run was launched from (relative paths are relative to it)."""
     data = config.get("data", {})
+    if data.get("source") in BYTE_SOURCES:
+        return BYTES
     if data.get("source") != "tokens" or not first_path(data.get("path")):
         return None
     sidecar = Path(recorded_path(first_path(data["path"]), cwd) + ".json")
@@ -464,20 +469,26 @@ def tokenizer_record(config: dict[str, Any], warn: Callable[[str], None], cwd: s
         return None
     meta = json.loads(sidecar.read_text())
     info = meta.get("tokenizer", {})
+    if info.get("kind") == "bytes":
+        return BYTES
     if info.get("kind") != "huggingface":
         return None
     file = Path(recorded_path(info["file"], cwd))
     if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != info.get("sha256"):
         warn(f"no tokenizer files: {file}, recorded in {sidecar}, is missing or has changed since the data was made")
         return None
-    return {"file": file, "eot_token": info.get("eot_token"), "eot_id": meta.get("eot_id")}
+    return {"kind": "huggingface", "file": file, "eot_token": info.get("eot_token"), "eot_id": meta.get("eot_id")}
 
 
 def write_tokenizer(out_dir: Path, record: dict, model_max_length: int) -> None:
     """tokenizer.json + tokenizer_config.json: what AutoTokenizer.from_pretrained(out_dir) reads."""
-    shutil.copyfile(record["file"], out_dir / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-              "eos_token": record["eot_token"], "bos_token": record["eot_token"]}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length}
+    if record["kind"] == "bytes":
+        (out_dir / "tokenizer.json").write_text(json.dumps(ByteTokenizer.hf_json(), ensure_ascii=False) + "\n",
+                                                encoding="utf-8")
+    else:
+        shutil.copyfile(record["file"], out_dir / "tokenizer.json")
+        config.update(eos_token=record["eot_token"], bos_token=record["eot_token"])
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -569,4 +580,5 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
         if new.exists():
             shutil.rmtree(new)
     return {"architecture": arch, "tensors": len(tensors), "params": sum(t.numel() for t in tensors.values()),
-            "dtype": _DTYPES[dtype], "step": meta["step"], "tokenizer": str(tokenizer["file"]) if tokenizer else None}
+            "dtype": _DTYPES[dtype], "step": meta["step"],
+            "tokenizer": tokenizer and ("byte-level" if tokenizer["kind"] == "bytes" else str(tokenizer["file"]))}

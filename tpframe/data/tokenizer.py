@@ -25,6 +25,7 @@ from tpframe.data.corpus import BYTE_VOCAB, EOD_BYTE, TokenStream
 from tpframe.paths import check_creatable, not_a_file, refuse_existing, temporary_name
 
 FORMAT = "tpframe.tokens/1"
+BYTE_SOURCES = ("synthetic", "stdlib")  # the data sources (data.source) that are byte-level: the embedded corpora
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 _TEXT_CHUNK = 1 << 20  # characters per text read: bounds memory on large files
 
@@ -53,6 +54,22 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         """UTF-8 text of byte ids (an incomplete or invalid sequence becomes U+FFFD)."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def hf_json() -> dict:
+        """The same tokenizer as a Hugging Face `tokenizer.json`: GPT-2's byte-to-character map (ByteLevel pre-tokenizer
+        and decoder, no regex split) and a BPE with no merges whose vocabulary is the 256 byte characters at their
+        byte's id, so `AutoTokenizer` encodes text to its UTF-8 bytes and decodes them back. EOT (byte 0) is no
+        special token: one would need an id past the 256 bytes; config.json's eos_token_id=0 stops generation."""
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                          "ignore_merges": False, "vocab": {char[b]: b for b in range(256)}, "merges": []}}
 
 
 class HFTokenizer:

@@ -13,12 +13,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpframe.data.tokenizer import ByteTokenizer, HFTokenizer, first_path, read_sidecar
+from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, HFTokenizer, first_path, read_sidecar
 from tpframe.errors import ConfigError
 from tpframe.inference.loading import ModelSource
 from tpframe.paths import recorded_path
-
-BYTE_SOURCES = ("synthetic", "stdlib")
 
 
 def resolve_tokenizer(source: ModelSource, override: str | None = None):
