@@ -5,8 +5,9 @@
     torchrun --standalone --nproc-per-node N generate.py ...    # works too
     python generate.py --checkpoint DIR --prompt "..."          # one process, no launcher needed
 
-DIR is a checkpoint step directory, a checkpoints root with `latest`, or a .safetensors export
-(tools/checkpoint.py export). The checkpoint may have been saved at any TP/PP/DP layout; its weights are
+DIR is a checkpoint step directory, a checkpoints root with `latest`, a .safetensors export
+(tools/checkpoint.py export), or a Hugging Face model directory (GPT-2, Llama, Mixtral in safetensors, with its
+tokenizer.json). The checkpoint may have been saved at any TP/PP/DP layout; its weights are
 resharded to this run's TP size (the number of processes). Prints one generated text per prompt, or with
 --json one JSON object per line: prompt, text, token_ids (the generated ids) and tokens_per_s.
 
@@ -34,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
-                   help="step directory, checkpoints root (with `latest`) or .safetensors")
+                   help="step directory, checkpoints root (with `latest`), .safetensors export or HF model directory")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (default and only choice: the world size)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

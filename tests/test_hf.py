@@ -264,3 +264,78 @@ def test_init_from_is_checked_before_anything_starts(tmp_path):
     cfg.checkpoint.init_from = str(tmp_path / "nowhere")
     with pytest.raises(CheckpointError, match="does not exist"):
         check_init_from(cfg)
+
+
+def _hf_models(tmp: Path) -> dict[str, Path]:
+    """Two HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a
+    GQA Llama with a word-level tokenizer.json whose end-of-text token tokenizer_config.json names."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tpframe.data.tokenizer import ByteTokenizer
+
+    torch.manual_seed(3)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=0, bos_token_id=0))
+    gpt2.save_pretrained(tmp / "gpt2")
+    (tmp / "gpt2" / "tokenizer.json").write_text(json.dumps(ByteTokenizer.hf_json()))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, eos_token_id=1))
+    llama.save_pretrained(tmp / "llama")
+    words = {"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(298)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp / "llama" / "tokenizer.json"))
+    (tmp / "llama" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return {"gpt2": tmp / "gpt2", "llama": tmp / "llama"}
+
+
+def _generate_from_hf_dirs(dirs: dict, prompts: dict):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    out = {}
+    for name, path in dirs.items():
+        plan = cli.prepare(["--checkpoint", str(path), "--prompt", prompts[name], "--max-new-tokens", "10",
+                            "--greedy", "--ignore-eos"])
+        out[name] = (plan.source.kind, type(plan.tokenizer).__name__, plan.tokenizer.eot_id,
+                     plan.prompt_ids, cli.run(plan)[0]["token_ids"])
+    return out
+
+
+def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
+    """generate.py --checkpoint <HF dir>: the greedy tokens transformers' own generate gives, at TP 1 and 2, with the
+    directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
+    dirs = _hf_models(tmp_path)
+    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3"}
+    tp2 = run_distributed(_generate_from_hf_dirs, 2, dirs, prompts, timeout=120)[0]
+    tp1 = run_distributed(_generate_from_hf_dirs, 1, dirs, prompts, timeout=120)[0]
+    for name, path in dirs.items():
+        kind, tokenizer, eot, ids, generated = tp2[name]
+        assert kind == "hf" and tp1[name][4] == generated, name
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        model.generation_config.eos_token_id = None  # --ignore-eos
+        with torch.no_grad():
+            reference = model.generate(torch.tensor([ids[0]]), max_new_tokens=10, do_sample=False)[0, len(ids[0]):]
+        assert generated == reference.tolist(), name
+    assert tp2["gpt2"][1:4] == ("ByteTokenizer", 0, [list("héllo wörld".encode())])
+    assert tp2["llama"][1:4] == ("HFTokenizer", 1, [[7, 19, 202, 5]])
+
+
+def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    dirs = _hf_models(tmp_path)
+    (dirs["llama"] / "tokenizer.json").unlink()
+    capsys.readouterr()  # transformers' save_pretrained progress bars
+    assert cli.main(["--checkpoint", str(dirs["llama"]), "--prompt", "w1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"tpframe: error: {str(dirs['llama'])!r} has no tokenizer.json and its vocabulary is 300, not byte-level "
+        "(256); pass --tokenizer FILE"]
+    config = json.loads((dirs["gpt2"] / "config.json").read_text())
+    (dirs["gpt2"] / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
+    assert cli.main(["--checkpoint", str(dirs["gpt2"]), "--prompt", "a"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"tpframe: error: --checkpoint {str(dirs['gpt2'])!r}: no tensor 'transformer.h.2.ln_1.weight' in its safetensors "
+        "(12 missing); it does not hold the model its config.json describes"]

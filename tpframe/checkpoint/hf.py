@@ -377,11 +377,12 @@ class HFWeights(Mapping):
                 return candidate
         return None
 
-    def check(self) -> None:
-        """Every tensor present with its shape, nothing unknown (pre-flight: headers only, no data read)."""
+    def check(self, where: str | None = None) -> None:
+        """Every tensor present with its shape, nothing unknown (pre-flight: headers only, no data read); errors
+        begin with `where` (default: the init_from setting)."""
         from safetensors import safe_open
 
-        where = f"checkpoint.init_from={str(self.path)!r}"
+        where = where or f"checkpoint.init_from={str(self.path)!r}"
         shapes = hf_shapes(self.m)
         missing = [hf for hf, stored in self.names.items() if stored is None]
         if missing:

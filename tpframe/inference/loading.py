@@ -1,5 +1,6 @@
-"""Where generation's weights come from: a training checkpoint (any TP/PP/DP layout) or a consolidated
-safetensors export, read in full and cut into this rank's shards for the TP size of the run.
+"""Where generation's weights come from: a training checkpoint (any TP/PP/DP layout), a consolidated
+safetensors export, or a Hugging Face model directory (GPT-2, Llama, Mixtral in safetensors: an HF export, or a
+model from the hub), read in full and cut into this rank's shards for the TP size of the run.
 
     source = open_source("runs/x/checkpoints")     # filesystem only, before any process group
     tensors = read_weights(source)                 # {logical name: full tensor} on the CPU
@@ -27,8 +28,8 @@ from tpframe.parallel.sharding import param_shards
 
 @dataclass
 class ModelSource:
-    path: Path  # a checkpoint step directory, or a .safetensors file
-    kind: str  # "checkpoint" or "safetensors"
+    path: Path  # a checkpoint step directory, a .safetensors file or an HF model directory
+    kind: str  # "checkpoint", "safetensors" or "hf"
     model: ModelConfig
     data: dict | None = None  # the run's data config (checkpoints only): how its tokens were made
     step: int | None = None
@@ -80,11 +81,29 @@ def open_source(path: str | Path) -> ModelSource:
             raise ConfigError(f"--checkpoint {str(p)!r} has a corrupt header ({e}); export it again with "
                               "`python tools/checkpoint.py export DIR --out FILE`") from None
         return ModelSource(p, "safetensors", model_config_from(recorded, str(p)), step=step)
+    from tpframe.checkpoint.hf import is_hf_dir
+
+    if is_hf_dir(p) and not (p / "meta.json").exists():
+        return _hf_source(p)
     step_dir = resolve(p)  # CheckpointError (a ConfigError) when it does not exist or names nothing
     meta = verify(step_dir, "crc")
     cfg = model_config_from(meta["config"]["model"], str(step_dir / "meta.json"))
     return ModelSource(step_dir, "checkpoint", cfg, data=meta["config"].get("data"), step=meta.get("step"),
                        cwd=meta.get("cwd"))
+
+
+def _hf_source(path: Path) -> ModelSource:
+    """An HF model directory: the model its config.json describes (the context is max_position_embeddings), its
+    weights' names and shapes checked from the safetensors headers."""
+    from tpframe.checkpoint.hf import HFWeights, model_fields, read_config
+
+    where = f"--checkpoint {str(path)!r}"
+    config = read_config(path)
+    fields = model_fields(config, f"{where}: its config.json")
+    fields.setdefault("max_seq_len", config.get("max_position_embeddings", 2048))
+    cfg = model_config_from(fields, f"{where}: its config.json")
+    HFWeights(path, cfg).check(where)
+    return ModelSource(path, "hf", cfg)
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -109,6 +128,10 @@ def read_weights(source: ModelSource) -> dict[str, torch.Tensor]:
         import safetensors.torch
 
         tensors = safetensors.torch.load_file(str(source.path))
+    elif source.kind == "hf":
+        from tpframe.checkpoint.hf import HFWeights
+
+        tensors = dict(HFWeights(source.path, source.model))  # views into each HF tensor, read once
     else:
         from tpframe.checkpoint.export import read_model_tensors
 

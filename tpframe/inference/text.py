@@ -2,7 +2,7 @@
 
 The tokenizer follows the run's data config: `synthetic` and `stdlib` are byte-level; `tokens` names a
 token file whose sidecar records its tokenizer (byte-level, or a Hugging Face `tokenizers` JSON file with
-its sha256). `--tokenizer FILE` overrides it; a tokenizer whose vocabulary differs from the one the data
+its sha256). An HF model directory's is its tokenizer.json. `--tokenizer FILE` overrides it; a tokenizer whose vocabulary differs from the one the data
 was made with, or exceeds the model's, is refused. A safetensors export records no data: byte-level when
 the model's vocabulary is 256, else `--tokenizer` is required.
 """
@@ -27,6 +27,8 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
     if data is not None and data.get("source") in BYTE_SOURCES:
         recorded, expected = {"kind": "bytes"}, ByteTokenizer.vocab_size
         why = f"data.source={data['source']} is byte-level"
+    elif source.kind == "hf":
+        recorded = hf_dir_tokenizer(source.path)
     elif data is not None and data.get("source") == "tokens":
         try:
             side = read_sidecar(recorded_path(first_path(data.get("path")), source.cwd), key="the checkpoint's data.path")
@@ -40,8 +42,9 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
             tok = HFTokenizer(override)
         elif recorded is None:
             if vocab != ByteTokenizer.vocab_size:
-                raise ConfigError(f"{str(source.path)!r} records no tokenizer and its vocabulary is {vocab}, not "
-                                  "byte-level (256); pass --tokenizer FILE")
+                has = "has no tokenizer.json" if source.kind == "hf" else "records no tokenizer"
+                raise ConfigError(f"{str(source.path)!r} {has} and its vocabulary is {vocab}, not byte-level (256); "
+                                  "pass --tokenizer FILE")
             tok = ByteTokenizer()
         elif recorded.get("kind") == "bytes":
             tok = ByteTokenizer()
@@ -63,6 +66,36 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
         raise ConfigError(f"the tokenizer has a vocabulary of {tok.vocab_size} but the model only {vocab} "
                           "(model.vocab_size); pass the tokenizer the model was trained with")
     return tok
+
+
+def hf_dir_tokenizer(path: Path) -> dict | None:
+    """The tokenizer an HF model directory ships (tokenizer.json; tpframe's byte-level one is the built-in
+    tokenizer), its end-of-text token from tokenizer_config.json or config.json's eos_token_id; None without one."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        spec = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{str(file)!r} is not a tokenizer.json ({e}); pass --tokenizer FILE") from None
+    if spec == ByteTokenizer.hf_json():
+        return {"kind": "bytes"}
+    eot = _json_object(path / "tokenizer_config.json").get("eos_token")
+    eot = eot.get("content") if isinstance(eot, dict) else eot
+    eos_id = _json_object(path / "config.json").get("eos_token_id")
+    if not isinstance(eot, str) and isinstance(eos_id, int):
+        eot = next((token for token, i in spec.get("model", {}).get("vocab", {}).items() if i == eos_id), None) \
+            if isinstance(spec.get("model", {}).get("vocab"), dict) else None
+        eot = eot or next((t.get("content") for t in spec.get("added_tokens", []) if t.get("id") == eos_id), None)
+    return {"kind": "huggingface", "file": str(file), "eot_token": eot if isinstance(eot, str) else None}
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
