@@ -267,8 +267,9 @@ def test_init_from_is_checked_before_anything_starts(tmp_path):
 
 
 def _hf_models(tmp: Path) -> dict[str, Path]:
-    """Two HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a
-    GQA Llama with a word-level tokenizer.json whose end-of-text token tokenizer_config.json names."""
+    """HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a GQA
+    Llama with a word-level tokenizer.json whose end-of-text token tokenizer_config.json names, a Mixtral of
+    vocabulary 256 and no tokenizer files (byte-level)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from tpframe.data.tokenizer import ByteTokenizer
@@ -287,7 +288,12 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp / "llama" / "tokenizer.json"))
     (tmp / "llama" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return {"gpt2": tmp / "gpt2", "llama": tmp / "llama"}
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        sliding_window=None, eos_token_id=0))
+    mixtral.save_pretrained(tmp / "mixtral")  # no tokenizer.json: vocabulary 256 is byte-level
+    return {"gpt2": tmp / "gpt2", "llama": tmp / "llama", "mixtral": tmp / "mixtral"}
 
 
 def _generate_from_hf_dirs(dirs: dict, prompts: dict):
@@ -307,7 +313,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
     """generate.py --checkpoint <HF dir>: the greedy tokens transformers' own generate gives, at TP 1 and 2, with the
     directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
     dirs = _hf_models(tmp_path)
-    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3"}
+    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts"}
     tp2 = run_distributed(_generate_from_hf_dirs, 2, dirs, prompts, timeout=120)[0]
     tp1 = run_distributed(_generate_from_hf_dirs, 1, dirs, prompts, timeout=120)[0]
     for name, path in dirs.items():
@@ -320,6 +326,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
         assert generated == reference.tolist(), name
     assert tp2["gpt2"][1:4] == ("ByteTokenizer", 0, [list("héllo wörld".encode())])
     assert tp2["llama"][1:4] == ("HFTokenizer", 1, [[7, 19, 202, 5]])
+    assert tp2["mixtral"][1:3] == ("ByteTokenizer", 0)
 
 
 def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
