@@ -346,3 +346,33 @@ def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, caps
     assert capsys.readouterr().err.strip().splitlines() == [
         f"tpframe: error: --checkpoint {str(dirs['gpt2'])!r}: no tensor 'transformer.h.2.ln_1.weight' in its safetensors "
         "(12 missing); it does not hold the model its config.json describes"]
+
+
+def _init_from_inspected(dirs: dict, tmp: str):
+    """checkpoint.init_from=<HF dir> with the model.* overrides `tools/checkpoint.py inspect` printed for it."""
+    out = {}
+    for name, path in dirs.items():
+        model = next(line for line in _tool().inspected(str(path)).splitlines() if line.startswith("model "))
+        history = train_in_process([*model.split()[1:], "train.steps=1", "train.seq_len=16", "train.micro_batch_size=2",
+                                    "train.global_batch_size=2", f"checkpoint.init_from={path}",
+                                    f"train.run_dir={tmp}/{name}"]
+                                   + ([] if "model.max_seq_len" in model else ["model.max_seq_len=16"]))
+        out[name] = history[0]["loss"]
+    return out
+
+
+def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
+    """`tools/checkpoint.py inspect <HF dir>`: the model.* overrides (pasted, they start a run from it), the context a
+    rotary model may use, the tokenizer, every tensor."""
+    dirs = _hf_models(tmp_path)
+    text = {name: _tool().inspected(str(path)).splitlines() for name, path in dirs.items()}
+    assert text["gpt2"][1] == ("model       model.vocab_size=256 model.hidden=32 model.layers=2 model.heads=4 "
+                               "model.kv_heads=4 model.ffn_hidden=128 model.max_seq_len=64 model.norm=layernorm "
+                               "model.norm_eps=1e-05 model.position=learned model.activation=gelu model.bias=true "
+                               "model.tie_embeddings=true")
+    assert text["llama"][2:4] == ["context     model.max_seq_len up to 64 (max_position_embeddings)",
+                                  "tokenizer   tokenizer.json, end-of-text '<|endoftext|>'"]
+    assert text["mixtral"][3] == "tokenizer   none: byte-level (vocabulary 256)"
+    assert sum(line.startswith("  model.layers.") for line in text["llama"]) == 18
+    losses = run_distributed(_init_from_inspected, 2, dirs, str(tmp_path / "runs"), timeout=120)[0]  # at TP=2
+    assert all(4.0 < loss < 7.0 for loss in losses.values()), losses  # random HF weights: about ln(vocab)

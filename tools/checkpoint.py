@@ -3,6 +3,7 @@ Hugging Face model directory (GPT-2 or Llama) that transformers' from_pretrained
 
     python tools/checkpoint.py inspect runs/x/checkpoints            # `latest`, or a step_* directory, or runs/x
     python tools/checkpoint.py inspect model.safetensors             # an export: its step, model and tensors
+    python tools/checkpoint.py inspect hf_model/                     # an HF model: the model.* it needs, tensors
     python tools/checkpoint.py export runs/x/checkpoints --out model.safetensors
     python tools/checkpoint.py export runs/x/checkpoints --format hf --out hf_model/
 
@@ -78,11 +79,46 @@ def inspect_export(path: Path) -> str:
     return "\n".join(lines)
 
 
+def inspect_hf(path: Path) -> str:
+    """An HF model directory: the tpframe model its config.json describes, as the `model.*` overrides that
+    `checkpoint.init_from=<dir>` needs (the context, model.max_seq_len, may be shorter than the HF model's for a
+    Llama; GPT-2's learned positions need n_positions), its tokenizer and its tensors."""
+    from safetensors import safe_open
+
+    from tpframe.checkpoint.hf import model_fields, read_config, weight_files
+    from tpframe.inference.text import hf_dir_tokenizer
+
+    config = read_config(path)
+    fields = {k: v for k, v in model_fields(config, f"{str(path)!r}: its config.json").items()
+              if v is not None and k != "name"}
+    tokenizer = hf_dir_tokenizer(path)
+    lines = [f"hf model    {path}   ({config.get('model_type')}, {config.get('architectures', ['?'])[0]})",
+             "model       " + " ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                      for k, v in fields.items()),
+             "tokenizer   " + (("none: byte-level (vocabulary 256)" if fields["vocab_size"] == 256 else
+                                "none (pass --tokenizer FILE to generate.py)") if tokenizer is None
+                               else "byte-level (tpframe's)" if tokenizer["kind"] == "bytes"
+                               else f"tokenizer.json, end-of-text {tokenizer['eot_token']!r}")]
+    if "max_seq_len" not in fields:  # rotary: any context up to the HF model's
+        lines.insert(2, f"context     model.max_seq_len up to {config.get('max_position_embeddings', 2048)} "
+                        "(max_position_embeddings)")
+    lines.append("tensors:")
+    files = weight_files(path)
+    for name in sorted(files):
+        with safe_open(str(files[name]), framework="pt") as f:
+            part = f.get_slice(name)
+            lines.append(f"  {name:60s} {str(tuple(part.get_shape())):>16s} {part.get_dtype()}")
+    return "\n".join(lines)
+
+
 def inspected(target: str) -> str:
-    """`inspect`'s text for a step directory, a checkpoints root, a run directory (its checkpoints) or an export."""
+    """`inspect`'s text for a step directory, a checkpoints root, a run directory (its checkpoints), an export or an
+    HF model directory."""
     path = Path(target)
     if path.is_file() and path.suffix == ".safetensors":
         return inspect_export(path)
+    if (path / "config.json").is_file() and not (path / "meta.json").exists():
+        return inspect_hf(path)
     if path.is_dir() and not (path / "meta.json").exists() and not (path / "latest").exists() \
             and (path / "checkpoints").is_dir():
         path = path / "checkpoints"  # a run directory
@@ -133,8 +169,8 @@ def main(argv=None) -> int:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="step, layout, tensors and shapes (of a checkpoint or an export)")
-    p_inspect.add_argument("checkpoint", help="a step_* directory, a checkpoints root, a run directory, or an "
-                                              "exported .safetensors file")
+    p_inspect.add_argument("checkpoint", help="a step_* directory, a checkpoints root, a run directory, an "
+                                              "exported .safetensors file or a Hugging Face model directory")
     p_export = sub.add_parser("export", help="consolidated safetensors (default) or a Hugging Face model directory")
     p_export.add_argument("checkpoint")
     p_export.add_argument("--out", required=True, help="the .safetensors file, or the directory with --format hf")
