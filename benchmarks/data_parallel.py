@@ -17,7 +17,7 @@ what stays allocated between steps (weights, gradient buffer, optimizer state: w
 peak - resident is what a step adds on top (activations, the bf16 gradients in flight, collective buffers),
 which no DP strategy shards: it sets how far zero1/fsdp can bring the peak down. Each row also gives every
 rank's own median step (a slower GPU paces the whole DP group). PROFILE=folder profiles one more step per row
-(rank 0's chrome trace and op table there) and adds its GPU timeline: busy time, how long the collectives ran
+(every rank's chrome trace, rank 0's op table there) and adds its GPU timeline: busy time, how long the collectives ran
 and how much of that no computation hid. GRAPH=1 replays each micro-batch from a CUDA graph (train.cuda_graph's
 schedule, tpframe/parallel/graphed.py) after two eager steps: the copy-engine sync is then inside the last
 micro-batch's graph, NCCL's after it; fsdp rows are skipped (not graphed); CUDA only.
@@ -154,11 +154,13 @@ def profile_step(step, folder: str | None, name: str, rank: int, cuda: bool, syn
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         sync()
-    if rank != 0 or not cuda:
+    if not cuda:
         return {}
     Path(folder).mkdir(parents=True, exist_ok=True)
-    trace = Path(folder) / f"{name}.json"
+    trace = Path(folder) / (f"{name}.json" if rank == 0 else f"{name}.rank{rank}.json")  # dp_timeline pairs them
     prof.export_chrome_trace(str(trace))
+    if rank != 0:
+        return {}
     (Path(folder) / f"{name}.txt").write_text(op_table(prof, cuda=True, rows=30))
     span, busy, comm, exposed = gpu_timeline(trace)
     return {"gpu_span_ms": span, "gpu_busy_ms": busy, "comm_ms": comm, "comm_exposed_ms": exposed}

@@ -9,7 +9,9 @@ idle (nothing on the GPU). Against the base trace (DP=1), a DP step's extra span
 computation that got slower (kernels slowed by the collectives beside them) + exposed collectives (the tail after
 backward, or traffic overlap did not hide) + idle (the host or a wait kept the GPU empty). Then, per trace, the
 kernel names whose summed time grew the most against the base: which kernels the collectives slowed. Prints the
-table and appends it to benchmarks/RESULTS.md (--no-append: print only).
+table and appends it to benchmarks/RESULTS.md (--no-append: print only). Where every rank's trace of a row is
+there (`<name>.rank<r>.json`), a second table says how long each rank's NCCL kernels waited for the other ranks
+(the collective's halves waiting for each other) against the transfers' own time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.training.profiler import gpu_events, gpu_timeline  # noqa: E402
+from tpframe.training.profiler import collective_waits, gpu_events, gpu_timeline  # noqa: E402
 
 
 def breakdown(trace: Path) -> dict:
@@ -36,6 +38,27 @@ def breakdown(trace: Path) -> dict:
             "by_name": by_name}
 
 
+def waits_table(traces: list[Path]) -> list[str]:
+    """For rows profiled on every rank (`<name>.rank<r>.json` beside rank 0's): how long each rank's NCCL kernels
+    waited for the other ranks to start the same collective (`collective_waits`)."""
+    rows = []
+    for trace in traces:
+        others = sorted(trace.parent.glob(f"{trace.stem}.rank*.json"))
+        waits = collective_waits([trace, *others]) if others else None
+        if waits:
+            rows.append(f"| {trace.stem} | {waits['collectives']} | "
+                        f"{' / '.join(f'{w:.1f}' for w in waits['waited_ms'])} | {waits['moving_ms']:.1f} | "
+                        f"{waits['median_skew_us']:.0f} | {' / '.join(f'{x:.2f}' for x in waits['start_skew_ms'])} | "
+                        f"{' / '.join(f'{x:.2f}' for x in waits['end_skew_ms'])} |")
+    if not rows:
+        return []
+    return ["", "Collectives across the ranks' traces: how long each rank's NCCL kernels waited for the others to "
+            "start the same collective (a waiting kernel holds its SMs), the transfers' own time (each collective's "
+            "shortest duration), and how far each rank's first and last GPU event trails the earliest one's:", "",
+            "| trace | collectives | waited ms (rank 0 / 1 / ...) | transfers ms | median start skew us | "
+            "start skew ms | end skew ms |", "|---|---|---|---|---|---|---|", *rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder")
@@ -43,7 +66,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--no-append", action="store_true", help="print only (default: also append to benchmarks/RESULTS.md)")
     args = ap.parse_args()
-    traces = sorted(Path(args.folder).glob("*.json"))
+    traces = sorted(t for t in Path(args.folder).glob("*.json") if ".rank" not in t.name)  # rank 0's; others pair
     if not traces:
         print(f"dp_timeline.py: no chrome traces (*.json) in {args.folder}; run benchmarks/data_parallel.py with "
               "PROFILE=<folder> first", file=sys.stderr)
@@ -72,6 +95,7 @@ def main() -> None:
         out += ["", f"{name}: kernels whose summed time grew most against the base (ms)", ""]
         out += [f"    {delta:+8.2f}  {base['by_name'].get(k, 0.0):8.2f} -> {r['by_name'].get(k, 0.0):8.2f}  {k}"
                 for delta, k in grown]
+    out += waits_table(traces)
     text = "\n".join(out)
     print(text)
     if not args.no_append:
