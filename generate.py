@@ -20,6 +20,7 @@ prompts stop here with one line and exit code 2, before any process group exists
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; the same tokens at any TP size)")
     p.add_argument("--tokenizer",
                    help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)")
+    p.add_argument("--eot-token", help="the end-of-text token of --tokenizer (default: detected)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
@@ -71,13 +73,16 @@ class Plan:
     prompts: list[str]
     prompt_ids: list[list[int]]
     tp: int
+    model: object  # the ModelConfig to build (generation_model)
 
 
 def check_tp(cfg, tp: int) -> None:
-    from tpframe.models.config import ffn_hidden_size
+    from tpframe.models.config import ffn_hidden_size, moe_ffn_hidden_size
 
     kv = cfg.kv_heads or cfg.heads
-    for key, value in (("model.heads", cfg.heads), ("model.kv_heads", kv), ("the FFN size", ffn_hidden_size(cfg))):
+    ffn = ("each expert's FFN size", moe_ffn_hidden_size(cfg)) if cfg.moe_experts else ("the FFN size",
+                                                                                      ffn_hidden_size(cfg))
+    for key, value in (("model.heads", cfg.heads), ("model.kv_heads", kv), ffn):
         if value % tp:
             raise ConfigError(f"tensor-parallel size {tp} does not divide {key} = {value}; run with fewer processes")
 
@@ -108,10 +113,23 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
         raise ConfigError(f"the checkpoint's model.name is {source.model.name!r}; "
                           "generate.py runs the built-in GPT only")
     check_tp(source.model, tp)
-    tok = resolve_tokenizer(source, args.tokenizer)
+    if args.eot_token is not None and args.tokenizer is None:
+        raise ConfigError("--eot-token names the end-of-text token of --tokenizer FILE; pass both, or neither")
+    tok = resolve_tokenizer(source, args.tokenizer, args.eot_token)
     prompts = read_prompts(args.prompt, args.prompts)
     ids = encode_prompts(tok, prompts, context=source.model.max_seq_len, max_new_tokens=args.max_new_tokens)
-    return Plan(args, source, tok, prompts, ids, tp)
+    return Plan(args, source, tok, prompts, ids, tp, generation_model(source.model, ids, args.max_new_tokens))
+
+
+def generation_model(cfg, prompt_ids: list[list[int]], max_new_tokens: int):
+    """The model to build: with rotary positions, whose table sizes no weight, one of just the context this generation
+    uses (an HF Llama may allow a context far longer than memory holds: max_position_embeddings)."""
+    from tpframe.inference.generate import SLOT_MULTIPLE
+
+    if cfg.position != "rotary":
+        return cfg
+    slots = -(-(max(map(len, prompt_ids)) + max_new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE  # the KV cache's
+    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, slots))
 
 
 def sampling(args):
@@ -129,7 +147,7 @@ def run(plan: Plan) -> list[dict]:
     from tpframe.models.gpt import GPT
     from tpframe.parallel import destroy_parallel, initialize_parallel
 
-    args, cfg = plan.args, plan.source.model
+    args, cfg = plan.args, plan.model
     tensors = read_weights(plan.source)  # every rank reads the full tensors (CPU), no process group needed
     state = initialize_parallel(tp=plan.tp, comm_backend=args.comm)
     try:

@@ -376,3 +376,139 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert sum(line.startswith("  model.layers.") for line in text["llama"]) == 18
     losses = run_distributed(_init_from_inspected, 2, dirs, str(tmp_path / "runs"), timeout=120)[0]  # at TP=2
     assert all(4.0 < loss < 7.0 for loss in losses.values()), losses  # random HF weights: about ln(vocab)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    return _hf_models(tmp_path_factory.mktemp("hf"))
+
+
+def _config(**changes):
+    """A mutation of an HF directory: config.json with `changes`."""
+    def edit(d: Path):
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, **changes}))
+    return edit
+
+
+def _tensors(fn):
+    """A mutation of an HF directory: model.safetensors rewritten by `fn` (tensors -> tensors)."""
+    def edit(d: Path):
+        from safetensors.torch import load_file, save_file
+
+        save_file(fn(load_file(str(d / "model.safetensors"))), str(d / "model.safetensors"))
+    return edit
+
+
+def _write(name, text):
+    def edit(d: Path):
+        (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return edit
+
+
+def _index(weight_map=None, text=None):
+    """model.safetensors.index.json: `text`, or a weight_map naming model.safetensors (or `weight_map(names)`)."""
+    def edit(d: Path):
+        from safetensors import safe_open
+
+        with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+        body = text if text is not None else json.dumps({"weight_map": weight_map(names)})
+        (d / "model.safetensors.index.json").write_text(body)
+    return edit
+
+
+BROKEN = {  # name: (directory, mutation, what the one line says)
+    "config_not_utf8": ("gpt2", _write("config.json", b"\xff\xfe{"), "config.json is not valid JSON"),
+    "rope_parameters_string": ("llama", _config(rope_parameters="yes"), "rope_parameters='yes' must be an object"),
+    "heads_zero": ("llama", _config(num_attention_heads=0, head_dim=None), "num_attention_heads=0 must be a positive"),
+    "n_embd_null": ("gpt2", _config(n_embd=None), "n_embd=None must be a positive integer"),
+    "vocab_string": ("gpt2", _config(vocab_size="256"), "vocab_size='256' must be a positive integer"),
+    "vocab_zero": ("gpt2", _config(vocab_size=0), "vocab_size=0 must be a positive integer"),
+    "heads_not_dividing": ("gpt2", _config(n_head=3), "n_head=3 does not divide n_embd=32"),
+    "kv_heads_not_dividing": ("llama", _config(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
+    "top_k_over_experts": ("mixtral", _config(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds"),
+    "sliding_window": ("mixtral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
+    "index_not_json": ("gpt2", _index(text="{{"), "index.json is not valid JSON"),
+    "index_no_weight_map": ("gpt2", _index(text="[]"), 'has no "weight_map" object'),
+    "index_wrong_file": ("gpt2", _index(lambda names: dict.fromkeys([*names, "x"], "model.safetensors")),
+                         "puts 'x' in model.safetensors, which does not hold it"),
+    "weights_truncated": ("gpt2", _write("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}"),
+                          "model.safetensors is not a readable safetensors file"),
+    "weights_fp8": ("gpt2", _tensors(lambda t: {k: v.to(torch.float8_e4m3fn) for k, v in t.items()}),
+                    "is F8_E4M3; tpframe reads F32, BF16, F16, F64 weights"),
+    "tokenizer_not_one": ("llama", _write("tokenizer.json", '{"a": 1}'), "tokenizer.json' could not be loaded"),
+    "tokenizer_config_garbage": ("llama", _write("tokenizer_config.json", "garbage"),
+                                 "tokenizer_config.json' is not valid JSON"),
+    "eos_token_unknown": ("llama", _write("tokenizer_config.json", '{"eos_token": "</nope>"}'),
+                          "eos_token='</nope>' is not a token of tokenizer.json"),
+    "eos_token_id_unknown": ("llama", lambda d: (_config(eos_token_id=99999)(d),
+                                                 (d / "tokenizer_config.json").unlink()),
+                             "eos_token_id=99999 is not a token of tokenizer.json (vocabulary 300)"),
+    "eos_token_id_not_a_byte": ("mixtral", _config(eos_token_id=50256), "eos_token_id=50256 is not a byte (0..255)"),
+}
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_hugging_face_directory_is_one_line_for_generate_and_inspect(case, hf_dirs, tmp_path, capsys):
+    """config.json, the weights, the tokenizer files: each mistake one `tpframe:` line (exit 2) naming it, from
+    generate.py and from tools/checkpoint.py inspect alike; never a traceback, never a model built on it."""
+    import shutil
+
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    from tpframe.errors import ConfigError
+
+    base, mutate, says = BROKEN[case]
+    d = tmp_path / base
+    shutil.copytree(hf_dirs[base], d)
+    mutate(d)
+    with pytest.raises(ConfigError) as e:
+        cli.prepare(["--checkpoint", str(d), "--prompt", "w1", "--max-new-tokens", "2"], world_size=1)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    capsys.readouterr()
+    assert _tool().main(["inspect", str(d)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("tpframe: ") and says in err[0], err
+
+
+def test_what_generate_takes_from_an_unusual_hugging_face_directory(hf_dirs, tmp_path):
+    """A context of 10**9 builds a rotary table of just the generation's length; config.json's eos_token_id is the
+    end-of-text (the first of a list, as Llama 3's; a byte for a byte-level model); a TP size must divide each
+    expert's FFN; --eot-token names a --tokenizer's end-of-text; a file of the directory names the directory; NULs
+    dropped by the byte-level tokenizer.json too."""
+    import dataclasses
+    import shutil
+
+    from tokenizers import Tokenizer, models
+
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    from tpframe.checkpoint.hf import is_hf_dir
+    from tpframe.data.tokenizer import ByteTokenizer
+    from tpframe.errors import ConfigError
+
+    for name in hf_dirs:
+        shutil.copytree(hf_dirs[name], tmp_path / name)
+    d = {name: tmp_path / name for name in hf_dirs}
+    _config(max_position_embeddings=10**9, eos_token_id=[1, 0])(d["llama"])
+    (d["llama"] / "tokenizer_config.json").unlink()
+    plan = cli.prepare(["--checkpoint", str(d["llama"]), "--prompt", "w1 w2", "--max-new-tokens", "4"], world_size=1)
+    assert plan.source.model.max_seq_len == 10**9 and plan.model.max_seq_len == 16 and plan.tokenizer.eot_id == 1
+    _config(eos_token_id=5)(d["mixtral"])
+    plan = cli.prepare(["--checkpoint", str(d["mixtral"]), "--prompt", "", "--max-new-tokens", "4"], world_size=1)
+    assert plan.tokenizer.eot_id == 5 and plan.prompt_ids == [[5]]
+    with pytest.raises(ConfigError, match="size 2 does not divide each expert's FFN size = 49"):
+        cli.check_tp(dataclasses.replace(plan.source.model, moe_ffn_hidden=49), 2)
+    Tokenizer(models.WordLevel({"<unk>": 0, "w1": 1, "w2": 2}, unk_token="<unk>")).save(str(tmp_path / "tok.json"))
+    argv = ["--checkpoint", str(d["llama"]), "--prompt", "w1", "--tokenizer", str(tmp_path / "tok.json")]
+    with pytest.raises(ConfigError, match="has no end-of-text token among .*; pass --eot-token"):
+        cli.prepare(argv, world_size=1)
+    assert cli.prepare([*argv, "--eot-token", "w2"], world_size=1).tokenizer.eot_id == 2  # generate.py has it too
+    with pytest.raises(ConfigError, match="is a file of the Hugging Face model directory .*; pass the directory"):
+        cli.prepare(["--checkpoint", str(d["gpt2"] / "config.json"), "--prompt", "a"], world_size=1)
+    (d["gpt2"] / "meta.json").write_text("{}")  # a tpframe checkpoint's file: generate, inspect, init_from agree
+    assert not is_hf_dir(d["gpt2"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(ByteTokenizer.hf_json())))
+    assert tok("a\0b")["input_ids"] == list(ByteTokenizer().encode("a\0b")) == [97, 98]

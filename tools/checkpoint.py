@@ -82,30 +82,39 @@ def inspect_export(path: Path) -> str:
 def inspect_hf(path: Path) -> str:
     """An HF model directory: the tpframe model its config.json describes, as the `model.*` overrides that
     `checkpoint.init_from=<dir>` needs (the context, model.max_seq_len, may be shorter than the HF model's for a
-    Llama; GPT-2's learned positions need n_positions), its tokenizer and its tensors."""
-    from safetensors import safe_open
+    Llama; GPT-2's learned positions need n_positions), its tokenizer and its tensors; checked as generate.py checks
+    it (config.json, tokenizer files, the tensors' names, shapes and dtypes), so a directory neither could use is one
+    error line."""
+    from tpframe.checkpoint.hf import model_fields, read_config, safetensors_file, weight_files
+    from tpframe.data.tokenizer import HFTokenizer
+    from tpframe.inference.loading import hf_source
+    from tpframe.inference.text import hf_dir_tokenizer, resolve_tokenizer
 
-    from tpframe.checkpoint.hf import model_fields, read_config, weight_files
-    from tpframe.inference.text import hf_dir_tokenizer
-
+    source = hf_source(path, repr(str(path)))
     config = read_config(path)
     fields = {k: v for k, v in model_fields(config, f"{str(path)!r}: its config.json").items()
               if v is not None and k != "name"}
-    tokenizer = hf_dir_tokenizer(path)
-    lines = [f"hf model    {path}   ({config.get('model_type')}, {config.get('architectures', ['?'])[0]})",
+    tokenizer = "none (pass --tokenizer FILE to generate.py)"
+    if hf_dir_tokenizer(path) is not None or fields["vocab_size"] == 256:
+        tok = resolve_tokenizer(source)
+        if isinstance(tok, HFTokenizer):
+            tokenizer = f"tokenizer.json, end-of-text {tok.info['eot_token']!r}"
+        else:
+            tokenizer = "byte-level (tpframe's)" if (path / "tokenizer.json").is_file() else \
+                "none: byte-level (vocabulary 256)"
+            tokenizer += f", end-of-text byte {tok.eot_id}" if tok.eot_id else ""
+    names = config.get("architectures")
+    name = names[0] if isinstance(names, list) and names else "?"
+    lines = [f"hf model    {path}   ({config.get('model_type')}, {name})",
              "model       " + " ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
                                       for k, v in fields.items()),
-             "tokenizer   " + (("none: byte-level (vocabulary 256)" if fields["vocab_size"] == 256 else
-                                "none (pass --tokenizer FILE to generate.py)") if tokenizer is None
-                               else "byte-level (tpframe's)" if tokenizer["kind"] == "bytes"
-                               else f"tokenizer.json, end-of-text {tokenizer['eot_token']!r}")]
+             f"tokenizer   {tokenizer}"]
     if "max_seq_len" not in fields:  # rotary: any context up to the HF model's
-        lines.insert(2, f"context     model.max_seq_len up to {config.get('max_position_embeddings', 2048)} "
-                        "(max_position_embeddings)")
+        lines.insert(2, f"context     model.max_seq_len up to {source.model.max_seq_len} (max_position_embeddings)")
     lines.append("tensors:")
     files = weight_files(path)
     for name in sorted(files):
-        with safe_open(str(files[name]), framework="pt") as f:
+        with safetensors_file(files[name]) as f:
             part = f.get_slice(name)
             lines.append(f"  {name:60s} {str(tuple(part.get_shape())):>16s} {part.get_dtype()}")
     return "\n".join(lines)
@@ -114,10 +123,15 @@ def inspect_hf(path: Path) -> str:
 def inspected(target: str) -> str:
     """`inspect`'s text for a step directory, a checkpoints root, a run directory (its checkpoints), an export or an
     HF model directory."""
+    from tpframe.checkpoint.hf import is_hf_dir
+
     path = Path(target)
     if path.is_file() and path.suffix == ".safetensors":
         return inspect_export(path)
-    if (path / "config.json").is_file() and not (path / "meta.json").exists():
+    if path.is_file() and is_hf_dir(path.parent):  # its config.json, say
+        raise ConfigError(f"{target!r} is a file of the Hugging Face model directory {str(path.parent)!r}; pass the "
+                          "directory")
+    if is_hf_dir(path):
         return inspect_hf(path)
     if path.is_dir() and not (path / "meta.json").exists() and not (path / "latest").exists() \
             and (path / "checkpoints").is_dir():

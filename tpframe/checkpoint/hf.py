@@ -17,6 +17,7 @@ rows are already in rotate-half order. `transformers` is never imported here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -46,6 +47,7 @@ EXPORT_FILES = (CONFIG, WEIGHTS, *TOKENIZER_FILES, MARKER)  # all that export_hf
 BYTES = {"kind": "bytes", "eot_id": EOD_BYTE}
 # buffers some HF checkpoints carry that are not weights (GPT-2's causal mask, rotary frequencies)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the weight dtypes tpframe converts from
 
 
 class HFMappingError(ConfigError):
@@ -238,12 +240,31 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
 
 def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The `model.*` values an HF config.json describes (what tpframe's GPT must be to hold its weights);
-    HFMappingError naming the first HF setting tpframe has no equivalent for."""
+    HFMappingError naming the first HF setting tpframe has no equivalent for, or that is malformed (every size a
+    positive integer, the heads dividing the width, ...)."""
     kind = config.get("model_type")
 
     def refuse(key: str, why: str) -> HFMappingError:
         return HFMappingError(f"{where}: {key}={config.get(key)!r} {why}")
 
+    def size(key: str, default: int) -> int:
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise refuse(key, "must be a positive integer; fix it in config.json")
+        return value
+
+    def number(key: str, default: float) -> float:
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise refuse(key, "must be a positive number; fix it in config.json")
+        return value
+
+    if kind not in ("gpt2", "llama", "mixtral"):
+        raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama' "
+                             "and 'mixtral'")
+    tied = config.get("tie_word_embeddings", kind == "gpt2")
+    if not isinstance(tied, bool):
+        raise refuse("tie_word_embeddings", "must be true or false; fix it in config.json")
     if kind == "gpt2":
         act = config.get("activation_function", "gelu_new")
         if act not in _GPT2_ACT_BACK:
@@ -253,48 +274,67 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                         ("add_cross_attention", False)):
             if config.get(key, ok) != ok:
                 raise refuse(key, "has no tpframe equivalent")
-        hidden = config.get("n_embd", 768)
-        return {"name": "gpt", "vocab_size": config.get("vocab_size", 50257), "hidden": hidden,
-                "layers": config.get("n_layer", 12), "heads": config.get("n_head", 12),
-                "kv_heads": config.get("n_head", 12), "ffn_hidden": config.get("n_inner") or 4 * hidden,
-                "max_seq_len": config.get("n_positions", 1024), "norm": "layernorm",
-                "norm_eps": config.get("layer_norm_epsilon", 1e-5), "position": "learned",
-                "activation": _GPT2_ACT_BACK[act],
-                "bias": True, "tie_embeddings": config.get("tie_word_embeddings", True)}
-    if kind in ("llama", "mixtral"):
-        if config.get("hidden_act", "silu") != "silu":
-            raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
-        if config.get("attention_bias", False) != config.get("mlp_bias", False):
-            raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
-                                           "equivalent (model.bias puts biases on both or neither)")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise HFMappingError(f"{where}: rope scaling {rope.get('rope_type', rope.get('type'))!r} has no tpframe "
-                                 "equivalent (tpframe's rotary is the default, unscaled one)")
-        heads = config.get("num_attention_heads", 32)
-        hidden = config.get("hidden_size", 4096)
-        if config.get("head_dim") not in (None, hidden // heads):
-            raise refuse("head_dim", f"has no tpframe equivalent (tpframe's head dim is hidden_size/num_attention_heads"
-                                     f" = {hidden // heads})")
-        return {"name": "gpt", "vocab_size": config.get("vocab_size", 32000), "hidden": hidden,
-                "layers": config.get("num_hidden_layers", 32), "heads": heads,
-                "kv_heads": config.get("num_key_value_heads") or heads,
-                "ffn_hidden": config.get("intermediate_size", 11008), "norm": "rmsnorm",
-                "norm_eps": config.get("rms_norm_eps", 1e-6), "position": "rotary",
-                "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)), "activation": "swiglu",
-                "bias": bool(config.get("attention_bias", False)),
-                "tie_embeddings": config.get("tie_word_embeddings", False)} | (_mixtral_fields(config) if kind == "mixtral" else {})
-    raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama' and "
-                         "'mixtral'")
+        hidden, heads = size("n_embd", 768), size("n_head", 12)
+        if hidden % heads:
+            raise refuse("n_head", f"does not divide n_embd={hidden} (each head has n_embd/n_head dimensions)")
+        ffn = size("n_inner", 4 * hidden) if config.get("n_inner") is not None else 4 * hidden
+        return {"name": "gpt", "vocab_size": size("vocab_size", 50257), "hidden": hidden,
+                "layers": size("n_layer", 12), "heads": heads, "kv_heads": heads, "ffn_hidden": ffn,
+                "max_seq_len": size("n_positions", 1024), "norm": "layernorm",
+                "norm_eps": number("layer_norm_epsilon", 1e-5), "position": "learned",
+                "activation": _GPT2_ACT_BACK[act], "bias": True, "tie_embeddings": tied}
+    # llama, mixtral
+    if config.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
+    if config.get("attention_bias", False) != config.get("mlp_bias", False):
+        raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
+                                       "equivalent (model.bias puts biases on both or neither)")
+    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise refuse(key, "must be an object (or null); fix it in config.json")
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise HFMappingError(f"{where}: rope scaling {rope.get('rope_type', rope.get('type'))!r} has no tpframe "
+                             "equivalent (tpframe's rotary is the default, unscaled one)")
+    hidden, heads = size("hidden_size", 4096), size("num_attention_heads", 32)
+    kv = size("num_key_value_heads", heads) if config.get("num_key_value_heads") is not None else heads
+    if hidden % heads:
+        raise refuse("num_attention_heads", f"does not divide hidden_size={hidden} (tpframe's head dim is "
+                                            "hidden_size/num_attention_heads)")
+    if config.get("head_dim") not in (None, hidden // heads):
+        raise refuse("head_dim", f"has no tpframe equivalent (tpframe's head dim is hidden_size/num_attention_heads"
+                                 f" = {hidden // heads})")
+    if (hidden // heads) % 2:
+        raise refuse("num_attention_heads", f"gives an odd head dim, hidden_size/num_attention_heads = "
+                                            f"{hidden // heads}; rotary positions need an even one")
+    if heads % kv:
+        raise refuse("num_key_value_heads", f"does not divide num_attention_heads={heads} (grouped-query "
+                                            "attention shares each key/value head among a whole group)")
+    size("max_position_embeddings", 2048)  # the context: checked here, chosen by the user (model.max_seq_len)
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+        raise HFMappingError(f"{where}: rope_theta={theta!r} must be a positive number; fix it in config.json")
+    fields = {"name": "gpt", "vocab_size": size("vocab_size", 32000), "hidden": hidden,
+              "layers": size("num_hidden_layers", 32), "heads": heads, "kv_heads": kv,
+              "ffn_hidden": size("intermediate_size", 11008), "norm": "rmsnorm",
+              "norm_eps": number("rms_norm_eps", 1e-6), "position": "rotary", "rope_theta": theta,
+              "activation": "swiglu", "bias": bool(config.get("attention_bias", False)), "tie_embeddings": tied}
+    if kind == "mixtral":
+        fields |= _mixtral_fields(config, where, size)
+    return fields
 
 
-def _mixtral_fields(config: dict[str, Any]) -> dict[str, Any]:
+def _mixtral_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int]) -> dict[str, Any]:
     """Mixtral's experts: every block a mixture of `num_local_experts` SwiGLU MLPs of `intermediate_size`."""
     if config.get("sliding_window") is not None:
-        raise HFMappingError(f"sliding_window={config['sliding_window']} has no tpframe equivalent (tpframe's attention "
-                             "is full causal)")
-    return {"moe_experts": config.get("num_local_experts", 8), "moe_top_k": config.get("num_experts_per_tok", 2),
-            "moe_ffn_hidden": config.get("intermediate_size", 14336), "ffn_hidden": None, "bias": False}
+        raise HFMappingError(f"{where}: sliding_window={config['sliding_window']!r} has no tpframe equivalent "
+                             "(tpframe's attention is full causal)")
+    experts, top_k = size("num_local_experts", 8), size("num_experts_per_tok", 2)
+    if top_k > experts:
+        raise HFMappingError(f"{where}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}; fix it in "
+                             "config.json")
+    return {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": size("intermediate_size", 14336),
+            "ffn_hidden": None, "bias": False}
 
 
 def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:
@@ -326,13 +366,14 @@ def _yaml(value: Any) -> str:
 
 
 def is_hf_dir(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / CONFIG).is_file()
+    """A directory with a config.json that is not a tpframe checkpoint (its meta.json wins: one answer everywhere)."""
+    return Path(path).is_dir() and (Path(path) / CONFIG).is_file() and not (Path(path) / "meta.json").exists()
 
 
 def read_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((path / CONFIG).read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise HFMappingError(f"{path / CONFIG} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise HFMappingError(f"{path / CONFIG} must hold a JSON object")
@@ -340,22 +381,55 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def weight_files(path: Path) -> dict[str, Path]:
-    """{HF tensor name: the safetensors file holding it} of an HF directory (one file or an index)."""
+    """{HF tensor name: the safetensors file holding it} of an HF directory (one file or an index), every file's
+    header read: HFMappingError naming the file that is missing, unreadable or not holding what the index says."""
     index = path / WEIGHTS_INDEX
     if index.is_file():
-        files = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        files = _index_files(index)
+        for file in sorted(set(files.values())):
+            with safetensors_file(file) as f:
+                held = set(f.keys())
+            missing = sorted(name for name, where in files.items() if where == file and name not in held)
+            if missing:
+                raise HFMappingError(f"{index} puts {missing[0]!r} in {file.name}, which does not hold it "
+                                     f"({len(missing)} such); the index belongs to other files: download them again")
     elif (path / WEIGHTS).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        with safetensors_file(path / WEIGHTS) as f:
             files = {name: path / WEIGHTS for name in f.keys()}
     else:
         raise HFMappingError(f"{path} has a {CONFIG} but no {WEIGHTS} (or {WEIGHTS_INDEX}); tpframe reads "
                              "safetensors weights: save the model with save_pretrained(..., safe_serialization=True)")
-    for file in set(files.values()):
-        if not file.is_file():
-            raise HFMappingError(f"{path / WEIGHTS_INDEX} names {file.name}, which is missing")
     return files
+
+
+def _index_files(index: Path) -> dict[str, Path]:
+    """The index's weight_map as {tensor name: file}, each file present."""
+    try:
+        content = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise HFMappingError(f"{index} is not valid JSON ({e}); download or save the model again") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise HFMappingError(f'{index} has no "weight_map" object of tensor name: file name; download or save the '
+                             "model again")
+    files = {name: index.parent / file for name, file in weight_map.items()}
+    for file in sorted(set(files.values())):
+        if not file.is_file():
+            raise HFMappingError(f"{index} names {file.name}, which is missing; download or save the model again")
+    return files
+
+
+@contextlib.contextmanager
+def safetensors_file(file: Path) -> Iterator[Any]:
+    """safe_open(file), or HFMappingError when it is not a readable safetensors file (truncated, not one)."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as e:  # noqa: BLE001 - the Rust side raises its own types
+        raise HFMappingError(f"{file} is not a readable safetensors file ({e}); download or save it again") from None
+    with handle as f:
+        yield f
 
 
 class HFWeights(Mapping):
@@ -378,10 +452,8 @@ class HFWeights(Mapping):
         return None
 
     def check(self, where: str | None = None) -> None:
-        """Every tensor present with its shape, nothing unknown (pre-flight: headers only, no data read); errors
-        begin with `where` (default: the init_from setting)."""
-        from safetensors import safe_open
-
+        """Every tensor present with its shape and a floating-point dtype, nothing unknown (pre-flight: headers only,
+        no data read); errors begin with `where` (default: the init_from setting)."""
         where = where or f"checkpoint.init_from={str(self.path)!r}"
         shapes = hf_shapes(self.m)
         missing = [hf for hf, stored in self.names.items() if stored is None]
@@ -389,10 +461,14 @@ class HFWeights(Mapping):
             raise HFMappingError(f"{where}: no tensor {missing[0]!r} in its safetensors ({len(missing)} missing); "
                                  "it does not hold the model its config.json describes")
         for hf, stored in self.names.items():
-            with safe_open(str(self.files[stored]), framework="pt") as f:
-                shape = tuple(f.get_slice(stored).get_shape())
+            with safetensors_file(self.files[stored]) as f:
+                part = f.get_slice(stored)
+                shape, dtype = tuple(part.get_shape()), part.get_dtype()
             if shape != shapes[hf]:
                 raise HFMappingError(f"{where}: {stored} has shape {shape}, config.json implies {shapes[hf]}")
+            if dtype not in _FLOAT_DTYPES:
+                raise HFMappingError(f"{where}: {stored} is {dtype}; tpframe reads {', '.join(_FLOAT_DTYPES)} weights "
+                                     "(not quantized ones): save the model in one of them")
         known = set(self.names.values()) | {"lm_head.weight"}  # a tied GPT-2 may store its head too
         extra = sorted(n for n in self.files if n not in known and not n.endswith(_BUFFERS))
         if extra:
@@ -401,10 +477,8 @@ class HFWeights(Mapping):
 
     def _read(self, hf: str) -> torch.Tensor:
         if self._cache is None or self._cache[0] != hf:
-            from safetensors import safe_open
-
             stored = self.names[hf]
-            with safe_open(str(self.files[stored]), framework="pt") as f:
+            with safetensors_file(self.files[stored]) as f:
                 self._cache = (hf, f.get_tensor(stored))
         return self._cache[1]
 

@@ -60,12 +60,14 @@ class ByteTokenizer:
         """The same tokenizer as a Hugging Face `tokenizer.json`: GPT-2's byte-to-character map (ByteLevel pre-tokenizer
         and decoder, no regex split) and a BPE with no merges whose vocabulary is the 256 byte characters at their
         byte's id, so `AutoTokenizer` encodes text to its UTF-8 bytes and decodes them back. EOT (byte 0) is no
-        special token: one would need an id past the 256 bytes; config.json's eos_token_id=0 stops generation."""
+        special token: one would need an id past the 256 bytes; config.json's eos_token_id=0 stops generation. NULs in
+        the text are dropped (a normalizer), as `encode` drops them."""
         printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
         others = [b for b in range(256) if b not in printable]
         char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
         byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-        return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                "normalizer": {"type": "Replace", "pattern": {"String": "\0"}, "content": ""},
                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,

@@ -64,8 +64,13 @@ def open_source(path: str | Path) -> ModelSource:
     """Find and check the weights at `path` (a step directory, a checkpoints root with `latest`, or a
     .safetensors export); ConfigError when they cannot be used."""
     from tpframe.checkpoint import resolve, verify
+    from tpframe.checkpoint.hf import is_hf_dir
 
     p = Path(path)
+    if p.is_file() and is_hf_dir(p.parent) and (p.suffix != ".safetensors" or
+                                                 "model_config" not in _safetensors_header(p)):
+        raise ConfigError(f"--checkpoint {str(p)!r} is a file of the Hugging Face model directory {str(p.parent)!r}; "
+                          "pass the directory")
     if p.is_file():
         if p.suffix != ".safetensors":
             raise ConfigError(f"--checkpoint {str(p)!r} is a file but not a .safetensors export; pass a checkpoint "
@@ -81,10 +86,8 @@ def open_source(path: str | Path) -> ModelSource:
             raise ConfigError(f"--checkpoint {str(p)!r} has a corrupt header ({e}); export it again with "
                               "`python tools/checkpoint.py export DIR --out FILE`") from None
         return ModelSource(p, "safetensors", model_config_from(recorded, str(p)), step=step)
-    from tpframe.checkpoint.hf import is_hf_dir
-
-    if is_hf_dir(p) and not (p / "meta.json").exists():
-        return _hf_source(p)
+    if is_hf_dir(p):
+        return hf_source(p)
     step_dir = resolve(p)  # CheckpointError (a ConfigError) when it does not exist or names nothing
     meta = verify(step_dir, "crc")
     cfg = model_config_from(meta["config"]["model"], str(step_dir / "meta.json"))
@@ -92,12 +95,12 @@ def open_source(path: str | Path) -> ModelSource:
                        cwd=meta.get("cwd"))
 
 
-def _hf_source(path: Path) -> ModelSource:
+def hf_source(path: Path, where: str | None = None) -> ModelSource:
     """An HF model directory: the model its config.json describes (the context is max_position_embeddings), its
-    weights' names and shapes checked from the safetensors headers."""
+    weights' names, shapes and dtypes checked from the safetensors headers; errors begin with `where`."""
     from tpframe.checkpoint.hf import HFWeights, model_fields, read_config
 
-    where = f"--checkpoint {str(path)!r}"
+    where = where or f"--checkpoint {str(path)!r}"
     config = read_config(path)
     fields = model_fields(config, f"{where}: its config.json")
     fields.setdefault("max_seq_len", config.get("max_position_embeddings", 2048))

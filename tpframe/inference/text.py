@@ -13,14 +13,16 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, HFTokenizer, first_path, read_sidecar
+from tpframe.data.tokenizer import (BYTE_SOURCES, EOT_CANDIDATES, ByteTokenizer, HFTokenizer, first_path,
+                                   read_sidecar)
 from tpframe.errors import ConfigError
 from tpframe.inference.loading import ModelSource
 from tpframe.paths import recorded_path
 
 
-def resolve_tokenizer(source: ModelSource, override: str | None = None):
-    """The tokenizer to encode prompts and decode generations with (ByteTokenizer or HFTokenizer)."""
+def resolve_tokenizer(source: ModelSource, override: str | None = None, eot_token: str | None = None):
+    """The tokenizer to encode prompts and decode generations with (ByteTokenizer or HFTokenizer); `eot_token`:
+    the end-of-text token of `override` (default: detected)."""
     vocab = source.model.vocab_size
     recorded, expected, why = None, None, ""
     data = source.data
@@ -39,15 +41,15 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
                 raise ConfigError(f"{e}; or pass --tokenizer FILE (the tokenizer the data was prepared with)") from None
     try:
         if override is not None:
-            tok = HFTokenizer(override)
+            tok = HFTokenizer(override, eot_token)
         elif recorded is None:
             if vocab != ByteTokenizer.vocab_size:
                 has = "has no tokenizer.json" if source.kind == "hf" else "records no tokenizer"
                 raise ConfigError(f"{str(source.path)!r} {has} and its vocabulary is {vocab}, not byte-level (256); "
                                   "pass --tokenizer FILE")
-            tok = ByteTokenizer()
+            tok = _byte_tokenizer(source)
         elif recorded.get("kind") == "bytes":
-            tok = ByteTokenizer()
+            tok = _byte_tokenizer(source)
         else:
             file = recorded_path(recorded["file"], source.cwd)
             tok = HFTokenizer(file, recorded.get("eot_token"))
@@ -68,34 +70,79 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None):
     return tok
 
 
+def _byte_tokenizer(source: ModelSource) -> ByteTokenizer:
+    """The byte-level tokenizer; an HF directory's ends text where its config.json's eos_token_id says."""
+    tok = ByteTokenizer()
+    eos = hf_eos_id(source.path) if source.kind == "hf" else None
+    if eos is not None:
+        if eos >= ByteTokenizer.vocab_size:
+            raise ConfigError(f"{str(source.path / 'config.json')!r}: eos_token_id={eos} is not a byte (0..255) of its "
+                              "byte-level tokenizer; set it to the end-of-text byte (tpframe's is 0) or null")
+        tok.eot_id = eos
+    return tok
+
+
 def hf_dir_tokenizer(path: Path) -> dict | None:
     """The tokenizer an HF model directory ships (tokenizer.json; tpframe's byte-level one is the built-in
-    tokenizer), its end-of-text token from tokenizer_config.json or config.json's eos_token_id; None without one."""
+    tokenizer), its end-of-text token from tokenizer_config.json's eos_token or config.json's eos_token_id, checked
+    to be one of its tokens; None without one."""
     file = path / "tokenizer.json"
     if not file.is_file():
         return None
     try:
-        spec = json.loads(file.read_text(encoding="utf-8"))
+        text = file.read_text(encoding="utf-8")
+        spec = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{str(file)!r} is not a tokenizer.json ({e}); pass --tokenizer FILE") from None
     if spec == ByteTokenizer.hf_json():
         return {"kind": "bytes"}
-    eot = _json_object(path / "tokenizer_config.json").get("eos_token")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError(f"reading {str(file)!r} needs the 'tokenizers' package: pip install tokenizers") from None
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 - the Rust side raises its own types
+        raise ConfigError(f"{str(file)!r} could not be loaded ({e}); pass --tokenizer FILE") from None
+    settings = path / "tokenizer_config.json"
+    eot = _json_object(settings).get("eos_token")
     eot = eot.get("content") if isinstance(eot, dict) else eot
-    eos_id = _json_object(path / "config.json").get("eos_token_id")
-    if not isinstance(eot, str) and isinstance(eos_id, int):
-        eot = next((token for token, i in spec.get("model", {}).get("vocab", {}).items() if i == eos_id), None) \
-            if isinstance(spec.get("model", {}).get("vocab"), dict) else None
-        eot = eot or next((t.get("content") for t in spec.get("added_tokens", []) if t.get("id") == eos_id), None)
-    return {"kind": "huggingface", "file": str(file), "eot_token": eot if isinstance(eot, str) else None}
+    if eot is not None:
+        if not isinstance(eot, str) or tok.token_to_id(eot) is None:
+            raise ConfigError(f"{str(settings)!r}: eos_token={eot!r} is not a token of tokenizer.json; set it to "
+                              "the end-of-text token")
+    elif (eos_id := hf_eos_id(path)) is not None:
+        eot = tok.id_to_token(eos_id)
+        if eot is None:
+            raise ConfigError(f"{str(path / 'config.json')!r}: eos_token_id={eos_id} is not a token of tokenizer.json "
+                              f"(vocabulary {tok.get_vocab_size()}); set it to the end-of-text token's id")
+    elif all(tok.token_to_id(name) is None for name in EOT_CANDIDATES):
+        raise ConfigError(f"{str(file)!r} has no end-of-text token among {', '.join(EOT_CANDIDATES)}; name its own "
+                          "as eos_token in tokenizer_config.json")
+    return {"kind": "huggingface", "file": str(file), "eot_token": eot}
+
+
+def hf_eos_id(path: Path) -> int | None:
+    """config.json's eos_token_id (the first of a list, such as Llama 3's), or None."""
+    eos = _json_object(path / "config.json").get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
+        raise ConfigError(f"{str(path / 'config.json')!r}: eos_token_id={eos!r} must be a token id (or a list of "
+                          "them, or null); fix it in config.json")
+    return eos
 
 
 def _json_object(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (ValueError, UnicodeDecodeError):
+    """A JSON object file's contents ({} when missing); ConfigError when it is not one."""
+    if not path.is_file():
         return {}
-    return value if isinstance(value, dict) else {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{str(path)!r} is not valid JSON ({e}); fix or delete it") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{str(path)!r} must hold a JSON object; fix or delete it")
+    return value
 
 
 def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
