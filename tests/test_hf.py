@@ -122,13 +122,13 @@ def _first_batch(config, overrides, run_dir):
     return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
 
-@pytest.mark.slow
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
 
 
+@pytest.mark.slow
 def test_hf_export_and_import_round_trip(tmp_path, capsys):
     got = run_distributed(_round_trip, 2, str(tmp_path), timeout=300)[0]
     for name in [*ARCHS, *VARIANTS]:
