@@ -74,6 +74,7 @@ class Plan:
     prompt_ids: list[list[int]]
     tp: int
     model: object  # the ModelConfig to build (generation_model)
+    stop_ids: list[int]  # the end-of-text id(s) generation stops at (text.stop_ids)
 
 
 def check_tp(cfg, tp: int) -> None:
@@ -90,7 +91,7 @@ def check_tp(cfg, tp: int) -> None:
 def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
     """Check everything before any process group; `world_size` defaults to the launcher's env (WORLD_SIZE)."""
     from tpframe.inference.loading import open_source
-    from tpframe.inference.text import encode_prompts, read_prompts, resolve_tokenizer
+    from tpframe.inference.text import encode_prompts, read_prompts, resolve_tokenizer, stop_ids
 
     args = parse_args(argv)
     world = world_size or launch_env().world_size
@@ -118,7 +119,8 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
     tok = resolve_tokenizer(source, args.tokenizer, args.eot_token)
     prompts = read_prompts(args.prompt, args.prompts)
     ids = encode_prompts(tok, prompts, context=source.model.max_seq_len, max_new_tokens=args.max_new_tokens)
-    return Plan(args, source, tok, prompts, ids, tp, generation_model(source.model, ids, args.max_new_tokens))
+    return Plan(args, source, tok, prompts, ids, tp, generation_model(source.model, ids, args.max_new_tokens),
+                stop_ids(source, tok))
 
 
 def generation_model(cfg, prompt_ids: list[list[int]], max_new_tokens: int):
@@ -160,7 +162,7 @@ def run(plan: Plan) -> list[dict]:
             compile_model(model, mode=args.compile)
         gen = Generator(model, state.tp_comm, sampling=sampling(args),
                         vocab_size=min(cfg.vocab_size, plan.tokenizer.vocab_size),
-                        eos_id=None if args.ignore_eos else int(plan.tokenizer.eot_id), seed=args.seed,
+                        eos_id=None if args.ignore_eos else plan.stop_ids, seed=args.seed,
                         cuda_graph=args.cuda_graph)
         out = gen.generate(plan.prompt_ids, args.max_new_tokens)
         seconds = out.prefill_s + out.decode_s

@@ -512,3 +512,24 @@ def test_what_generate_takes_from_an_unusual_hugging_face_directory(hf_dirs, tmp
     assert not is_hf_dir(d["gpt2"])
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(ByteTokenizer.hf_json())))
     assert tok("a\0b")["input_ids"] == list(ByteTokenizer().encode("a\0b")) == [97, 98]
+
+
+def _greedy(path: str, *extra):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    plan = cli.prepare(["--checkpoint", path, "--prompt", "w5 w17 w200 w3", "--max-new-tokens", "10", "--greedy",
+                        *extra])
+    return plan.stop_ids, cli.run(plan)[0]["token_ids"]
+
+
+def test_generation_stops_at_any_of_config_jsons_eos_ids(tmp_path):
+    """Llama 3 names several end tokens (config.json's eos_token_id list): generation stops at the first of any, as
+    transformers' does; the output ends before it."""
+    path = _hf_models(tmp_path)["llama"]
+    _, free = run_distributed(_greedy, 1, str(path), "--ignore-eos", timeout=60)[0]
+    stop = free[3]  # a token greedy decoding reaches at the 4th step
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, stop]}))
+    stops, tokens = run_distributed(_greedy, 1, str(path), timeout=60)[0]
+    assert stops == sorted({1, stop}) and tokens == free[: free.index(stop)]

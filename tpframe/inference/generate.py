@@ -9,8 +9,8 @@ picks the first new token; every further token is one decode step: the model on 
 row with the KV cache, the vocab-parallel sampler, and the bookkeeping, all on device tensors allocated
 up front. On CUDA the decode step is a CUDA graph (graph.py) unless `cuda_graph=False`; eager and graph
 steps run the same operations, so they produce the same tokens. Generation stops when every row has
-produced `eos_id` (checked every EOS_CHECK steps, one host sync each) or after `max_new_tokens`;
-each row's output ends before its first EOS.
+produced `eos_id` (an id, or several: Llama 3 stops at any of its end tokens; checked every EOS_CHECK steps, one
+host sync each) or after `max_new_tokens`; each row's output ends before its first EOS.
 """
 
 from __future__ import annotations
@@ -46,12 +46,15 @@ class Generator:
     """
 
     def __init__(self, model: nn.Module, comm: Communicator, *, sampling: SamplingConfig, vocab_size: int,
-                 eos_id: int | None = None, seed: int = 0, cuda_graph: bool = True, pad_id: int = 0):
+                 eos_id: int | list[int] | None = None, seed: int = 0, cuda_graph: bool = True, pad_id: int = 0):
         self.model, self.comm = model, comm
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.pad_id = pad_id
+        stops = () if eos_id is None else sorted({int(eos_id)} if isinstance(eos_id, int) else set(map(int, eos_id)))
+        self._stops = set(stops)
+        self._stop_ids = torch.tensor(stops, dtype=torch.long, device=self.device).view(1, -1) if stops else None
         table = model.head if getattr(model, "head", None) is not None else model.embedding
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
@@ -87,8 +90,8 @@ class Generator:
         self.tokens.copy_(nxt.view(-1, 1))
         self.out.index_copy_(1, self.step, nxt.view(-1, 1))
         self.step += 1
-        if self.eos_id is not None:
-            self.done |= nxt == self.eos_id
+        if self._stop_ids is not None:
+            self.done |= (nxt.view(-1, 1) == self._stop_ids).any(1)
 
     def _decode_step(self) -> None:
         """One token for every row: static buffers in and out, no host synchronization (graph-safe)."""
@@ -128,7 +131,7 @@ class Generator:
         t1 = self._sync()
         steps = 0  # decode steps run
         while steps + 1 < max_new_tokens:
-            if self.eos_id is not None and steps % EOS_CHECK == 0 and bool(self.done.all()):
+            if self._stop_ids is not None and steps % EOS_CHECK == 0 and bool(self.done.all()):
                 break
             if self.noise is not None:
                 self.noise.copy_(self.sampler.noise(batch))
@@ -139,6 +142,6 @@ class Generator:
             steps += 1
         t2 = self._sync()
         out = self.out[:, : steps + 1].tolist()
-        if self.eos_id is not None:
-            out = [row[: row.index(self.eos_id)] if self.eos_id in row else row for row in out]
+        if self._stops:
+            out = [row[: next((i for i, t in enumerate(row) if t in self._stops), len(row))] for row in out]
         return Generation(out, t1 - t0, t2 - t1, steps)

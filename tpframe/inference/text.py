@@ -122,14 +122,30 @@ def hf_dir_tokenizer(path: Path) -> dict | None:
     return {"kind": "huggingface", "file": str(file), "eot_token": eot}
 
 
-def hf_eos_id(path: Path) -> int | None:
-    """config.json's eos_token_id (the first of a list, such as Llama 3's), or None."""
+def hf_eos_ids(path: Path) -> list[int]:
+    """config.json's eos_token_id as a list (Llama 3 names several end tokens; [] for none)."""
     eos = _json_object(path / "config.json").get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ConfigError(f"{str(path / 'config.json')!r}: eos_token_id={eos!r} must be a token id (or a list of "
                           "them, or null); fix it in config.json")
-    return eos
+    return ids
+
+
+def hf_eos_id(path: Path) -> int | None:
+    """config.json's eos_token_id (the first of a list), or None."""
+    return next(iter(hf_eos_ids(path)), None)
+
+
+def stop_ids(source: ModelSource, tok) -> list[int]:
+    """The ids generation stops at: the tokenizer's end-of-text, and for an HF directory every id of config.json's
+    eos_token_id (transformers stops at any of them)."""
+    extra = hf_eos_ids(source.path) if source.kind == "hf" else []
+    bad = [i for i in extra if i >= source.model.vocab_size]
+    if bad:
+        raise ConfigError(f"{str(source.path / 'config.json')!r}: eos_token_id {bad[0]} is outside the vocabulary "
+                          f"({source.model.vocab_size}); fix it in config.json")
+    return sorted({int(tok.eot_id), *extra})
 
 
 def _json_object(path: Path) -> dict:
