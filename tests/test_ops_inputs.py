@@ -831,9 +831,12 @@ def test_each_tool_replaces_its_own_earlier_output_and_anything_else_only_with_f
 
     hf = tmp_path / "hf"
     assert ckpt.main(["export", root, "--format", "hf", "--out", str(hf)]) == 0
-    (hf / "tokenizer.json").write_text("{}")  # an earlier export's tokenizer: this run has none, so it goes
+    (hf / "tokenizer.json").write_text("{}")  # an earlier export's tokenizer: replaced by this byte-level run's
+    (hf / "tokenizer_config.json").unlink()
     assert ckpt.main(["export", root, "--format", "hf", "--out", str(hf)]) == 0
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tpframe_export.json"]
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                    "tokenizer_config.json", "tpframe_export.json"]
+    assert (hf / "tokenizer.json").read_text() != "{}"
     (tmp_path / "empty").mkdir()
     assert ckpt.main(["export", root, "--format", "hf", "--out", str(tmp_path / "empty")]) == 0
     mine = Path(_folder(tmp_path, "mine", {"notes.md": "keep me", "config.json": "{}"}))
