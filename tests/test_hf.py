@@ -533,3 +533,25 @@ def test_generation_stops_at_any_of_config_jsons_eos_ids(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, stop]}))
     stops, tokens = run_distributed(_greedy, 1, str(path), timeout=60)[0]
     assert stops == sorted({1, stop}) and tokens == free[: free.index(stop)]
+
+
+def test_prepare_data_takes_an_hf_model_directorys_tokenizer(tmp_path, capsys):
+    """tools/prepare_data.py --tokenizer <HF dir>: its tokenizer.json and end-of-text token (tpframe's byte-level
+    tokenizer.json is the built-in one); a directory without one is one line, exit 2."""
+    spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "tools", "prepare_data.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    dirs = _hf_models(tmp_path)
+    (tmp_path / "c.txt").write_text("w5 w17 w200 w3")
+    assert prepare.main([str(tmp_path / "c.txt"), "--tokenizer", str(dirs["llama"]), "--out", str(tmp_path / "l.bin")]) == 0
+    meta = json.loads((tmp_path / "l.bin.json").read_text())
+    assert meta["tokenizer"]["file"] == str(dirs["llama"] / "tokenizer.json") and meta["eot_id"] == 1
+    assert meta["num_tokens"] == 5 and meta["vocab_size"] == 300
+    assert prepare.main([str(tmp_path / "c.txt"), "--tokenizer", str(dirs["gpt2"]), "--out", str(tmp_path / "b.bin")]) == 0
+    assert json.loads((tmp_path / "b.bin.json").read_text())["tokenizer"]["kind"] == "bytes"
+    capsys.readouterr()
+    assert prepare.main([str(tmp_path / "c.txt"), "--tokenizer", str(dirs["mixtral"]), "--out", str(tmp_path / "m.bin")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"prepare_data.py: error: --tokenizer {str(dirs['mixtral'])!r} is a directory without a tokenizer.json; pass a "
+        "model directory that has one, or the tokenizer.json file"]
+    assert not (tmp_path / "m.bin").exists()

@@ -3,12 +3,14 @@
 
     python tools/prepare_data.py notes.txt books/*.txt --out data/books.bin
     python tools/prepare_data.py corpus.jsonl --jsonl-key text --tokenizer tokenizer.json --out data/c.bin
+    python tools/prepare_data.py corpus.jsonl --tokenizer hf_model/ --out data/c.bin    # an HF model's tokenizer
 
 `.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one
 UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar); an earlier token
 file there is replaced, anything else only with --force. The built-in tokenizer is byte-level (vocab
 256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT token
-ends each document). Bad input: one error line, exit code 2.
+ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
+tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`). Bad input: one error line, exit code 2.
 """
 
 from __future__ import annotations
@@ -22,11 +24,28 @@ from tpframe.data.tokenizer import sidecar_path, write_token_file  # noqa: E402
 from tpframe.errors import ArgumentParser  # noqa: E402
 
 
+def model_dir_tokenizer(tokenizer: str | None, eot_token: str | None) -> tuple[str | None, str | None]:
+    """--tokenizer as given, or for a Hugging Face model directory its tokenizer.json and end-of-text token (None,
+    None for tpframe's byte-level one)."""
+    if tokenizer is None or not Path(tokenizer).is_dir():
+        return tokenizer, eot_token
+    from tpframe.inference.text import hf_dir_tokenizer
+
+    record = hf_dir_tokenizer(Path(tokenizer))
+    if record is None:
+        raise ValueError(f"--tokenizer {tokenizer!r} is a directory without a tokenizer.json; pass a model directory "
+                         "that has one, or the tokenizer.json file")
+    if record["kind"] == "bytes":
+        return None, eot_token
+    return record["file"], eot_token or record["eot_token"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt (or any text) and .jsonl files")
     parser.add_argument("--out", required=True, help="the token file to write, e.g. data/foo.bin")
-    parser.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file (default: byte-level)")
+    parser.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file, or a Hugging Face model directory "
+                        "(default: byte-level)")
     parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
     parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
     parser.add_argument("--force", action="store_true",
@@ -34,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(an earlier token file is replaced without it)")
     try:
         args = parser.parse_args(argv)
-        meta = write_token_file(args.inputs, args.out, args.tokenizer, args.jsonl_key, args.eot_token,
-                                force=args.force)
+        tokenizer, eot = model_dir_tokenizer(args.tokenizer, args.eot_token)
+        meta = write_token_file(args.inputs, args.out, tokenizer, args.jsonl_key, eot, force=args.force)
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 2
