@@ -254,8 +254,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         return value
 
     def number(key: str, default: float) -> float:
-        value = config.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if not _positive_number(value := config.get(key, default)):
             raise refuse(key, "must be a positive number; fix it in config.json")
         return value
 
@@ -312,7 +311,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                                             "attention shares each key/value head among a whole group)")
     size("max_position_embeddings", 2048)  # the context: checked here, chosen by the user (model.max_seq_len)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < float("inf"):
+    if not _positive_number(theta):
         raise HFMappingError(f"{where}: rope_theta={theta!r} must be a positive number; fix it in config.json")
     fields = {"name": "gpt", "vocab_size": size("vocab_size", 32000), "hidden": hidden,
               "layers": size("num_hidden_layers", 32), "heads": heads, "kv_heads": kv,
@@ -322,6 +321,10 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     if kind == "mixtral":
         fields |= _mixtral_fields(config, where, size)
     return fields
+
+
+def _positive_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
 
 
 def _mixtral_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int]) -> dict[str, Any]:
