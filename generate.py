@@ -126,12 +126,12 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
 def generation_model(cfg, prompt_ids: list[list[int]], max_new_tokens: int):
     """The model to build: with rotary positions, whose table sizes no weight, one of just the context this generation
     uses (an HF Llama may allow a context far longer than memory holds: max_position_embeddings)."""
-    from tpframe.inference.generate import SLOT_MULTIPLE
+    from tpframe.inference.generate import cache_slots
 
     if cfg.position != "rotary":
         return cfg
-    slots = -(-(max(map(len, prompt_ids)) + max_new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE  # the KV cache's
-    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, slots))
+    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, cache_slots(max(map(len, prompt_ids)),
+                                                                                  max_new_tokens)))
 
 
 def sampling(args):

@@ -30,6 +30,11 @@ EOS_CHECK = 16  # decode steps between checks whether every row has finished
 SLOT_MULTIPLE = 16  # cache length rounding: fewer distinct shapes (graph captures), aligned attention masks
 
 
+def cache_slots(longest_prompt: int, max_new_tokens: int) -> int:
+    """The KV cache's length for a generation: prompt and new tokens, rounded up to SLOT_MULTIPLE."""
+    return -(-(longest_prompt + max_new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE
+
+
 @dataclass
 class Generation:
     tokens: list[list[int]]  # the new ids of each prompt, ending before its first EOS
@@ -114,7 +119,7 @@ class Generator:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         batch, longest = len(prompts), max(len(p) for p in prompts)
-        slots = -(-(longest + max_new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE
+        slots = cache_slots(longest, max_new_tokens)
         self._setup(batch, slots)
         ids = torch.full((batch, longest), self.pad_id, dtype=torch.long)
         for row, p in enumerate(prompts):
