@@ -298,6 +298,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         strategy = build_strategy(
             p.dp_strategy, model, cfg.optim, state, bucket_mb=p.grad_bucket_mb, overlap_grad_sync=p.overlap_grad_sync,
             overlap_param_gather=p.overlap_param_gather, compute_dtype=dtype, dp_comm=p.dp_comm,
+            reduce_dtype=getattr(torch, p.grad_reduce_dtype),
         )
         start_step = resume[1]["train"]["step"] if resume[1] else 0
         logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step,

@@ -40,21 +40,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1 runs,
-    #        parallel.dp_comm, parallel.dp_high_priority)
-    ("DP=1", "ddp", True, "1", "nccl", False),
-    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "nccl", False),
-    ("ddp, overlap off", "ddp", False, "N", "nccl", False),
-    ("ddp, overlap on", "ddp", True, "N", "nccl", False),
-    ("ddp, overlap on, high-priority stream", "ddp", True, "N", "nccl", True),
-    ("ddp, overlap on, copy-engine sync", "ddp", True, "N", "copy_engine", False),
-    ("ddp, overlap on, copy-engine sync, high-priority streams", "ddp", True, "N", "copy_engine", True),
-    ("zero1", "zero1", True, "N", "nccl", False),
-    ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine", False),
-    ("fsdp", "fsdp", True, "N", "nccl", False),
+    #        parallel.dp_comm, parallel.dp_high_priority, parallel.grad_reduce_dtype)
+    ("DP=1", "ddp", True, "1", "nccl", False, "float32"),
+    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "nccl", False, "float32"),
+    ("ddp, overlap off", "ddp", False, "N", "nccl", False, "float32"),
+    ("ddp, overlap on", "ddp", True, "N", "nccl", False, "float32"),
+    ("ddp, overlap on, high-priority stream", "ddp", True, "N", "nccl", True, "float32"),
+    ("ddp, overlap on, copy-engine sync", "ddp", True, "N", "copy_engine", False, "float32"),
+    ("ddp, overlap on, copy-engine sync, high-priority streams", "ddp", True, "N", "copy_engine", True, "float32"),
+    ("ddp, overlap on, bf16 reduce", "ddp", True, "N", "nccl", False, "bfloat16"),
+    ("zero1", "zero1", True, "N", "nccl", False, "float32"),
+    ("zero1, bf16 reduce", "zero1", True, "N", "nccl", False, "bfloat16"),
+    ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine", False, "float32"),
+    ("fsdp", "fsdp", True, "N", "nccl", False, "float32"),
+    ("fsdp, bf16 reduce", "fsdp", True, "N", "nccl", False, "bfloat16"),
     # PyTorch's own DP on the same model (benchmarks/peer_dp.py), each divided by its own DP=1 row
-    ("torch peer, DP=1", "peer:ddp", True, "1", "nccl", False),
-    ("torch DDP peer (nanoGPT's way)", "peer:ddp", True, "N", "nccl", False),
-    ("torch FSDP2 peer (torchtitan's way)", "peer:fsdp", True, "N", "nccl", False),
+    ("torch peer, DP=1", "peer:ddp", True, "1", "nccl", False, "float32"),
+    ("torch DDP peer (nanoGPT's way)", "peer:ddp", True, "N", "nccl", False, "float32"),
+    ("torch FSDP2 peer (torchtitan's way)", "peer:fsdp", True, "N", "nccl", False, "float32"),
 ]
 
 
@@ -62,7 +65,8 @@ def env(name: str, default) -> int:
     return type(default)(os.environ.get(name, default))
 
 
-def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: bool = False) -> None:
+def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: bool = False,
+           reduce_dtype: str = "float32") -> None:
     import torch
 
     from tpframe.models import BuildContext, build_model
@@ -84,7 +88,8 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
                                           dtype=torch.float32 if strategy == "fsdp" else dtype,
                                           activation_checkpointing=env("CKPT", 0) == 1))
     opt = build_strategy(strategy, model, OptimConfig(lr=1e-4, warmup_steps=0), state, bucket_mb=env("BUCKET_MB", 40.0),
-                         overlap_grad_sync=overlap, compute_dtype=dtype, dp_comm=dp_comm)
+                         overlap_grad_sync=overlap, compute_dtype=dtype, dp_comm=dp_comm,
+                         reduce_dtype=getattr(torch, reduce_dtype))
 
     class RandomBatches:  # random tokens, a fresh batch every micro-step
         g = torch.Generator(device=state.device).manual_seed(state.dp_rank)
@@ -127,7 +132,8 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
     torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
-    name = f"{strategy}-overlap{int(overlap)}-{dp_comm}{'-hp' * high_priority}-dp{state.dp}"
+    name = (f"{strategy}-overlap{int(overlap)}-{dp_comm}{'-hp' * high_priority}{'-bf16' * (reduce_dtype != 'float32')}"
+            f"-dp{state.dp}")
     profiled = profile_step(step, os.environ.get("PROFILE"), name, state.rank, cuda, sync)
     if state.rank == 0:
         print("RESULT " + json.dumps({
@@ -175,7 +181,7 @@ def main() -> None:
         print(f"ROWS: no row named {unknown[0]!r}; the rows are {'; '.join(row[0] for row in ROWS)} "
               "(separate several with ';')", file=sys.stderr)
         raise SystemExit(2)
-    for name, strategy, overlap, n, dp_comm, high_priority in ROWS:
+    for name, strategy, overlap, n, dp_comm, high_priority, reduce_dtype in ROWS:
         if only and name not in only:
             continue
         if env("GRAPH", 0) == 1 and (strategy == "fsdp" or strategy.startswith("peer:")):
@@ -184,7 +190,7 @@ def main() -> None:
         procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
         cmd += ([str(ROOT / "benchmarks" / "peer_dp.py"), strategy[len("peer:"):]] if strategy.startswith("peer:") else
-                [__file__, "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority))])
+                [__file__, "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority)), reduce_dtype])
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
         gpus = [{"CUDA_VISIBLE_DEVICES": str(i), "PROFILE": ""} if copies > 1 else {} for i in range(copies)]  # DP=1 profiles
@@ -242,6 +248,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4], sys.argv[5] == "1")
+        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4], sys.argv[5] == "1", sys.argv[6])
     else:
         main()

@@ -7,8 +7,9 @@
 # sync, each of the last two also on high-priority streams (CKPT=1), each with a profiled step (traces under $OUT/dp_prof) whose GPU timeline says how long the
 # collectives ran and how much of that no computation hid; benchmarks/dp_timeline.py then compares the traces.
 # PEER=1: is the gap ours or the machine's? tpframe's DP=1 and overlapped ddp beside PyTorch's own DP on the same
-# model (benchmarks/peer_dp.py: DDP nanoGPT's way, FSDP2 torchtitan's way, and the peer's DP=1), CKPT=1, a profiled
-# step each, then the timeline split against each side's DP=1, then ddp with NCCL on 8 channels; about 8 minutes.
+# model (benchmarks/peer_dp.py: DDP nanoGPT's way, FSDP2 torchtitan's way, and the peer's DP=1), and ddp with the
+# gradients reduced in bf16 (half the bytes: does the gap halve?), CKPT=1, a profiled step each, then the timeline
+# split against each side's DP=1, then ddp with NCCL on 8 channels; about 9 minutes.
 # COPY_ENGINE=1: the copy-engine gradient sync's question, in about 9 minutes: its 2-GPU tests and the DP tests,
 # then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1), then GPT-125M CUDA-graphed (GRAPH=1).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -27,8 +28,8 @@ if [ "${COPY_ENGINE:-0}" = 1 ]; then
   exit 0
 fi
 if [ "${PEER:-0}" = 1 ]; then
-  CKPT=1 STEPS=8 ROWS="DP=1;ddp, overlap on;torch peer, DP=1;torch DDP peer (nanoGPT's way);torch FSDP2 peer (torchtitan's way)" \
-    PROFILE=$OUT/dp_peer timeout ${T_BENCH:-420} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_peer.log | tail -16
+  CKPT=1 STEPS=8 ROWS="DP=1;ddp, overlap on;ddp, overlap on, bf16 reduce;torch peer, DP=1;torch DDP peer (nanoGPT's way);torch FSDP2 peer (torchtitan's way)" \
+    PROFILE=$OUT/dp_peer timeout ${T_BENCH:-480} python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_peer.log | tail -16
   python3 benchmarks/dp_timeline.py $OUT/dp_peer --base ddp-overlap1-nccl-dp1 2>&1 | tee $OUT/dp_peer_timeline.txt | tail -30
   python3 benchmarks/dp_timeline.py $OUT/dp_peer --base peer-ddp-dp1 2>&1 | tee -a $OUT/dp_peer_timeline.txt | tail -30
   # NCCL on fewer channels (fewer CTAs, so fewer of the persistent GEMMs' SMs held): slower transfers, less contention

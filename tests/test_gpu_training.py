@@ -150,3 +150,13 @@ def test_nccl_gradient_buckets_average_inside_the_collective(mode):
             want[offset : offset + mean.numel()] = mean
         for lo, hi in owned:
             torch.testing.assert_close(buffer[lo:hi], want[lo:hi], rtol=3e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_nccl_bf16_gradient_reduce_rounds_only_the_sum_over_dp(mode):
+    """parallel.grad_reduce_dtype=bfloat16 over NCCL (ReduceOp.AVG in bf16, overlapped buckets): each rank's share of
+    the fp32 accumulation rounded to bf16 once and summed, written back into the fp32 buffer."""
+    from tests.test_data_parallel import _bf16_wire, check_bf16_wire
+
+    for dtype in ("float32", "bfloat16"):
+        check_bf16_wire(run_distributed(_bf16_wire, 2, mode, dtype, backend="nccl"), 2, dtype)

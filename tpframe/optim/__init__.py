@@ -22,7 +22,8 @@ STRATEGIES = ("ddp", "zero1", "fsdp")
 
 def build_strategy(name: str, model: nn.Module, cfg: OptimConfig, parallel, *, bucket_mb: float = 40.0,
                    overlap_grad_sync: bool = True, overlap_param_gather: bool = False,
-                   compute_dtype: torch.dtype = torch.float32, dp_comm: str = "nccl") -> GradStrategy:
+                   compute_dtype: torch.dtype = torch.float32, dp_comm: str = "nccl",
+                   reduce_dtype: torch.dtype = torch.float32) -> GradStrategy:
     """The strategy `name` over `model` (built already; fsdp shards it in place)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
     if dp_comm != "nccl" and name == "fsdp":
@@ -30,16 +31,17 @@ def build_strategy(name: str, model: nn.Module, cfg: OptimConfig, parallel, *, b
     if name == "ddp":
         from tpframe.optim.ddp import DDPStrategy
 
-        return DDPStrategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync, dp_comm=dp_comm)
+        return DDPStrategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync, dp_comm=dp_comm,
+                           reduce_dtype=reduce_dtype)
     if name == "zero1":
         from tpframe.optim.zero1 import Zero1Strategy
 
         return Zero1Strategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync,
-                             overlap_param_gather=overlap_param_gather, dp_comm=dp_comm)
+                             overlap_param_gather=overlap_param_gather, dp_comm=dp_comm, reduce_dtype=reduce_dtype)
     if name == "fsdp":
         from tpframe.optim.fsdp import FSDPStrategy
 
-        return FSDPStrategy(model, cfg, parallel, compute_dtype=compute_dtype)
+        return FSDPStrategy(model, cfg, parallel, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     raise ValueError(f"parallel.dp_strategy={name!r} is not a strategy; choose one of {', '.join(STRATEGIES)}")
 
 

@@ -39,7 +39,8 @@ class DDPStrategy(GradStrategy):
     name = "ddp"
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, dp_comm: str = "nccl"):
+                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, dp_comm: str = "nccl",
+                 reduce_dtype: torch.dtype = torch.float32):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
@@ -53,12 +54,12 @@ class DDPStrategy(GradStrategy):
                               timeout_s=parallel.timeout_s)
         self.grads = GradBuffer(dense, parallel.dp_sync_group or parallel.dp_cp_group, dp_size=parallel.dp_cp,
                                 bucket_bytes=bucket_bytes, overlap=overlap, mode="all_reduce", peer_memory=peer,
-                                high_priority=parallel.dp_high_priority)
+                                high_priority=parallel.dp_high_priority, reduce_dtype=reduce_dtype)
         self.expert_grads = None
         if self.expert_params:  # summed over the expert's replicas, averaged over every rank's loss
             self.expert_grads = GradBuffer(self.expert_params, parallel.edp_group, dp_size=parallel.edp,
                                            bucket_bytes=bucket_bytes, overlap=overlap, mode="all_reduce",
-                                           average_over=parallel.dp_cp)
+                                           average_over=parallel.dp_cp, reduce_dtype=reduce_dtype)
         self.buffers = [g for g in (self.grads, self.expert_grads) if g is not None]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         # the low-precision params and their fp32 masters, copied back after each update
@@ -141,5 +142,6 @@ class DDPStrategy(GradStrategy):
         experts = f", experts over ep={self.parallel.ep}" if self.expert_grads is not None else ""
         engine = ", copy-engine sync" if self.grads.sync_engine == "copy_engine" else ""
         engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
+        engine += ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
         return (f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}"
                 f"{engine}{experts})")

@@ -57,16 +57,19 @@ def _row_start(p: torch.Tensor) -> int:
 class FSDPStrategy(GradStrategy):
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *, compute_dtype: torch.dtype):
+    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype = torch.float32):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.parallel, self.compute_dtype = parallel, compute_dtype
+        self.parallel, self.compute_dtype, self.reduce_dtype = parallel, compute_dtype, reduce_dtype
         tags = {n: ParamTags.of(p) for n, p in model.named_parameters()}
         bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
         if bad:
             raise ValueError(f"fsdp keeps fp32 params (the masters) and computes in train.dtype; build the model in fp32, got {bad}")
         mixed = compute_dtype != torch.float32
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None, reduce_dtype=torch.float32 if mixed else None)
+        # gradients reduce-scattered in fp32 (or bf16: parallel.grad_reduce_dtype), then kept in the fp32 shards
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None,
+                                      reduce_dtype=reduce_dtype if mixed or reduce_dtype != torch.float32 else None)
         mesh = parallel.dp_cp_mesh  # the gradient replicas: dp (x cp)
         expert_mesh = None
         if parallel.ep > 1:  # an expert's replicas
@@ -154,4 +157,5 @@ class FSDPStrategy(GradStrategy):
     def describe(self) -> str:
         experts = f", experts over their {self.parallel.edp} replicas (ep={self.parallel.ep})" if self.parallel.ep > 1 else ""
         return (f"fsdp (FSDP2 over {replicas_label(self.parallel)}{experts}, fp32 shards, "
-                f"compute in {str(self.compute_dtype).replace('torch.', '')})")
+                f"compute in {str(self.compute_dtype).replace('torch.', '')}"
+                f"{', reduced in bf16' if self.reduce_dtype == torch.bfloat16 else ''})")

@@ -81,7 +81,7 @@ class Zero1Strategy(GradStrategy):
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
                  bucket_bytes: int = 40 * 2**20, overlap: bool = True, overlap_param_gather: bool = False,
-                 dp_comm: str = "nccl"):
+                 dp_comm: str = "nccl", reduce_dtype: torch.dtype = torch.float32):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
@@ -96,11 +96,11 @@ class Zero1Strategy(GradStrategy):
                                   parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap,
                                   peer_memory=dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp,
                                                              parallel.device, timeout_s=parallel.timeout_s),
-                                  high_priority=parallel.dp_high_priority)]
+                                  high_priority=parallel.dp_high_priority, reduce_dtype=reduce_dtype)]
         if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
             self.parts.append(self._shard([p for p in params if id(p) in experts], parallel.edp_group, parallel.edp,
                                           parallel.edp_comm.rank, bucket_bytes=bucket_bytes, overlap=overlap,
-                                          average_over=parallel.dp_cp))
+                                          average_over=parallel.dp_cp, reduce_dtype=reduce_dtype))
         self.grads = self.parts[0].grads
         self.param_buffer = self.parts[0].params
         decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
@@ -113,11 +113,12 @@ class Zero1Strategy(GradStrategy):
             self._install_wait_hooks(model)
 
     def _shard(self, params: list[nn.Parameter], group, size: int, rank: int, *, bucket_bytes: int, overlap: bool,
-               average_over: int | None = None, peer_memory=None, high_priority: bool = False) -> Sharded:
+               average_over: int | None = None, peer_memory=None, high_priority: bool = False,
+               reduce_dtype: torch.dtype = torch.float32) -> Sharded:
         """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
         grads = GradBuffer(params, group, dp_size=size, dp_rank=rank, bucket_bytes=bucket_bytes, overlap=overlap,
                            mode="reduce_scatter", average_over=average_over, peer_memory=peer_memory,
-                           high_priority=high_priority)
+                           high_priority=high_priority, reduce_dtype=reduce_dtype)
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p in params:
@@ -255,6 +256,7 @@ class Zero1Strategy(GradStrategy):
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
         engine = ", copy-engine reduce-scatter" if self.grads.sync_engine == "copy_engine" else ""
         engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
+        engine += ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
         n = sum(len(part.grads.buckets) for part in self.parts)
         experts = f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas" if len(self.parts) > 1 else ""
         return (f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "

@@ -17,7 +17,10 @@ goes on (`overlap=True`); earlier micro-batches cause no DP traffic. `finish_syn
 is left and waits. The collective averages in fp32 (NCCL inside the collective, ReduceOp.AVG; gloo
 by a scaling pass before it): an all-reduce (ddp: every rank gets every gradient) or a
 reduce-scatter (zero1: rank d gets slice d of each bucket, in place: the result lands in the
-bucket's slice d of this rank's own buffer, so no second buffer is needed).
+bucket's slice d of this rank's own buffer, so no second buffer is needed). With `reduce_dtype=torch.bfloat16`
+(parallel.grad_reduce_dtype) each bucket is rounded to bf16 for the collective, which moves half the bytes, and its
+result is written back into the fp32 buffer after the wait: micro-batches still accumulate in fp32, and only the
+sum over DP is rounded (Megatron-LM's --grad-reduce-in-bf16 accumulates in bf16 as well).
 
 With `peer_memory` (parallel.dp_comm=copy_engine) the buffer lives in memory every DP rank can address and
 each bucket is synced by the copy engines instead of NCCL (tpframe/comm/copy_engine.py): no SM is held
@@ -80,6 +83,7 @@ class Bucket:
     pending: int = 0  # gradients still to arrive in the synced backward
     fresh: set = field(default_factory=set)  # ids of params with no gradient yet this step (main_grad stale)
     work: object = None  # the in-flight collective
+    wire: torch.Tensor | None = None  # the bucket rounded to reduce_dtype, in flight (reduce_dtype != fp32)
     launched: bool = False
     members: set = field(default_factory=set)
 
@@ -94,16 +98,22 @@ class GradBuffer:
 
     def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
                  dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce",
-                 average_over: int | None = None, peer_memory=None, high_priority: bool = False):
+                 average_over: int | None = None, peer_memory=None, high_priority: bool = False,
+                 reduce_dtype: torch.dtype = torch.float32):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+        if reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gradients are reduced in float32 or bfloat16, got {reduce_dtype}")
+        if reduce_dtype != torch.float32 and peer_memory is not None and dp_size > 1:
+            raise ValueError("the copy-engine sync reduces in float32; reduce in bfloat16 through the process group")
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("GradBuffer needs at least one parameter that requires grad")
         self.params = list(reversed(params))  # backward produces the last layers' grads first
         self.dp_group, self.dp_size, self.dp_rank, self.overlap, self.mode = dp_group, dp_size, dp_rank, overlap, mode
+        self.reduce_dtype = reduce_dtype
         # the sum over the group is divided by this: dp_size, or more where the group is a subset of the ranks
         # whose losses are averaged (expert parallelism: experts replicated over dp*cp/ep ranks only)
         self.average_over = average_over or dp_size
@@ -164,7 +174,7 @@ class GradBuffer:
         added); backward passes accumulate without DP traffic."""
         self.syncing = False
         for b in self.buckets:
-            b.launched, b.work, b.pending = False, None, len(b.params)
+            b.launched, b.work, b.wire, b.pending = False, None, None, len(b.params)
             b.fresh = set(b.members)
 
     def start_sync(self) -> None:
@@ -183,6 +193,10 @@ class GradBuffer:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            if b.wire is not None:  # the rounded result back into the fp32 buffer
+                lo, hi = (b.start, b.stop) if self.mode == "all_reduce" else self.shard_range(b)
+                self.buffer[lo:hi].copy_(b.wire[lo - b.start : hi - b.start])
+                b.wire = None
 
     @property
     def sync_in_graph(self) -> bool:
@@ -235,11 +249,13 @@ class GradBuffer:
         if self.dp_size == 1:
             return
         op = dist.ReduceOp.AVG if self._avg_in_collective else dist.ReduceOp.SUM
+        if self.reduce_dtype != data.dtype:  # kept until finish_sync copies the result back
+            data = b.wire = data.to(self.reduce_dtype)
         if self.mode == "all_reduce":
             b.work = dist.all_reduce(data, op=op, group=self.dp_group, async_op=True)
         else:  # in place: this rank's slice of the bucket receives the result (NCCL and gloo allow the alias)
             lo, hi = self.shard_range(b)
-            b.work = _reduce_scatter(self.buffer[lo:hi], data, op=op, group=self.dp_group, async_op=True)
+            b.work = _reduce_scatter(data[lo - b.start : hi - b.start], data, op=op, group=self.dp_group, async_op=True)
 
     # -- views -------------------------------------------------------------------------------------
     def shard_range(self, b: Bucket) -> tuple[int, int]:

@@ -51,6 +51,10 @@ class ParallelConfig:
     # take free SMs ahead of the backward's queued GEMMs (NCCL: a DP communicator of its own; copy engines: their
     # streams). Megatron-LM's --high-priority-stream-groups dp
     dp_high_priority: bool = False
+    # the dtype the DP gradient sync moves: float32, or bfloat16 (half the bytes; micro-batches still accumulate in
+    # fp32 and only the sum over DP is rounded). Megatron-LM's --grad-reduce-in-bf16, torchtitan's
+    # mixed_precision_reduce
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     pp_schedule: Literal["1f1b", "afab", "interleaved_1f1b", "zb_h1"] = "1f1b"  # README: pipeline parallelism
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
@@ -420,6 +424,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.dp_comm == "copy_engine" and p.dp_strategy == "fsdp":
         raise ConfigError("parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
                           "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1")
+    if p.dp_comm == "copy_engine" and p.grad_reduce_dtype != "float32":
+        raise ConfigError(f"parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM "
+                          f"held); set parallel.grad_reduce_dtype=float32, or parallel.dp_comm=nccl to reduce in "
+                          f"{p.grad_reduce_dtype}")
     if p.overlap_param_gather and p.dp_strategy != "zero1":
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     _validate_recompute(cfg)
