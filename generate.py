@@ -120,7 +120,7 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
     prompts = read_prompts(args.prompt, args.prompts)
     ids = encode_prompts(tok, prompts, context=source.model.max_seq_len, max_new_tokens=args.max_new_tokens)
     return Plan(args, source, tok, prompts, ids, tp, generation_model(source.model, ids, args.max_new_tokens),
-                stop_ids(source, tok))
+                stop_ids(source, tok, own_tokenizer=args.tokenizer is None))
 
 
 def generation_model(cfg, prompt_ids: list[list[int]], max_new_tokens: int):

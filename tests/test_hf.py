@@ -555,3 +555,43 @@ def test_prepare_data_takes_an_hf_model_directorys_tokenizer(tmp_path, capsys):
         f"prepare_data.py: error: --tokenizer {str(dirs['mixtral'])!r} is a directory without a tokenizer.json; pass a "
         "model directory that has one, or the tokenizer.json file"]
     assert not (tmp_path / "m.bin").exists()
+
+
+def test_eot_token_overrides_what_an_hf_directory_says(tmp_path, capsys):
+    """--tokenizer with --eot-token replaces an HF directory's own end-of-text detection (generate.py and
+    prepare_data.py): a tokenizer.json whose end token has an unusual name, and config.json's eos_token_id outside
+    the vocabulary, do not stand in the way of a user who names the token; a name that is not a token is one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    from tpframe.errors import ConfigError
+
+    path = _hf_models(tmp_path)["llama"]
+    words = {"<unk>": 0, "<END>": 1, **{f"w{i}": i + 2 for i in range(298)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").unlink()
+    _config(eos_token_id=50256)(path)  # GPT2Config's default, outside this vocabulary of 300
+    argv = ["--checkpoint", str(path), "--prompt", "w1 w2", "--max-new-tokens", "4"]
+    with pytest.raises(ConfigError, match="eos_token_id=50256 is not a token of tokenizer.json"):
+        cli.prepare(argv, world_size=1)
+    plan = cli.prepare([*argv, "--tokenizer", str(path / "tokenizer.json"), "--eot-token", "<END>"], world_size=1)
+    assert plan.tokenizer.eot_id == 1 and plan.stop_ids == [1]
+
+    spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "tools", "prepare_data.py"))
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    (tmp_path / "c.txt").write_text("w5 w17 w200 w3")
+    out = ["--out", str(tmp_path / "l.bin")]
+    assert prepare.main([str(tmp_path / "c.txt"), "--tokenizer", str(path), "--eot-token", "<END>", *out]) == 0
+    assert json.loads((tmp_path / "l.bin.json").read_text())["eot_id"] == 1
+    capsys.readouterr()
+    bad = ["--out", str(tmp_path / "x.bin")]
+    assert prepare.main([str(tmp_path / "c.txt"), "--tokenizer", str(path), "--eot-token", "<EOS>", *bad]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"prepare_data.py: error: --eot-token '<EOS>' is not a token of {str(path / 'tokenizer.json')!r}; name one of "
+        "its tokens"]
+    assert not (tmp_path / "x.bin").exists()

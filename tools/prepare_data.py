@@ -31,13 +31,13 @@ def model_dir_tokenizer(tokenizer: str | None, eot_token: str | None) -> tuple[s
         return tokenizer, eot_token
     from tpframe.inference.text import hf_dir_tokenizer
 
-    record = hf_dir_tokenizer(Path(tokenizer))
+    record = hf_dir_tokenizer(Path(tokenizer), eot_token)
     if record is None:
         raise ValueError(f"--tokenizer {tokenizer!r} is a directory without a tokenizer.json; pass a model directory "
                          "that has one, or the tokenizer.json file")
     if record["kind"] == "bytes":
         return None, eot_token
-    return record["file"], eot_token or record["eot_token"]
+    return record["file"], record["eot_token"]
 
 
 def main(argv: list[str] | None = None) -> int:

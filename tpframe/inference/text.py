@@ -29,7 +29,7 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None, eot_toke
     if data is not None and data.get("source") in BYTE_SOURCES:
         recorded, expected = {"kind": "bytes"}, ByteTokenizer.vocab_size
         why = f"data.source={data['source']} is byte-level"
-    elif source.kind == "hf":
+    elif source.kind == "hf" and override is None:  # --tokenizer replaces the directory's, end-of-text included
         recorded = hf_dir_tokenizer(source.path)
     elif data is not None and data.get("source") == "tokens":
         try:
@@ -82,10 +82,10 @@ def _byte_tokenizer(source: ModelSource) -> ByteTokenizer:
     return tok
 
 
-def hf_dir_tokenizer(path: Path) -> dict | None:
+def hf_dir_tokenizer(path: Path, eot_token: str | None = None) -> dict | None:
     """The tokenizer an HF model directory ships (tokenizer.json; tpframe's byte-level one is the built-in
-    tokenizer), its end-of-text token from tokenizer_config.json's eos_token or config.json's eos_token_id, checked
-    to be one of its tokens; None without one."""
+    tokenizer), its end-of-text token (`eot_token` where given, else tokenizer_config.json's eos_token or
+    config.json's eos_token_id), checked to be one of its tokens; None without one."""
     file = path / "tokenizer.json"
     if not file.is_file():
         return None
@@ -104,6 +104,10 @@ def hf_dir_tokenizer(path: Path) -> dict | None:
         tok = Tokenizer.from_str(text)
     except Exception as e:  # noqa: BLE001 - the Rust side raises its own types
         raise ConfigError(f"{str(file)!r} could not be loaded ({e}); pass --tokenizer FILE") from None
+    if eot_token is not None:  # named by the user: the directory's own settings are not consulted
+        if tok.token_to_id(eot_token) is None:
+            raise ConfigError(f"--eot-token {eot_token!r} is not a token of {str(file)!r}; name one of its tokens")
+        return {"kind": "huggingface", "file": str(file), "eot_token": eot_token}
     settings = path / "tokenizer_config.json"
     eot = _json_object(settings).get("eos_token")
     eot = eot.get("content") if isinstance(eot, dict) else eot
@@ -137,10 +141,10 @@ def hf_eos_id(path: Path) -> int | None:
     return next(iter(hf_eos_ids(path)), None)
 
 
-def stop_ids(source: ModelSource, tok) -> list[int]:
-    """The ids generation stops at: the tokenizer's end-of-text, and for an HF directory every id of config.json's
-    eos_token_id (transformers stops at any of them)."""
-    extra = hf_eos_ids(source.path) if source.kind == "hf" else []
+def stop_ids(source: ModelSource, tok, *, own_tokenizer: bool = True) -> list[int]:
+    """The ids generation stops at: the tokenizer's end-of-text, and for an HF directory read with its own tokenizer
+    (not --tokenizer: `own_tokenizer`) every id of config.json's eos_token_id (transformers stops at any of them)."""
+    extra = hf_eos_ids(source.path) if source.kind == "hf" and own_tokenizer else []
     bad = [i for i in extra if i >= source.model.vocab_size]
     if bad:
         raise ConfigError(f"{str(source.path / 'config.json')!r}: eos_token_id {bad[0]} is outside the vocabulary "
