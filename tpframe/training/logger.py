@@ -258,7 +258,7 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def _as_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
+def _as_floats(metrics: dict[str, Any]) -> dict[str, float | int | None]:
     out = {}
     for key, value in metrics.items():
         if key in _RESERVED:
@@ -267,7 +267,8 @@ def _as_floats(metrics: dict[str, Any]) -> dict[str, float | None]:
             value = value.item()
         if value is not None and not isinstance(value, (int, float)):
             raise ValueError(f"metric {key!r}={value!r} must be a number")
-        out[key] = None if value is None else float(value)
+        # a count stays an int in metrics.jsonl (slowest_rank: 1, not 1.0)
+        out[key] = value if value is None or (type(value) is int) else float(value)
     return out
 
 

@@ -41,7 +41,7 @@ class StragglerReport:
             if worst is None or ratio > worst[0]:
                 worst = (ratio, rank, ms, median, len(members))
         slowest_ms, slowest = max((ms, rank) for rank, (_, ms) in enumerate(rows))
-        metrics = {"fwd_bwd_max_ms": slowest_ms, "slowest_rank": float(slowest)}
+        metrics = {"fwd_bwd_max_ms": slowest_ms, "slowest_rank": int(slowest)}
         ratio, rank, ms, median, n = worst
         if not self.ratio or ratio <= self.ratio or n < 2:
             return metrics, None
