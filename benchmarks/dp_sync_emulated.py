@@ -18,7 +18,10 @@ last backward) the GPU work DP=2 would add on this rank, emulated:
   stream (a same-GPU stand-in for the pull over NVLink);
 - "16-CTA copy beside backward": NCCL's stand-in (benchmarks/overlap.py): a copy kernel of 16 CTAs moving the
   bucket's bytes on a side stream, holding those SMs while it runs;
-- ", high-priority stream": the same on a stream of the highest priority (parallel.dp_high_priority).
+- ", high-priority stream": the same on a stream of the highest priority (parallel.dp_high_priority);
+- "bf16 wire + 16-CTA copy beside backward": parallel.grad_reduce_dtype=bfloat16's own GPU work, the bucket rounded
+  to bf16 on the compute stream at its launch and written back into the fp32 buffer after the backward (the real
+  GradBuffer does both), with the 16-CTA copy moving the bf16 bytes (half the fp32 row's) beside the backward.
 
 Each row also times, by CUDA events, every bucket's added work from its launch point on the compute stream to its
 end ("lag"), and how long the last of it ends after the backward ("tail"). On two GPUs a bucket's transfer cannot
@@ -49,7 +52,8 @@ def env(name: str, default):
 
 ROWS = ["DP=1 (nothing added)", "reduce beside backward", "reduce in compute stream",
         "local DMA + reduce beside backward", "local DMA + reduce in compute stream", "16-CTA copy beside backward",
-        "reduce beside backward, high-priority stream", "16-CTA copy beside backward, high-priority stream"]
+        "reduce beside backward, high-priority stream", "16-CTA copy beside backward, high-priority stream",
+        "bf16 wire + 16-CTA copy beside backward"]
 
 
 class Emulated:
@@ -67,10 +71,12 @@ class Emulated:
         widest = max((b.stop - b.start) // 2 for b in buf.buckets)
         self.slots = [torch.randn(widest, device=buf.buffer.device) for _ in range(self.DEFER + 1)]
         self.peer = torch.randn(buf.numel, device=buf.buffer.device)  # the "peer's" buffer the DMA reads
+        self.peer16 = self.peer.bfloat16() if "bf16" in mode else None  # where the bf16 wire row's copy writes
         priority = torch.cuda.Stream.priority_range()[1] if "high-priority" in mode else 0  # parallel.dp_high_priority
         self.side, self.dma = torch.cuda.Stream(priority=priority), torch.cuda.Stream(priority=priority)
         self.pulled = [RawEvent() for _ in self.slots]
-        self.copy = copy_kernel() if mode.startswith("16-CTA") else None
+        self.copy = copy_kernel() if "16-CTA" in mode else None
+        self.wires: dict = {}  # bucket index -> its bf16 copy (the bf16 wire row), written back at finish
         self.queue: list = []  # (bucket, slot) reductions not yet queued (compute-stream placement)
         self.count = 0
         self.started: dict = {}  # bucket index -> event on the compute stream at its launch
@@ -108,6 +114,7 @@ class Emulated:
             self.reduce_in_compute(*self.queue.pop(0))
         torch.cuda.synchronize()
         self.count = 0
+        self.wires.clear()
         return self.started[b.index].elapsed_time(self.done[b.index])
 
     def launch(self, b) -> None:
@@ -122,8 +129,12 @@ class Emulated:
         if self.copy is not None:
             self.side.wait_stream(compute)
             data = self.buf.buffer[b.start : b.stop]
+            if "bf16" in self.mode:  # rounded on the compute stream, as GradBuffer._launch does
+                data = self.wires[b.index] = data.to(torch.bfloat16)
+                self.side.wait_stream(compute)
             with torch.cuda.stream(self.side):
-                self.copy[(16,)](data, self.peer[: data.numel()], data.numel(), BLOCK=4096, CTAS=16, num_warps=8)
+                dst = self.peer if self.peer16 is None else self.peer16
+                self.copy[(16,)](data, dst[: data.numel()], data.numel(), BLOCK=4096, CTAS=16, num_warps=8)
             self.mark(self.done, b.index, self.side)
             return
         slot = self.count % len(self.slots)
@@ -163,6 +174,10 @@ class Emulated:
         compute = self.torch.cuda.current_stream()
         compute.wait_stream(self.side)
         compute.wait_stream(self.dma)
+        for index, wire in self.wires.items():  # GradBuffer.finish_sync's write-back into the fp32 buffer
+            b = self.buf.buckets[index]
+            self.buf.buffer[b.start : b.stop].copy_(wire)
+        self.wires.clear()
         self.count = 0
 
 
