@@ -268,7 +268,7 @@ def _as_floats(metrics: dict[str, Any]) -> dict[str, float | int | None]:
         if value is not None and not isinstance(value, (int, float)):
             raise ValueError(f"metric {key!r}={value!r} must be a number")
         # a count stays an int in metrics.jsonl (slowest_rank: 1, not 1.0)
-        out[key] = value if value is None or (type(value) is int) else float(value)
+        out[key] = value if value is None or type(value) is int else float(value)
     return out
 
 
