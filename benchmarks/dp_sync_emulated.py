@@ -19,9 +19,11 @@ last backward) the GPU work DP=2 would add on this rank, emulated:
 - "16-CTA copy beside backward": NCCL's stand-in (benchmarks/overlap.py): a copy kernel of 16 CTAs moving the
   bucket's bytes on a side stream, holding those SMs while it runs;
 - ", high-priority stream": the same on a stream of the highest priority (parallel.dp_high_priority);
-- "bf16 wire + 16-CTA copy beside backward": parallel.grad_reduce_dtype=bfloat16's own GPU work, the bucket rounded
-  to bf16 on the compute stream at its launch and written back into the fp32 buffer after the backward (the real
-  GradBuffer does both), with the 16-CTA copy moving the bf16 bytes (half the fp32 row's) beside the backward.
+- "bf16 ... ": parallel.grad_reduce_dtype=bfloat16's own GPU work, the bucket rounded to bf16 at its launch and the
+  result written back into the fp32 buffer, with the 16-CTA copy moving the bf16 bytes (half the fp32 row's):
+  "all beside backward" as GradBuffer does it (rounding, copy and write-back queued on one side stream at the
+  launch), "rounding in compute stream" as its first version did (rounding on the compute stream at the launch,
+  write-back after the backward).
 
 Each row also times, by CUDA events, every bucket's added work from its launch point on the compute stream to its
 end ("lag"), and how long the last of it ends after the backward ("tail"). On two GPUs a bucket's transfer cannot
@@ -53,7 +55,8 @@ def env(name: str, default):
 ROWS = ["DP=1 (nothing added)", "reduce beside backward", "reduce in compute stream",
         "local DMA + reduce beside backward", "local DMA + reduce in compute stream", "16-CTA copy beside backward",
         "reduce beside backward, high-priority stream", "16-CTA copy beside backward, high-priority stream",
-        "bf16 wire + 16-CTA copy beside backward"]
+        "bf16 rounding + 16-CTA copy + write-back, all beside backward",
+        "bf16 rounding in compute stream + 16-CTA copy beside backward"]
 
 
 class Emulated:
@@ -129,12 +132,17 @@ class Emulated:
         if self.copy is not None:
             self.side.wait_stream(compute)
             data = self.buf.buffer[b.start : b.stop]
-            if "bf16" in self.mode:  # rounded on the compute stream, as GradBuffer._launch does
+            if "in compute stream" in self.mode:  # rounded on the compute stream, written back in finish()
                 data = self.wires[b.index] = data.to(torch.bfloat16)
                 self.side.wait_stream(compute)
             with torch.cuda.stream(self.side):
+                if "all beside" in self.mode:  # as GradBuffer._launch queues it
+                    wire = data.to(torch.bfloat16)
                 dst = self.peer if self.peer16 is None else self.peer16
-                self.copy[(16,)](data, dst[: data.numel()], data.numel(), BLOCK=4096, CTAS=16, num_warps=8)
+                src = wire if "all beside" in self.mode else data
+                self.copy[(16,)](src, dst[: src.numel()], src.numel(), BLOCK=4096, CTAS=16, num_warps=8)
+                if "all beside" in self.mode:
+                    data.copy_(wire)
             self.mark(self.done, b.index, self.side)
             return
         slot = self.count % len(self.slots)

@@ -344,3 +344,50 @@ def test_bf16_gradient_reduce_trains_like_fp32_for_every_strategy(tmp_path):
         diff = torch.cat([(got[k] - ref[k]).reshape(-1) for k in ref]).norm() / total
         # fp32 strategies agree to ~1e-7 (test above); bf16 rounding of the sums moves the weights ~5e-3 here
         assert 1e-4 < diff <= 2e-2, f"{s}: final weights differ from the fp32 sync's by {diff:.2e} (relative)"
+
+
+def _bf16_wire_stream_order():
+    """One GPU, a NCCL group of one standing in for DP=2 (AVG over one rank: the identity, so the result is each
+    gradient rounded to bf16): each gradient reaches the buffer only after ~10 ms of matmuls queued before it on the
+    compute stream, so a wire stream that did not wait for the compute stream would round stale values, and a compute
+    stream that did not wait for the wire stream would read unrounded ones."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from tpframe.parallel.grad_buffer import GradBuffer
+
+    class SlowGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            a = torch.full((4096, 4096), 1e-4, device=g.device)
+            for _ in range(40):
+                a = a @ a
+            return g + 0 * a[0, 0]  # the gradient's kernel waits for the matmuls
+
+    params = [nn.Parameter(torch.zeros(1 << 20, device="cuda")) for _ in range(4)]
+    buf = GradBuffer(params, dist.group.WORLD, dp_size=2, dp_rank=0, bucket_bytes=4 << 20, mode="all_reduce",
+                     reduce_dtype=torch.bfloat16)
+    out = []
+    for step in range(3):
+        draws = [torch.randn(p.shape, device="cuda") for p in params]
+        buf.zero()
+        buf.start_sync()
+        sum((SlowGrad.apply(p) * d).sum() for p, d in zip(params, draws)).backward()
+        buf.finish_sync()
+        got = [p.main_grad.clone() for p in params]  # on the compute stream, no host synchronization before it
+        out.append(all(torch.equal(g, d.bfloat16().float()) for g, d in zip(got, draws))
+                   and not any(torch.equal(g, d) for g, d in zip(got, draws)))
+    return out, len(buf.buckets), buf._wire_stream is not None, buf._avg_in_collective
+
+
+@pytest.mark.gpu(count=1)
+def test_bf16_gradient_reduce_orders_its_own_stream_against_the_backward():
+    """parallel.grad_reduce_dtype=bfloat16 on CUDA rounds, reduces and writes back on a stream of its own: it must
+    start after the bucket's gradients and end before the optimizer reads them (_bf16_wire_stream_order)."""
+    steps, n_buckets, own_stream, avg = run_distributed(_bf16_wire_stream_order, 1, backend="nccl")[0]
+    assert own_stream and avg and n_buckets == 4
+    assert steps == [True, True, True], steps

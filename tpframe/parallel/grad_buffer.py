@@ -19,8 +19,11 @@ by a scaling pass before it): an all-reduce (ddp: every rank gets every gradient
 reduce-scatter (zero1: rank d gets slice d of each bucket, in place: the result lands in the
 bucket's slice d of this rank's own buffer, so no second buffer is needed). With `reduce_dtype=torch.bfloat16`
 (parallel.grad_reduce_dtype) each bucket is rounded to bf16 for the collective, which moves half the bytes, and its
-result is written back into the fp32 buffer after the wait: micro-batches still accumulate in fp32, and only the
-sum over DP is rounded (Megatron-LM's --grad-reduce-in-bf16 accumulates in bf16 as well).
+result is written back into the fp32 buffer: micro-batches still accumulate in fp32, and only the sum over DP is
+rounded (Megatron-LM's --grad-reduce-in-bf16 accumulates in bf16 as well). On CUDA the rounding, the collective and
+the write-back are queued at the bucket's launch on a stream of their own (one bucket's bf16 copy alive at a time), so
+the backward's stream does none of that work; `finish_sync` makes the compute stream wait for it. The rounding is
+memory-bound: ~1.3% of a GPT-1.3B step on an H100 wherever it runs (benchmarks/RESULTS.md).
 
 With `peer_memory` (parallel.dp_comm=copy_engine) the buffer lives in memory every DP rank can address and
 each bucket is synced by the copy engines instead of NCCL (tpframe/comm/copy_engine.py): no SM is held
@@ -114,6 +117,8 @@ class GradBuffer:
         self.params = list(reversed(params))  # backward produces the last layers' grads first
         self.dp_group, self.dp_size, self.dp_rank, self.overlap, self.mode = dp_group, dp_size, dp_rank, overlap, mode
         self.reduce_dtype = reduce_dtype
+        self.high_priority = high_priority
+        self._wire_stream = None  # CUDA, reduce_dtype != fp32: where buckets are rounded, reduced and written back
         # the sum over the group is divided by this: dp_size, or more where the group is a subset of the ranks
         # whose losses are averaged (expert parallelism: experts replicated over dp*cp/ep ranks only)
         self.average_over = average_over or dp_size
@@ -189,14 +194,14 @@ class GradBuffer:
                 self._launch(b)
         if self._ce is not None:
             self._ce.finish()
+        if self._wire_stream is not None:  # every bucket's rounding, collective and write-back were queued there
+            torch.cuda.current_stream(self.buffer.device).wait_stream(self._wire_stream)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            if b.wire is not None:  # the rounded result back into the fp32 buffer
-                lo, hi = (b.start, b.stop) if self.mode == "all_reduce" else self.shard_range(b)
-                self.buffer[lo:hi].copy_(b.wire[lo - b.start : hi - b.start])
-                b.wire = None
+            if b.wire is not None:
+                self._write_back(b)
 
     @property
     def sync_in_graph(self) -> bool:
@@ -248,14 +253,35 @@ class GradBuffer:
             data.mul_(1.0 / self.average_over)  # average in fp32 (exact for powers of two)
         if self.dp_size == 1:
             return
+        if self.reduce_dtype == data.dtype:
+            b.work = self._collective(b, data)
+        elif not data.is_cuda:  # rounded here; written back after the wait (finish_sync)
+            b.wire = data.to(self.reduce_dtype)
+            b.work = self._collective(b, b.wire)
+        else:  # all of it on the wire stream, after what the compute stream has queued so far (this bucket's grads)
+            if self._wire_stream is None:
+                priority = torch.cuda.Stream.priority_range()[1] if self.high_priority else 0
+                self._wire_stream = torch.cuda.Stream(self.buffer.device, priority=priority)
+            self._wire_stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
+            with torch.cuda.stream(self._wire_stream):
+                b.wire = data.to(self.reduce_dtype)  # allocated on the wire stream, used only there
+                self._collective(b, b.wire).wait()  # the wire stream waits for the collective; the host does not
+                self._write_back(b)
+
+    def _collective(self, b: Bucket, data: torch.Tensor):
+        """Launch bucket `b`'s DP collective over `data` (the bucket itself, or its bf16 copy), asynchronously."""
         op = dist.ReduceOp.AVG if self._avg_in_collective else dist.ReduceOp.SUM
-        if self.reduce_dtype != data.dtype:  # kept until finish_sync copies the result back
-            data = b.wire = data.to(self.reduce_dtype)
         if self.mode == "all_reduce":
-            b.work = dist.all_reduce(data, op=op, group=self.dp_group, async_op=True)
-        else:  # in place: this rank's slice of the bucket receives the result (NCCL and gloo allow the alias)
-            lo, hi = self.shard_range(b)
-            b.work = _reduce_scatter(data[lo - b.start : hi - b.start], data, op=op, group=self.dp_group, async_op=True)
+            return dist.all_reduce(data, op=op, group=self.dp_group, async_op=True)
+        # in place: this rank's slice of the bucket receives the result (NCCL and gloo allow the alias)
+        lo, hi = self.shard_range(b)
+        return _reduce_scatter(data[lo - b.start : hi - b.start], data, op=op, group=self.dp_group, async_op=True)
+
+    def _write_back(self, b: Bucket) -> None:
+        """The reduced bf16 copy of bucket `b` (all of it, or this rank's slice) back into the fp32 buffer."""
+        lo, hi = (b.start, b.stop) if self.mode == "all_reduce" else self.shard_range(b)
+        self.buffer[lo:hi].copy_(b.wire[lo - b.start : hi - b.start])
+        b.wire = None
 
     # -- views -------------------------------------------------------------------------------------
     def shard_range(self, b: Bucket) -> tuple[int, int]:

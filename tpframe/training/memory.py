@@ -7,8 +7,7 @@ Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size 
   ddp    params P*b + fp32 grads 4P + (bf16: fp32 masters 4P) + AdamW moments 8P   (16 B/param fp32, 18 bf16)
   zero1  params P*b + fp32 grads 4P + (masters + moments) / d
   fsdp   (fp32 params 4P + grads 4P + moments 8P) / d, plus a gathered layer or two in compute dtype
-  (parallel.grad_reduce_dtype=bfloat16 puts up to 2P bytes of bf16 buckets in flight at the end of the last
-  backward, when that micro-batch's activations are freed: not added to them)
+  (parallel.grad_reduce_dtype=bfloat16 adds a bucket's bf16 copy or two in flight: not counted)
 Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activations, per layer):
   s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t; s*b*h*(34 + 5*a*s/h)/t with sequence parallelism;
   2*s*b*h (/t with SP) per layer plus one layer's worth with activation checkpointing. The 5*a*s/h term
