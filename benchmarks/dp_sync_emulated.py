@@ -130,19 +130,17 @@ class Emulated:
         compute = torch.cuda.current_stream()
         self.mark(self.started, b.index, compute)
         if self.copy is not None:
-            self.side.wait_stream(compute)
             data = self.buf.buffer[b.start : b.stop]
             if "in compute stream" in self.mode:  # rounded on the compute stream, written back in finish()
                 data = self.wires[b.index] = data.to(torch.bfloat16)
-                self.side.wait_stream(compute)
+            self.side.wait_stream(compute)
+            beside = "all beside" in self.mode  # as GradBuffer._launch queues it: round, move, write back
             with torch.cuda.stream(self.side):
-                if "all beside" in self.mode:  # as GradBuffer._launch queues it
-                    wire = data.to(torch.bfloat16)
+                src = data.to(torch.bfloat16) if beside else data
                 dst = self.peer if self.peer16 is None else self.peer16
-                src = wire if "all beside" in self.mode else data
                 self.copy[(16,)](src, dst[: src.numel()], src.numel(), BLOCK=4096, CTAS=16, num_warps=8)
-                if "all beside" in self.mode:
-                    data.copy_(wire)
+                if beside:
+                    data.copy_(src)
             self.mark(self.done, b.index, self.side)
             return
         slot = self.count % len(self.slots)
@@ -254,7 +252,8 @@ def main() -> None:
                     step_lags, tail = emulated.lags()
                     lags += step_lags
                     tails.append(tail)
-            alone = emulated.alone(buf.buckets[1]) if lags else None  # a full 40 MB bucket
+            # a full 40 MB bucket (the second: the first holds the head); a small model's only one
+            alone = emulated.alone(buf.buckets[min(1, len(buf.buckets) - 1)]) if lags else None
             emulated.remove()
             del emulated
             torch.cuda.empty_cache()

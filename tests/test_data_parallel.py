@@ -269,8 +269,9 @@ def test_gpus_without_peer_access_are_named():
 
 
 def _bf16_wire(mode: str, reduce_dtype: str):
-    """A GradBuffer over three params at this world size; two backward passes of random gradients (accumulated in
-    fp32), then the sync. Returns this rank's accumulated fp32 gradient, every rank's, and the synced result."""
+    """A GradBuffer over four params at this world size; two backward passes of random gradients (accumulated in
+    fp32), then the sync. Returns this rank's synced result (its slices, for reduce-scatter), every rank's fp32
+    accumulation before the sync, the ranges the result covers, and the bucket count."""
     import torch.distributed as dist
     from torch import nn
 
@@ -294,7 +295,7 @@ def _bf16_wire(mode: str, reduce_dtype: str):
         sum((p * d.to(device)).sum() for p, d in zip(params, draws)).backward()
     buf.finish_sync()
     every = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(every, local.to(device))
+    dist.all_gather(every, local)
     own = torch.cat([buf.buffer[slice(*buf.shard_range(b))] for b in buf.buckets]) if mode == "reduce_scatter" else buf.buffer
     ranges = [buf.shard_range(b) for b in buf.buckets] if mode == "reduce_scatter" else [(0, buf.numel)]
     return own.cpu(), torch.stack(every).cpu(), ranges, len(buf.buckets)
@@ -348,7 +349,7 @@ def test_bf16_gradient_reduce_trains_like_fp32_for_every_strategy(tmp_path):
 
 def _bf16_wire_stream_order():
     """One GPU, a NCCL group of one standing in for DP=2 (AVG over one rank: the identity, so the result is each
-    gradient rounded to bf16): each gradient reaches the buffer only after ~10 ms of matmuls queued before it on the
+    gradient rounded to bf16): each gradient reaches the buffer only after a long chain of matmuls queued before it on the
     compute stream, so a wire stream that did not wait for the compute stream would round stale values, and a compute
     stream that did not wait for the wire stream would read unrounded ones."""
     import torch.distributed as dist
