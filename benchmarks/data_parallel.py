@@ -218,7 +218,7 @@ def main() -> None:
              + (", activation checkpointing" if env("CKPT", 0) == 1 else "")
              + (", each micro-batch replayed from a CUDA graph" if env("GRAPH", 0) == 1 else ""))
     head = [f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
-            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH', 'NCCL_MAX_NCHANNELS') if k in os.environ)} "
+            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH', 'BUCKET_MB', 'NCCL_MAX_NCHANNELS') if k in os.environ)} "
             "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
             "", "| run | dp | step (s) | vs its DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
             "| peak - resident GiB | optimizer state GiB | each GPU's median step (s) |",

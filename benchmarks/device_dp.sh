@@ -10,6 +10,9 @@
 # model (benchmarks/peer_dp.py: DDP nanoGPT's way, FSDP2 torchtitan's way, and the peer's DP=1), and ddp with the
 # gradients reduced in bf16 (half the bytes: does the gap halve?), CKPT=1, a profiled step each, then the timeline
 # split against each side's DP=1, then ddp with NCCL on 8 channels; about 9 minutes.
+# BUCKETS=1: does the bucket size move the gap? DP=1 and overlapped ddp with buckets of 40 MiB (ours), 160 MiB
+# (Megatron-Core's 40M elements: fewer, larger collectives, so fewer points where the ranks wait for each other, and a
+# longer last bucket after the backward) and 10 MiB (the other way), CKPT=1; about 5 minutes.
 # COPY_ENGINE=1: the copy-engine gradient sync's question, in about 9 minutes: its 2-GPU tests and the DP tests,
 # then DP=1, ddp and zero1 with the NCCL and the copy-engine sync (CKPT=1), then GPT-125M CUDA-graphed (GRAPH=1).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -25,6 +28,15 @@ if [ "${COPY_ENGINE:-0}" = 1 ]; then
   GRAPH=1 LAYERS=12 HIDDEN=768 HEADS=12 SEQ=1024 MB=16 STEPS=20 APPEND=0 ROW_TIMEOUT=60 \
     ROWS="DP=1;ddp, overlap on;ddp, overlap on, copy-engine sync;zero1, copy-engine sync" \
     timeout $((560 - (SECONDS - S))) python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_ce_graph.log | grep -v "^W1"
+  exit 0
+fi
+if [ "${BUCKETS:-0}" = 1 ]; then
+  S=$SECONDS
+  for mb in 40 160 10; do
+    BUCKET_MB=$mb CKPT=1 STEPS=8 ROW_TIMEOUT=150 ROWS="DP=1;ddp, overlap on" \
+      timeout $((560 - (SECONDS - S))) python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_bucket$mb.log | tail -5
+  done
+  cp benchmarks/RESULTS.md $OUT/RESULTS.md
   exit 0
 fi
 if [ "${PEER:-0}" = 1 ]; then
