@@ -62,3 +62,20 @@ def test_missing_and_malformed_files(tmp_path):
     assert "is not valid YAML" in _errors([], path=bad)
     bad.write_text("model: 3\n")
     assert "config section 'model' must be a mapping" in _errors([], path=bad)
+
+
+def test_qkv_bias_is_in_the_architecture_only_where_it_differs_from_bias():
+    """model.qkv_bias (Qwen2's attention): a checkpoint holds q/k/v biases or not, so loading compares it; a model
+    whose qkv projection follows model.bias (qkv_bias unset, or equal) keeps the keys older checkpoints hold."""
+    from tpframe.models.config import ModelConfig, architecture, architecture_diffs
+
+    plain, qwen = ModelConfig(bias=False), ModelConfig(bias=False, qkv_bias=True)
+    assert "qkv_bias" not in architecture(plain) and "qkv_bias" not in architecture(ModelConfig(qkv_bias=True))
+    assert architecture(qwen)["qkv_bias"] is True
+    assert architecture_diffs(qwen, architecture(plain), {"bias": False}) == [("qkv_bias", True, False)]
+    assert architecture_diffs(plain, architecture(qwen), {"bias": False, "qkv_bias": True}) == [("qkv_bias", False, True)]
+    assert architecture_diffs(ModelConfig(bias=False, qkv_bias=False), architecture(plain), {"bias": False}) == []
+    # a checkpoint written before the key existed: its model section has no qkv_bias
+    assert architecture_diffs(ModelConfig(qkv_bias=True), architecture(ModelConfig()), {"bias": True}) == []
+    assert architecture_diffs(ModelConfig(qkv_bias=False), architecture(ModelConfig()), {"bias": True}) == [
+        ("qkv_bias", False, True)]

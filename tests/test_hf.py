@@ -1,4 +1,4 @@
-"""Hugging Face interop: a TP=2 checkpoint exported as GPT-2 / Llama gives transformers' from_pretrained the
+"""Hugging Face interop: a TP=2 checkpoint exported as GPT-2 / Llama (a Qwen2 and a Mixtral from random weights) gives transformers' from_pretrained the
 logits of tpframe's TP=1 forward; the HF directory imported at TP=2 starts from the exported model's loss;
 configurations with no HF equivalent and config.json files that do not match the model are one line, exit 2."""
 
@@ -30,8 +30,11 @@ VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
             "llama_tied_bias_mqa": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
                                         bias=True, kv_heads=1),
             "mixtral_moe": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
-                                bias=False, kv_heads=2, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48)}
-HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+                                bias=False, kv_heads=2, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48),
+            "qwen2_tied_gqa": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
+                                   bias=False, qkv_bias=True, kv_heads=2, rope_theta=1e6, norm_eps=1e-6)}
+HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
 
 
@@ -201,7 +204,12 @@ def test_each_option_with_no_hf_equivalent_is_named():
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, moe_experts=4,
                                  moe_shared_ffn=64), "model.moe_shared_ffn=64 has no Mixtral"),
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, moe_experts=4,
-                                 moe_expert_bias=True), "model.moe_router_score=sigmoid and model.moe_expert_bias")):
+                                 moe_expert_bias=True), "model.moe_router_score=sigmoid and model.moe_expert_bias"),
+                           (dict(qkv_bias=False), "model.qkv_bias=false has no GPT-2"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=True, qkv_bias=False),
+                            "model.bias=true with model.qkv_bias=false has no Hugging Face equivalent"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, qkv_bias=True,
+                                 moe_experts=4), "model.qkv_bias=true has no Mixtral")):
         with pytest.raises(HFMappingError) as e:
             hf_architecture(ModelConfig(**options))
         assert str(e.value).startswith(named) and "\n" not in str(e.value), str(e.value)
@@ -268,8 +276,9 @@ def test_init_from_is_checked_before_anything_starts(tmp_path):
 
 def _hf_models(tmp: Path) -> dict[str, Path]:
     """HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a GQA
-    Llama with a word-level tokenizer.json whose end-of-text token tokenizer_config.json names, a Mixtral of
-    vocabulary 256 and no tokenizer files (byte-level)."""
+    Llama with a word-level tokenizer.json whose end-of-text token tokenizer_config.json names, a Mixtral, a Qwen2
+    (random q/k/v biases; transformers starts them at zero) and a Mistral, of vocabulary 256 and no tokenizer files
+    (byte-level)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from tpframe.data.tokenizer import ByteTokenizer
@@ -293,7 +302,20 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         sliding_window=None, eos_token_id=0))
     mixtral.save_pretrained(tmp / "mixtral")  # no tokenizer.json: vocabulary 256 is byte-level
-    return {"gpt2": tmp / "gpt2", "llama": tmp / "llama", "mixtral": tmp / "mixtral"}
+    qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_sliding_window=False,
+        rope_theta=1e6, eos_token_id=0))
+    with torch.no_grad():
+        for name, p in qwen2.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    qwen2.save_pretrained(tmp / "qwen2")
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, eos_token_id=0))
+    mistral.save_pretrained(tmp / "mistral")
+    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "mistral")}
 
 
 def _generate_from_hf_dirs(dirs: dict, prompts: dict):
@@ -313,7 +335,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
     """generate.py --checkpoint <HF dir>: the greedy tokens transformers' own generate gives, at TP 1 and 2, with the
     directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
     dirs = _hf_models(tmp_path)
-    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts"}
+    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts", "qwen2": "biased", "mistral": "wind"}
     tp2 = run_distributed(_generate_from_hf_dirs, 2, dirs, prompts, timeout=120)[0]
     tp1 = run_distributed(_generate_from_hf_dirs, 1, dirs, prompts, timeout=120)[0]
     for name, path in dirs.items():
@@ -326,7 +348,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
         assert generated == reference.tolist(), name
     assert tp2["gpt2"][1:4] == ("ByteTokenizer", 0, [list("héllo wörld".encode())])
     assert tp2["llama"][1:4] == ("HFTokenizer", 1, [[7, 19, 202, 5]])
-    assert tp2["mixtral"][1:3] == ("ByteTokenizer", 0)
+    assert tp2["mixtral"][1:3] == tp2["qwen2"][1:3] == tp2["mistral"][1:3] == ("ByteTokenizer", 0)
 
 
 def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
@@ -373,6 +395,8 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["llama"][2:4] == ["context     model.max_seq_len up to 64 (max_position_embeddings)",
                                   "tokenizer   tokenizer.json, end-of-text '<|endoftext|>'"]
     assert text["mixtral"][3] == "tokenizer   none: byte-level (vocabulary 256)"
+    assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
+    assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
     assert sum(line.startswith("  model.layers.") for line in text["llama"]) == 18
     losses = run_distributed(_init_from_inspected, 2, dirs, str(tmp_path / "runs"), timeout=120)[0]  # at TP=2
     assert all(4.0 < loss < 7.0 for loss in losses.values()), losses  # random HF weights: about ln(vocab)
@@ -429,6 +453,9 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
     "kv_heads_not_dividing": ("llama", _config(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
     "top_k_over_experts": ("mixtral", _config(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds"),
     "sliding_window": ("mixtral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
+    "sliding_window_mistral": ("mistral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
+    "sliding_window_qwen2": ("qwen2", _config(use_sliding_window=True, sliding_window=16),
+                             "its config.json: use_sliding_window=True has no tpframe equivalent"),
     "index_not_json": ("gpt2", _index(text="{{"), "index.json is not valid JSON"),
     "index_no_weight_map": ("gpt2", _index(text="[]"), 'has no "weight_map" object'),
     "index_wrong_file": ("gpt2", _index(lambda names: dict.fromkeys([*names, "x"], "model.safetensors")),

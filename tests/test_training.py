@@ -41,6 +41,19 @@ def test_tp4_with_sequence_parallel_agrees_with_tp1(tmp_path):
     _assert_same_losses(norms4, norms1, 1e-4, "global grad norm TP=4+SP vs TP=1")
 
 
+def test_qkv_biases_alone_train_alike_at_tp2_with_sp(tmp_path):
+    """Qwen2's attention (model.bias=false, model.qkv_bias=true, GQA): the q/k/v biases are column-parallel shards
+    of the fused projection; clipping every step, a wrong bias gradient or norm would change the losses."""
+    qwen = ["model.norm=rmsnorm", "model.position=rotary", "model.activation=swiglu", "model.bias=false",
+            "model.qkv_bias=true", "model.kv_heads=2", "optim.grad_clip=0.5"]
+    tp1, norms1 = run_distributed(_losses_and_grad_norms, 1, [*qwen, "parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]
+    tp2, norms2 = run_distributed(_losses_and_grad_norms, 2, [*qwen, "parallel.tp=2", "parallel.sequence_parallel=true",
+                                                              f"train.run_dir={tmp_path}/b"])[0]
+    _assert_same_losses(tp2, tp1, 1e-5, "qkv biases, TP=2+SP vs TP=1")
+    _assert_same_losses(norms2, norms1, 1e-5, "qkv biases, global grad norm TP=2+SP vs TP=1")
+    assert tp1[-1] < tp1[0]
+
+
 def test_dp2_with_half_micro_batch_equals_dp1(tmp_path):
     dp1 = run_distributed(_losses, 1, ["parallel.tp=1", "train.micro_batch_size=8", f"train.run_dir={tmp_path}/a"])[0]
     dp2 = run_distributed(_losses, 2, ["parallel.tp=1", "train.micro_batch_size=4", f"train.run_dir={tmp_path}/b"])[0]

@@ -1,12 +1,14 @@
-"""Hugging Face interop: tpframe's GPT as transformers' GPT-2 or Llama, both ways.
+"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Qwen2 or Mixtral, both ways (and Mistral read).
 
     export_hf(step_dir, out_dir)        # config.json + model.safetensors + tokenizer files (when known)
     AutoModelForCausalLM.from_pretrained(out_dir)
     checkpoint.init_from=<HF dir>       # check_hf_dir in pre-flight, HFWeights at load time
 
-The three architectures and what fixes them (every other combination has no HF equivalent):
+The four architectures and what fixes them (every other combination has no HF equivalent):
   GPT-2: layernorm, learned positions, gelu (tanh approximation: "gelu_new") or relu, biases, heads = kv_heads;
-  Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias;
+  Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias; Mistral
+      without a sliding window is Llama (read, written as Llama);
+  Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true), no sliding window;
   Mixtral: Llama's attention with a mixture of experts (model.moe_experts), no biases; the experts are
       written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load.
 The weights are the logical tensors of tpframe.parallel.sharding, renamed: `Rule(hf, parts, transpose)`
@@ -32,7 +34,7 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.corpus import EOD_BYTE
 from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, first_path
-from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size, qkv_bias
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
 CONFIG = "config.json"
@@ -65,7 +67,8 @@ class Rule:
 
 
 def hf_architecture(m: ModelConfig) -> str:
-    """'gpt2' or 'llama' for a model config, or HFMappingError naming the option with no equivalent."""
+    """'gpt2', 'llama', 'qwen2' or 'mixtral' for a model config, or HFMappingError naming the option with no
+    equivalent."""
     if m.name != "gpt":
         raise HFMappingError(f"model.name={m.name!r} has no Hugging Face mapping: only the built-in 'gpt' exports")
     if (m.norm, m.position) == ("layernorm", "learned"):
@@ -75,6 +78,9 @@ def hf_architecture(m: ModelConfig) -> str:
         if not m.bias:
             raise HFMappingError("model.bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear layer "
                                  "and norm); set model.bias=true")
+        if not qkv_bias(m):
+            raise HFMappingError("model.qkv_bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear "
+                                 "layer); leave model.qkv_bias unset")
         if m.kv_heads not in (None, m.heads):
             raise HFMappingError(f"model.kv_heads={m.kv_heads} has no GPT-2 equivalent (GPT-2 has no grouped-query "
                                  f"attention); set model.kv_heads={m.heads} or use the Llama shape")
@@ -86,8 +92,12 @@ def hf_architecture(m: ModelConfig) -> str:
         if m.activation != "swiglu":
             raise HFMappingError(f"model.activation={m.activation} has no Llama equivalent (rmsnorm + rotary is Llama, "
                                  "whose MLP is SwiGLU); set model.activation=swiglu")
-        if m.moe_experts and m.bias:
-            raise HFMappingError("model.bias=true has no Mixtral equivalent (Mixtral has no biases); set model.bias=false")
+        if m.moe_experts and (m.bias or qkv_bias(m)):
+            raise HFMappingError(f"model.{'bias' if m.bias else 'qkv_bias'}=true has no Mixtral equivalent (Mixtral has "
+                                 f"no biases); set model.{'bias' if m.bias else 'qkv_bias'}=false")
+        if m.bias and not qkv_bias(m):
+            raise HFMappingError("model.bias=true with model.qkv_bias=false has no Hugging Face equivalent (Llama's "
+                                 "attention_bias covers q, k, v and o together); leave model.qkv_bias unset")
         if m.moe_shared_ffn:
             raise HFMappingError(f"model.moe_shared_ffn={m.moe_shared_ffn} has no Mixtral equivalent (Mixtral has no "
                                  "shared expert); export without one, or use tpframe's own format")
@@ -95,7 +105,7 @@ def hf_architecture(m: ModelConfig) -> str:
             raise HFMappingError("model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
                                  "no Mixtral equivalent (Mixtral routes by softmax, without a bias); use tpframe's own "
                                  "format (python tools/checkpoint.py export)")
-        return "mixtral" if m.moe_experts else "llama"
+        return "mixtral" if m.moe_experts else "qwen2" if qkv_bias(m) and not m.bias else "llama"
     raise HFMappingError(
         f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "
         "learned, Llama is rmsnorm + rotary"
@@ -129,14 +139,16 @@ def rules(m: ModelConfig) -> list[Rule]:
     else:
         out.append(Rule("model.embed_tokens.weight", ("embedding.weight",)))
         leaves = ("weight", "bias") if m.bias else ("weight",)
+        qkv_leaves = ("weight", "bias") if qkv_bias(m) else ("weight",)
         for i in range(m.layers):
             b, h = f"blocks.{i}.", f"model.layers.{i}."
             out += [Rule(h + "input_layernorm.weight", (b + "norm1.weight",)),
                     Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",))]
-            for leaf in leaves:
+            for leaf in qkv_leaves:
                 out += [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"]
+            for leaf in leaves:
                 out.append(Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)))
-                if arch == "llama":
+                if arch != "mixtral":
                     out += [
                         Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
                         Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
@@ -180,7 +192,7 @@ def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
                     shapes[f"{b}mlp.experts.{e}.{name}.weight"] = shape
         for name, out_dim, in_dim in linears:
             shapes[f"{b}{name}.weight"] = (out_dim, in_dim)
-            if "bias" in leaves:
+            if qkv_bias(m) if name.startswith("attn.qkv.") else "bias" in leaves:
                 shapes[f"{b}{name}.bias"] = (out_dim,)
     for leaf in norm_leaves:
         shapes[f"final_norm.{leaf}"] = (h,)
@@ -229,13 +241,17 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
                 "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
                 "attention_dropout": m.attention_dropout, **common}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden,
-            "num_hidden_layers": m.layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-            "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu", "max_position_embeddings": m.max_seq_len,
-            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},  # transformers >= 5
-            "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": m.attention_dropout,
-            "pretraining_tp": 1, **common}
+    llama_like = {"hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": heads,
+                  "num_key_value_heads": kv, "head_dim": d, "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu",
+                  "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+                  "rope_scaling": None,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},  # transformers >= 5
+                  "attention_dropout": m.attention_dropout}
+    if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": m.layers, **common}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_like, "attention_bias": m.bias,
+            "mlp_bias": m.bias, "pretraining_tp": 1, **common}
 
 
 def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -258,9 +274,9 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             raise refuse(key, "must be a positive number; fix it in config.json")
         return value
 
-    if kind not in ("gpt2", "llama", "mixtral"):
-        raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama' "
-                             "and 'mixtral'")
+    if kind not in ("gpt2", "llama", "mistral", "qwen2", "mixtral"):
+        raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama', "
+                             "'mistral', 'qwen2' and 'mixtral'")
     tied = config.get("tie_word_embeddings", kind == "gpt2")
     if not isinstance(tied, bool):
         raise refuse("tie_word_embeddings", "must be true or false; fix it in config.json")
@@ -282,10 +298,13 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "max_seq_len": size("n_positions", 1024), "norm": "layernorm",
                 "norm_eps": number("layer_norm_epsilon", 1e-5), "position": "learned",
                 "activation": _GPT2_ACT_BACK[act], "bias": True, "tie_embeddings": tied}
-    # llama, mixtral
+    # llama, mistral, qwen2, mixtral
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
-    if config.get("attention_bias", False) != config.get("mlp_bias", False):
+    sliding = "use_sliding_window" if kind == "qwen2" else "sliding_window"  # Qwen2 keeps a size it does not use
+    if kind != "llama" and config.get(sliding, False if kind == "qwen2" else None) not in (None, False):
+        raise refuse(sliding, "has no tpframe equivalent (tpframe's attention is full causal)")
+    if kind == "llama" and config.get("attention_bias", False) != config.get("mlp_bias", False):
         raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
                                        "equivalent (model.bias puts biases on both or neither)")
     key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
@@ -318,6 +337,8 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
               "ffn_hidden": size("intermediate_size", 11008), "norm": "rmsnorm",
               "norm_eps": number("rms_norm_eps", 1e-6), "position": "rotary", "rope_theta": theta,
               "activation": "swiglu", "bias": bool(config.get("attention_bias", False)), "tie_embeddings": tied}
+    if kind == "qwen2":  # q/k/v biases only (its config has no bias options)
+        fields["qkv_bias"] = True
     if kind == "mixtral":
         fields |= _mixtral_fields(config, where, size)
     return fields
@@ -329,9 +350,6 @@ def _positive_number(value: Any) -> bool:
 
 def _mixtral_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int]) -> dict[str, Any]:
     """Mixtral's experts: every block a mixture of `num_local_experts` SwiGLU MLPs of `intermediate_size`."""
-    if config.get("sliding_window") is not None:
-        raise HFMappingError(f"{where}: sliding_window={config['sliding_window']!r} has no tpframe equivalent "
-                             "(tpframe's attention is full causal)")
     experts, top_k = size("num_local_experts", 8), size("num_experts_per_tok", 2)
     if top_k > experts:
         raise HFMappingError(f"{where}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}; fix it in "
@@ -343,8 +361,10 @@ def _mixtral_fields(config: dict[str, Any], where: str, size: Callable[[str, int
 def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:
     """HFMappingError, one line naming every model.* value that differs from what config.json describes."""
     want = model_fields(config, where)
+    want.setdefault("qkv_bias", want["bias"])  # a model without the key has model.bias's
     mine = {k: getattr(m, k) for k in want}
     mine["kv_heads"] = m.kv_heads or m.heads
+    mine["qkv_bias"] = qkv_bias(m)
     mine["ffn_hidden"] = ffn_hidden_size(m) if want.get("ffn_hidden") is not None else None  # Mixtral: unused
     if "moe_ffn_hidden" in want:
         mine["moe_ffn_hidden"] = moe_ffn_hidden_size(m)

@@ -94,6 +94,7 @@ class ParallelAttention(nn.Module):
         *,
         kv_heads: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
         attention_dropout: float = 0.0,
         sequence_parallel: bool = False,
         comm: Communicator | None = None,
@@ -119,8 +120,9 @@ class ParallelAttention(nn.Module):
         self.rng_tracker = rng_tracker
         q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
         common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
-        self.qkv = ColumnParallelLinear(
-            hidden, q_size + 2 * kv_size, init_method=init_method, fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)), **common
+        self.qkv = ColumnParallelLinear(  # qkv_bias: this projection's biases alone (Qwen2); None: as `bias`
+            hidden, q_size + 2 * kv_size, init_method=init_method, fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)),
+            **{**common, "bias": bias if qkv_bias is None else qkv_bias},
         )
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)

@@ -28,6 +28,9 @@ class ModelConfig:
     eod_id: int | None = None  # the token that ends a document (attention_mask=document); None: the data's
     activation: Literal["gelu", "swiglu", "relu"] = "gelu"  # MLP: gelu (tanh approximation), swiglu (gated), relu
     bias: bool = True  # biases in the linear layers and LayerNorm
+    # biases on the query/key/value projection alone; None: as model.bias. bias=false with qkv_bias=true is Qwen2's
+    # attention (Megatron-LM's --add-qkv-bias)
+    qkv_bias: bool | None = None
     dropout: float = 0.0  # on the residual branches and embeddings
     attention_dropout: float = 0.0  # on the attention probabilities
     tie_embeddings: bool = True  # the output head reuses the embedding table
@@ -44,6 +47,11 @@ class ModelConfig:
     moe_router_score: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores (top-k renormalized)
     moe_expert_bias: bool = False  # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias
     moe_expert_bias_rate: float = 1e-3  # how far each bias moves per optimizer step toward balance
+
+
+def qkv_bias(m: ModelConfig) -> bool:
+    """Whether the query/key/value projection has biases (model.qkv_bias, or model.bias when that is None)."""
+    return m.bias if m.qkv_bias is None else m.qkv_bias
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
@@ -71,6 +79,8 @@ def architecture(m: ModelConfig) -> dict:
     arch["ffn_hidden"] = ffn_hidden_size(m)
     if m.position != "learned":
         arch.pop("max_seq_len")
+    if qkv_bias(m) != m.bias:  # models whose qkv projection follows model.bias keep the keys they were saved with
+        arch["qkv_bias"] = qkv_bias(m)
     if m.moe_experts:  # dense models keep the keys their checkpoints were written with
         arch.update(moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, moe_ffn_hidden=moe_ffn_hidden_size(m))
         if m.moe_shared_ffn:
@@ -87,6 +97,10 @@ def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> l
     model's architecture() and `theirs_model` its model section: a key only one side's architecture holds
     (max_seq_len with learned positions, the MoE keys) is compared with the other side's configured value."""
     ours = architecture(mine)
+    if "qkv_bias" in ours or "qkv_bias" in theirs:  # a side without the key has model.bias's
+        theirs_qkv = theirs_model.get("qkv_bias")
+        ours, theirs = ({"qkv_bias": qkv_bias(mine), **ours},
+                        {"qkv_bias": theirs.get("bias") if theirs_qkv is None else theirs_qkv, **theirs})
     pairs = ((k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k)))
              for k in sorted({*ours, *theirs}))
     return [(k, a, b) for k, a, b in pairs if a != b]

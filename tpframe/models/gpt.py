@@ -66,7 +66,7 @@ class TransformerBlock(nn.Module):
         common = dict(bias=cfg.bias, sequence_parallel=sp, comm=ctx.comm, init_method=init, output_init_method=out_init,
                       dtype=dtype, device=device)
         self.attn = ParallelAttention(
-            cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, attention_dropout=cfg.attention_dropout,
+            cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, qkv_bias=cfg.qkv_bias, attention_dropout=cfg.attention_dropout,
             rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, **common,
         )
         if cfg.moe_experts:
