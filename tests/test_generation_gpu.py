@@ -76,7 +76,8 @@ def _decode_variants(kv_heads: int):
 
     state = initialize_parallel(tp=1, comm_backend="nccl")
     cfg = ModelConfig(vocab_size=1000, hidden=256, layers=3, heads=8, kv_heads=kv_heads, max_seq_len=256, position="rotary",
-                      activation="swiglu", norm="rmsnorm", tie_embeddings=False, init_std=0.05)
+                      activation="swiglu", norm="rmsnorm", tie_embeddings=False, init_std=0.05,
+                      bias=kv_heads == 8, qkv_bias=True)  # GQA: Qwen2's biases, on q/k/v alone
     out = {}
     for name, fused, compiled in (("sdpa", False, False), ("kernel", True, False), ("compiled", True, True)):
         model = GPT(cfg, BuildContext(state.tp_comm, dtype=torch.float32, device=state.device, seed=3,
@@ -92,11 +93,12 @@ def _decode_variants(kv_heads: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa-qkv-bias"])
 def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens(kv_heads):
     """fp32, greedy: the decode-attention kernel (eager, in the graph, and as a custom op in compiled blocks, where a
-    100-token prompt puts the cache past one split; multi-head and grouped-query) gives the SDPA path's tokens; at
-    batch 1 the graphed step's one-row linear kernel (tpframe/kernels/gemv.py) gives cuBLAS's tokens too."""
+    100-token prompt puts the cache past one split; multi-head with every bias, grouped-query with q/k/v biases alone)
+    gives the SDPA path's tokens; at batch 1 the graphed step's one-row linear kernel (tpframe/kernels/gemv.py) gives
+    cuBLAS's tokens too."""
     (out,) = run_distributed(_decode_variants, 1, kv_heads, backend="nccl", env=ENV, timeout=300)
     for batch in ((), ("batch 1",)):
         ref = out[("sdpa", False) + batch]
