@@ -23,7 +23,7 @@ from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
 from tpframe.layers.documents import Documents
 from tpframe.layers.utils import normal_init, scaled_normal_init
 from tpframe.models import BuildContext
-from tpframe.models.config import ModelConfig, ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, rope_scaling
 from tpframe.models.gpt import layer_seed, seeded
 from tpframe.parallel import recompute
 
@@ -55,7 +55,8 @@ class ParallelLlama(nn.Module):
                      init_method=normal_init(cfg.init_std), dtype=ctx.dtype, device=ctx.device)
         with seeded(ctx.seed):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **vocab)
-        self.rotary = RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta).to(ctx.device)
+        self.rotary = RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta,
+                                      scaling=rope_scaling(cfg)).to(ctx.device)
         blocks = {}
         for i in range(cfg.layers):
             with seeded(layer_seed(ctx.seed, i)):

@@ -32,7 +32,12 @@ VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
             "mixtral_moe": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
                                 bias=False, kv_heads=2, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48),
             "qwen2_tied_gqa": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
-                                   bias=False, qkv_bias=True, kv_heads=2, rope_theta=1e6, norm_eps=1e-6)}
+                                   bias=False, qkv_bias=True, kv_heads=2, rope_theta=1e6, norm_eps=1e-6),
+            # Llama 3.1's rotary scaling, its context cut to 64: of the wavelengths 6.3, 30, 140 and 660 tokens, the
+            # first is kept, the second blended (16..64) and the others stretched
+            "llama_rope_scaled": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
+                                      bias=False, kv_heads=2, rope_theta=500.0, rope_scaling_factor=8.0,
+                                      rope_original_max_seq_len=64)}
 HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
@@ -276,7 +281,8 @@ def test_init_from_is_checked_before_anything_starts(tmp_path):
 
 def _hf_models(tmp: Path) -> dict[str, Path]:
     """HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a GQA
-    Llama with a word-level tokenizer.json whose end-of-text token tokenizer_config.json names, a Mixtral, a Qwen2
+    Llama (Llama 3.1's rotary scaling) with a word-level tokenizer.json whose end-of-text token tokenizer_config.json
+    names, a Mixtral, a Qwen2
     (random q/k/v biases; transformers starts them at zero) and a Mistral, of vocabulary 256 and no tokenizer files
     (byte-level)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -288,9 +294,11 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
         vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=0, bos_token_id=0))
     gpt2.save_pretrained(tmp / "gpt2")
     (tmp / "gpt2" / "tokenizer.json").write_text(json.dumps(ByteTokenizer.hf_json()))
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}  # Llama 3.1's scaling, at a context where it shows
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, eos_token_id=1))
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, rope_scaling=llama3_rope, eos_token_id=1))
     llama.save_pretrained(tmp / "llama")
     words = {"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(298)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
@@ -397,6 +405,9 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["mixtral"][3] == "tokenizer   none: byte-level (vocabulary 256)"
     assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
     assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
+    assert "model.rope_theta=500.0" in text["llama"][1] and text["llama"][1].endswith(
+        "model.rope_scaling_factor=8.0 model.rope_low_freq_factor=1.0 model.rope_high_freq_factor=4.0 "
+        "model.rope_original_max_seq_len=16")
     assert sum(line.startswith("  model.layers.") for line in text["llama"]) == 18
     losses = run_distributed(_init_from_inspected, 2, dirs, str(tmp_path / "runs"), timeout=120)[0]  # at TP=2
     assert all(4.0 < loss < 7.0 for loss in losses.values()), losses  # random HF weights: about ln(vocab)
@@ -453,6 +464,16 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
     "kv_heads_not_dividing": ("llama", _config(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
     "top_k_over_experts": ("mixtral", _config(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds"),
     "sliding_window": ("mixtral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
+    "rope_yarn": ("llama", _config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}),
+                  "rope scaling 'yarn' has no tpframe equivalent"),
+    "rope_llama3_in_qwen2": ("qwen2", _config(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6}),
+                             "rope scaling 'llama3' has no tpframe equivalent"),
+    "rope_llama3_no_factor": ("llama", _config(rope_parameters={"rope_type": "llama3", "rope_theta": 500.0}),
+                              "rope_parameters: the llama3 scaling's factor=None must be a positive number"),
+    "rope_llama3_bands": ("llama", _config(rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0,
+                                                            "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 16}),
+                          "the llama3 scaling's high_freq_factor=4.0 must exceed its low_freq_factor=4.0"),
     "sliding_window_mistral": ("mistral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
     "sliding_window_qwen2": ("qwen2", _config(use_sliding_window=True, sliding_window=16),
                              "its config.json: use_sliding_window=True has no tpframe equivalent"),
@@ -622,3 +643,20 @@ def test_eot_token_overrides_what_an_hf_directory_says(tmp_path, capsys):
         f"prepare_data.py: error: --eot-token '<EOS>' is not a token of {str(path / 'tokenizer.json')!r}; name one of "
         "its tokens"]
     assert not (tmp_path / "x.bin").exists()
+
+
+def test_a_rotary_scaling_that_differs_from_config_json_is_named(hf_dirs):
+    """checkpoint.init_from=<HF dir>: Llama 3.1's rotary scaling is part of the model the directory describes."""
+    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, read_config
+    from tpframe.models.config import ModelConfig
+
+    shape = dict(vocab_size=300, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, norm="rmsnorm",
+                 norm_eps=1e-6, position="rotary", activation="swiglu", bias=False, tie_embeddings=False,
+                 rope_theta=500.0)
+    config = read_config(hf_dirs["llama"])
+    check_model_matches(ModelConfig(**shape, rope_scaling_factor=8.0, rope_original_max_seq_len=16), config, "x")
+    with pytest.raises(HFMappingError, match=r"model.rope_scaling_factor=null but it needs 8.0; "
+                                             r"model.rope_original_max_seq_len=8192 but it needs 16 \(set these"):
+        check_model_matches(ModelConfig(**shape), config, "x")
+    with pytest.raises(HFMappingError, match="model.rope_scaling_factor=8.0 but it needs null"):
+        check_model_matches(ModelConfig(**shape, rope_scaling_factor=8.0), read_config(hf_dirs["mistral"]), "x")

@@ -34,7 +34,7 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.corpus import EOD_BYTE
 from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, first_path
-from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size, qkv_bias
+from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size, qkv_bias, rope_scaling
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
 CONFIG = "config.json"
@@ -105,7 +105,12 @@ def hf_architecture(m: ModelConfig) -> str:
             raise HFMappingError("model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
                                  "no Mixtral equivalent (Mixtral routes by softmax, without a bias); use tpframe's own "
                                  "format (python tools/checkpoint.py export)")
-        return "mixtral" if m.moe_experts else "qwen2" if qkv_bias(m) and not m.bias else "llama"
+        arch = "mixtral" if m.moe_experts else "qwen2" if qkv_bias(m) and not m.bias else "llama"
+        if arch != "llama" and m.rope_scaling_factor is not None:
+            raise HFMappingError(f"model.rope_scaling_factor={m.rope_scaling_factor} has no {arch.capitalize()} "
+                                 "equivalent in tpframe's export (Llama 3.1's rotary scaling is written for Llama); "
+                                 "leave it unset, or use tpframe's own format")
+        return arch
     raise HFMappingError(
         f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "
         "learned, Llama is rmsnorm + rotary"
@@ -241,11 +246,15 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
                 "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
                 "attention_dropout": m.attention_dropout, **common}
+    scaling = rope_scaling(m)
+    rope = {"rope_type": "default"} if scaling is None else {
+        "rope_type": "llama3", "factor": scaling[0], "low_freq_factor": scaling[1], "high_freq_factor": scaling[2],
+        "original_max_position_embeddings": scaling[3]}
     llama_like = {"hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": heads,
                   "num_key_value_heads": kv, "head_dim": d, "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu",
                   "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                  "rope_scaling": None,
-                  "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},  # transformers >= 5
+                  "rope_scaling": None if scaling is None else rope,  # transformers 4
+                  "rope_parameters": {**rope, "rope_theta": m.rope_theta},  # transformers >= 5
                   "attention_dropout": m.attention_dropout}
     if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, "use_sliding_window": False,
@@ -311,9 +320,10 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     rope = config.get(key) or {}
     if not isinstance(rope, dict):
         raise refuse(key, "must be an object (or null); fix it in config.json")
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise HFMappingError(f"{where}: rope scaling {rope.get('rope_type', rope.get('type'))!r} has no tpframe "
-                             "equivalent (tpframe's rotary is the default, unscaled one)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3") or rope_type == "llama3" and kind != "llama":
+        raise HFMappingError(f"{where}: rope scaling {rope_type!r} has no tpframe equivalent (tpframe's rotary is "
+                             "unscaled, or Llama 3.1's 'llama3' scaling in a Llama)")
     hidden, heads = size("hidden_size", 4096), size("num_attention_heads", 32)
     kv = size("num_key_value_heads", heads) if config.get("num_key_value_heads") is not None else heads
     if hidden % heads:
@@ -337,11 +347,32 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
               "ffn_hidden": size("intermediate_size", 11008), "norm": "rmsnorm",
               "norm_eps": number("rms_norm_eps", 1e-6), "position": "rotary", "rope_theta": theta,
               "activation": "swiglu", "bias": bool(config.get("attention_bias", False)), "tie_embeddings": tied}
+    if rope_type == "llama3":
+        fields |= _llama3_rope_fields(rope, f"{where}: {key}")
     if kind == "qwen2":  # q/k/v biases only (its config has no bias options)
         fields["qkv_bias"] = True
     if kind == "mixtral":
         fields |= _mixtral_fields(config, where, size)
     return fields
+
+
+def _llama3_rope_fields(rope: dict[str, Any], where: str) -> dict[str, Any]:
+    """Llama 3.1's rotary scaling as model.rope_* values."""
+    out = {}
+    for hf_key, mine in (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                         ("high_freq_factor", "rope_high_freq_factor"),
+                         ("original_max_position_embeddings", "rope_original_max_seq_len")):
+        value = rope.get(hf_key)
+        ok = (_positive_number(value) if hf_key != "original_max_position_embeddings"
+              else isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+        if not ok:
+            raise HFMappingError(f"{where}: the llama3 scaling's {hf_key}={value!r} must be a positive "
+                                 f"{'integer' if mine.endswith('len') else 'number'}; fix it in config.json")
+        out[mine] = value
+    if not out["rope_high_freq_factor"] > out["rope_low_freq_factor"]:
+        raise HFMappingError(f"{where}: the llama3 scaling's high_freq_factor={out['rope_high_freq_factor']!r} must "
+                             f"exceed its low_freq_factor={out['rope_low_freq_factor']!r}; fix it in config.json")
+    return out
 
 
 def _positive_number(value: Any) -> bool:
@@ -362,6 +393,8 @@ def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> N
     """HFMappingError, one line naming every model.* value that differs from what config.json describes."""
     want = model_fields(config, where)
     want.setdefault("qkv_bias", want["bias"])  # a model without the key has model.bias's
+    if want["position"] == "rotary":  # an unscaled rotary model needs model.rope_scaling_factor unset
+        want.setdefault("rope_scaling_factor", None)
     mine = {k: getattr(m, k) for k in want}
     mine["kv_heads"] = m.kv_heads or m.heads
     mine["qkv_bias"] = qkv_bias(m)
@@ -370,7 +403,7 @@ def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> N
         mine["moe_ffn_hidden"] = moe_ffn_hidden_size(m)
     diffs = []
     for key, value in want.items():
-        if isinstance(value, float) or isinstance(mine[key], float):
+        if None not in (value, mine[key]) and (isinstance(value, float) or isinstance(mine[key], float)):
             same = abs(float(mine[key]) - float(value)) <= 1e-12 * max(1.0, abs(float(value)))
         else:
             same = mine[key] == value

@@ -14,6 +14,8 @@ query is shorter than the keys); on CUDA a decode step's few queries use tpframe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,14 +34,30 @@ from tpframe.layers.utils import InitMethod, divide
 DECODE_TOKENS = 4  # queries per row up to which generation's attention runs the decode kernel, not SDPA
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotary positions (GPT-NeoX rotate-half convention), [s, 1, 1, d]."""
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3.1's rotary scaling of the frequencies (transformers' rope_type "llama3"): wavelengths longer than
+    original/low_freq_factor are stretched `factor` times, those shorter than original/high_freq_factor kept, and
+    the band between blended linearly in original/wavelength."""
+    wavelength = 2 * math.pi / inv_freq
+    blend = (original_max_seq_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelength > original_max_seq_len / low_freq_factor, inv_freq / factor, inv_freq)
+    between = (wavelength >= original_max_seq_len / high_freq_factor) & (wavelength <= original_max_seq_len / low_freq_factor)
+    return torch.where(between, (1 - blend) * inv_freq / factor + blend * inv_freq, scaled)
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary positions (GPT-NeoX rotate-half convention), [s, 1, 1, d]. `scaling`: Llama 3.1's
+    (factor, low_freq_factor, high_freq_factor, original context) or None (`tpframe.models.config.rope_scaling`)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, *,
+                 scaling: tuple[float, float, float, int] | None = None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {head_dim}")
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        if scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, *scaling)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
         self.register_buffer("cos", angles.cos().float(), persistent=False)

@@ -22,6 +22,13 @@ class ModelConfig:
     norm_eps: float = 1e-5  # epsilon of every norm
     position: Literal["learned", "rotary"] = "learned"  # learned table (GPT-2) or rotary, rotate-half (Llama)
     rope_theta: float = 10000.0  # rotary base wavelength
+    # Llama 3.1's rotary scaling (HF rope_type "llama3", Megatron-LM's --use-rope-scaling): wavelengths longer than
+    # rope_original_max_seq_len/rope_low_freq_factor are stretched this many times, those shorter than
+    # rope_original_max_seq_len/rope_high_freq_factor kept, the band between blended; None: unscaled
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0  # with rope_scaling_factor: Llama 3.1's 1
+    rope_high_freq_factor: float = 4.0  # with rope_scaling_factor: Llama 3.1's 4
+    rope_original_max_seq_len: int = 8192  # with rope_scaling_factor: the context the model was first trained at
     # causal: every token sees all earlier tokens of its row; document: only those of its own document, and
     # positions restart at each document (README: Data, packed documents)
     attention_mask: Literal["causal", "document"] = "causal"
@@ -47,6 +54,13 @@ class ModelConfig:
     moe_router_score: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3's scores (top-k renormalized)
     moe_expert_bias: bool = False  # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert selection bias
     moe_expert_bias_rate: float = 1e-3  # how far each bias moves per optimizer step toward balance
+
+
+def rope_scaling(m: ModelConfig) -> tuple[float, float, float, int] | None:
+    """(factor, low_freq_factor, high_freq_factor, original context) of Llama 3.1's rotary scaling, or None."""
+    if m.rope_scaling_factor is None:
+        return None
+    return m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_seq_len
 
 
 def qkv_bias(m: ModelConfig) -> bool:

@@ -32,7 +32,7 @@ from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
-from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size, rope_scaling
 from tpframe.parallel.context import gather_token_ids, local_positions
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
@@ -153,7 +153,8 @@ class GPT(nn.Module):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)
             # Replicated; under SP each rank embeds only its positions, so its gradient is partial.
             self.position = tag_param(nn.Parameter(table.to(device=device, dtype=dtype)), None, sp)
-        self.rotary = RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta).to(device) if cfg.position == "rotary" else None
+        self.rotary = (RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta,
+                                       scaling=rope_scaling(cfg)).to(device) if cfg.position == "rotary" else None)
         self.embed_dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         blocks = {}
         for i in self.stage.layer_ids(cfg.layers):

@@ -360,6 +360,16 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={value}; pick a tp that divides it")
     if m.position == "rotary" and (m.hidden // m.heads) % 2:
         raise ConfigError(f"rotary positions need an even head dim; model.hidden/model.heads = {m.hidden // m.heads}")
+    if m.rope_scaling_factor is not None:
+        if m.position != "rotary":
+            raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} scales rotary positions; set "
+                              "model.position=rotary or leave model.rope_scaling_factor unset")
+        if not m.rope_high_freq_factor > m.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1's are 4 and 1)")
+        if m.rope_original_max_seq_len < 1:
+            raise ConfigError(f"model.rope_original_max_seq_len={m.rope_original_max_seq_len} must be at least 1 "
+                              "(Llama 3.1's is 8192)")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if m.eod_id is not None and not 0 <= m.eod_id < m.vocab_size:
