@@ -251,14 +251,18 @@ def _evaluate_only(cfg, trainer, logger) -> None:
         logger.close()
 
 
-def _schedule_change(cfg, meta: dict, step: int) -> str | None:
-    """The line saying how the learning-rate schedule differs from the resumed checkpoint's, or None."""
+def _resume_changes(cfg, meta: dict, step: int) -> list[str]:
+    """The lines saying how the learning-rate schedule and the model's computation differ from the resumed
+    checkpoint's (none when nothing did)."""
+    from tpframe.models.config import computation_change
     from tpframe.optim.lr import schedule_change
     from tpframe.training.config import from_dict
 
     saved = meta["config"]
-    return schedule_change(step, cfg.optim, cfg.train.steps, from_dict({"optim": saved["optim"]}).optim,
-                           saved["train"]["steps"])
+    saved_cfg = from_dict({"optim": saved["optim"], "model": saved["model"]})
+    lines = [schedule_change(step, cfg.optim, cfg.train.steps, saved_cfg.optim, saved["train"]["steps"]),
+             computation_change(cfg.model, saved_cfg.model)]
+    return [line for line in lines if line]
 
 
 def run(cfg, train_data, valid_data, resume=(None, None)):
@@ -321,7 +325,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         if checkpointer.loaded_from is not None:
             ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
-            if resume[1] is not None and (line := _schedule_change(cfg, resume[1], trainer.step)):
+            for line in _resume_changes(cfg, resume[1], trainer.step) if resume[1] is not None else []:
                 logger.info(line)
         if cfg.train.eval_only:
             _evaluate_only(cfg, trainer, logger)

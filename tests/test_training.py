@@ -160,6 +160,35 @@ def test_a_resume_names_what_changed_in_the_learning_rate_schedule():
     assert schedule_change(5, cfg, 210, cfg, 110).endswith("step 6 runs at lr 0.6 as before, later steps differ")
 
 
+def _resume_with_another_rope_theta(tmp: str) -> str:
+    import contextlib
+    import io
+
+    base = ["parallel.tp=1", "model.position=rotary", "train.steps=1", "checkpoint.save_at_end=true",
+            f"train.run_dir={tmp}"]
+    train_in_process(base)
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        train_in_process([*base[:2], "train.steps=2", "model.rope_theta=500000", "checkpoint.auto_resume=true", *base[3:]])
+    return console.getvalue()
+
+
+def test_a_resume_names_what_changed_in_the_models_computation(tmp_path):
+    """A longer context's rotary base or scaling, dropout for fine-tuning: a resume may change them (the weights are
+    the same tensors), and says so in one line; nothing named when nothing changed."""
+    from tpframe.models.config import ModelConfig, computation_change
+
+    rotary = dict(position="rotary", norm="rmsnorm")
+    assert computation_change(ModelConfig(**rotary), ModelConfig(**rotary, rope_high_freq_factor=8.0)) is None
+    assert computation_change(ModelConfig(**rotary, rope_theta=5e5, rope_scaling_factor=8.0, dropout=0.1),
+                              ModelConfig(**rotary)) == (
+        "the model computes differently from the checkpoint's (model.rope_theta 10000.0 -> 500000.0, "
+        "model.rope_scaling_factor null -> 8.0, model.dropout 0.0 -> 0.1); its weights load unchanged")
+    out = run_distributed(_resume_with_another_rope_theta, 1, str(tmp_path))[0]
+    assert "the model computes differently from the checkpoint's (model.rope_theta 10000.0 -> 500000.0)" in out
+    assert "learning-rate schedule changed" in out  # train.steps 1 -> 2
+
+
 def test_warmup_stable_decay_holds_the_rate_then_decays_over_the_last_fraction():
     from tpframe.optim import OptimConfig, lr_at
 

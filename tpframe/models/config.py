@@ -106,6 +106,30 @@ def architecture(m: ModelConfig) -> dict:
     return arch
 
 
+# Fields that change what the model computes but none of its tensors: a resume may change them (a longer context's
+# rotary base, dropout for fine-tuning), and its log names each one that did (`computation_change`).
+COMPUTATION_FIELDS = ("rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                      "rope_original_max_seq_len", "norm_eps", "attention_mask", "eod_id", "dropout",
+                      "attention_dropout")
+
+
+def computation_change(mine: ModelConfig, saved: ModelConfig) -> str | None:
+    """One line naming the COMPUTATION_FIELDS a resumed run changed since its checkpoint (`saved`), or None. The
+    scaling's companions count only while a scaling is on."""
+    keys = [k for k in COMPUTATION_FIELDS if getattr(mine, k) != getattr(saved, k)
+            and not (k.startswith("rope_") and k != "rope_theta" and k != "rope_scaling_factor"
+                     and mine.rope_scaling_factor is None and saved.rope_scaling_factor is None)]
+    if not keys:
+        return None
+    return ("the model computes differently from the checkpoint's (" + ", ".join(
+        f"model.{k} {_plain(getattr(saved, k))} -> {_plain(getattr(mine, k))}" for k in keys)
+            + "); its weights load unchanged")
+
+
+def _plain(value) -> str:
+    return "null" if value is None else str(value)
+
+
 def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> list[tuple[str, object, object]]:
     """(key, mine, theirs) for each architecture field two models do not share, by key. `theirs` is the other
     model's architecture() and `theirs_model` its model section: a key only one side's architecture holds
