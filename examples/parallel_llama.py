@@ -23,7 +23,7 @@ from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
 from tpframe.layers.documents import Documents
 from tpframe.layers.utils import normal_init, scaled_normal_init
 from tpframe.models import BuildContext
-from tpframe.models.config import ModelConfig, ffn_hidden_size, rope_scaling
+from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, rope_scaling
 from tpframe.models.gpt import layer_seed, seeded
 from tpframe.parallel import recompute
 
@@ -38,7 +38,9 @@ class ParallelBlock(nn.Module):
             output_init_method=scaled_normal_init(cfg.init_std, cfg.layers), dtype=ctx.dtype, device=ctx.device,
         )
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
-        self.attn = ParallelAttention(cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, attention_dropout=cfg.attention_dropout,
+        self.attn = ParallelAttention(cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                      qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, qkv_bias=cfg.qkv_bias,
+                                      attention_dropout=cfg.attention_dropout,
                                       rng_tracker=ctx.rng_tracker, **common)
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation="swiglu", **common)
 
@@ -55,7 +57,7 @@ class ParallelLlama(nn.Module):
                      init_method=normal_init(cfg.init_std), dtype=ctx.dtype, device=ctx.device)
         with seeded(ctx.seed):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **vocab)
-        self.rotary = RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta,
+        self.rotary = RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta,
                                       scaling=rope_scaling(cfg)).to(ctx.device)
         blocks = {}
         for i in range(cfg.layers):
@@ -82,9 +84,9 @@ class ParallelLlama(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         c = self.cfg
-        h, kv = c.hidden, (c.kv_heads or c.heads) * (c.hidden // c.heads)
+        h, q, kv = c.hidden, c.heads * head_dim(c), (c.kv_heads or c.heads) * head_dim(c)
         ffn = ffn_hidden_size(c)
-        layer = 2 * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + 4 * seq_len * h
+        layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * ffn) + 4 * seq_len * q
         return 3.0 * (c.layers * layer + 2 * h * self.embedding.padded_num_embeddings)
 
 

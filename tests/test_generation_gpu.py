@@ -66,7 +66,7 @@ def test_graph_decode_equals_eager_decode_token_for_token(backend, compiled, tmp
             assert graph_calls >= eager_calls >= 48 * 4 * 2, (graph_calls, eager_calls)
 
 
-def _decode_variants(kv_heads: int):
+def _decode_variants(options: dict):
     from tpframe.inference import Generator, SamplingConfig
     from tpframe.models import BuildContext
     from tpframe.models.compile import compile_model
@@ -75,9 +75,8 @@ def _decode_variants(kv_heads: int):
     from tpframe.parallel import initialize_parallel
 
     state = initialize_parallel(tp=1, comm_backend="nccl")
-    cfg = ModelConfig(vocab_size=1000, hidden=256, layers=3, heads=8, kv_heads=kv_heads, max_seq_len=256, position="rotary",
-                      activation="swiglu", norm="rmsnorm", tie_embeddings=False, init_std=0.05,
-                      bias=kv_heads == 8, qkv_bias=True)  # GQA: Qwen2's biases, on q/k/v alone
+    cfg = ModelConfig(vocab_size=1000, hidden=256, layers=3, heads=8, max_seq_len=256, position="rotary",
+                      activation="swiglu", norm="rmsnorm", tie_embeddings=False, init_std=0.05, **options)
     out = {}
     for name, fused, compiled in (("sdpa", False, False), ("kernel", True, False), ("compiled", True, True)):
         model = GPT(cfg, BuildContext(state.tp_comm, dtype=torch.float32, device=state.device, seed=3,
@@ -93,13 +92,16 @@ def _decode_variants(kv_heads: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa-qkv-bias"])
-def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens(kv_heads):
+@pytest.mark.parametrize("options", [dict(kv_heads=8), dict(kv_heads=2, bias=False, qkv_bias=True),
+                                     dict(kv_heads=2, bias=False, head_dim=48, qk_norm=True)],
+                         ids=["mha", "gqa-qkv-bias", "gqa-qk-norm-head-dim-48"])
+def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens(options):
     """fp32, greedy: the decode-attention kernel (eager, in the graph, and as a custom op in compiled blocks, where a
-    100-token prompt puts the cache past one split; multi-head with every bias, grouped-query with q/k/v biases alone)
+    100-token prompt puts the cache past one split; multi-head with every bias, grouped-query with Qwen2's q/k/v
+    biases alone, and with Qwen3's query/key norms and heads of 48)
     gives the SDPA path's tokens; at batch 1 the graphed step's one-row linear kernel (tpframe/kernels/gemv.py) gives
     cuBLAS's tokens too."""
-    (out,) = run_distributed(_decode_variants, 1, kv_heads, backend="nccl", env=ENV, timeout=300)
+    (out,) = run_distributed(_decode_variants, 1, options, backend="nccl", env=ENV, timeout=300)
     for batch in ((), ("batch 1",)):
         ref = out[("sdpa", False) + batch]
         assert all(len(t) == 100 for t in ref)

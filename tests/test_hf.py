@@ -33,13 +33,15 @@ VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
                                 bias=False, kv_heads=2, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48),
             "qwen2_tied_gqa": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
                                    bias=False, qkv_bias=True, kv_heads=2, rope_theta=1e6, norm_eps=1e-6),
+            "qwen3_wide_heads": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
+                                     bias=False, kv_heads=2, head_dim=12, qk_norm=True, norm_eps=1e-6),
             # Llama 3.1's rotary scaling, its context cut to 64: of the wavelengths 6.3, 30, 140 and 660 tokens, the
             # first is kept, the second blended (16..64) and the others stretched
             "llama_rope_scaled": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
                                       bias=False, kv_heads=2, rope_theta=500.0, rope_scaling_factor=8.0,
-                                      rope_original_max_seq_len=64)}
+                                      rope_original_max_seq_len=64, max_seq_len=128)}
 HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
 
 
@@ -92,11 +94,11 @@ def _round_trip(tmp: str):
             with torch.no_grad():
                 out["logits"][arch] = _tp1_model(m, state, read_model_tensors(step))(IDS)[..., : m.vocab_size]
         for name, options in VARIANTS.items():
-            m = ModelConfig(hidden=32, layers=2, heads=4, max_seq_len=32, **options)
+            m = ModelConfig(**{"hidden": 32, "layers": 2, "heads": 4, "max_seq_len": 32, **options})
             model = _tp1_model(m, state, None)
             with torch.no_grad():
-                for p in model.parameters():  # non-trivial norms and biases
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+                for i, p in enumerate(model.parameters()):  # non-trivial norms and biases, each its own
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.1)
                 out["logits"][name] = model(IDS)[..., : m.vocab_size]
             if rank == 0:
                 Path(f"{tmp}/{name}").mkdir()
@@ -214,7 +216,10 @@ def test_each_option_with_no_hf_equivalent_is_named():
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=True, qkv_bias=False),
                             "model.bias=true with model.qkv_bias=false has no Hugging Face equivalent"),
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, qkv_bias=True,
-                                 moe_experts=4), "model.qkv_bias=true has no Mixtral")):
+                                 moe_experts=4), "model.qkv_bias=true has no Mixtral"),
+                           (dict(head_dim=16), "model.head_dim=16 has no GPT-2"), (dict(qk_norm=True), "model.qk_norm=true has no GPT-2"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", qk_norm=True),
+                            "model.qk_norm=true maps to Qwen3, which has no biases")):
         with pytest.raises(HFMappingError) as e:
             hf_architecture(ModelConfig(**options))
         assert str(e.value).startswith(named) and "\n" not in str(e.value), str(e.value)
@@ -283,7 +288,8 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
     """HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a GQA
     Llama (Llama 3.1's rotary scaling) with a word-level tokenizer.json whose end-of-text token tokenizer_config.json
     names, a Mixtral, a Qwen2
-    (random q/k/v biases; transformers starts them at zero) and a Mistral, of vocabulary 256 and no tokenizer files
+    (random q/k/v biases; transformers starts them at zero), a Qwen3 (heads of 12, random q/k norms) and a Mistral,
+    of vocabulary 256 and no tokenizer files
     (byte-level)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -319,11 +325,19 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
     qwen2.save_pretrained(tmp / "qwen2")
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=True, eos_token_id=0))
+    with torch.no_grad():
+        for name, p in qwen3.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # transformers starts them at one
+                p.normal_(1, 0.5)
+    qwen3.save_pretrained(tmp / "qwen3")
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, eos_token_id=0))
     mistral.save_pretrained(tmp / "mistral")
-    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "mistral")}
+    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral")}
 
 
 def _generate_from_hf_dirs(dirs: dict, prompts: dict):
@@ -343,7 +357,8 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
     """generate.py --checkpoint <HF dir>: the greedy tokens transformers' own generate gives, at TP 1 and 2, with the
     directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
     dirs = _hf_models(tmp_path)
-    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts", "qwen2": "biased", "mistral": "wind"}
+    prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts", "qwen2": "biased", "qwen3": "normed",
+               "mistral": "wind"}
     tp2 = run_distributed(_generate_from_hf_dirs, 2, dirs, prompts, timeout=120)[0]
     tp1 = run_distributed(_generate_from_hf_dirs, 1, dirs, prompts, timeout=120)[0]
     for name, path in dirs.items():
@@ -356,7 +371,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
         assert generated == reference.tolist(), name
     assert tp2["gpt2"][1:4] == ("ByteTokenizer", 0, [list("héllo wörld".encode())])
     assert tp2["llama"][1:4] == ("HFTokenizer", 1, [[7, 19, 202, 5]])
-    assert tp2["mixtral"][1:3] == tp2["qwen2"][1:3] == tp2["mistral"][1:3] == ("ByteTokenizer", 0)
+    assert all(tp2[name][1:3] == ("ByteTokenizer", 0) for name in ("mixtral", "qwen2", "qwen3", "mistral"))
 
 
 def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
@@ -405,6 +420,7 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["mixtral"][3] == "tokenizer   none: byte-level (vocabulary 256)"
     assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
     assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
+    assert text["qwen3"][1].endswith("model.head_dim=12 model.qk_norm=true")
     assert "model.rope_theta=500.0" in text["llama"][1] and text["llama"][1].endswith(
         "model.rope_scaling_factor=8.0 model.rope_low_freq_factor=1.0 model.rope_high_freq_factor=4.0 "
         "model.rope_original_max_seq_len=16")
@@ -464,6 +480,8 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
     "kv_heads_not_dividing": ("llama", _config(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
     "top_k_over_experts": ("mixtral", _config(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds"),
     "sliding_window": ("mixtral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
+    "qwen3_attention_bias": ("qwen3", _config(attention_bias=True), "attention_bias=True in a Qwen3 has no tpframe"),
+    "head_dim_odd": ("llama", _config(head_dim=7), "head_dim=7 gives an odd head dim, 7"),
     "rope_yarn": ("llama", _config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}),
                   "rope scaling 'yarn' has no tpframe equivalent"),
     "rope_llama3_in_qwen2": ("qwen2", _config(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6}),

@@ -1,14 +1,16 @@
-"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Qwen2 or Mixtral, both ways (and Mistral read).
+"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Qwen2, Qwen3 or Mixtral, both ways (and Mistral
+read).
 
     export_hf(step_dir, out_dir)        # config.json + model.safetensors + tokenizer files (when known)
     AutoModelForCausalLM.from_pretrained(out_dir)
     checkpoint.init_from=<HF dir>       # check_hf_dir in pre-flight, HFWeights at load time
 
-The four architectures and what fixes them (every other combination has no HF equivalent):
+The architectures and what fixes them (every other combination has no HF equivalent):
   GPT-2: layernorm, learned positions, gelu (tanh approximation: "gelu_new") or relu, biases, heads = kv_heads;
   Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias; Mistral
       without a sliding window is Llama (read, written as Llama);
   Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true), no sliding window;
+  Qwen3: Llama without biases, with per-head query/key RMSNorms (model.qk_norm) and any head width (model.head_dim);
   Mixtral: Llama's attention with a mixture of experts (model.moe_experts), no biases; the experts are
       written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load.
 The weights are the logical tensors of tpframe.parallel.sharding, renamed: `Rule(hf, parts, transpose)`
@@ -34,7 +36,7 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.corpus import EOD_BYTE
 from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, first_path
-from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size, qkv_bias, rope_scaling
+from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, qkv_bias, rope_scaling
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
 CONFIG = "config.json"
@@ -67,7 +69,7 @@ class Rule:
 
 
 def hf_architecture(m: ModelConfig) -> str:
-    """'gpt2', 'llama', 'qwen2' or 'mixtral' for a model config, or HFMappingError naming the option with no
+    """'gpt2', 'llama', 'qwen2', 'qwen3' or 'mixtral' for a model config, or HFMappingError naming the option with no
     equivalent."""
     if m.name != "gpt":
         raise HFMappingError(f"model.name={m.name!r} has no Hugging Face mapping: only the built-in 'gpt' exports")
@@ -81,6 +83,9 @@ def hf_architecture(m: ModelConfig) -> str:
         if not qkv_bias(m):
             raise HFMappingError("model.qkv_bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear "
                                  "layer); leave model.qkv_bias unset")
+        if head_dim(m) * m.heads != m.hidden or m.qk_norm:
+            raise HFMappingError(f"model.{'qk_norm=true' if m.qk_norm else f'head_dim={m.head_dim}'} has no GPT-2 "
+                                 "equivalent (GPT-2's heads split model.hidden, without norms); leave it unset")
         if m.kv_heads not in (None, m.heads):
             raise HFMappingError(f"model.kv_heads={m.kv_heads} has no GPT-2 equivalent (GPT-2 has no grouped-query "
                                  f"attention); set model.kv_heads={m.heads} or use the Llama shape")
@@ -105,7 +110,12 @@ def hf_architecture(m: ModelConfig) -> str:
             raise HFMappingError("model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
                                  "no Mixtral equivalent (Mixtral routes by softmax, without a bias); use tpframe's own "
                                  "format (python tools/checkpoint.py export)")
-        arch = "mixtral" if m.moe_experts else "qwen2" if qkv_bias(m) and not m.bias else "llama"
+        if m.qk_norm and (m.moe_experts or m.bias or qkv_bias(m)):
+            raise HFMappingError("model.qk_norm=true maps to Qwen3, which has no "
+                                 f"{'experts (Qwen3-MoE is not mapped)' if m.moe_experts else 'biases'}; "
+                                 f"{'leave model.moe_experts at 0' if m.moe_experts else 'set model.bias=false and leave model.qkv_bias unset'}")
+        arch = ("mixtral" if m.moe_experts else "qwen3" if m.qk_norm else "qwen2" if qkv_bias(m) and not m.bias
+                else "llama")
         if arch != "llama" and m.rope_scaling_factor is not None:
             raise HFMappingError(f"model.rope_scaling_factor={m.rope_scaling_factor} has no {arch.capitalize()} "
                                  "equivalent in tpframe's export (Llama 3.1's rotary scaling is written for Llama); "
@@ -119,7 +129,7 @@ def hf_architecture(m: ModelConfig) -> str:
 
 def _heads(m: ModelConfig) -> tuple[int, int, int]:
     """(heads, kv_heads, head_dim)."""
-    return m.heads, m.kv_heads or m.heads, m.hidden // m.heads
+    return m.heads, m.kv_heads or m.heads, head_dim(m)
 
 
 def rules(m: ModelConfig) -> list[Rule]:
@@ -151,6 +161,8 @@ def rules(m: ModelConfig) -> list[Rule]:
                     Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",))]
             for leaf in qkv_leaves:
                 out += [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"]
+            if m.qk_norm:
+                out += [Rule(f"{h}self_attn.{p}_norm.weight", (f"{b}attn.{p}_norm.weight",)) for p in "qk"]
             for leaf in leaves:
                 out.append(Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)))
                 if arch != "mixtral":
@@ -186,6 +198,8 @@ def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
         b = f"blocks.{i}."
         for leaf in norm_leaves:
             shapes[f"{b}norm1.{leaf}"] = shapes[f"{b}norm2.{leaf}"] = (h,)
+        if m.qk_norm:
+            shapes[f"{b}attn.q_norm.weight"] = shapes[f"{b}attn.k_norm.weight"] = (d,)
         linears = (("attn.qkv.q", heads * d, h), ("attn.qkv.k", kv * d, h), ("attn.qkv.v", kv * d, h),
                    ("attn.proj", h, heads * d), *((f"mlp.{n}", f, h) for n, f in mlp_in), ("mlp.fc2", h, ffn))
         if m.moe_experts:  # the router and bias-free experts instead of the MLP
@@ -259,6 +273,9 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
     if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, "use_sliding_window": False,
                 "sliding_window": None, "max_window_layers": m.layers, **common}
+    if arch == "qwen3":  # per-head q/k norms are Qwen3's own
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **llama_like, "attention_bias": False,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers, **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_like, "attention_bias": m.bias,
             "mlp_bias": m.bias, "pretraining_tp": 1, **common}
 
@@ -283,9 +300,9 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             raise refuse(key, "must be a positive number; fix it in config.json")
         return value
 
-    if kind not in ("gpt2", "llama", "mistral", "qwen2", "mixtral"):
+    if kind not in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral"):
         raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama', "
-                             "'mistral', 'qwen2' and 'mixtral'")
+                             "'mistral', 'qwen2', 'qwen3' and 'mixtral'")
     tied = config.get("tie_word_embeddings", kind == "gpt2")
     if not isinstance(tied, bool):
         raise refuse("tie_word_embeddings", "must be true or false; fix it in config.json")
@@ -310,8 +327,9 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     # llama, mistral, qwen2, mixtral
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
-    sliding = "use_sliding_window" if kind == "qwen2" else "sliding_window"  # Qwen2 keeps a size it does not use
-    if kind != "llama" and config.get(sliding, False if kind == "qwen2" else None) not in (None, False):
+    qwen = kind in ("qwen2", "qwen3")
+    sliding = "use_sliding_window" if qwen else "sliding_window"  # Qwen keeps a window size it does not use
+    if kind != "llama" and config.get(sliding, False if qwen else None) not in (None, False):
         raise refuse(sliding, "has no tpframe equivalent (tpframe's attention is full causal)")
     if kind == "llama" and config.get("attention_bias", False) != config.get("mlp_bias", False):
         raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
@@ -326,15 +344,13 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                              "unscaled, or Llama 3.1's 'llama3' scaling in a Llama)")
     hidden, heads = size("hidden_size", 4096), size("num_attention_heads", 32)
     kv = size("num_key_value_heads", heads) if config.get("num_key_value_heads") is not None else heads
-    if hidden % heads:
-        raise refuse("num_attention_heads", f"does not divide hidden_size={hidden} (tpframe's head dim is "
-                                            "hidden_size/num_attention_heads)")
-    if config.get("head_dim") not in (None, hidden // heads):
-        raise refuse("head_dim", f"has no tpframe equivalent (tpframe's head dim is hidden_size/num_attention_heads"
-                                 f" = {hidden // heads})")
-    if (hidden // heads) % 2:
-        raise refuse("num_attention_heads", f"gives an odd head dim, hidden_size/num_attention_heads = "
-                                            f"{hidden // heads}; rotary positions need an even one")
+    if config.get("head_dim") is None and hidden % heads:
+        raise refuse("num_attention_heads", f"does not divide hidden_size={hidden} (the head dim is "
+                                            "hidden_size/num_attention_heads where config.json gives no head_dim)")
+    d = hidden // heads if config.get("head_dim") is None else size("head_dim", 128)
+    if d % 2:
+        raise refuse("head_dim" if config.get("head_dim") is not None else "num_attention_heads",
+                     f"gives an odd head dim, {d}; rotary positions need an even one")
     if heads % kv:
         raise refuse("num_key_value_heads", f"does not divide num_attention_heads={heads} (grouped-query "
                                             "attention shares each key/value head among a whole group)")
@@ -347,6 +363,13 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
               "ffn_hidden": size("intermediate_size", 11008), "norm": "rmsnorm",
               "norm_eps": number("rms_norm_eps", 1e-6), "position": "rotary", "rope_theta": theta,
               "activation": "swiglu", "bias": bool(config.get("attention_bias", False)), "tie_embeddings": tied}
+    if d * heads != hidden:  # heads of their own width (Qwen3, Mistral-Nemo)
+        fields["head_dim"] = d
+    if kind == "qwen3":  # per-head query and key norms; attention_bias would put biases on q, k, v and o alone
+        if config.get("attention_bias", False):
+            raise refuse("attention_bias", "in a Qwen3 has no tpframe equivalent (tpframe's biases are on every "
+                                           "linear layer, or on q/k/v alone); tpframe reads Qwen3 without biases")
+        fields["qk_norm"] = True
     if rope_type == "llama3":
         fields |= _llama3_rope_fields(rope, f"{where}: {key}")
     if kind == "qwen2":  # q/k/v biases only (its config has no bias options)
@@ -393,11 +416,14 @@ def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> N
     """HFMappingError, one line naming every model.* value that differs from what config.json describes."""
     want = model_fields(config, where)
     want.setdefault("qkv_bias", want["bias"])  # a model without the key has model.bias's
+    if m.head_dim is not None:  # compared where either side gives it (else both are hidden/heads)
+        want.setdefault("head_dim", want["hidden"] // want["heads"])
+    want.setdefault("qk_norm", False)
     if want["position"] == "rotary":  # an unscaled rotary model needs model.rope_scaling_factor unset
         want.setdefault("rope_scaling_factor", None)
     mine = {k: getattr(m, k) for k in want}
     mine["kv_heads"] = m.kv_heads or m.heads
-    mine["qkv_bias"] = qkv_bias(m)
+    mine["qkv_bias"], mine["head_dim"] = qkv_bias(m), head_dim(m)
     mine["ffn_hidden"] = ffn_hidden_size(m) if want.get("ffn_hidden") is not None else None  # Mixtral: unused
     if "moe_ffn_hidden" in want:
         mine["moe_ffn_hidden"] = moe_ffn_hidden_size(m)

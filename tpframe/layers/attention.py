@@ -26,6 +26,7 @@ from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention, uses_varlen
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpframe.layers.norm import RMSNorm
 from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.utils import InitMethod, divide
@@ -85,7 +86,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused: bool = True, *,
-                token_major: bool = False):
+                token_major: bool = False, qk_norm: tuple[nn.Module, nn.Module] | None = None):
     """qkv [s, b, (nq + 2 nkv) d] -> SDPA's q [b, nq, s, d], k, v [b, nkv, s, d], rotary applied to q and k.
     `token_major`: the fused kernel writes them in [b, s, n, d] memory (what variable-length attention reads).
 
@@ -93,12 +94,15 @@ def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused
     under torch.compile as a custom op, since Inductor's own code for it is slow); elsewhere, or with
     `fused=False`, plain torch ops compute the same. The kernel takes tables shared by the batch ([s, 1, 1, d])
     or one row per sequence ([s, b, 1, d]: generation's left-padded rows, where it replaces ten small kernels
-    per layer of every decode step)."""
-    if fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda:
+    per layer of every decode step). `qk_norm`: the query and key norms (applied per head, before the rotation;
+    torch's ops: the kernel has no norm)."""
+    if qk_norm is None and fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda:
         return qkv_rotary(qkv, *rotary, nq, nkv, d, token_major=token_major)
     s, b = qkv.shape[:2]
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
+    if qk_norm is not None:
+        q, k = qk_norm[0](q), qk_norm[1](k)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
@@ -111,6 +115,9 @@ class ParallelAttention(nn.Module):
         heads: int,
         *,
         kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
         bias: bool = True,
         qkv_bias: bool | None = None,
         attention_dropout: float = 0.0,
@@ -127,9 +134,9 @@ class ParallelAttention(nn.Module):
         comm = comm or default_tp_comm()
         self.cp_comm = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
         kv_heads = kv_heads or heads
-        if hidden % heads:
+        if head_dim is None and hidden % heads:
             raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
-        self.head_dim = hidden // heads
+        self.head_dim = hidden // heads if head_dim is None else head_dim
         if heads % kv_heads:
             raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
         self.heads_local = divide(heads, comm.size, "attention heads")
@@ -143,6 +150,11 @@ class ParallelAttention(nn.Module):
             **{**common, "bias": bias if qkv_bias is None else qkv_bias},
         )
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
+        if qk_norm:  # each rank normalizes only its heads: the weights' gradients are partial over TP, summed there
+            norm = dict(sequence_parallel=True, dtype=dtype, device=device)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, norm_eps, **norm), RMSNorm(self.head_dim, norm_eps, **norm)
+        else:
+            self.q_norm = self.k_norm = None
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
         self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
 
@@ -161,7 +173,8 @@ class ParallelAttention(nn.Module):
         token_major = documents is not None and self.cp_comm is None and uses_varlen(qkv, documents, dropout,
                                                                                      head_dim=d)
         q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary,
-                              token_major=token_major)
+                              token_major=token_major,
+                              qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None)
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)

@@ -16,6 +16,10 @@ class ModelConfig:
     layers: int = 2  # transformer blocks
     heads: int = 4  # attention heads (split across TP)
     kv_heads: int | None = None  # grouped-query attention; None: as many as heads
+    head_dim: int | None = None  # each attention head's width; None: hidden/heads (Qwen3 and Mistral-Nemo set it)
+    # RMSNorm of every query and key head over its head_dim (one weight each, shared by the heads) before rotary:
+    # Qwen3's attention, Megatron-LM's --qk-layernorm
+    qk_norm: bool = False
     ffn_hidden: int | None = None  # None: 4*hidden (GELU) or 8/3*hidden rounded to 64 (SwiGLU)
     max_seq_len: int = 128  # longest sequence; sizes the learned position table
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # layernorm (GPT-2) or rmsnorm (Llama)
@@ -63,6 +67,11 @@ def rope_scaling(m: ModelConfig) -> tuple[float, float, float, int] | None:
     return m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_seq_len
 
 
+def head_dim(m: ModelConfig) -> int:
+    """Each attention head's width (model.head_dim, or hidden/heads when that is None)."""
+    return m.hidden // m.heads if m.head_dim is None else m.head_dim
+
+
 def qkv_bias(m: ModelConfig) -> bool:
     """Whether the query/key/value projection has biases (model.qkv_bias, or model.bias when that is None)."""
     return m.bias if m.qkv_bias is None else m.qkv_bias
@@ -93,8 +102,8 @@ def architecture(m: ModelConfig) -> dict:
     arch["ffn_hidden"] = ffn_hidden_size(m)
     if m.position != "learned":
         arch.pop("max_seq_len")
-    if qkv_bias(m) != m.bias:  # models whose qkv projection follows model.bias keep the keys they were saved with
-        arch["qkv_bias"] = qkv_bias(m)
+    # keys a model holds only where it departs from the default, so older checkpoints keep their keys
+    arch.update({k: v for k, v in _optional_arch(m).items() if v != _OPTIONAL_DEFAULT[k](m)})
     if m.moe_experts:  # dense models keep the keys their checkpoints were written with
         arch.update(moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, moe_ffn_hidden=moe_ffn_hidden_size(m))
         if m.moe_shared_ffn:
@@ -130,15 +139,26 @@ def _plain(value) -> str:
     return "null" if value is None else str(value)
 
 
+# architecture keys a model holds only where it departs from their default (a function of the other fields)
+_OPTIONAL_DEFAULT = {"qkv_bias": lambda m: m.bias, "head_dim": lambda m: m.hidden // m.heads,
+                     "qk_norm": lambda m: False}
+
+
+def _optional_arch(m: ModelConfig) -> dict:
+    return {"qkv_bias": qkv_bias(m), "head_dim": head_dim(m), "qk_norm": m.qk_norm}
+
+
 def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> list[tuple[str, object, object]]:
     """(key, mine, theirs) for each architecture field two models do not share, by key. `theirs` is the other
     model's architecture() and `theirs_model` its model section: a key only one side's architecture holds
     (max_seq_len with learned positions, the MoE keys) is compared with the other side's configured value."""
     ours = architecture(mine)
-    if "qkv_bias" in ours or "qkv_bias" in theirs:  # a side without the key has model.bias's
-        theirs_qkv = theirs_model.get("qkv_bias")
-        ours, theirs = ({"qkv_bias": qkv_bias(mine), **ours},
-                        {"qkv_bias": theirs.get("bias") if theirs_qkv is None else theirs_qkv, **theirs})
+    for key in _OPTIONAL_DEFAULT:  # a side without the key has its default, found from the side's other fields
+        if key in ours or key in theirs:
+            configured = theirs_model.get(key)
+            if configured is None:
+                configured = _OPTIONAL_DEFAULT[key](ModelConfig(**{k: theirs[k] for k in ("hidden", "heads", "bias")}))
+            ours, theirs = {key: _optional_arch(mine)[key], **ours}, {key: configured, **theirs}
     pairs = ((k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k)))
              for k in sorted({*ours, *theirs}))
     return [(k, a, b) for k, a, b in pairs if a != b]

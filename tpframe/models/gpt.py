@@ -32,7 +32,7 @@ from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
-from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size, rope_scaling
+from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, rope_scaling
 from tpframe.parallel.context import gather_token_ids, local_positions
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
@@ -66,7 +66,8 @@ class TransformerBlock(nn.Module):
         common = dict(bias=cfg.bias, sequence_parallel=sp, comm=ctx.comm, init_method=init, output_init_method=out_init,
                       dtype=dtype, device=device)
         self.attn = ParallelAttention(
-            cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, qkv_bias=cfg.qkv_bias, attention_dropout=cfg.attention_dropout,
+            cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+            qkv_bias=cfg.qkv_bias, attention_dropout=cfg.attention_dropout,
             rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, **common,
         )
         if cfg.moe_experts:
@@ -153,7 +154,7 @@ class GPT(nn.Module):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)
             # Replicated; under SP each rank embeds only its positions, so its gradient is partial.
             self.position = tag_param(nn.Parameter(table.to(device=device, dtype=dtype)), None, sp)
-        self.rotary = (RotaryEmbedding(cfg.hidden // cfg.heads, cfg.max_seq_len, cfg.rope_theta,
+        self.rotary = (RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta,
                                        scaling=rope_scaling(cfg)).to(device) if cfg.position == "rotary" else None)
         self.embed_dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         blocks = {}
@@ -288,15 +289,15 @@ class GPT(nn.Module):
         the experts a token is routed through (top_k), not all of them.
         """
         c = self.cfg
-        h, d = c.hidden, c.hidden // c.heads
-        kv = (c.kv_heads or c.heads) * d
+        h, d = c.hidden, head_dim(c)
+        q, kv = c.heads * d, (c.kv_heads or c.heads) * d
         def mlp_macs(ffn: int) -> int:  # fc1 (gate and up for swiglu) and fc2
             return h * (2 * ffn if c.activation == "swiglu" else ffn) + ffn * h
 
         mlp = mlp_macs(ffn_hidden_size(c))
         if c.moe_experts:  # the router, the experts each token goes through, and the shared expert
             mlp = h * c.moe_experts + c.moe_top_k * mlp_macs(moe_ffn_hidden_size(c)) + mlp_macs(c.moe_shared_ffn)
-        layer = 2 * (h * (h + 2 * kv) + h * h + mlp) + 4 * seq_len * h
+        layer = 2 * (h * (q + 2 * kv) + q * h + mlp) + 4 * seq_len * q
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         return 3.0 * (c.layers * layer + 2 * h * padded)
 

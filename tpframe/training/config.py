@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from tpframe.data.config import DataConfig
 from tpframe.errors import ConfigError, shown
-from tpframe.models.config import ModelConfig, ffn_hidden_size, moe_ffn_hidden_size
+from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size
 from tpframe.optim.config import OptimConfig
 from tpframe.training.profiler import ProfileConfig
 from tpframe.training.validate import check_env, check_numbers, parse_override_value, read_yaml_file
@@ -349,8 +349,11 @@ def validate(cfg: Config, world_size: int) -> None:
             f"parallel.{names}"
         )
     dp = world_size // (p.tp * p.cp * p.pp)
-    if m.hidden % m.heads:
-        raise ConfigError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
+    if m.head_dim is None and m.hidden % m.heads:
+        raise ConfigError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; give each head's width "
+                          "as model.head_dim, or pick heads that divide it")
+    if m.head_dim is not None and m.head_dim < 1:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be at least 1 (or null: model.hidden/model.heads)")
     kv = m.kv_heads if m.kv_heads is not None else m.heads
     if kv < 1 or m.heads % kv:
         raise ConfigError(f"model.kv_heads={kv} must divide model.heads={m.heads}")
@@ -358,8 +361,8 @@ def validate(cfg: Config, world_size: int) -> None:
                        ("model.ffn_hidden", ffn_hidden_size(m))):
         if value % p.tp:
             raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={value}; pick a tp that divides it")
-    if m.position == "rotary" and (m.hidden // m.heads) % 2:
-        raise ConfigError(f"rotary positions need an even head dim; model.hidden/model.heads = {m.hidden // m.heads}")
+    if m.position == "rotary" and head_dim(m) % 2:
+        raise ConfigError(f"rotary positions need an even head dim; model.{'hidden/model.heads' if m.head_dim is None else 'head_dim'} = {head_dim(m)}")
     if m.rope_scaling_factor is not None:
         if m.position != "rotary":
             raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} scales rotary positions; set "
@@ -640,9 +643,9 @@ def _validate_fp8(cfg: Config) -> None:
     if tokens % 16:
         raise ConfigError(f"train.fp8 needs train.micro_batch_size*train.seq_len = {tokens} to be a multiple of 16 "
                           "(float8 GEMM dims)")
-    head_dim = m.hidden // m.heads
     for key, value in (("model.hidden", m.hidden), ("the ffn width", ffn_hidden_size(m)),
-                       ("model.kv_heads * head dim", (m.kv_heads or m.heads) * head_dim)):
+                       ("model.heads * head dim", m.heads * head_dim(m)),
+                       ("model.kv_heads * head dim", (m.kv_heads or m.heads) * head_dim(m))):
         if value % (16 * p.tp):
             raise ConfigError(f"train.fp8 needs {key} = {value} divisible by 16*parallel.tp = {16 * p.tp} "
                               "(each rank's float8 GEMM dims are multiples of 16)")

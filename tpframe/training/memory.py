@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tpframe.errors import ConfigError
-from tpframe.models.config import ffn_hidden_size, moe_ffn_hidden_size, padded_vocab
+from tpframe.models.config import ffn_hidden_size, head_dim, moe_ffn_hidden_size, padded_vocab
 
 GIB = 2**30
 # CUDA context, NCCL buffers, allocator slack; the interpreter, torch and the data on CPU.
@@ -78,7 +78,7 @@ def activation_bytes(cfg, device_type: str) -> float:
         per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) + 4.0) - mlp(ffn_hidden_size(m)))
         per_layer += sbh * (mlp(m.moe_shared_ffn) + 2.0 / tp) if m.moe_shared_ffn else 0.0
     if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
-        kv_hidden = (m.kv_heads or m.heads) * (h // a)
+        kv_hidden = (m.kv_heads or m.heads) * head_dim(m)
         per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_hidden / tp
     if p.recompute == "full":
         whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
