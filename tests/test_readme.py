@@ -7,8 +7,9 @@ Every ```bash and ```python block in README.md has a marker on the line before i
     <!-- readme-test: skip: <why> -->        not run (GPU only, a long run, ...): the reason is required
 A block without a marker fails the test, so a new README section is either covered or deliberately excluded.
 
-The blocks run in one scratch copy of the repository: the `run` blocks in README order (later ones use earlier
-ones' runs), and beside them, one after another, the `independent` ones (two chains on two cores). They run
+The blocks run in one scratch copy of the repository, two at a time on two cores: the `run` blocks in README order
+(later ones use earlier ones' runs) on one worker, and the `independent` ones beside them on both (so each
+independent block writes runs of its own). They run
 with OMP_NUM_THREADS=1 and these rewrites, so that the README takes about a minute and tests what it says:
   - `pip install ...` commands are dropped: the environment under test is the installed one;
   - `python -m pytest ...` commands are dropped: the suite is what runs this test;
@@ -25,6 +26,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,12 +158,20 @@ def _run_block(b: Block, work: Path, env: dict) -> str | None:
     return None
 
 
-def _run_chain(blocks: list[Block], work: Path, env: dict) -> str | None:
+def _run_chain(blocks: list[Block], shared: deque, lock: threading.Lock, work: Path, env: dict) -> str | None:
+    """`blocks` in order, then independent blocks taken from `shared` until none is left (or one fails)."""
     for b in blocks:
         failure = _run_block(b, work, env)
         if failure:
             return failure
-    return None
+    while True:
+        with lock:
+            if not shared:
+                return None
+            b = shared.popleft()
+        failure = _run_block(b, work, env)
+        if failure:
+            return failure
 
 
 @pytest.mark.slow
@@ -171,8 +182,10 @@ def test_readme_blocks_run_as_written(tmp_path):
     _user_files(work)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work), PYTHONUNBUFFERED="1")
     runs = [b for b in readme_blocks(README.read_text()) if b.action == "run"]
-    chains = [[b for b in runs if not b.independent], [b for b in runs if b.independent]]
+    # one worker runs the dependent blocks in order, then helps the other with the independent ones
+    shared, lock = deque(b for b in runs if b.independent), threading.Lock()
+    chains = [[b for b in runs if not b.independent], []]
     with ThreadPoolExecutor(2) as pool:
-        failures = [f for f in pool.map(lambda chain: _run_chain(chain, work, env), chains) if f]
+        failures = [f for f in pool.map(lambda chain: _run_chain(chain, shared, lock, work, env), chains) if f]
     assert not failures, "\n\n".join(failures)
     assert (work / "runs/tiny_cpu/loss.png").is_file() and (work / "hf_model/config.json").is_file()
