@@ -678,3 +678,55 @@ def test_a_rotary_scaling_that_differs_from_config_json_is_named(hf_dirs):
         check_model_matches(ModelConfig(**shape), config, "x")
     with pytest.raises(HFMappingError, match="model.rope_scaling_factor=8.0 but it needs null"):
         check_model_matches(ModelConfig(**shape, rope_scaling_factor=8.0), read_config(hf_dirs["mistral"]), "x")
+
+
+# config.json of models users fine-tune, as the hub has them (the keys model_fields reads and some it ignores)
+HUB_CONFIGS = {
+    "Llama-3.2-1B": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                      "mlp_bias": False, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+                      "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32,
+                      "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+                      "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                      "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
+                      "bos_token_id": 128000, "eos_token_id": 128001},
+                     dict(hidden=2048, heads=32, kv_heads=8, rope_scaling_factor=32.0, tie_embeddings=True)),
+    "Qwen2.5-0.5B": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                      "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,
+                      "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24,
+                      "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                      "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True,
+                      "vocab_size": 151936},
+                     dict(hidden=896, heads=14, kv_heads=2, bias=False, qkv_bias=True)),
+    "Qwen3-0.6B": ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+                    "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+                    "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+                    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+                    "use_sliding_window": False, "vocab_size": 151936},
+                   dict(hidden=1024, heads=16, head_dim=128, qk_norm=True, rope_theta=1000000)),
+    "Mistral-Nemo": ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "head_dim": 128,
+                      "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 14336,
+                      "max_position_embeddings": 1024000, "num_attention_heads": 32, "num_hidden_layers": 40,
+                      "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+                      "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 131072},
+                     dict(hidden=5120, heads=32, head_dim=128, tie_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_CONFIGS))
+def test_hub_configs_of_models_users_fine_tune_map(name):
+    """Each maps to tpframe's model (the fields named here among them), passes train.py's checks at TP=2 with those
+    model.* values, and exports back to its own architecture."""
+    from tpframe.checkpoint.hf import hf_architecture, model_fields
+    from tpframe.models.config import ModelConfig
+    from tpframe.training.config import load_config, validate
+
+    config, expected = HUB_CONFIGS[name]
+    fields = model_fields(config, name)
+    assert {k: fields[k] for k in expected} == expected
+    m = ModelConfig(**{k: v for k, v in fields.items() if k != "name"})
+    assert hf_architecture(m) == config["model_type"].replace("mistral", "llama")
+    overrides = [f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+                 for k, v in fields.items() if k != "name"]
+    validate(load_config(None, [*overrides, "parallel.tp=2", "train.seq_len=128", "model.max_seq_len=4096"]), 2)
