@@ -36,7 +36,7 @@ import torch
 from tpframe.errors import ConfigError
 from tpframe.data.corpus import EOD_BYTE
 from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, first_path
-from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, qkv_bias, rope_scaling
+from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, qkv_bias
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
 CONFIG = "config.json"
@@ -260,14 +260,13 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
                 "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
                 "attention_dropout": m.attention_dropout, **common}
-    scaling = rope_scaling(m)
-    rope = {"rope_type": "default"} if scaling is None else {
-        "rope_type": "llama3", "factor": scaling[0], "low_freq_factor": scaling[1], "high_freq_factor": scaling[2],
-        "original_max_position_embeddings": scaling[3]}
+    scaled = m.rope_scaling_factor is not None
+    rope = {"rope_type": "default"} if not scaled else {
+        "rope_type": "llama3", **{hf_key: getattr(m, mine) for hf_key, mine in _LLAMA3_ROPE_KEYS}}
     llama_like = {"hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": heads,
                   "num_key_value_heads": kv, "head_dim": d, "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu",
                   "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                  "rope_scaling": None if scaling is None else rope,  # transformers 4
+                  "rope_scaling": rope if scaled else None,  # transformers 4
                   "rope_parameters": {**rope, "rope_theta": m.rope_theta},  # transformers >= 5
                   "attention_dropout": m.attention_dropout}
     if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
@@ -324,7 +323,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "max_seq_len": size("n_positions", 1024), "norm": "layernorm",
                 "norm_eps": number("layer_norm_epsilon", 1e-5), "position": "learned",
                 "activation": _GPT2_ACT_BACK[act], "bias": True, "tie_embeddings": tied}
-    # llama, mistral, qwen2, mixtral
+    # llama, mistral, qwen2, qwen3, mixtral
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
     qwen = kind in ("qwen2", "qwen3")
@@ -379,12 +378,16 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     return fields
 
 
+# Llama 3.1's rotary scaling: config.json's keys (rope_type "llama3") and the model.* fields holding them
+_LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                     ("high_freq_factor", "rope_high_freq_factor"),
+                     ("original_max_position_embeddings", "rope_original_max_seq_len"))
+
+
 def _llama3_rope_fields(rope: dict[str, Any], where: str) -> dict[str, Any]:
     """Llama 3.1's rotary scaling as model.rope_* values."""
     out = {}
-    for hf_key, mine in (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
-                         ("high_freq_factor", "rope_high_freq_factor"),
-                         ("original_max_position_embeddings", "rope_original_max_seq_len")):
+    for hf_key, mine in _LLAMA3_ROPE_KEYS:
         value = rope.get(hf_key)
         ok = (_positive_number(value) if hf_key != "original_max_position_embeddings"
               else isinstance(value, int) and not isinstance(value, bool) and value >= 1)

@@ -117,17 +117,17 @@ def architecture(m: ModelConfig) -> dict:
 
 # Fields that change what the model computes but none of its tensors: a resume may change them (a longer context's
 # rotary base, dropout for fine-tuning), and its log names each one that did (`computation_change`).
-COMPUTATION_FIELDS = ("rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                      "rope_original_max_seq_len", "norm_eps", "attention_mask", "eod_id", "dropout",
-                      "attention_dropout")
+_SCALING_COMPANIONS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+COMPUTATION_FIELDS = ("rope_theta", "rope_scaling_factor", *_SCALING_COMPANIONS, "norm_eps", "attention_mask", "eod_id",
+                      "dropout", "attention_dropout")
 
 
 def computation_change(mine: ModelConfig, saved: ModelConfig) -> str | None:
     """One line naming the COMPUTATION_FIELDS a resumed run changed since its checkpoint (`saved`), or None. The
     scaling's companions count only while a scaling is on."""
-    keys = [k for k in COMPUTATION_FIELDS if getattr(mine, k) != getattr(saved, k)
-            and not (k.startswith("rope_") and k != "rope_theta" and k != "rope_scaling_factor"
-                     and mine.rope_scaling_factor is None and saved.rope_scaling_factor is None)]
+    unscaled = mine.rope_scaling_factor is None and saved.rope_scaling_factor is None
+    keys = [k for k in COMPUTATION_FIELDS
+            if getattr(mine, k) != getattr(saved, k) and not (unscaled and k in _SCALING_COMPANIONS)]
     if not keys:
         return None
     return ("the model computes differently from the checkpoint's (" + ", ".join(
