@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP SM_MARGIN
-                                                      #   EMULATE_TP DOC_LEN
+                                                      #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
@@ -25,7 +25,8 @@ only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (tra
 model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
 with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's own work.
-DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
+HEAD_DIM=n gives the heads their own width (model.head_dim), QK_NORM=1 adds Qwen3's per-head query/key norms
+(model.qk_norm). DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
 (model.attention_mask=document; TFLOP/s still counts whole-row causal attention).
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
@@ -136,7 +137,8 @@ def run_one() -> None:
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
                       activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"),
-                      attention_mask="document" if doc_len else "causal", eod_id=0)
+                      attention_mask="document" if doc_len else "causal", eod_id=0,
+                      head_dim=env("HEAD_DIM", 0) or None, qk_norm=flag("QK_NORM"))
     tracker = seed_parallel_rng(1234)
     ckpt = {"0": "none", "1": "full"}.get(os.environ.get("CKPT", "0"), os.environ.get("CKPT", "0"))
     if ckpt not in ("none", "full", "selective"):
