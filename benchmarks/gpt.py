@@ -13,11 +13,13 @@ dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT l
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
 with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops,
 ASYNC_TP=copy_engine by copy-engine pushes (tpframe/layers/async_tp_ce.py), FUSED=0
-turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; NORM_MIN_NUMEL=n:
+turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; qk_norm: the query/key
+norms out of the rotary kernel, into torch's ops; NORM_MIN_NUMEL=n:
 the kernel norms from n elements up), TP_OVERLAP=1 sets comm.overlap_backward=true (the backward's input-gradient
 collective beside the weight gradient instead of after both GEMMs), SM_MARGIN=n comm.overlap_sm_margin (the
 GEMMs beside a collective leave n SMs to it; default 16, as the config). PROFILE=path writes a torch.profiler
 table of one more step there.
+The RESULT line ends with the memory one forward holds for its backward (activations, measured once).
 GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
 graph's static buffers) and times its replays: what a training-step CUDA graph would save over launching the same
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
@@ -154,10 +156,11 @@ def run_one() -> None:
 
         tpframe.kernels.norm.FUSED_MIN_NUMEL = env("NORM_MIN_NUMEL", 0)
     off = {part for part in os.environ.get("FUSED_OFF", "").split(",") if part}  # one kernel family back to torch
-    if off - {"norm", "rope", "head"}:
-        raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head")
-    for m in model.modules():
-        if "norm" in off and hasattr(m, "fused") and hasattr(m, "eps"):
+    if off - {"norm", "rope", "head", "qk_norm"}:
+        raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head, qk_norm")
+    for name, m in model.named_modules():
+        if ("norm" in off or "qk_norm" in off and name.endswith(("q_norm", "k_norm"))) and hasattr(m, "fused") \
+                and hasattr(m, "eps"):
             m.fused = False
         if "rope" in off and hasattr(m, "fused_rotary"):
             m.fused_rotary = False
@@ -186,6 +189,12 @@ def run_one() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if flag("GRAPH") and not cuda:
         raise SystemExit("GRAPH=1 needs a CUDA device")
+    held = torch.cuda.memory_allocated() if cuda else 0  # what the forward keeps for the backward (activations)
+    loss = model(inp, labels).mean()
+    held = (torch.cuda.memory_allocated() - held) / 2**30 if cuda else 0.0
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
     for _ in range(3):
         step()
     if flag("GRAPH"):
@@ -218,7 +227,8 @@ def run_one() -> None:
             f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "
             f"comm={state.tp_comm.requested} {tags} world={state.world_size} "
             f"mb={MB} seq={S} L={L} H={H}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
-            f"{flops / dt / tp / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}"
+            f"{flops / dt / tp / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}, "
+            f"activations {held:.2f} GiB"
         )
         print(line, flush=True)
         if not flag("NO_APPEND"):

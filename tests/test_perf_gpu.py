@@ -67,6 +67,67 @@ def test_triton_rotary_matches_the_torch_path(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_rotary_with_qk_norms_matches_the_torch_path(dtype):
+    """Qwen3's query and key RMSNorms in the split + rotary kernel (eager; compiled, split_heads leaves them to
+    Inductor): q, k, v and the gradients of qkv and both norm weights against an fp64 torch reference, at least as
+    close as eager torch in the same dtype."""
+    from tpframe.kernels.rotary import qkv_rotary
+    from tpframe.layers.attention import RotaryEmbedding, split_heads
+    from tpframe.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    for s, b, nq, nkv, d, per_row in ((2048, 2, 16, 8, 128, False), (37, 3, 8, 2, 64, False), (16, 2, 6, 3, 48, False),
+                                      (1, 8, 16, 8, 128, True)):
+        positions = torch.stack([torch.arange(s, device="cuda") + 5 * i for i in range(b)])
+        tables = {}
+        for t in (dtype, torch.float64):
+            rope = RotaryEmbedding(d, s + 64).cuda().to(t)
+            tables[t] = rope.at(positions, t) if per_row else rope(s, t)
+        w64 = [torch.randn(d, dtype=torch.float64, device="cuda") * 0.5 + 1 for _ in "qk"]
+        qkv64 = torch.randn(s, b, (nq + 2 * nkv) * d, dtype=torch.float64, device="cuda") * 2
+        grads64 = [torch.randn(b, n, s, d, dtype=torch.float64, device="cuda") for n in (nq, nkv, nkv)]
+
+        def norms(t):
+            out = [RMSNorm(d, 1e-6, dtype=t, device="cuda") for _ in "qk"]
+            with torch.no_grad():
+                for n, w in zip(out, w64):
+                    n.weight.copy_(w)
+            return out
+
+        ref_norms = norms(torch.float64)
+        x64 = qkv64.clone().requires_grad_()
+        ref = [t.contiguous() for t in split_heads(x64, nq, nkv, d, tables[torch.float64], fused=False,
+                                                   qk_norm=ref_norms)]
+        ref_grads = torch.autograd.grad(ref, [x64, *(n.weight for n in ref_norms)], grads64)
+        mine = norms(dtype)
+        x = qkv64.to(dtype).requires_grad_()
+        cos, sin = tables[dtype]
+        weights = (mine[0].weight, mine[1].weight, 1e-6)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin), qk_norm=mine), fullgraph=True)
+        results = {}
+        for name, fn in (("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False, qk_norm=mine)),
+                         ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, norm=weights)),
+                         ("fused token-major", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, token_major=True,
+                                                                   norm=weights)),
+                         ("compiled", lambda: compiled(x))):
+            out = fn()
+            if name == "fused token-major":
+                assert all(o.transpose(1, 2).is_contiguous() for o in out), name
+            grads = torch.autograd.grad(out, [x, *(n.weight for n in mine)], [g.to(dtype) for g in grads64])
+            results[name] = ([rel_err(o, r) for o, r in zip(out, ref)], [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+        case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} per_row={per_row} {dtype}"
+        fwd_e, bwd_e = results["eager"]
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        for name in ("fused", "fused token-major", "compiled"):
+            fwd, bwd = results[name]
+            assert max(fwd) <= max(tol, 1.01 * max(fwd_e)), f"{case}: {name} forward errors {fwd} vs eager {fwd_e}"
+            for what, got, eager in zip(("qkv", "q_norm.weight", "k_norm.weight"), bwd, bwd_e):
+                assert got <= max(tol, 1.01 * eager), f"{case}: {name} gradient of {what}: {got} vs eager {eager}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_kernel_matches_sdpa(dtype):
     """The decode-attention kernel (eager and as the custom op under torch.compile) against SDPA with the cache

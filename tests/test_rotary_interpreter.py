@@ -1,6 +1,6 @@
 """The Triton split + rotary kernels (tpframe/kernels/rotary.py) on CPU, in Triton's interpreter, against the torch
 path they replace: tables shared by the batch ([s, 1, 1, d], training) and one row per sequence ([s, b, 1, d],
-generation's left-padded rows), forward and backward. Needs Triton (skipped without it; tests/test_perf_gpu.py
+generation's left-padded rows), forward and backward, also with Qwen3's query/key norms in the same pass. Needs Triton (skipped without it; tests/test_perf_gpu.py
 covers the device)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def _check() -> None:
 
     from tpframe.kernels.rotary import qkv_rotary
     from tpframe.layers.attention import RotaryEmbedding, split_heads
+    from tpframe.layers.norm import RMSNorm
 
     torch.manual_seed(0)
     for s, b, nq, nkv, d, table in ((5, 3, 4, 2, 16, "shared"), (5, 3, 4, 2, 16, "per_row"), (1, 4, 2, 2, 8, "per_row"),
@@ -38,6 +39,8 @@ def _check() -> None:
         got = qkv_rotary(x, *tables, nq, nkv, d)
         got_grad = torch.autograd.grad(got, x, grads)[0]
         case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} table={table}"
+        # in seq-major [s, b, n, d] memory: SDPA's output comes back so, and attention's [s, b, h] is a view of it
+        assert all(t.permute(2, 0, 1, 3).is_contiguous() for t in got), case
         for name, x, y in zip("qkv", got, ref):
             torch.testing.assert_close(x, y.contiguous(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
         torch.testing.assert_close(got_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} grad: {m}")
@@ -51,6 +54,29 @@ def _check() -> None:
         strided = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grads]
         tm_grad = torch.autograd.grad(tm, x, strided)[0]
         torch.testing.assert_close(tm_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} token-major grad: {m}")
+    # with Qwen3's query and key RMSNorms in the same pass: outputs, and the gradients of qkv and of both weights
+    for s, b, nq, nkv, d, table in ((5, 3, 4, 2, 16, "shared"), (3, 2, 3, 1, 12, "per_row")):
+        rope = RotaryEmbedding(d, 64)
+        cos, sin = rope.at(torch.stack([torch.arange(s) + 3 * i for i in range(b)]), torch.float32) \
+            if table == "per_row" else rope(s, torch.float32)
+        norms = [RMSNorm(d, 1e-5) for _ in "qk"]
+        with torch.no_grad():
+            for n in norms:
+                n.weight.normal_(1.0, 0.5)
+        qkv = torch.randn(s, b, (nq + 2 * nkv) * d, requires_grad=True) * 3
+        ref = split_heads(qkv, nq, nkv, d, (cos, sin), fused=False, qk_norm=norms)
+        grads = [torch.randn_like(t) for t in ref]
+        inputs = [qkv, *(n.weight for n in norms)]
+        ref_grads = torch.autograd.grad(ref, inputs, grads)
+        for token_major in (False, True):
+            got = qkv_rotary(qkv, cos, sin, nq, nkv, d, token_major=token_major,
+                             norm=(norms[0].weight, norms[1].weight, 1e-5))
+            got_grads = torch.autograd.grad(got, inputs, grads)
+            case = f"qk_norm s={s} b={b} nq={nq} nkv={nkv} d={d} table={table} token_major={token_major}"
+            for name, x, y in zip("qkv", got, ref):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
+            for name, x, y in zip(("qkv", "q_norm.weight", "k_norm.weight"), got_grads, ref_grads):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} grad {name}: {m}")
     bad = torch.randn(2, 2, 3, 1, 8)  # a table that is neither shared nor per row
     try:
         qkv_rotary(torch.randn(2, 2, 4 * 8), bad, bad, 2, 1, 8)

@@ -94,10 +94,12 @@ def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused
     under torch.compile as a custom op, since Inductor's own code for it is slow); elsewhere, or with
     `fused=False`, plain torch ops compute the same. The kernel takes tables shared by the batch ([s, 1, 1, d])
     or one row per sequence ([s, b, 1, d]: generation's left-padded rows, where it replaces ten small kernels
-    per layer of every decode step). `qk_norm`: the query and key norms (applied per head, before the rotation;
-    torch's ops: the kernel has no norm)."""
-    if qk_norm is None and fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda:
-        return qkv_rotary(qkv, *rotary, nq, nkv, d, token_major=token_major)
+    per layer of every decode step). `qk_norm`: the query and key RMSNorms, applied per head before the rotation
+    (eagerly in the same kernel, unless a norm's `fused` is off; compiled, by Inductor)."""
+    if (fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda
+            and (qk_norm is None or all(n.fused for n in qk_norm) and not torch.compiler.is_compiling())):
+        norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        return qkv_rotary(qkv, *rotary, nq, nkv, d, token_major=token_major, norm=norm)
     s, b = qkv.shape[:2]
     q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
     q, k, v = q.view(s, b, -1, d), k.view(s, b, -1, d), v.view(s, b, -1, d)
