@@ -1,4 +1,5 @@
-"""Hugging Face interop: a TP=2 checkpoint exported as GPT-2 / Llama (a Qwen2 and a Mixtral from random weights) gives transformers' from_pretrained the
+"""Hugging Face interop: a TP=2 checkpoint exported as GPT-2 / Llama / Mixtral (a Qwen2, a Qwen3 and a Qwen3-MoE, among
+others, from random weights) gives transformers' from_pretrained the
 logits of tpframe's TP=1 forward; the HF directory imported at TP=2 starts from the exported model's loss;
 configurations with no HF equivalent and config.json files that do not match the model are one line, exit 2."""
 
@@ -35,13 +36,17 @@ VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
                                    bias=False, qkv_bias=True, kv_heads=2, rope_theta=1e6, norm_eps=1e-6),
             "qwen3_wide_heads": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
                                      bias=False, kv_heads=2, head_dim=12, qk_norm=True, norm_eps=1e-6),
+            "qwen3moe_wide_heads": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
+                                        bias=False, kv_heads=2, head_dim=12, qk_norm=True, norm_eps=1e-6,
+                                        rope_theta=1e6, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48),
             # Llama 3.1's rotary scaling, its context cut to 64: of the wavelengths 6.3, 30, 140 and 660 tokens, the
             # first is kept, the second blended (16..64) and the others stretched
             "llama_rope_scaled": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
                                       bias=False, kv_heads=2, rope_theta=500.0, rope_scaling_factor=8.0,
                                       rope_original_max_seq_len=64, max_seq_len=128)}
 HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+            "mistral": "MistralForCausalLM"}
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
 
 
@@ -219,7 +224,15 @@ def test_each_option_with_no_hf_equivalent_is_named():
                                  moe_experts=4), "model.qkv_bias=true has no Mixtral"),
                            (dict(head_dim=16), "model.head_dim=16 has no GPT-2"), (dict(qk_norm=True), "model.qk_norm=true has no GPT-2"),
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", qk_norm=True),
-                            "model.qk_norm=true maps to Qwen3, which has no biases")):
+                            "model.qk_norm=true maps to Qwen3, which has no biases"),
+                           # query/key norms with experts are Qwen3-MoE: no biases, no shared expert, no llama3 rotary
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", qk_norm=True, moe_experts=4),
+                            "model.bias=true has no Qwen3-MoE equivalent"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, qk_norm=True,
+                                 moe_experts=4, moe_shared_ffn=64), "model.moe_shared_ffn=64 has no Qwen3-MoE"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, qk_norm=True,
+                                 moe_experts=4, rope_scaling_factor=8.0),
+                            "model.rope_scaling_factor=8.0 has no Qwen3-MoE")):
         with pytest.raises(HFMappingError) as e:
             hf_architecture(ModelConfig(**options))
         assert str(e.value).startswith(named) and "\n" not in str(e.value), str(e.value)
@@ -287,10 +300,9 @@ def test_init_from_is_checked_before_anything_starts(tmp_path):
 def _hf_models(tmp: Path) -> dict[str, Path]:
     """HF model directories as from the hub, random weights: GPT-2 with tpframe's byte-level tokenizer.json, a GQA
     Llama (Llama 3.1's rotary scaling) with a word-level tokenizer.json whose end-of-text token tokenizer_config.json
-    names, a Mixtral, a Qwen2
-    (random q/k/v biases; transformers starts them at zero), a Qwen3 (heads of 12, random q/k norms) and a Mistral,
-    of vocabulary 256 and no tokenizer files
-    (byte-level)."""
+    names, a Mixtral, a Qwen2 (random q/k/v biases; transformers starts them at zero), a Qwen3 (heads of 12, random
+    q/k norms), a Qwen3-MoE (likewise; 4 experts top 2, weights that steer the tokens; untied) and a Mistral, of
+    vocabulary 256 and no tokenizer files (byte-level)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from tpframe.data.tokenizer import ByteTokenizer
@@ -333,11 +345,22 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # transformers starts them at one
                 p.normal_(1, 0.5)
     qwen3.save_pretrained(tmp / "qwen3")
+    qwen3_moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=0))
+    with torch.no_grad():
+        for name, p in qwen3_moe.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.5)
+            elif ".mlp." in name:  # the router and experts: at transformers' 0.02 they hardly move the greedy tokens
+                p.normal_(0, 0.3)
+    qwen3_moe.save_pretrained(tmp / "qwen3_moe")  # the experts one tensor each, config.json's num_local_experts=4
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, eos_token_id=0))
     mistral.save_pretrained(tmp / "mistral")
-    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "mistral")}
+    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral")}
 
 
 def _generate_from_hf_dirs(dirs: dict, prompts: dict):
@@ -358,7 +381,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
     directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
     dirs = _hf_models(tmp_path)
     prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts", "qwen2": "biased", "qwen3": "normed",
-               "mistral": "wind"}
+               "qwen3_moe": "routed", "mistral": "wind"}
     tp2 = run_distributed(_generate_from_hf_dirs, 2, dirs, prompts, timeout=120)[0]
     tp1 = run_distributed(_generate_from_hf_dirs, 1, dirs, prompts, timeout=120)[0]
     for name, path in dirs.items():
@@ -371,7 +394,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
         assert generated == reference.tolist(), name
     assert tp2["gpt2"][1:4] == ("ByteTokenizer", 0, [list("héllo wörld".encode())])
     assert tp2["llama"][1:4] == ("HFTokenizer", 1, [[7, 19, 202, 5]])
-    assert all(tp2[name][1:3] == ("ByteTokenizer", 0) for name in ("mixtral", "qwen2", "qwen3", "mistral"))
+    assert all(tp2[name][1:3] == ("ByteTokenizer", 0) for name in ("mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral"))
 
 
 def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
@@ -421,6 +444,9 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
     assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
     assert text["qwen3"][1].endswith("model.head_dim=12 model.qk_norm=true")
+    assert text["qwen3_moe"][0].endswith("(qwen3_moe, Qwen3MoeForCausalLM)") and text["qwen3_moe"][1].endswith(
+        "model.tie_embeddings=false model.head_dim=12 model.qk_norm=true model.moe_experts=4 model.moe_top_k=2 "
+        "model.moe_ffn_hidden=48") and "ffn_hidden=64" not in text["qwen3_moe"][1]
     assert "model.rope_theta=500.0" in text["llama"][1] and text["llama"][1].endswith(
         "model.rope_scaling_factor=8.0 model.rope_low_freq_factor=1.0 model.rope_high_freq_factor=4.0 "
         "model.rope_original_max_seq_len=16")
@@ -439,6 +465,14 @@ def _config(**changes):
     def edit(d: Path):
         config = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**config, **changes}))
+    return edit
+
+
+def _without(*keys):
+    """A mutation of an HF directory: config.json without `keys` (transformers' defaults apply)."""
+    def edit(d: Path):
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in keys}))
     return edit
 
 
@@ -495,6 +529,19 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
     "sliding_window_mistral": ("mistral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
     "sliding_window_qwen2": ("qwen2", _config(use_sliding_window=True, sliding_window=16),
                              "its config.json: use_sliding_window=True has no tpframe equivalent"),
+    "sliding_window_qwen3_moe": ("qwen3_moe", _config(use_sliding_window=True, sliding_window=16),
+                                 "its config.json: use_sliding_window=True has no tpframe equivalent"),
+    "qwen3_moe_not_renormalized": ("qwen3_moe", _config(norm_topk_prob=False),
+                                   "norm_topk_prob=False has no tpframe equivalent (tpframe's softmax router "
+                                   "renormalizes"),
+    "qwen3_moe_renormalization_unsaid": ("qwen3_moe", _without("norm_topk_prob"),  # transformers' default: false
+                                         "norm_topk_prob=False has no tpframe equivalent"),
+    "qwen3_moe_sparse_step": ("qwen3_moe", _config(decoder_sparse_step=2),
+                              "decoder_sparse_step=2 makes some layers dense MLPs"),
+    "qwen3_moe_mlp_only_layers": ("qwen3_moe", _config(mlp_only_layers=[0]),
+                                  "mlp_only_layers=[0] makes those layers dense MLPs"),
+    "qwen3_moe_experts_twice": ("qwen3_moe", _config(num_experts=8),
+                                "num_experts=8 with num_local_experts=4: transformers names one count both ways"),
     "index_not_json": ("gpt2", _index(text="{{"), "index.json is not valid JSON"),
     "index_no_weight_map": ("gpt2", _index(text="[]"), 'has no "weight_map" object'),
     "index_wrong_file": ("gpt2", _index(lambda names: dict.fromkeys([*names, "x"], "model.safetensors")),
@@ -711,14 +758,27 @@ HUB_CONFIGS = {
                       "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
                       "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 131072},
                      dict(hidden=5120, heads=32, head_dim=128, tie_embeddings=False)),
+    "Qwen3-30B-A3B": ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+                       "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1,
+                       "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+                       "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+                       "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768,
+                       "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                       "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+                       "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+                       "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+                       "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+                       "vocab_size": 151936},
+                      dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, qk_norm=True, ffn_hidden=None,
+                           moe_experts=128, moe_top_k=8, moe_ffn_hidden=768, tie_embeddings=False)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(HUB_CONFIGS))
 def test_hub_configs_of_models_users_fine_tune_map(name):
     """Each maps to tpframe's model (the fields named here among them), passes train.py's checks at TP=2 with those
-    model.* values, and exports back to its own architecture."""
-    from tpframe.checkpoint.hf import hf_architecture, model_fields
+    model.* values, and exports back to its own architecture, whose config.json describes the same model."""
+    from tpframe.checkpoint.hf import hf_architecture, hf_config, model_fields
     from tpframe.models.config import ModelConfig
     from tpframe.training.config import load_config, validate
 
@@ -727,6 +787,9 @@ def test_hub_configs_of_models_users_fine_tune_map(name):
     assert {k: fields[k] for k in expected} == expected
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "name"})
     assert hf_architecture(m) == config["model_type"].replace("mistral", "llama")
+    assert model_fields(hf_config(m), name) == fields
+    if config["model_type"] != "mistral":  # written with the hub's keys, those transformers 4 reads (num_experts, ...)
+        assert set(config) <= set(hf_config(m)), sorted(set(config) - set(hf_config(m)))
     overrides = [f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in fields.items() if k != "name"]
     validate(load_config(None, [*overrides, "parallel.tp=2", "train.seq_len=128", "model.max_seq_len=4096"]), 2)

@@ -1,5 +1,5 @@
-"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Qwen2, Qwen3 or Mixtral, both ways (and Mistral
-read).
+"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE, both ways
+(and Mistral read).
 
     export_hf(step_dir, out_dir)        # config.json + model.safetensors + tokenizer files (when known)
     AutoModelForCausalLM.from_pretrained(out_dir)
@@ -12,7 +12,10 @@ The architectures and what fixes them (every other combination has no HF equival
   Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true), no sliding window;
   Qwen3: Llama without biases, with per-head query/key RMSNorms (model.qk_norm) and any head width (model.head_dim);
   Mixtral: Llama's attention with a mixture of experts (model.moe_experts), no biases; the experts are
-      written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load.
+      written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load;
+  Qwen3-MoE: Qwen3's attention with Mixtral's router (softmax, top k renormalized: norm_topk_prob) in every layer
+      (decoder_sparse_step 1, no mlp_only_layers), no shared expert; experts one tensor each (gate_proj, up_proj,
+      down_proj), as Mixtral's.
 The weights are the logical tensors of tpframe.parallel.sharding, renamed: `Rule(hf, parts, transpose)`
 says the HF tensor is the logical `parts` concatenated along dim 0 (GPT-2's fused c_attn is q, k, v),
 transposed for GPT-2's Conv1D layers ([in, out] weights). Rotary needs no permutation: HF Llama's q/k
@@ -68,9 +71,14 @@ class Rule:
 # -- which architecture ---------------------------------------------------------------------------
 
 
+# each architecture's name in messages
+_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+          "qwen3_moe": "Qwen3-MoE"}
+
+
 def hf_architecture(m: ModelConfig) -> str:
-    """'gpt2', 'llama', 'qwen2', 'qwen3' or 'mixtral' for a model config, or HFMappingError naming the option with no
-    equivalent."""
+    """'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral' or 'qwen3_moe' for a model config, or HFMappingError naming the
+    option with no equivalent."""
     if m.name != "gpt":
         raise HFMappingError(f"model.name={m.name!r} has no Hugging Face mapping: only the built-in 'gpt' exports")
     if (m.norm, m.position) == ("layernorm", "learned"):
@@ -97,27 +105,27 @@ def hf_architecture(m: ModelConfig) -> str:
         if m.activation != "swiglu":
             raise HFMappingError(f"model.activation={m.activation} has no Llama equivalent (rmsnorm + rotary is Llama, "
                                  "whose MLP is SwiGLU); set model.activation=swiglu")
+        moe = "Qwen3-MoE" if m.qk_norm else "Mixtral"  # a mixture of experts with Qwen3's attention, or Llama's
         if m.moe_experts and (m.bias or qkv_bias(m)):
-            raise HFMappingError(f"model.{'bias' if m.bias else 'qkv_bias'}=true has no Mixtral equivalent (Mixtral has "
+            raise HFMappingError(f"model.{'bias' if m.bias else 'qkv_bias'}=true has no {moe} equivalent ({moe} has "
                                  f"no biases); set model.{'bias' if m.bias else 'qkv_bias'}=false")
         if m.bias and not qkv_bias(m):
             raise HFMappingError("model.bias=true with model.qkv_bias=false has no Hugging Face equivalent (Llama's "
                                  "attention_bias covers q, k, v and o together); leave model.qkv_bias unset")
         if m.moe_shared_ffn:
-            raise HFMappingError(f"model.moe_shared_ffn={m.moe_shared_ffn} has no Mixtral equivalent (Mixtral has no "
+            raise HFMappingError(f"model.moe_shared_ffn={m.moe_shared_ffn} has no {moe} equivalent ({moe} has no "
                                  "shared expert); export without one, or use tpframe's own format")
         if m.moe_experts and (m.moe_router_score != "softmax" or m.moe_expert_bias):
             raise HFMappingError("model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
-                                 "no Mixtral equivalent (Mixtral routes by softmax, without a bias); use tpframe's own "
+                                 f"no {moe} equivalent ({moe} routes by softmax, without a bias); use tpframe's own "
                                  "format (python tools/checkpoint.py export)")
-        if m.qk_norm and (m.moe_experts or m.bias or qkv_bias(m)):
-            raise HFMappingError("model.qk_norm=true maps to Qwen3, which has no "
-                                 f"{'experts (Qwen3-MoE is not mapped)' if m.moe_experts else 'biases'}; "
-                                 f"{'leave model.moe_experts at 0' if m.moe_experts else 'set model.bias=false and leave model.qkv_bias unset'}")
-        arch = ("mixtral" if m.moe_experts else "qwen3" if m.qk_norm else "qwen2" if qkv_bias(m) and not m.bias
-                else "llama")
+        if m.qk_norm and (m.bias or qkv_bias(m)):
+            raise HFMappingError("model.qk_norm=true maps to Qwen3, which has no biases; set model.bias=false and "
+                                 "leave model.qkv_bias unset")
+        arch = ("qwen3_moe" if m.moe_experts and m.qk_norm else "mixtral" if m.moe_experts else "qwen3" if m.qk_norm
+                else "qwen2" if qkv_bias(m) and not m.bias else "llama")
         if arch != "llama" and m.rope_scaling_factor is not None:
-            raise HFMappingError(f"model.rope_scaling_factor={m.rope_scaling_factor} has no {arch.capitalize()} "
+            raise HFMappingError(f"model.rope_scaling_factor={m.rope_scaling_factor} has no {_NAMES[arch]} "
                                  "equivalent in tpframe's export (Llama 3.1's rotary scaling is written for Llama); "
                                  "leave it unset, or use tpframe's own format")
         return arch
@@ -165,22 +173,33 @@ def rules(m: ModelConfig) -> list[Rule]:
                 out += [Rule(f"{h}self_attn.{p}_norm.weight", (f"{b}attn.{p}_norm.weight",)) for p in "qk"]
             for leaf in leaves:
                 out.append(Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)))
-                if arch != "mixtral":
+                if not m.moe_experts:
                     out += [
                         Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
                         Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
                         Rule(f"{h}mlp.down_proj.{leaf}", (f"{b}mlp.fc2.{leaf}",)),
                     ]
-            if arch == "mixtral":
-                moe = h + "block_sparse_moe."
-                out.append(Rule(moe + "gate.weight", (b + "mlp.router.weight",)))
-                for e in range(m.moe_experts):
-                    x, y = f"{moe}experts.{e}.", f"{b}mlp.experts.{e}."
-                    out += [Rule(x + "w1.weight", (y + "fc1.gate.weight",)), Rule(x + "w3.weight", (y + "fc1.up.weight",)),
-                            Rule(x + "w2.weight", (y + "fc2.weight",))]
+            if m.moe_experts:
+                out += _expert_rules(arch, h, b, m.moe_experts)
         out.append(Rule("model.norm.weight", ("final_norm.weight",)))
     if not m.tie_embeddings:
         out.append(Rule("lm_head.weight", ("head.weight",)))
+    return out
+
+
+# an HF layer's MoE: its prefix, then each expert's names for tpframe's gate, up and down projections (_EXPERT_PARTS)
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+_EXPERT_PARTS = ("fc1.gate", "fc1.up", "fc2")
+
+
+def _expert_rules(arch: str, h: str, b: str, experts: int) -> list[Rule]:
+    """The MoE of HF layer `h` (tpframe block `b`): its router, then each expert's tensors, one each."""
+    block, names = _EXPERT_NAMES[arch]
+    out = [Rule(f"{h}{block}gate.weight", (b + "mlp.router.weight",))]  # both call the router "gate"
+    for e in range(experts):
+        x, y = f"{h}{block}experts.{e}.", f"{b}mlp.experts.{e}."
+        out += [Rule(f"{x}{name}.weight", (y + part + ".weight",)) for name, part in zip(names, _EXPERT_PARTS)]
     return out
 
 
@@ -272,9 +291,17 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
     if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, "use_sliding_window": False,
                 "sliding_window": None, "max_window_layers": m.layers, **common}
+    qwen3 = {**llama_like, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+             "max_window_layers": m.layers}
     if arch == "qwen3":  # per-head q/k norms are Qwen3's own
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **llama_like, "attention_bias": False,
-                "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.layers, **common}
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **qwen3, **common}
+    if arch == "qwen3_moe":  # every layer sparse, the top k renormalized (tpframe's softmax router); intermediate_size,
+        # the dense MLP's, is unused
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **qwen3,
+                "num_experts": m.moe_experts, "num_experts_per_tok": m.moe_top_k,
+                "moe_intermediate_size": moe_ffn_hidden_size(m), "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "router_aux_loss_coef": m.moe_aux_loss, "output_router_logits": False,
+                **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_like, "attention_bias": m.bias,
             "mlp_bias": m.bias, "pretraining_tp": 1, **common}
 
@@ -299,9 +326,9 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             raise refuse(key, "must be a positive number; fix it in config.json")
         return value
 
-    if kind not in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral"):
+    if kind not in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
         raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama', "
-                             "'mistral', 'qwen2', 'qwen3' and 'mixtral'")
+                             "'mistral', 'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe'")
     tied = config.get("tie_word_embeddings", kind == "gpt2")
     if not isinstance(tied, bool):
         raise refuse("tie_word_embeddings", "must be true or false; fix it in config.json")
@@ -323,10 +350,10 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "max_seq_len": size("n_positions", 1024), "norm": "layernorm",
                 "norm_eps": number("layer_norm_epsilon", 1e-5), "position": "learned",
                 "activation": _GPT2_ACT_BACK[act], "bias": True, "tie_embeddings": tied}
-    # llama, mistral, qwen2, qwen3, mixtral
+    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
-    qwen = kind in ("qwen2", "qwen3")
+    qwen = kind in ("qwen2", "qwen3", "qwen3_moe")
     sliding = "use_sliding_window" if qwen else "sliding_window"  # Qwen keeps a window size it does not use
     if kind != "llama" and config.get(sliding, False if qwen else None) not in (None, False):
         raise refuse(sliding, "has no tpframe equivalent (tpframe's attention is full causal)")
@@ -364,17 +391,21 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
               "activation": "swiglu", "bias": bool(config.get("attention_bias", False)), "tie_embeddings": tied}
     if d * heads != hidden:  # heads of their own width (Qwen3, Mistral-Nemo)
         fields["head_dim"] = d
-    if kind == "qwen3":  # per-head query and key norms; attention_bias would put biases on q, k, v and o alone
+    if kind in ("qwen3", "qwen3_moe"):  # per-head query and key norms; attention_bias would put biases on q, k, v
+        # and o alone
         if config.get("attention_bias", False):
-            raise refuse("attention_bias", "in a Qwen3 has no tpframe equivalent (tpframe's biases are on every "
-                                           "linear layer, or on q/k/v alone); tpframe reads Qwen3 without biases")
+            raise refuse("attention_bias", f"in a {_NAMES[kind]} has no tpframe equivalent (tpframe's biases are on "
+                                           "every linear layer, or on q/k/v alone); tpframe reads it without biases")
         fields["qk_norm"] = True
     if rope_type == "llama3":
         fields |= _llama3_rope_fields(rope, f"{where}: {key}")
     if kind == "qwen2":  # q/k/v biases only (its config has no bias options)
         fields["qkv_bias"] = True
     if kind == "mixtral":
-        fields |= _mixtral_fields(config, where, size)
+        fields |= _moe_fields(config, where, size, experts_key="num_local_experts", ffn_key="intermediate_size",
+                              defaults=(8, 2, 14336))
+    if kind == "qwen3_moe":
+        fields |= _qwen3_moe_fields(config, where, size)
     return fields
 
 
@@ -405,14 +436,41 @@ def _positive_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
 
 
-def _mixtral_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int]) -> dict[str, Any]:
-    """Mixtral's experts: every block a mixture of `num_local_experts` SwiGLU MLPs of `intermediate_size`."""
-    experts, top_k = size("num_local_experts", 8), size("num_experts_per_tok", 2)
+def _moe_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int], *, experts_key: str,
+               ffn_key: str, defaults: tuple[int, int, int]) -> dict[str, Any]:
+    """Every block a mixture of `experts_key` SwiGLU MLPs of `ffn_key` hidden units, `num_experts_per_tok` per token
+    (`defaults`: transformers' for the three, in that order); no dense MLP (ffn_hidden unused), no biases."""
+    experts, top_k = size(experts_key, defaults[0]), size("num_experts_per_tok", defaults[1])
     if top_k > experts:
-        raise HFMappingError(f"{where}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}; fix it in "
+        raise HFMappingError(f"{where}: num_experts_per_tok={top_k} exceeds {experts_key}={experts}; fix it in "
                              "config.json")
-    return {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": size("intermediate_size", 14336),
+    return {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": size(ffn_key, defaults[2]),
             "ffn_hidden": None, "bias": False}
+
+
+def _qwen3_moe_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int]) -> dict[str, Any]:
+    """Qwen3-MoE's experts, where tpframe can hold them: a mixture in every layer (no dense ones), its router's top k
+    renormalized as tpframe's softmax router does. The hub names the count num_experts, transformers 5 saves it as
+    num_local_experts."""
+    step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
+    if isinstance(step, bool) or step != 1:
+        raise HFMappingError(f"{where}: decoder_sparse_step={step!r} makes some layers dense MLPs, which tpframe has "
+                             "no equivalent for (every block of a tpframe MoE is a mixture of experts); tpframe reads "
+                             "Qwen3-MoE with decoder_sparse_step=1")
+    if dense not in (None, []):
+        raise HFMappingError(f"{where}: mlp_only_layers={dense!r} makes those layers dense MLPs, which tpframe has no "
+                             "equivalent for (every block of a tpframe MoE is a mixture of experts); tpframe reads "
+                             "Qwen3-MoE with mlp_only_layers=[]")
+    if config.get("norm_topk_prob", False) is not True:  # transformers' default: false
+        raise HFMappingError(f"{where}: norm_topk_prob={config.get('norm_topk_prob', False)!r} has no tpframe "
+                             "equivalent (tpframe's softmax router renormalizes the top k's weights to sum 1); "
+                             "tpframe reads Qwen3-MoE with norm_topk_prob=true")
+    both = config.get("num_experts"), config.get("num_local_experts")
+    if None not in both and both[0] != both[1]:
+        raise HFMappingError(f"{where}: num_experts={both[0]!r} with num_local_experts={both[1]!r}: transformers names "
+                             "one count both ways; keep one of them in config.json")
+    return _moe_fields(config, where, size, experts_key="num_experts" if both[0] is not None else "num_local_experts",
+                       ffn_key="moe_intermediate_size", defaults=(128, 8, 768))
 
 
 def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:

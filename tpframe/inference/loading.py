@@ -1,6 +1,7 @@
 """Where generation's weights come from: a training checkpoint (any TP/PP/DP layout), a consolidated
-safetensors export, or a Hugging Face model directory (GPT-2, Llama, Mixtral in safetensors: an HF export, or a
-model from the hub), read in full and cut into this rank's shards for the TP size of the run.
+safetensors export, or a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE in
+safetensors: an HF export, or a model from the hub), read in full and cut into this rank's shards for the TP size of
+the run.
 
     source = open_source("runs/x/checkpoints")     # filesystem only, before any process group
     tensors = read_weights(source)                 # {logical name: full tensor} on the CPU
