@@ -393,6 +393,15 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
                "parallel.recompute_layers=1") == one + loss + embedding
     assert (act("parallel.tp=2", "parallel.activation_checkpointing=true") < act("parallel.tp=2", "parallel.activation_checkpointing=selective")
             < act("parallel.tp=2"))
+    # attention's part follows its own width: grouped-query keys/values (K = 1 head of 32) and Qwen3's wide heads
+    # (A = K = 4 heads of 64 = 2h): 4*(A + K)/h in place of 8; a SwiGLU MLP of ffn keeps 2*(2 ffn + ffn)/h
+    llama = ("parallel.tp=2", "train.dtype=bfloat16", "model.norm=rmsnorm", "model.position=rotary",
+             "model.activation=swiglu", "model.ffn_hidden=384")
+    swiglu = 2 * (2 * 384 + 384) / h
+    for options, attention in (((), 8.0), (("model.kv_heads=1",), 4 * (h + 32) / h),
+                               (("model.head_dim=64",), 4 * (2 * h + 2 * h) / h)):
+        want = s * b * h * (10 + (attention + swiglu) / 2) * L + loss + embedding
+        assert act(*llama, *options) == want, options
 
 
 # -- launcher drills: preemption and a stopped rank ---------------------------------------------------------

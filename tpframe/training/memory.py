@@ -9,7 +9,10 @@ Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size 
   fsdp   (fp32 params 4P + grads 4P + moments 8P) / d, plus a gathered layer or two in compute dtype
   (parallel.grad_reduce_dtype=bfloat16 adds a bucket's bf16 copy or two in flight: not counted)
 Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activations, per layer):
-  s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t; s*b*h*(34 + 5*a*s/h)/t with sequence parallelism;
+  s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t; s*b*h*(34 + 5*a*s/h)/t with sequence parallelism; the 24 is
+  attention's 8 (q, k, v and the projection's input) and the MLP's 16 at GPT's shapes, in general
+  4*(A + K)/h with A = heads*head_dim and K = kv_heads*head_dim (grouped-query attention, Qwen3's wide heads)
+  and 2*(ffn + ffn)/h, 2*(2*ffn + ffn)/h for SwiGLU (16 at ffn 4h, and at SwiGLU's 8h/3);
   2*s*b*h (/t with SP) per layer plus one layer's worth with activation checkpointing. The 5*a*s/h term
   (attention scores) is left out where SDPA's fused kernels keep no scores (CUDA; CPU without
   attention dropout). fp32 activations count twice. The vocabulary-parallel loss keeps
@@ -66,20 +69,24 @@ def activation_bytes(cfg, device_type: str) -> float:
     scores_kept = device_type == "cpu" and m.attention_dropout > 0
     score_term = 5 * a * s / h if scores_kept else 0.0
     sbh = float(s) * b * h
+
+    def mlp(ffn: int) -> float:  # what an MLP keeps inside the TP region, per sbh (16 at a GELU ffn of 4h)
+        return 2.0 * ((2 if m.activation == "swiglu" else 1) * ffn + ffn) / h
+
+    width, kv_width = m.heads * head_dim(m), (m.kv_heads or m.heads) * head_dim(m)
+    split = 4.0 * (width + kv_width) / h + mlp(ffn_hidden_size(m))  # inside the TP region: 24 at GPT's shapes
     # selective recompute drops the two norm outputs (2 sbh each) and the activation output (8 sbh at ffn 4h)
-    norms, act = (4.0, 8.0 * ffn_hidden_size(m) / (4 * h)) if p.recompute == "selective" else (0.0, 0.0)
+    norms, act = (4.0, 2.0 * ffn_hidden_size(m) / h) if p.recompute == "selective" else (0.0, 0.0)
     if p.sequence_parallel:
-        per_layer = sbh * (34 - norms - act + score_term) / tp
+        per_layer = sbh * (10 + split - norms - act + score_term) / tp
     else:
-        per_layer = sbh * (10 - norms + (24 - act) / tp + score_term / tp)
+        per_layer = sbh * (10 - norms + (split - act) / tp + score_term / tp)
     if m.moe_experts:  # MoE: top_k expert MLPs per token instead of one, plus the dispatched tokens and outputs
-        def mlp(ffn: int) -> float:  # what an MLP keeps inside the TP region, per sbh (16 at a GELU ffn of 4h)
-            return 2.0 * ((2 if m.activation == "swiglu" else 1) * ffn + ffn) / h / tp
-        per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) + 4.0) - mlp(ffn_hidden_size(m)))
-        per_layer += sbh * (mlp(m.moe_shared_ffn) + 2.0 / tp) if m.moe_shared_ffn else 0.0
+        per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) / tp + 4.0)
+                            - mlp(ffn_hidden_size(m)) / tp)
+        per_layer += sbh * (mlp(m.moe_shared_ffn) / tp + 2.0 / tp) if m.moe_shared_ffn else 0.0
     if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
-        kv_hidden = (m.kv_heads or m.heads) * head_dim(m)
-        per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_hidden / tp
+        per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_width / tp
     if p.recompute == "full":
         whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
         layers = whole * 2 * sbh / (tp if p.sequence_parallel else 1) + (L - whole + 1) * per_layer
