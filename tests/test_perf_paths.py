@@ -191,9 +191,12 @@ def test_rotary_custom_op_has_fake_shapes_for_tracing():
     with FakeTensorMode():
         qkv = torch.empty(s, b, (nq + 2 * nkv) * d, dtype=torch.bfloat16)
         cos = sin = torch.empty(s, 1, 1, d, dtype=torch.bfloat16)
-        q, k, v = torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d)
-        g = torch.ops.tpframe.qkv_rotary_backward(q, k, v, cos, sin, nq, nkv, d)
-    assert [tuple(t.shape) for t in (q, k, v)] == [(b, nq, s, d), (b, nkv, s, d), (b, nkv, s, d)]
+        q, k, v = torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d)  # [s, b, n, d], permuted by the caller
+        g = torch.ops.tpframe.qkv_rotary_backward(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), cos, sin, nq, nkv, d)
+        tm = torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d, True)  # token-major: [b, n, s, d] views
+    assert [tuple(t.shape) for t in (q, k, v)] == [(s, b, nq, d), (s, b, nkv, d), (s, b, nkv, d)]
+    assert all(t.is_contiguous() for t in (q, k, v))
+    assert [tuple(t.shape) for t in tm] == [(b, nq, s, d), (b, nkv, s, d), (b, nkv, s, d)]
     assert tuple(g.shape) == (s, b, (nq + 2 * nkv) * d) and g.dtype == torch.bfloat16
 
 

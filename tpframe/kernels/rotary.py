@@ -192,9 +192,9 @@ def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int, qkv=None, qw=No
 class _QKVRotary(torch.autograd.Function):
     """The eager path: no op dispatch on the way to the kernels. Its outputs are views of seq-major [s, b, n, d]
     memory (but token-major ones), so SDPA returns its output in that order and attention's [s, b, h] output is a
-    view of it, not a copy: 1.5 GiB less held for the backward at GPT-1.3B micro-batch 8, one copy fewer per layer.
-    (Compiled, the op's outputs stay contiguous: Inductor assumed them so against their fake's strides.) With the
-    norms, v is the view of qkv and its gradient comes back here, into the same buffer."""
+    view of it, not a copy: 1.5 GiB less held for the backward at GPT-1.3B micro-batch 8, one copy fewer per layer
+    (compiled the same, through the op below). With the norms, v is the view of qkv and its gradient comes back here,
+    into the same buffer."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, nq, nkv, d, token_major, qw=None, kw=None, eps=0.0):
@@ -217,17 +217,22 @@ class _QKVRotary(torch.autograd.Function):
 
 # Under torch.compile the same kernels run as custom ops: opaque to Inductor, which would otherwise generate the
 # split + rotation + layout change itself, with a backward whose transposed stores cost ~10x the kernel's.
+# Its outputs are [s, b, n, d] tensors, contiguous (token-major: [b, n, s, d] views of [b, s, n, d] memory), which
+# qkv_rotary permutes: Inductor keeps a custom op's contiguous outputs as they are, where it assumed permuted ones
+# contiguous against their fake's strides
 @torch.library.custom_op("tpframe::qkv_rotary", mutates_args=())
 def qkv_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
                   d: int, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major)
+    out = _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major, seq_major=not token_major)
+    return out if token_major else tuple(t.permute(2, 0, 1, 3) for t in out)
 
 
 @qkv_rotary_op.register_fake
 def _(qkv, cos, sin, nq, nkv, d, token_major=False):
     s, b = qkv.shape[:2]
-    return (_empty(qkv, b, nq, s, d, token_major), _empty(qkv, b, nkv, s, d, token_major),
-            _empty(qkv, b, nkv, s, d, token_major))
+    if token_major:
+        return tuple(_empty(qkv, b, n, s, d, True) for n in (nq, nkv, nkv))
+    return tuple(qkv.new_empty((s, b, n, d)) for n in (nq, nkv, nkv))
 
 
 @torch.library.custom_op("tpframe::qkv_rotary_backward", mutates_args=())
@@ -243,13 +248,15 @@ def _(gq, gk, gv, cos, sin, nq, nkv, d):
 
 
 def _setup_context(ctx, inputs, output):
-    _, cos, sin, nq, nkv, d, _ = inputs
+    _, cos, sin, nq, nkv, d, token_major = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.dims = (nq, nkv, d)
+    ctx.dims, ctx.token_major = (nq, nkv, d), token_major
 
 
 def _backward(ctx, gq, gk, gv):
     cos, sin = ctx.saved_tensors
+    if not ctx.token_major:  # the gradients of [s, b, n, d] outputs: as [b, n, s, d] views for the kernel
+        gq, gk, gv = (g.permute(1, 2, 0, 3) for g in (gq, gk, gv))
     return torch.ops.tpframe.qkv_rotary_backward(gq, gk, gv, cos, sin, *ctx.dims), None, None, None, None, None, None
 
 
@@ -258,8 +265,8 @@ qkv_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int, *,
                token_major: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
-    """The Triton path: (q, k, v), each [b, n, s, d]: a view of seq-major [s, b, n, d] memory (eager; contiguous
-    compiled), or (`token_major`) of [b, s, n, d] memory, which variable-length attention reads as [b*s, n, d]
+    """The Triton path: (q, k, v), each [b, n, s, d]: a view of seq-major [s, b, n, d] memory, or (`token_major`)
+    of [b, s, n, d] memory, which variable-length attention reads as [b*s, n, d]
     without a copy; cos/sin [s, 1, 1, d] (or [s, d]) shared by
     the batch, or [s, b, 1, d] with a row per sequence. `norm`: (q weight, k weight, eps) of RMSNorms over each
     query and key head before the rotation (Qwen3's), in the same pass (eager only: compiled, Inductor's fusion of
@@ -275,7 +282,8 @@ def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int,
                          f"nq={nq}, nkv={nkv}, d={d}")
     if norm is None:
         if torch.compiler.is_compiling():
-            return torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d, token_major)
+            out = torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d, token_major)
+            return out if token_major else tuple(t.permute(1, 2, 0, 3) for t in out)
         return _QKVRotary.apply(qkv, cos, sin, nq, nkv, d, token_major)
     if torch.compiler.is_compiling():  # Inductor fuses the norms and the rotation as fast, holding less memory
         raise RuntimeError("qkv_rotary with norms runs eagerly; under torch.compile split_heads takes torch's ops")
