@@ -727,6 +727,28 @@ def test_a_rotary_scaling_that_differs_from_config_json_is_named(hf_dirs):
         check_model_matches(ModelConfig(**shape, rope_scaling_factor=8.0), read_config(hf_dirs["mistral"]), "x")
 
 
+def test_experts_that_differ_from_config_json_are_named():
+    """A dense directory needs a dense model; a Mixtral or Qwen3-MoE directory needs their router, without a shared
+    expert: each difference named before anything starts (not a missing tensor, or an export's refusal, later)."""
+    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, hf_config
+    from tpframe.models.config import ModelConfig
+
+    shape = dict(vocab_size=256, hidden=32, layers=2, heads=4, kv_heads=2, norm="rmsnorm", position="rotary",
+                 activation="swiglu", bias=False, tie_embeddings=False, max_seq_len=64)
+    dense = hf_config(ModelConfig(**shape, ffn_hidden=64))
+    with pytest.raises(HFMappingError, match="model.moe_experts=4 but it needs 0"):
+        check_model_matches(ModelConfig(**shape, ffn_hidden=64, moe_experts=4), dense, "x")
+    for qk_norm in (False, True):  # Mixtral, Qwen3-MoE
+        moe = dict(shape, moe_experts=4, moe_ffn_hidden=48, qk_norm=qk_norm)
+        config = hf_config(ModelConfig(**moe))
+        check_model_matches(ModelConfig(**moe), config, "x")
+        for extra, named in ((dict(moe_shared_ffn=32), "model.moe_shared_ffn=32 but it needs 0"),
+                             (dict(moe_router_score="sigmoid"), "model.moe_router_score=sigmoid but it needs softmax"),
+                             (dict(moe_expert_bias=True), "model.moe_expert_bias=true but it needs false")):
+            with pytest.raises(HFMappingError, match=named):
+                check_model_matches(ModelConfig(**moe, **extra), config, "x")
+
+
 # config.json of models users fine-tune, as the hub has them (the keys model_fields reads and some it ignores)
 HUB_CONFIGS = {
     "Llama-3.2-1B": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,

@@ -480,6 +480,9 @@ def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> N
     if m.head_dim is not None:  # compared where either side gives it (else both are hidden/heads)
         want.setdefault("head_dim", want["hidden"] // want["heads"])
     want.setdefault("qk_norm", False)
+    want.setdefault("moe_experts", 0)  # a dense directory needs a dense model; experts need Mixtral's router
+    if want["moe_experts"]:
+        want.update(moe_shared_ffn=0, moe_router_score="softmax", moe_expert_bias=False)
     if want["position"] == "rotary":  # an unscaled rotary model needs model.rope_scaling_factor unset
         want.setdefault("rope_scaling_factor", None)
     mine = {k: getattr(m, k) for k in want}
