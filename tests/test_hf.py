@@ -358,8 +358,8 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
     qwen3_moe.save_pretrained(tmp / "qwen3_moe")  # the experts one tensor each, config.json's num_local_experts=4
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, eos_token_id=0))
-    mistral.save_pretrained(tmp / "mistral")
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=32, eos_token_id=0))
+    mistral.save_pretrained(tmp / "mistral")  # Mistral 7B v0.1's sliding window: full causal attention up to 32
     return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral")}
 
 
@@ -443,6 +443,7 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["mixtral"][3] == "tokenizer   none: byte-level (vocabulary 256)"
     assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
     assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
+    assert text["mistral"][2] == "context     model.max_seq_len up to 32 (sliding_window)"
     assert text["qwen3"][1].endswith("model.head_dim=12 model.qk_norm=true")
     assert text["qwen3_moe"][0].endswith("(qwen3_moe, Qwen3MoeForCausalLM)") and text["qwen3_moe"][1].endswith(
         "model.tie_embeddings=false model.head_dim=12 model.qk_norm=true model.moe_experts=4 model.moe_top_k=2 "
@@ -513,7 +514,8 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
     "heads_not_dividing": ("gpt2", _config(n_head=3), "n_head=3 does not divide n_embd=32"),
     "kv_heads_not_dividing": ("llama", _config(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
     "top_k_over_experts": ("mixtral", _config(num_experts_per_tok=9), "num_experts_per_tok=9 exceeds"),
-    "sliding_window": ("mixtral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
+    "sliding_window_string": ("mixtral", _config(sliding_window="4096"),
+                              "its config.json: sliding_window='4096' must be a positive integer"),
     "qwen3_attention_bias": ("qwen3", _config(attention_bias=True), "attention_bias=True in a Qwen3 has no tpframe"),
     "head_dim_odd": ("llama", _config(head_dim=7), "head_dim=7 gives an odd head dim, 7"),
     "rope_yarn": ("llama", _config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500.0}),
@@ -526,11 +528,11 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
                                                             "low_freq_factor": 4.0, "high_freq_factor": 4.0,
                                                             "original_max_position_embeddings": 16}),
                           "the llama3 scaling's high_freq_factor=4.0 must exceed its low_freq_factor=4.0"),
-    "sliding_window_mistral": ("mistral", _config(sliding_window=4096), "its config.json: sliding_window=4096 has no"),
-    "sliding_window_qwen2": ("qwen2", _config(use_sliding_window=True, sliding_window=16),
-                             "its config.json: use_sliding_window=True has no tpframe equivalent"),
-    "sliding_window_qwen3_moe": ("qwen3_moe", _config(use_sliding_window=True, sliding_window=16),
-                                 "its config.json: use_sliding_window=True has no tpframe equivalent"),
+    "sliding_window_zero": ("mistral", _config(sliding_window=0), "its config.json: sliding_window=0 must be a positive"),
+    "sliding_window_qwen2_sizeless": ("qwen2", _config(use_sliding_window=True, sliding_window=None),
+                                      "its config.json: use_sliding_window=true without a sliding_window size"),
+    "sliding_window_qwen3_moe_string": ("qwen3_moe", _config(use_sliding_window="yes"),
+                                        "its config.json: use_sliding_window='yes' must be true or false"),
     "qwen3_moe_not_renormalized": ("qwen3_moe", _config(norm_topk_prob=False),
                                    "norm_topk_prob=False has no tpframe equivalent (tpframe's softmax router "
                                    "renormalizes"),
@@ -717,7 +719,7 @@ def test_a_rotary_scaling_that_differs_from_config_json_is_named(hf_dirs):
 
     shape = dict(vocab_size=300, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, norm="rmsnorm",
                  norm_eps=1e-6, position="rotary", activation="swiglu", bias=False, tie_embeddings=False,
-                 rope_theta=500.0)
+                 rope_theta=500.0, max_seq_len=32)
     config = read_config(hf_dirs["llama"])
     check_model_matches(ModelConfig(**shape, rope_scaling_factor=8.0, rope_original_max_seq_len=16), config, "x")
     with pytest.raises(HFMappingError, match=r"model.rope_scaling_factor=null but it needs 8.0; "
@@ -747,6 +749,25 @@ def test_experts_that_differ_from_config_json_are_named():
                              (dict(moe_expert_bias=True), "model.moe_expert_bias=true but it needs false")):
             with pytest.raises(HFMappingError, match=named):
                 check_model_matches(ModelConfig(**moe, **extra), config, "x")
+
+
+def test_a_context_longer_than_the_sliding_window_is_named(hf_dirs):
+    """Mistral 7B v0.1's sliding window (32 here): full causal attention is the same up to 32 tokens, so a model of
+    that context starts from the directory, and a longer one is refused naming both numbers."""
+    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, hf_context, read_config
+    from tpframe.models.config import ModelConfig
+
+    config = read_config(hf_dirs["mistral"])
+    assert hf_context(config, "x") == (32, "sliding_window")
+    assert hf_context({**config, "sliding_window": 4096}, "x") == (64, "max_position_embeddings")  # the longer one
+    assert hf_context(read_config(hf_dirs["qwen2"]), "x") == (64, "max_position_embeddings")  # a window unused
+    shape = dict(vocab_size=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, norm="rmsnorm",
+                 norm_eps=1e-6, position="rotary", activation="swiglu", bias=False, tie_embeddings=False)
+    check_model_matches(ModelConfig(**shape, max_seq_len=32), config, "x")
+    with pytest.raises(HFMappingError, match=r"^x: model.max_seq_len=48 exceeds its sliding_window=32: tpframe's "
+                                             r"attention is full causal, .* set model.max_seq_len \(and "
+                                             r"train.seq_len\) to at most 32$"):
+        check_model_matches(ModelConfig(**shape, max_seq_len=48), config, "x")
 
 
 # config.json of models users fine-tune, as the hub has them (the keys model_fields reads and some it ignores)

@@ -8,8 +8,10 @@
 The architectures and what fixes them (every other combination has no HF equivalent):
   GPT-2: layernorm, learned positions, gelu (tanh approximation: "gelu_new") or relu, biases, heads = kv_heads;
   Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias; Mistral
-      without a sliding window is Llama (read, written as Llama);
-  Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true), no sliding window;
+      is Llama (read, written as Llama);
+  Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true);
+  a sliding window (Mistral 7B v0.1's, a Qwen's use_sliding_window) is read as full causal attention, which is the
+      same on sequences up to the window: model.max_seq_len may not exceed it (hf_context);
   Qwen3: Llama without biases, with per-head query/key RMSNorms (model.qk_norm) and any head width (model.head_dim);
   Mixtral: Llama's attention with a mixture of experts (model.moe_experts), no biases; the experts are
       written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load;
@@ -353,10 +355,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
-    qwen = kind in ("qwen2", "qwen3", "qwen3_moe")
-    sliding = "use_sliding_window" if qwen else "sliding_window"  # Qwen keeps a window size it does not use
-    if kind != "llama" and config.get(sliding, False if qwen else None) not in (None, False):
-        raise refuse(sliding, "has no tpframe equivalent (tpframe's attention is full causal)")
+    hf_context(config, where)  # a sliding window: well-formed (the run's context must fit in it: check_model_matches)
     if kind == "llama" and config.get("attention_bias", False) != config.get("mlp_bias", False):
         raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
                                        "equivalent (model.bias puts biases on both or neither)")
@@ -473,9 +472,39 @@ def _qwen3_moe_fields(config: dict[str, Any], where: str, size: Callable[[str, i
                        ffn_key="moe_intermediate_size", defaults=(128, 8, 768))
 
 
+def hf_context(config: dict[str, Any], where: str) -> tuple[int, str]:
+    """(the longest context tpframe's model reproduces, the config.json key that sets it): max_position_embeddings,
+    or a smaller sliding window (Mistral 7B v0.1's, Mixtral's, a Qwen's with use_sliding_window). tpframe's attention
+    is full causal, which equals a window of W tokens on sequences of up to W tokens, so such a model trains and
+    generates exactly within its window; HFMappingError for a malformed window."""
+    kind, limit = config.get("model_type"), config.get("max_position_embeddings", 2048)
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):  # Qwen keeps a window size it does not use
+        use = config.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise HFMappingError(f"{where}: use_sliding_window={use!r} must be true or false; fix it in config.json")
+        window = config.get("sliding_window") if use else None
+        if use and window is None:
+            raise HFMappingError(f"{where}: use_sliding_window=true without a sliding_window size; fix it in "
+                                 "config.json")
+    else:
+        window = config.get("sliding_window") if kind in ("mistral", "mixtral") else None
+    if window is None:
+        return limit, "max_position_embeddings"
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise HFMappingError(f"{where}: sliding_window={window!r} must be a positive integer (or null); fix it in "
+                             "config.json")
+    return (window, "sliding_window") if window < limit else (limit, "max_position_embeddings")
+
+
 def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:
-    """HFMappingError, one line naming every model.* value that differs from what config.json describes."""
+    """HFMappingError, one line naming every model.* value that differs from what config.json describes, or a
+    context longer than its sliding window."""
     want = model_fields(config, where)
+    limit, key = hf_context(config, where)
+    if key == "sliding_window" and m.max_seq_len > limit:
+        raise HFMappingError(f"{where}: model.max_seq_len={m.max_seq_len} exceeds its sliding_window={limit}: "
+                             f"tpframe's attention is full causal, which equals the window only on sequences of up to "
+                             f"{limit} tokens; set model.max_seq_len (and train.seq_len) to at most {limit}")
     want.setdefault("qkv_bias", want["bias"])  # a model without the key has model.bias's
     if m.head_dim is not None:  # compared where either side gives it (else both are hidden/heads)
         want.setdefault("head_dim", want["hidden"] // want["heads"])
