@@ -360,7 +360,16 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=32, eos_token_id=0))
     mistral.save_pretrained(tmp / "mistral")  # Mistral 7B v0.1's sliding window: full causal attention up to 32
-    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral")}
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0))
+    with torch.no_grad():  # fused q/k/v and gate/up tensors, weights large enough that a swapped part shows
+        for name, p in phi3.named_parameters():
+            if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+                p.normal_(0, 0.3)
+    phi3.save_pretrained(tmp / "phi3")
+    return {name: tmp / name for name in ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")}
 
 
 def _generate_from_hf_dirs(dirs: dict, prompts: dict):
@@ -381,7 +390,7 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
     directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
     dirs = _hf_models(tmp_path)
     prompts = {"gpt2": "héllo wörld", "llama": "w5 w17 w200 w3", "mixtral": "experts", "qwen2": "biased", "qwen3": "normed",
-               "qwen3_moe": "routed", "mistral": "wind"}
+               "qwen3_moe": "routed", "mistral": "wind", "phi3": "fused"}
     tp2 = run_distributed(_generate_from_hf_dirs, 2, dirs, prompts, timeout=120)[0]
     tp1 = run_distributed(_generate_from_hf_dirs, 1, dirs, prompts, timeout=120)[0]
     for name, path in dirs.items():
@@ -394,7 +403,8 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
         assert generated == reference.tolist(), name
     assert tp2["gpt2"][1:4] == ("ByteTokenizer", 0, [list("héllo wörld".encode())])
     assert tp2["llama"][1:4] == ("HFTokenizer", 1, [[7, 19, 202, 5]])
-    assert all(tp2[name][1:3] == ("ByteTokenizer", 0) for name in ("mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral"))
+    assert all(tp2[name][1:3] == ("ByteTokenizer", 0) for name in ("mixtral", "qwen2", "qwen3", "qwen3_moe", "mistral",
+                                                                   "phi3"))
 
 
 def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
@@ -444,6 +454,8 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
     assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
     assert text["mistral"][2] == "context     model.max_seq_len up to 32 (sliding_window)"
+    assert text["phi3"][0].endswith("(phi3, Phi3ForCausalLM)") and "  model.layers.0.mlp.gate_up_proj.weight" in \
+        " ".join(text["phi3"])
     assert text["qwen3"][1].endswith("model.head_dim=12 model.qk_norm=true")
     assert text["qwen3_moe"][0].endswith("(qwen3_moe, Qwen3MoeForCausalLM)") and text["qwen3_moe"][1].endswith(
         "model.tie_embeddings=false model.head_dim=12 model.qk_norm=true model.moe_experts=4 model.moe_top_k=2 "
@@ -528,6 +540,8 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
                                                             "low_freq_factor": 4.0, "high_freq_factor": 4.0,
                                                             "original_max_position_embeddings": 16}),
                           "the llama3 scaling's high_freq_factor=4.0 must exceed its low_freq_factor=4.0"),
+    "partial_rotary": ("phi3", _config(partial_rotary_factor=0.75),
+                       "its config.json: partial_rotary_factor=0.75 has no tpframe equivalent"),
     "sliding_window_zero": ("mistral", _config(sliding_window=0), "its config.json: sliding_window=0 must be a positive"),
     "sliding_window_qwen2_sizeless": ("qwen2", _config(use_sliding_window=True, sliding_window=None),
                                       "its config.json: use_sliding_window=true without a sliding_window size"),
@@ -751,6 +765,22 @@ def test_experts_that_differ_from_config_json_are_named():
                 check_model_matches(ModelConfig(**moe, **extra), config, "x")
 
 
+def test_a_phi3_directory_reads_as_llama_with_fused_tensors(hf_dirs):
+    """Phi-3's qkv_proj (q, k, v of their own sizes: grouped-query) and gate_up_proj (gate, then up), read into
+    tpframe's logical tensors and written back as a Llama, give transformers' Phi-3 logits."""
+    from tpframe.checkpoint.hf import hf_config, to_hf
+    from tpframe.inference.loading import hf_source, read_weights
+
+    source = hf_source(hf_dirs["phi3"])
+    tensors = read_weights(source)
+    assert tuple(tensors["blocks.0.attn.qkv.k.weight"].shape) == (16, 32)  # 2 key/value heads of 8
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(source.model))).eval()
+    llama.load_state_dict(to_hf(tensors, source.model))
+    phi3 = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dirs["phi3"])).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(llama(IDS).logits, phi3(IDS).logits, atol=1e-5, rtol=0)
+
+
 def test_a_context_longer_than_the_sliding_window_is_named(hf_dirs):
     """Mistral 7B v0.1's sliding window (32 here): full causal attention is the same up to 32 tokens, so a model of
     that context starts from the directory, and a longer one is refused naming both numbers."""
@@ -772,6 +802,14 @@ def test_a_context_longer_than_the_sliding_window_is_named(hf_dirs):
 
 # config.json of models users fine-tune, as the hub has them (the keys model_fields reads and some it ignores)
 HUB_CONFIGS = {
+    "Phi-3-mini-4k": ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_dropout": 0.0,
+                       "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+                       "hidden_size": 3072, "intermediate_size": 8192, "max_position_embeddings": 4096,
+                       "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+                       "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+                       "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
+                       "tie_word_embeddings": False, "vocab_size": 32064},
+                      dict(hidden=3072, heads=32, kv_heads=32, ffn_hidden=8192, tie_embeddings=False)),
     "Llama-3.2-1B": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
                       "mlp_bias": False, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
                       "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32,
@@ -829,9 +867,9 @@ def test_hub_configs_of_models_users_fine_tune_map(name):
     fields = model_fields(config, name)
     assert {k: fields[k] for k in expected} == expected
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "name"})
-    assert hf_architecture(m) == config["model_type"].replace("mistral", "llama")
+    assert hf_architecture(m) == config["model_type"].replace("mistral", "llama").replace("phi3", "llama")
     assert model_fields(hf_config(m), name) == fields
-    if config["model_type"] != "mistral":  # written with the hub's keys, those transformers 4 reads (num_experts, ...)
+    if config["model_type"] not in ("mistral", "phi3"):  # written with the hub's keys, those transformers 4 reads (num_experts, ...)
         assert set(config) <= set(hf_config(m)), sorted(set(config) - set(hf_config(m)))
     overrides = [f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in fields.items() if k != "name"]

@@ -10,6 +10,8 @@ The architectures and what fixes them (every other combination has no HF equival
   Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias; Mistral
       is Llama (read, written as Llama);
   Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true);
+  Phi-3 (Phi-3 mini/medium, Phi-4): Llama with q, k, v in one tensor (qkv_proj) and the MLP's gate and up in
+      another (gate_up_proj), read (written as Llama), its rotary whole (partial_rotary_factor 1);
   a sliding window (Mistral 7B v0.1's, a Qwen's use_sliding_window) is read as full causal attention, which is the
       same on sequences up to the window: model.max_seq_len may not exceed it (hf_context);
   Qwen3: Llama without biases, with per-head query/key RMSNorms (model.qk_norm) and any head width (model.head_dim);
@@ -142,9 +144,11 @@ def _heads(m: ModelConfig) -> tuple[int, int, int]:
     return m.heads, m.kv_heads or m.heads, head_dim(m)
 
 
-def rules(m: ModelConfig) -> list[Rule]:
-    """Every HF tensor of the model and the logical tensors it is made of."""
+def rules(m: ModelConfig, source: str | None = None) -> list[Rule]:
+    """Every HF tensor of the model and the logical tensors it is made of; `source`: the model_type of the directory
+    read, where its names differ from the export's (Phi-3's fused qkv_proj and gate_up_proj)."""
     arch = hf_architecture(m)
+    fused = source == "phi3"  # q, k, v in one tensor, and the MLP's gate and up in one
     out: list[Rule] = []
     if arch == "gpt2":
         t = "transformer."
@@ -170,15 +174,19 @@ def rules(m: ModelConfig) -> list[Rule]:
             out += [Rule(h + "input_layernorm.weight", (b + "norm1.weight",)),
                     Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",))]
             for leaf in qkv_leaves:
-                out += [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"]
+                out += ([Rule(f"{h}self_attn.qkv_proj.{leaf}", tuple(f"{b}attn.qkv.{p}.{leaf}" for p in "qkv"))]
+                        if fused else
+                        [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"])
             if m.qk_norm:
                 out += [Rule(f"{h}self_attn.{p}_norm.weight", (f"{b}attn.{p}_norm.weight",)) for p in "qk"]
             for leaf in leaves:
                 out.append(Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)))
                 if not m.moe_experts:
                     out += [
-                        Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
-                        Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
+                        *([Rule(f"{h}mlp.gate_up_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}", f"{b}mlp.fc1.up.{leaf}"))]
+                          if fused else
+                          [Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
+                           Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",))]),
                         Rule(f"{h}mlp.down_proj.{leaf}", (f"{b}mlp.fc2.{leaf}",)),
                     ]
             if m.moe_experts:
@@ -241,10 +249,10 @@ def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_shapes(m: ModelConfig, source: str | None = None) -> dict[str, tuple[int, ...]]:
     logical = logical_shapes(m)
     out = {}
-    for r in rules(m):
+    for r in rules(m, source):
         first = logical[r.parts[0]]
         shape = (sum(logical[p][0] for p in r.parts),) + first[1:]
         out[r.hf] = tuple(reversed(shape)) if r.transpose else shape
@@ -328,9 +336,9 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
             raise refuse(key, "must be a positive number; fix it in config.json")
         return value
 
-    if kind not in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
+    if kind not in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3"):
         raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama', "
-                             "'mistral', 'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe'")
+                             "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'phi3'")
     tied = config.get("tie_word_embeddings", kind == "gpt2")
     if not isinstance(tied, bool):
         raise refuse("tie_word_embeddings", "must be true or false; fix it in config.json")
@@ -364,6 +372,11 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(rope, dict):
         raise refuse(key, "must be an object (or null); fix it in config.json")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    partial = next((v for v in (rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"))
+                    if v is not None and v != 1), 1)  # transformers 5 keeps it in rope_parameters, 4 at the top
+    if partial != 1:  # Phi-3.5/4-mini rotate part of each head
+        raise HFMappingError(f"{where}: partial_rotary_factor={partial!r} has no tpframe equivalent (tpframe's rotary "
+                             "turns every dimension of a head)")
     if rope_type not in ("default", "llama3") or rope_type == "llama3" and kind != "llama":
         raise HFMappingError(f"{where}: rope scaling {rope_type!r} has no tpframe equivalent (tpframe's rotary is "
                              "unscaled, or Llama 3.1's 'llama3' scaling in a Llama)")
@@ -487,7 +500,7 @@ def hf_context(config: dict[str, Any], where: str) -> tuple[int, str]:
             raise HFMappingError(f"{where}: use_sliding_window=true without a sliding_window size; fix it in "
                                  "config.json")
     else:
-        window = config.get("sliding_window") if kind in ("mistral", "mixtral") else None
+        window = config.get("sliding_window") if kind in ("mistral", "mixtral", "phi3") else None
     if window is None:
         return limit, "max_position_embeddings"
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -614,9 +627,11 @@ class HFWeights(Mapping):
     def __init__(self, path: str | Path, m: ModelConfig):
         self.path, self.m = Path(path), m
         self.files = weight_files(self.path)
-        self.rules = rules(m)
+        self.kind = read_config(self.path).get("model_type")  # its names (Phi-3 fuses some tensors)
+        self.rules = rules(m, self.kind)
         self.names = {r.hf: self._stored_name(r.hf) for r in self.rules}
         self.part_of = {p: (r, i) for r in self.rules for i, p in enumerate(r.parts)}
+        self.rows = {p: n[0] for p, n in logical_shapes(m).items()}  # each part's rows in its HF tensor
         self._cache: tuple[str, torch.Tensor] | None = None
 
     def _stored_name(self, hf: str) -> str | None:
@@ -630,7 +645,7 @@ class HFWeights(Mapping):
         """Every tensor present with its shape and a floating-point dtype, nothing unknown (pre-flight: headers only,
         no data read); errors begin with `where` (default: the init_from setting)."""
         where = where or f"checkpoint.init_from={str(self.path)!r}"
-        shapes = hf_shapes(self.m)
+        shapes = hf_shapes(self.m, self.kind)
         missing = [hf for hf, stored in self.names.items() if stored is None]
         if missing:
             raise HFMappingError(f"{where}: no tensor {missing[0]!r} in its safetensors ({len(missing)} missing); "
@@ -662,8 +677,8 @@ class HFWeights(Mapping):
         full = self._read(rule.hf)
         if rule.transpose:
             full = full.t()
-        rows = full.shape[0] // len(rule.parts)
-        return full[i * rows : (i + 1) * rows]
+        start = sum(self.rows[p] for p in rule.parts[:i])  # parts of their own sizes (grouped-query k and v)
+        return full[start : start + self.rows[name]]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.part_of)

@@ -1,5 +1,5 @@
 """Where generation's weights come from: a training checkpoint (any TP/PP/DP layout), a consolidated
-safetensors export, or a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE in
+safetensors export, or a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, Phi-3 in
 safetensors: an HF export, or a model from the hub), read in full and cut into this rank's shards for the TP size of
 the run.
 
