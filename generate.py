@@ -7,9 +7,9 @@
 
 DIR is a checkpoint step directory, a checkpoints root with `latest`, a .safetensors export
 (tools/checkpoint.py export), or a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral,
-Qwen3-MoE, Phi-3 in safetensors, with its tokenizer.json). The checkpoint may have been saved at any TP/PP/DP layout; its
-weights are resharded to this run's TP size (the number of processes). Prints one generated text per prompt, or with
---json one JSON object per line: prompt, text, token_ids (the generated ids) and tokens_per_s.
+Qwen3-MoE, Phi-3 in safetensors, with its tokenizer.json). The checkpoint may have been saved at any TP/PP/DP layout;
+its weights are resharded to this run's TP size (the number of processes). Prints one generated text per prompt, or
+with --json one JSON object per line: prompt, text, token_ids (the generated ids) and tokens_per_s.
 
 The path of a prompt: text.py (tokenizer, prompts) -> loading.py (weights, this rank's shards) ->
 Generator (tpframe/inference/generate.py: prefill, then CUDA-graphed decode steps with the KV cache and

@@ -542,7 +542,8 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
                           "the llama3 scaling's high_freq_factor=4.0 must exceed its low_freq_factor=4.0"),
     "partial_rotary": ("phi3", _config(partial_rotary_factor=0.75),
                        "its config.json: partial_rotary_factor=0.75 has no tpframe equivalent"),
-    "sliding_window_zero": ("mistral", _config(sliding_window=0), "its config.json: sliding_window=0 must be a positive"),
+    "sliding_window_zero": ("mistral", _config(sliding_window=0),
+                            "its config.json: sliding_window=0 must be a positive"),
     "sliding_window_qwen2_sizeless": ("qwen2", _config(use_sliding_window=True, sliding_window=None),
                                       "its config.json: use_sliding_window=true without a sliding_window size"),
     "sliding_window_qwen3_moe_string": ("qwen3_moe", _config(use_sliding_window="yes"),
@@ -869,7 +870,8 @@ def test_hub_configs_of_models_users_fine_tune_map(name):
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "name"})
     assert hf_architecture(m) == config["model_type"].replace("mistral", "llama").replace("phi3", "llama")
     assert model_fields(hf_config(m), name) == fields
-    if config["model_type"] not in ("mistral", "phi3"):  # written with the hub's keys, those transformers 4 reads (num_experts, ...)
+    # written with the hub's keys, those transformers 4 reads (num_experts, ...); Mistral and Phi-3 are written as Llama
+    if config["model_type"] not in ("mistral", "phi3"):
         assert set(config) <= set(hf_config(m)), sorted(set(config) - set(hf_config(m)))
     overrides = [f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in fields.items() if k != "name"]

@@ -116,7 +116,8 @@ def test_triton_rotary_with_qk_norms_matches_the_torch_path(dtype):
             if name == "fused token-major":
                 assert all(o.transpose(1, 2).is_contiguous() for o in out), name
             grads = torch.autograd.grad(out, [x, *(n.weight for n in mine)], [g.to(dtype) for g in grads64])
-            results[name] = ([rel_err(o, r) for o, r in zip(out, ref)], [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+            results[name] = ([rel_err(o, r) for o, r in zip(out, ref)],
+                             [rel_err(g, r) for g, r in zip(grads, ref_grads)])
         case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} per_row={per_row} {dtype}"
         fwd_e, bwd_e = results["eager"]
         tol = 1e-5 if dtype == torch.float32 else 1e-2

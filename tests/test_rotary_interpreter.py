@@ -1,7 +1,7 @@
 """The Triton split + rotary kernels (tpframe/kernels/rotary.py) on CPU, in Triton's interpreter, against the torch
 path they replace: tables shared by the batch ([s, 1, 1, d], training) and one row per sequence ([s, b, 1, d],
-generation's left-padded rows), forward and backward, also with Qwen3's query/key norms in the same pass. Needs Triton (skipped without it; tests/test_perf_gpu.py
-covers the device)."""
+generation's left-padded rows), forward and backward, also with Qwen3's query/key norms in the same pass. Needs
+Triton (skipped without it; tests/test_perf_gpu.py covers the device)."""
 
 from __future__ import annotations
 

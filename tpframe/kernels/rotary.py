@@ -26,8 +26,10 @@ if HAVE_TRITON:
     def _head_weights(qw, kw, h, j, NQ: tl.constexpr, D: tl.constexpr):
         """The halves of each head's norm weight, in fp32: q's for the query heads, k's for the others."""
         jm = j < D // 2
-        q1, q2 = tl.load(qw + j, mask=jm, other=0.0).to(tl.float32), tl.load(qw + j + D // 2, mask=jm, other=0.0).to(tl.float32)
-        k1, k2 = tl.load(kw + j, mask=jm, other=0.0).to(tl.float32), tl.load(kw + j + D // 2, mask=jm, other=0.0).to(tl.float32)
+        q1 = tl.load(qw + j, mask=jm, other=0.0).to(tl.float32)
+        q2 = tl.load(qw + j + D // 2, mask=jm, other=0.0).to(tl.float32)
+        k1 = tl.load(kw + j, mask=jm, other=0.0).to(tl.float32)
+        k2 = tl.load(kw + j + D // 2, mask=jm, other=0.0).to(tl.float32)
         return tl.where(h < NQ, q1, k1), tl.where(h < NQ, q2, k2)
 
     @triton.jit
@@ -177,7 +179,8 @@ def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int, qkv=None, qw=No
     b, _, s, _ = gq.shape
     gqkv = gq.new_empty((s, b, (nq + 2 * nkv) * d))
     cos, sin = cos.contiguous(), sin.contiguous()
-    gq, gk, gv = (g if g is None or g.stride(-1) == 1 else g.contiguous() for g in (gq, gk, gv))  # any (b, n, s) strides
+    # any (b, n, s) strides
+    gq, gk, gv = (g if g is None or g.stride(-1) == 1 else g.contiguous() for g in (gq, gk, gv))
     norm = qw is not None
     parts = torch.empty((s * b, 2, d), dtype=torch.float32, device=gq.device) if norm else gqkv
     _qkv_rotary_bwd[(s * b,)](gq, gk, gq if gv is None else gv, cos, sin, gqkv, qkv.contiguous() if norm else gqkv,
