@@ -317,6 +317,10 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, rope_scaling=llama3_rope, eos_token_id=1))
+    with torch.no_grad():  # queries and keys large enough that the positions (and their scaling) steer the tokens
+        for name, p in llama.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0, 0.5)
     llama.save_pretrained(tmp / "llama")
     words = {"<unk>": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(298)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
