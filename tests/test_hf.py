@@ -331,6 +331,10 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
         vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         sliding_window=None, eos_token_id=0))
+    with torch.no_grad():  # router and experts large enough that a swapped expert tensor changes the tokens
+        for name, p in mixtral.named_parameters():
+            if ".experts." in name or name.endswith("gate.weight"):
+                p.normal_(0, 0.3)
     mixtral.save_pretrained(tmp / "mixtral")  # no tokenizer.json: vocabulary 256 is byte-level
     qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
