@@ -360,7 +360,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
                 "max_seq_len": size("n_positions", 1024), "norm": "layernorm",
                 "norm_eps": number("layer_norm_epsilon", 1e-5), "position": "learned",
                 "activation": _GPT2_ACT_BACK[act], "bias": True, "tie_embeddings": tied}
-    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe
+    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, phi3
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
     hf_context(config, where)  # a sliding window: well-formed (the run's context must fit in it: check_model_matches)
