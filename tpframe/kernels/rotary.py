@@ -77,7 +77,7 @@ if HAVE_TRITON:
     @triton.jit
     def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, qkv, qw, kw, dw_part, eps, S, B, CS, CB, QB, QN, QS, KB, KN, KS,
                         VB, VN, VS, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                        HALF: tl.constexpr, NORM: tl.constexpr, HAS_GV: tl.constexpr):
+                        HALF: tl.constexpr, NORM: tl.constexpr):
         tok = tl.program_id(0)
         s_i = tok // B
         b_i = tok % B
@@ -87,7 +87,7 @@ if HAVE_TRITON:
         b64, s64 = b_i.to(tl.int64), s_i.to(tl.int64)
         is_q = inside & (h < NQ)
         is_k = inside & (h >= NQ) & (h < NQ + NKV)
-        is_v = inside & (h >= NQ + NKV) & HAS_GV  # else v's gradient is zero (it arrives by another way)
+        is_v = inside & (h >= NQ + NKV)
         pq = gq + b64 * QB + s64 * QS + h.to(tl.int64) * QN + j  # each gradient in its own layout (strides)
         pk = gk + b64 * KB + s64 * KS + (h - NQ).to(tl.int64) * KN + j
         pv = gv + b64 * VB + s64 * VS + (h - NQ - NKV).to(tl.int64) * VN + j
@@ -174,19 +174,17 @@ def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int, token_major: bool = Fa
 
 
 def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int, qkv=None, qw=None, kw=None, eps: float = 0.0):
-    """The gradient of qkv (`gv` None: v's part zero); with the norms (`qkv` their input, `qw`/`kw` their weights)
+    """The gradient of qkv; with the norms (`qkv` their input, `qw`/`kw` their weights)
     also those of the weights."""
     b, _, s, _ = gq.shape
     gqkv = gq.new_empty((s, b, (nq + 2 * nkv) * d))
     cos, sin = cos.contiguous(), sin.contiguous()
-    # any (b, n, s) strides
-    gq, gk, gv = (g if g is None or g.stride(-1) == 1 else g.contiguous() for g in (gq, gk, gv))
+    gq, gk, gv = (g if g.stride(-1) == 1 else g.contiguous() for g in (gq, gk, gv))  # any (b, n, s) strides
     norm = qw is not None
     parts = torch.empty((s * b, 2, d), dtype=torch.float32, device=gq.device) if norm else gqkv
-    _qkv_rotary_bwd[(s * b,)](gq, gk, gq if gv is None else gv, cos, sin, gqkv, qkv.contiguous() if norm else gqkv,
-                              qw if norm else cos, kw if norm else cos, parts, eps, s, b, *_table_strides(cos, d),
-                              *_bns_strides(gq), *_bns_strides(gk), *_bns_strides(gq if gv is None else gv), NORM=norm,
-                              HAS_GV=gv is not None, **_launch_meta(nq, nkv, d))
+    _qkv_rotary_bwd[(s * b,)](gq, gk, gv, cos, sin, gqkv, qkv.contiguous() if norm else gqkv, qw if norm else cos,
+                              kw if norm else cos, parts, eps, s, b, *_table_strides(cos, d), *_bns_strides(gq),
+                              *_bns_strides(gk), *_bns_strides(gv), NORM=norm, **_launch_meta(nq, nkv, d))
     if not norm:
         return gqkv
     return gqkv, parts[:, 0].sum(0).to(qw.dtype), parts[:, 1].sum(0).to(kw.dtype)  # separate tensors, no views
@@ -202,19 +200,16 @@ class _QKVRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, nq, nkv, d, token_major, qw=None, kw=None, eps=0.0):
         ctx.save_for_backward(cos, sin, *((qkv, qw, kw) if qw is not None else ()))
-        ctx.dims, ctx.eps, ctx.dtype = (qkv.shape[0], qkv.shape[1], nq, nkv, d), eps, qkv.dtype
+        ctx.dims, ctx.eps = (nq, nkv, d), eps
         return _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major, qw, kw, eps, seq_major=True,
                            write_v=qw is None or token_major)
 
     @staticmethod
-    def backward(ctx, gq, gk, gv):
+    def backward(ctx, gq, gk, gv):  # an output without a gradient arrives as zeros (materialized by autograd)
         cos, sin, *norm = ctx.saved_tensors
-        s, b, nq, nkv, d = ctx.dims
-        gq, gk = (torch.zeros((b, n, s, d), dtype=ctx.dtype, device=cos.device) if g is None else g
-                  for g, n in ((gq, nq), (gk, nkv)))
         if not norm:
-            return _rotary_bwd(gq, gk, gv, cos, sin, nq, nkv, d), None, None, None, None, None, None, None, None, None
-        gqkv, gqw, gkw = _rotary_bwd(gq, gk, gv, cos, sin, nq, nkv, d, *norm, ctx.eps)
+            return _rotary_bwd(gq, gk, gv, cos, sin, *ctx.dims), None, None, None, None, None, None, None, None, None
+        gqkv, gqw, gkw = _rotary_bwd(gq, gk, gv, cos, sin, *ctx.dims, *norm, ctx.eps)
         return gqkv, None, None, None, None, None, None, gqw, gkw, None
 
 
@@ -269,9 +264,8 @@ qkv_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int, *,
                token_major: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """The Triton path: (q, k, v), each [b, n, s, d]: a view of seq-major [s, b, n, d] memory, or (`token_major`)
-    of [b, s, n, d] memory, which variable-length attention reads as [b*s, n, d]
-    without a copy; cos/sin [s, 1, 1, d] (or [s, d]) shared by
-    the batch, or [s, b, 1, d] with a row per sequence. `norm`: (q weight, k weight, eps) of RMSNorms over each
+    of [b, s, n, d] memory, which variable-length attention reads as [b*s, n, d] without a copy; cos/sin
+    [s, 1, 1, d] (or [s, d]) shared by the batch, or [s, b, 1, d] with a row per sequence. `norm`: (q weight, k weight, eps) of RMSNorms over each
     query and key head before the rotation (Qwen3's), in the same pass (eager only: compiled, Inductor's fusion of
     torch's ops is as fast, 125.8 against 125.4 ms at GPT-1.3B on one H100, and holds 0.7 GiB less)."""
     if not HAVE_TRITON:
