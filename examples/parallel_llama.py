@@ -40,7 +40,7 @@ class ParallelBlock(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
         self.attn = ParallelAttention(cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                       qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, qkv_bias=cfg.qkv_bias,
-                                      attention_dropout=cfg.attention_dropout,
+                                      attention_dropout=cfg.attention_dropout, window=cfg.sliding_window,
                                       rng_tracker=ctx.rng_tracker, **common)
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation="swiglu", **common)
 

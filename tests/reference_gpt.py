@@ -40,6 +40,8 @@ def reference_loss(cfg: ModelConfig, P: dict, input_ids, labels):
     if cfg.position == "learned":
         x = x + P["position"][:s]
     mask = torch.full((s, s), float("-inf")).triu(1)
+    if cfg.sliding_window is not None:  # keys sliding_window or more behind a query are hidden too
+        mask = mask + torch.full((s, s), float("-inf")).tril(-cfg.sliding_window)
     for i in range(cfg.layers):
         pre = f"blocks.{i}"
         h = _norm(cfg, x, P, f"{pre}.norm1")

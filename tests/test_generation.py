@@ -119,8 +119,9 @@ def _cache_and_batch_checks(arch: dict):
 
 @pytest.mark.parametrize("arch", [{}, {"position": "rotary", "kv_heads": 2, "activation": "swiglu", "norm": "rmsnorm",
                                        "tie_embeddings": False},
-                                  {"position": "rotary", "activation": "swiglu", "moe_experts": 4, "moe_top_k": 2}],
-                         ids=["learned-mha", "rotary-gqa", "moe"])
+                                  {"position": "rotary", "activation": "swiglu", "moe_experts": 4, "moe_top_k": 2},
+                                  {"position": "rotary", "kv_heads": 2, "sliding_window": 4}],
+                         ids=["learned-mha", "rotary-gqa", "moe", "sliding-window"])
 def test_kv_cache_equals_recompute_and_mixed_batch_equals_one_at_a_time(arch):
     for worst, batch, alone in run_distributed(_cache_and_batch_checks, 2, arch, timeout=120):
         assert worst < 1e-5, f"cached logits differ from the full recompute by {worst}"

@@ -9,7 +9,8 @@
 Rows are left-padded to one length, so every row writes the same slot at each step: row i's token in
 slot t has position t - start[i], and its queries see the slots start[i]..t (a pad query sees only
 itself, so no row of the softmax is empty). Slots past the write position hold stale or zero values
-that the mask hides. All state is in device tensors updated in place, so a CUDA graph of a decode step
+that the mask hides. A layer with a sliding window asks for `window_mask(w)`: the mask also hiding slots w or more
+behind each query (made once per step and window). All state is in device tensors updated in place, so a CUDA graph of a decode step
 (`begin(1)`, forward, `advance(1)`) replays correctly at every position.
 """
 
@@ -40,6 +41,9 @@ class LayerCache:
     def mask(self) -> torch.Tensor:
         return self.owner.mask
 
+    def window_mask(self, window: int) -> torch.Tensor:
+        return self.owner.window_mask(window)
+
 
 class KVCache:
     """Keys and values of every layer for `batch` sequences of up to `max_len` slots."""
@@ -57,6 +61,7 @@ class KVCache:
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         self._slots = torch.arange(max_len, device=device)
         self.index = self.positions = self.mask = None
+        self._windowed: dict[int, torch.Tensor] = {}
 
     def reset(self, start: torch.Tensor) -> None:
         """A new batch: row i's real tokens begin at slot start[i] (in place: graphs keep their pointers)."""
@@ -77,6 +82,15 @@ class KVCache:
         visible = (causal & (real | itself)).unsqueeze(1)
         self.mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
         self.mask.masked_fill_(~visible, float("-inf"))
+        self._windowed = {}
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """This step's mask [b, 1, s, L] for a sliding window of `window` tokens: the slots at least `window`
+        behind a query hidden too (a query always keeps itself). One per window and step, shared by the layers."""
+        if window not in self._windowed:
+            far = self._slots.view(1, 1, 1, -1) <= self.index.view(1, 1, -1, 1) - window
+            self._windowed[window] = self.mask.masked_fill(far, float("-inf"))
+        return self._windowed[window]
 
     def advance(self, seq_len: int) -> None:
         self.slot += seq_len

@@ -10,6 +10,8 @@ sequence and attention runs over every rank's keys and values, all-gathered over
 Generation passes a `cache` (tpframe.inference.kv_cache): this step's keys and values are appended
 to it and the queries attend over the whole cache under its mask (causal, and correct when the
 query is shorter than the keys); on CUDA a decode step's few queries use tpframe/kernels/decode_attention.py.
+`window`: sliding-window attention (tpframe/layers/sliding_window.py), each query over itself and the window-1 tokens
+before it, in training, with packed documents and in generation.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention, uses_varlen
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.layers.norm import RMSNorm
+from tpframe.layers.sliding_window import sliding_window_attention
 from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.utils import InitMethod, divide
@@ -129,6 +132,7 @@ class ParallelAttention(nn.Module):
         output_init_method: InitMethod | None = None,
         rng_tracker=None,
         cp_comm: Communicator | None = None,
+        window: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
@@ -143,6 +147,11 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
         self.heads_local = divide(heads, comm.size, "attention heads")
         self.kv_local = divide(kv_heads, comm.size, "attention kv_heads")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window of {window} tokens: it needs at least 1 (None: full causal attention)")
+        if window is not None and self.cp_comm is not None:
+            raise ValueError("sliding-window attention is not supported with context parallelism; use cp=1")
+        self.window = window
         self.attention_dropout = attention_dropout
         self.rng_tracker = rng_tracker
         q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
@@ -172,18 +181,19 @@ class ParallelAttention(nn.Module):
         # SDPA takes [b, n, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         # the varlen kernel reads each document's tokens as rows of [b*s, n, d]: have them written that way
-        token_major = documents is not None and self.cp_comm is None and uses_varlen(qkv, documents, dropout,
-                                                                                     head_dim=d)
+        token_major = documents is not None and self.cp_comm is None and uses_varlen(
+            qkv, documents, dropout, head_dim=d, window=self.window)
         q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary,
                               token_major=token_major,
                               qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None)
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)
+            mask = cache.mask if self.window is None else cache.window_mask(self.window)
             if s <= DECODE_TOKENS and self.fused_decode and HAVE_TRITON and q.is_cuda:  # decode step
-                out = decode_attention(q, k, v, cache.mask)
+                out = decode_attention(q, k, v, mask)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif dropout > 0 and self.rng_tracker is not None:
             with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
                 out = self._causal(q, k, v, dropout, gqa, documents)
@@ -197,7 +207,9 @@ class ParallelAttention(nn.Module):
             return context_parallel_document_attention(q, k, v, self.cp_comm, documents, dropout_p=dropout,
                                                        enable_gqa=gqa)
         if documents is not None:
-            return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa)
+            return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
             return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa)
+        if self.window is not None:
+            return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -15,6 +15,8 @@ document it ends; the token after it starts the next.
 - on CUDA in bf16/fp16, Flash attention over variable-length sequences (`torch.nn.attention.varlen`):
   every document of every row is one sequence of the flattened batch, and no mask is materialized;
 - elsewhere (the CPU, fp32, attention dropout), SDPA with the dense mask [b, 1, s, s].
+A sliding window (`window`, tpframe/layers/sliding_window.py) narrows each document's causal mask to its band: the
+varlen kernel's left window where this torch's varlen_attn takes one, else the dense mask.
 Under context parallelism a rank's queries are two chunks of each row over the all-gathered keys:
 `Documents.for_cp_rank` makes each chunk's pieces of documents variable-length sequences (`ChunkSequences`), or
 the dense mask of the rank's rows is used.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpframe.layers.sliding_window import band
 from tpframe.parallel.context import gather_sequence, local_positions
 
 try:  # torch >= 2.10
@@ -98,11 +101,16 @@ class Documents:
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, *,
-                       dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention inside each document: q [b, nq, s, d], k and v [b, nkv, s, d] -> [b, nq, s, d]."""
-    if uses_varlen(q, docs, dropout_p):
-        return _varlen(q, k, v, docs, enable_gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=dropout_p, enable_gqa=enable_gqa)
+                       dropout_p: float = 0.0, enable_gqa: bool = False, window: int | None = None) -> torch.Tensor:
+    """Causal attention inside each document (within `window` tokens, if given): q [b, nq, s, d], k and v
+    [b, nkv, s, d] -> [b, nq, s, d]."""
+    if uses_varlen(q, docs, dropout_p, window=window):
+        return _varlen(q, k, v, docs, enable_gqa, window)
+    mask = docs.mask()
+    s = q.shape[-2]
+    if window is not None and window < s:
+        mask = mask & band(s, s, window, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
 @torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/parallel/context.py)
@@ -124,10 +132,12 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
                                           enable_gqa=enable_gqa)
 
 
-def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, head_dim: int | None = None) -> bool:
+def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, head_dim: int | None = None,
+                window: int | None = None) -> bool:
     """Whether `document_attention` runs the variable-length Flash kernel for these inputs (q, or any tensor of
-    its device and dtype with `head_dim`)."""
-    return docs.cu_seqlens is not None and _varlen_usable(q, dropout_p, head_dim)
+    its device and dtype with `head_dim`; with a sliding `window`, where this torch's varlen_attn takes one)."""
+    return (docs.cu_seqlens is not None and _varlen_usable(q, dropout_p, head_dim)
+            and (window is None or "window_size" in _VARLEN_ARGS))
 
 
 def _varlen_usable(q: torch.Tensor, dropout_p: float, head_dim: int | None = None) -> bool:
@@ -136,21 +146,24 @@ def _varlen_usable(q: torch.Tensor, dropout_p: float, head_dim: int | None = Non
 
 
 @torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
-def _varlen(q, k, v, docs: Documents, enable_gqa: bool) -> torch.Tensor:
+def _varlen(q, k, v, docs: Documents, enable_gqa: bool, window: int | None = None) -> torch.Tensor:
     b, nq, s, d = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [b*s, n, d]
-    out = _varlen_causal(*flat, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, enable_gqa)
+    out = _varlen_causal(*flat, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, enable_gqa, window)
     return out.view(b, s, nq, d).transpose(1, 2)
 
 
-def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa: bool) -> torch.Tensor:
+def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa: bool, window: int | None = None) -> torch.Tensor:
     """varlen_attn over [total, n, d] rows, causal with the mask aligned to each sequence's last key (Flash's
-    bottom-right alignment: a sequence of fewer queries than keys holds the last queries)."""
+    bottom-right alignment: a sequence of fewer queries than keys holds the last queries); a sliding `window`
+    (torch versions whose varlen_attn takes window_size) is Flash's left window of window-1 keys."""
     if enable_gqa and "enable_gqa" not in _VARLEN_ARGS:  # torch versions without GQA in varlen_attn
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         enable_gqa = False
     extra = {"enable_gqa": True} if enable_gqa else {}
-    if "is_causal" in _VARLEN_ARGS:
+    if window is not None:
+        extra["window_size"] = (window - 1, 0)
+    elif "is_causal" in _VARLEN_ARGS:
         extra["is_causal"] = True
     else:
         extra["window_size"] = (-1, 0)  # causal

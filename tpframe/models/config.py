@@ -36,6 +36,9 @@ class ModelConfig:
     # causal: every token sees all earlier tokens of its row; document: only those of its own document, and
     # positions restart at each document (README: Data, packed documents)
     attention_mask: Literal["causal", "document"] = "causal"
+    # sliding-window attention (Mistral's, Phi-3's; Hugging Face's sliding_window): each token sees itself and the
+    # sliding_window-1 tokens before it (within its document with attention_mask=document); null: every earlier one
+    sliding_window: int | None = None
     eod_id: int | None = None  # the token that ends a document (attention_mask=document); None: the data's
     activation: Literal["gelu", "swiglu", "relu"] = "gelu"  # MLP: gelu (tanh approximation), swiglu (gated), relu
     bias: bool = True  # biases in the linear layers and LayerNorm
@@ -119,7 +122,7 @@ def architecture(m: ModelConfig) -> dict:
 # rotary base, dropout for fine-tuning), and its log names each one that did (`computation_change`).
 _SCALING_COMPANIONS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 COMPUTATION_FIELDS = ("rope_theta", "rope_scaling_factor", *_SCALING_COMPANIONS, "norm_eps", "attention_mask", "eod_id",
-                      "dropout", "attention_dropout")
+                      "sliding_window", "dropout", "attention_dropout")
 
 
 def computation_change(mine: ModelConfig, saved: ModelConfig) -> str | None:

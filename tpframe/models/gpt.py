@@ -68,7 +68,7 @@ class TransformerBlock(nn.Module):
         self.attn = ParallelAttention(
             cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
             qkv_bias=cfg.qkv_bias, attention_dropout=cfg.attention_dropout,
-            rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, **common,
+            rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, window=cfg.sliding_window, **common,
         )
         if cfg.moe_experts:
             common.pop("bias")

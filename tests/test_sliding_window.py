@@ -1,0 +1,121 @@
+"""Sliding-window attention (model.sliding_window): each query over itself and the window-1 tokens before it.
+
+References: an explicit per-query loop in float64 for the attention function (dense rows and packed documents), and
+tests/reference_gpt.py (plain batch-first torch, its own band mask) for the whole GPT at TP 1, 2 and 4. Generation's
+KV cache with a window is checked against recomputing each sequence in tests/test_generation.py; Hugging Face's
+windowed models against transformers in tests/test_hf.py.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.reference import assert_close, loss_and_full_tensors
+from tests.reference_gpt import reference_loss
+from tests.training_utils import train_in_process
+from tpframe.layers.documents import Documents, document_attention
+from tpframe.layers.sliding_window import sliding_window_attention
+from tpframe.models.config import ModelConfig
+
+
+def loop_attention(q, k, v, window, doc_ids=None):
+    """Query by query: softmax over the keys j with 0 <= i - j < window (and j in i's document), GQA by repeat."""
+    b, nq, s, d = q.shape
+    k, v = (t.repeat_interleave(nq // t.shape[1], dim=1) for t in (k, v))
+    out = torch.zeros_like(q)
+    for row in range(b):
+        for i in range(s):
+            keys = [j for j in range(max(0, i - window + 1), i + 1)
+                    if doc_ids is None or doc_ids[row, j] == doc_ids[row, i]]
+            scores = q[row, :, i, None, :] @ k[row][:, keys].transpose(-1, -2) / math.sqrt(d)  # [nq, 1, keys]
+            out[row, :, i] = (scores.softmax(-1) @ v[row][:, keys])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 12, 40])
+@pytest.mark.parametrize("nq,nkv", [(4, 4), (4, 2)])
+def test_window_attention_equals_a_per_query_loop(window, nq, nkv):
+    g = torch.Generator().manual_seed(window)
+    q, k, v = (torch.randn(2, n, 12, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (nq, nkv, nkv))
+    out = sliding_window_attention(q, k, v, window, enable_gqa=nq != nkv)
+    ref = loop_attention(q, k, v, window)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert_close(out, ref, 1e-12, f"window {window}: output")
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert_close(got, want, 1e-12, f"window {window}: grad of {name}")
+    causal = loop_attention(q, k, v, 12)
+    assert (window >= 12) == torch.allclose(out, causal), "a window shorter than the row must change the output"
+
+
+@pytest.mark.parametrize("window", [2, 5])
+def test_window_inside_packed_documents_equals_a_per_query_loop(window):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 9, (2, 14), generator=g)
+    ids[0, 3], ids[0, 11], ids[1, 8] = 0, 0, 0  # documents of 4, 8 and 2 tokens; of 9 and 5
+    docs = Documents.from_tokens(ids, 0, varlen=False)
+    q, k, v = (torch.randn(2, 4, 14, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = document_attention(q, k, v, docs, window=window)
+    ref = loop_attention(q, k, v, window, docs.ids)
+    assert_close(out, ref, 1e-12, f"window {window} in documents")
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert_close(got, want, 1e-12, f"window {window} in documents: grad of {name}")
+
+
+GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8, sliding_window=5)
+LLAMA_CFG = dataclasses.replace(GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", position="rotary",
+                                activation="swiglu", bias=False, tie_embeddings=False)
+
+
+def _windowed_gpt_vs_reference(cfg: ModelConfig, sp: bool):
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import initialize_parallel, seed_parallel_rng
+
+    state = initialize_parallel(tp=torch.distributed.get_world_size())
+    ctx = lambda: BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=seed_parallel_rng(0), seed=11)  # noqa: E731
+    model = build_model(cfg, ctx())
+    g = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 101, (3, 16), generator=g), torch.randint(0, 101, (3, 16), generator=g)
+    loss, weights, grads = loss_and_full_tensors(model, ids, labels, state.tp_comm)
+    P = {k: v.clone().requires_grad_() for k, v in weights.items()}
+    ref = reference_loss(cfg, P, ids, labels)
+    ref.mean().backward()
+    case = f"{cfg.position} tp={state.tp} sp={sp}"
+    assert_close(loss, ref, 1e-5, f"{case}: per-token loss")
+    for name in P:
+        assert_close(grads[name], P[name].grad, 1e-5, f"{case}: grad of {name}", atol=1e-7)
+    with torch.no_grad():  # the window matters: full causal attention computes something else
+        causal = build_model(dataclasses.replace(cfg, sliding_window=None), ctx())(ids, labels)
+    return float((causal - loss.detach()).abs().max())
+
+
+@pytest.mark.parametrize("cfg,tp", [(GPT_CFG, 1), (GPT_CFG, 2), (LLAMA_CFG, 4)], ids=["gpt-tp1", "gpt-tp2-sp", "llama-tp4-sp"])
+def test_a_windowed_gpt_equals_the_reference_at_every_tp(cfg, tp):
+    for differs in run_distributed(_windowed_gpt_vs_reference, tp, cfg, tp > 1):
+        assert differs > 1e-3
+
+
+def _losses(overrides):
+    history = train_in_process(["parallel.tp=1", "model.position=rotary", "model.sliding_window=6", *overrides])
+    return [r["loss"] for r in history], [r["grad_norm"] for r in history]
+
+
+def test_train_py_trains_a_window_alike_at_tp2_sp_and_pp2_with_documents(tmp_path):
+    """The key reaches every block through train.py: TP=2 + SP and PP=2 (with packed documents, which narrow the
+    window further) follow one process; without the window the losses differ."""
+    docs = ["model.attention_mask=document", "model.eod_id=10"]
+    ref, ref_norms = run_distributed(_losses, 1, [*docs, f"train.run_dir={tmp_path}/ref"])[0]
+    for i, (name, extra) in enumerate((("TP=2+SP", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+                                       ("PP=2", ["parallel.pp=2"]))):
+        losses, norms = run_distributed(_losses, 2, [*docs, *extra, f"train.run_dir={tmp_path}/{i}"])[0]
+        for step, (a, b) in enumerate(zip(losses, ref)):
+            assert math.isclose(a, b, rel_tol=1e-5), f"{name}: step {step + 1}: {a} vs {b}"
+        for step, (a, b) in enumerate(zip(norms, ref_norms)):
+            assert math.isclose(a, b, rel_tol=1e-4), f"{name} grad norm: step {step + 1}: {a} vs {b}"
+    full, _ = run_distributed(_losses, 1, [*docs, "model.sliding_window=null", f"train.run_dir={tmp_path}/full"])[0]
+    assert abs(full[1] - ref[1]) > 1e-4, "the window must change the computation"

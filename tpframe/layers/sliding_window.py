@@ -1,0 +1,66 @@
+"""Sliding-window attention: each query sees itself and the `window - 1` tokens before it.
+
+    key j is visible to query i  iff  0 <= i - j < window
+
+This is Mistral's and Phi-3's attention (Hugging Face's `sliding_window`; Megatron-Core's `window_size=(window-1, 0)`,
+FlashAttention's left window window-1). On sequences of up to `window` tokens it equals full causal attention.
+
+Two ways to compute it, the same numbers:
+- on CUDA (no attention dropout, head dims of 16..256 in powers of two): `flex_attention` with a block mask, compiled
+  once. Blocks wholly outside the band are skipped, so the work grows as s*window rather than s^2/2.
+- elsewhere (the CPU, other head dims, dropout): SDPA with the dense [s, s] band mask.
+Packed documents combine the band with their own mask (`tpframe/layers/documents.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+try:  # torch >= 2.5
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - older torch
+    create_block_mask = flex_attention = None
+
+
+def band(q_len: int, k_len: int, window: int, *, device=None) -> torch.Tensor:
+    """[q_len, k_len] bool, True where a query may attend a key; the queries are the last q_len of the k_len
+    positions (so a chunk of queries over all earlier keys is right-aligned, as in generation)."""
+    i = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    j = torch.arange(k_len, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+def flex_usable(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether `sliding_window_attention` takes flex_attention for q [b, n, s, d]."""
+    d = q.shape[-1]
+    return (flex_attention is not None and q.is_cuda and dropout_p == 0 and 16 <= d <= 256 and d & (d - 1) == 0
+            and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+@torch.compiler.disable  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
+                             dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention within `window`: q [b, nq, s, d], k and v [b, nkv, s, d] -> [b, nq, s, d]."""
+    s = q.shape[-2]
+    if s <= window:  # the window holds the whole row: plain causal attention (Flash, no mask)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
+    if flex_usable(q, dropout_p):
+        return _compiled_flex()(q, k, v, block_mask=_block_mask(s, window, str(q.device)), enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band(s, s, window, device=q.device), dropout_p=dropout_p,
+                                          enable_gqa=enable_gqa)
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_mask(s: int, window: int, device: str):
+    """The band as flex_attention's block mask for rows of s tokens (one per shape: every layer shares it)."""
+    def in_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+    return create_block_mask(in_window, None, None, s, s, device=device)
