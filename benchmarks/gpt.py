@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP SM_MARGIN
-                                                      #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM
+                                                      #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
@@ -14,7 +14,8 @@ COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) 
 with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops,
 ASYNC_TP=copy_engine by copy-engine pushes (tpframe/layers/async_tp_ce.py), FUSED=0
 turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; qk_norm: the query/key
-norms out of the rotary kernel, into torch's ops; NORM_MIN_NUMEL=n:
+norms out of the rotary kernel, into torch's ops; window: a sliding window as SDPA with the dense band mask, not
+flex_attention; NORM_MIN_NUMEL=n:
 the kernel norms from n elements up), TP_OVERLAP=1 sets comm.overlap_backward=true (the backward's input-gradient
 collective beside the weight gradient instead of after both GEMMs), SM_MARGIN=n comm.overlap_sm_margin (the
 GEMMs beside a collective leave n SMs to it; default 16, as the config). PROFILE=path writes a torch.profiler
@@ -28,7 +29,8 @@ model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one pr
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
 with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's own work.
 HEAD_DIM=n gives the heads their own width (model.head_dim), QK_NORM=1 adds Qwen3's per-head query/key norms
-(model.qk_norm). DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
+(model.qk_norm), WINDOW=n sliding-window attention (model.sliding_window; TFLOP/s still counts whole-row causal
+attention). DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
 (model.attention_mask=document; TFLOP/s still counts whole-row causal attention).
     FLOPs per step = flops_per_token(S) * T = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T for the GPT shapes
     (T = MB*S tokens per TP group; the Llama shape counts its SwiGLU and GQA matmuls exactly).
@@ -140,7 +142,8 @@ def run_one() -> None:
                       position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
                       activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"),
                       attention_mask="document" if doc_len else "causal", eod_id=0,
-                      head_dim=env("HEAD_DIM", 0) or None, qk_norm=flag("QK_NORM"))
+                      head_dim=env("HEAD_DIM", 0) or None, qk_norm=flag("QK_NORM"),
+                      sliding_window=env("WINDOW", 0) or None)
     tracker = seed_parallel_rng(1234)
     ckpt = {"0": "none", "1": "full"}.get(os.environ.get("CKPT", "0"), os.environ.get("CKPT", "0"))
     if ckpt not in ("none", "full", "selective"):
@@ -156,14 +159,16 @@ def run_one() -> None:
 
         tpframe.kernels.norm.FUSED_MIN_NUMEL = env("NORM_MIN_NUMEL", 0)
     off = {part for part in os.environ.get("FUSED_OFF", "").split(",") if part}  # one kernel family back to torch
-    if off - {"norm", "rope", "head", "qk_norm"}:
-        raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head, qk_norm")
+    if off - {"norm", "rope", "head", "qk_norm", "window"}:
+        raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head, qk_norm, window")
     for name, m in model.named_modules():
         if ("norm" in off or "qk_norm" in off and name.endswith(("q_norm", "k_norm"))) and hasattr(m, "fused") \
                 and hasattr(m, "eps"):
             m.fused = False
         if "rope" in off and hasattr(m, "fused_rotary"):
             m.fused_rotary = False
+        if "window" in off and hasattr(m, "fused_window"):
+            m.fused_window = False
     if "head" in off:
         model.fused_head_loss = False
     if flag("FP8"):  # the blocks' GEMMs in float8 (train.fp8)

@@ -93,12 +93,13 @@ def _decode_variants(options: dict):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(kv_heads=8), dict(kv_heads=2, bias=False, qkv_bias=True),
-                                     dict(kv_heads=2, bias=False, head_dim=48, qk_norm=True)],
-                         ids=["mha", "gqa-qkv-bias", "gqa-qk-norm-head-dim-48"])
+                                     dict(kv_heads=2, bias=False, head_dim=48, qk_norm=True),
+                                     dict(kv_heads=2, bias=False, sliding_window=24)],
+                         ids=["mha", "gqa-qkv-bias", "gqa-qk-norm-head-dim-48", "gqa-window-24"])
 def test_decode_attention_kernel_and_compiled_blocks_give_the_sdpa_tokens(options):
     """fp32, greedy: the decode-attention kernel (eager, in the graph, and as a custom op in compiled blocks, where a
     100-token prompt puts the cache past one split; multi-head with every bias, grouped-query with Qwen2's q/k/v
-    biases alone, and with Qwen3's query/key norms and heads of 48)
+    biases alone, with Qwen3's query/key norms and heads of 48, and with a sliding window of 24 tokens)
     gives the SDPA path's tokens; at batch 1 the graphed step's one-row linear kernel (tpframe/kernels/gemv.py) gives
     cuBLAS's tokens too."""
     (out,) = run_distributed(_decode_variants, 1, options, backend="nccl", env=ENV, timeout=300)

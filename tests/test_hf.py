@@ -43,7 +43,15 @@ VARIANTS = {"gpt2_untied_relu": dict(tie_embeddings=False, activation="relu"),
             # first is kept, the second blended (16..64) and the others stretched
             "llama_rope_scaled": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
                                       bias=False, kv_heads=2, rope_theta=500.0, rope_scaling_factor=8.0,
-                                      rope_original_max_seq_len=64, max_seq_len=128)}
+                                      rope_original_max_seq_len=64, max_seq_len=128),
+            # sliding windows of 8 tokens on rows of 32: a windowed Llama is written as Mistral
+            "mistral_window": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
+                                   bias=False, kv_heads=2, sliding_window=8),
+            "qwen2_window": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=True,
+                                 bias=False, qkv_bias=True, kv_heads=2, sliding_window=8),
+            "mixtral_window": dict(norm="rmsnorm", position="rotary", activation="swiglu", tie_embeddings=False,
+                                   bias=False, kv_heads=2, moe_experts=4, moe_top_k=2, moe_ffn_hidden=48,
+                                   sliding_window=8)}
 HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
             "mistral": "MistralForCausalLM"}
@@ -222,6 +230,11 @@ def test_each_option_with_no_hf_equivalent_is_named():
                             "model.bias=true with model.qkv_bias=false has no Hugging Face equivalent"),
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, qkv_bias=True,
                                  moe_experts=4), "model.qkv_bias=true has no Mixtral"),
+                           (dict(sliding_window=8), "model.sliding_window=8 has no GPT-2"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", sliding_window=8),
+                            "model.sliding_window=8 with model.bias=true has no Hugging Face equivalent"),
+                           (dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, sliding_window=8,
+                                 rope_scaling_factor=8.0), "model.rope_scaling_factor=8.0 has no Mistral"),
                            (dict(head_dim=16), "model.head_dim=16 has no GPT-2"), (dict(qk_norm=True), "model.qk_norm=true has no GPT-2"),
                            (dict(norm="rmsnorm", position="rotary", activation="swiglu", qk_norm=True),
                             "model.qk_norm=true maps to Qwen3, which has no biases"),
@@ -366,8 +379,12 @@ def _hf_models(tmp: Path) -> dict[str, Path]:
     qwen3_moe.save_pretrained(tmp / "qwen3_moe")  # the experts one tensor each, config.json's num_local_experts=4
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=32, eos_token_id=0))
-    mistral.save_pretrained(tmp / "mistral")  # Mistral 7B v0.1's sliding window: full causal attention up to 32
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=6, eos_token_id=0))
+    with torch.no_grad():  # queries and keys large enough that what the window hides steers the tokens
+        for name, p in mistral.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0, 0.5)
+    mistral.save_pretrained(tmp / "mistral")  # Mistral 7B v0.1's sliding window (6 here): generation goes past it
     phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
         vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, bos_token_id=0, eos_token_id=0,
@@ -461,7 +478,8 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
     assert text["mixtral"][3] == "tokenizer   none: byte-level (vocabulary 256)"
     assert text["qwen2"][0].endswith("(qwen2, Qwen2ForCausalLM)") and "model.bias=false" in text["qwen2"][1]
     assert text["qwen2"][1].endswith("model.qkv_bias=true") and "qkv_bias" not in text["mistral"][1]
-    assert text["mistral"][2] == "context     model.max_seq_len up to 32 (sliding_window)"
+    assert text["mistral"][1].endswith("model.tie_embeddings=false model.sliding_window=6")
+    assert text["mistral"][2] == "context     model.max_seq_len up to 64 (max_position_embeddings)"
     assert text["phi3"][0].endswith("(phi3, Phi3ForCausalLM)") and "  model.layers.0.mlp.gate_up_proj.weight" in \
         " ".join(text["phi3"])
     assert text["qwen3"][1].endswith("model.head_dim=12 model.qk_norm=true")
@@ -790,23 +808,34 @@ def test_a_phi3_directory_reads_as_llama_with_fused_tensors(hf_dirs):
         torch.testing.assert_close(llama(IDS).logits, phi3(IDS).logits, atol=1e-5, rtol=0)
 
 
-def test_a_context_longer_than_the_sliding_window_is_named(hf_dirs):
-    """Mistral 7B v0.1's sliding window (32 here): full causal attention is the same up to 32 tokens, so a model of
-    that context starts from the directory, and a longer one is refused naming both numbers."""
-    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, hf_context, read_config
+def test_sliding_windows_read_as_transformers_reads_them(hf_dirs):
+    """Mistral's window is 4096 when config.json gives none; a Qwen's only with use_sliding_window, and in Qwen2/Qwen3
+    only from max_window_layers on (or as layer_types say): in every layer or none, else one line. A model without
+    the directory's window is refused naming it."""
+    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, hf_window, read_config
     from tpframe.models.config import ModelConfig
 
-    config = read_config(hf_dirs["mistral"])
-    assert hf_context(config, "x") == (32, "sliding_window")
-    assert hf_context({**config, "sliding_window": 4096}, "x") == (64, "max_position_embeddings")  # the longer one
-    assert hf_context(read_config(hf_dirs["qwen2"]), "x") == (64, "max_position_embeddings")  # a window unused
+    mistral = read_config(hf_dirs["mistral"])
+    assert hf_window(mistral, "x") == 6
+    assert hf_window({k: v for k, v in mistral.items() if k != "sliding_window"}, "x") == 4096
+    assert hf_window({**mistral, "sliding_window": None}, "x") is None  # Mistral 7B v0.2 and later
+    qwen2 = read_config(hf_dirs["qwen2"])  # use_sliding_window=false: its sliding_window is unused
+    assert hf_window(qwen2, "x") is None
+    every = {**qwen2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0, "layer_types": None}
+    assert hf_window(every, "x") == 16
+    assert hf_window({**every, "max_window_layers": 2}, "x") is None  # from layer 2 of 2: none
+    assert hf_window({**every, "layer_types": ["sliding_attention"] * 2, "max_window_layers": 2}, "x") == 16
+    with pytest.raises(HFMappingError, match=r"^x: use_sliding_window=true gives a window of 16 to 1 of 2 layers "
+                                             r"\(max_window_layers / layer_types\), which tpframe has no equivalent "
+                                             r"for \(model.sliding_window is every layer's\)$"):
+        hf_window({**every, "max_window_layers": 1}, "x")
+    assert hf_window({**every, "model_type": "qwen3_moe", "max_window_layers": 1}, "x") == 16  # every layer's
     shape = dict(vocab_size=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, norm="rmsnorm",
-                 norm_eps=1e-6, position="rotary", activation="swiglu", bias=False, tie_embeddings=False)
-    check_model_matches(ModelConfig(**shape, max_seq_len=32), config, "x")
-    with pytest.raises(HFMappingError, match=r"^x: model.max_seq_len=48 exceeds its sliding_window=32: tpframe's "
-                                             r"attention is full causal, .* set model.max_seq_len \(and "
-                                             r"train.seq_len\) to at most 32$"):
-        check_model_matches(ModelConfig(**shape, max_seq_len=48), config, "x")
+                 norm_eps=1e-6, position="rotary", activation="swiglu", bias=False, tie_embeddings=False,
+                 max_seq_len=64)
+    check_model_matches(ModelConfig(**shape, sliding_window=6), mistral, "x")
+    with pytest.raises(HFMappingError, match=r"^x describes another model: model.sliding_window=null but it needs 6"):
+        check_model_matches(ModelConfig(**shape), mistral, "x")
 
 
 # config.json of models users fine-tune, as the hub has them (the keys model_fields reads and some it ignores)
@@ -818,7 +847,15 @@ HUB_CONFIGS = {
                        "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
                        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
                        "tie_word_embeddings": False, "vocab_size": 32064},
-                      dict(hidden=3072, heads=32, kv_heads=32, ffn_hidden=8192, tie_embeddings=False)),
+                      dict(hidden=3072, heads=32, kv_heads=32, ffn_hidden=8192, tie_embeddings=False,
+                           sliding_window=2047)),
+    "Mistral-7B-v0.1": ({"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+                         "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                         "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+                         "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                         "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+                         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 32000},
+                        dict(hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, sliding_window=4096)),
     "Llama-3.2-1B": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
                       "mlp_bias": False, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
                       "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32,
@@ -876,10 +913,13 @@ def test_hub_configs_of_models_users_fine_tune_map(name):
     fields = model_fields(config, name)
     assert {k: fields[k] for k in expected} == expected
     m = ModelConfig(**{k: v for k, v in fields.items() if k != "name"})
-    assert hf_architecture(m) == config["model_type"].replace("mistral", "llama").replace("phi3", "llama")
+    # Mistral and Phi-3 are written as Mistral with a sliding window, else as Llama
+    windowed = fields.get("sliding_window") is not None
+    assert hf_architecture(m) == ("mistral" if windowed else config["model_type"].replace("mistral", "llama")
+                                  .replace("phi3", "llama"))
     assert model_fields(hf_config(m), name) == fields
-    # written with the hub's keys, those transformers 4 reads (num_experts, ...); Mistral and Phi-3 are written as Llama
-    if config["model_type"] not in ("mistral", "phi3"):
+    # written with the hub's keys, those transformers 4 reads (num_experts, ...)
+    if config["model_type"] != "phi3" and (config["model_type"] != "mistral" or windowed):
         assert set(config) <= set(hf_config(m)), sorted(set(config) - set(hf_config(m)))
     overrides = [f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in fields.items() if k != "name"]

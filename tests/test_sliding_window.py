@@ -119,3 +119,113 @@ def test_train_py_trains_a_window_alike_at_tp2_sp_and_pp2_with_documents(tmp_pat
             assert math.isclose(a, b, rel_tol=1e-4), f"{name} grad norm: step {step + 1}: {a} vs {b}"
     full, _ = run_distributed(_losses, 1, [*docs, "model.sliding_window=null", f"train.run_dir={tmp_path}/full"])[0]
     assert abs(full[1] - ref[1]) > 1e-4, "the window must change the computation"
+
+
+def test_compiled_blocks_take_the_window_without_graph_breaks(tmp_path):
+    """train.compile=true (aot_eager on the CPU, fullgraph): the band mask traces into each block."""
+    from tests.test_perf_paths import _assert_compiled_trains_like_eager, _train_compiled_and_eager
+
+    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3", "model.position=rotary",
+              "model.sliding_window=6"]
+    losses, compiled_blocks, breaks = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), common, [], True,
+                                                      timeout=300)[0]
+    _assert_compiled_trains_like_eager(losses, compiled_blocks)
+    assert breaks == 0
+
+
+def _gpu_inputs(b, nq, nkv, s, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, n, s, d, generator=g, device="cuda") for n in (nq, nkv, nkv))
+    return q, k, v, torch.randn(b, nq, s, d, generator=g, device="cuda")
+
+
+def _out_and_grads(fn, q, k, v, dout, dtype):
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return [out.detach().double(), *(t.double() for t in torch.autograd.grad(out, (q, k, v), dout.to(dtype)))]
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("nq,nkv,d", [(8, 8, 64), (8, 2, 128)], ids=["mha-64", "gqa-128"])
+def test_flex_window_attention_on_gpu_equals_the_band_mask(dtype, nq, nkv, d):
+    """flex_attention's block mask (the CUDA path): output and gradients as close to float64 as SDPA with the dense
+    band mask in the same dtype; the same under torch.compile and replayed in a CUDA graph."""
+    from tpframe.layers.sliding_window import band, flex_usable
+
+    b, s, window = 2, 1024, 200  # a window that does not fall on flex's 128-token blocks
+    q, k, v, dout = _gpu_inputs(b, nq, nkv, s, d)
+    assert flex_usable(q.to(dtype), 0.0), "flex_attention is missing: the fast path would not run"
+    gqa = nq != nkv
+    mask = band(s, s, window, device="cuda")
+    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
+                                                                             enable_gqa=gqa)
+    flex = lambda q, k, v: sliding_window_attention(q, k, v, window, enable_gqa=gqa)  # noqa: E731
+    want = _out_and_grads(dense, q, k, v, dout, torch.float64)
+    ref = _out_and_grads(dense, q, k, v, dout, dtype)
+    got = _out_and_grads(flex, q, k, v, dout, dtype)
+    for what, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want):
+        err, ref_err = float((a - w).abs().max()), float((r - w).abs().max())
+        assert err <= 2 * ref_err + 1e-5, f"{what}: flex error {err:.2e} vs SDPA's {ref_err:.2e}"
+    x = [t.to(dtype) for t in (q, k, v)]
+    compiled = torch.compile(lambda q, k, v: flex(q, k, v) * 2)(*x)
+    assert torch.equal(compiled, flex(*x) * 2), "inside a compiled function: the same kernel, the same numbers"
+    static = [t.clone() for t in x]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flex(*static)  # warm: compiled and the block mask made
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flex(*static)
+    fresh = [t * 0.5 for t in x]
+    for t, f in zip(static, fresh):
+        t.copy_(f)
+    graph.replay()
+    assert torch.equal(out, flex(*fresh)), "a CUDA graph replay computes what an eager call does"
+
+
+@pytest.mark.gpu(count=1)
+def test_window_inside_documents_on_gpu_equals_the_dense_mask():
+    """bf16 packed documents with a window (varlen's left window where torch's varlen_attn takes one, else the dense
+    mask): as close to float64 as bf16 SDPA with the combined mask."""
+    from tpframe.layers.sliding_window import band
+
+    b, nq, nkv, s, d, window = 3, 8, 2, 512, 64, 40
+    q, k, v, dout = _gpu_inputs(b, nq, nkv, s, d, seed=1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(1, 50, (b, s), generator=g, device="cuda")
+    ids[torch.rand(b, s, generator=g, device="cuda") < 0.01] = 0  # documents of ~100 tokens
+    docs = Documents.from_tokens(ids, 0)
+    mask = docs.mask() & band(s, s, window, device="cuda")
+    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
+                                                                             enable_gqa=True)
+    want = _out_and_grads(dense, q, k, v, dout, torch.float64)
+    ref = _out_and_grads(dense, q, k, v, dout, torch.bfloat16)
+    got = _out_and_grads(lambda q, k, v: document_attention(q, k, v, docs, enable_gqa=True, window=window), q, k, v,
+                         dout, torch.bfloat16)
+    for what, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want):
+        err, ref_err = float((a - w).abs().max()), float((r - w).abs().max())
+        assert err <= 2 * ref_err + 1e-3, f"{what}: error {err:.2e} vs bf16 SDPA's {ref_err:.2e}"
+
+
+def _gpu_losses(overrides):
+    return [r["loss"] for r in train_in_process(
+        ["parallel.tp=1", "model.hidden=64", "model.position=rotary", "model.sliding_window=8", "train.dtype=bfloat16",
+         "train.steps=6", *overrides])]
+
+
+@pytest.mark.gpu(count=1)
+def test_train_py_with_a_window_on_one_gpu_eager_compiled_and_graphed(tmp_path):
+    """A windowed GPT (heads of 16: the flex path) trains alike eagerly, with compiled blocks and with the step
+    captured in a CUDA graph; without the window it computes something else."""
+    eager = run_distributed(_gpu_losses, 1, [f"train.run_dir={tmp_path}/a"], backend="nccl")[0]
+    for name, extra in (("train.compile", ["train.compile=true"]), ("train.cuda_graph", ["train.cuda_graph=true"])):
+        other = run_distributed(_gpu_losses, 1, [*extra, f"train.run_dir={tmp_path}/{name}"], backend="nccl",
+                                timeout=300)[0]
+        for step, (a, b) in enumerate(zip(other, eager)):
+            assert math.isclose(a, b, rel_tol=2e-2), f"{name}: step {step + 1}: {a} vs {b}"
+    full = run_distributed(_gpu_losses, 1, ["model.sliding_window=null", f"train.run_dir={tmp_path}/full"],
+                           backend="nccl")[0]
+    assert abs(full[1] - eager[1]) > 1e-3 and eager[-1] < eager[0] - 0.5

@@ -85,7 +85,7 @@ def inspect_hf(path: Path) -> str:
     Llama; GPT-2's learned positions need n_positions), its tokenizer and its tensors; checked as generate.py checks
     it (config.json, tokenizer files, the tensors' names, shapes and dtypes), so a directory neither could use is one
     error line."""
-    from tpframe.checkpoint.hf import hf_context, model_fields, read_config, safetensors_file, weight_files
+    from tpframe.checkpoint.hf import model_fields, read_config, safetensors_file, weight_files
     from tpframe.data.tokenizer import HFTokenizer
     from tpframe.inference.loading import hf_source
     from tpframe.inference.text import hf_dir_tokenizer, resolve_tokenizer
@@ -110,8 +110,7 @@ def inspect_hf(path: Path) -> str:
                                       for k, v in fields.items()),
              f"tokenizer   {tokenizer}"]
     if "max_seq_len" not in fields:  # rotary: any context up to the HF model's
-        key = hf_context(config, str(path))[1]  # a sliding window: full causal attention equals it up to there
-        lines.insert(2, f"context     model.max_seq_len up to {source.model.max_seq_len} ({key})")
+        lines.insert(2, f"context     model.max_seq_len up to {source.model.max_seq_len} (max_position_embeddings)")
     lines.append("tensors:")
     files = weight_files(path)
     for name in sorted(files):

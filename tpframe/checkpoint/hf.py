@@ -1,5 +1,5 @@
-"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE, both ways
-(and Mistral read).
+"""Hugging Face interop: tpframe's GPT as transformers' GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE,
+both ways (and Phi-3 read).
 
     export_hf(step_dir, out_dir)        # config.json + model.safetensors + tokenizer files (when known)
     AutoModelForCausalLM.from_pretrained(out_dir)
@@ -8,12 +8,12 @@
 The architectures and what fixes them (every other combination has no HF equivalent):
   GPT-2: layernorm, learned positions, gelu (tanh approximation: "gelu_new") or relu, biases, heads = kv_heads;
   Llama: rmsnorm, rotary (rotate-half, like ours), swiglu, any GQA, biases as attention_bias + mlp_bias; Mistral
-      is Llama (read, written as Llama);
+      is Llama (read; written as Llama, or as Mistral with a sliding window);
   Qwen2: Llama with biases on the q/k/v projections only (model.bias=false, model.qkv_bias=true);
   Phi-3 (Phi-3 mini/medium, Phi-4): Llama with q, k, v in one tensor (qkv_proj) and the MLP's gate and up in
       another (gate_up_proj), read (written as Llama), its rotary whole (partial_rotary_factor 1);
-  a sliding window (Mistral 7B v0.1's, a Qwen's use_sliding_window) is read as full causal attention, which is the
-      same on sequences up to the window: model.max_seq_len may not exceed it (hf_context);
+  a sliding window (Mistral 7B v0.1's, Phi-3-mini's, a Qwen's use_sliding_window) is model.sliding_window, read
+      and written where every layer has it (hf_window);
   Qwen3: Llama without biases, with per-head query/key RMSNorms (model.qk_norm) and any head width (model.head_dim);
   Mixtral: Llama's attention with a mixture of experts (model.moe_experts), no biases; the experts are
       written one tensor each (w1 gate, w3 up, w2 down), the hub layout transformers 4 and 5 both load;
@@ -76,13 +76,13 @@ class Rule:
 
 
 # each architecture's name in messages
-_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-          "qwen3_moe": "Qwen3-MoE"}
+_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+          "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
 
 
 def hf_architecture(m: ModelConfig) -> str:
-    """'gpt2', 'llama', 'qwen2', 'qwen3', 'mixtral' or 'qwen3_moe' for a model config, or HFMappingError naming the
-    option with no equivalent."""
+    """'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'mixtral' or 'qwen3_moe' for a model config, or HFMappingError
+    naming the option with no equivalent."""
     if m.name != "gpt":
         raise HFMappingError(f"model.name={m.name!r} has no Hugging Face mapping: only the built-in 'gpt' exports")
     if (m.norm, m.position) == ("layernorm", "learned"):
@@ -104,6 +104,9 @@ def hf_architecture(m: ModelConfig) -> str:
         if m.moe_experts:
             raise HFMappingError("a mixture of experts with layernorm + learned positions has no Hugging Face "
                                  "equivalent; Mixtral is rmsnorm + rotary + swiglu without biases")
+        if m.sliding_window is not None:
+            raise HFMappingError(f"model.sliding_window={m.sliding_window} has no GPT-2 equivalent (GPT-2 attends to "
+                                 "every earlier token); leave it unset, or use the Llama shape (written as Mistral)")
         return "gpt2"
     if (m.norm, m.position) == ("rmsnorm", "rotary"):
         if m.activation != "swiglu":
@@ -128,6 +131,12 @@ def hf_architecture(m: ModelConfig) -> str:
                                  "leave model.qkv_bias unset")
         arch = ("qwen3_moe" if m.moe_experts and m.qk_norm else "mixtral" if m.moe_experts else "qwen3" if m.qk_norm
                 else "qwen2" if qkv_bias(m) and not m.bias else "llama")
+        if arch == "llama" and m.sliding_window is not None:  # Llama has no window: Mistral is Llama with one
+            if m.bias:
+                raise HFMappingError(f"model.sliding_window={m.sliding_window} with model.bias=true has no Hugging "
+                                     "Face equivalent (a windowed Llama is Mistral, which has no biases); set "
+                                     "model.bias=false, or leave model.sliding_window unset")
+            arch = "mistral"
         if arch != "llama" and m.rope_scaling_factor is not None:
             raise HFMappingError(f"model.rope_scaling_factor={m.rope_scaling_factor} has no {_NAMES[arch]} "
                                  "equivalent in tpframe's export (Llama 3.1's rotary scaling is written for Llama); "
@@ -286,7 +295,7 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
                 "intermediate_size": moe_ffn_hidden_size(m), "num_local_experts": m.moe_experts,
                 "num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss,
                 "output_router_logits": False, "hidden_act": "silu", "max_position_embeddings": m.max_seq_len,
-                "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": None,
+                "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": m.sliding_window,
                 "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
                 "attention_dropout": m.attention_dropout, **common}
     scaled = m.rope_scaling_factor is not None
@@ -298,11 +307,15 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
                   "rope_scaling": rope if scaled else None,  # transformers 4
                   "rope_parameters": {**rope, "rope_theta": m.rope_theta},  # transformers >= 5
                   "attention_dropout": m.attention_dropout}
+    if arch == "mistral":  # Llama without biases, with a sliding window
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **llama_like,
+                "sliding_window": m.sliding_window, **common}
+    # Qwen: a window in every layer (max_window_layers 0) or in none
+    window = {"use_sliding_window": m.sliding_window is not None, "sliding_window": m.sliding_window,
+              "max_window_layers": 0 if m.sliding_window is not None else m.layers}
     if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, "use_sliding_window": False,
-                "sliding_window": None, "max_window_layers": m.layers, **common}
-    qwen3 = {**llama_like, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-             "max_window_layers": m.layers}
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, **window, **common}
+    qwen3 = {**llama_like, "attention_bias": False, **window}
     if arch == "qwen3":  # per-head q/k norms are Qwen3's own
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **qwen3, **common}
     if arch == "qwen3_moe":  # every layer sparse, the top k renormalized (tpframe's softmax router); intermediate_size,
@@ -363,7 +376,7 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, phi3
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
-    hf_context(config, where)  # a sliding window: well-formed (the run's context must fit in it: check_model_matches)
+    window = hf_window(config, where)
     if kind == "llama" and config.get("attention_bias", False) != config.get("mlp_bias", False):
         raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
                                        "equivalent (model.bias puts biases on both or neither)")
@@ -413,6 +426,8 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         fields |= _llama3_rope_fields(rope, f"{where}: {key}")
     if kind == "qwen2":  # q/k/v biases only (its config has no bias options)
         fields["qkv_bias"] = True
+    if window is not None:
+        fields["sliding_window"] = window
     if kind == "mixtral":
         fields |= _moe_fields(config, where, size, experts_key="num_local_experts", ffn_key="intermediate_size",
                               defaults=(8, 2, 14336))
@@ -485,43 +500,61 @@ def _qwen3_moe_fields(config: dict[str, Any], where: str, size: Callable[[str, i
                        ffn_key="moe_intermediate_size", defaults=(128, 8, 768))
 
 
-def hf_context(config: dict[str, Any], where: str) -> tuple[int, str]:
-    """(the longest context tpframe's model reproduces, the config.json key that sets it): max_position_embeddings,
-    or a smaller sliding window (Mistral 7B v0.1's, Mixtral's, a Qwen's with use_sliding_window). tpframe's attention
-    is full causal, which equals a window of W tokens on sequences of up to W tokens, so such a model trains and
-    generates exactly within its window; HFMappingError for a malformed window."""
-    kind, limit = config.get("model_type"), config.get("max_position_embeddings", 2048)
+def hf_context(config: dict[str, Any]) -> int:
+    """The longest context the directory's model was made for: max_position_embeddings (transformers' default 2048)."""
+    return config.get("max_position_embeddings", 2048)
+
+
+def hf_window(config: dict[str, Any], where: str) -> int | None:
+    """The sliding window every layer of the directory's model attends within (model.sliding_window), or None, by
+    transformers' rules: Mistral's is 4096 where config.json gives none; Mixtral's and Phi-3's only where given;
+    a Qwen's only with use_sliding_window, and in Qwen2 and Qwen3 only in the layers from max_window_layers on (or
+    those config.json's layer_types name). HFMappingError for a malformed window, or one only some layers have
+    (tpframe's window is every layer's)."""
+    kind = config.get("model_type")
     if kind in ("qwen2", "qwen3", "qwen3_moe"):  # Qwen keeps a window size it does not use
         use = config.get("use_sliding_window", False)
         if not isinstance(use, bool):
             raise HFMappingError(f"{where}: use_sliding_window={use!r} must be true or false; fix it in config.json")
-        window = config.get("sliding_window") if use else None
+        window = config.get("sliding_window", 4096) if use else None
         if use and window is None:
             raise HFMappingError(f"{where}: use_sliding_window=true without a sliding_window size; fix it in "
                                  "config.json")
+    elif kind in ("mistral", "mixtral", "phi3"):
+        window = config.get("sliding_window", 4096 if kind == "mistral" else None)
     else:
-        window = config.get("sliding_window") if kind in ("mistral", "mixtral", "phi3") else None
+        return None
     if window is None:
-        return limit, "max_position_embeddings"
+        return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise HFMappingError(f"{where}: sliding_window={window!r} must be a positive integer (or null); fix it in "
                              "config.json")
-    return (window, "sliding_window") if window < limit else (limit, "max_position_embeddings")
+    if kind in ("qwen2", "qwen3"):
+        layers, types = config.get("num_hidden_layers", 32), config.get("layer_types")
+        if types is None:
+            first = config.get("max_window_layers", 28)
+            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                raise HFMappingError(f"{where}: max_window_layers={first!r} must be an integer >= 0; fix it in "
+                                     "config.json")
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        windowed = sum(t == "sliding_attention" for t in types) if isinstance(types, list) else -1
+        if windowed == 0:
+            return None
+        if windowed != len(types) or windowed != layers:
+            raise HFMappingError(f"{where}: use_sliding_window=true gives a window of {window} to {windowed} of "
+                                 f"{layers} layers (max_window_layers / layer_types), which tpframe has no equivalent "
+                                 "for (model.sliding_window is every layer's)")
+    return window
 
 
 def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> None:
-    """HFMappingError, one line naming every model.* value that differs from what config.json describes, or a
-    context longer than its sliding window."""
+    """HFMappingError, one line naming every model.* value that differs from what config.json describes."""
     want = model_fields(config, where)
-    limit, key = hf_context(config, where)
-    if key == "sliding_window" and m.max_seq_len > limit:
-        raise HFMappingError(f"{where}: model.max_seq_len={m.max_seq_len} exceeds its sliding_window={limit}: "
-                             f"tpframe's attention is full causal, which equals the window only on sequences of up to "
-                             f"{limit} tokens; set model.max_seq_len (and train.seq_len) to at most {limit}")
     want.setdefault("qkv_bias", want["bias"])  # a model without the key has model.bias's
     if m.head_dim is not None:  # compared where either side gives it (else both are hidden/heads)
         want.setdefault("head_dim", want["hidden"] // want["heads"])
     want.setdefault("qk_norm", False)
+    want.setdefault("sliding_window", None)
     want.setdefault("moe_experts", 0)  # a dense directory needs a dense model; experts need Mixtral's router
     if want["moe_experts"]:
         want.update(moe_shared_ffn=0, moe_router_score="softmax", moe_expert_bias=False)

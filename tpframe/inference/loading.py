@@ -97,15 +97,14 @@ def open_source(path: str | Path) -> ModelSource:
 
 
 def hf_source(path: Path, where: str | None = None) -> ModelSource:
-    """An HF model directory: the model its config.json describes (the context is max_position_embeddings, or a
-    sliding window where shorter), its weights' names, shapes and dtypes checked from the safetensors headers;
-    errors begin with `where`."""
+    """An HF model directory: the model its config.json describes (the context is max_position_embeddings), its
+    weights' names, shapes and dtypes checked from the safetensors headers; errors begin with `where`."""
     from tpframe.checkpoint.hf import HFWeights, hf_context, model_fields, read_config
 
     where = where or f"--checkpoint {str(path)!r}"
     config = read_config(path)
     fields = model_fields(config, f"{where}: its config.json")
-    fields.setdefault("max_seq_len", hf_context(config, f"{where}: its config.json")[0])
+    fields.setdefault("max_seq_len", hf_context(config))
     cfg = model_config_from(fields, f"{where}: its config.json")
     HFWeights(path, cfg).check(where)
     return ModelSource(path, "hf", cfg)

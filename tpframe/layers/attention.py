@@ -168,6 +168,7 @@ class ParallelAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
         self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
+        self.fused_window = True  # a sliding window by flex_attention's block mask on CUDA (else SDPA's dense mask)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, *,
                 entered: bool = False, documents: Documents | None = None) -> torch.Tensor:
@@ -211,5 +212,6 @@ class ParallelAttention(nn.Module):
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
             return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa)
         if self.window is not None:
-            return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa)
+            return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa,
+                                            flex=self.fused_window)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -40,17 +40,23 @@ def flex_usable(q: torch.Tensor, dropout_p: float) -> bool:
             and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-@torch.compiler.disable  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
-                             dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention within `window`: q [b, nq, s, d], k and v [b, nkv, s, d] -> [b, nq, s, d]."""
+                             dropout_p: float = 0.0, enable_gqa: bool = False, flex: bool = True) -> torch.Tensor:
+    """Causal attention within `window`: q [b, nq, s, d], k and v [b, nkv, s, d] -> [b, nq, s, d]. `flex=False`:
+    the dense band mask even where flex_attention could run."""
     s = q.shape[-2]
     if s <= window:  # the window holds the whole row: plain causal attention (Flash, no mask)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
-    if flex_usable(q, dropout_p):
-        return _compiled_flex()(q, k, v, block_mask=_block_mask(s, window, str(q.device)), enable_gqa=enable_gqa)
+    if flex and flex_usable(q, dropout_p):
+        return _flex_window(q, k, v, window, enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band(s, s, window, device=q.device), dropout_p=dropout_p,
                                           enable_gqa=enable_gqa)
+
+
+@torch.compiler.disable  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
+def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, enable_gqa: bool) -> torch.Tensor:
+    block_mask = _block_mask(q.shape[-2], window, str(q.device))
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 @functools.cache

@@ -78,7 +78,7 @@ class TransformerBlock(nn.Module):
                            shared_ffn_hidden=cfg.moe_shared_ffn, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
         else:
             self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
-        self.attn.fused_rotary = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
+        self.attn.fused_rotary = self.attn.fused_window = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
         for module in self.modules():  # decode kernels: attention's and the linear layers' one-row GEMM
             if hasattr(module, "fused_decode"):
                 module.fused_decode = ctx.fused_kernels
