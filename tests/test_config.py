@@ -54,7 +54,6 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
          "model.rope_original_max_seq_len=0 must be at least 1"),
         (["model.position=rotary", "model.rope_scaling_factor=0"], 1, "model.rope_scaling_factor=0 must be > 0"),
         (["model.sliding_window=0"], 1, "model.sliding_window=0 must be a number of tokens >= 1 (or null"),
-        (["parallel.cp=2", "model.sliding_window=8"], 2, "model.sliding_window=8 is not supported with parallel.cp=2"),
         (["train.steps"], 1, "must look like section.key=value"),
         (["optim.lr=1e-3", "train.steps=3", "optim.lr=1e-3"], 1, "override optim.lr is given twice"),
     ],

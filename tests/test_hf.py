@@ -830,6 +830,8 @@ def test_sliding_windows_read_as_transformers_reads_them(hf_dirs):
                                              r"for \(model.sliding_window is every layer's\)$"):
         hf_window({**every, "max_window_layers": 1}, "x")
     assert hf_window({**every, "model_type": "qwen3_moe", "max_window_layers": 1}, "x") == 16  # every layer's
+    with pytest.raises(HFMappingError, match=r"^x: layer_types='sliding_attention' must list one type per layer "):
+        hf_window({**every, "layer_types": "sliding_attention"}, "x")
     shape = dict(vocab_size=256, hidden=32, layers=2, heads=4, kv_heads=2, ffn_hidden=64, norm="rmsnorm",
                  norm_eps=1e-6, position="rotary", activation="swiglu", bias=False, tie_embeddings=False,
                  max_seq_len=64)

@@ -290,6 +290,10 @@ CASES = [
     ("document-user-model", lambda t, s: (["model.attention_mask=document", "data.source=stdlib",
                                            "model.name=tests.test_documents:build_without_documents"], {}),
      "does not implement model.attention_mask=document, so its attention would cross document ends"),
+    ("window-user-model", lambda t, s: (["model.sliding_window=8",
+                                         "model.name=tests.test_sliding_window:build_without_window"], {}),
+     "model.sliding_window=8: model.name='tests.test_sliding_window:build_without_window' built attention without "
+     "that window (blocks.0.attn, blocks.1.attn); pass window=cfg.sliding_window to ParallelAttention"),
     ("document-cuda-graph", lambda t, s: (["model.attention_mask=document", "train.cuda_graph=true"], {}),
      "train.cuda_graph cannot replay model.attention_mask=document"),
     ("document-no-ends", lambda t, s: (["model.attention_mask=document"], {}),

@@ -67,6 +67,30 @@ def test_window_inside_packed_documents_equals_a_per_query_loop(window):
         assert_close(got, want, 1e-12, f"window {window} in documents: grad of {name}")
 
 
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("window", [3, 7, 40])
+def test_each_context_parallel_rank_attends_within_the_window(size, window):
+    """Every CP rank's two chunks over the whole sequence's keys (`attend_local_chunks`, what CP attention runs after
+    its all-gather) equal those rows of the per-query loop, gradients included."""
+    from tpframe.parallel.context import attend_local_chunks, local_positions, shard_sequence
+
+    g = torch.Generator().manual_seed(size * window)
+    q, k, v = (torch.randn(2, n, 16, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2))
+    ref = loop_attention(q, k, v, window)
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(size):
+        rows = local_positions(16 // size, rank=rank, size=size)
+        mine = shard_sequence(q, dim=2, rank=rank, size=size)
+        out = attend_local_chunks(mine, k, v, rank=rank, size=size, enable_gqa=True, window=window)
+        assert_close(out, ref[:, :, rows], 1e-12, f"cp={size} rank {rank}, window {window}")
+        for acc, gr in zip(grads, torch.autograd.grad(out, (q, k, v), dout[:, :, rows])):
+            acc += gr
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert_close(got, want, 1e-12, f"cp={size}, window {window}: grad of {name} summed over the ranks")
+
+
 GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8, sliding_window=5)
 LLAMA_CFG = dataclasses.replace(GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", position="rotary",
                                 activation="swiglu", bias=False, tie_embeddings=False)
@@ -100,23 +124,38 @@ def test_a_windowed_gpt_equals_the_reference_at_every_tp(cfg, tp):
         assert differs > 1e-3
 
 
+def build_without_window(cfg, ctx):
+    """A user model's builder that leaves model.sliding_window out of its attention (the pre-flight must refuse it)."""
+    from tpframe.models import build_gpt
+
+    return build_gpt(dataclasses.replace(cfg, sliding_window=None), ctx)
+
+
 def _losses(overrides):
     history = train_in_process(["parallel.tp=1", "model.position=rotary", "model.sliding_window=6", *overrides])
     return [r["loss"] for r in history], [r["grad_norm"] for r in history]
 
 
-def test_train_py_trains_a_window_alike_at_tp2_sp_and_pp2_with_documents(tmp_path):
-    """The key reaches every block through train.py: TP=2 + SP and PP=2 (with packed documents, which narrow the
-    window further) follow one process; without the window the losses differ."""
+def test_train_py_trains_a_window_alike_at_tp2_sp_pp2_and_cp2_with_documents(tmp_path):
+    """The key reaches every block through train.py: TP=2 + SP, PP=2, CP=2 and CP=2 x TP=2 + SP (with packed
+    documents, which narrow the window further) follow one process; without the window the losses differ."""
     docs = ["model.attention_mask=document", "model.eod_id=10"]
     ref, ref_norms = run_distributed(_losses, 1, [*docs, f"train.run_dir={tmp_path}/ref"])[0]
-    for i, (name, extra) in enumerate((("TP=2+SP", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-                                       ("PP=2", ["parallel.pp=2"]))):
-        losses, norms = run_distributed(_losses, 2, [*docs, *extra, f"train.run_dir={tmp_path}/{i}"])[0]
+    for i, (name, nproc, extra) in enumerate((
+        ("TP=2+SP", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("PP=2", 2, ["parallel.pp=2"]),
+        ("CP=2", 2, ["parallel.cp=2"]),
+        ("CP=2 x TP=2 + SP", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    )):
+        losses, norms = run_distributed(_losses, nproc, [*docs, *extra, f"train.run_dir={tmp_path}/{i}"])[0]
         for step, (a, b) in enumerate(zip(losses, ref)):
             assert math.isclose(a, b, rel_tol=1e-5), f"{name}: step {step + 1}: {a} vs {b}"
         for step, (a, b) in enumerate(zip(norms, ref_norms)):
             assert math.isclose(a, b, rel_tol=1e-4), f"{name} grad norm: step {step + 1}: {a} vs {b}"
+    plain, _ = run_distributed(_losses, 1, [f"train.run_dir={tmp_path}/plain"])[0]  # whole rows: CP's own chunks
+    plain_cp, _ = run_distributed(_losses, 2, ["parallel.cp=2", f"train.run_dir={tmp_path}/plain_cp"])[0]
+    for step, (a, b) in enumerate(zip(plain_cp, plain)):
+        assert math.isclose(a, b, rel_tol=1e-5), f"CP=2 without documents: step {step + 1}: {a} vs {b}"
     full, _ = run_distributed(_losses, 1, [*docs, "model.sliding_window=null", f"train.run_dir={tmp_path}/full"])[0]
     assert abs(full[1] - ref[1]) > 1e-4, "the window must change the computation"
 

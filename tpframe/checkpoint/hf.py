@@ -537,10 +537,13 @@ def hf_window(config: dict[str, Any], where: str) -> int | None:
                 raise HFMappingError(f"{where}: max_window_layers={first!r} must be an integer >= 0; fix it in "
                                      "config.json")
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        windowed = sum(t == "sliding_attention" for t in types) if isinstance(types, list) else -1
+        if not isinstance(types, list) or len(types) != layers:
+            raise HFMappingError(f"{where}: layer_types={types!r} must list one type per layer "
+                                 f"(num_hidden_layers={layers}); fix it in config.json")
+        windowed = sum(t == "sliding_attention" for t in types)
         if windowed == 0:
             return None
-        if windowed != len(types) or windowed != layers:
+        if windowed != layers:
             raise HFMappingError(f"{where}: use_sliding_window=true gives a window of {window} to {windowed} of "
                                  f"{layers} layers (max_window_layers / layer_types), which tpframe has no equivalent "
                                  "for (model.sliding_window is every layer's)")

@@ -9,9 +9,9 @@
 Rows are left-padded to one length, so every row writes the same slot at each step: row i's token in
 slot t has position t - start[i], and its queries see the slots start[i]..t (a pad query sees only
 itself, so no row of the softmax is empty). Slots past the write position hold stale or zero values
-that the mask hides. A layer with a sliding window asks for `window_mask(w)`: the mask also hiding slots w or more
-behind each query (made once per step and window). All state is in device tensors updated in place, so a CUDA graph of a decode step
-(`begin(1)`, forward, `advance(1)`) replays correctly at every position.
+that the mask hides. A layer with a sliding window asks for `window_mask(w)`: the mask also hiding slots w
+or more behind each query (made once per step and window). All state is in device tensors updated in place, so a
+CUDA graph of a decode step (`begin(1)`, forward, `advance(1)`) replays correctly at every position.
 """
 
 from __future__ import annotations

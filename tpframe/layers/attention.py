@@ -149,8 +149,6 @@ class ParallelAttention(nn.Module):
         self.kv_local = divide(kv_heads, comm.size, "attention kv_heads")
         if window is not None and window < 1:
             raise ValueError(f"a sliding window of {window} tokens: it needs at least 1 (None: full causal attention)")
-        if window is not None and self.cp_comm is not None:
-            raise ValueError("sliding-window attention is not supported with context parallelism; use cp=1")
         self.window = window
         self.attention_dropout = attention_dropout
         self.rng_tracker = rng_tracker
@@ -206,11 +204,12 @@ class ParallelAttention(nn.Module):
     def _causal(self, q, k, v, dropout: float, gqa: bool, documents: Documents | None = None) -> torch.Tensor:
         if documents is not None and self.cp_comm is not None:
             return context_parallel_document_attention(q, k, v, self.cp_comm, documents, dropout_p=dropout,
-                                                       enable_gqa=gqa)
+                                                       enable_gqa=gqa, window=self.window)
         if documents is not None:
             return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
-            return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa)
+            return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa,
+                                              window=self.window, flex=self.fused_window)
         if self.window is not None:
             return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa,
                                             flex=self.fused_window)

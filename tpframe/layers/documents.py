@@ -115,19 +115,23 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
 
 @torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/parallel/context.py)
 def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, docs: Documents, *,
-                                        dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
+                                        dropout_p: float = 0.0, enable_gqa: bool = False,
+                                        window: int | None = None) -> torch.Tensor:
     """This CP rank's queries q [b, nq, 2c, d] (its chunks r and 2cp-1-r) over the whole sequence's keys, inside
     each document: k and v [b, nkv, 2c, d] are all-gathered over `comm` as for causal CP attention, and `docs`
     describes the whole rows ([b, S]). On CUDA (bf16, no dropout) with `docs.chunks` (`Documents.for_cp_rank`):
-    variable-length Flash attention per chunk; elsewhere SDPA with the [b, 1, 2c, S] mask of these queries' rows."""
+    variable-length Flash attention per chunk; elsewhere SDPA with the [b, 1, 2c, S] mask of these queries' rows.
+    A sliding `window` narrows it (varlen's left window where this torch takes one, else the mask)."""
     kv = gather_sequence(torch.stack([k, v]), comm)  # [2, b, nkv, S, d]
-    if docs.chunks is not None and _varlen_usable(q, dropout_p):
-        return _varlen_chunks(q, kv, docs.chunks, enable_gqa)
+    if docs.chunks is not None and _varlen_usable(q, dropout_p) and (window is None or "window_size" in _VARLEN_ARGS):
+        return _varlen_chunks(q, kv, docs.chunks, enable_gqa, window)
     s = kv.shape[-2]
     rows = local_positions(q.shape[-2], rank=comm.rank, size=comm.size, device=q.device)  # global positions
     keys = torch.arange(s, device=q.device)
     ids = docs.ids
     mask = (ids[:, rows, None] == ids[:, None, :]) & (rows[:, None] >= keys[None, :])
+    if window is not None:
+        mask = mask & (rows[:, None] - keys[None, :] < window)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None], dropout_p=dropout_p,
                                           enable_gqa=enable_gqa)
 
@@ -170,7 +174,8 @@ def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa: bool, window: 
     return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
 
 
-def _varlen_chunks(q: torch.Tensor, kv: torch.Tensor, chunks, enable_gqa: bool) -> torch.Tensor:
+def _varlen_chunks(q: torch.Tensor, kv: torch.Tensor, chunks, enable_gqa: bool,
+                   window: int | None = None) -> torch.Tensor:
     """q [b, nq, 2c, d] (this CP rank's two chunks) over kv [2, b, nkv, S, d], one varlen call per chunk."""
     b, nq, two_c, d = q.shape
     c, nkv, s = two_c // 2, kv.shape[2], kv.shape[3]
@@ -179,7 +184,7 @@ def _varlen_chunks(q: torch.Tensor, kv: torch.Tensor, chunks, enable_gqa: bool) 
     for i, seqs in enumerate(chunks):
         qc = q[:, :, i * c : (i + 1) * c].transpose(1, 2).reshape(b * c, nq, d)
         keys = flat.index_select(1, seqs.keys)  # the keys each sequence reads, back to back
-        out = _varlen_causal(qc, keys[0], keys[1], seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, enable_gqa)
+        out = _varlen_causal(qc, keys[0], keys[1], seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, enable_gqa, window)
         outs.append(out.view(b, c, nq, d))
     return torch.cat(outs, dim=1).transpose(1, 2)
 

@@ -42,20 +42,21 @@ def flex_usable(q: torch.Tensor, dropout_p: float) -> bool:
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
                              dropout_p: float = 0.0, enable_gqa: bool = False, flex: bool = True) -> torch.Tensor:
-    """Causal attention within `window`: q [b, nq, s, d], k and v [b, nkv, s, d] -> [b, nq, s, d]. `flex=False`:
-    the dense band mask even where flex_attention could run."""
-    s = q.shape[-2]
-    if s <= window:  # the window holds the whole row: plain causal attention (Flash, no mask)
+    """Causal attention within `window`: q [b, nq, sq, d] over k and v [b, nkv, sk, d] -> [b, nq, sq, d]. The
+    queries are the last sq of the sk positions (sq < sk: a context-parallel chunk over the keys before it).
+    `flex=False`: the dense band mask even where flex_attention could run."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    if sq == sk <= window:  # the window holds the whole row: plain causal attention (Flash, no mask)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
     if flex and flex_usable(q, dropout_p):
         return _flex_window(q, k, v, window, enable_gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=band(s, s, window, device=q.device), dropout_p=dropout_p,
-                                          enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band(sq, sk, window, device=q.device),
+                                          dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
 @torch.compiler.disable  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
 def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, enable_gqa: bool) -> torch.Tensor:
-    block_mask = _block_mask(q.shape[-2], window, str(q.device))
+    block_mask = _block_mask(q.shape[-2], k.shape[-2], window, str(q.device))
     return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
@@ -65,8 +66,11 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=16)
-def _block_mask(s: int, window: int, device: str):
-    """The band as flex_attention's block mask for rows of s tokens (one per shape: every layer shares it)."""
+def _block_mask(sq: int, sk: int, window: int, device: str):
+    """The band as flex_attention's block mask for sq queries at the last of sk positions (one per shape: every
+    layer shares it)."""
+    offset = sk - sq
+
     def in_window(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
-    return create_block_mask(in_window, None, None, s, s, device=device)
+        return (kv_idx <= q_idx + offset) & (q_idx + offset - kv_idx < window)
+    return create_block_mask(in_window, None, None, sq, sk, device=device)

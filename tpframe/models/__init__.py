@@ -159,6 +159,17 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(model, m, None))]
     if missing:
         raise ConfigError(f"model.name={cfg.name!r} built a {type(model).__name__} without {', '.join(missing)}() (see tpframe/models/__init__.py)")
+    if cfg.sliding_window is not None:  # a model that ignores the window would silently attend past it
+        from tpframe.layers.attention import ParallelAttention
+
+        layers = {n: m.window for n, m in model.named_modules() if isinstance(m, ParallelAttention)}
+        other = [n for n, w in layers.items() if w != cfg.sliding_window]
+        if not layers or other:
+            raise ConfigError(
+                f"model.sliding_window={cfg.sliding_window}: model.name={cfg.name!r} built "
+                + (f"attention without that window ({', '.join(other[:2])}{', ...' if len(other) > 2 else ''})"
+                   if layers else "no tpframe ParallelAttention to give it to")
+                + "; pass window=cfg.sliding_window to ParallelAttention, or leave model.sliding_window unset")
     untagged = [n for n, p in model.named_parameters() if not hasattr(p, "tp_dim")]
     if untagged:  # an untagged TP shard would be saved as if replicated: a silent wrong resume
         raise ConfigError(

@@ -31,6 +31,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tpframe.comm import Communicator
 from tpframe.layers.mappings import gather_from_sp
+from tpframe.layers.sliding_window import sliding_window_attention
 
 # Below this many queries per chunk the merged kernels lose to one lower-right-masked call (three kernels and a
 # merge for little work); measured on one H200 (benchmarks/cp_attention.py, benchmarks/RESULTS.md).
@@ -90,19 +91,22 @@ def order_chunks(g: torch.Tensor) -> torch.Tensor:
 
 @torch.compiler.disable  # eager inside a compiled block (a graph break): torch.compile traces no lower-right mask
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
-                               dropout_p: float = 0.0, enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention of this CP rank's queries over the whole sequence's keys.
+                               dropout_p: float = 0.0, enable_gqa: bool = False, window: int | None = None,
+                               flex: bool = True) -> torch.Tensor:
+    """Causal attention of this CP rank's queries over the whole sequence's keys (within a sliding `window`, if
+    given).
 
     q [b, nq, 2c, d], k and v [b, nkv, 2c, d]: this rank's tokens (chunks r and 2cp-1-r, rotary applied at
     their global positions). Returns [b, nq, 2c, d], equal to those rows of causal attention over the whole
     sequence."""
     kv = gather_sequence(torch.stack([k, v]), comm)  # one all-gather for both: [2, b, nkv, S, d]
     return attend_local_chunks(q, kv[0], kv[1], rank=comm.rank, size=comm.size, dropout_p=dropout_p,
-                               enable_gqa=enable_gqa)
+                               enable_gqa=enable_gqa, window=window, flex=flex)
 
 
 def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, size: int,
-                        dropout_p: float = 0.0, enable_gqa: bool = False, fused: bool = True) -> torch.Tensor:
+                        dropout_p: float = 0.0, enable_gqa: bool = False, fused: bool = True,
+                        window: int | None = None, flex: bool = True) -> torch.Tensor:
     """CP rank `rank`'s queries q [b, nq, 2c, d] over the whole sequence's k, v [b, nkv, S, d]: each local chunk
     attends to the keys before it (no mask) and to its own keys (the square causal mask), merged into one softmax
     (`_ChunkAttention`). Where the fused kernels do not apply (dropout, head dim > 128, other dtypes) or do not pay
@@ -110,13 +114,19 @@ def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ra
     with the causal mask aligned to the last key (torch's lower-right causal bias) compute the same (`fused=False`
     forces that path). Eager only: torch.compile does not reliably trace the bias (a tensor subclass) or this
     module's kernel calls, so `context_parallel_attention` is excluded from it (train.compile with parallel.cp > 1
-    compiles the rest of each block, around one graph break)."""
+    compiles the rest of each block, around one graph break). With a sliding `window` each chunk attends to the
+    window's keys alone, from window-1 before its first query to its end (`sliding_window_attention`: flex's
+    block mask on CUDA, where `flex`, else the dense band mask)."""
     c = _check(q.shape[-2], size)
     fused = fused and dropout_p == 0 and (c >= MERGE_MIN_CHUNK or not q.is_cuda) and _backend(q) is not None
     outs = []
     for chunk, start in ((0, rank * c), (1, (2 * size - 1 - rank) * c)):  # the chunk's first global position
         qc, end = q[..., chunk * c : (chunk + 1) * c, :], start + c
-        if start == 0:  # the sequence's first chunk: a square causal mask
+        if window is not None:
+            first = max(0, start - window + 1)
+            outs.append(sliding_window_attention(qc, k[..., first:end, :], v[..., first:end, :], window,
+                                                 dropout_p=dropout_p, enable_gqa=enable_gqa, flex=flex))
+        elif start == 0:  # the sequence's first chunk: a square causal mask
             outs.append(F.scaled_dot_product_attention(qc, k[..., :c, :], v[..., :c, :], dropout_p=dropout_p,
                                                        is_causal=True, enable_gqa=enable_gqa))
         elif fused:

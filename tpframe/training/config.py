@@ -378,9 +378,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if m.sliding_window is not None and (isinstance(m.sliding_window, bool) or m.sliding_window < 1):
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be a number of tokens >= 1 (or null: full "
                           "causal attention)")
-    if m.sliding_window is not None and p.cp > 1:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} is not supported with parallel.cp={p.cp} yet; set "
-                          "parallel.cp=1 (a window short enough to fit one rank's tokens needs no context parallelism)")
     if m.eod_id is not None and not 0 <= m.eod_id < m.vocab_size:
         raise ConfigError(f"model.eod_id={m.eod_id} is not a token id of model.vocab_size={m.vocab_size}; give the "
                           "token that ends a document, or null for the data's own")
