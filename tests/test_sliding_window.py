@@ -226,6 +226,36 @@ def test_flex_window_attention_on_gpu_equals_the_band_mask(dtype, nq, nkv, d):
 
 
 @pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("size", [2, 4])
+def test_context_parallel_chunks_through_flex_on_gpu_equal_the_band_mask(size):
+    """bf16, every CP rank's chunks over the whole sequence's keys (flex with fewer queries than keys, right-aligned
+    block masks): output and gradients as close to float64 as SDPA with the dense band mask in bf16."""
+    from tpframe.layers.sliding_window import band
+    from tpframe.parallel.context import attend_local_chunks, local_positions, shard_sequence
+
+    b, nq, nkv, s, d, window = 2, 8, 2, 2048, 64, 300
+    q, k, v, dout = _gpu_inputs(b, nq, nkv, s, d, seed=3)
+    mask = band(s, s, window, device="cuda")
+    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
+                                                                             enable_gqa=True)
+
+    def chunks(q, k, v):  # every rank's rows, put back in sequence order
+        out = torch.empty_like(q)
+        for rank in range(size):
+            rows = local_positions(s // size, rank=rank, size=size, device="cuda")
+            out[:, :, rows] = attend_local_chunks(shard_sequence(q, dim=2, rank=rank, size=size), k, v, rank=rank,
+                                                  size=size, enable_gqa=True, window=window)
+        return out
+
+    want = _out_and_grads(dense, q, k, v, dout, torch.float64)
+    ref = _out_and_grads(dense, q, k, v, dout, torch.bfloat16)
+    got = _out_and_grads(chunks, q, k, v, dout, torch.bfloat16)
+    for what, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want):
+        err, ref_err = float((a - w).abs().max()), float((r - w).abs().max())
+        assert err <= 2 * ref_err + 1e-3, f"cp={size} {what}: error {err:.2e} vs bf16 SDPA's {ref_err:.2e}"
+
+
+@pytest.mark.gpu(count=1)
 def test_window_inside_documents_on_gpu_equals_the_dense_mask():
     """bf16 packed documents with a window (varlen's left window where torch's varlen_attn takes one, else the dense
     mask): as close to float64 as bf16 SDPA with the combined mask."""
