@@ -68,3 +68,20 @@ def reference_loss(cfg: ModelConfig, P: dict, input_ids, labels):
     head = P["embedding.weight"] if cfg.tie_embeddings else P["head.weight"]
     logits = x @ head.t()
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="none").view(b, s)
+
+
+def assert_matches_reference(cfg: ModelConfig, model, ids, labels, comm, case: str) -> torch.Tensor:
+    """A TP model's per-token loss and gradients on (ids, labels) against `reference_loss` with the model's own full
+    weights (fp32: 1e-5 relative; atol for gradients zero in exact arithmetic, e.g. the key bias's, since softmax is
+    shift-invariant); returns the model's loss and its full logical weights."""
+    from tests.reference import assert_close, loss_and_full_tensors
+
+    loss, weights, grads = loss_and_full_tensors(model, ids, labels, comm)
+    P = {k: v.clone().requires_grad_() for k, v in weights.items()}
+    ref = reference_loss(cfg, P, ids, labels)
+    ref.mean().backward()
+    assert_close(loss, ref, 1e-5, f"{case}: per-token loss")
+    assert set(grads) == set(P), f"{case}: logical tensors differ: {set(grads) ^ set(P)}"
+    for name in P:
+        assert_close(grads[name], P[name].grad, 1e-5, f"{case}: grad of {name}", atol=1e-7)
+    return loss, weights
