@@ -6,6 +6,7 @@
     APPEND=0 LAYERS=2 HIDDEN=64 HEADS=4 SEQ=64 MB=2 STEPS=3 python benchmarks/data_parallel.py   # CPU dry run (gloo)
     ROWS="DP=1;ddp, overlap on" PROFILE=/tmp/dp python benchmarks/data_parallel.py   # some rows; a profiled step each
     GRAPH=1 LAYERS=12 HIDDEN=768 HEADS=12 SEQ=1024 MB=16 python benchmarks/data_parallel.py  # GPT-125M, CUDA-graphed
+    PHASES=1 ROWS="DP=1;ddp, overlap on" python benchmarks/data_parallel.py   # each rank's step split into phases
 
 Each row is one `torchrun` worker run: a GPT (LayerNorm, rotary, GELU, biases, tied, V=50304; GPT-1.3B
 shape by default: L=24 H=2048 16 heads, seq 2048, micro-batch 8 per GPU, bf16) trained on random
@@ -20,7 +21,10 @@ rank's own median step (a slower GPU paces the whole DP group). PROFILE=folder p
 (every rank's chrome trace, rank 0's op table there) and adds its GPU timeline: busy time, how long the collectives ran
 and how much of that no computation hid. GRAPH=1 replays each micro-batch from a CUDA graph (train.cuda_graph's
 schedule, tpframe/parallel/graphed.py) after two eager steps: the copy-engine sync is then inside the last
-micro-batch's graph, NCCL's after it; fsdp rows are skipped (not graphed); CUDA only.
+micro-batch's graph, NCCL's after it; fsdp rows are skipped (not graphed); CUDA only. PHASES=1 (CUDA) prints, per
+row and rank, the medians of every timed step split at its phases (forward+backward, the grad sync's wait, clip,
+optimizer), by the host's clock and by CUDA events on the compute stream: whether a DP step's extra time is a slower
+backward, a wait for the gradients, or the host.
 The "torch ... peer" rows run benchmarks/peer_dp.py: the same model in plain PyTorch under torch's DDP (nanoGPT's
 way: fp32 weights, bf16 autocast, fp32 gradient all-reduce overlapped with backward) or FSDP2 (torchtitan's way);
 their "vs its DP=1" divides by the peer's own DP=1 row: how much gradient traffic PyTorch's own DP hides here.
@@ -101,12 +105,25 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
     batches = RandomBatches()
     schedule = GraphedForwardBackward(warmup_steps=2) if env("GRAPH", 0) == 1 else forward_backward_no_pipelining
 
-    def step():
+    phases = env("PHASES", 0) == 1 and cuda  # PHASES=1: where each timed step's time goes, host and GPU
+
+    def step(marks: list | None = None):
+        def mark(phase: str) -> None:
+            if marks is not None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                marks.append((phase, time.perf_counter(), event))
+
+        mark("start")
         opt.zero_grad()
         loss = schedule(model, batches, ACCUM, grad_sync=opt, device=state.device)
+        mark("forward+backward")
         opt.finish_grad_sync()
+        mark("grad sync wait")
         opt.clip_grad_norm(1.0)
+        mark("clip")
         opt.step(1e-4)
+        mark("optimizer")
         return loss
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -120,14 +137,26 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
     resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")  # between steps
     if cuda and not graphed:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, split = [], []
     for _ in range(STEPS):
         torch.distributed.barrier()
+        marks = [] if phases else None
         t0 = time.perf_counter()
-        loss = step()
+        loss = step(marks)
         sync()
         times.append(time.perf_counter() - t0)
+        if phases:  # per phase: the host's time and the compute stream's (event to event, waits included)
+            split.append({"wall": times[-1] * 1e3, "gpu": marks[0][2].elapsed_time(marks[-1][2]),
+                          **{f"host {b[0]}": (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:])},
+                          **{f"gpu {b[0]}": a[2].elapsed_time(b[2]) for a, b in zip(marks, marks[1:])}})
     dt = statistics.median(times)
+    if phases:
+        mine = {k: round(statistics.median(d[k] for d in split), 2) for k in split[0]}
+        every = [None] * state.world_size
+        torch.distributed.all_gather_object(every, mine)
+        if state.rank == 0:
+            for r, m in enumerate(every):
+                print(f"PHASES rank {r} (medians, ms): {json.dumps(m)}", flush=True)
     per_rank = [None] * state.world_size  # each rank's own median: a slower GPU paces every DP step
     torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
@@ -203,6 +232,9 @@ def main() -> None:
             print(f"{name}: failed (exit {[c for _, c in outs]})\n{stderr[-2000:]}", flush=True)
             continue
         result = json.loads(lines[-1][len("RESULT "):])
+        for x in stdout.splitlines():  # PHASES=1: each rank's split of the step
+            if x.startswith("PHASES "):
+                print(f"{name}: {x}", flush=True)
         if copies > 1:  # one DP=1 run per GPU: each GPU's own median (a DP group is paced by its slowest GPU)
             each = [[x for x in out.splitlines() if x.startswith("RESULT ")] for (out, _), _ in outs]
             result["rank_step_s"] = [json.loads(x[-1][len("RESULT "):])["step_s"] if x else float("nan") for x in each]
