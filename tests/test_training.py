@@ -55,7 +55,9 @@ def test_qwen_attention_trains_alike_at_tp2_with_sp(attention, tmp_path):
                                                               "train.compare_replicas_every=2",
                                                               f"train.run_dir={tmp_path}/b"])[0]
     _assert_same_losses(tp2, tp1, 1e-5, "TP=2+SP vs TP=1")
-    _assert_same_losses(norms2, norms1, 1e-4, "global grad norm TP=2+SP vs TP=1")  # fp32 sums in another order
+    # fp32 sums in another order: the norm is more sensitive than the loss (on an AMD EPYC, step 9's spike to 2.008
+    # differed by 1.2e-4 relative while every loss agreed to 1e-5); an unsummed q/k norm gradient moves it by far more
+    _assert_same_losses(norms2, norms1, 1e-3, "global grad norm TP=2+SP vs TP=1")
     assert tp1[-1] < tp1[0]
 
 
