@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tests.reference import assert_close, loss_and_full_tensors
 from tpframe.models.config import ModelConfig
 
 
@@ -70,12 +71,10 @@ def reference_loss(cfg: ModelConfig, P: dict, input_ids, labels):
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="none").view(b, s)
 
 
-def assert_matches_reference(cfg: ModelConfig, model, ids, labels, comm, case: str) -> torch.Tensor:
+def assert_matches_reference(cfg: ModelConfig, model, ids, labels, comm, case: str) -> tuple[torch.Tensor, dict]:
     """A TP model's per-token loss and gradients on (ids, labels) against `reference_loss` with the model's own full
     weights (fp32: 1e-5 relative; atol for gradients zero in exact arithmetic, e.g. the key bias's, since softmax is
     shift-invariant); returns the model's loss and its full logical weights."""
-    from tests.reference import assert_close, loss_and_full_tensors
-
     loss, weights, grads = loss_and_full_tensors(model, ids, labels, comm)
     P = {k: v.clone().requires_grad_() for k, v in weights.items()}
     ref = reference_loss(cfg, P, ids, labels)
