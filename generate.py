@@ -35,29 +35,47 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
-                   help="step directory, checkpoints root (with `latest`), .safetensors export or HF model directory")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default and only choice: the world size)")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step directory, checkpoints root (with `latest`), .safetensors export or HF model directory",
+    )
+    p.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel size (default and only choice: the world size)"
+    )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", help="a file of prompts: one per line, or .jsonl ('prompt' or 'text' key, or strings)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature, top-k, top-p)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="sample among the most likely tokens of total probability p (default: all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample among the most likely tokens of total probability p (default: all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; the same tokens at any TP size)")
-    p.add_argument("--tokenizer",
-                   help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)")
+    p.add_argument(
+        "--tokenizer", help="a Hugging Face tokenizer.json (default: the one the checkpoint's data was made with)"
+    )
     p.add_argument("--eot-token", help="the end-of-text token of --tokenizer (default: detected)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt and line")
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="capture the decode step in a CUDA graph (GPU only; default on)")
-    p.add_argument("--compile", nargs="?", const="default", choices=("default", "max-autotune-no-cudagraphs"),
-                   help="torch.compile each block first (costs compile time up front, ~1 min for 1.3B): fewer, "
-                   "fused kernels per token; max-autotune-no-cudagraphs also tunes the small-batch matmuls")
+    p.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capture the decode step in a CUDA graph (GPU only; default on)",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        choices=("default", "max-autotune-no-cudagraphs"),
+        help="torch.compile each block first (costs compile time up front, ~1 min for 1.3B): fewer, "
+        "fused kernels per token; max-autotune-no-cudagraphs also tunes the small-batch matmuls",
+    )
     p.add_argument("--comm", choices=("auto", "nccl", "symm"), default="auto", help="TP communication backend")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     return p.parse_args(argv)
@@ -81,8 +99,11 @@ def check_tp(cfg, tp: int) -> None:
     from tpframe.models.config import ffn_hidden_size, moe_ffn_hidden_size
 
     kv = cfg.kv_heads or cfg.heads
-    ffn = ("each expert's FFN size", moe_ffn_hidden_size(cfg)) if cfg.moe_experts else ("the FFN size",
-                                                                                      ffn_hidden_size(cfg))
+    ffn = (
+        ("each expert's FFN size", moe_ffn_hidden_size(cfg))
+        if cfg.moe_experts
+        else ("the FFN size", ffn_hidden_size(cfg))
+    )
     for key, value in (("model.heads", cfg.heads), ("model.kv_heads", kv), ffn):
         if value % tp:
             raise ConfigError(f"tensor-parallel size {tp} does not divide {key} = {value}; run with fewer processes")
@@ -99,8 +120,10 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
     if tp < 1:
         raise ConfigError(f"--tp must be >= 1 (the tensor-parallel size: one process per rank), got {tp}")
     if tp != world:
-        raise ConfigError(f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "
-                          f"launch with python -m tpframe.launch --nproc-per-node {tp}")
+        raise ConfigError(
+            f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "
+            f"launch with python -m tpframe.launch --nproc-per-node {tp}"
+        )
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not -(2**63) <= args.seed < 2**64:
@@ -111,16 +134,25 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
         raise ConfigError(str(e)) from None
     source = open_source(args.checkpoint)
     if source.model.name != "gpt":
-        raise ConfigError(f"the checkpoint's model.name is {source.model.name!r}; "
-                          "generate.py runs the built-in GPT only")
+        raise ConfigError(
+            f"the checkpoint's model.name is {source.model.name!r}; generate.py runs the built-in GPT only"
+        )
     check_tp(source.model, tp)
     if args.eot_token is not None and args.tokenizer is None:
         raise ConfigError("--eot-token names the end-of-text token of --tokenizer FILE; pass both, or neither")
     tok = resolve_tokenizer(source, args.tokenizer, args.eot_token)
     prompts = read_prompts(args.prompt, args.prompts)
     ids = encode_prompts(tok, prompts, context=source.model.max_seq_len, max_new_tokens=args.max_new_tokens)
-    return Plan(args, source, tok, prompts, ids, tp, generation_model(source.model, ids, args.max_new_tokens),
-                stop_ids(source, tok, own_tokenizer=args.tokenizer is None))
+    return Plan(
+        args,
+        source,
+        tok,
+        prompts,
+        ids,
+        tp,
+        generation_model(source.model, ids, args.max_new_tokens),
+        stop_ids(source, tok, own_tokenizer=args.tokenizer is None),
+    )
 
 
 def generation_model(cfg, prompt_ids: list[list[int]], max_new_tokens: int):
@@ -130,8 +162,9 @@ def generation_model(cfg, prompt_ids: list[list[int]], max_new_tokens: int):
 
     if cfg.position != "rotary":
         return cfg
-    return dataclasses.replace(cfg, max_seq_len=min(cfg.max_seq_len, cache_slots(max(map(len, prompt_ids)),
-                                                                                  max_new_tokens)))
+    return dataclasses.replace(
+        cfg, max_seq_len=min(cfg.max_seq_len, cache_slots(max(map(len, prompt_ids)), max_new_tokens))
+    )
 
 
 def sampling(args):
@@ -160,15 +193,26 @@ def run(plan: Plan) -> list[dict]:
         del tensors
         if args.compile:
             compile_model(model, mode=args.compile)
-        gen = Generator(model, state.tp_comm, sampling=sampling(args),
-                        vocab_size=min(cfg.vocab_size, plan.tokenizer.vocab_size),
-                        eos_id=None if args.ignore_eos else plan.stop_ids, seed=args.seed,
-                        cuda_graph=args.cuda_graph)
+        gen = Generator(
+            model,
+            state.tp_comm,
+            sampling=sampling(args),
+            vocab_size=min(cfg.vocab_size, plan.tokenizer.vocab_size),
+            eos_id=None if args.ignore_eos else plan.stop_ids,
+            seed=args.seed,
+            cuda_graph=args.cuda_graph,
+        )
         out = gen.generate(plan.prompt_ids, args.max_new_tokens)
         seconds = out.prefill_s + out.decode_s
-        return [{"prompt": prompt, "text": plan.tokenizer.decode(ids), "token_ids": ids,
-                 "tokens_per_s": round(len(ids) / seconds, 2) if seconds > 0 else None}
-                for prompt, ids in zip(plan.prompts, out.tokens)]
+        return [
+            {
+                "prompt": prompt,
+                "text": plan.tokenizer.decode(ids),
+                "token_ids": ids,
+                "tokens_per_s": round(len(ids) / seconds, 2) if seconds > 0 else None,
+            }
+            for prompt, ids in zip(plan.prompts, out.tokens)
+        ]
     finally:
         destroy_parallel()
 

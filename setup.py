@@ -17,8 +17,15 @@ setup(
     install_requires=["torch>=2.11", "pyyaml", "numpy", "safetensors"],  # safetensors: exports, init_from
     extras_require={
         # transformers: the Hugging Face export/import tests; tensorboard: logging.tensorboard and its test
-        "dev": ["pytest>=7", "pytest-timeout", "matplotlib", "tokenizers", "transformers>=4.45",
-                "tensorboard", "accelerate"],  # accelerate: transformers' tp_plan (benchmarks/decode.py --hf-tp)
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout",
+            "matplotlib",
+            "tokenizers",
+            "transformers>=4.45",
+            "tensorboard",
+            "accelerate",
+        ],  # accelerate: transformers' tp_plan (benchmarks/decode.py --hf-tp)
         "wandb": ["wandb"],
     },
 )

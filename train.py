@@ -36,9 +36,13 @@ class _ArgumentParser(ArgumentParser):  # refuses --config given twice, too
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from tpframe.training.config_help import help_table
 
-    parser = _ArgumentParser(description=__doc__, epilog=help_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _ArgumentParser(
+        description=__doc__, epilog=help_table(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML config (defaults when omitted)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100 (each key once)")
+    parser.add_argument(
+        "overrides", nargs="*", help="section.key=value, e.g. parallel.tp=2 train.steps=100 (each key once)"
+    )
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 
@@ -64,15 +68,21 @@ def _print_now(message: str) -> None:  # a non-main rank's own console line (log
     print(message, flush=True)
 
 
-def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int | None = None,
-            device_check: bool = True):
+def prepare(
+    argv: list[str] | None, *, world_size: int | None = None, rank: int | None = None, device_check: bool = True
+):
     """Parse and check everything that can be checked before any process group is built, and write nothing.
     `world_size`/`rank` default to the launcher's env; `device_check=False` skips the device-memory check
     (tpframe.launch's parent process, which must not touch the GPUs)."""
     from tpframe.checkpoint import preflight
     from tpframe.data import build_data
-    from tpframe.models import (check_context_parallel_support, check_document_mask_support, check_pipeline_support,
-                                check_recompute_support, resolve_builder)
+    from tpframe.models import (
+        check_context_parallel_support,
+        check_document_mask_support,
+        check_pipeline_support,
+        check_recompute_support,
+        resolve_builder,
+    )
     from tpframe.parallel.state import coords_of, cp_of
     from tpframe.training import preflight as checks
 
@@ -86,8 +96,9 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     check_pipeline_support(cfg.model.name, builder, cfg.parallel.pp)
     check_context_parallel_support(cfg.model.name, builder, cfg.parallel.cp)
     check_document_mask_support(cfg.model.name, builder, cfg.model.attention_mask)
-    check_recompute_support(cfg.model.name, builder, selective=cfg.parallel.recompute == "selective",
-                            layers=cfg.parallel.recompute_layers)
+    check_recompute_support(
+        cfg.model.name, builder, selective=cfg.parallel.recompute == "selective", layers=cfg.parallel.recompute_layers
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     local_world, local_rank = (env.local_world_size, env.local_rank) if env else (world, 0)
     where = dict(device_type=device, local_rank=local_rank, local_world=local_world)
@@ -101,8 +112,15 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None, rank: int 
     _, dp_rank, _ = coords_of(rank, world, p.tp, p.pp, cp=p.cp)
     dp = world // (p.tp * p.cp * p.pp)
     try:
-        train_data, valid_data, data_vocab = build_data(cfg.data, cfg.train.seq_len, cfg.train.micro_batch_size, dp_rank,
-                                                        dp, cp_rank=cp_of(rank, p.tp, p.cp), cp_size=p.cp)
+        train_data, valid_data, data_vocab = build_data(
+            cfg.data,
+            cfg.train.seq_len,
+            cfg.train.micro_batch_size,
+            dp_rank,
+            dp,
+            cp_rank=cp_of(rank, p.tp, p.cp),
+            cp_size=p.cp,
+        )
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     if data_vocab > cfg.model.vocab_size:
@@ -130,13 +148,22 @@ def _parallel_state(cfg):
     if torch.cuda.is_available():
         configure_flight_recorder(cfg.train.run_dir)  # before the NCCL groups exist
     try:
-        state = initialize_parallel(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, comm_backend=cfg.comm.backend,
-                                    timeout_s=cfg.comm.timeout_s, dp_high_priority=p.dp_high_priority)
+        state = initialize_parallel(
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            ep=p.ep,
+            comm_backend=cfg.comm.backend,
+            timeout_s=cfg.comm.timeout_s,
+            dp_high_priority=p.dp_high_priority,
+        )
     except Exception as e:
         if not is_comm_failure(e):
             raise
-        raise CommFailure(f"the process groups could not be set up within comm.timeout_s={cfg.comm.timeout_s:g}: "
-                          f"{str(e).strip().splitlines()[0][:200]}") from None
+        raise CommFailure(
+            f"the process groups could not be set up within comm.timeout_s={cfg.comm.timeout_s:g}: "
+            f"{str(e).strip().splitlines()[0][:200]}"
+        ) from None
     state.tp_comm.overlap_backward = cfg.comm.overlap_backward
     state.tp_comm.overlap_sm_margin = cfg.comm.overlap_sm_margin
     return state
@@ -151,21 +178,41 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
 
     p, notes = cfg.parallel, []
     ctx = BuildContext(
-        state.tp_comm, sequence_parallel=p.sequence_parallel, **p.recompute_context(),
-        rng_tracker=tracker, dtype=torch.float32 if p.dp_strategy == "fsdp" else DTYPES[cfg.train.dtype],  # fsdp: fp32 masters
-        device=state.device, seed=cfg.train.seed, async_tp=p.async_tp, cp_comm=state.cp_comm, ep_comm=state.ep_comm,
+        state.tp_comm,
+        sequence_parallel=p.sequence_parallel,
+        **p.recompute_context(),
+        rng_tracker=tracker,
+        dtype=torch.float32 if p.dp_strategy == "fsdp" else DTYPES[cfg.train.dtype],  # fsdp: fp32 masters
+        device=state.device,
+        seed=cfg.train.seed,
+        async_tp=p.async_tp,
+        cp_comm=state.cp_comm,
+        ep_comm=state.ep_comm,
     )
-    model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=p.pp, virtual_stages=p.virtual_stages,
-                         layers_per_stage=p.layers_per_stage)
+    model = build_stages(
+        cfg.model,
+        ctx,
+        pp_rank=state.pp_rank,
+        pp=p.pp,
+        virtual_stages=p.virtual_stages,
+        layers_per_stage=p.layers_per_stage,
+    )
     chunks = getattr(model, "chunks", [model])
     if cfg.train.fp8:  # the blocks' linear layers; the head and embedding stay bf16 (torchtitan's choice)
         from tpframe.layers.linear import enable_fp8
 
         done = [enable_fp8(chunk, small_layers=cfg.train.fp8_small_layers) for chunk in chunks]
         skipped = [name for _, names in done for name in names]
-        notes.append(f"float8 GEMMs in {sum(n for n, _ in done)} linear layers" + (
-            f"; {len(skipped)} stay in {cfg.train.dtype}: " + ", ".join(skipped[:3])
-            + (" ..." if len(skipped) > 3 else "") if skipped else ""))
+        notes.append(
+            f"float8 GEMMs in {sum(n for n, _ in done)} linear layers"
+            + (
+                f"; {len(skipped)} stay in {cfg.train.dtype}: "
+                + ", ".join(skipped[:3])
+                + (" ..." if len(skipped) > 3 else "")
+                if skipped
+                else ""
+            )
+        )
     if cfg.train.compile:  # per block, before the strategy wraps anything (torchtitan's order)
         from tpframe.models.compile import compile_model
 
@@ -174,8 +221,14 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
     if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
         # partial: a pipeline stage holds some blocks, an EP rank some experts (the pre-flight matched the file
         # against the whole model)
-        source = load_init_from(model, cfg.model, cfg.checkpoint.init_from, state.tp_rank, state.tp,
-                                partial=p.pp > 1 or p.virtual_stages > 1 or p.ep > 1)
+        source = load_init_from(
+            model,
+            cfg.model,
+            cfg.checkpoint.init_from,
+            state.tp_rank,
+            state.tp,
+            partial=p.pp > 1 or p.virtual_stages > 1 or p.ep > 1,
+        )
         notes.append(f"initialized the weights from {source}")
     return model, notes
 
@@ -186,28 +239,38 @@ def _describe(cfg, state, *, num_params: int, strategy, trainer) -> list[str]:
     schedule = f" ({p.pp_schedule})" if p.pp > 1 else ""
     lines = [
         f"tpframe: {num_params / 1e6:.2f}M params | world {state.world_size} = tp {state.tp} x "
-        + (f"cp {state.cp} x " if state.cp > 1 else "") + f"dp {state.dp} x pp {state.pp}{schedule}"
-        + (f" (experts over ep {state.ep})" if state.ep > 1 else "") + f" | {cfg.train.dtype} on {state.device.type} | "
+        + (f"cp {state.cp} x " if state.cp > 1 else "")
+        + f"dp {state.dp} x pp {state.pp}{schedule}"
+        + (f" (experts over ep {state.ep})" if state.ep > 1 else "")
+        + f" | {cfg.train.dtype} on {state.device.type} | "
         f"seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
         f"{cfg.train.micro_batch_size} per rank)",
         f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank",
     ]
     if p.recompute != "none":
-        what = {"selective": "selective (norms and activation functions; GEMM and attention outputs kept)",
-                "full": "full (whole blocks from their input" + (
-                    f"; the first {p.recompute_layers} of each chunk)" if p.recompute_layers else ")")}
+        what = {
+            "selective": "selective (norms and activation functions; GEMM and attention outputs kept)",
+            "full": "full (whole blocks from their input"
+            + (f"; the first {p.recompute_layers} of each chunk)" if p.recompute_layers else ")"),
+        }
         lines.append(f"activation recompute: {what[p.recompute]}")
     if cfg.model.attention_mask == "document":
         lines.append(f"attention within each document (token {cfg.model.eod_id} ends one; positions restart)")
     if cfg.data.eod_mask_loss:
-        lines.append(f"no loss on the token after each {cfg.model.eod_id} (data.eod_mask_loss); the loss is the mean "
-                     "over the global batch's other tokens")
+        lines.append(
+            f"no loss on the token after each {cfg.model.eod_id} (data.eod_mask_loss); the loss is the mean "
+            "over the global batch's other tokens"
+        )
     if cfg.train.time_limit_minutes is not None:
-        lines.append(f"time limit: after {cfg.train.time_limit_minutes:g} minutes the step is saved and training stops "
-                     "(train.time_limit_minutes); the same command resumes it")
+        lines.append(
+            f"time limit: after {cfg.train.time_limit_minutes:g} minutes the step is saved and training stops "
+            "(train.time_limit_minutes); the same command resumes it"
+        )
     if trainer.weight_check is not None:
-        lines.append(f"every {cfg.train.compare_replicas_every} steps the copies of each weight are compared: "
-                     f"{trainer.weight_check.compares}")
+        lines.append(
+            f"every {cfg.train.compare_replicas_every} steps the copies of each weight are compared: "
+            f"{trainer.weight_check.compares}"
+        )
     return lines
 
 
@@ -225,14 +288,23 @@ def _train(cfg, trainer, checkpointer, logger) -> None:
             logger.info(
                 f"done at step {trainer.step}: loss {last['loss']:.4f}"
                 + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
-                + (f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}"
-                   if checkpointer.last_saved_step >= 0 else "")
+                + (
+                    f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}"
+                    if checkpointer.last_saved_step >= 0
+                    else ""
+                )
             )
     except TrainingAborted as e:
         checkpointer.finish(trainer.step, stopped=True)  # an earlier, healthy step's background save publishes
         healthy = last_healthy(checkpointer.root)
-        raise TrainingAborted(f"{e}; " + (f"the last healthy checkpoint is {healthy} (checkpoint.load={healthy})"
-                                          if healthy else "no healthy checkpoint was saved")) from None
+        raise TrainingAborted(
+            f"{e}; "
+            + (
+                f"the last healthy checkpoint is {healthy} (checkpoint.load={healthy})"
+                if healthy
+                else "no healthy checkpoint was saved"
+            )
+        ) from None
     finally:
         logger.close()
 
@@ -245,8 +317,10 @@ def _evaluate_only(cfg, trainer, logger) -> None:
         loss = trainer.evaluate()
         logger.log_eval(trainer.step, {"loss": loss})
         sequences = cfg.train.eval_steps * cfg.train.micro_batch_size * trainer.parallel.dp
-        logger.info(f"evaluated the weights of step {trainer.step} on {sequences} held-out sequences of "
-                    f"{cfg.train.seq_len} tokens: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}")
+        logger.info(
+            f"evaluated the weights of step {trainer.step} on {sequences} held-out sequences of "
+            f"{cfg.train.seq_len} tokens: loss {loss:.4f}, perplexity {math.exp(min(loss, 700)):.2f}"
+        )
     finally:
         logger.close()
 
@@ -260,8 +334,10 @@ def _resume_changes(cfg, meta: dict, step: int) -> list[str]:
 
     saved = meta["config"]
     saved_cfg = from_dict({"optim": saved["optim"], "model": saved["model"]})
-    lines = [schedule_change(step, cfg.optim, cfg.train.steps, saved_cfg.optim, saved["train"]["steps"]),
-             computation_change(cfg.model, saved_cfg.model)]
+    lines = [
+        schedule_change(step, cfg.optim, cfg.train.steps, saved_cfg.optim, saved["train"]["steps"]),
+        computation_change(cfg.model, saved_cfg.model),
+    ]
     return [line for line in lines if line]
 
 
@@ -295,28 +371,69 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         pipeline = None
         if p.pp > 1:
             pipeline = build_pipeline(
-                state, schedule=p.pp_schedule, virtual_stages=p.virtual_stages, seq_len=cfg.train.seq_len // p.cp,
-                micro_batch_size=cfg.train.micro_batch_size, hidden=cfg.model.hidden,
-                sequence_parallel=p.sequence_parallel, dtype=dtype, timeout_s=p.pp_timeout_s,
+                state,
+                schedule=p.pp_schedule,
+                virtual_stages=p.virtual_stages,
+                seq_len=cfg.train.seq_len // p.cp,
+                micro_batch_size=cfg.train.micro_batch_size,
+                hidden=cfg.model.hidden,
+                sequence_parallel=p.sequence_parallel,
+                dtype=dtype,
+                timeout_s=p.pp_timeout_s,
             )
         strategy = build_strategy(
-            p.dp_strategy, model, cfg.optim, state, bucket_mb=p.grad_bucket_mb, overlap_grad_sync=p.overlap_grad_sync,
-            overlap_param_gather=p.overlap_param_gather, compute_dtype=dtype, dp_comm=p.dp_comm,
+            p.dp_strategy,
+            model,
+            cfg.optim,
+            state,
+            bucket_mb=p.grad_bucket_mb,
+            overlap_grad_sync=p.overlap_grad_sync,
+            overlap_param_gather=p.overlap_param_gather,
+            compute_dtype=dtype,
+            dp_comm=p.dp_comm,
             reduce_dtype=getattr(torch, p.grad_reduce_dtype),
         )
         start_step = resume[1]["train"]["step"] if resume[1] else 0
-        logger = MetricsLogger(cfg.logging, cfg.train.run_dir, state.rank == 0, cfg.train.steps, cfg.to_dict(), start_step,
-                               open_files=False)  # opened once the checkpoint has loaded: a corrupt one writes nothing
-        trainer = Trainer(cfg, state, model, strategy, train_data, valid_data, logger,
-                          forward_backward=_schedule(cfg, state, pipeline, logger.info),
-                          forward_only=get_forward_only(p.pp, pipeline), progress=progress,
-                          peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops),
-                          profiler=StepProfiler.open(cfg.profile, rank=state.rank, device=state.device,
-                                                     run_dir=cfg.train.run_dir,
-                                                     log=logger.info if logger.is_main else _print_now))
-        checkpointer = Checkpointer(cfg, state, tensors=strategy, rng=RNGState(state.device, tracker),
-                                    meta={"train": trainer, "data": train_data, "health": trainer.guard},
-                                    vocab_tensors=vocab_tensors, resume=resume, log=logger.info, health=trainer.guard)
+        logger = MetricsLogger(
+            cfg.logging,
+            cfg.train.run_dir,
+            state.rank == 0,
+            cfg.train.steps,
+            cfg.to_dict(),
+            start_step,
+            open_files=False,
+        )  # opened once the checkpoint has loaded: a corrupt one writes nothing
+        trainer = Trainer(
+            cfg,
+            state,
+            model,
+            strategy,
+            train_data,
+            valid_data,
+            logger,
+            forward_backward=_schedule(cfg, state, pipeline, logger.info),
+            forward_only=get_forward_only(p.pp, pipeline),
+            progress=progress,
+            peak_tflops=peak_tflops(state.device, dtype, cfg.logging.peak_tflops),
+            profiler=StepProfiler.open(
+                cfg.profile,
+                rank=state.rank,
+                device=state.device,
+                run_dir=cfg.train.run_dir,
+                log=logger.info if logger.is_main else _print_now,
+            ),
+        )
+        checkpointer = Checkpointer(
+            cfg,
+            state,
+            tensors=strategy,
+            rng=RNGState(state.device, tracker),
+            meta={"train": trainer, "data": train_data, "health": trainer.guard},
+            vocab_tensors=vocab_tensors,
+            resume=resume,
+            log=logger.info,
+            health=trainer.guard,
+        )
         progress.mark(0, "load")
         checkpointer.load()  # model, optimizer, data position, RNG, step
         logger.open()  # config.yaml, metrics.jsonl
@@ -331,9 +448,12 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             _evaluate_only(cfg, trainer, logger)
             return trainer
         if trainer.step >= cfg.train.steps:  # e.g. a finished run launched again
-            logger.info(f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
-                        "nothing to train; raise train.steps to continue it, or use another train.run_dir"
-                        if trainer.step else "train.steps=0: nothing to train")
+            logger.info(
+                f"this run is already at its last step (step {trainer.step}, train.steps={cfg.train.steps}): "
+                "nothing to train; raise train.steps to continue it, or use another train.run_dir"
+                if trainer.step
+                else "train.steps=0: nothing to train"
+            )
         _train(cfg, trainer, checkpointer, logger)
         trainer.checkpointer = checkpointer
         return trainer
@@ -341,8 +461,9 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         from tpframe import exits
         from tpframe.training.memory import out_of_memory
 
-        failure = out_of_memory(e, cfg, rank=state.rank, dp=state.dp_cp, step=progress.step, phase=progress.phase,
-                                device=state.device)
+        failure = out_of_memory(
+            e, cfg, rank=state.rank, dp=state.dp_cp, step=progress.step, phase=progress.phase, device=state.device
+        )
         exits.report(f"out of memory: {failure}", show=True)
         raise failure from None
     except Exception as e:
@@ -401,8 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk or a folder made read-only under another of the run's files (its config)
         if e.errno not in exits.DISK_FULL_OR_READ_ONLY:
             raise
-        exits.report(f"cannot write {e.filename or 'a file of the run'} ({e.strerror}): free space or make it "
-                     "writable, then relaunch (the last checkpoint is intact)", show=True)
+        exits.report(
+            f"cannot write {e.filename or 'a file of the run'} ({e.strerror}): free space or make it "
+            "writable, then relaunch (the last checkpoint is intact)",
+            show=True,
+        )
         return exits.EXIT_SAVE
     except KeyboardInterrupt:
         return exits.EXIT_INTERRUPTED

@@ -80,9 +80,12 @@ def main() -> None:
     print("\n".join(table))
     if os.environ.get("NO_APPEND") != "1":
         with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
-            f.write(f"\n### Async TP host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                    f"{datetime.date.today()}\n`python benchmarks/async_tp_host.py` (ITERS={ITERS} ROUNDS={ROUNDS})\n\n"
-                    + "\n".join(table) + "\n")
+            f.write(
+                f"\n### Async TP host cost per call, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                f"{datetime.date.today()}\n`python benchmarks/async_tp_host.py` (ITERS={ITERS} ROUNDS={ROUNDS})\n\n"
+                + "\n".join(table)
+                + "\n"
+            )
     dist.destroy_process_group()
 
 

@@ -33,14 +33,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpframe.comm import Communicator  # noqa: E402
-from tpframe.comm import select  # noqa: E402
+from tpframe.comm import (
+    Communicator,  # noqa: E402
+    select,  # noqa: E402
+)
 
 KIB, MIB = 1 << 10, 1 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n}
+FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
 
 
 def parse_args():
@@ -52,8 +57,11 @@ def parse_args():
     p.add_argument("--results", default="benchmarks/RESULTS.md", help="markdown file the tables are appended to")
     p.add_argument("--thresholds", default=str(select.DEFAULT_PATH), help="thresholds JSON to write (merged)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts (e.g. 0.3 for a smoke run)")
-    p.add_argument("--nccl-window", action="store_true",
-                   help="only: NCCL all-reduce on symmetric-window buffers vs plain buffers (bf16, eager and graph)")
+    p.add_argument(
+        "--nccl-window",
+        action="store_true",
+        help="only: NCCL all-reduce on symmetric-window buffers vs plain buffers (bf16, eager and graph)",
+    )
     args = p.parse_args()
     for d in args.dtypes.split(","):
         if d not in DTYPES:
@@ -148,23 +156,37 @@ class Impls:
         self.torch_buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.torch_buf, self.group_name)
         ops = torch.ops.symm_mem
-        self.has = {name: hasattr(ops, name) for name in
-                    ("one_shot_all_reduce", "one_shot_all_reduce_copy", "two_shot_all_reduce_", "two_shot_all_reduce_out")}
+        self.has = {
+            name: hasattr(ops, name)
+            for name in (
+                "one_shot_all_reduce",
+                "one_shot_all_reduce_copy",
+                "two_shot_all_reduce_",
+                "two_shot_all_reduce_out",
+            )
+        }
 
     def for_op(self, op: str, x: torch.Tensor) -> dict:
         comm, k = self.comm, self.comm.symm.kernels
         via = {"auto": comm, **{f"comm-{b}": c for b, c in self.forced.items()}}
         if op == "all_gather":
-            return {"nccl": lambda: comm.nccl.all_gather(x),
-                    "ours": lambda: k.all_gather(x, x.new_empty((comm.size * x.numel(),))),
-                    **{name: (lambda c=c: c.all_gather(x)) for name, c in via.items()}}
+            return {
+                "nccl": lambda: comm.nccl.all_gather(x),
+                "ours": lambda: k.all_gather(x, x.new_empty((comm.size * x.numel(),))),
+                **{name: (lambda c=c: c.all_gather(x)) for name, c in via.items()},
+            }
         if op == "reduce_scatter":
-            return {"nccl": lambda: comm.nccl.reduce_scatter(x),
-                    "ours": lambda: k.reduce_scatter(x, x.new_empty((x.numel() // comm.size,))),
-                    **{name: (lambda c=c: c.reduce_scatter(x)) for name, c in via.items()}}
+            return {
+                "nccl": lambda: comm.nccl.reduce_scatter(x),
+                "ours": lambda: k.reduce_scatter(x, x.new_empty((x.numel() // comm.size,))),
+                **{name: (lambda c=c: c.reduce_scatter(x)) for name, c in via.items()},
+            }
         inplace, donated = x.clone(), x.clone()
-        impls = {"nccl-raw": lambda: dist.all_reduce(inplace), "nccl": lambda: comm.nccl.all_reduce(x),
-                 "nccl-donate": lambda: comm.nccl.all_reduce(donated, donate=True)}
+        impls = {
+            "nccl-raw": lambda: dist.all_reduce(inplace),
+            "nccl": lambda: comm.nccl.all_reduce(x),
+            "nccl-donate": lambda: comm.nccl.all_reduce(donated, donate=True),
+        }
         tview = self.torch_buf[: x.numel() * x.element_size()].view(x.dtype)
         ops, name = torch.ops.symm_mem, self.group_name
         if self.has["one_shot_all_reduce_copy"]:
@@ -246,8 +268,15 @@ def measure(impls: Impls, op, dtype, sizes, names, scale, device, world, rank) -
             times[(nbytes, name, "eager")] = time_eager(calls[name], k, reps, device)
             times[(nbytes, name, "graph")] = time_graph(calls[name], k, reps, device)
         if rank == 0:  # progress, in case the run is cut short
-            print(f"{op} {dtype} {nbytes}: " + " ".join(f"{n}={times[(nbytes, n, 'eager')]:.1f}/{times[(nbytes, n, 'graph')]:.1f}"
-                                                       for n in names if (nbytes, n, "eager") in times), flush=True)
+            print(
+                f"{op} {dtype} {nbytes}: "
+                + " ".join(
+                    f"{n}={times[(nbytes, n, 'eager')]:.1f}/{times[(nbytes, n, 'graph')]:.1f}"
+                    for n in names
+                    if (nbytes, n, "eager") in times
+                ),
+                flush=True,
+            )
         del x, calls, ref
         torch.cuda.empty_cache()
     return {"times": times, "ok": ok}
@@ -280,15 +309,22 @@ def thresholds_for(results: dict, world: int) -> dict:
     for (op, dname), res in results.items():
         t, sizes = res["times"], res["sizes"]
         dkey = select.DTYPE_NAMES[DTYPES[dname]]
-        usable = {s: [a for a in OUR_ALGOS if fits_default_buffer(a, s, world) and (s, OUR_ALGOS[a], "graph") in t]
-                  for s in sizes}
+        usable = {
+            s: [a for a in OUR_ALGOS if fits_default_buffer(a, s, world) and (s, OUR_ALGOS[a], "graph") in t]
+            for s in sizes
+        }
         for mode in ("eager", "graph"):
             if op == "all_reduce":
                 ours = [min([t[(s, OUR_ALGOS[a], mode)] for a in usable[s]] or [float("inf")]) for s in sizes]
             else:
                 ours = [t[(s, "ours", mode)] for s in sizes]
-            put("symm_ranges", op, dkey, mode,
-                select.ranges_from_winners(sizes, [o < t[(s, "nccl", mode)] for o, s in zip(ours, sizes)]))
+            put(
+                "symm_ranges",
+                op,
+                dkey,
+                mode,
+                select.ranges_from_winners(sizes, [o < t[(s, "nccl", mode)] for o, s in zip(ours, sizes)]),
+            )
         if op == "all_reduce":  # the kernel choice by GPU time (graph replay), ties (< 3%) to the steadier pick
             picks = []
             for s in sizes:
@@ -372,8 +408,7 @@ def table_md(op, dname, res, world, mode) -> list[str]:
     base = "nccl-raw" if op == "all_reduce" else "nccl"
     cols = [n for n in names if (sizes[0], n, mode) in t]
     head = ["size"] + [f"{n} us" for n in cols] + [f"ours vs {base}", "auto vs best comm", "ours busbw GB/s"]
-    lines = [f"**{op} {dname}, {mode}** (world {world})", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
+    lines = [f"**{op} {dname}, {mode}** (world {world})", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in sizes:
         best_ours = ours_best(t, op, s, mode)
         best = min(t.get((s, "comm-nccl", mode), t[(s, "nccl", mode)]), t.get((s, "comm-symm", mode), best_ours))
@@ -400,25 +435,38 @@ def targets_md(res, world) -> list[str]:
         mid = [s for s in sizes if MIB <= s <= 4 * MIB]
         vs_nccl = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in small)
         torch_names = [n for n in ("torch-1shot", "torch-2shot") if (small[0], n, mode) in t]
-        vs_torch = min(min(t[(s, n, mode)] for n in torch_names) / ours_best(t, "all_reduce", s, mode) for s in small) \
-            if torch_names else float("nan")
-        vs_nccl_mid = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in mid) if mid else float("nan")
-        auto_worst = max(t[(s, "auto", mode)] / min(t[(s, "comm-nccl", mode)], t[(s, "comm-symm", mode)]) for s in sizes)
+        vs_torch = (
+            min(min(t[(s, n, mode)] for n in torch_names) / ours_best(t, "all_reduce", s, mode) for s in small)
+            if torch_names
+            else float("nan")
+        )
+        vs_nccl_mid = (
+            min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in mid) if mid else float("nan")
+        )
+        auto_worst = max(
+            t[(s, "auto", mode)] / min(t[(s, "comm-nccl", mode)], t[(s, "comm-symm", mode)]) for s in sizes
+        )
         if (sizes[0], "nccl-donate", mode) in t:  # the lean NCCL path: the layers' call against the raw one
             extra = max(t[(s, "nccl-donate", mode)] - t[(s, "nccl-raw", mode)] for s in sizes)
-            lines.append(f"- {mode}: tpframe's NCCL backend (donated input) minus raw dist.all_reduce, worst size: "
-                         f"{extra:+.1f} us (target <= 2 us: {'met' if extra <= 2 else 'NOT met'})")
+            lines.append(
+                f"- {mode}: tpframe's NCCL backend (donated input) minus raw dist.all_reduce, worst size: "
+                f"{extra:+.1f} us (target <= 2 us: {'met' if extra <= 2 else 'NOT met'})"
+            )
         decode = [s for s in sizes if 4 * KIB <= s <= 64 * KIB]
         if mode == "graph" and decode:
             vs = min(t[(s, "nccl-raw", mode)] / ours_best(t, "all_reduce", s, mode) for s in decode)
             ours = ", ".join(f"{ours_best(t, 'all_reduce', s, mode):.1f}" for s in decode)
             nccl = ", ".join(f"{t[(s, 'nccl-raw', mode)]:.1f}" for s in decode)
-            lines.append(f"- graph, decode sizes 4-64 KiB: ours {ours} us, NCCL {nccl} us; min {vs:.2f}x "
-                         f"(target >= 2x: {'met' if vs >= 2 else 'NOT met'})")
-        lines.append(f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {'met' if vs_nccl >= 3 else 'NOT met'}); "
-                     f"vs torch symm min {vs_torch:.2f}x (target >= 1: {'met' if vs_torch >= 1 else 'NOT met'}); "
-                     f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {'met' if vs_nccl_mid >= 1.5 else 'NOT met'}); "
-                     f"auto worst {auto_worst:.2f} of the better backend (target <= 1.05: {'met' if auto_worst <= 1.05 else 'NOT met'})")
+            lines.append(
+                f"- graph, decode sizes 4-64 KiB: ours {ours} us, NCCL {nccl} us; min {vs:.2f}x "
+                f"(target >= 2x: {'met' if vs >= 2 else 'NOT met'})"
+            )
+        lines.append(
+            f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {'met' if vs_nccl >= 3 else 'NOT met'}); "
+            f"vs torch symm min {vs_torch:.2f}x (target >= 1: {'met' if vs_torch >= 1 else 'NOT met'}); "
+            f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {'met' if vs_nccl_mid >= 1.5 else 'NOT met'}); "
+            f"auto worst {auto_worst:.2f} of the better backend (target <= 1.05: {'met' if auto_worst <= 1.05 else 'NOT met'})"
+        )
     return lines + [""]
 
 
@@ -461,16 +509,20 @@ def nccl_window(args, device, world: int, rank: int) -> None:
         lines.append(f"(stopped: {type(e).__name__}: {e})")
     if rank == 0:
         props = torch.cuda.get_device_properties(device)
-        head = [f"## NCCL on symmetric windows: {world}x {props.name}, {datetime.date.today().isoformat()}", "",
-                "Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; "
-                f"torchrun "
-                f"--nproc-per-node {world} benchmarks/comm.py {' '.join(sys.argv[1:])}`  ",
-                f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; "
-                "bf16 all-reduce in place "
-                "(dist.all_reduce), us, slower rank, median of R batches of K calls. window = a buffer from "
-                "torch's symmetric memory with its NCCL backend (ncclCommWindowRegister).", "",
-                "| size | plain eager | plain graph | window eager | window graph | matches |",
-                "|---|---|---|---|---|---|"]
+        head = [
+            f"## NCCL on symmetric windows: {world}x {props.name}, {datetime.date.today().isoformat()}",
+            "",
+            "Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; "
+            f"torchrun "
+            f"--nproc-per-node {world} benchmarks/comm.py {' '.join(sys.argv[1:])}`  ",
+            f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}; "
+            "bf16 all-reduce in place "
+            "(dist.all_reduce), us, slower rank, median of R batches of K calls. window = a buffer from "
+            "torch's symmetric memory with its NCCL backend (ncclCommWindowRegister).",
+            "",
+            "| size | plain eager | plain graph | window eager | window graph | matches |",
+            "|---|---|---|---|---|---|",
+        ]
         text = "\n".join(head + lines + [""])
         print(text, flush=True)
         with open(args.results, "a") as f:
@@ -521,8 +573,13 @@ def main():
     new = thresholds_for(results, world)
     covered = {(op, select.DTYPE_NAMES[DTYPES[d]]): res["sizes"][-1] for (op, d), res in results.items()}
     props = torch.cuda.get_device_properties(device)
-    meta = {"device": f"{world}x {props.name}", "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "date": datetime.date.today().isoformat(), "command": " ".join(["benchmarks/comm.py"] + sys.argv[1:])}
+    meta = {
+        "device": f"{world}x {props.name}",
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["benchmarks/comm.py"] + sys.argv[1:]),
+    }
     try:
         import triton
 
@@ -553,22 +610,26 @@ def main():
     if rank == 0:
         print("\n".join(["host overhead per call (8 KiB bf16 all-reduce):"] + overhead), flush=True)
         cmd = "torchrun --nproc-per-node {} {}".format(world, meta["command"])
-        lines = [f"## Collectives: {meta['device']}, {meta['date']}", "",
-                 f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; {cmd}`  ",
-                 f"torch {meta['torch']}, triton {meta.get('triton', '-')}, NCCL {meta['nccl']}; NVLink multicast off; "
-                 f"symm: peer pointers and signal pads only.  ",
-                 "Latency (us): median over R batches of K back-to-back calls, slower rank; eager = launched from "
-                 "Python, graph = the K calls captured in one CUDA graph and replayed. Random normal data.  ",
-                 "Bus bandwidth = 2(n-1)/n * bytes / t for all-reduce, (n-1)/n * bytes / t for all-gather and "
-                 "reduce-scatter; bytes = the largest tensor (all-reduce input, all-gather output, reduce-scatter input).  ",
-                 "nccl-raw = dist.all_reduce in place; nccl = tpframe's NCCL backend (out of place: clone + all-reduce); "
-                 "nccl-donate = the same backend on a donated input (in place, no copy: what the layers call); "
-                 "torch-1shot = torch.ops.symm_mem.one_shot_all_reduce_copy (staging included); torch-2shot = copy into "
-                 "the symmetric buffer + two_shot_all_reduce_out; ours-1shot (pull from peers), ours-push (write into "
-                 "peers), ours-2shot, ours = tpframe symm kernels (staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
-                 "comm-nccl / comm-symm = the same Communicator forced to one backend (same dispatch cost). "
-                 "'ours vs X' = X time / our fastest kernel's time; 'auto vs best comm' = auto time / "
-                 "min(comm-nccl, comm-symm).", ""]
+        lines = [
+            f"## Collectives: {meta['device']}, {meta['date']}",
+            "",
+            f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; {cmd}`  ",
+            f"torch {meta['torch']}, triton {meta.get('triton', '-')}, NCCL {meta['nccl']}; NVLink multicast off; "
+            f"symm: peer pointers and signal pads only.  ",
+            "Latency (us): median over R batches of K back-to-back calls, slower rank; eager = launched from "
+            "Python, graph = the K calls captured in one CUDA graph and replayed. Random normal data.  ",
+            "Bus bandwidth = 2(n-1)/n * bytes / t for all-reduce, (n-1)/n * bytes / t for all-gather and "
+            "reduce-scatter; bytes = the largest tensor (all-reduce input, all-gather output, reduce-scatter input).  ",
+            "nccl-raw = dist.all_reduce in place; nccl = tpframe's NCCL backend (out of place: clone + all-reduce); "
+            "nccl-donate = the same backend on a donated input (in place, no copy: what the layers call); "
+            "torch-1shot = torch.ops.symm_mem.one_shot_all_reduce_copy (staging included); torch-2shot = copy into "
+            "the symmetric buffer + two_shot_all_reduce_out; ours-1shot (pull from peers), ours-push (write into "
+            "peers), ours-2shot, ours = tpframe symm kernels (staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
+            "comm-nccl / comm-symm = the same Communicator forced to one backend (same dispatch cost). "
+            "'ours vs X' = X time / our fastest kernel's time; 'auto vs best comm' = auto time / "
+            "min(comm-nccl, comm-symm).",
+            "",
+        ]
         if ("all_reduce", "bf16") in results:
             lines += targets_md(results[("all_reduce", "bf16")], world)
         lines += ["**Host time per eager call** (8 KiB bf16 all-reduce; the eager floor)", ""] + overhead + [""]

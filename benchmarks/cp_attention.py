@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from comm import report  # noqa: E402
+
 from tpframe.parallel.context import MERGE_MIN_CHUNK, attend_local_chunks, order_chunks, shard_sequence  # noqa: E402
 
 SHAPES = {  # name: (query heads, kv heads, head dim)
@@ -68,14 +69,18 @@ def main() -> int:
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     seqs, cps = [int(x) for x in args.seq.split(",")], [int(x) for x in args.cp.split(",")]
-    rows = ["| shape | S | cp | chunk attention | whole ms | TFLOP/s | ideal ms | rank min ms | rank max ms | balance "
-            "| efficiency | K,V all-gathered per rank per layer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| shape | S | cp | chunk attention | whole ms | TFLOP/s | ideal ms | rank min ms | rank max ms | balance "
+        "| efficiency | K,V all-gathered per rank per layer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, (nq, nkv, d) in SHAPES.items():
         for s in seqs:
             g = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (torch.randn(1, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                       for n in (nq, nkv, nkv))
+            q, k, v = (
+                torch.randn(1, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                for n in (nq, nkv, nkv)
+            )
             dout = torch.randn(1, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16)
 
             def whole():
@@ -90,14 +95,20 @@ def main() -> int:
                     ql = shard_sequence(q.detach(), dim=2, rank=r, size=cp).requires_grad_()
                     dl = shard_sequence(dout, dim=2, rank=r, size=cp)
                     # what the all-gather hands this rank: every rank's kv, stacked (here: this GPU's copy)
-                    kv = torch.stack([shard_sequence(torch.stack([k.detach(), v.detach()]), dim=3, rank=i, size=cp)
-                                      for i in range(cp)]).requires_grad_()
+                    kv = torch.stack(
+                        [
+                            shard_sequence(torch.stack([k.detach(), v.detach()]), dim=3, rank=i, size=cp)
+                            for i in range(cp)
+                        ]
+                    ).requires_grad_()
 
                     for fused in (True, False):
+
                         def rank_step():
                             ordered = order_chunks(kv)  # [2, b, nkv, S, d]
-                            out = attend_local_chunks(ql, ordered[0], ordered[1], rank=r, size=cp,
-                                                      enable_gqa=nq != nkv, fused=fused)
+                            out = attend_local_chunks(
+                                ql, ordered[0], ordered[1], rank=r, size=cp, enable_gqa=nq != nkv, fused=fused
+                            )
                             torch.autograd.grad(out, (ql, kv), dl)
 
                         per_rank[fused].append(timed(rank_step))
@@ -107,21 +118,34 @@ def main() -> int:
                 for fused in (True, False):
                     lo, hi = min(per_rank[fused]), max(per_rank[fused])
                     merged = s // (2 * cp) >= MERGE_MIN_CHUNK  # what the default picks at this chunk length
-                    how = ("default: merged blocks" if merged else "default: lower-right mask") if fused else "lower-right mask"
-                    rows.append(f"| {name} | {s} | {cp} | {how} | {t_whole:.2f} | {flops / t_whole / 1e9:.0f} | "
-                                f"{ideal:.2f} | {lo:.2f} | {hi:.2f} | {lo / hi:.2f} | {ideal / hi:.2f} | "
-                                f"{kv_bytes / 2**20:.0f} MiB |")
+                    how = (
+                        ("default: merged blocks" if merged else "default: lower-right mask")
+                        if fused
+                        else "lower-right mask"
+                    )
+                    rows.append(
+                        f"| {name} | {s} | {cp} | {how} | {t_whole:.2f} | {flops / t_whole / 1e9:.0f} | "
+                        f"{ideal:.2f} | {lo:.2f} | {hi:.2f} | {lo / hi:.2f} | {ideal / hi:.2f} | "
+                        f"{kv_bytes / 2**20:.0f} MiB |"
+                    )
                     print(rows[-1], flush=True)
             del q, k, v, dout
             torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(dev)
-    text = "\n".join([
-        f"## Context-parallel attention, one rank's share: 1x {device}, {datetime.date.today()}", "",
-        f"Command: `python benchmarks/cp_attention.py --seq {args.seq} --cp {args.cp}`. torch {torch.__version__}, "
-        "bf16, b=1, forward + backward, median of 10 calls after 3 warm-up calls (CUDA events), random data. "
-        "FLOPs (causal, fwd+bwd) = 7*b*nq*S^2*d. Rank times include putting the gathered keys and values in order "
-        "(order_chunks) and its backward; the all-gather itself (last column: bytes per rank per layer, forward; "
-        "the same reduce-scattered in backward) needs cp GPUs and is not timed here.", "", *rows, ""])
+    text = "\n".join(
+        [
+            f"## Context-parallel attention, one rank's share: 1x {device}, {datetime.date.today()}",
+            "",
+            f"Command: `python benchmarks/cp_attention.py --seq {args.seq} --cp {args.cp}`. torch {torch.__version__}, "
+            "bf16, b=1, forward + backward, median of 10 calls after 3 warm-up calls (CUDA events), random data. "
+            "FLOPs (causal, fwd+bwd) = 7*b*nq*S^2*d. Rank times include putting the gathered keys and values in order "
+            "(order_chunks) and its backward; the all-gather itself (last column: bytes per rank per layer, forward; "
+            "the same reduce-scattered in backward) needs cp GPUs and is not timed here.",
+            "",
+            *rows,
+            "",
+        ]
+    )
     report(text, args.results, append=not args.no_append)
     return 0
 

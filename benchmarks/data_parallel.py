@@ -69,8 +69,9 @@ def env(name: str, default) -> int:
     return type(default)(os.environ.get(name, default))
 
 
-def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: bool = False,
-           reduce_dtype: str = "float32") -> None:
+def worker(
+    strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: bool = False, reduce_dtype: str = "float32"
+) -> None:
     import torch
 
     from tpframe.models import BuildContext, build_model
@@ -82,18 +83,40 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
 
     state = initialize_parallel(tp=1, dp_high_priority=high_priority)
     cuda = state.device.type == "cuda"
-    H, L, NH, S, MB, ACCUM, STEPS = (env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048),
-                                     env("MB", 8), env("ACCUM", 1), env("STEPS", 10))
+    H, L, NH, S, MB, ACCUM, STEPS = (
+        env("HIDDEN", 2048),
+        env("LAYERS", 24),
+        env("HEADS", 16),
+        env("SEQ", 2048),
+        env("MB", 8),
+        env("ACCUM", 1),
+        env("STEPS", 10),
+    )
     V = 50304
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, max_seq_len=S, position="rotary", vocab_multiple=128)
     tracker = seed_parallel_rng(1234)
-    model = build_model(cfg, BuildContext(state.tp_comm, rng_tracker=tracker, device=state.device,
-                                          dtype=torch.float32 if strategy == "fsdp" else dtype,
-                                          activation_checkpointing=env("CKPT", 0) == 1))
-    opt = build_strategy(strategy, model, OptimConfig(lr=1e-4, warmup_steps=0), state, bucket_mb=env("BUCKET_MB", 40.0),
-                         overlap_grad_sync=overlap, compute_dtype=dtype, dp_comm=dp_comm,
-                         reduce_dtype=getattr(torch, reduce_dtype))
+    model = build_model(
+        cfg,
+        BuildContext(
+            state.tp_comm,
+            rng_tracker=tracker,
+            device=state.device,
+            dtype=torch.float32 if strategy == "fsdp" else dtype,
+            activation_checkpointing=env("CKPT", 0) == 1,
+        ),
+    )
+    opt = build_strategy(
+        strategy,
+        model,
+        OptimConfig(lr=1e-4, warmup_steps=0),
+        state,
+        bucket_mb=env("BUCKET_MB", 40.0),
+        overlap_grad_sync=overlap,
+        compute_dtype=dtype,
+        dp_comm=dp_comm,
+        reduce_dtype=getattr(torch, reduce_dtype),
+    )
 
     class RandomBatches:  # random tokens, a fresh batch every micro-step
         g = torch.Generator(device=state.device).manual_seed(state.dp_rank)
@@ -146,9 +169,14 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
         sync()
         times.append(time.perf_counter() - t0)
         if phases:  # per phase: the host's time and the compute stream's (event to event, waits included)
-            split.append({"wall": times[-1] * 1e3, "gpu": marks[0][2].elapsed_time(marks[-1][2]),
-                          **{f"host {b[0]}": (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:])},
-                          **{f"gpu {b[0]}": a[2].elapsed_time(b[2]) for a, b in zip(marks, marks[1:])}})
+            split.append(
+                {
+                    "wall": times[-1] * 1e3,
+                    "gpu": marks[0][2].elapsed_time(marks[-1][2]),
+                    **{f"host {b[0]}": (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:])},
+                    **{f"gpu {b[0]}": a[2].elapsed_time(b[2]) for a, b in zip(marks, marks[1:])},
+                }
+            )
     dt = statistics.median(times)
     if phases:
         mine = {k: round(statistics.median(d[k] for d in split), 2) for k in split[0]}
@@ -161,16 +189,31 @@ def worker(strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: b
     torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
-    name = (f"{strategy}-overlap{int(overlap)}-{dp_comm}{'-hp' * high_priority}{'-bf16' * (reduce_dtype != 'float32')}"
-            f"-dp{state.dp}")
+    name = (
+        f"{strategy}-overlap{int(overlap)}-{dp_comm}{'-hp' * high_priority}{'-bf16' * (reduce_dtype != 'float32')}"
+        f"-dp{state.dp}"
+    )
     profiled = profile_step(step, os.environ.get("PROFILE"), name, state.rank, cuda, sync)
     if state.rank == 0:
-        print("RESULT " + json.dumps({
-            "strategy": opt.describe(), "overlap": overlap, "dp": state.dp, "step_s": dt, "tflops": flops / dt / 1e12,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-            "opt_state_gib": opt.state_bytes() / 2**30, "loss": loss.item(), "resident_gib": resident,
-            "rank_step_s": per_rank, **profiled,
-        }), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "strategy": opt.describe(),
+                    "overlap": overlap,
+                    "dp": state.dp,
+                    "step_s": dt,
+                    "tflops": flops / dt / 1e12,
+                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                    "opt_state_gib": opt.state_bytes() / 2**30,
+                    "loss": loss.item(),
+                    "resident_gib": resident,
+                    "rank_step_s": per_rank,
+                    **profiled,
+                }
+            ),
+            flush=True,
+        )
     destroy_parallel()
 
 
@@ -207,8 +250,11 @@ def main() -> None:
     only = [r.strip() for r in os.environ.get("ROWS", "").split(";") if r.strip()]
     unknown = [r for r in only if r not in [row[0] for row in ROWS]]
     if unknown:
-        print(f"ROWS: no row named {unknown[0]!r}; the rows are {'; '.join(row[0] for row in ROWS)} "
-              "(separate several with ';')", file=sys.stderr)
+        print(
+            f"ROWS: no row named {unknown[0]!r}; the rows are {'; '.join(row[0] for row in ROWS)} "
+            "(separate several with ';')",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     for name, strategy, overlap, n, dp_comm, high_priority, reduce_dtype in ROWS:
         if only and name not in only:
@@ -218,26 +264,35 @@ def main() -> None:
             continue
         procs = 1 if n.startswith("1") else nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-        cmd += ([str(ROOT / "benchmarks" / "peer_dp.py"), strategy[len("peer:"):]] if strategy.startswith("peer:") else
-                [__file__, "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority)), reduce_dtype])
+        cmd += (
+            [str(ROOT / "benchmarks" / "peer_dp.py"), strategy[len("peer:") :]]
+            if strategy.startswith("peer:")
+            else [__file__, "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority)), reduce_dtype]
+        )
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
-        gpus = [{"CUDA_VISIBLE_DEVICES": str(i), "PROFILE": ""} if copies > 1 else {} for i in range(copies)]  # DP=1 profiles
-        running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                    env={**os.environ, **g}) for g in gpus]
+        gpus = [
+            {"CUDA_VISIBLE_DEVICES": str(i), "PROFILE": ""} if copies > 1 else {} for i in range(copies)
+        ]  # DP=1 profiles
+        running = [
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **g}
+            )
+            for g in gpus
+        ]
         outs = [(p.communicate(timeout=env("ROW_TIMEOUT", 300)), p.returncode) for p in running]
         (stdout, stderr), code = outs[0]
         lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
         if any(c for _, c in outs) or not lines:
             print(f"{name}: failed (exit {[c for _, c in outs]})\n{stderr[-2000:]}", flush=True)
             continue
-        result = json.loads(lines[-1][len("RESULT "):])
+        result = json.loads(lines[-1][len("RESULT ") :])
         for x in stdout.splitlines():  # PHASES=1: each rank's split of the step
             if x.startswith("PHASES "):
                 print(f"{name}: {x}", flush=True)
         if copies > 1:  # one DP=1 run per GPU: each GPU's own median (a DP group is paced by its slowest GPU)
             each = [[x for x in out.splitlines() if x.startswith("RESULT ")] for (out, _), _ in outs]
-            result["rank_step_s"] = [json.loads(x[-1][len("RESULT "):])["step_s"] if x else float("nan") for x in each]
+            result["rank_step_s"] = [json.loads(x[-1][len("RESULT ") :])["step_s"] if x else float("nan") for x in each]
         results.append((name, result))
         print(name, results[-1][1], flush=True)
     base = next((r for n, r in results if n == "DP=1"), None)
@@ -245,32 +300,51 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    shape = (f"L={env('LAYERS', 24)} H={env('HIDDEN', 2048)} heads={env('HEADS', 16)} seq={env('SEQ', 2048)} "
-             f"micro-batch {env('MB', 8)} x {env('ACCUM', 1)} per GPU"
-             + (", activation checkpointing" if env("CKPT", 0) == 1 else "")
-             + (", each micro-batch replayed from a CUDA graph" if env("GRAPH", 0) == 1 else ""))
-    head = [f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
-            f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH', 'BUCKET_MB', 'NCCL_MAX_NCHANNELS') if k in os.environ)} "
-            "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
-            "", "| run | dp | step (s) | vs its DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
-            "| peak - resident GiB | optimizer state GiB | each GPU's median step (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    shape = (
+        f"L={env('LAYERS', 24)} H={env('HIDDEN', 2048)} heads={env('HEADS', 16)} seq={env('SEQ', 2048)} "
+        f"micro-batch {env('MB', 8)} x {env('ACCUM', 1)} per GPU"
+        + (", activation checkpointing" if env("CKPT", 0) == 1 else "")
+        + (", each micro-batch replayed from a CUDA graph" if env("GRAPH", 0) == 1 else "")
+    )
+    head = [
+        f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
+        f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH', 'BUCKET_MB', 'NCCL_MAX_NCHANNELS') if k in os.environ)} "
+        "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
+        "",
+        "| run | dp | step (s) | vs its DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
+        "| peak - resident GiB | optimizer state GiB | each GPU's median step (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ddp = next((r for n, r in results if n == "ddp, overlap on"), None)
+
     def own_base(r):  # a peer is divided by the peer's DP=1 step, tpframe's rows by tpframe's
         return peer_base if r["strategy"].startswith("torch ") else base
 
-    rows = [f"| {n} | {r['dp']} | {r['step_s']:.3f} | "
+    rows = (
+        [
+            f"| {n} | {r['dp']} | {r['step_s']:.3f} | "
             f"{r['step_s'] / own_base(r)['step_s'] if own_base(r) else float('nan'):.3f}x | {r['tflops']:.0f} | "
             f"{r['peak_gib']:.1f} | {r['peak_gib'] / ddp['peak_gib'] if ddp else float('nan'):.2f}x "
             f"| {r['resident_gib']:.1f} | {r['peak_gib'] - r['resident_gib']:.1f} | {r['opt_state_gib']:.2f} "
             f"| {' / '.join(f'{t:.3f}' for t in r['rank_step_s'])} |"
-            for n, r in results] if base or peer_base else []
+            for n, r in results
+        ]
+        if base or peer_base
+        else []
+    )
     if any("comm_ms" in r for _, r in results):  # PROFILE: the profiled step's GPU timeline, rank 0
-        rows += ["", "| run | profiled step: GPU span ms | GPU busy ms | collectives ms | collectives with no compute "
-                 "beside them ms |", "|---|---|---|---|---|"]
-        rows += [f"| {n} | {r['gpu_span_ms']:.1f} | {r['gpu_busy_ms']:.1f} | {r['comm_ms']:.1f} | "
-                 f"{r['comm_exposed_ms']:.1f} |"
-                 for n, r in results if "comm_ms" in r]
+        rows += [
+            "",
+            "| run | profiled step: GPU span ms | GPU busy ms | collectives ms | collectives with no compute "
+            "beside them ms |",
+            "|---|---|---|---|---|",
+        ]
+        rows += [
+            f"| {n} | {r['gpu_span_ms']:.1f} | {r['gpu_busy_ms']:.1f} | {r['comm_ms']:.1f} | "
+            f"{r['comm_exposed_ms']:.1f} |"
+            for n, r in results
+            if "comm_ms" in r
+        ]
     table = "\n".join(head + rows)
     print(table)
     if env("APPEND", 1):  # APPEND=0: print only (dry runs)

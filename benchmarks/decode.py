@@ -45,8 +45,20 @@ from tpframe.models.compile import compile_model  # noqa: E402
 from tpframe.models.config import ModelConfig  # noqa: E402
 from tpframe.models.gpt import GPT  # noqa: E402
 
-SHAPE = dict(vocab_size=50304, hidden=2048, layers=24, heads=16, ffn_hidden=5504, max_seq_len=4096, position="rotary",
-             activation="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, init_std=0.02)
+SHAPE = dict(
+    vocab_size=50304,
+    hidden=2048,
+    layers=24,
+    heads=16,
+    ffn_hidden=5504,
+    max_seq_len=4096,
+    position="rotary",
+    activation="swiglu",
+    norm="rmsnorm",
+    bias=False,
+    tie_embeddings=False,
+    init_std=0.02,
+)
 
 
 def parse_args():
@@ -57,8 +69,12 @@ def parse_args():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--hf", default="eager,compile", help="comma list of eager, compile; empty: no transformers rows")
     p.add_argument("--hf-reps", type=int, default=None, help="timed generations per HF cell (default --reps)")
-    p.add_argument("--hf-tp", default="", help="at TP>1, comma list of eager, compile: transformers with "
-                   "tp_plan='auto' on the same weights (needs accelerate); empty: none")
+    p.add_argument(
+        "--hf-tp",
+        default="",
+        help="at TP>1, comma list of eager, compile: transformers with "
+        "tp_plan='auto' on the same weights (needs accelerate); empty: none",
+    )
     p.add_argument("--layers", type=int, default=SHAPE["layers"], help="fewer layers for a smoke run")
     p.add_argument("--hidden", type=int, default=SHAPE["hidden"])
     p.add_argument("--ffn", type=int, default=SHAPE["ffn_hidden"])
@@ -67,25 +83,54 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"])
     p.add_argument("--results", default="benchmarks/RESULTS.md")
     p.add_argument("--tp1", action=argparse.BooleanOptionalAction, default=True, help="the TP=1 and HF rows")
-    p.add_argument("--compile", nargs="?", const="default", default="",
-                   help="torch.compile each block of the tpframe models (tpframe/models/compile.py) before generating, "
-                   "optionally with a torch.compile mode (e.g. max-autotune-no-cudagraphs); the decode step's graph "
-                   "captures the compiled code")
-    p.add_argument("--sdpa-rows", action="store_true", help="at TP=1, a graph row with SDPA instead of the "
-                   "decode-attention kernel (tpframe/kernels/decode_attention.py), side by side")
-    p.add_argument("--cublas-rows", action="store_true", help="a graph row with cuBLAS for the linear layers instead "
-                   "of the one-row kernel (tpframe/kernels/gemv.py; batch 1 only), side by side: at TP=1, and at "
-                   "TP=world after each symm-graph row")
-    p.add_argument("--profile", default="", help="PATH prefix: after each tpframe row, torch.profiler over "
-                   "PROFILE_STEPS decode steps (kernel table, chrome trace, GPU time per step) at PATH.<row>.txt")
-    p.add_argument("--modes", default="nccl-eager,nccl-graph,symm-eager,symm-graph",
-                   help="TP>1 rows; '@b' keeps a mode to batch b only, e.g. nccl-eager@1")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default="",
+        help="torch.compile each block of the tpframe models (tpframe/models/compile.py) before generating, "
+        "optionally with a torch.compile mode (e.g. max-autotune-no-cudagraphs); the decode step's graph "
+        "captures the compiled code",
+    )
+    p.add_argument(
+        "--sdpa-rows",
+        action="store_true",
+        help="at TP=1, a graph row with SDPA instead of the "
+        "decode-attention kernel (tpframe/kernels/decode_attention.py), side by side",
+    )
+    p.add_argument(
+        "--cublas-rows",
+        action="store_true",
+        help="a graph row with cuBLAS for the linear layers instead "
+        "of the one-row kernel (tpframe/kernels/gemv.py; batch 1 only), side by side: at TP=1, and at "
+        "TP=world after each symm-graph row",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="PATH prefix: after each tpframe row, torch.profiler over "
+        "PROFILE_STEPS decode steps (kernel table, chrome trace, GPU time per step) at PATH.<row>.txt",
+    )
+    p.add_argument(
+        "--modes",
+        default="nccl-eager,nccl-graph,symm-eager,symm-graph",
+        help="TP>1 rows; '@b' keeps a mode to batch b only, e.g. nccl-eager@1",
+    )
     return p.parse_args()
 
 
 def config(args) -> ModelConfig:
-    return ModelConfig(**dict(SHAPE, layers=args.layers, hidden=args.hidden, ffn_hidden=args.ffn, heads=args.heads,
-                              vocab_size=args.vocab, kv_heads=args.kv_heads or None))
+    return ModelConfig(
+        **dict(
+            SHAPE,
+            layers=args.layers,
+            hidden=args.hidden,
+            ffn_hidden=args.ffn,
+            heads=args.heads,
+            vocab_size=args.vocab,
+            kv_heads=args.kv_heads or None,
+        )
+    )
 
 
 def sync(device):
@@ -118,6 +163,7 @@ def profile_decode(gen: Generator, args, path: str) -> None:
     rewound to just after the prompt: the kernel table (calls / PROFILE_STEPS = launches per token), the chrome
     trace beside it, and the GPU's busy and idle time per token (every rank runs the steps; rank 0 writes)."""
     from gpt import profile_step  # benchmarks/gpt.py
+
     from tpframe.training.profiler import gpu_busy
 
     @torch.no_grad()
@@ -130,8 +176,10 @@ def profile_decode(gen: Generator, args, path: str) -> None:
     trace = Path(path).with_suffix(".json")
     if dist.get_rank() == 0 and trace.exists():
         span, busy = gpu_busy(str(trace))
-        line = (f"per decode step ({PROFILE_STEPS} profiled): GPU span {span / PROFILE_STEPS:.3f} ms, busy "
-                f"{busy / PROFILE_STEPS:.3f} ms, idle {(span - busy) / PROFILE_STEPS:.3f} ms")
+        line = (
+            f"per decode step ({PROFILE_STEPS} profiled): GPU span {span / PROFILE_STEPS:.3f} ms, busy "
+            f"{busy / PROFILE_STEPS:.3f} ms, idle {(span - busy) / PROFILE_STEPS:.3f} ms"
+        )
         with open(path, "a") as f:
             f.write(line + "\n")
         print(f"{Path(path).name}: {line}", flush=True)
@@ -163,19 +211,39 @@ def hf_model(model, cfg: ModelConfig, device):
 
     from tpframe.parallel.sharding import gather_full_tensors
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
-                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                         num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.max_seq_len,
-                         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-                         attention_bias=False, mlp_bias=False)
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads or cfg.heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     full = gather_full_tensors(model, model.comm)
-    names = {"model.embed_tokens.weight": "embedding.weight", "model.norm.weight": "final_norm.weight",
-             "lm_head.weight": "head.weight"}
+    names = {
+        "model.embed_tokens.weight": "embedding.weight",
+        "model.norm.weight": "final_norm.weight",
+        "lm_head.weight": "head.weight",
+    }
     for i in range(cfg.layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        pairs = {"input_layernorm": "norm1", "post_attention_layernorm": "norm2", "self_attn.q_proj": "attn.qkv.q",
-                 "self_attn.k_proj": "attn.qkv.k", "self_attn.v_proj": "attn.qkv.v", "self_attn.o_proj": "attn.proj",
-                 "mlp.gate_proj": "mlp.fc1.gate", "mlp.up_proj": "mlp.fc1.up", "mlp.down_proj": "mlp.fc2"}
+        pairs = {
+            "input_layernorm": "norm1",
+            "post_attention_layernorm": "norm2",
+            "self_attn.q_proj": "attn.qkv.q",
+            "self_attn.k_proj": "attn.qkv.k",
+            "self_attn.v_proj": "attn.qkv.v",
+            "self_attn.o_proj": "attn.proj",
+            "mlp.gate_proj": "mlp.fc1.gate",
+            "mlp.up_proj": "mlp.fc1.up",
+            "mlp.down_proj": "mlp.fc2",
+        }
         names.update({f"{h}{theirs}.weight": f"{b}{ours}.weight" for theirs, ours in pairs.items()})
     with torch.device("meta"):
         hf = LlamaForCausalLM(hf_cfg)
@@ -214,8 +282,13 @@ def hf_tp_model(model, cfg: ModelConfig, device, dtype):
 def time_hf(hf, prompts, args, compile_: bool, device):
     """(prefill ms, per-token ms): generate(new tokens) minus generate(1 token), medians, after a warm-up."""
     ids = torch.tensor(prompts, device=device)
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, cache_implementation="static", pad_token_id=0,
-              disable_compile=not compile_)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+        disable_compile=not compile_,
+    )
 
     def run(n):
         sync(device)
@@ -233,7 +306,7 @@ def time_hf(hf, prompts, args, compile_: bool, device):
             t, out = run(args.new_tokens)
             fulls.append(t)
     first, full = statistics.median(firsts), statistics.median(fulls)
-    return first * 1e3, (full - first) * 1e3 / (args.new_tokens - 1), out[:, ids.shape[1]:].tolist()
+    return first * 1e3, (full - first) * 1e3 / (args.new_tokens - 1), out[:, ids.shape[1] :].tolist()
 
 
 def main():
@@ -278,8 +351,10 @@ def main():
                     continue
                 set_decode_kernel(model, kernel)
                 set_row_kernel(model, row_kernel)
-                tag = (f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}"
-                       f"{'' if row_kernel else '.cublas'}")
+                tag = (
+                    f"tp1.b{b}.{'graph' if graph else 'eager'}{'' if kernel else '.sdpa'}"
+                    f"{'' if row_kernel else '.cublas'}"
+                )
                 pre, tok, toks = time_tpframe(model, comm1, prompts[b], args, graph, tag=tag)
                 ref.setdefault(b, toks)
                 rows.append((1, b, impl, pre, tok))
@@ -291,8 +366,10 @@ def main():
                 for b in batches:
                     pre, tok, toks = time_hf(hf, prompts[b], args, mode == "compile", device)
                     same = agreeing(toks, ref[b]) / (b * args.new_tokens)
-                    agree.append(f"HF {mode} b={b}: {same:.0%} of greedy tokens equal tpframe's"
-                                 + (" (bf16 rounding differs)" if dtype == torch.bfloat16 else ""))
+                    agree.append(
+                        f"HF {mode} b={b}: {same:.0%} of greedy tokens equal tpframe's"
+                        + (" (bf16 rounding differs)" if dtype == torch.bfloat16 else "")
+                    )
                     rows.append((1, b, f"HF transformers {mode} (static cache)", pre, tok))
                     log(f"TP=1 b={b} HF {mode}: prefill {pre:.1f} ms, {tok:.3f} ms/token; {agree[-1]}")
             except Exception as e:  # noqa: BLE001 - report what transformers could not do, keep the rest
@@ -307,8 +384,12 @@ def main():
         model = GPT(cfg, BuildContext(comm, dtype=dtype, device=device, seed=1234)).eval()
         if args.compile:
             compile_model(model, mode=args.compile)
-        modes = {"nccl-eager": ("NCCL eager", "nccl", False), "nccl-graph": ("NCCL graph", "nccl", True),
-                 "symm-eager": ("symm eager", "auto", False), "symm-graph": ("symm graph", "auto", True)}
+        modes = {
+            "nccl-eager": ("NCCL eager", "nccl", False),
+            "nccl-graph": ("NCCL graph", "nccl", True),
+            "symm-eager": ("symm eager", "auto", False),
+            "symm-graph": ("symm graph", "auto", True),
+        }
         chosen = [m.split("@") for m in args.modes.split(",") if m]
         ref_tp = {}  # batch -> greedy tokens of the first tpframe row at TP=world
         for b in batches:
@@ -339,8 +420,10 @@ def main():
                     rows.append((world, b, label, pre, tok))
                     if b in ref_tp:
                         same = agreeing(toks, ref_tp[b])
-                        agree.append(f"HF {mode} tp_plan=auto b={b}: {same / (b * args.new_tokens):.0%} of greedy "
-                                     f"tokens equal tpframe's at TP={world}")
+                        agree.append(
+                            f"HF {mode} tp_plan=auto b={b}: {same / (b * args.new_tokens):.0%} of greedy "
+                            f"tokens equal tpframe's at TP={world}"
+                        )
                     log(f"TP={world} b={b} {label}: prefill {pre:.1f} ms, {tok:.3f} ms/token")
             except Exception as e:  # noqa: BLE001 - report what transformers could not do, keep the rest
                 log(f"HF TP {mode}: failed: {type(e).__name__}: {str(e)[:300]}")
@@ -355,8 +438,10 @@ def main():
 
 def report(args, rows, agree, world, device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    head = ["| TP | batch | implementation | prefill ms | per-token ms | tokens/s | vs NCCL eager |",
-            "|---|---|---|---|---|---|---|"]
+    head = [
+        "| TP | batch | implementation | prefill ms | per-token ms | tokens/s | vs NCCL eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
     base = {(tp, b): tok for tp, b, impl, _, tok in rows if impl in ("tpframe NCCL eager", "tpframe eager")}
     lines = []
     for tp, b, impl, pre, tok in rows:
@@ -371,27 +456,52 @@ def report(args, rows, agree, world, device):
         ne = cell.get((world, 1, "tpframe NCCL eager"))
         hf = [tok for tp, b, impl, _, tok in rows if b == 1 and impl.startswith("HF") and tok == tok]
         hf_tp = [tok for tp, b, impl, _, tok in rows if tp == world and b == 1 and impl.startswith("HF") and tok == tok]
-        targets.append(f"- TP={world} batch 1, symm + graph: {s:.3f} ms/token"
-                       + (f"; {ne / s:.2f}x lower than NCCL eager (target >= 1.5x: "
-                          f"{'met' if ne / s >= 1.5 else 'NOT met'})" if ne else "")
-                       + (f", {ng / s:.2f}x lower than NCCL + graph (target >= 1.15x: "
-                          f"{'met' if ng / s >= 1.15 else 'NOT met'})" if ng else "")
-                       + (f", {min(hf) / s:.2f}x lower than the best HF transformers row (target > 1: "
-                          f"{'met' if min(hf) > s else 'NOT met'})" if hf else "")
-                       + (f"; HF transformers with tp_plan=auto at TP={world}: {min(hf_tp):.3f} ms/token"
-                          if hf_tp else ""))
-    text = "\n".join([
-        f"## Decode: {world}x {name}, {datetime.date.today().isoformat()}", "",
-        f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; torchrun "
-        f"--nproc-per-node {world} benchmarks/decode.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
-        f"torch {torch.__version__}; model L={args.layers} H={args.hidden} heads={args.heads}"
-        f"{f' (kv heads {args.kv_heads})' if args.kv_heads else ''} FFN={args.ffn} (SwiGLU) "
-        f"V={args.vocab}, bf16, random weights; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy. "
-        "Per-token = decode time / (new tokens - 1), median of the timed generations after a warm-up; tokens/s = "
-        "batch / per-token. Floor at batch 1 (weights read once per token, 4.8 TB/s): ~0.59 ms at TP=1, "
-        "~0.29 ms at TP=2." + (f" tpframe's blocks compiled (torch.compile mode {args.compile}) in every tpframe row."
-                               if args.compile else ""), "",
-        *head, *lines, "", *targets, *[f"- {a}" for a in agree], ""])
+        targets.append(
+            f"- TP={world} batch 1, symm + graph: {s:.3f} ms/token"
+            + (
+                f"; {ne / s:.2f}x lower than NCCL eager (target >= 1.5x: {'met' if ne / s >= 1.5 else 'NOT met'})"
+                if ne
+                else ""
+            )
+            + (
+                f", {ng / s:.2f}x lower than NCCL + graph (target >= 1.15x: {'met' if ng / s >= 1.15 else 'NOT met'})"
+                if ng
+                else ""
+            )
+            + (
+                f", {min(hf) / s:.2f}x lower than the best HF transformers row (target > 1: "
+                f"{'met' if min(hf) > s else 'NOT met'})"
+                if hf
+                else ""
+            )
+            + (f"; HF transformers with tp_plan=auto at TP={world}: {min(hf_tp):.3f} ms/token" if hf_tp else "")
+        )
+    text = "\n".join(
+        [
+            f"## Decode: {world}x {name}, {datetime.date.today().isoformat()}",
+            "",
+            f"Command: `export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; torchrun "
+            f"--nproc-per-node {world} benchmarks/decode.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
+            f"torch {torch.__version__}; model L={args.layers} H={args.hidden} heads={args.heads}"
+            f"{f' (kv heads {args.kv_heads})' if args.kv_heads else ''} FFN={args.ffn} (SwiGLU) "
+            f"V={args.vocab}, bf16, random weights; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy. "
+            "Per-token = decode time / (new tokens - 1), median of the timed generations after a warm-up; tokens/s = "
+            "batch / per-token. Floor at batch 1 (weights read once per token, 4.8 TB/s): ~0.59 ms at TP=1, "
+            "~0.29 ms at TP=2."
+            + (
+                f" tpframe's blocks compiled (torch.compile mode {args.compile}) in every tpframe row."
+                if args.compile
+                else ""
+            ),
+            "",
+            *head,
+            *lines,
+            "",
+            *targets,
+            *[f"- {a}" for a in agree],
+            "",
+        ]
+    )
     print(text, flush=True)
     with open(args.results, "a") as f:
         f.write("\n" + text + "\n")

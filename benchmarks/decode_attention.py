@@ -26,13 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from comm import report, time_graph  # noqa: E402  (benchmarks/comm.py: k calls in one CUDA graph, median of replays)
+
 from tests.test_decode_attention_interpreter import cache_case  # noqa: E402
 from tpframe.kernels import decode_attention as da  # noqa: E402
 
 # b, nq, nkv, L: the GPT-1.3B decode shapes at TP=1 and 2, a long cache, and Llama-style grouped heads (32/8 at TP=1,
 # 16/4 at TP=2, 32/4 at batch 8)
-CASES = ((1, 16, 16, 256), (8, 16, 16, 256), (1, 8, 8, 256), (1, 16, 16, 2048), (1, 32, 8, 1024), (1, 16, 4, 1024),
-         (8, 32, 4, 1024))
+CASES = (
+    (1, 16, 16, 256),
+    (8, 16, 16, 256),
+    (1, 8, 8, 256),
+    (1, 16, 16, 2048),
+    (1, 32, 8, 1024),
+    (1, 16, 4, 1024),
+    (8, 32, 4, 1024),
+)
 D = 128
 
 
@@ -46,8 +54,10 @@ def main() -> int:
         print("benchmarks/decode_attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
     graph_time = functools.partial(time_graph, k=20, reps=5, device=torch.device("cuda", torch.cuda.current_device()))
-    chosen = {False: (da.BLOCK_L, da.NUM_WARPS, da.PROGRAMS),
-              True: (da.GROUP_BLOCK_L, da.GROUP_NUM_WARPS, da.GROUP_PROGRAMS)}
+    chosen = {
+        False: (da.BLOCK_L, da.NUM_WARPS, da.PROGRAMS),
+        True: (da.GROUP_BLOCK_L, da.GROUP_NUM_WARPS, da.GROUP_PROGRAMS),
+    }
 
     def use(grouped: bool, setting) -> None:  # the multi-head kernel's setting, or the grouped-query kernel's
         if grouped:
@@ -55,8 +65,10 @@ def main() -> int:
         else:
             da.BLOCK_L, da.NUM_WARPS, da.PROGRAMS = setting
 
-    lines = ["| rows x query heads (kv heads), cache slots | MB read | SDPA us | kernel us | kernel / SDPA | splits |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| rows x query heads (kv heads), cache slots | MB read | SDPA us | kernel us | kernel / SDPA | splits |",
+        "|---|---|---|---|---|---|",
+    ]
     for b, nq, nkv, slots in CASES:
         grouped = nq != nkv
         q, k, v, mask = cache_case(b, nq, nkv, 1, slots, D, dtype=torch.bfloat16, device="cuda")
@@ -70,18 +82,24 @@ def main() -> int:
         mb = 2 * b * nkv * slots * D * 2 / 1e6
         heads = f"{nq}" + (f" ({nkv})" if nkv != nq else "")
         splits = da.launch_plan(b, nq, nkv, 1, slots)[2]
-        lines.append(f"| {b} x {heads}, {slots} | {mb:.1f} | {sdpa:.2f} | {ours:.2f} | {ours / sdpa:.2f}x | "
-                     f"{splits} |")
+        lines.append(f"| {b} x {heads}, {slots} | {mb:.1f} | {sdpa:.2f} | {ours:.2f} | {ours / sdpa:.2f}x | {splits} |")
         if tried:
             best = "; ".join(f"{t:.2f} us at {s}" for t, s in sorted(tried)[:4])
             print(f"b={b} nq={nq} nkv={nkv} L={slots}: best (slots per iteration, warps, programs): {best}", flush=True)
     name = torch.cuda.get_device_name()
-    text = "\n".join([
-        f"## Decode attention: tpframe's kernel vs SDPA, 1x {name}, {datetime.date.today().isoformat()}", "",
-        f"Command: `python benchmarks/decode_attention.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; "
-        f"bf16, d={D}, one query token per row and head, the cache mask of generation; kernel settings (slots per "
-        f"iteration, warps, target programs): multi-head {chosen[False]}, grouped-query {chosen[True]}; us per call "
-        "from CUDA-graph replays.", "", *lines, ""])
+    text = "\n".join(
+        [
+            f"## Decode attention: tpframe's kernel vs SDPA, 1x {name}, {datetime.date.today().isoformat()}",
+            "",
+            f"Command: `python benchmarks/decode_attention.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; "
+            f"bf16, d={D}, one query token per row and head, the cache mask of generation; kernel settings (slots per "
+            f"iteration, warps, target programs): multi-head {chosen[False]}, grouped-query {chosen[True]}; us per call "
+            "from CUDA-graph replays.",
+            "",
+            *lines,
+            "",
+        ]
+    )
     report(text, args.results, append=not args.no_append)
     return 0
 

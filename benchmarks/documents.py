@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from comm import report  # noqa: E402
 from cp_attention import timed  # noqa: E402
 from gpt import document_ends  # noqa: E402
+
 from tpframe.layers.documents import Documents, document_attention, uses_varlen  # noqa: E402
 
 SHAPES = {  # name: (batch, seq, query heads, kv heads, head dim)
@@ -54,8 +55,10 @@ def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:
     for name, (b, s, nq, nkv, d) in SHAPES.items():
         for mean in doc_lens:
             g = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (torch.randn(b, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                       for n in (nq, nkv, nkv))
+            q, k, v = (
+                torch.randn(b, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                for n in (nq, nkv, nkv)
+            )
             dout = torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16)
             ids = torch.ones(b, s, dtype=torch.long)
             ids.view(-1)[document_ends(b * s, mean)] = 0
@@ -79,22 +82,31 @@ def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:
             leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
             qt, kt, vt = (t.transpose(1, 2) for t in leaves)
             runs = {
-                "causal, whole rows (no document mask)":
-                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
-                "tpframe document_attention (varlen Flash), head-major inputs (copied)":
-                    lambda: document_attention(q, k, v, docs, enable_gqa=gqa),
-                "tpframe document_attention (varlen Flash), token-major inputs (the model's)":
-                    lambda: document_attention(qt, kt, vt, docs, enable_gqa=gqa),
-                "dense mask SDPA (tpframe's fallback)":
-                    lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), enable_gqa=gqa),
-                "flex_attention + compile, block-causal (torchtitan's way)":
-                    lambda: flex(q, k, v, block_mask=bm, enable_gqa=gqa),
+                "causal, whole rows (no document mask)": lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, enable_gqa=gqa
+                ),
+                "tpframe document_attention (varlen Flash), head-major inputs (copied)": lambda: document_attention(
+                    q, k, v, docs, enable_gqa=gqa
+                ),
+                "tpframe document_attention (varlen Flash), token-major inputs (the model's)": lambda: (
+                    document_attention(qt, kt, vt, docs, enable_gqa=gqa)
+                ),
+                "dense mask SDPA (tpframe's fallback)": lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=docs.mask(), enable_gqa=gqa
+                ),
+                "flex_attention + compile, block-causal (torchtitan's way)": lambda: flex(
+                    q, k, v, block_mask=bm, enable_gqa=gqa
+                ),
             }
             want = runs["dense mask SDPA (tpframe's fallback)"]().float()
-            setup = {"tpframe document_attention (varlen Flash), token-major inputs (the model's)":
-                     timed(lambda: Documents.from_tokens(ids, 0)),
-                     "flex_attention + compile, block-causal (torchtitan's way)": timed(block_mask)}
+            setup = {
+                "tpframe document_attention (varlen Flash), token-major inputs (the model's)": timed(
+                    lambda: Documents.from_tokens(ids, 0)
+                ),
+                "flex_attention + compile, block-causal (torchtitan's way)": timed(block_mask),
+            }
             for label, fn in runs.items():
+
                 def fwd_bwd(fn=fn, inputs=leaves if "token-major" in label else (q, k, v)):
                     torch.autograd.grad(fn(), inputs, dout)
 
@@ -102,9 +114,13 @@ def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:
                 with torch.no_grad():
                     err = float((fn().float() - want).abs().max()) if "whole rows" not in label else float("nan")
                 per_batch = setup.get(label)
-                rows.append(f"| {name} | {mean} | {len(lengths)} | {label} | {ms:.2f} | "
-                            + (f"{per_batch:.2f}" if per_batch is not None else "-")
-                            + f" | {useful / ms / 1e9:.0f} | " + ("-" if err != err else f"{err:.1e}") + " |")
+                rows.append(
+                    f"| {name} | {mean} | {len(lengths)} | {label} | {ms:.2f} | "
+                    + (f"{per_batch:.2f}" if per_batch is not None else "-")
+                    + f" | {useful / ms / 1e9:.0f} | "
+                    + ("-" if err != err else f"{err:.1e}")
+                    + " |"
+                )
                 print(rows[-1], flush=True)
             del q, k, v, dout, bm, leaves, qt, kt, vt
             torch.cuda.empty_cache()
@@ -117,8 +133,14 @@ def model_rows(doc_len: int) -> list[str]:
     for compile_ in ("0", "1"):
         for docs in ("0", str(doc_len)):
             env = dict(os.environ, NO_APPEND="1", COMPILE=compile_, DOC_LEN=docs, STEPS="10", PYTHONUNBUFFERED="1")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                   str(ROOT / "benchmarks" / "gpt.py")]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "1",
+                str(ROOT / "benchmarks" / "gpt.py"),
+            ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
             if line is None:
@@ -127,8 +149,10 @@ def model_rows(doc_len: int) -> list[str]:
             tok = float(re.search(r"([\d.]+) tok/s", line).group(1))
             mem = float(re.search(r"mem ([\d.]+) GiB", line).group(1))
             what = f"document, mean length {doc_len}" if docs != "0" else "causal (whole rows)"
-            rows.append(f"| {'compiled blocks' if compile_ == '1' else 'eager'} | {what} | {step:.1f} | {tok:,.0f} | "
-                        f"{mem:.1f} |")
+            rows.append(
+                f"| {'compiled blocks' if compile_ == '1' else 'eager'} | {what} | {step:.1f} | {tok:,.0f} | "
+                f"{mem:.1f} |"
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -149,13 +173,16 @@ def cp_rows(doc_len: int, dev: torch.device) -> list[str]:
         ids.view(-1)[document_ends(b * s, doc_len)] = 0
         ids = ids.to(dev)
         docs = documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp)
-        q = shard_sequence(torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16), dim=2, rank=0,
-                           size=cp).requires_grad_()
+        q = shard_sequence(
+            torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16), dim=2, rank=0, size=cp
+        ).requires_grad_()
         kv = torch.randn(2, b, nkv, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn_like(q)
         local = local_positions(s // cp, rank=0, size=cp, device=dev)
-        lengths = (docs.chunks[0].cu_k[1:] - docs.chunks[0].cu_k[:-1]).double(), \
-            (docs.chunks[1].cu_k[1:] - docs.chunks[1].cu_k[:-1]).double()
+        lengths = (
+            (docs.chunks[0].cu_k[1:] - docs.chunks[0].cu_k[:-1]).double(),
+            (docs.chunks[1].cu_k[1:] - docs.chunks[1].cu_k[:-1]).double(),
+        )
         q_lens = [(c.cu_q[1:] - c.cu_q[:-1]).double() for c in docs.chunks]
         # useful FLOPs: each query attends its document's earlier keys: 2 GEMMs fwd, 5 bwd, mean keys (lk - lq/2)
         useful = sum(float((ql * (lk - ql / 2)).sum()) for ql, lk in zip(q_lens, lengths)) * 7 * 2 * nq * d
@@ -173,8 +200,11 @@ def cp_rows(doc_len: int, dev: torch.device) -> list[str]:
             ms = timed(lambda fn=fn: torch.autograd.grad(fn(), (q, kv), dout))
             with torch.no_grad():
                 err = float((fn().float() - want).abs().max())
-            rows.append(f"| {cp} | {s // cp} | {doc_len} | {label} | {ms:.2f} | "
-                        + (f"{build:.2f}" if "varlen" in label else "-") + f" | {useful / ms / 1e9:.0f} | {err:.1e} |")
+            rows.append(
+                f"| {cp} | {s // cp} | {doc_len} | {label} | {ms:.2f} | "
+                + (f"{build:.2f}" if "varlen" in label else "-")
+                + f" | {useful / ms / 1e9:.0f} | {err:.1e} |"
+            )
             print(rows[-1], flush=True)
         del q, kv, dout
         torch.cuda.empty_cache()
@@ -194,31 +224,57 @@ def main() -> int:
         print("benchmarks/documents.py needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
-    rows = ["| shape | mean doc length | documents | attention | fwd+bwd ms | build per batch ms | useful TFLOP/s "
-            "| max abs diff vs dense mask (fwd) |", "|---|---|---|---|---|---|---|---|",
-            *attention_rows([int(x) for x in args.doc_lens.split(",")], dev)]
+    rows = [
+        "| shape | mean doc length | documents | attention | fwd+bwd ms | build per batch ms | useful TFLOP/s "
+        "| max abs diff vs dense mask (fwd) |",
+        "|---|---|---|---|---|---|---|---|",
+        *attention_rows([int(x) for x in args.doc_lens.split(",")], dev),
+    ]
     model = []
     if args.model:
-        model = ["", f"Whole model: `benchmarks/gpt.py` (GPT-1.3B L=24 H=2048 16 heads S=2048 MB=8, rotary, bf16, TP=1, "
-                 "forward + backward, 3 warm-up then 10 timed steps), one subprocess per row:", "",
-                 "| blocks | attention | step ms | tokens/s | peak GiB |", "|---|---|---|---|---|",
-                 *model_rows(args.model_doc_len)]
+        model = [
+            "",
+            "Whole model: `benchmarks/gpt.py` (GPT-1.3B L=24 H=2048 16 heads S=2048 MB=8, rotary, bf16, TP=1, "
+            "forward + backward, 3 warm-up then 10 timed steps), one subprocess per row:",
+            "",
+            "| blocks | attention | step ms | tokens/s | peak GiB |",
+            "|---|---|---|---|---|",
+            *model_rows(args.model_doc_len),
+        ]
     if args.cp:
-        model += ["", "One CP rank's share (rank 0) of a Llama-8B-style row, S=32768, 32 heads, GQA 8, d=128, documents "
-                  f"of mean length {args.model_doc_len}, bf16, forward + backward (the all-gather not timed; 'build' is "
-                  "Documents.for_cp_rank, once per micro-batch):", "",
-                  "| cp | local tokens | mean doc length | attention | fwd+bwd ms | build ms | useful TFLOP/s | "
-                  "max abs diff vs dense (fwd) |", "|---|---|---|---|---|---|---|---|", *cp_rows(args.model_doc_len, dev)]
+        model += [
+            "",
+            "One CP rank's share (rank 0) of a Llama-8B-style row, S=32768, 32 heads, GQA 8, d=128, documents "
+            f"of mean length {args.model_doc_len}, bf16, forward + backward (the all-gather not timed; 'build' is "
+            "Documents.for_cp_rank, once per micro-batch):",
+            "",
+            "| cp | local tokens | mean doc length | attention | fwd+bwd ms | build ms | useful TFLOP/s | "
+            "max abs diff vs dense (fwd) |",
+            "|---|---|---|---|---|---|---|---|",
+            *cp_rows(args.model_doc_len, dev),
+        ]
     device = torch.cuda.get_device_name(dev)
-    cmd = "python benchmarks/documents.py" + (f" --doc-lens {args.doc_lens}" if args.doc_lens != "256,1024" else "") + (
-        " --model" if args.model else "") + (" --cp" if args.cp else "")
-    text = "\n".join([
-        f"## Packed documents (model.attention_mask=document): 1x {device}, {datetime.date.today()}", "",
-        f"Command: `{cmd}`. torch {torch.__version__}, bf16, forward + backward, median of 10 calls after 3 warm-up "
-        "calls (CUDA events), random data; documents of 1..2m-1 tokens (mean m) packed into each row. Useful FLOPs "
-        "= 7*nq*d*sum(L_i^2) (causal inside each document); the whole-row causal row does more work than that "
-        "(its TFLOP/s counts the same useful FLOPs). 'build per batch': Documents.from_tokens (one host read-back of "
-        "the boundaries) or flex's create_block_mask, once per micro-batch, not per layer.", "", *rows, *model, ""])
+    cmd = (
+        "python benchmarks/documents.py"
+        + (f" --doc-lens {args.doc_lens}" if args.doc_lens != "256,1024" else "")
+        + (" --model" if args.model else "")
+        + (" --cp" if args.cp else "")
+    )
+    text = "\n".join(
+        [
+            f"## Packed documents (model.attention_mask=document): 1x {device}, {datetime.date.today()}",
+            "",
+            f"Command: `{cmd}`. torch {torch.__version__}, bf16, forward + backward, median of 10 calls after 3 warm-up "
+            "calls (CUDA events), random data; documents of 1..2m-1 tokens (mean m) packed into each row. Useful FLOPs "
+            "= 7*nq*d*sum(L_i^2) (causal inside each document); the whole-row causal row does more work than that "
+            "(its TFLOP/s counts the same useful FLOPs). 'build per batch': Documents.from_tokens (one host read-back of "
+            "the boundaries) or flex's create_block_mask, once per micro-batch, not per layer.",
+            "",
+            *rows,
+            *model,
+            "",
+        ]
+    )
     report(text, args.results, append=not args.no_append)
     return 0
 

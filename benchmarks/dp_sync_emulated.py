@@ -52,11 +52,18 @@ def env(name: str, default):
     return type(default)(os.environ.get(name, default))
 
 
-ROWS = ["DP=1 (nothing added)", "reduce beside backward", "reduce in compute stream",
-        "local DMA + reduce beside backward", "local DMA + reduce in compute stream", "16-CTA copy beside backward",
-        "reduce beside backward, high-priority stream", "16-CTA copy beside backward, high-priority stream",
-        "bf16 rounding + 16-CTA copy + write-back, all beside backward",
-        "bf16 rounding in compute stream + 16-CTA copy beside backward"]
+ROWS = [
+    "DP=1 (nothing added)",
+    "reduce beside backward",
+    "reduce in compute stream",
+    "local DMA + reduce beside backward",
+    "local DMA + reduce in compute stream",
+    "16-CTA copy beside backward",
+    "reduce beside backward, high-priority stream",
+    "16-CTA copy beside backward, high-priority stream",
+    "bf16 rounding + 16-CTA copy + write-back, all beside backward",
+    "bf16 rounding in compute stream + 16-CTA copy beside backward",
+]
 
 
 class Emulated:
@@ -200,12 +207,19 @@ def main() -> None:
     if state.device.type != "cuda":
         print("dp_sync_emulated.py needs a CUDA GPU", file=sys.stderr)
         raise SystemExit(2)
-    H, L, NH, S, MB, STEPS = (env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048),
-                              env("MB", 8), env("STEPS", 15))
+    H, L, NH, S, MB, STEPS = (
+        env("HIDDEN", 2048),
+        env("LAYERS", 24),
+        env("HEADS", 16),
+        env("SEQ", 2048),
+        env("MB", 8),
+        env("STEPS", 15),
+    )
     V = 50304
     cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, max_seq_len=S, position="rotary", vocab_multiple=128)
-    model = build_model(cfg, BuildContext(state.tp_comm, rng_tracker=seed_parallel_rng(1234), device=state.device,
-                                          dtype=torch.bfloat16))
+    model = build_model(
+        cfg, BuildContext(state.tp_comm, rng_tracker=seed_parallel_rng(1234), device=state.device, dtype=torch.bfloat16)
+    )
     T = MB * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
     g = torch.Generator(device=state.device).manual_seed(0)
@@ -215,8 +229,9 @@ def main() -> None:
             t = torch.randint(0, V, (MB, S + 1), device=state.device, generator=g)
             return t[:, :-1], t[:, 1:]
 
-    opt = build_strategy("ddp", model, OptimConfig(lr=1e-5, warmup_steps=0), state, overlap_grad_sync=True,
-                         compute_dtype=torch.bfloat16)
+    opt = build_strategy(
+        "ddp", model, OptimConfig(lr=1e-5, warmup_steps=0), state, overlap_grad_sync=True, compute_dtype=torch.bfloat16
+    )
     buf = opt.grads
     # launch (and emulate) every bucket in the last backward as DP=2 would; this rank is alone, so the NCCL call
     # itself is skipped: the emulation stands in for its traffic
@@ -257,24 +272,37 @@ def main() -> None:
             emulated.remove()
             del emulated
             torch.cuda.empty_cache()
-            lag = (statistics.median(lags), sorted(lags)[int(0.9 * (len(lags) - 1))], statistics.median(tails), alone) \
-                if lags else None
+            lag = (
+                (statistics.median(lags), sorted(lags)[int(0.9 * (len(lags) - 1))], statistics.median(tails), alone)
+                if lags
+                else None
+            )
             results.append((name, statistics.median(times), len(buf.buckets), lag))
             print(name, f"{results[-1][1] * 1e3:.1f} ms", flush=True)
     finally:
         dist.all_reduce = real
     base = next((t for n, t, _, _ in results if n.startswith("DP=1")), None)
     buckets = results[0][2] if results else 0
-    lines = [f"\n### DP=2's GPU work emulated on one GPU during the real GPT-1.3B step ({torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}, L={L} H={H} heads={NH} seq={S} micro-batch {MB}, bf16, {buckets} buckets)",
-             "`torchrun --standalone --nproc-per-node 1 benchmarks/dp_sync_emulated.py`; median of "
-             f"{STEPS} steps after 3 warm-up. Lag: a bucket's added work, launch point to end (median, 90th percentile over "
-             "buckets and steps); alone: the same for one full bucket on an idle GPU; tail: how long its last piece ends "
-             "after the backward (median over steps).", "",
-             "| GPU work added per bucket | step ms | vs DP=1 | TFLOP/s | lag ms (median / p90) | alone ms | tail ms |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {t * 1e3:.1f} | {t / base:.3f}x | {flops / t / 1e12:.0f} | "
-              + (f"{lag[0]:.2f} / {lag[1]:.2f} | {lag[3]:.2f} | {lag[2]:.2f} |" if lag else "| | |") for n, t, _, lag in results] if base else []
+    lines = [
+        f"\n### DP=2's GPU work emulated on one GPU during the real GPT-1.3B step ({torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, L={L} H={H} heads={NH} seq={S} micro-batch {MB}, bf16, {buckets} buckets)",
+        "`torchrun --standalone --nproc-per-node 1 benchmarks/dp_sync_emulated.py`; median of "
+        f"{STEPS} steps after 3 warm-up. Lag: a bucket's added work, launch point to end (median, 90th percentile over "
+        "buckets and steps); alone: the same for one full bucket on an idle GPU; tail: how long its last piece ends "
+        "after the backward (median over steps).",
+        "",
+        "| GPU work added per bucket | step ms | vs DP=1 | TFLOP/s | lag ms (median / p90) | alone ms | tail ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += (
+        [
+            f"| {n} | {t * 1e3:.1f} | {t / base:.3f}x | {flops / t / 1e12:.0f} | "
+            + (f"{lag[0]:.2f} / {lag[1]:.2f} | {lag[3]:.2f} | {lag[2]:.2f} |" if lag else "| | |")
+            for n, t, _, lag in results
+        ]
+        if base
+        else []
+    )
     table = "\n".join(lines)
     print(table)
     if env("APPEND", 1) and state.rank == 0:

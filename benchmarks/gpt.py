@@ -97,8 +97,12 @@ def emulate_tp(comm, n: int) -> None:
         from tpframe.comm.peer_exchange import PeerExchange
 
         def memory(*, numel: int, flags: int) -> PeerMemory:
-            return PeerMemory(0, n, [torch.empty(numel, dtype=torch.uint8, device=comm.device) for _ in range(n)],
-                              [torch.zeros(flags, dtype=torch.int32, device=comm.device) for _ in range(n)])
+            return PeerMemory(
+                0,
+                n,
+                [torch.empty(numel, dtype=torch.uint8, device=comm.device) for _ in range(n)],
+                [torch.zeros(flags, dtype=torch.int32, device=comm.device) for _ in range(n)],
+            )
 
         class LocalExchange(PeerExchange):
             """Every flag operation still queued (its host and GPU cost), on flags where it passes: waits on one
@@ -124,8 +128,9 @@ def run_one() -> None:
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
 
-    state = initialize_parallel(tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
-                                comm_backend=os.environ.get("COMM", "auto"))
+    state = initialize_parallel(
+        tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))), comm_backend=os.environ.get("COMM", "auto")
+    )
     state.tp_comm.overlap_backward = flag("TP_OVERLAP")  # comm.overlap_backward
     state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 32)  # comm.overlap_sm_margin (its default)
     tp = state.tp
@@ -138,21 +143,41 @@ def run_one() -> None:
     S, MB, STEPS = env("SEQ", 2048), env("MB", 8), env("STEPS", 10)
     sp = flag("SP") and tp > 1
     doc_len = env("DOC_LEN", 0)  # packed documents of mean length doc_len (0: causal rows)
-    cfg = ModelConfig(vocab_size=V, hidden=H, layers=L, heads=NH, kv_heads=env("KV_HEADS", 0) or None, max_seq_len=S,
-                      position="rotary", vocab_multiple=128, norm=os.environ.get("NORM", "layernorm"),
-                      activation=os.environ.get("ACT", "gelu"), bias=flag("BIAS", "1"),
-                      attention_mask="document" if doc_len else "causal", eod_id=0,
-                      head_dim=env("HEAD_DIM", 0) or None, qk_norm=flag("QK_NORM"),
-                      sliding_window=env("WINDOW", 0) or None)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden=H,
+        layers=L,
+        heads=NH,
+        kv_heads=env("KV_HEADS", 0) or None,
+        max_seq_len=S,
+        position="rotary",
+        vocab_multiple=128,
+        norm=os.environ.get("NORM", "layernorm"),
+        activation=os.environ.get("ACT", "gelu"),
+        bias=flag("BIAS", "1"),
+        attention_mask="document" if doc_len else "causal",
+        eod_id=0,
+        head_dim=env("HEAD_DIM", 0) or None,
+        qk_norm=flag("QK_NORM"),
+        sliding_window=env("WINDOW", 0) or None,
+    )
     tracker = seed_parallel_rng(1234)
     ckpt = {"0": "none", "1": "full"}.get(os.environ.get("CKPT", "0"), os.environ.get("CKPT", "0"))
     if ckpt not in ("none", "full", "selective"):
         raise SystemExit(f"CKPT={ckpt!r}: use 0, 1 (full), full or selective")
-    ctx = BuildContext(state.tp_comm, sequence_parallel=sp, activation_checkpointing=ckpt == "full",
-                       recompute_layers=env("CKPT_LAYERS", 0) or None, selective_recompute=ckpt == "selective",
-                       rng_tracker=tracker, dtype=torch.bfloat16, device=state.device, seed=1234,
-                       async_tp=async_mode() if sp else False,
-                       fused_kernels=flag("FUSED", "1"))
+    ctx = BuildContext(
+        state.tp_comm,
+        sequence_parallel=sp,
+        activation_checkpointing=ckpt == "full",
+        recompute_layers=env("CKPT_LAYERS", 0) or None,
+        selective_recompute=ckpt == "selective",
+        rng_tracker=tracker,
+        dtype=torch.bfloat16,
+        device=state.device,
+        seed=1234,
+        async_tp=async_mode() if sp else False,
+        fused_kernels=flag("FUSED", "1"),
+    )
     model = build_model(cfg, ctx)
     if "NORM_MIN_NUMEL" in os.environ:  # the size under which eager norms take torch's ops (0: the kernel always)
         import tpframe.kernels.norm
@@ -162,8 +187,11 @@ def run_one() -> None:
     if off - {"norm", "rope", "head", "qk_norm", "window"}:
         raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head, qk_norm, window")
     for name, m in model.named_modules():
-        if ("norm" in off or "qk_norm" in off and name.endswith(("q_norm", "k_norm"))) and hasattr(m, "fused") \
-                and hasattr(m, "eps"):
+        if (
+            ("norm" in off or "qk_norm" in off and name.endswith(("q_norm", "k_norm")))
+            and hasattr(m, "fused")
+            and hasattr(m, "eps")
+        ):
             m.fused = False
         if "rope" in off and hasattr(m, "fused_rotary"):
             m.fused_rotary = False
@@ -221,13 +249,18 @@ def run_one() -> None:
 
         # else the layers fell back (no symmetric memory for symm_mem, whose ops compiled blocks do not trace; the
         # ring's and copy_engine's are custom ops there; a CUDA graph captures copy_engine's only)
-        ran_async = (ctx.async_tp and async_tp_available(state.tp_comm, inp, ctx.async_tp)
-                     and (not flag("GRAPH") or ctx.async_tp == "copy_engine")
-                     and (ctx.async_tp in ("ring", "copy_engine") or not flag("COMPILE")))
-        tags = (f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
-                f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
-                f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}"
-                + (f" doc_len={doc_len}" if doc_len else ""))
+        ran_async = (
+            ctx.async_tp
+            and async_tp_available(state.tp_comm, inp, ctx.async_tp)
+            and (not flag("GRAPH") or ctx.async_tp == "copy_engine")
+            and (ctx.async_tp in ("ring", "copy_engine") or not flag("COMPILE"))
+        )
+        tags = (
+            f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
+            f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
+            f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}"
+            + (f" doc_len={doc_len}" if doc_len else "")
+        )
         line = (
             f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "
             f"comm={state.tp_comm.requested} {tags} world={state.world_size} "
@@ -238,10 +271,12 @@ def run_one() -> None:
         print(line, flush=True)
         if not flag("NO_APPEND"):
             with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
-                f.write(f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} EMULATE_TP={tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
-                        f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
-                        f"x{state.world_size}, "
-                        f"torch {torch.__version__}:\n  {line}\n")
+                f.write(
+                    f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} EMULATE_TP={tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
+                    f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
+                    f"x{state.world_size}, "
+                    f"torch {torch.__version__}:\n  {line}\n"
+                )
     destroy_parallel()
 
 
@@ -295,8 +330,10 @@ def profile_step(step, path: str, rank: int) -> None:
             trace = str(Path(path).with_suffix(".json"))
             prof.export_chrome_trace(trace)
             span, busy = gpu_busy(trace)
-            table += (f"\nGPU timeline of the step: {span:.2f} ms from first kernel to last, busy {busy:.2f} ms, "
-                      f"idle {span - busy:.2f} ms ({1 - busy / span:.1%}): the most a CUDA graph could save\n")
+            table += (
+                f"\nGPU timeline of the step: {span:.2f} ms from first kernel to last, busy {busy:.2f} ms, "
+                f"idle {span - busy:.2f} ms ({1 - busy / span:.1%}): the most a CUDA graph could save\n"
+            )
             print(table.splitlines()[-1], flush=True)
         Path(path).write_text(table)
         print(f"profile of one step written to {path}", flush=True)
@@ -306,8 +343,18 @@ def profile_step(step, path: str, rank: int) -> None:
 SHAPES = {
     "125m": dict(name="GPT-125M", LAYERS=12, HIDDEN=768, HEADS=12, SEQ=1024, MB=16),
     "1.3b": dict(name="GPT-1.3B", LAYERS=24, HIDDEN=2048, HEADS=16, SEQ=2048, MB=8),
-    "llama": dict(name="Llama-style (RMSNorm, SwiGLU, GQA 4 kv heads, no bias)", LAYERS=8, HIDDEN=4096, HEADS=32,
-                  KV_HEADS=4, NORM="rmsnorm", ACT="swiglu", BIAS=0, SEQ=2048, MB=8),
+    "llama": dict(
+        name="Llama-style (RMSNorm, SwiGLU, GQA 4 kv heads, no bias)",
+        LAYERS=8,
+        HIDDEN=4096,
+        HEADS=32,
+        KV_HEADS=4,
+        NORM="rmsnorm",
+        ACT="swiglu",
+        BIAS=0,
+        SEQ=2048,
+        MB=8,
+    ),
     "tiny": dict(name="tiny (a CPU smoke test of the driver)", LAYERS=2, HIDDEN=64, HEADS=4, SEQ=32, MB=2),
 }
 RESULT = re.compile(r"step ([\d.]+) ms, (\d+) tok/s.*?, ([\d.]+) TFLOP/s.*?mem ([\d.]+) GiB, loss ([\d.na]+)")
@@ -323,9 +370,14 @@ def recompute_jobs(tp: int) -> list[dict]:
     for name, gpus, dims in layouts:
         for mode, extra in (("eager", {}), ("compile", {"COMPILE": "1"})):
             for ckpt in ("none", "selective", "full"):
-                out.append(dict(label=f"tpframe {name}, {mode}, recompute {ckpt}", script=ours, gpus=gpus,
-                                env={"STEPS": "10", "ROPE": "1", "CKPT": "0" if ckpt == "none" else ckpt,
-                                     **dims, **extra}))
+                out.append(
+                    dict(
+                        label=f"tpframe {name}, {mode}, recompute {ckpt}",
+                        script=ours,
+                        gpus=gpus,
+                        env={"STEPS": "10", "ROPE": "1", "CKPT": "0" if ckpt == "none" else ckpt, **dims, **extra},
+                    )
+                )
     return out
 
 
@@ -342,8 +394,9 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     if shape == "llama":
         plain = dtensor = str(ROOT / "benchmarks" / "peer_llama.py")
     else:
-        plain, dtensor = (str(peers / name) for name in ("bench_torch_gpt.py", "bench_dtensor_gpt.py")) if peers \
-            else (None, None)
+        plain, dtensor = (
+            (str(peers / name) for name in ("bench_torch_gpt.py", "bench_dtensor_gpt.py")) if peers else (None, None)
+        )
     if plain:
         add("plain torch, 1 GPU, eager", plain, 1, TP="1")
     add("tpframe TP=1, eager", ours, 1, TP="1")
@@ -364,15 +417,34 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
     add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=true", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="1")
     add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="ring")
-    add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring), no SM margin", ours, tp, TP=str(tp), SP="1",
-        ASYNC_TP="ring", SM_MARGIN="0")
-    add(f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)", ours, tp, TP=str(tp), SP="1",
-        ASYNC_TP="symm_mem")
-    add(f"tpframe TP={tp} + SP, eager + async TP (copy engines)", ours, tp, TP=str(tp), SP="1",
-        ASYNC_TP="copy_engine")
+    add(
+        f"tpframe TP={tp} + SP, eager + async TP (NCCL ring), no SM margin",
+        ours,
+        tp,
+        TP=str(tp),
+        SP="1",
+        ASYNC_TP="ring",
+        SM_MARGIN="0",
+    )
+    add(
+        f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)",
+        ours,
+        tp,
+        TP=str(tp),
+        SP="1",
+        ASYNC_TP="symm_mem",
+    )
+    add(f"tpframe TP={tp} + SP, eager + async TP (copy engines)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="copy_engine")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")
-    add(f"tpframe TP={tp} + SP, compile + async TP (NCCL ring as custom ops)", ours, tp, TP=str(tp), SP="1",
-        COMPILE="1", ASYNC_TP="ring")
+    add(
+        f"tpframe TP={tp} + SP, compile + async TP (NCCL ring as custom ops)",
+        ours,
+        tp,
+        TP=str(tp),
+        SP="1",
+        COMPILE="1",
+        ASYNC_TP="ring",
+    )
     if torch.cuda.is_available():
         add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
         if torch.cuda.get_device_capability() >= (8, 9):
@@ -383,20 +455,42 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
 
 
 def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Path) -> dict:
-    environ = dict(os.environ, NO_APPEND="1", PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0",
-                   TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    environ = dict(
+        os.environ,
+        NO_APPEND="1",
+        PYTHONUNBUFFERED="1",
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+    )
     environ.update({k: str(v) for k, v in shape.items() if k != "name"})
     environ.update(job["env"])
     if job["gpus"] == 1:
         environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         port = 29600 + gpu
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port),
-               job["script"]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            str(port),
+            job["script"],
+        ]
         if "bench_torch_gpt" in job["script"]:
             cmd = [sys.executable, job["script"]]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["gpus"]),
-               "--master-port", "29500", job["script"]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(job["gpus"]),
+            "--master-port",
+            "29500",
+            job["script"],
+        ]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
@@ -416,8 +510,11 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
     else:
         tail = [ln for ln in text.splitlines() if ln.strip()][-1:] or [""]
         row["error"] = tail[0][-160:]
-    print(f"  [{row['wall']:5.0f} s] {job['label']}: " + (f"{row['tflops']} TFLOP/s per GPU, {row['mem']} GiB" if m
-                                                           else f"{row['status']}: {row.get('error', '')}"), flush=True)
+    print(
+        f"  [{row['wall']:5.0f} s] {job['label']}: "
+        + (f"{row['tflops']} TFLOP/s per GPU, {row['mem']} GiB" if m else f"{row['status']}: {row.get('error', '')}"),
+        flush=True,
+    )
     return row
 
 
@@ -425,8 +522,21 @@ def compare(args) -> None:
     peers = Path(args.peers) if args.peers and Path(args.peers).exists() else None
     wheel = sorted(glob.glob(str(Path(args.peers) / "megatron_core-*.whl"))) if peers else []
     if wheel and not (Path("/tmp/site") / "megatron").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
-                        "/tmp/site", wheel[-1]], check=False)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--target",
+                "/tmp/site",
+                wheel[-1],
+            ],
+            check=False,
+        )
     if (Path("/tmp/site") / "megatron").exists():
         os.environ["PYTHONPATH"] = "/tmp/site:" + os.environ.get("PYTHONPATH", "")
     n_gpus = torch.cuda.device_count()
@@ -447,8 +557,10 @@ def compare(args) -> None:
             if mate is not None:
                 pending.remove(mate)
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                    futures = [pool.submit(launch, j, shape, gpu, min(args.job_timeout_s, left), log_dir)
-                               for gpu, j in enumerate((job, mate))]
+                    futures = [
+                        pool.submit(launch, j, shape, gpu, min(args.job_timeout_s, left), log_dir)
+                        for gpu, j in enumerate((job, mate))
+                    ]
                     rows[key].extend(f.result() for f in futures)
             else:
                 rows[key].append(launch(job, shape, 0, min(args.job_timeout_s, left), log_dir))
@@ -458,18 +570,26 @@ def compare(args) -> None:
 
 
 def recompute_report(args, rows: dict, device: str) -> list[str]:
-    lines = [f"## Activation recompute modes, {device}, {datetime.date.today().isoformat()}", "",
-             f"Command: `python benchmarks/gpt.py --compare --recompute --shapes {args.shapes} --tp {args.tp} "
-             f"--budget-s {args.budget_s:.0f}` (one device call, every run a subprocess). torch {torch.__version__}, "
-             "bf16, forward+backward, 3 warm-up steps then 10 timed, random tokens. TFLOP/s counts the model's FLOPs "
-             "(recomputed work is not counted), so it falls with the recompute. Peak GiB = "
-             "torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run without recompute.",
-             "", "| shape | run | step ms | TFLOP/s per GPU | peak GiB | time | memory |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Activation recompute modes, {device}, {datetime.date.today().isoformat()}",
+        "",
+        f"Command: `python benchmarks/gpt.py --compare --recompute --shapes {args.shapes} --tp {args.tp} "
+        f"--budget-s {args.budget_s:.0f}` (one device call, every run a subprocess). torch {torch.__version__}, "
+        "bf16, forward+backward, 3 warm-up steps then 10 timed, random tokens. TFLOP/s counts the model's FLOPs "
+        "(recomputed work is not counted), so it falls with the recompute. Peak GiB = "
+        "torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run without recompute.",
+        "",
+        "| shape | run | step ms | TFLOP/s per GPU | peak GiB | time | memory |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, shape_rows in rows.items():
         dims = SHAPES[key]
         dims_text = f"{dims['name']}: L={dims['LAYERS']} H={dims['HIDDEN']} S={dims['SEQ']} MB={dims['MB']}"
-        base = {r["label"].rsplit(", recompute", 1)[0]: r for r in shape_rows
-                if r["label"].endswith("recompute none") and "tflops" in r}
+        base = {
+            r["label"].rsplit(", recompute", 1)[0]: r
+            for r in shape_rows
+            if r["label"].endswith("recompute none") and "tflops" in r
+        }
         for r in shape_rows:
             if "tflops" not in r:
                 lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | |")
@@ -477,8 +597,10 @@ def recompute_report(args, rows: dict, device: str) -> list[str]:
             b = base.get(r["label"].rsplit(", recompute", 1)[0])
             time_ratio = f"{r['step_ms'] / b['step_ms']:.3f}x" if b else "-"
             mem_ratio = f"{r['mem'] / b['mem']:.2f}x" if b and b["mem"] else "-"
-            lines.append(f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tflops']:.1f} | {r['mem']:.1f} | "
-                         f"{time_ratio} | {mem_ratio} |")
+            lines.append(
+                f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tflops']:.1f} | {r['mem']:.1f} | "
+                f"{time_ratio} | {mem_ratio} |"
+            )
     return lines
 
 
@@ -491,25 +613,30 @@ def report(args, rows: dict, tp: int) -> None:
             with open(args.results, "a") as f:
                 f.write("\n" + text + "\n")
         return
-    lines = [f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
-             f"{datetime.date.today().isoformat()}", "",
-             f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} --budget-s {args.budget_s:.0f}` "
-             "(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per "
-             f"GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 "
-             "timed, random "
-             "tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T (GPT shapes; the "
-             "Llama shape counts its SwiGLU and GQA matmuls), T = MB*S tokens per TP group; TFLOP/s per GPU = FLOPs / "
-             "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
-             "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2; the Llama shape's peers are "
-             "benchmarks/peer_llama.py). Peak GiB = "
-             "torch.cuda.max_memory_allocated on rank 0.", "",
-             "| shape | run | step ms | tokens/s per TP group | TFLOP/s per GPU | peak GiB | loss | vs peer |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
+        f"{datetime.date.today().isoformat()}",
+        "",
+        f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} --budget-s {args.budget_s:.0f}` "
+        "(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per "
+        f"GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 "
+        "timed, random "
+        "tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T (GPT shapes; the "
+        "Llama shape counts its SwiGLU and GQA matmuls), T = MB*S tokens per TP group; TFLOP/s per GPU = FLOPs / "
+        "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
+        "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2; the Llama shape's peers are "
+        "benchmarks/peer_llama.py). Peak GiB = "
+        "torch.cuda.max_memory_allocated on rank 0.",
+        "",
+        "| shape | run | step ms | tokens/s per TP group | TFLOP/s per GPU | peak GiB | loss | vs peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, shape_rows in rows.items():
         name = SHAPES[key]["name"]
         dims = SHAPES[key]
-        dims_text = (f"{name}: L={dims['LAYERS']} H={dims['HIDDEN']} heads={dims['HEADS']} S={dims['SEQ']} "
-                     f"MB={dims['MB']}")
+        dims_text = (
+            f"{name}: L={dims['LAYERS']} H={dims['HIDDEN']} heads={dims['HEADS']} S={dims['SEQ']} MB={dims['MB']}"
+        )
         best = {}
         for r in shape_rows:
             if "tflops" in r and not r["label"].startswith(("tpframe", "Megatron")):
@@ -519,8 +646,10 @@ def report(args, rows: dict, tp: int) -> None:
             tp_of = 1 if r["gpus"] == 1 else tp
             if "tflops" in r:
                 ratio = f"{r['tflops'] / best[tp_of]:.2f}x" if best.get(tp_of) else "-"
-                lines.append(f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | "
-                             f"{r['tflops']:.1f} | {r['mem']:.1f} | {r['loss']} | {ratio} |")
+                lines.append(
+                    f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | "
+                    f"{r['tflops']:.1f} | {r['mem']:.1f} | {r['loss']} | {ratio} |"
+                )
             else:
                 lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | | |")
     text = "\n".join(lines)
@@ -535,13 +664,17 @@ def main() -> None:
     p.add_argument("--compare", action="store_true", help="run ours and the peers side by side (see above)")
     p.add_argument("--shapes", default="1.3b,125m,llama", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--tp", type=int, default=2, help="TP size of the multi-GPU runs")
-    p.add_argument("--recompute", action="store_true",
-                   help="with --compare: tpframe's activation recompute modes (none, selective, full) instead of the peers")
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="with --compare: tpframe's activation recompute modes (none, selective, full) instead of the peers",
+    )
     p.add_argument("--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and the Megatron wheel")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout-s", type=float, default=240.0)
-    p.add_argument("--logs", default=os.environ.get("OUT", "/tmp"),
-                   help="folder for compare_logs.txt (every job's output)")
+    p.add_argument(
+        "--logs", default=os.environ.get("OUT", "/tmp"), help="folder for compare_logs.txt (every job's output)"
+    )
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = p.parse_args()
     if not args.compare:

@@ -37,8 +37,8 @@ def probes(comm: Communicator, x: torch.Tensor) -> dict:
     inplace = x.clone()
     gathered = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
     scattered = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-    all_gather = getattr(dist, "all_gather_into_tensor")
-    reduce_scatter = getattr(dist, "reduce_scatter_tensor")
+    all_gather = dist.all_gather_into_tensor
+    reduce_scatter = dist.reduce_scatter_tensor
     backend = comm.nccl
     out = {
         "dist.all_reduce (in place)": lambda: dist.all_reduce(inplace),
@@ -96,11 +96,15 @@ def run(args) -> None:
         rows[numel] = measure(comm, x, args.iters, args.rounds, sync)
     if dist.get_rank() == 0:
         dev = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores), {dist.get_backend()} group"
-        lines = [f"### Host time per eager collective call, {dev} x{dist.get_world_size()}, "
-                 f"torch {torch.__version__}", "",
-                 f"Command: `{args.command}`. Fastest of {args.rounds} rounds of {args.iters} back-to-back calls, "
-                 "microseconds of host time per call (see the script's docstring).", "",
-                 "| call | " + " | ".join(f"{n} elements us" for n in rows) + " |", "|---|" + "---|" * len(rows)]
+        lines = [
+            f"### Host time per eager collective call, {dev} x{dist.get_world_size()}, torch {torch.__version__}",
+            "",
+            f"Command: `{args.command}`. Fastest of {args.rounds} rounds of {args.iters} back-to-back calls, "
+            "microseconds of host time per call (see the script's docstring).",
+            "",
+            "| call | " + " | ".join(f"{n} elements us" for n in rows) + " |",
+            "|---|" + "---|" * len(rows),
+        ]
         for name in rows[4096]:
             lines.append(f"| {name} | " + " | ".join(f"{rows[n].get(name, float('nan')):.2f}" for n in rows) + " |")
         text = "\n".join(lines)

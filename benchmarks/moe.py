@@ -34,8 +34,10 @@ from comm import report  # noqa: E402
 from cp_attention import timed  # noqa: E402
 
 # (name, T tokens, h, F per expert, E experts, k)
-CASES = (("Mixtral-style 8 experts top-2", 16384, 2048, 5632, 8, 2),
-         ("fine-grained 64 experts top-8", 16384, 2048, 1408, 64, 8))
+CASES = (
+    ("Mixtral-style 8 experts top-2", 16384, 2048, 5632, 8, 2),
+    ("fine-grained 64 experts top-8", 16384, 2048, 1408, 64, 8),
+)
 
 
 def route(x, router, k):
@@ -88,7 +90,10 @@ def main() -> int:
     from tpframe.layers.moe import MoE
 
     comm = Communicator(backend="nccl", device=dev)
-    lines = ["| case | T x h, F, E, top-k | run | ms | TFLOP/s | vs dense | max rel err |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | T x h, F, E, top-k | run | ms | TFLOP/s | vs dense | max rel err |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, T, h, ffn, E, k in CASES:
         torch.manual_seed(0)
         moe = MoE(h, ffn, E, k, activation="swiglu", aux_loss_coeff=0.0, comm=comm, dtype=torch.bfloat16, device=dev)
@@ -122,26 +127,37 @@ def main() -> int:
             scale = reference.abs().max().item()
             errors = {"loop peer": (loop_peer(x, router, w1, w3, w2, k).float() - reference).abs().max().item() / scale}
             try:
-                errors["grouped_mm peer"] = (grouped_peer(x, router, w13, w2t, k).float() - reference).abs().max().item() / scale
+                errors["grouped_mm peer"] = (
+                    grouped_peer(x, router, w13, w2t, k).float() - reference
+                ).abs().max().item() / scale
             except RuntimeError as e:  # an older GPU or torch without the bf16 grouped GEMM
                 errors["grouped_mm peer"] = f"n/a ({str(e).splitlines()[0][:60]})"
         flops = 18.0 * T * k * h * ffn
-        times = {"dense MLP, k*F wide": timed(dense, iters=args.iters), "tpframe MoE": timed(ours, iters=args.iters),
-                 "loop peer": timed(loop, iters=args.iters)}
+        times = {
+            "dense MLP, k*F wide": timed(dense, iters=args.iters),
+            "tpframe MoE": timed(ours, iters=args.iters),
+            "loop peer": timed(loop, iters=args.iters),
+        }
         if not isinstance(errors["grouped_mm peer"], str):
             times["grouped_mm peer"] = timed(grouped, iters=args.iters)
         for run, ms in times.items():
             err = errors.get(run, 0.0 if run == "tpframe MoE" else "-")
             err = f"{err:.1e}" if isinstance(err, float) else err
-            lines.append(f"| {name} | {T} x {h}, {ffn}, {E}, {k} | {run} | {ms:.2f} | {flops / ms / 1e9:.0f} | "
-                         f"{times['dense MLP, k*F wide'] / ms:.2f}x | {err} |")
+            lines.append(
+                f"| {name} | {T} x {h}, {ffn}, {E}, {k} | {run} | {ms:.2f} | {flops / ms / 1e9:.0f} | "
+                f"{times['dense MLP, k*F wide'] / ms:.2f}x | {err} |"
+            )
         if isinstance(errors["grouped_mm peer"], str):
-            lines.append(f"| {name} | {T} x {h}, {ffn}, {E}, {k} | grouped_mm peer | - | - | - | {errors['grouped_mm peer']} |")
+            lines.append(
+                f"| {name} | {T} x {h}, {ffn}, {E}, {k} | grouped_mm peer | - | - | - | {errors['grouped_mm peer']} |"
+            )
         print(lines[-1], flush=True)
     device = torch.cuda.get_device_name(dev)
-    text = (f"## Mixture-of-experts layer, forward+backward: tpframe vs plain-torch peers, 1x {device}, "
-            f"{datetime.date.today()}\n\nCommand: `python benchmarks/moe.py --iters {args.iters}`; torch {torch.__version__}, "
-            "bf16. See the script's docstring for the runs and the FLOP count.\n\n" + "\n".join(lines) + "\n")
+    text = (
+        f"## Mixture-of-experts layer, forward+backward: tpframe vs plain-torch peers, 1x {device}, "
+        f"{datetime.date.today()}\n\nCommand: `python benchmarks/moe.py --iters {args.iters}`; torch {torch.__version__}, "
+        "bf16. See the script's docstring for the runs and the FLOP count.\n\n" + "\n".join(lines) + "\n"
+    )
     report(text, args.results, append=not args.no_append)
     dist.destroy_process_group()
     return 0

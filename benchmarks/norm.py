@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from comm import report, time_graph  # noqa: E402
+
 from tpframe.kernels.norm import _Norm  # noqa: E402
 
 # rows, h: GPT-125M (16 x 1024, 768), GPT-1.3B (8 x 2048, 2048), Llama-style H=4096 (4 x 2048)
@@ -39,8 +40,10 @@ def main() -> int:
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     graph_time = functools.partial(time_graph, k=20, reps=5, device=dev)
-    lines = ["| norm | rows x h | MB moved (min) | torch us | kernel us | kernel / torch | kernel GB/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| norm | rows x h | MB moved (min) | torch us | kernel us | kernel / torch | kernel GB/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for rms in (False, True):
         for rows, h in CASES:
             x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -58,13 +61,22 @@ def main() -> int:
 
             theirs, ours = graph_time(torch_step), graph_time(kernel_step)
             mb = 5 * rows * h * 2 / 1e6
-            lines.append(f"| {'RMSNorm' if rms else 'LayerNorm + bias'} | {rows} x {h} | {mb:.0f} | {theirs:.1f} "
-                         f"| {ours:.1f} | {ours / theirs:.2f}x | {mb / ours * 1e3:.0f} |")
-    text = "\n".join([
-        f"## Norms, forward+backward: tpframe's kernels vs torch, 1x {torch.cuda.get_device_name()}, "
-        f"{datetime.date.today().isoformat()}", "",
-        f"Command: `python benchmarks/norm.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; bf16; us per "
-        "forward+backward from CUDA-graph replays.", "", *lines, ""])
+            lines.append(
+                f"| {'RMSNorm' if rms else 'LayerNorm + bias'} | {rows} x {h} | {mb:.0f} | {theirs:.1f} "
+                f"| {ours:.1f} | {ours / theirs:.2f}x | {mb / ours * 1e3:.0f} |"
+            )
+    text = "\n".join(
+        [
+            f"## Norms, forward+backward: tpframe's kernels vs torch, 1x {torch.cuda.get_device_name()}, "
+            f"{datetime.date.today().isoformat()}",
+            "",
+            f"Command: `python benchmarks/norm.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; bf16; us per "
+            "forward+backward from CUDA-graph replays.",
+            "",
+            *lines,
+            "",
+        ]
+    )
     report(text, args.results, append=not args.no_append)
     return 0
 

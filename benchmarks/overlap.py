@@ -82,6 +82,7 @@ def rows_one_gpu(a, b):
     dst = torch.empty_like(src)
     out = []
     for ctas in ints("CTAS", "8,16,32"):
+
         def comm(ctas=ctas):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -107,7 +108,8 @@ def rows_nccl(a, b, comm):
     calls = {
         f"NCCL reduce-scatter, {n * MESSAGE >> 20} MiB in": lambda: comm.reduce_scatter_async(x_rs),
         "NCCL send/receive pair (ring step), 32 MiB": lambda: comm.exchange_async(
-            send, to=(comm.rank + 1) % n, recv=recv, source=(comm.rank - 1) % n),
+            send, to=(comm.rank + 1) % n, recv=recv, source=(comm.rank - 1) % n
+        ),
     }
     out = []
     for name, start in calls.items():
@@ -215,11 +217,11 @@ class EmulatedPeer:
     def all_gather(self, x, dim=0):
         out = x.new_empty((2 * x.shape[0],) + x.shape[1:])
         out[: x.shape[0]].copy_(x)
-        self._move(x, out[x.shape[0]:])
+        self._move(x, out[x.shape[0] :])
         return out
 
     def reduce_scatter(self, x, dim=0):
-        return self._move(x[x.shape[0] // 2:], torch.empty_like(x[: x.shape[0] // 2]))
+        return self._move(x[x.shape[0] // 2 :], torch.empty_like(x[: x.shape[0] // 2]))
 
 
 def layers_table() -> str:
@@ -228,12 +230,20 @@ def layers_table() -> str:
     comm = EmulatedPeer()
     s, b, h = 2048, 8, 2048
     bf = dict(device="cuda", dtype=torch.bfloat16)
-    layers = {"qkv (column, 2048 -> 3072 per rank)": ("column", 3072, h),
-              "fc1 (column, 2048 -> 4096)": ("column", 4096, h),
-              "proj (row, 1024 -> 2048)": ("row", h, 1024), "fc2 (row, 4096 -> 2048)": ("row", h, 4096)}
-    variants = {"plain": (None, False, 0), "overlap_backward": (None, True, 0),
-                "overlap_backward, margin 16": (None, True, 16), "ring": ("ring", False, 0),
-                "ring, margin 16": ("ring", False, 16), "ring, margin 32": ("ring", False, 32)}
+    layers = {
+        "qkv (column, 2048 -> 3072 per rank)": ("column", 3072, h),
+        "fc1 (column, 2048 -> 4096)": ("column", 4096, h),
+        "proj (row, 1024 -> 2048)": ("row", h, 1024),
+        "fc2 (row, 4096 -> 2048)": ("row", h, 4096),
+    }
+    variants = {
+        "plain": (None, False, 0),
+        "overlap_backward": (None, True, 0),
+        "overlap_backward, margin 16": (None, True, 16),
+        "ring": ("ring", False, 0),
+        "ring, margin 16": ("ring", False, 16),
+        "ring, margin 32": ("ring", False, 32),
+    }
     rows, total = [], {}
     for name, (kind, out_f, in_f) in layers.items():
         w = (torch.randn(out_f, in_f, **bf) * 0.02).requires_grad_()
@@ -256,13 +266,21 @@ def layers_table() -> str:
             rows.append(f"| {name} | {what} | " + " | ".join(cells) + " |")
     for what in ("forward", "forward+backward"):
         base = total[(what, "plain")]
-        rows.append(f"| all four | {what} | " + " | ".join(f"{total[(what, v)]:.0f} ({total[(what, v)] / base:.2f}x)"
-                                                         for v in variants) + " |")
-    head = [f"### GPT-1.3B's linear layers at TP=2 + SP, the peer emulated on one {torch.cuda.get_device_name()}, "
-            f"torch {torch.__version__}, {datetime.date.today()}", "",
-            "Command: `python benchmarks/overlap.py --layers`. Microseconds per call (median of "
-            f"{ITERS}); each transfer a 16-CTA copy of its real size. The ratios are against plain.", "",
-            "| layer | pass | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+        rows.append(
+            f"| all four | {what} | "
+            + " | ".join(f"{total[(what, v)]:.0f} ({total[(what, v)] / base:.2f}x)" for v in variants)
+            + " |"
+        )
+    head = [
+        f"### GPT-1.3B's linear layers at TP=2 + SP, the peer emulated on one {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}, {datetime.date.today()}",
+        "",
+        "Command: `python benchmarks/overlap.py --layers`. Microseconds per call (median of "
+        f"{ITERS}); each transfer a 16-CTA copy of its real size. The ratios are against plain.",
+        "",
+        "| layer | pass | " + " | ".join(variants) + " |",
+        "|---|---|" + "---|" * len(variants),
+    ]
     return "\n".join(head + rows) + "\n"
 
 
@@ -285,18 +303,26 @@ def main() -> None:
     if comm is not None and comm.rank != 0:
         return
     name = torch.cuda.get_device_name()
-    head = (f"GEMM [{M} x {K}] x [{K} x {N}] bf16 ({2 * M * N * K / 1e9:.0f} GFLOP) beside communication, "
-            f"{world}x {name}, torch {torch.__version__}, {datetime.date.today()}")
+    head = (
+        f"GEMM [{M} x {K}] x [{K} x {N}] bf16 ({2 * M * N * K / 1e9:.0f} GFLOP) beside communication, "
+        f"{world}x {name}, torch {torch.__version__}, {datetime.date.today()}"
+    )
     launcher = f"torchrun --nproc-per-node {world}" if world > 1 else "python"
-    lines = [f"### {head}", "",
-             f"Command: `{launcher} benchmarks/overlap.py` (NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}). "
-             f"Microseconds, median of {ITERS}.", "",
-             "| communication | SM margin | comm alone | GEMM alone | both | serial | both / serial |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {head}",
+        "",
+        f"Command: `{launcher} benchmarks/overlap.py` (NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS', 'unset')}). "
+        f"Microseconds, median of {ITERS}.",
+        "",
+        "| communication | SM margin | comm alone | GEMM alone | both | serial | both / serial |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for what, margin, comm_us, gemm_us, both_us in rows:
         serial = comm_us + gemm_us
-        lines.append(f"| {what} | {margin} | {comm_us:.0f} | {gemm_us:.0f} | {both_us:.0f} | {serial:.0f} | "
-                     f"{both_us / serial:.2f} |")
+        lines.append(
+            f"| {what} | {margin} | {comm_us:.0f} | {gemm_us:.0f} | {both_us:.0f} | {serial:.0f} | "
+            f"{both_us / serial:.2f} |"
+        )
     publish("\n".join(lines) + "\n")
 
 

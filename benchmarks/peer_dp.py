@@ -96,8 +96,15 @@ def main(strategy: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    H, L, NH, S, MB, ACCUM, STEPS = (env("HIDDEN", 2048), env("LAYERS", 24), env("HEADS", 16), env("SEQ", 2048),
-                                     env("MB", 8), env("ACCUM", 1), env("STEPS", 10))
+    H, L, NH, S, MB, ACCUM, STEPS = (
+        env("HIDDEN", 2048),
+        env("LAYERS", 24),
+        env("HEADS", 16),
+        env("SEQ", 2048),
+        env("MB", 8),
+        env("ACCUM", 1),
+        env("STEPS", 10),
+    )
     torch.manual_seed(1234)
     model = GPT(H, L, NH, S, recompute=env("CKPT", 0) == 1).to(device)  # fp32 weights, as both peers keep them
     bf16 = torch.bfloat16 if cuda else torch.float32
@@ -163,16 +170,33 @@ def main(strategy: str) -> None:
     dist.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
-    local = [t.to_local() if hasattr(t, "to_local") else t for s in opt.state.values() for t in s.values()
-             if torch.is_tensor(t)]
+    local = [
+        t.to_local() if hasattr(t, "to_local") else t
+        for s in opt.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    ]
     profiled = profile_step(step, os.environ.get("PROFILE"), f"peer-{strategy}-dp{world}", rank, cuda, sync)
     if rank == 0:
-        print("RESULT " + json.dumps({
-            "strategy": f"torch {strategy}", "overlap": True, "dp": world, "step_s": dt, "tflops": flops / dt / 1e12,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-            "opt_state_gib": sum(t.numel() * t.element_size() for t in local) / 2**30, "loss": float(loss),
-            "resident_gib": resident, "rank_step_s": per_rank, **profiled,
-        }), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "strategy": f"torch {strategy}",
+                    "overlap": True,
+                    "dp": world,
+                    "step_s": dt,
+                    "tflops": flops / dt / 1e12,
+                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+                    "opt_state_gib": sum(t.numel() * t.element_size() for t in local) / 2**30,
+                    "loss": float(loss),
+                    "resident_gib": resident,
+                    "rank_step_s": per_rank,
+                    **profiled,
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()  # every rank's collectives done before any tears the group down
     dist.destroy_process_group()
     # FSDP2's and DTensor's meshes keep process groups alive into interpreter shutdown, where freeing them

@@ -16,6 +16,7 @@ tpframe's `GPT.flops_per_token` for this architecture (every matmul, GQA's small
     F = the SwiGLU width, 64 * ceil(8H/3 / 64) (tpframe's `ffn_hidden_size`).
 Runs on CPU with gloo (fp32) as a smoke test; prints one RESULT line.
 """
+
 import contextlib
 import os
 import sys
@@ -27,8 +28,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 e = lambda k, d: int(os.environ.get(k, d))  # noqa: E731
 H, L, NH, S, MB, STEPS = e("HIDDEN", 4096), e("LAYERS", 8), e("HEADS", 32), e("SEQ", 2048), e("MB", 8), e("STEPS", 10)
@@ -115,26 +122,43 @@ if TP > 1:
         raise SystemExit(f"peer_llama: KV_HEADS={NKV} and HEADS={NH} must divide by TP={TP}")
     mesh = init_device_mesh(dev, (TP,), mesh_dim_names=("tp",))
     seq = Shard(1) if SP else Replicate()
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-    } if SP else {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        }
+        if SP
+        else {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     for blk in model.layers:
-        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=seq),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq)}
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
         if SP:
-            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                         "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                         "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))})
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                    "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(blk, mesh, plan)
     if ASYNC_TP:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
         torch._inductor.config._micro_pipeline_tp = True
         enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
     if COMPILE:
@@ -174,9 +198,12 @@ flops = per_token * T
 mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
 loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 if rank == 0:
-    print(f"RESULT llama-peer tp={TP} sp={int(SP and TP > 1)} compile={int(COMPILE)} async_tp={int(ASYNC_TP)} "
-          f"mb={MB} seq={S} L={L} H={H} kv_heads={NKV} flops/token={per_token}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
-          f"{flops / dt / TP / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}", flush=True)
+    print(
+        f"RESULT llama-peer tp={TP} sp={int(SP and TP > 1)} compile={int(COMPILE)} async_tp={int(ASYNC_TP)} "
+        f"mb={MB} seq={S} L={L} H={H} kv_heads={NKV} flops/token={per_token}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
+        f"{flops / dt / TP / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}",
+        flush=True,
+    )
 dist.barrier()  # every rank's collectives done before any tears the group down
 dist.destroy_process_group()
 # FSDP2's and DTensor's meshes keep process groups alive into interpreter shutdown, where freeing them

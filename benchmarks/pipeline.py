@@ -47,20 +47,37 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tpframe.errors import ConfigError  # noqa: E402
 from tpframe.models import BuildContext  # noqa: E402
+from tpframe.models.compile import compile_model  # noqa: E402
 from tpframe.optim import build_strategy  # noqa: E402
 from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
-from tpframe.parallel.pipeline import StageTimer, build_pipeline, build_stages, theoretical_bubble  # noqa: E402
-from tpframe.models.compile import compile_model  # noqa: E402
 from tpframe.parallel.graphed import GraphedForwardBackward  # noqa: E402
+from tpframe.parallel.pipeline import StageTimer, build_pipeline, build_stages, theoretical_bubble  # noqa: E402
 from tpframe.parallel.schedules import forward_backward_no_pipelining  # noqa: E402
-from tpframe.errors import ConfigError  # noqa: E402
 from tpframe.training.config import from_dict, validate  # noqa: E402
 from tpframe.training.trainer import Trainer  # noqa: E402
 
-DEFAULTS = dict(hidden=2048, layers=24, heads=16, seq=2048, vocab=50304, mb=2, gbs=16, steps=10, warmup=3,
-                dtype="bfloat16", comm="auto", append=1, nproc=2, row_timeout=600,
-                virtual=2, layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp", fwdbwd=0, profile="")
+DEFAULTS = dict(
+    hidden=2048,
+    layers=24,
+    heads=16,
+    seq=2048,
+    vocab=50304,
+    mb=2,
+    gbs=16,
+    steps=10,
+    warmup=3,
+    dtype="bfloat16",
+    comm="auto",
+    append=1,
+    nproc=2,
+    row_timeout=600,
+    virtual=2,
+    layouts="pp-afab,pp-1f1b,pp-interleaved,pp-zb_h1,tp-sp,dp",
+    fwdbwd=0,
+    profile="",
+)
 
 
 MODIFIERS = ("compile", "graph")
@@ -125,23 +142,39 @@ def run_layout(name: str, o: dict, world: int) -> dict:
     tp, pp, schedule, v = layout(name, world, o["virtual"])
     mods = split_name(name)[1]
     dp = world // (tp * pp)
-    cfg = from_dict({
-        "model": dict(vocab_size=o["vocab"], hidden=o["hidden"], layers=o["layers"], heads=o["heads"],
-                      max_seq_len=o["seq"], position="rotary", vocab_multiple=128),
-        "parallel": dict(tp=tp, pp=pp, sequence_parallel=tp > 1, pp_schedule=schedule or "1f1b", virtual_stages=v),
-        "train": dict(steps=o["warmup"] + o["steps"], seq_len=o["seq"], micro_batch_size=o["mb"],
-                      global_batch_size=o["gbs"], dtype=o["dtype"], compile="compile" in mods,
-                      cuda_graph="graph" in mods),
-        "optim": dict(warmup_steps=0, decay="constant", lr=1e-4),
-        "comm": dict(backend=o["comm"]),
-    })
+    cfg = from_dict(
+        {
+            "model": dict(
+                vocab_size=o["vocab"],
+                hidden=o["hidden"],
+                layers=o["layers"],
+                heads=o["heads"],
+                max_seq_len=o["seq"],
+                position="rotary",
+                vocab_multiple=128,
+            ),
+            "parallel": dict(tp=tp, pp=pp, sequence_parallel=tp > 1, pp_schedule=schedule or "1f1b", virtual_stages=v),
+            "train": dict(
+                steps=o["warmup"] + o["steps"],
+                seq_len=o["seq"],
+                micro_batch_size=o["mb"],
+                global_batch_size=o["gbs"],
+                dtype=o["dtype"],
+                compile="compile" in mods,
+                cuda_graph="graph" in mods,
+            ),
+            "optim": dict(warmup_steps=0, decay="constant", lr=1e-4),
+            "comm": dict(backend=o["comm"]),
+        }
+    )
     validate(cfg, world)
     dtype = getattr(torch, o["dtype"])
     state = initialize_parallel(tp=tp, pp=pp, comm_backend=o["comm"])
     try:
         tracker = seed_parallel_rng(1234)
-        ctx = BuildContext(state.tp_comm, sequence_parallel=tp > 1, rng_tracker=tracker, dtype=dtype,
-                           device=state.device, seed=1234)
+        ctx = BuildContext(
+            state.tp_comm, sequence_parallel=tp > 1, rng_tracker=tracker, dtype=dtype, device=state.device, seed=1234
+        )
         model = build_stages(cfg.model, ctx, pp_rank=state.pp_rank, pp=pp, virtual_stages=v)
         if "compile" in mods:
             compile_model(model)
@@ -150,12 +183,28 @@ def run_layout(name: str, o: dict, world: int) -> dict:
         timer = StageTimer(state.device)
         forward_backward = GraphedForwardBackward() if "graph" in mods else forward_backward_no_pipelining
         if pp > 1:
-            pipeline = build_pipeline(state, schedule=schedule, virtual_stages=v, seq_len=o["seq"],
-                                      micro_batch_size=o["mb"], hidden=o["hidden"], sequence_parallel=False,
-                                      dtype=dtype, timer=timer)
+            pipeline = build_pipeline(
+                state,
+                schedule=schedule,
+                virtual_stages=v,
+                seq_len=o["seq"],
+                micro_batch_size=o["mb"],
+                hidden=o["hidden"],
+                sequence_parallel=False,
+                dtype=dtype,
+                timer=timer,
+            )
             forward_backward = pipeline.forward_backward
-        trainer = Trainer(cfg, state, model, strategy, RandomBatches(o["vocab"], o["mb"], o["seq"], state.dp_rank, dp),
-                          None, Quiet(), forward_backward=forward_backward)
+        trainer = Trainer(
+            cfg,
+            state,
+            model,
+            strategy,
+            RandomBatches(o["vocab"], o["mb"], o["seq"], state.dp_rank, dp),
+            None,
+            Quiet(),
+            forward_backward=forward_backward,
+        )
         cuda = state.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -180,18 +229,31 @@ def run_layout(name: str, o: dict, world: int) -> dict:
             from gpt import profile_step  # benchmarks/gpt.py: the profiler table, trace and GPU idle time
 
             profile_step(trainer.train_step, f"{o['profile']}.{name.replace('+', '_')}.txt", state.rank)
-        mine = {"stage": state.pp_rank, "bubble": statistics.median(bubbles) if pp > 1 else None,
-                "mem": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
+        mine = {
+            "stage": state.pp_rank,
+            "bubble": statistics.median(bubbles) if pp > 1 else None,
+            "mem": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        }
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
         step_time = statistics.median(times)
         tokens = o["gbs"] * o["seq"]
         return {
-            "name": name, "mods": sorted(mods), "tp": tp, "pp": pp, "dp": dp, "schedule": schedule, "v": v,
-            "micro": o["gbs"] // (o["mb"] * dp), "step_ms": step_time * 1e3, "tokens_s": tokens / step_time,
+            "name": name,
+            "mods": sorted(mods),
+            "tp": tp,
+            "pp": pp,
+            "dp": dp,
+            "schedule": schedule,
+            "v": v,
+            "micro": o["gbs"] // (o["mb"] * dp),
+            "step_ms": step_time * 1e3,
+            "tokens_s": tokens / step_time,
             "tflops": model.flops_per_token(o["seq"]) * tokens / step_time / world / 1e12,
             "bubbles": [e["bubble"] for e in sorted(everyone, key=lambda e: e["stage"])] if pp > 1 else None,
-            "mem": max(e["mem"] for e in everyone), "loss": loss, "fwd_bwd_ms": bare_ms,
+            "mem": max(e["mem"] for e in everyone),
+            "loss": loss,
+            "fwd_bwd_ms": bare_ms,
             "phases": {k: round(v, 2) for k, v in phases.items()},
             "device": torch.cuda.get_device_name() if cuda else "cpu (gloo)",
         }
@@ -223,8 +285,11 @@ def time_forward_backward(model, o: dict, state, dp: int) -> float:
 
 
 def label(r: dict) -> str:
-    return (f"tp={r['tp']} pp={r['pp']} dp={r['dp']}" + (" sp" if r["tp"] > 1 else "")
-            + "".join(f" +{m}" for m in r.get("mods", [])))
+    return (
+        f"tp={r['tp']} pp={r['pp']} dp={r['dp']}"
+        + (" sp" if r["tp"] > 1 else "")
+        + "".join(f" +{m}" for m in r.get("mods", []))
+    )
 
 
 def table(rows: list[dict], o: dict, device: str) -> str:
@@ -256,16 +321,22 @@ def table(rows: list[dict], o: dict, device: str) -> str:
             f"| {r['loss']:.3f} |"
         )
     if bare:
-        lines += ["", "Full optimizer step against the bare forward+backward of the same model and micro-batches "
-                  "(gradients dropped, no optimizer); phases: the trainer's GPU-timeline means over the timed steps.",
-                  "", "| layout | fwd+bwd ms | train step ms | overhead | train / fwd+bwd throughput | phases ms |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Full optimizer step against the bare forward+backward of the same model and micro-batches "
+            "(gradients dropped, no optimizer); phases: the trainer's GPU-timeline means over the timed steps.",
+            "",
+            "| layout | fwd+bwd ms | train step ms | overhead | train / fwd+bwd throughput | phases ms |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in bare:
             layout = label(r)
             phases = ", ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in r["phases"].items())
-            lines.append(f"| {layout} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} "
-                         f"| {r['step_ms'] - r['fwd_bwd_ms']:.1f} ms ({r['step_ms'] / r['fwd_bwd_ms'] - 1:.1%}) "
-                         f"| {r['fwd_bwd_ms'] / r['step_ms']:.3f}x | {phases} |")
+            lines.append(
+                f"| {layout} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} "
+                f"| {r['step_ms'] - r['fwd_bwd_ms']:.1f} ms ({r['step_ms'] / r['fwd_bwd_ms'] - 1:.1%}) "
+                f"| {r['fwd_bwd_ms'] / r['step_ms']:.3f}x | {phases} |"
+            )
     return "\n".join(lines)
 
 
@@ -292,8 +363,10 @@ def main(argv: list[str]) -> None:
     names = [n for n in o["layouts"].split(",") if n]
     unknown = [n for n in names if split_name(n)[0] not in LAYOUTS or not split_name(n)[1] <= set(MODIFIERS)]
     if unknown:
-        raise SystemExit(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}, the non-pipelined ones with "
-                         f"+compile and/or +graph")
+        raise SystemExit(
+            f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}, the non-pipelined ones with "
+            f"+compile and/or +graph"
+        )
     if any(split_name(n)[1] and n.startswith("pp-") for n in names):
         raise SystemExit("+compile and +graph apply to the non-pipelined layouts (tp-sp, dp) only")
     if any("graph" in split_name(n)[1] for n in names) and o["warmup"] < 3:
@@ -301,8 +374,16 @@ def main(argv: list[str]) -> None:
     world = o["nproc"]
     rows, notes = [], []
     for name in names:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
-               *[a for a in argv if not a.startswith("layouts=")], f"layouts={name}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            __file__,
+            *[a for a in argv if not a.startswith("layouts=")],
+            f"layouts={name}",
+        ]
         env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=o["row_timeout"], env=env)
@@ -311,16 +392,21 @@ def main(argv: list[str]) -> None:
             print(notes[-1], flush=True)
             continue
         lines = out.stdout.splitlines()
-        result = [line[len("RESULT "):] for line in lines if line.startswith("RESULT ")]
-        skipped = [line[len("SKIPPED "):] for line in lines if line.startswith("SKIPPED ")]
+        result = [line[len("RESULT ") :] for line in lines if line.startswith("RESULT ")]
+        skipped = [line[len("SKIPPED ") :] for line in lines if line.startswith("SKIPPED ")]
         if result:
             rows.append(json.loads(result[0]))
             r = rows[-1]
-            print(f"{name}: step {r['step_ms']:.1f} ms, {r['tflops']:.1f} TFLOP/s per GPU, bubble {r['bubbles']}",
-                  flush=True)
+            print(
+                f"{name}: step {r['step_ms']:.1f} ms, {r['tflops']:.1f} TFLOP/s per GPU, bubble {r['bubbles']}",
+                flush=True,
+            )
         else:
-            notes.append(f"{name}: skipped ({skipped[0]})" if skipped else
-                         f"{name}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}")
+            notes.append(
+                f"{name}: skipped ({skipped[0]})"
+                if skipped
+                else f"{name}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}"
+            )
             print(notes[-1] + ("" if skipped else "\n" + out.stderr[-3000:]), flush=True)
     device = f"{rows[0]['device'] if rows else '?'} x{world}"
     text = table(rows, o, device) if rows else "no layout ran"
@@ -329,8 +415,10 @@ def main(argv: list[str]) -> None:
     if o["append"]:
         command = " ".join(["python benchmarks/pipeline.py", *argv])
         with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
-            f.write(f"\n## Pipeline parallelism, {time.strftime('%Y-%m-%d')}\n\n`{command}` on {device}, "
-                    f"torch {torch.__version__}\n\n{text}\n")
+            f.write(
+                f"\n## Pipeline parallelism, {time.strftime('%Y-%m-%d')}\n\n`{command}` on {device}, "
+                f"torch {torch.__version__}\n\n{text}\n"
+            )
 
 
 if __name__ == "__main__":

@@ -27,11 +27,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from comm import report, time_graph  # noqa: E402  (benchmarks/comm.py)
+
 from tpframe.kernels import gemv  # noqa: E402
 
-CASES = {"qkv": (6144, 2048), "attention out": (2048, 2048), "gate+up": (11008, 2048), "down": (2048, 5504),
-         "head": (50304, 2048), "qkv, TP=2": (3072, 2048), "attention out, TP=2": (2048, 1024),
-         "gate+up, TP=2": (5504, 2048), "down, TP=2": (2048, 2752), "head, TP=2": (25152, 2048)}
+CASES = {
+    "qkv": (6144, 2048),
+    "attention out": (2048, 2048),
+    "gate+up": (11008, 2048),
+    "down": (2048, 5504),
+    "head": (50304, 2048),
+    "qkv, TP=2": (3072, 2048),
+    "attention out, TP=2": (2048, 1024),
+    "gate+up, TP=2": (5504, 2048),
+    "down, TP=2": (2048, 2752),
+    "head, TP=2": (25152, 2048),
+}
 SETTINGS = list(itertools.product((1, 2, 4), (512, 1024, 2048), (4, 8), (3, 4)))
 
 
@@ -56,12 +66,14 @@ def main() -> int:
     chosen = (gemv.BLOCK_N, gemv.BLOCK_K, gemv.WARPS, gemv.STAGES)
     chosen_swiglu = gemv.SWIGLU_BLOCK_N
     g = torch.Generator(device="cuda").manual_seed(0)
-    lines = ["| layer [N x K] | MB | floor us | cuBLAS us | kernel us | kernel TB/s | kernel / cuBLAS |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| layer [N x K] | MB | floor us | cuBLAS us | kernel us | kernel TB/s | kernel / cuBLAS |",
+        "|---|---|---|---|---|---|---|",
+    ]
     sweeps = []
     for layer, (n, k) in CASES.items():
         copies = max(4, -(-400_000_000 // (2 * n * k)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5 for _ in range(copies)]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
         with torch.no_grad():
             cublas = rotated_us(lambda i: F.linear(x, ws[i]), copies)
@@ -75,25 +87,33 @@ def main() -> int:
                 sweeps.append(f"- {layer}: " + ", ".join(f"{s} {t:.2f} us" for t, s in sorted(timed)[:3]))
         mb = 2 * n * k / 1e6
         floor = f"{mb * 1e12 / hbm:.1f}" if hbm else "-"
-        lines.append(f"| {layer} [{n} x {k}] | {mb:.1f} | {floor} | {cublas:.2f} | {ours:.2f} | "
-                     f"{mb / ours:.2f} | {ours / cublas:.2f}x |")
+        lines.append(
+            f"| {layer} [{n} x {k}] | {mb:.1f} | {floor} | {cublas:.2f} | {ours:.2f} | "
+            f"{mb / ours:.2f} | {ours / cublas:.2f}x |"
+        )
         print(lines[-1], flush=True)
         del ws
     today = datetime.date.today().isoformat()
     # SwiGLU's first layer: the activation after the GEMM (torch) or inside the kernel, at 1 and 2 outputs per program
-    swiglu = ["", "| SwiGLU fc1 [N x K] | cuBLAS + silu * up us | kernel + silu * up us | kernel with SwiGLU inside, "
-              "1 output per program us | same, 2 outputs per program us |", "|---|---|---|---|---|"]
+    swiglu = [
+        "",
+        "| SwiGLU fc1 [N x K] | cuBLAS + silu * up us | kernel + silu * up us | kernel with SwiGLU inside, "
+        "1 output per program us | same, 2 outputs per program us |",
+        "|---|---|---|---|---|",
+    ]
     for n, k in ((11008, 2048), (5504, 2048)):
         copies = max(4, -(-400_000_000 // (2 * n * k)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5 for _ in range(copies)]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
 
         def act(h):
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
 
-        cells = [rotated_us(lambda i: act(F.linear(x, ws[i])), copies),
-                 rotated_us(lambda i: act(gemv.row_linear(x, ws[i])), copies)]
+        cells = [
+            rotated_us(lambda i: act(F.linear(x, ws[i])), copies),
+            rotated_us(lambda i: act(gemv.row_linear(x, ws[i])), copies),
+        ]
         for block_n in (1, 2):
             gemv.SWIGLU_BLOCK_N = block_n
             cells.append(rotated_us(lambda i: gemv.row_linear(x, ws[i], activation="swiglu"), copies))
@@ -102,10 +122,14 @@ def main() -> int:
         print(swiglu[-1], flush=True)
         del ws
     lines += swiglu
-    head = [f"## One-row linear layers: tpframe's kernel vs cuBLAS, 1x {name}, {today}", "",
-            f"Command: `python benchmarks/row_linear.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; x [1, K] "
-            f"bf16, weight [N, K] bf16; kernel setting (BLOCK_N, BLOCK_K, warps, stages) {chosen}; us per call in CUDA "
-            "graphs, each call on another copy of the weight (no L2 reuse).", ""]
+    head = [
+        f"## One-row linear layers: tpframe's kernel vs cuBLAS, 1x {name}, {today}",
+        "",
+        f"Command: `python benchmarks/row_linear.py {' '.join(sys.argv[1:])}`; torch {torch.__version__}; x [1, K] "
+        f"bf16, weight [N, K] bf16; kernel setting (BLOCK_N, BLOCK_K, warps, stages) {chosen}; us per call in CUDA "
+        "graphs, each call on another copy of the weight (no L2 reuse).",
+        "",
+    ]
     tail = ["", "Sweep, best three settings per case (BLOCK_N, BLOCK_K, warps, stages):", "", *sweeps] if sweeps else []
     report("\n".join(head + lines + tail) + "\n", args.results, append=not args.no_append)
     return 0

@@ -33,10 +33,26 @@ def run_mode(mode: str, run_dir: str, steps: int, extra: list[str]) -> list[dict
     config = os.environ.get("CONFIG", str(ROOT / "configs" / "gpt_125m.yaml"))
     tp = os.environ.get("TP", os.environ.get("WORLD_SIZE", "1"))
     given = {a.split("=", 1)[0] for a in extra}  # train.py refuses a key given twice: the command line's win
-    args = ["--config", config, *(a for a in [
-        f"parallel.tp={tp}", f"train.steps={steps}", "train.eval_interval=0", "logging.interval=10",
-        "logging.progress=false", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
-        f"train.run_dir={run_dir}/{mode}"] if a.split("=", 1)[0] not in given), f"logging.timers={mode}", *extra]
+    args = [
+        "--config",
+        config,
+        *(
+            a
+            for a in [
+                f"parallel.tp={tp}",
+                f"train.steps={steps}",
+                "train.eval_interval=0",
+                "logging.interval=10",
+                "logging.progress=false",
+                "checkpoint.save_at_end=false",
+                "checkpoint.auto_resume=false",
+                f"train.run_dir={run_dir}/{mode}",
+            ]
+            if a.split("=", 1)[0] not in given
+        ),
+        f"logging.timers={mode}",
+        *extra,
+    ]
     cfg, train_data, valid_data, resume = train.prepare(args)
     train.run(cfg, train_data, valid_data, resume)
     path = Path(run_dir) / mode / "metrics.jsonl"
@@ -70,12 +86,17 @@ def main() -> None:
         return
     base = statistics.mean(r[0] for r in rows["none"])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    header = (f"phase timers on {device} x{os.environ.get('WORLD_SIZE', '1')}, {steps} steps per mode, median of the "
-              f"10-step windows after the first; `none` ran first and last ({rows['none'][0][0]:.2f} / "
-              f"{rows['none'][-1][0]:.2f} ms)")
-    lines = [header, "",
-             "| timers | step ms | vs none | phases / step | data | fwd+bwd | grad sync | optim | ckpt (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    header = (
+        f"phase timers on {device} x{os.environ.get('WORLD_SIZE', '1')}, {steps} steps per mode, median of the "
+        f"10-step windows after the first; `none` ran first and last ({rows['none'][0][0]:.2f} / "
+        f"{rows['none'][-1][0]:.2f} ms)"
+    )
+    lines = [
+        header,
+        "",
+        "| timers | step ms | vs none | phases / step | data | fwd+bwd | grad sync | optim | ckpt (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for mode in ("none", "auto", "sync"):
         step, coverage, phases = rows[mode][0]
         cells = " | ".join(f"{phases[p]:.2f}" if p in phases else "-" for p in PHASES)

@@ -34,14 +34,30 @@ class ParallelBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
         common = dict(
-            bias=False, sequence_parallel=ctx.sequence_parallel, comm=ctx.comm, init_method=normal_init(cfg.init_std),
-            output_init_method=scaled_normal_init(cfg.init_std, cfg.layers), dtype=ctx.dtype, device=ctx.device,
+            bias=False,
+            sequence_parallel=ctx.sequence_parallel,
+            comm=ctx.comm,
+            init_method=normal_init(cfg.init_std),
+            output_init_method=scaled_normal_init(cfg.init_std, cfg.layers),
+            dtype=ctx.dtype,
+            device=ctx.device,
         )
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
-        self.attn = ParallelAttention(cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                      qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, qkv_bias=cfg.qkv_bias,
-                                      attention_dropout=cfg.attention_dropout, window=cfg.sliding_window,
-                                      rng_tracker=ctx.rng_tracker, **common)
+        self.norm = RMSNorm(
+            cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device
+        )
+        self.attn = ParallelAttention(
+            cfg.hidden,
+            cfg.heads,
+            kv_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            qkv_bias=cfg.qkv_bias,
+            attention_dropout=cfg.attention_dropout,
+            window=cfg.sliding_window,
+            rng_tracker=ctx.rng_tracker,
+            **common,
+        )
         self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation="swiglu", **common)
 
     def forward(self, x: torch.Tensor, rotary, documents: Documents | None = None) -> torch.Tensor:
@@ -53,18 +69,27 @@ class ParallelLlama(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
-        vocab = dict(sequence_parallel=ctx.sequence_parallel, pad_to_multiple_of=cfg.vocab_multiple, comm=ctx.comm,
-                     init_method=normal_init(cfg.init_std), dtype=ctx.dtype, device=ctx.device)
+        vocab = dict(
+            sequence_parallel=ctx.sequence_parallel,
+            pad_to_multiple_of=cfg.vocab_multiple,
+            comm=ctx.comm,
+            init_method=normal_init(cfg.init_std),
+            dtype=ctx.dtype,
+            device=ctx.device,
+        )
         with seeded(ctx.seed):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **vocab)
-        self.rotary = RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta,
-                                      scaling=rope_scaling(cfg)).to(ctx.device)
+        self.rotary = RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta, scaling=rope_scaling(cfg)).to(
+            ctx.device
+        )
         blocks = {}
         for i in range(cfg.layers):
             with seeded(layer_seed(ctx.seed, i)):
                 blocks[str(i)] = ParallelBlock(cfg, ctx)
         self.blocks = nn.ModuleDict(blocks)
-        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device)
+        self.final_norm = RMSNorm(
+            cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device
+        )
         with seeded(ctx.seed + 2):
             self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, **vocab)
 
@@ -90,7 +115,13 @@ class ParallelLlama(nn.Module):
         return 3.0 * (c.layers * layer + 2 * h * self.embedding.padded_num_embeddings)
 
 
-FIXED_CHOICES = {"norm": "rmsnorm", "position": "rotary", "activation": "swiglu", "bias": False, "tie_embeddings": False}
+FIXED_CHOICES = {
+    "norm": "rmsnorm",
+    "position": "rotary",
+    "activation": "swiglu",
+    "bias": False,
+    "tie_embeddings": False,
+}
 
 
 def build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:

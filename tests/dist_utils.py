@@ -15,7 +15,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _CTX = None
 
@@ -28,14 +29,26 @@ def _context():
         _CTX = mp.get_context("forkserver")
         # What train.py's run imports too (DCP, dynamo through torch.optim, the trainer): paid once per
         # session here instead of once per rank per spawned test.
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "tpframe.layers", "tpframe.parallel",
-                                     "torch._dynamo", "torch.distributed.checkpoint", "tpframe.optim",
-                                     "tpframe.checkpoint.checkpointer", "tpframe.training.trainer", "tpframe.data"])
+        _CTX.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "tpframe.layers",
+                "tpframe.parallel",
+                "torch._dynamo",
+                "torch.distributed.checkpoint",
+                "tpframe.optim",
+                "tpframe.checkpoint.checkpointer",
+                "tpframe.training.trainer",
+                "tpframe.data",
+            ]
+        )
     return _CTX
 
 
-def _child(rank: int, world_size: int, init_file: str, env: dict, backend: str, fn: Callable, args, kwargs,
-           results) -> None:
+def _child(
+    rank: int, world_size: int, init_file: str, env: dict, backend: str, fn: Callable, args, kwargs, results
+) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -86,8 +99,13 @@ def _describe_failure(fn, errors: dict[int, str], results, procs, grace: float =
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args, timeout: float = 180.0, env: dict[str, str] | None = None,
-    backend: str = "gloo", **kwargs
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    backend: str = "gloo",
+    **kwargs,
 ) -> list[Any]:
     """Run fn(*args, **kwargs) on `world_size` ranks of `backend` ("gloo", or "nccl" with rank r on
     cuda:r); return the per-rank results.
@@ -101,7 +119,11 @@ def run_distributed(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, init_file, env or {}, backend, fn, args, kwargs, results), daemon=True)
+            ctx.Process(
+                target=_child,
+                args=(r, world_size, init_file, env or {}, backend, fn, args, kwargs, results),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in procs:
@@ -119,7 +141,9 @@ def run_distributed(
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
                     if dead:
-                        raise DistributedFailure(f"{fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                        raise DistributedFailure(
+                            f"{fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                        )
                     continue
                 if status == "error":
                     raise DistributedFailure(_describe_failure(fn, {rank: payload}, results, procs))

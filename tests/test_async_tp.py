@@ -135,8 +135,12 @@ def _ring_order():
 
     class GemmLog(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out,
-                        torch.ops.aten.addmm.out):
+            if func in (
+                torch.ops.aten.mm.default,
+                torch.ops.aten.addmm.default,
+                torch.ops.aten.mm.out,
+                torch.ops.aten.addmm.out,
+            ):
                 events.append("mm")
             return func(*args, **(kwargs or {}))
 
@@ -182,9 +186,12 @@ def _train_ring(tmp):
     from tests.training_utils import train_in_process
 
     common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
-    return {mode: [r["loss"] for r in train_in_process([*common, f"parallel.async_tp={mode}",
-                                                        f"train.run_dir={tmp}/{mode}"])]
-            for mode in ("false", "ring")}
+    return {
+        mode: [
+            r["loss"] for r in train_in_process([*common, f"parallel.async_tp={mode}", f"train.run_dir={tmp}/{mode}"])
+        ]
+        for mode in ("false", "ring")
+    }
 
 
 def test_train_with_ring_async_tp_trains_like_the_plain_path_at_tp2(tmp_path):
@@ -358,8 +365,15 @@ def test_gpu_async_tp_modes_are_one_line_and_exit_2_without_cuda(mode, capsys, t
 
     for key, value in torchrun_env(2).items():  # as torchrun sets it for the tp=2 config
         monkeypatch.setenv(key, value)
-    code = train.main(["--config", f"{REPO}/configs/tiny_cpu.yaml", f"train.run_dir={tmp_path}/run",
-                       "parallel.sequence_parallel=true", f"parallel.async_tp={mode}"])
+    code = train.main(
+        [
+            "--config",
+            f"{REPO}/configs/tiny_cpu.yaml",
+            f"train.run_dir={tmp_path}/run",
+            "parallel.sequence_parallel=true",
+            f"parallel.async_tp={mode}",
+        ]
+    )
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1, lines
     assert f"parallel.async_tp={mode} moves data between GPUs and no CUDA device is visible" in lines[0], lines

@@ -30,8 +30,12 @@ def _ce_pair(dtype):
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
     comm = Communicator(dist.group.WORLD, backend="nccl", device=device)
-    exchange = PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
-                            rank=rank, size=n, device=device)
+    exchange = PeerExchange(
+        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
+        rank=rank,
+        size=n,
+        device=device,
+    )
     comm.use_peer_exchange(exchange)
     torch.manual_seed(0)
     kw = dict(sequence_parallel=True, comm=comm, dtype=dtype, device=device, async_tp="copy_engine")
@@ -71,8 +75,9 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
         # the single-process reference, in float64
         xr = x_full.double().requires_grad_()
         ref_w = [t.double().requires_grad_() for t in (w1, b1, w2, b2)]
-        yr = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xr, ref_w[0], ref_w[1])),
-                                        ref_w[2], ref_w[3])
+        yr = torch.nn.functional.linear(
+            torch.nn.functional.gelu(torch.nn.functional.linear(xr, ref_w[0], ref_w[1])), ref_w[2], ref_w[3]
+        )
         yr.backward(grad_full.double())
         x = x_full.chunk(n)[rank].clone().requires_grad_()
         for p in (*fc1.parameters(), *fc2.parameters()):
@@ -85,11 +90,14 @@ def _ce_layers_match_one_process(dtype_name: str, late_rank: int, compiled: bool
         y.backward(grad_full.chunk(n)[rank])
         torch.cuda.synchronize()
         b2_grad = gathered(fc2.bias.grad, 0).view(n, -1).sum(0)  # SP: each rank's bias gradient covers its rows
-        pairs = [("y", y, yr.chunk(n)[rank]), ("x.grad", x.grad, xr.grad.chunk(n)[rank]),
-                 ("fc1.weight.grad", fc1.weight.grad, ref_w[0].grad.chunk(n, 0)[rank]),
-                 ("fc1.bias.grad", fc1.bias.grad, ref_w[1].grad.chunk(n)[rank]),
-                 ("fc2.weight.grad", fc2.weight.grad, ref_w[2].grad.chunk(n, 1)[rank]),
-                 ("fc2.bias.grad", b2_grad, ref_w[3].grad)]
+        pairs = [
+            ("y", y, yr.chunk(n)[rank]),
+            ("x.grad", x.grad, xr.grad.chunk(n)[rank]),
+            ("fc1.weight.grad", fc1.weight.grad, ref_w[0].grad.chunk(n, 0)[rank]),
+            ("fc1.bias.grad", fc1.bias.grad, ref_w[1].grad.chunk(n)[rank]),
+            ("fc2.weight.grad", fc2.weight.grad, ref_w[2].grad.chunk(n, 1)[rank]),
+            ("fc2.bias.grad", b2_grad, ref_w[3].grad),
+        ]
         for name, got, want in pairs:
             err = ((got.double() - want).norm() / want.norm()).item()
             errors.append((call, name, err))
@@ -106,8 +114,11 @@ def test_copy_engine_async_tp_layers_match_one_process_on_one_gpu(dtype, tol, la
 
 
 @pytest.mark.gpu(count=1)
-@pytest.mark.parametrize("dtype,tol,compiled", [("float32", 1e-5, False), ("bfloat16", 1e-2, True)],
-                         ids=["eager-float32", "compiled-bfloat16"])
+@pytest.mark.parametrize(
+    "dtype,tol,compiled",
+    [("float32", 1e-5, False), ("bfloat16", 1e-2, True)],
+    ids=["eager-float32", "compiled-bfloat16"],
+)
 def test_copy_engine_async_tp_at_tp4_on_one_gpu(dtype, tol, compiled):
     """Four processes: three peers per rank, so a gathered region holds four blocks and each push goes to three
     peers' regions at once; the last rank is late."""
@@ -115,13 +126,15 @@ def test_copy_engine_async_tp_at_tp4_on_one_gpu(dtype, tol, compiled):
 
 
 def _check_ranks(n: int, dtype: str, tol: float, late_rank: int, compiled: bool) -> None:
-    for errors, pushes in run_distributed(_ce_layers_match_one_process, n, dtype, late_rank, compiled, backend="gloo",
-                                          timeout=300):
+    for errors, pushes in run_distributed(
+        _ce_layers_match_one_process, n, dtype, late_rank, compiled, backend="gloo", timeout=300
+    ):
         worst = max(errors, key=lambda e: e[2])
         assert worst[2] <= tol, f"{dtype}, rank {late_rank} late: worst relative error {worst} (call, tensor, error)"
         # per call and peer: the column layer's forward 1 and backward 2 (a gather and a push), the row layer's 1 and 1
-        assert pushes == 5 * 6 * (n - 1), (f"{pushes} pushes at tp={n} in 6 calls: the copy-engine ops did not run "
-                                           "every time")
+        assert pushes == 5 * 6 * (n - 1), (
+            f"{pushes} pushes at tp={n} in 6 calls: the copy-engine ops did not run every time"
+        )
 
 
 def _pushes_ahead_of_slow_reads():
@@ -138,16 +151,21 @@ def _pushes_ahead_of_slow_reads():
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
-    ex = PeerExchange(functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
-                      rank=rank, size=2, device=device)
+    ex = PeerExchange(
+        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
+        rank=rank,
+        size=2,
+        device=device,
+    )
     pushes = 2 * ex.SLOTS + 1
     # Load the kernels first: loading a module waits for the GPU to go idle, which it would not while a push waits
     # for a read that a kernel launched after the load would do.
     torch.cuda._sleep(1)
     torch.ones(8, device=device).clone()
     torch.cuda.synchronize()
-    incoming = [ex.push({1 - rank: torch.full((1 << 18,), 1000.0 * rank + i, device=device)})[1 - rank]
-                for i in range(pushes)]
+    incoming = [
+        ex.push({1 - rank: torch.full((1 << 18,), 1000.0 * rank + i, device=device)})[1 - rank] for i in range(pushes)
+    ]
     got = []
     for inc in incoming:
         torch.cuda._sleep(5_000_000)  # a slow reader: the peer's later pushes must not overwrite this slot first
@@ -161,8 +179,11 @@ def _pushes_ahead_of_slow_reads():
 def test_a_slot_is_pushed_into_again_only_after_its_reader_released_it():
     # Pushes queued ahead of the reads they wait for (the layers never do that: they read what they were pushed
     # before pushing again) would block the reads if the two streams shared one hardware queue: give each its own.
-    for rank, got in enumerate(run_distributed(_pushes_ahead_of_slow_reads, 2, backend="gloo", timeout=120,
-                                               env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})):
+    for rank, got in enumerate(
+        run_distributed(
+            _pushes_ahead_of_slow_reads, 2, backend="gloo", timeout=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+        )
+    ):
         want = [(1000.0 * (1 - rank) + i,) * 2 for i in range(len(got))]
         assert got == want, f"rank {rank} read {got}, the peer pushed {want}"
 
@@ -202,15 +223,19 @@ def _ce_layers_replayed_from_a_graph(late_rank: int):
         torch.cuda.synchronize()
         xr = x_full.double().requires_grad_()
         ref = [t.double().requires_grad_() for t in (w1, b1, w2, b2)]
-        yr = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xr, ref[0], ref[1])),
-                                        ref[2], ref[3])
+        yr = torch.nn.functional.linear(
+            torch.nn.functional.gelu(torch.nn.functional.linear(xr, ref[0], ref[1])), ref[2], ref[3]
+        )
         yr.backward(grad_full.double())
         b2_grad = full(fc2.bias.grad, 0).view(n, -1).sum(0)
-        for name, got, want in [("y", out[0], yr.chunk(n)[rank]), ("x.grad", x.grad, xr.grad.chunk(n)[rank]),
-                                ("fc1.weight.grad", fc1.weight.grad, ref[0].grad.chunk(n, 0)[rank]),
-                                ("fc1.bias.grad", fc1.bias.grad, ref[1].grad.chunk(n)[rank]),
-                                ("fc2.weight.grad", fc2.weight.grad, ref[2].grad.chunk(n, 1)[rank]),
-                                ("fc2.bias.grad", b2_grad, ref[3].grad)]:
+        for name, got, want in [
+            ("y", out[0], yr.chunk(n)[rank]),
+            ("x.grad", x.grad, xr.grad.chunk(n)[rank]),
+            ("fc1.weight.grad", fc1.weight.grad, ref[0].grad.chunk(n, 0)[rank]),
+            ("fc1.bias.grad", fc1.bias.grad, ref[1].grad.chunk(n)[rank]),
+            ("fc2.weight.grad", fc2.weight.grad, ref[2].grad.chunk(n, 1)[rank]),
+            ("fc2.bias.grad", b2_grad, ref[3].grad),
+        ]:
             errors.append((call, name, ((got.double() - want).norm() / want.norm()).item()))
     pushes_replayed = exchange.pushes
     # a capture whose push outgrows the slots (which cannot be re-allocated there) is refused, saying why
@@ -230,8 +255,9 @@ def test_copy_engine_async_tp_layers_replayed_from_a_cuda_graph(late_rank):
     at every replay: four replays with new inputs match the float64 reference, either rank late; the replays run
     no Python (the push count stays at the warm-up's and the capture's 3 calls x 5 pushes). A capture that would
     have to grow the slots is refused with a message."""
-    for errors, captured, after, refusal in run_distributed(_ce_layers_replayed_from_a_graph, 2, late_rank,
-                                                            backend="gloo", timeout=300):
+    for errors, captured, after, refusal in run_distributed(
+        _ce_layers_replayed_from_a_graph, 2, late_rank, backend="gloo", timeout=300
+    ):
         worst = max(errors, key=lambda e: e[2])
         assert worst[2] <= 1e-5, f"rank {late_rank} late: worst relative error {worst} (replay, tensor, error)"
         assert captured == after == 3 * 5, f"pushes: {captured} after the capture, {after} after the replays"

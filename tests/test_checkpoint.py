@@ -23,17 +23,25 @@ def _final_weights(overrides):
     from tpframe.parallel.sharding import gather_full_tensors
 
     trainer = train_in_process(overrides, keep_trainer=True)
-    return [r["loss"] for r in trainer.history], {k: v for k, v in gather_full_tensors(trainer.model, trainer.parallel.tp_comm).items()}
+    return [r["loss"] for r in trainer.history], {
+        k: v for k, v in gather_full_tensors(trainer.model, trainer.parallel.tp_comm).items()
+    }
 
 
 def test_resume_continues_bit_for_bit_at_tp2(tmp_path):
-    straight, w_straight = run_distributed(_final_weights, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", f"train.run_dir={tmp_path}/a"])[0]
+    straight, w_straight = run_distributed(
+        _final_weights, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", f"train.run_dir={tmp_path}/a"]
+    )[0]
     # the same run, checkpointing every 10 steps; then a new job resumes from step 10 and finishes
-    run_distributed(_run, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", "checkpoint.interval=10", f"train.run_dir={tmp_path}/b"])
+    run_distributed(
+        _run, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", "checkpoint.interval=10", f"train.run_dir={tmp_path}/b"]
+    )
     step10 = tmp_path / "b" / "checkpoints" / "step_00000010"
     assert step10.exists()
     resumed, w_resumed = run_distributed(
-        _final_weights, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", f"checkpoint.load={step10}", f"train.run_dir={tmp_path}/c"]
+        _final_weights,
+        2,
+        [*STEPS, "parallel.tp=2", "model.dropout=0.1", f"checkpoint.load={step10}", f"train.run_dir={tmp_path}/c"],
     )[0]
     assert len(resumed) == 10
     assert resumed == straight[10:], "resumed losses must equal the uninterrupted run's, to the bit"
@@ -42,16 +50,30 @@ def test_resume_continues_bit_for_bit_at_tp2(tmp_path):
 
 
 def test_only_the_last_k_checkpoints_are_kept(tmp_path):
-    run_distributed(_run, 2, ["train.steps=8", "parallel.tp=2", "checkpoint.interval=2", "checkpoint.keep_last=2",
-                              "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"])
+    run_distributed(
+        _run,
+        2,
+        [
+            "train.steps=8",
+            "parallel.tp=2",
+            "checkpoint.interval=2",
+            "checkpoint.keep_last=2",
+            "checkpoint.save_at_end=true",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["latest", "step_00000006", "step_00000008"]
 
 
 def test_auto_resume_from_latest(tmp_path):
-    run_distributed(_run, 2, [*STEPS, "train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"])
+    run_distributed(
+        _run, 2, [*STEPS, "train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"]
+    )
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000010"
-    more = run_distributed(_run, 2, [*STEPS, "parallel.tp=2", "checkpoint.auto_resume=true", f"train.run_dir={tmp_path}"])[0]
+    more = run_distributed(
+        _run, 2, [*STEPS, "parallel.tp=2", "checkpoint.auto_resume=true", f"train.run_dir={tmp_path}"]
+    )[0]
     assert len(more) == 10  # steps 11..20
 
 
@@ -64,16 +86,27 @@ def _loss_and_next_step(overrides):
     return batch_loss, gather_full_tensors(trainer.model, trainer.parallel.tp_comm)
 
 
-@pytest.mark.parametrize("world,layout", [(1, ["parallel.tp=1", "train.micro_batch_size=8"]),
-                                          (4, ["parallel.tp=4"]),
-                                          (4, ["parallel.tp=2", "train.micro_batch_size=2"])],
-                         ids=["tp1", "tp4", "tp2-dp2"])
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (1, ["parallel.tp=1", "train.micro_batch_size=8"]),
+        (4, ["parallel.tp=4"]),
+        (4, ["parallel.tp=2", "train.micro_batch_size=2"]),
+    ],
+    ids=["tp1", "tp4", "tp2-dp2"],
+)
 def test_reshard_tp2_checkpoint_to_another_layout(tmp_path, world, layout):
     saved = tmp_path / "saved"
-    run_distributed(_run, 2, ["train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={saved}"])
+    run_distributed(
+        _run, 2, ["train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={saved}"]
+    )
     ckpt = saved / "checkpoints" / "step_00000010"
-    reference = run_distributed(_loss_and_next_step, 2, ["parallel.tp=2", f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/r"])[0]
-    moved = run_distributed(_loss_and_next_step, world, [*layout, f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/m"])[0]
+    reference = run_distributed(
+        _loss_and_next_step, 2, ["parallel.tp=2", f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/r"]
+    )[0]
+    moved = run_distributed(
+        _loss_and_next_step, world, [*layout, f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/m"]
+    )[0]
     assert abs(moved[0] - reference[0]) <= 1e-5 * abs(reference[0]), (moved[0], reference[0])
     for name, w in reference[1].items():
         if name.endswith("attn.qkv.k.bias"):
@@ -86,11 +119,24 @@ def test_reshard_tp2_checkpoint_to_another_layout(tmp_path, world, layout):
 
 def test_async_save_equals_sync_save(tmp_path):
     run_distributed(_run, 2, ["train.steps=6", "parallel.tp=2", "checkpoint.interval=3", f"train.run_dir={tmp_path}/s"])
-    run_distributed(_run, 2, ["train.steps=6", "parallel.tp=2", "checkpoint.interval=3", "checkpoint.async_save=true", f"train.run_dir={tmp_path}/a"])
+    run_distributed(
+        _run,
+        2,
+        [
+            "train.steps=6",
+            "parallel.tp=2",
+            "checkpoint.interval=3",
+            "checkpoint.async_save=true",
+            f"train.run_dir={tmp_path}/a",
+        ],
+    )
     from tpframe.checkpoint.export import read_model_tensors
 
     for step in ("step_00000003",):
-        sync, asyn = read_model_tensors(tmp_path / "s/checkpoints" / step), read_model_tensors(tmp_path / "a/checkpoints" / step)
+        sync, asyn = (
+            read_model_tensors(tmp_path / "s/checkpoints" / step),
+            read_model_tensors(tmp_path / "a/checkpoints" / step),
+        )
         assert sync.keys() == asyn.keys()
         assert all(torch.equal(sync[k], asyn[k]) for k in sync)
     assert json.loads((tmp_path / "a/checkpoints/step_00000003/meta.json").read_text())["step"] == 3
@@ -127,10 +173,32 @@ def _checkpoint_tool():
 
 
 def test_export_then_import_gives_identical_tensors(tmp_path):
-    run_distributed(_run, 2, ["train.steps=4", "parallel.tp=2", "model.tie_embeddings=false", "model.activation=swiglu",
-                              "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}/a"])
-    out = subprocess.run([sys.executable, "tools/checkpoint.py", "export", str(tmp_path / "a/checkpoints"), "--out", str(tmp_path / "m.safetensors")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    run_distributed(
+        _run,
+        2,
+        [
+            "train.steps=4",
+            "parallel.tp=2",
+            "model.tie_embeddings=false",
+            "model.activation=swiglu",
+            "checkpoint.save_at_end=true",
+            f"train.run_dir={tmp_path}/a",
+        ],
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/checkpoint.py",
+            "export",
+            str(tmp_path / "a/checkpoints"),
+            "--out",
+            str(tmp_path / "m.safetensors"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     umask = os.umask(0)
     os.umask(umask)
@@ -140,35 +208,80 @@ def test_export_then_import_gives_identical_tensors(tmp_path):
     exported = load_file(str(tmp_path / "m.safetensors"))
     assert exported["embedding.weight"].shape == (256, 32)  # no padding rows, plain names
     assert "blocks.0.mlp.fc1.gate.weight" in exported and "blocks.0.attn.qkv.q.weight" in exported
-    imported = run_distributed(_final_weights, 4, ["train.steps=0", "parallel.tp=4", "model.tie_embeddings=false", "model.activation=swiglu",
-                                                  f"checkpoint.init_from={tmp_path / 'm.safetensors'}", f"train.run_dir={tmp_path}/b"])[0][1]
+    imported = run_distributed(
+        _final_weights,
+        4,
+        [
+            "train.steps=0",
+            "parallel.tp=4",
+            "model.tie_embeddings=false",
+            "model.activation=swiglu",
+            f"checkpoint.init_from={tmp_path / 'm.safetensors'}",
+            f"train.run_dir={tmp_path}/b",
+        ],
+    )[0][1]
     assert exported.keys() == imported.keys()
     for k in exported:
         assert torch.equal(exported[k], imported[k]), k
     # the checkpoint itself (its root: latest) starts a run at TP=1 x DP=2 with the same weights, at step 0
-    history, weights = run_distributed(_final_weights, 2, [
-        "train.steps=1", "parallel.tp=1", "model.tie_embeddings=false", "model.activation=swiglu",
-        f"checkpoint.init_from={tmp_path / 'a/checkpoints'}", f"train.run_dir={tmp_path}/c"])[0]
-    fresh = run_distributed(_final_weights, 2, [
-        "train.steps=1", "parallel.tp=1", "model.tie_embeddings=false", "model.activation=swiglu",
-        f"checkpoint.init_from={tmp_path / 'm.safetensors'}", f"train.run_dir={tmp_path}/d"])[0]
+    history, weights = run_distributed(
+        _final_weights,
+        2,
+        [
+            "train.steps=1",
+            "parallel.tp=1",
+            "model.tie_embeddings=false",
+            "model.activation=swiglu",
+            f"checkpoint.init_from={tmp_path / 'a/checkpoints'}",
+            f"train.run_dir={tmp_path}/c",
+        ],
+    )[0]
+    fresh = run_distributed(
+        _final_weights,
+        2,
+        [
+            "train.steps=1",
+            "parallel.tp=1",
+            "model.tie_embeddings=false",
+            "model.activation=swiglu",
+            f"checkpoint.init_from={tmp_path / 'm.safetensors'}",
+            f"train.run_dir={tmp_path}/d",
+        ],
+    )[0]
     assert history == fresh[0] and len(history) == 1  # step 1 of a new run, from the same weights
     for k in exported:
         assert torch.equal(weights[k], fresh[1][k]), k
     # train.eval_only: the saved weights evaluated at TP=2 and at TP=1 x DP=2 (the same 4 sequences), nothing saved
     evals = []
-    for name, layout in (("e", ["parallel.tp=2", "train.micro_batch_size=4"]),
-                         ("f", ["parallel.tp=1", "train.micro_batch_size=2"])):
-        run_distributed(_run, 2, ["train.eval_only=true", "train.eval_steps=1", "model.tie_embeddings=false",
-                                  "model.activation=swiglu", *layout, f"checkpoint.load={tmp_path / 'a/checkpoints'}",
-                                  f"train.run_dir={tmp_path}/{name}"])
+    for name, layout in (
+        ("e", ["parallel.tp=2", "train.micro_batch_size=4"]),
+        ("f", ["parallel.tp=1", "train.micro_batch_size=2"]),
+    ):
+        run_distributed(
+            _run,
+            2,
+            [
+                "train.eval_only=true",
+                "train.eval_steps=1",
+                "model.tie_embeddings=false",
+                "model.activation=swiglu",
+                *layout,
+                f"checkpoint.load={tmp_path / 'a/checkpoints'}",
+                f"train.run_dir={tmp_path}/{name}",
+            ],
+        )
         records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["kind"] for r in records if r["kind"] != "start"] == ["eval"] and records[-1]["step"] == 4, records
         evals.append(records[-1]["loss"])
         assert not (tmp_path / name / "checkpoints").exists()
     assert evals[0] == pytest.approx(evals[1], rel=1e-6) and 0 < evals[0] < 6
-    text = subprocess.run([sys.executable, "tools/checkpoint.py", "inspect", str(tmp_path / "a/checkpoints")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+    text = subprocess.run(
+        [sys.executable, "tools/checkpoint.py", "inspect", str(tmp_path / "a/checkpoints")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "step        4" in text and "model/blocks.0.attn.qkv.k.weight" in text and "tp=2" in text
     tool = _checkpoint_tool()
     assert tool.inspected(str(tmp_path / "a")) == text.rstrip("\n")  # a run directory: its checkpoints
@@ -199,8 +312,10 @@ def test_a_model_mismatch_names_each_sides_configured_values():
     with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 128, config 64$"):
         check_compatible(from_dict({"model": {"max_seq_len": 64, "position": "learned"}}), meta_of(learned))
     with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 64, config 128;"):
-        check_compatible(from_dict({"model": {"max_seq_len": 128, "position": "learned"}}),
-                         meta_of({"max_seq_len": 64, "position": "rotary"}))
+        check_compatible(
+            from_dict({"model": {"max_seq_len": 128, "position": "learned"}}),
+            meta_of({"max_seq_len": 64, "position": "rotary"}),
+        )
 
 
 def test_an_init_from_file_of_another_model_names_each_sides_configured_values(tmp_path):
@@ -213,10 +328,17 @@ def test_an_init_from_file_of_another_model_names_each_sides_configured_values(t
     from tpframe.training.config import from_dict
 
     exported = from_dict({"model": {"max_seq_len": 128, "position": "learned"}}).model
-    save_file({"x": torch.zeros(1)}, str(tmp_path / "m.safetensors"),
-              metadata={"format": "tpframe", "model_config": json.dumps(dataclasses.asdict(exported))})
-    cfg = from_dict({"model": {"max_seq_len": 128, "position": "rotary"},
-                     "checkpoint": {"init_from": str(tmp_path / "m.safetensors")}})
+    save_file(
+        {"x": torch.zeros(1)},
+        str(tmp_path / "m.safetensors"),
+        metadata={"format": "tpframe", "model_config": json.dumps(dataclasses.asdict(exported))},
+    )
+    cfg = from_dict(
+        {
+            "model": {"max_seq_len": 128, "position": "rotary"},
+            "checkpoint": {"init_from": str(tmp_path / "m.safetensors")},
+        }
+    )
     with pytest.raises(CheckpointError) as e:
         check_init_from(cfg)
     assert "model.position='rotary' but the file has 'learned'" in str(e.value)
@@ -226,24 +348,56 @@ def test_an_init_from_file_of_another_model_names_each_sides_configured_values(t
 def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
     """A consolidated export must be named .safetensors (generate.py tells it from a directory by that), and an HF
     export is a directory: either mistake is one line and exit code 2, checked before the checkpoint is read."""
-    for fmt, out, needle in ((["--format", "safetensors"], "model.bin", "is a .safetensors file"),
-                             (["--format", "hf"], "hf_model.safetensors", "writes a directory")):
-        res = subprocess.run([sys.executable, "tools/checkpoint.py", "export", str(tmp_path / "none"), *fmt, "--out",
-                              str(tmp_path / out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    for fmt, out, needle in (
+        (["--format", "safetensors"], "model.bin", "is a .safetensors file"),
+        (["--format", "hf"], "hf_model.safetensors", "writes a directory"),
+    ):
+        res = subprocess.run(
+            [
+                sys.executable,
+                "tools/checkpoint.py",
+                "export",
+                str(tmp_path / "none"),
+                *fmt,
+                "--out",
+                str(tmp_path / out),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
         assert not (tmp_path / out).exists()
 
 
 def _torchrun(nproc, args, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py",
-           *merge_overrides(args)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        *merge_overrides(args),
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", **env)
+    )
 
 
 @pytest.mark.slow
 def test_rank_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path):
-    args = ["--config", "configs/tiny_cpu.yaml", *TINY, *STEPS, "parallel.tp=2", "checkpoint.interval=10", "checkpoint.save_at_end=true",
-            f"train.run_dir={tmp_path}"]
+    args = [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        *TINY,
+        *STEPS,
+        "parallel.tp=2",
+        "checkpoint.interval=10",
+        "checkpoint.save_at_end=true",
+        f"train.run_dir={tmp_path}",
+    ]
     killed = _torchrun(2, args, {"TPFRAME_FAULT_KILL_DURING_SAVE": "20", "TPFRAME_FAULT_RANK": "1"})
     assert killed.returncode != 0
     root = tmp_path / "checkpoints"
@@ -259,13 +413,27 @@ def test_rank_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path):
 
 
 def test_truncated_shard_is_refused_with_a_clear_error(tmp_path):
-    run_distributed(_run, 2, ["train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"])
+    run_distributed(
+        _run, 2, ["train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"]
+    )
     step = tmp_path / "checkpoints" / "step_00000002"
     shard = sorted(step.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:-100])
     out = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *TINY, f"checkpoint.load={step}", f"train.run_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **torchrun_env(2)},
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            *TINY,
+            f"checkpoint.load={step}",
+            f"train.run_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **torchrun_env(2)},
     )
     assert out.returncode == 2
     assert "truncated" in out.stderr and shard.name in out.stderr and "Traceback" not in out.stderr
@@ -273,15 +441,26 @@ def test_truncated_shard_is_refused_with_a_clear_error(tmp_path):
 
 def test_incompatible_layout_is_refused_before_loading(tmp_path):
     vocab = ["model.vocab_size=258", "model.vocab_multiple=1"]  # padded to 258 at tp=2, to 260 at tp=4
-    run_distributed(_run, 2, [*vocab, "train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"])
+    run_distributed(
+        _run, 2, [*vocab, "train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"]
+    )
     step = tmp_path / "checkpoints" / "step_00000002"
     for overrides, message in (
         (["model.hidden=64"], "model.hidden: checkpoint 32, config 64"),
         (["parallel.tp=4"], "the vocabulary was padded to 258 rows when saved but pads to 260 at parallel.tp=4"),
     ):
         out = subprocess.run(
-            [sys.executable, "train.py", *merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, vocab, overrides,
-                                                          [f"checkpoint.load={step}"])],
-            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **torchrun_env(4)},
+            [
+                sys.executable,
+                "train.py",
+                *merge_overrides(
+                    ["--config", "configs/tiny_cpu.yaml"], TINY, vocab, overrides, [f"checkpoint.load={step}"]
+                ),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **torchrun_env(4)},
         )
         assert out.returncode == 2 and message in out.stderr, out.stderr

@@ -25,8 +25,9 @@ TABLE = {
         },
         "all_gather": {"2": {"bfloat16": {"eager": [[64 * KIB, 512 * KIB]]}}},
     },
-    "all_reduce_algos": {"all_reduce": {"2": {"bfloat16": {"graph": [[64 * KIB, "one_shot"], [512 * KIB, "push"],
-                                                                      [None, "two_shot"]]}}}},
+    "all_reduce_algos": {
+        "all_reduce": {"2": {"bfloat16": {"graph": [[64 * KIB, "one_shot"], [512 * KIB, "push"], [None, "two_shot"]]}}}
+    },
 }
 
 
@@ -114,8 +115,11 @@ def test_ranges_from_winners_end_halfway_between_measurements():
 
 def test_algos_from_winners_merge_runs_and_split_halfway():
     sizes = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB]
-    assert select.algos_from_winners(sizes, ["one_shot", "one_shot", "push", "two_shot"]) == \
-        [[32 * KIB, "one_shot"], [128 * KIB, "push"], [None, "two_shot"]]
+    assert select.algos_from_winners(sizes, ["one_shot", "one_shot", "push", "two_shot"]) == [
+        [32 * KIB, "one_shot"],
+        [128 * KIB, "push"],
+        [None, "two_shot"],
+    ]
     assert select.algos_from_winners(sizes, ["push"] * 4) == [[None, "push"]]
     with pytest.raises(ValueError, match="ascending"):
         select.algos_from_winners([4, 4], ["push", "push"])
@@ -192,7 +196,7 @@ def _backend_overrides_and_fallback():
     report["symm_results_ok"] = (
         torch.allclose(ar, sum(everyone), atol=1e-6)
         and torch.equal(ag, torch.cat(everyone))
-        and torch.allclose(rs, sum(torch.cat([e, e]) for e in everyone)[rank * 6:(rank + 1) * 6], atol=1e-6)
+        and torch.allclose(rs, sum(torch.cat([e, e]) for e in everyone)[rank * 6 : (rank + 1) * 6], atol=1e-6)
     )
 
     # auto on CPU: quietly nccl

@@ -20,10 +20,16 @@ def _comm_benchmark():
 def test_a_partial_run_replaces_only_the_sizes_it_measured():
     comm = _comm_benchmark()
     old = [[370727, "push"], [741455, "one_shot"], [94906265, "push"], [None, "two_shot"]]
-    assert comm.splice_algos([[None, "lamport"]], old, 1 << 20) == \
-        [[1 << 20, "lamport"], [94906265, "push"], [None, "two_shot"]]
-    assert comm.splice_algos([[50000, "lamport"], [None, "push"]], old, 1 << 20) == \
-        [[50000, "lamport"], [94906265, "push"], [None, "two_shot"]]
+    assert comm.splice_algos([[None, "lamport"]], old, 1 << 20) == [
+        [1 << 20, "lamport"],
+        [94906265, "push"],
+        [None, "two_shot"],
+    ]
+    assert comm.splice_algos([[50000, "lamport"], [None, "push"]], old, 1 << 20) == [
+        [50000, "lamport"],
+        [94906265, "push"],
+        [None, "two_shot"],
+    ]
     assert comm.splice_ranges([[0, None]], [[0, 94906265]], 1 << 20) == [[0, 94906265]]
     assert comm.splice_ranges([[0, 5000]], [[0, 94906265]], 1 << 20) == [[0, 5000], [(1 << 20) + 1, 94906265]]
     assert comm.splice_ranges([], [[0, None]], 1 << 20) == [[(1 << 20) + 1, None]]

@@ -3,7 +3,6 @@ attention rows (fp64, to rounding), the GPT's per-token losses and gradients (fp
 gradient norms and weights over 10 steps at CP 2 and 4 composed with TP+SP, DP (ddp, zero1, fsdp), PP and
 recompute, and checkpoints that move between CP layouts."""
 
-
 import pytest
 import torch
 
@@ -85,16 +84,19 @@ def _model(arch: dict):
         dist.all_reduce(p.grad, group=state.cp_group)
         p.grad /= cp
     loss_error = (loss - mine(ref)).abs().max().item()
-    grad_error = max(((grads[n].grad - p.grad).abs().max() / p.grad.abs().max()).item()
-                     for n, p in whole.named_parameters())
+    grad_error = max(
+        ((grads[n].grad - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in whole.named_parameters()
+    )
     return loss_error, grad_error
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_gpt_per_token_losses_and_gradients_equal_the_whole_sequence(cp):
     """Rotary with GQA, and learned positions: the model places each rank's tokens at their global positions."""
-    for arch in (dict(position="rotary", kv_heads=2, norm="rmsnorm", activation="swiglu", bias=False),
-                 dict(position="learned")):
+    for arch in (
+        dict(position="rotary", kv_heads=2, norm="rmsnorm", activation="swiglu", bias=False),
+        dict(position="learned"),
+    ):
         for loss_error, grad_error in run_distributed(_model, cp, arch, timeout=120):
             assert loss_error < 1e-5 and grad_error < 1e-5, (arch, loss_error, grad_error)
 
@@ -113,8 +115,15 @@ LAYOUTS = {
     "cp=2 x pp=2 1f1b": ["parallel.cp=2", "parallel.pp=2", ONE_REPLICA],
     "cp=2 x dp=2 selective": ["parallel.cp=2", "parallel.activation_checkpointing=selective"],
 }
-COMMON = ["parallel.tp=1", "model.position=rotary", "model.kv_heads=2", "model.bias=false", "train.global_batch_size=16",
-          "train.eval_interval=5", "train.eval_steps=2"]
+COMMON = [
+    "parallel.tp=1",
+    "model.position=rotary",
+    "model.kv_heads=2",
+    "model.bias=false",
+    "train.global_batch_size=16",
+    "train.eval_interval=5",
+    "train.eval_steps=2",
+]
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -126,14 +135,18 @@ def _train_layouts(tmp: str):
     ref = train_in_process([*COMMON, "train.micro_batch_size=2", f"train.run_dir={tmp}/ref"], keep_trainer=True)
     out["ref"] = (ref.history, _weights(ref))
     for name, extra in LAYOUTS.items():
-        trainer = train_in_process([*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"],
-                                   keep_trainer=True)
+        trainer = train_in_process(
+            [*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"], keep_trainer=True
+        )
         plain = not any(k in " ".join(extra) for k in ("tp=2", "pp=2", "fsdp"))  # whole, plain parameters here
         out[name] = (trainer.history, _weights(trainer) if plain else None)
     # the step-5 checkpoint of the CP=2 x TP=2 run resumes at CP=1 (DP=4), at CP=4, and at CP=2 x TP=2
     saved = f"{tmp}/cp=2 x tp=2 + SP/checkpoints/step_00000005"
-    for name, extra in (("resumed at dp=4", ["train.micro_batch_size=2"]), ("resumed at cp=4", LAYOUTS["cp=4"]),
-                        ("resumed at cp=2 x tp=2", LAYOUTS["cp=2 x tp=2 + SP"])):
+    for name, extra in (
+        ("resumed at dp=4", ["train.micro_batch_size=2"]),
+        ("resumed at cp=4", LAYOUTS["cp=4"]),
+        ("resumed at cp=2 x tp=2", LAYOUTS["cp=2 x tp=2 + SP"]),
+    ):
         history = train_in_process([*COMMON, *extra, f"checkpoint.load={saved}", f"train.run_dir={tmp}/{name}"])
         out[name] = (history, None)
     return out
@@ -197,10 +210,24 @@ def test_cuda_chunks_attend_like_the_whole_sequence_in_bf16(nkv, fused):
 def _cuda_train(tmp: str):
     out = {}
     for name, extra in (("cp=1", ["parallel.cp=1", "train.micro_batch_size=2"]), ("cp=2", ["parallel.cp=2"])):
-        out[name] = [r["loss"] for r in train_in_process(
-            ["parallel.tp=1", "train.dtype=bfloat16", "model.position=rotary", "model.kv_heads=2", "model.hidden=128",
-             "model.heads=8", "model.max_seq_len=256", "train.seq_len=256", "train.micro_batch_size=4",
-             *extra, f"train.run_dir={tmp}/{name}"])]
+        out[name] = [
+            r["loss"]
+            for r in train_in_process(
+                [
+                    "parallel.tp=1",
+                    "train.dtype=bfloat16",
+                    "model.position=rotary",
+                    "model.kv_heads=2",
+                    "model.hidden=128",
+                    "model.heads=8",
+                    "model.max_seq_len=256",
+                    "train.seq_len=256",
+                    "train.micro_batch_size=4",
+                    *extra,
+                    f"train.run_dir={tmp}/{name}",
+                ]
+            )
+        ]
     return out
 
 

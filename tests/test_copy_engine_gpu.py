@@ -35,8 +35,16 @@ def _synced_buckets(mode: str, late_rank: int, high_priority: bool = False):
         from tpframe.comm.copy_engine import dp_peer_memory
 
         peer = dp_peer_memory("copy_engine", dist.group.WORLD, n, device)
-    buf = GradBuffer(weights, dist.group.WORLD, dp_size=n, dp_rank=rank, bucket_bytes=2048, mode=mode,
-                     peer_memory=peer, high_priority=high_priority)
+    buf = GradBuffer(
+        weights,
+        dist.group.WORLD,
+        dp_size=n,
+        dp_rank=rank,
+        bucket_bytes=2048,
+        mode=mode,
+        peer_memory=peer,
+        high_priority=high_priority,
+    )
     if high_priority:  # parallel.dp_high_priority: the sync's streams outrank the default one
         assert buf._ce.reduce.priority < torch.cuda.current_stream().priority
     buf.events = []
@@ -73,8 +81,9 @@ def _check(results, mode):
             for offset, mean in expected:
                 want[offset : offset + mean.numel()] = mean
             for lo, hi in owned:
-                torch.testing.assert_close(buffer[lo:hi], want[lo:hi], rtol=2e-6, atol=2e-6,
-                                           msg=lambda m: f"{mode} step {step}: {m}")
+                torch.testing.assert_close(
+                    buffer[lo:hi], want[lo:hi], rtol=2e-6, atol=2e-6, msg=lambda m: f"{mode} step {step}: {m}"
+                )
 
 
 @pytest.mark.gpu(count=1)
@@ -128,8 +137,15 @@ def _graphed_steps(mode: str, late_rank: int, micro: int, steps: int = 6):
 
     model = Net().to(device)
     reference = copy.deepcopy(model).double()
-    buf = GradBuffer(list(model.parameters()), dist.group.WORLD, dp_size=n, dp_rank=rank, bucket_bytes=4096,
-                     mode=mode, peer_memory=functools.partial(ipc_peer_memory, dist.group.WORLD, device=device))
+    buf = GradBuffer(
+        list(model.parameters()),
+        dist.group.WORLD,
+        dp_size=n,
+        dp_rank=rank,
+        bucket_bytes=4096,
+        mode=mode,
+        peer_memory=functools.partial(ipc_peer_memory, dist.group.WORLD, device=device),
+    )
 
     class Sync:
         grads = buf
@@ -188,14 +204,14 @@ def _graphed_steps(mode: str, late_rank: int, micro: int, steps: int = 6):
 
 
 @pytest.mark.gpu(count=1)
-@pytest.mark.parametrize("mode,late_rank,micro", [("all_reduce", 1, 3), ("reduce_scatter", 0, 1),
-                                                  ("all_reduce", 0, 2)])
+@pytest.mark.parametrize("mode,late_rank,micro", [("all_reduce", 1, 3), ("reduce_scatter", 0, 1), ("all_reduce", 0, 2)])
 def test_copy_engine_sync_is_captured_and_replayed_inside_the_cuda_graphed_step(mode, late_rank, micro):
     """train.cuda_graph with parallel.dp_comm=copy_engine: the buckets sync inside the replayed last micro-batch,
     overlapped with its backward, and hold the mean gradient over ranks every step (params moving, new data,
     either rank late)."""
-    for captured, buckets, overlapped, launched_after, errors in run_distributed(_graphed_steps, 2, mode, late_rank,
-                                                                                 micro, backend="gloo"):
+    for captured, buckets, overlapped, launched_after, errors in run_distributed(
+        _graphed_steps, 2, mode, late_rank, micro, backend="gloo"
+    ):
         assert captured and buckets >= 3 and overlapped, (captured, buckets, overlapped)
         assert launched_after == 0, f"the host launched {launched_after} buckets after the capture"
         assert max(errors) < 1e-5, errors
@@ -203,8 +219,9 @@ def test_copy_engine_sync_is_captured_and_replayed_inside_the_cuda_graphed_step(
 
 @pytest.mark.gpu(count=1)
 def test_copy_engine_sync_inside_the_cuda_graphed_step_at_dp4():
-    for captured, _, overlapped, launched_after, errors in run_distributed(_graphed_steps, 4, "reduce_scatter", 3, 2,
-                                                                           backend="gloo"):
+    for captured, _, overlapped, launched_after, errors in run_distributed(
+        _graphed_steps, 4, "reduce_scatter", 3, 2, backend="gloo"
+    ):
         assert captured and overlapped and launched_after == 0 and max(errors) < 1e-4, errors
 
 
@@ -223,8 +240,15 @@ def _one_rank_never_syncs():
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
     weights = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (1000, 3000)]
-    buf = GradBuffer(weights, dist.group.WORLD, dp_size=2, dp_rank=rank, bucket_bytes=2048, mode="all_reduce",
-                     peer_memory=functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, timeout_s=1.0))
+    buf = GradBuffer(
+        weights,
+        dist.group.WORLD,
+        dp_size=2,
+        dp_rank=rank,
+        bucket_bytes=2048,
+        mode="all_reduce",
+        peer_memory=functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, timeout_s=1.0),
+    )
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         store.wait(["gave up"], __import__("datetime").timedelta(seconds=20))
@@ -264,13 +288,27 @@ def _strategy_losses(root: str):
     for s in ("ddp", "zero1"):
         for comm, graph in (("nccl", False), ("copy_engine", False), ("copy_engine", True)):
             trainer = train_in_process(
-                ["parallel.tp=1", f"parallel.dp_strategy={s}", f"parallel.dp_comm={comm}", "train.steps=8",
-                 "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.grad_bucket_mb=0.05",
-                 "model.dropout=0", "model.attention_dropout=0", f"train.cuda_graph={str(graph).lower()}",
-                 f"train.run_dir={root}/{s}-{comm}-{graph}"], keep_trainer=True)
+                [
+                    "parallel.tp=1",
+                    f"parallel.dp_strategy={s}",
+                    f"parallel.dp_comm={comm}",
+                    "train.steps=8",
+                    "train.micro_batch_size=2",
+                    "train.global_batch_size=8",
+                    "parallel.grad_bucket_mb=0.05",
+                    "model.dropout=0",
+                    "model.attention_dropout=0",
+                    f"train.cuda_graph={str(graph).lower()}",
+                    f"train.run_dir={root}/{s}-{comm}-{graph}",
+                ],
+                keep_trainer=True,
+            )
             captured = getattr(trainer.forward_backward, "captured", False)
-            out[s, comm + "+graph" * graph] = ([r["loss"] for r in trainer.history], trainer.strategy.describe(),
-                                               captured)
+            out[s, comm + "+graph" * graph] = (
+                [r["loss"] for r in trainer.history],
+                trainer.strategy.describe(),
+                captured,
+            )
     return out
 
 

@@ -71,12 +71,17 @@ def test_gradient_buffer_bookkeeping_can_be_read_and_restored():
 def _eager_and_graphed(overrides: list[str], root: str) -> dict:
     out = {}
     for graph in (False, True):
-        trainer = train_in_process([*overrides, f"train.cuda_graph={str(graph).lower()}", f"train.run_dir={root}/{graph}"],
-                                   keep_trainer=True)
+        trainer = train_in_process(
+            [*overrides, f"train.cuda_graph={str(graph).lower()}", f"train.run_dir={root}/{graph}"], keep_trainer=True
+        )
         fb = trainer.forward_backward
-        out[graph] = {"losses": [r["loss"] for r in trainer.history], "norms": [r["grad_norm"] for r in trainer.history],
-                      "captured": getattr(fb, "captured", None), "calls": getattr(fb, "calls", None),
-                      "device": str(trainer.parallel.device)}
+        out[graph] = {
+            "losses": [r["loss"] for r in trainer.history],
+            "norms": [r["grad_norm"] for r in trainer.history],
+            "captured": getattr(fb, "captured", None),
+            "calls": getattr(fb, "calls", None),
+            "device": str(trainer.parallel.device),
+        }
     return out
 
 
@@ -118,8 +123,14 @@ def test_graphed_training_of_compiled_bf16_blocks_equals_eager(tmp_path):
 
 
 @pytest.mark.gpu(count=2)
-@pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.sequence_parallel=true", "comm.backend=auto"],
-                                    ["parallel.tp=1", "train.global_batch_size=16"]], ids=["tp2-sp-auto", "dp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "comm.backend=auto"],
+        ["parallel.tp=1", "train.global_batch_size=16"],
+    ],
+    ids=["tp2-sp-auto", "dp2"],
+)
 def test_graphed_training_equals_eager_on_two_gpus(tmp_path, layout):
     """TP collectives inside the graph (the symm kernels where `auto` picks them); DP sync after it."""
     out = run_distributed(_eager_and_graphed, 2, [*layout, "train.steps=8"], str(tmp_path), backend="nccl")
@@ -131,8 +142,17 @@ def _diverge_graphed(root: str) -> str:
     from tpframe.training.health import TrainingAborted
 
     try:
-        train_in_process(["parallel.tp=1", "train.steps=12", "train.cuda_graph=true", "optim.lr=1e30",
-                          "optim.grad_clip=0", "train.max_skipped_steps=3", f"train.run_dir={root}"])
+        train_in_process(
+            [
+                "parallel.tp=1",
+                "train.steps=12",
+                "train.cuda_graph=true",
+                "optim.lr=1e30",
+                "optim.grad_clip=0",
+                "train.max_skipped_steps=3",
+                f"train.run_dir={root}",
+            ]
+        )
     except TrainingAborted as e:
         return str(e)
     return "no abort"
@@ -152,9 +172,11 @@ def test_auto_is_refused_nowhere_and_names_what_keeps_it_eager():
     from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
     from tpframe.training.preflight import check_device, cuda_graph_device_obstacle
 
-    for extra, words in ((["parallel.pp=2", "parallel.tp=1", "train.micro_batch_size=2"], "non-pipelined step"),
-                         (["model.dropout=0.1"], "needs model.dropout=0"),
-                         (["parallel.dp_strategy=fsdp"], "cannot capture FSDP")):
+    for extra, words in (
+        (["parallel.pp=2", "parallel.tp=1", "train.micro_batch_size=2"], "non-pipelined step"),
+        (["model.dropout=0.1"], "needs model.dropout=0"),
+        (["parallel.dp_strategy=fsdp"], "cannot capture FSDP"),
+    ):
         for setting in ("auto", "true"):
             cfg = load_config("configs/tiny_cpu.yaml", [*extra, f"train.cuda_graph={setting}"])
             if setting == "auto":
@@ -198,8 +220,13 @@ def _auto_run(overrides: list[str], root: str, min_gain: float | None) -> dict:
     trainer = train_in_process([*overrides, "train.cuda_graph=auto", f"train.run_dir={root}/auto"], keep_trainer=True)
     fb = trainer.forward_backward
     eager = train_in_process([*overrides, "train.cuda_graph=false", f"train.run_dir={root}/eager"], keep_trainer=True)
-    return {"decision": getattr(fb, "decision", None), "captured": getattr(fb, "captured", None),
-            "losses": [r["loss"] for r in trainer.history], "eager": [r["loss"] for r in eager.history], "lines": lines}
+    return {
+        "decision": getattr(fb, "decision", None),
+        "captured": getattr(fb, "captured", None),
+        "losses": [r["loss"] for r in trainer.history],
+        "eager": [r["loss"] for r in eager.history],
+        "lines": lines,
+    }
 
 
 @pytest.mark.gpu(count=1)
@@ -210,7 +237,9 @@ def test_auto_times_both_keeps_the_faster_and_trains_like_eager(tmp_path, min_ga
     out = run_distributed(_auto_run, 1, common, str(tmp_path), min_gain, backend="nccl")[0]
     want = "graph" if min_gain is None else "eager"
     assert out["decision"] == want and out["captured"] is (want == "graph"), out
-    assert len(out["lines"]) == 1 and ("keeping the graphs" if want == "graph" else "running eagerly") in out["lines"][0], out
+    assert (
+        len(out["lines"]) == 1 and ("keeping the graphs" if want == "graph" else "running eagerly") in out["lines"][0]
+    ), out
     for step, (a, b) in enumerate(zip(out["losses"], out["eager"]), 1):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: auto {a!r} vs eager {b!r}"
     assert len(out["losses"]) == 14
@@ -232,14 +261,22 @@ def test_auto_ranks_agree_on_the_slowest_timings_and_any_failed_capture():
 def _auto_two_ranks(overrides: list[str], root: str) -> dict:
     trainer = train_in_process([*overrides, "train.cuda_graph=auto", f"train.run_dir={root}/auto"], keep_trainer=True)
     eager = train_in_process([*overrides, "train.cuda_graph=false", f"train.run_dir={root}/eager"], keep_trainer=True)
-    return {"decision": trainer.forward_backward.decision, "losses": [r["loss"] for r in trainer.history],
-            "eager": [r["loss"] for r in eager.history]}
+    return {
+        "decision": trainer.forward_backward.decision,
+        "losses": [r["loss"] for r in trainer.history],
+        "eager": [r["loss"] for r in eager.history],
+    }
 
 
 @pytest.mark.gpu(count=2)
 def test_auto_decides_alike_on_two_ranks_and_trains_like_eager(tmp_path):
-    out = run_distributed(_auto_two_ranks, 2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=14"],
-                          str(tmp_path), backend="nccl")
+    out = run_distributed(
+        _auto_two_ranks,
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=14"],
+        str(tmp_path),
+        backend="nccl",
+    )
     assert out[0]["decision"] == out[1]["decision"] in ("graph", "eager"), out
     for rank_out in out:
         for step, (a, b) in enumerate(zip(rank_out["losses"], rank_out["eager"]), 1):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tpframe.data import corpus
-from tpframe.training.config import ConfigError, DataConfig
 from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus, synthetic_entropy_floor
 from tpframe.data.loader import BatchIterator, build_data, split_stream
+from tpframe.training.config import ConfigError, DataConfig
 
 SEQ = 16
 SMALL = DataConfig(synthetic_tokens=40_000, seed=7)
@@ -24,7 +24,7 @@ def _batches(it, n):
 def _windows_of(it, n_steps):
     """The global-window ids an iterator hands out, read back through its tokens."""
     tokens = np.asarray(it.stream.tokens, dtype=np.int64)
-    table = {tuple(tokens[w * it.seq_len: w * it.seq_len + it.seq_len + 1]): w for w in range(it.num_windows)}
+    table = {tuple(tokens[w * it.seq_len : w * it.seq_len + it.seq_len + 1]): w for w in range(it.num_windows)}
     out = []
     for _ in range(n_steps):
         x, y = it.next()

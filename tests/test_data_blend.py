@@ -39,9 +39,14 @@ def test_every_prefix_keeps_the_weights_and_each_file_keeps_its_own_order():
         alone = BatchIterator(stream, SEQ, 1, seed=5, source=index)
         assert mine == _first_tokens(alone, len(mine))
         windows = (len(stream.tokens) - 1) // SEQ
-        assert sorted(mine[:windows]) == sorted(mine[windows:2 * windows]) and mine[:windows] != mine[windows:2 * windows]
+        assert (
+            sorted(mine[:windows]) == sorted(mine[windows : 2 * windows])
+            and mine[:windows] != mine[windows : 2 * windows]
+        )
     # the files are shuffled independently of each other and of an unblended run's order
-    assert _first_tokens(BatchIterator(A, SEQ, 1, seed=5, source=0), 7) != _first_tokens(BatchIterator(A, SEQ, 1, seed=5), 7)
+    assert _first_tokens(BatchIterator(A, SEQ, 1, seed=5, source=0), 7) != _first_tokens(
+        BatchIterator(A, SEQ, 1, seed=5), 7
+    )
 
 
 @pytest.mark.parametrize("dp_new, mb_new", [(1, 4), (4, 1)])
@@ -66,9 +71,12 @@ def test_a_blend_state_loads_only_into_the_same_blend():
     it = _blend()
     it.next()
     state = it.state_dict()
-    for other, words in ((_blend(weights=(1.0, 1.0)), "data.weights"), (_blend(streams=(B, A)), "same data.path files"),
-                         (BatchIterator(A, SEQ, 2, seed=5), "is for a blend of token files .* this run reads one token"),
-                         (_blend(split="valid"), "split")):
+    for other, words in (
+        (_blend(weights=(1.0, 1.0)), "data.weights"),
+        (_blend(streams=(B, A)), "same data.path files"),
+        (BatchIterator(A, SEQ, 2, seed=5), "is for a blend of token files .* this run reads one token"),
+        (_blend(split="valid"), "split"),
+    ):
         with pytest.raises(ValueError, match=words):
             other.load_state_dict(state)
     with pytest.raises(ValueError, match="is for one token stream but this run reads a blend"):
@@ -118,12 +126,20 @@ def _losses(overrides):
 def test_a_blended_run_resumes_at_another_dp_size_and_continues_the_same_losses(tmp_path):
     """DP=2 over a blend of two token files, checkpointed at step 3; resumed at DP=1 with micro-batch 8."""
     files = _token_files(tmp_path, ["the cat sat on the mat. " * 300, "def f(x):\n    return x + 1\n" * 200])
-    common = ["parallel.tp=1", "train.steps=6", "data.source=tokens", f"data.path=[{files[0]},{files[1]}]",
-              "data.weights=[0.6,0.4]", "train.eval_interval=3", "train.eval_steps=2"]
+    common = [
+        "parallel.tp=1",
+        "train.steps=6",
+        "data.source=tokens",
+        f"data.path=[{files[0]},{files[1]}]",
+        "data.weights=[0.6,0.4]",
+        "train.eval_interval=3",
+        "train.eval_steps=2",
+    ]
     straight = run_distributed(_losses, 2, [*common, "checkpoint.interval=3", f"train.run_dir={tmp_path}/a"])[0]
     step3 = tmp_path / "a" / "checkpoints" / "step_00000003"
-    resumed = run_distributed(_losses, 1, [*common, "train.micro_batch_size=8", f"checkpoint.load={step3}",
-                                           f"train.run_dir={tmp_path}/b"])[0]
+    resumed = run_distributed(
+        _losses, 1, [*common, "train.micro_batch_size=8", f"checkpoint.load={step3}", f"train.run_dir={tmp_path}/b"]
+    )[0]
     assert [s for s, _ in resumed] == [4, 5, 6]
     for (step, loss), (_, want) in zip(resumed, straight[3:]):
         assert math.isclose(loss, want, rel_tol=1e-5), (step, loss, want)
@@ -142,6 +158,8 @@ def test_a_run_directory_of_a_blend_admits_the_same_blend_and_names_another(tmp_
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     check_run_dir(cfg)  # the same blend: admitted
-    other = load_config(None, ["data.source=tokens", f"data.path=[{files[1]},{files[0]}]", f"train.run_dir={tmp_path}/r"])
+    other = load_config(
+        None, ["data.source=tokens", f"data.path=[{files[1]},{files[0]}]", f"train.run_dir={tmp_path}/r"]
+    )
     with pytest.raises(ConfigError, match=r"holds another run \(data.path is \[.*\] there but \[.*\] now\)"):
         check_run_dir(other)

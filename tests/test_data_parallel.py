@@ -16,8 +16,9 @@ COMMON = ["train.steps=10", "checkpoint.save_at_end=true", "parallel.grad_bucket
 
 def _runs(runs: list[tuple[str, list[str]]], root: str) -> dict[str, list[float]]:
     """Train each (name, overrides) in turn in this world; the final weights land in <root>/<name>."""
-    return {name: [r["loss"] for r in train_in_process([*COMMON, *ov, f"train.run_dir={root}/{name}"])]
-            for name, ov in runs}
+    return {
+        name: [r["loss"] for r in train_in_process([*COMMON, *ov, f"train.run_dir={root}/{name}"])] for name, ov in runs
+    }
 
 
 def _runs_warning_free(runs: list[tuple[str, list[str]]], root: str) -> dict[str, list[float]]:
@@ -48,7 +49,9 @@ def _assert_same_run(root, got: str, ref: str, losses: dict, rtol: float = 1e-5)
     for k in wb:  # and no single tensor is off (a wrong shard is off by O(1)); near-zero biases are noisier, and
         # the key bias gets zero gradient in exact arithmetic (softmax is shift-invariant): an absolute floor
         d = (wa[k] - wb[k]).norm()
-        assert d <= 20 * rtol * wb[k].norm() + 1e-5 * wb[k].numel() ** 0.5, f"{got} vs {ref}: final {k} differs by {d:.2e}"
+        assert d <= 20 * rtol * wb[k].norm() + 1e-5 * wb[k].numel() ** 0.5, (
+            f"{got} vs {ref}: final {k} differs by {d:.2e}"
+        )
 
 
 def test_dp2_equals_dp1_for_every_strategy_with_accumulation_tp_and_sp(tmp_path):
@@ -56,11 +59,23 @@ def test_dp2_equals_dp1_for_every_strategy_with_accumulation_tp_and_sp(tmp_path)
     losses = run_distributed(_runs, 1, [("dp1", ["parallel.tp=1", "train.micro_batch_size=8"])], str(tmp_path))[0]
     runs2 = [("tp2dp1", ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=8"])]
     for s in STRATEGIES:
-        runs2 += [(f"{s}-dp2", ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.micro_batch_size=4"]),
-                  (f"{s}-dp2-accum", ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.micro_batch_size=2"])]
+        runs2 += [
+            (f"{s}-dp2", ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.micro_batch_size=4"]),
+            (f"{s}-dp2-accum", ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.micro_batch_size=2"]),
+        ]
     losses.update(run_distributed(_runs, 2, runs2, str(tmp_path), timeout=300)[0])
-    runs4 = [(f"{s}-tp2dp2-sp", ["parallel.tp=2", "parallel.sequence_parallel=true", f"parallel.dp_strategy={s}",
-                                 "train.micro_batch_size=2"]) for s in STRATEGIES]
+    runs4 = [
+        (
+            f"{s}-tp2dp2-sp",
+            [
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                f"parallel.dp_strategy={s}",
+                "train.micro_batch_size=2",
+            ],
+        )
+        for s in STRATEGIES
+    ]
     losses.update(run_distributed(_runs, 4, runs4, str(tmp_path), timeout=300)[0])
     for s in STRATEGIES:
         _assert_same_run(tmp_path, f"{s}-dp2", "dp1", losses)
@@ -119,16 +134,23 @@ def _state_bytes(dtype: str) -> dict[str, tuple[int, int]]:
         state = initialize_parallel(tp=1)
         seed_parallel_rng(0)
         dt = getattr(torch, dtype)
-        model = build_model(ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256),
-                            BuildContext(state.tp_comm, dtype=torch.float32 if name == "fsdp" else dt))
+        model = build_model(
+            ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256),
+            BuildContext(state.tp_comm, dtype=torch.float32 if name == "fsdp" else dt),
+        )
         n = sum(p.numel() for p in model.parameters())
-        out[name] = (build_strategy(name, model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=dt).state_bytes(), n)
+        out[name] = (
+            build_strategy(name, model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=dt).state_bytes(),
+            n,
+        )
         destroy_parallel()
     # zero1 with expert parallelism: this rank's 2 of 4 experts are its own (no replica at dp=ep=2)
     state = initialize_parallel(tp=1, ep=2)
     seed_parallel_rng(0)
-    model = build_model(ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256, moe_experts=4, moe_ffn_hidden=32),
-                        BuildContext(state.tp_comm, dtype=getattr(torch, dtype), ep_comm=state.ep_comm))
+    model = build_model(
+        ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256, moe_experts=4, moe_ffn_hidden=32),
+        BuildContext(state.tp_comm, dtype=getattr(torch, dtype), ep_comm=state.ep_comm),
+    )
     experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
     strategy = build_strategy("zero1", model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=getattr(torch, dtype))
     out["zero1 ep=2"] = (strategy.state_bytes(), sum(p.numel() for p in model.parameters()) - experts, experts)
@@ -154,24 +176,41 @@ def test_zero1_and_fsdp_at_dp2_hold_half_the_optimizer_state_of_ddp(dtype):
 
 
 BAD = [
-    (["parallel.dp_strategy=zero3"], "parallel.dp_strategy='zero3' is not allowed; choose one of 'ddp', 'zero1', 'fsdp'"),
+    (
+        ["parallel.dp_strategy=zero3"],
+        "parallel.dp_strategy='zero3' is not allowed; choose one of 'ddp', 'zero1', 'fsdp'",
+    ),
     (["parallel.grad_bucket_mb=0"], "parallel.grad_bucket_mb=0.0 must be a positive number of MiB"),
     (["parallel.grad_bucket_mb=-3"], "parallel.grad_bucket_mb=-3.0 must be a positive number of MiB"),
-    (["parallel.dp_strategy=fsdp", "parallel.overlap_param_gather=true"],
-     "parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got fsdp)"),
+    (
+        ["parallel.dp_strategy=fsdp", "parallel.overlap_param_gather=true"],
+        "parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got fsdp)",
+    ),
     (["parallel.dp_comm=ce"], "parallel.dp_comm='ce' is not allowed; choose one of 'nccl', 'copy_engine'"),
-    (["parallel.dp_strategy=fsdp", "parallel.dp_comm=copy_engine"],
-     "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through FSDP2's own"),
-    (["parallel.grad_reduce_dtype=float16"],
-     "parallel.grad_reduce_dtype='float16' is not allowed; choose one of 'float32', 'bfloat16'"),
-    (["parallel.dp_comm=copy_engine", "parallel.grad_reduce_dtype=bfloat16"],
-     "parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM held); set"),
-    (["parallel.dp_strategy=fsdp", "parallel.dp_high_priority=true"],
-     "parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; fsdp syncs"),
+    (
+        ["parallel.dp_strategy=fsdp", "parallel.dp_comm=copy_engine"],
+        "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through FSDP2's own",
+    ),
+    (
+        ["parallel.grad_reduce_dtype=float16"],
+        "parallel.grad_reduce_dtype='float16' is not allowed; choose one of 'float32', 'bfloat16'",
+    ),
+    (
+        ["parallel.dp_comm=copy_engine", "parallel.grad_reduce_dtype=bfloat16"],
+        "parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM held); set",
+    ),
+    (
+        ["parallel.dp_strategy=fsdp", "parallel.dp_high_priority=true"],
+        "parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; fsdp syncs",
+    ),
 ]
 if not __import__("torch").cuda.is_available():  # a CUDA-only switch on a machine without CUDA
-    BAD.append((["parallel.dp_comm=copy_engine"],
-                "parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; set parallel.dp_comm=nccl"))
+    BAD.append(
+        (
+            ["parallel.dp_comm=copy_engine"],
+            "parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; set parallel.dp_comm=nccl",
+        )
+    )
 
 
 @pytest.mark.parametrize("overrides,message", BAD)
@@ -191,26 +230,51 @@ def test_bad_data_parallel_keys_are_one_line_and_exit_2(overrides, message, caps
 
 def test_zero1_overlapped_param_gather_equals_the_blocking_one(tmp_path):
     common = ["parallel.tp=1", "parallel.dp_strategy=zero1", "train.micro_batch_size=2"]
-    losses = run_distributed(_runs, 2, [("blocking", common), ("overlap", [*common, "parallel.overlap_param_gather=true"]),
-                                        ("no-overlap", [*common, "parallel.overlap_grad_sync=false"])], str(tmp_path))[0]
+    losses = run_distributed(
+        _runs,
+        2,
+        [
+            ("blocking", common),
+            ("overlap", [*common, "parallel.overlap_param_gather=true"]),
+            ("no-overlap", [*common, "parallel.overlap_grad_sync=false"]),
+        ],
+        str(tmp_path),
+    )[0]
     assert losses["overlap"] == losses["blocking"] == losses["no-overlap"]
 
 
 def test_checkpoint_moves_between_strategies_and_dp_sizes(tmp_path):
     # zero1 at dp=2 checkpoints step 5; the uninterrupted run's steps 6-10 are the reference
-    straight = run_distributed(_runs, 2, [("z", ["parallel.tp=1", "parallel.dp_strategy=zero1", "checkpoint.interval=5",
-                                                 "train.micro_batch_size=4"])], str(tmp_path))[0]["z"]
+    straight = run_distributed(
+        _runs,
+        2,
+        [("z", ["parallel.tp=1", "parallel.dp_strategy=zero1", "checkpoint.interval=5", "train.micro_batch_size=4"])],
+        str(tmp_path),
+    )[0]["z"]
     ckpt = tmp_path / "z" / "checkpoints" / "step_00000005"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["config"]["parallel"]["dp_strategy"] == "zero1" and meta["layout"]["dp"] == 2
     load = [f"checkpoint.load={ckpt}", "parallel.tp=1"]
-    resumed = run_distributed(_runs, 1, [("ddp1", [*load, "parallel.dp_strategy=ddp", "train.micro_batch_size=8"])],
-                              str(tmp_path))[0]
-    resumed.update(run_distributed(_runs_warning_free, 2, [("fsdp2", [*load, "parallel.dp_strategy=fsdp",
-                                                                    "train.micro_batch_size=4"])],
-                                   str(tmp_path))[0])
-    resumed.update(run_distributed(_runs, 4, [("zero1-4", [*load, "parallel.dp_strategy=zero1", "train.micro_batch_size=2"])],
-                                   str(tmp_path), timeout=300)[0])
+    resumed = run_distributed(
+        _runs, 1, [("ddp1", [*load, "parallel.dp_strategy=ddp", "train.micro_batch_size=8"])], str(tmp_path)
+    )[0]
+    resumed.update(
+        run_distributed(
+            _runs_warning_free,
+            2,
+            [("fsdp2", [*load, "parallel.dp_strategy=fsdp", "train.micro_batch_size=4"])],
+            str(tmp_path),
+        )[0]
+    )
+    resumed.update(
+        run_distributed(
+            _runs,
+            4,
+            [("zero1-4", [*load, "parallel.dp_strategy=zero1", "train.micro_batch_size=2"])],
+            str(tmp_path),
+            timeout=300,
+        )[0]
+    )
     for name, losses in resumed.items():
         assert len(losses) == 5, name
         for i, (a, b) in enumerate(zip(losses, straight[5:])):
@@ -220,16 +284,16 @@ def test_checkpoint_moves_between_strategies_and_dp_sizes(tmp_path):
 def _copy_engine_fallback():
     import warnings
 
-    import torch
-
     from tpframe.models import BuildContext, build_model
     from tpframe.models.config import ModelConfig
     from tpframe.optim import OptimConfig, build_strategy
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
 
     state = initialize_parallel(tp=1)
-    model = build_model(ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, max_seq_len=8),
-                        BuildContext(state.tp_comm, rng_tracker=seed_parallel_rng(0), device=state.device))
+    model = build_model(
+        ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, max_seq_len=8),
+        BuildContext(state.tp_comm, rng_tracker=seed_parallel_rng(0), device=state.device),
+    )
     out = {}
     for name in ("ddp", "zero1"):
         with warnings.catch_warnings(record=True) as caught:
@@ -264,8 +328,10 @@ def test_gpus_without_peer_access_are_named():
 
     assert p2p_problem([rep("a", b=True), rep("b", a=True)]) == ""
     assert p2p_problem([rep("a"), rep("b")]) == ""  # one GPU per process (CUDA_VISIBLE_DEVICES): torch cannot tell
-    assert p2p_problem([rep("a", b=True, c=True), rep("b", a=True, c=False), rep("c", a=True, b=True)]) == \
-        "rank 1 has no peer-to-peer access to rank 2's GPU"
+    assert (
+        p2p_problem([rep("a", b=True, c=True), rep("b", a=True, c=False), rep("c", a=True, b=True)])
+        == "rank 1 has no peer-to-peer access to rank 2's GPU"
+    )
 
 
 def _bf16_wire(mode: str, reduce_dtype: str):
@@ -281,8 +347,15 @@ def _bf16_wire(mode: str, reduce_dtype: str):
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: averaged inside the collective
     torch.manual_seed(0)
     params = [nn.Parameter(torch.zeros(n, device=device)) for n in (37, 64, 5, 50)]
-    buf = GradBuffer(params, None, dp_size=world, dp_rank=rank, bucket_bytes=40 * 4, mode=mode,
-                     reduce_dtype=getattr(torch, reduce_dtype))
+    buf = GradBuffer(
+        params,
+        None,
+        dp_size=world,
+        dp_rank=rank,
+        bucket_bytes=40 * 4,
+        mode=mode,
+        reduce_dtype=getattr(torch, reduce_dtype),
+    )
     buf.zero()
     gen = torch.Generator().manual_seed(100 + rank)
     local = torch.zeros(buf.numel, device=device)  # what the fp32 accumulation must hold before the sync
@@ -296,7 +369,11 @@ def _bf16_wire(mode: str, reduce_dtype: str):
     buf.finish_sync()
     every = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(every, local)
-    own = torch.cat([buf.buffer[slice(*buf.shard_range(b))] for b in buf.buckets]) if mode == "reduce_scatter" else buf.buffer
+    own = (
+        torch.cat([buf.buffer[slice(*buf.shard_range(b))] for b in buf.buckets])
+        if mode == "reduce_scatter"
+        else buf.buffer
+    )
     ranges = [buf.shard_range(b) for b in buf.buckets] if mode == "reduce_scatter" else [(0, buf.numel)]
     return own.cpu(), torch.stack(every).cpu(), ranges, len(buf.buckets)
 
@@ -333,8 +410,9 @@ def test_bf16_gradient_reduce_trains_like_fp32_for_every_strategy(tmp_path):
     bf16 rounding, not by nothing) and trains as the fp32 sync does, within that rounding."""
     common = ["parallel.tp=1", "train.micro_batch_size=2"]  # two micro-batches per step: accumulation in fp32
     runs = [("fp32", [*common, "parallel.dp_strategy=ddp"])]
-    runs += [(f"{s}-bf16", [*common, f"parallel.dp_strategy={s}", "parallel.grad_reduce_dtype=bfloat16"])
-             for s in STRATEGIES]
+    runs += [
+        (f"{s}-bf16", [*common, f"parallel.dp_strategy={s}", "parallel.grad_reduce_dtype=bfloat16"]) for s in STRATEGIES
+    ]
     losses = run_distributed(_runs, 2, runs, str(tmp_path), timeout=300)[0]
     ref = _weights(tmp_path, "fp32")
     total = torch.cat([w.reshape(-1) for w in ref.values()]).norm()
@@ -370,8 +448,15 @@ def _bf16_wire_stream_order():
             return g + 0 * a[0, 0]  # the gradient's kernel waits for the matmuls
 
     params = [nn.Parameter(torch.zeros(1 << 20, device="cuda")) for _ in range(4)]
-    buf = GradBuffer(params, dist.group.WORLD, dp_size=2, dp_rank=0, bucket_bytes=4 << 20, mode="all_reduce",
-                     reduce_dtype=torch.bfloat16)
+    buf = GradBuffer(
+        params,
+        dist.group.WORLD,
+        dp_size=2,
+        dp_rank=0,
+        bucket_bytes=4 << 20,
+        mode="all_reduce",
+        reduce_dtype=torch.bfloat16,
+    )
     out = []
     for step in range(3):
         draws = [torch.randn(p.shape, device="cuda") for p in params]
@@ -380,8 +465,10 @@ def _bf16_wire_stream_order():
         sum((SlowGrad.apply(p) * d).sum() for p, d in zip(params, draws)).backward()
         buf.finish_sync()
         got = [p.main_grad.clone() for p in params]  # on the compute stream, no host synchronization before it
-        out.append(all(torch.equal(g, d.bfloat16().float()) for g, d in zip(got, draws))
-                   and not any(torch.equal(g, d) for g, d in zip(got, draws)))
+        out.append(
+            all(torch.equal(g, d.bfloat16().float()) for g, d in zip(got, draws))
+            and not any(torch.equal(g, d) for g, d in zip(got, draws))
+        )
     return out, len(buf.buckets), buf._wire_stream is not None, buf._avg_in_collective
 
 

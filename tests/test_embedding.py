@@ -73,7 +73,10 @@ def _cross_entropy_matches_dense():
                 g = torch.randn(S, B)
                 ref_logits = leaf(logits[..., :vocab], dtype)
                 loss_ref = F.cross_entropy(
-                    ref_logits.float().reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=smoothing
+                    ref_logits.float().reshape(-1, vocab),
+                    target.reshape(-1),
+                    reduction="none",
+                    label_smoothing=smoothing,
                 ).view(S, B)
                 loss_ref.backward(g)
                 local = leaf(logits.chunk(tp, -1)[r], dtype)
@@ -108,8 +111,12 @@ def _cross_entropy_bad_input():
     messages = []
     for call in (
         lambda: vocab_parallel_cross_entropy(torch.randn(4, 10), torch.zeros(5, dtype=torch.long), comm=comm),
-        lambda: vocab_parallel_cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), label_smoothing=1.5, comm=comm),
-        lambda: vocab_parallel_cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), vocab_size=11, comm=comm),
+        lambda: vocab_parallel_cross_entropy(
+            torch.randn(4, 10), torch.zeros(4, dtype=torch.long), label_smoothing=1.5, comm=comm
+        ),
+        lambda: vocab_parallel_cross_entropy(
+            torch.randn(4, 10), torch.zeros(4, dtype=torch.long), vocab_size=11, comm=comm
+        ),
     ):
         try:
             call()

@@ -30,8 +30,12 @@ def test_fp8_linear_forward_and_gradients_match_fp64_within_float8_rounding(magn
     yr = torch.nn.functional.linear(xr, wr, br)
     yr.backward(dy.double())
     assert y.dtype == torch.bfloat16 and y.shape == (4, 8, 48)
-    for name, got, want, tol in (("y", y, yr, 0.03), ("dx", x.grad, xr.grad, 0.08), ("dw", w.grad, wr.grad, 0.08),
-                                 ("db", b.grad, br.grad, 0.01)):
+    for name, got, want, tol in (
+        ("y", y, yr, 0.03),
+        ("dx", x.grad, xr.grad, 0.08),
+        ("dw", w.grad, wr.grad, 0.08),
+        ("db", b.grad, br.grad, 0.01),
+    ):
         err = _rel(got, want)
         assert err < tol, f"{name}: relative error {err:.3g} at magnitude {magnitude:g}"
 
@@ -51,25 +55,32 @@ def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     from tests.training_utils import train_in_process
     from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    trainer = train_in_process(["train.dtype=bfloat16", "train.steps=8", "train.fp8_small_layers=true", *overrides],
-                               keep_trainer=True)
+    trainer = train_in_process(
+        ["train.dtype=bfloat16", "train.steps=8", "train.fp8_small_layers=true", *overrides], keep_trainer=True
+    )
     layers = [m for m in trainer.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
 
-@pytest.mark.parametrize("layout", [
-    ("parallel.tp=1",),
-    ("parallel.tp=2", "parallel.sequence_parallel=true"),
-    ("parallel.tp=1", "parallel.dp_strategy=fsdp"),
-    ("parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpointing=true"),
-], ids=["dp2", "tp2-sp", "dp2-fsdp", "pp2-recompute"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.tp=1",),
+        ("parallel.tp=2", "parallel.sequence_parallel=true"),
+        ("parallel.tp=1", "parallel.dp_strategy=fsdp"),
+        ("parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpointing=true"),
+    ],
+    ids=["dp2", "tp2-sp", "dp2-fsdp", "pp2-recompute"],
+)
 def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     """8 steps of the tiny GPT: the float8 run's losses stay within 0.5% of the bf16 run's (same data, same init)
     and differ from them (the float8 GEMMs really ran), in every linear layer of the blocks."""
     from tests.dist_utils import run_distributed
 
-    bf16, fp8 = (run_distributed(_losses, 2, [*layout, f"train.run_dir={tmp_path}/{i}", f"train.fp8={on}"])[0]
-                 for i, on in enumerate(("false", "true")))
+    bf16, fp8 = (
+        run_distributed(_losses, 2, [*layout, f"train.run_dir={tmp_path}/{i}", f"train.fp8={on}"])[0]
+        for i, on in enumerate(("false", "true"))
+    )
     stages = 2 if "parallel.pp=2" in layout else 1
     assert all(fp8[1]) and len(fp8[1]) == 8 // stages and not any(bf16[1])  # qkv, proj, fc1, fc2 of both blocks
     assert fp8[0] != bf16[0], "float8 GEMMs round differently from bf16 ones"
@@ -98,8 +109,12 @@ def test_fp8_linear_on_cuda_matches_fp64(compiled):
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     yr = torch.nn.functional.linear(xr, wr, br)
     yr.backward(dy.double())
-    for name, got, want, tol in (("y", y, yr, 0.03), ("dx", x.grad, xr.grad, 0.08), ("dw", w.grad, wr.grad, 0.08),
-                                 ("db", b.grad, br.grad, 0.01)):
+    for name, got, want, tol in (
+        ("y", y, yr, 0.03),
+        ("dx", x.grad, xr.grad, 0.08),
+        ("dw", w.grad, wr.grad, 0.08),
+        ("db", b.grad, br.grad, 0.01),
+    ):
         err = _rel(got, want)
         assert err < tol, f"{name}: relative error {err:.3g}"
 
@@ -107,12 +122,29 @@ def test_fp8_linear_on_cuda_matches_fp64(compiled):
 def _gpu_losses(run_dir: str, fp8: bool) -> list[float]:
     from tests.training_utils import train_in_process
 
-    return [r["loss"] for r in train_in_process([
-        "parallel.tp=1", "train.dtype=bfloat16", "train.steps=30", "model.hidden=256", "model.layers=4",
-        "model.heads=4", "model.max_seq_len=256", "train.seq_len=256", "train.micro_batch_size=8",
-        "train.global_batch_size=8", "optim.lr=6e-4", "optim.warmup_steps=5", "train.compile=true",
-        "train.fp8_small_layers=true",
-        f"train.fp8={str(fp8).lower()}", f"train.run_dir={run_dir}/{int(fp8)}"])]
+    return [
+        r["loss"]
+        for r in train_in_process(
+            [
+                "parallel.tp=1",
+                "train.dtype=bfloat16",
+                "train.steps=30",
+                "model.hidden=256",
+                "model.layers=4",
+                "model.heads=4",
+                "model.max_seq_len=256",
+                "train.seq_len=256",
+                "train.micro_batch_size=8",
+                "train.global_batch_size=8",
+                "optim.lr=6e-4",
+                "optim.warmup_steps=5",
+                "train.compile=true",
+                "train.fp8_small_layers=true",
+                f"train.fp8={str(fp8).lower()}",
+                f"train.run_dir={run_dir}/{int(fp8)}",
+            ]
+        )
+    ]
 
 
 @pytest.mark.gpu(count=1)
@@ -124,18 +156,22 @@ def test_fp8_training_on_cuda_follows_bf16(tmp_path):
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 GEMMs need compute capability 8.9+")
-    bf16, fp8 = (run_distributed(_gpu_losses, 1, str(tmp_path), on, backend="nccl", timeout=300)[0]
-                 for on in (False, True))
+    bf16, fp8 = (
+        run_distributed(_gpu_losses, 1, str(tmp_path), on, backend="nccl", timeout=300)[0] for on in (False, True)
+    )
     assert fp8[-1] < fp8[0] - 1.0
     for step, (a, b) in enumerate(zip(fp8, bf16), 1):
         assert abs(a - b) <= 0.1 * abs(b), f"step {step}: fp8 {a:.4f} vs bf16 {b:.4f}"
     assert abs(sum(fp8[-5:]) - sum(bf16[-5:])) <= 0.01 * sum(bf16[-5:]), (fp8[-5:], bf16[-5:])
 
 
-@pytest.mark.parametrize("capability,compile_,expected", [
-    ((8, 0), "true", "compute capability 8.9+: Ada, Hopper); this GPU is 8.0"),
-    ((9, 0), "false", "train.fp8 on GPUs needs train.compile=true"),
-])
+@pytest.mark.parametrize(
+    "capability,compile_,expected",
+    [
+        ((8, 0), "true", "compute capability 8.9+: Ada, Hopper); this GPU is 8.0"),
+        ((9, 0), "false", "train.fp8 on GPUs needs train.compile=true"),
+    ],
+)
 def test_fp8_on_a_gpu_needs_float8_gemms_and_compiled_blocks(monkeypatch, capability, compile_, expected):
     """The device checks of train.py's prepare (CPU runs may train float8 eagerly: the tests above do)."""
     import train
@@ -144,8 +180,15 @@ def test_fp8_on_a_gpu_needs_float8_gemms_and_compiled_blocks(monkeypatch, capabi
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    argv = ["--config", f"{REPO}/configs/tiny_cpu.yaml", *TINY, "parallel.tp=1", "train.dtype=bfloat16",
-            "train.fp8=true", f"train.compile={compile_}"]
+    argv = [
+        "--config",
+        f"{REPO}/configs/tiny_cpu.yaml",
+        *TINY,
+        "parallel.tp=1",
+        "train.dtype=bfloat16",
+        "train.fp8=true",
+        f"train.compile={compile_}",
+    ]
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         train.prepare(argv, world_size=1, rank=0)
 
@@ -160,9 +203,13 @@ def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
     assert not fp8_pays(2304, 768) and not fp8_pays(768, 768) and not fp8_pays(3072, 768) and fp8_pays(768, 3072)
     assert all(fp8_pays(o, i) for o, i in ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)))
     comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
-    model = torch.nn.ModuleDict({
-        "fc1": ColumnParallelLinear(768, 3072, comm=comm), "fc2": RowParallelLinear(3072, 768, comm=comm),
-        "odd": RowParallelLinear(3080, 768, comm=comm)})
+    model = torch.nn.ModuleDict(
+        {
+            "fc1": ColumnParallelLinear(768, 3072, comm=comm),
+            "fc2": RowParallelLinear(3072, 768, comm=comm),
+            "odd": RowParallelLinear(3080, 768, comm=comm),
+        }
+    )
     n, skipped = enable_fp8(model)
     assert n == 1 and model["fc2"].fp8 and not model["fc1"].fp8 and not model["odd"].fp8
     assert skipped == ["fc1 (3072x768: too small to gain)", "odd (768x3080: not multiples of 16)"]

@@ -10,8 +10,10 @@ import pytest
 
 from tests.test_symm_kernels_interpreter import _interpreter_unusable, run_interpreted
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+    pytest.mark.slow,
+]
 
 
 def _check() -> None:
@@ -26,20 +28,27 @@ def _check() -> None:
         wide = torch.randn(n, k + 3, generator=g)
         for w in (wide[:, :k].contiguous(), wide[:, :k]):  # rows k apart, and k + 3 apart
             b = torch.randn(n, generator=g) if bias else None
-            for x in (torch.randn(1, 1, k, generator=g), torch.randn(k, generator=g),
-                      torch.randn(k, 2, generator=g).t()[:1]):  # the last: one row with stride 2
+            for x in (
+                torch.randn(1, 1, k, generator=g),
+                torch.randn(k, generator=g),
+                torch.randn(k, 2, generator=g).t()[:1],
+            ):  # the last: one row with stride 2
                 got = gemv.row_linear(x, w, b)
                 want = F.linear(x, w, b)
                 assert got.shape == want.shape, (got.shape, want.shape)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4,
-                                           msg=lambda m: f"n={n} k={k} bias={bias}: {m}")
+                torch.testing.assert_close(
+                    got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"n={n} k={k} bias={bias}: {m}"
+                )
     for n, k, bias in ((6, 40, True), (34, 1100, False)):  # the MLP activations applied in the kernel
         w, x = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g)
         b = torch.randn(n, generator=g) if bias else None
         h = F.linear(x, w, b)
         gate, up = h.chunk(2, dim=-1)
-        for activation, want in (("swiglu", F.silu(gate) * up), ("gelu", F.gelu(h, approximate="tanh")),
-                                 ("relu", F.relu(h))):
+        for activation, want in (
+            ("swiglu", F.silu(gate) * up),
+            ("gelu", F.gelu(h, approximate="tanh")),
+            ("relu", F.relu(h)),
+        ):
             got = gemv.row_linear(x, w, b, activation=activation)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"{activation} n={n} k={k}: {m}")
     for bad in ((torch.randn(1, 7), torch.randn(5, 7), "swiglu"), (torch.randn(1, 7), torch.randn(4, 7), "tanh")):

@@ -17,8 +17,14 @@ from tests.dist_utils import run_distributed
 from tests.training_utils import REPO, torchrun_env, train_in_process
 
 # A small model with every decode-relevant option on: rotary positions, GQA, SwiGLU, RMSNorm, untied head.
-ARCH = ["model.position=rotary", "model.kv_heads=2", "model.activation=swiglu", "model.norm=rmsnorm",
-        "model.tie_embeddings=false", "model.bias=false"]
+ARCH = [
+    "model.position=rotary",
+    "model.kv_heads=2",
+    "model.activation=swiglu",
+    "model.norm=rmsnorm",
+    "model.tie_embeddings=false",
+    "model.bias=false",
+]
 PROMPTS = ["1 2 3 ", "The cat", "a", "x = 17 + "]
 
 
@@ -28,8 +34,11 @@ def checkpoint(tmp_path_factory):
     from tpframe.checkpoint.export import export_consolidated
 
     run = tmp_path_factory.mktemp("gen")
-    run_distributed(train_in_process, 2, [*ARCH, "parallel.tp=2", "train.steps=20", "checkpoint.save_at_end=true",
-                                          f"train.run_dir={run}"])
+    run_distributed(
+        train_in_process,
+        2,
+        [*ARCH, "parallel.tp=2", "train.steps=20", "checkpoint.save_at_end=true", f"train.run_dir={run}"],
+    )
     export_consolidated(run / "checkpoints" / "step_00000020", run / "model.safetensors")
     return run
 
@@ -45,24 +54,42 @@ def _generate_at_tp1_and_tp2(root: str, exported: str):
 
     prompt_args = [a for p in PROMPTS for a in ("--prompt", p)]
     greedy = both(["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--greedy", "--ignore-eos"])
-    compiled = cli.run(cli.prepare(["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--greedy",
-                                    "--ignore-eos", "--compile"]))
-    from_export = cli.run(cli.prepare(["--checkpoint", exported, *prompt_args, "--max-new-tokens", "12", "--greedy",
-                                       "--ignore-eos"]))
-    sample = ["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40",
-              "--top-p", "0.95", "--ignore-eos"]
+    compiled = cli.run(
+        cli.prepare(
+            ["--checkpoint", root, *prompt_args, "--max-new-tokens", "12", "--greedy", "--ignore-eos", "--compile"]
+        )
+    )
+    from_export = cli.run(
+        cli.prepare(["--checkpoint", exported, *prompt_args, "--max-new-tokens", "12", "--greedy", "--ignore-eos"])
+    )
+    sample = [
+        "--checkpoint",
+        root,
+        *prompt_args,
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.95",
+        "--ignore-eos",
+    ]
     seeded = both([*sample, "--seed", "3"])
     again = cli.run(cli.prepare([*sample, "--seed", "3"]))
     other = cli.run(cli.prepare([*sample, "--seed", "4"]))
-    top_p_only = both(["--checkpoint", root, *prompt_args, "--max-new-tokens", "8", "--top-p", "0.8", "--seed", "5",
-                       "--ignore-eos"])
+    top_p_only = both(
+        ["--checkpoint", root, *prompt_args, "--max-new-tokens", "8", "--top-p", "0.8", "--seed", "5", "--ignore-eos"]
+    )
     return greedy, from_export, seeded, again, other, top_p_only, compiled
 
 
 def test_tp2_generates_the_tokens_of_tp1_and_seeded_sampling_repeats(checkpoint):
     ids = lambda records: [r["token_ids"] for r in records]  # noqa: E731
-    results = run_distributed(_generate_at_tp1_and_tp2, 2, str(checkpoint / "checkpoints"),
-                              str(checkpoint / "model.safetensors"), timeout=240)
+    results = run_distributed(
+        _generate_at_tp1_and_tp2, 2, str(checkpoint / "checkpoints"), str(checkpoint / "model.safetensors"), timeout=240
+    )
     assert ids(results[0][0][0]) == ids(results[1][0][0]), "TP=1 ranks must agree"
     (tp1, tp2), from_export, (s_tp1, s_tp2), again, other, (p_tp1, p_tp2), compiled = results[0]
     assert all(len(r["token_ids"]) == 12 for r in tp2)
@@ -91,8 +118,15 @@ def _cache_and_batch_checks(arch: dict):
     model = GPT(cfg, BuildContext(state.tp_comm, seed=11)).eval()
     prompts = [[5, 9, 200, 3, 77, 12, 1], [44], [7, 7, 8, 250]]
     attn = model.blocks["0"].attn
-    cache = KVCache(model.blocks.keys(), batch=3, kv_heads=attn.kv_local, head_dim=attn.head_dim, max_len=32,
-                    dtype=torch.float32, device="cpu")
+    cache = KVCache(
+        model.blocks.keys(),
+        batch=3,
+        kv_heads=attn.kv_local,
+        head_dim=attn.head_dim,
+        max_len=32,
+        dtype=torch.float32,
+        device="cpu",
+    )
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     cache.reset(torch.tensor([longest - len(p) for p in prompts]))
@@ -117,11 +151,16 @@ def _cache_and_batch_checks(arch: dict):
     return worst, batch, alone
 
 
-@pytest.mark.parametrize("arch", [{}, {"position": "rotary", "kv_heads": 2, "activation": "swiglu", "norm": "rmsnorm",
-                                       "tie_embeddings": False},
-                                  {"position": "rotary", "activation": "swiglu", "moe_experts": 4, "moe_top_k": 2},
-                                  {"position": "rotary", "kv_heads": 2, "sliding_window": 4}],
-                         ids=["learned-mha", "rotary-gqa", "moe", "sliding-window"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        {},
+        {"position": "rotary", "kv_heads": 2, "activation": "swiglu", "norm": "rmsnorm", "tie_embeddings": False},
+        {"position": "rotary", "activation": "swiglu", "moe_experts": 4, "moe_top_k": 2},
+        {"position": "rotary", "kv_heads": 2, "sliding_window": 4},
+    ],
+    ids=["learned-mha", "rotary-gqa", "moe", "sliding-window"],
+)
 def test_kv_cache_equals_recompute_and_mixed_batch_equals_one_at_a_time(arch):
     for worst, batch, alone in run_distributed(_cache_and_batch_checks, 2, arch, timeout=120):
         assert worst < 1e-5, f"cached logits differ from the full recompute by {worst}"
@@ -156,15 +195,26 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, caps
     tok = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "<|endoftext|>": 1, "hello": 2}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tok.json"))
-    cases["vocabulary of 3 but data.source=synthetic is byte-level"] = ["--checkpoint", root, "--prompt", "hello",
-                                                                        "--tokenizer", str(tmp_path / "tok.json")]
+    cases["vocabulary of 3 but data.source=synthetic is byte-level"] = [
+        "--checkpoint",
+        root,
+        "--prompt",
+        "hello",
+        "--tokenizer",
+        str(tmp_path / "tok.json"),
+    ]
     for needle, argv in cases.items():
         code, err = _cli(argv, capsys)
         assert code == 2, (needle, code, err)
         assert needle in err and len(err.splitlines()) == 1, (needle, err)
     # and through a real process
-    out = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "generate.py", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "does not exist" in out.stderr
 
 
@@ -182,50 +232,92 @@ def _export_with_header(tmp_path, tensors=None, **header) -> str:
     return str(tmp_path / "m.safetensors")
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--prompt", "hi"], "the following arguments are required: --checkpoint (see generate.py --help)"),
-    (["--checkpoint", "x", "--prompt", "hi", "--temprature", "1"], "unrecognized arguments: --temprature 1"),
-    (["--checkpoint", "x", "--prompt", "hi", "--seed", str(2**70)], "--seed 1180591620717411303424 does not fit"),
-    (["--checkpoint", "{export}", "--prompts", "{tmp}"], "--prompts '{tmp}' is not a file"),
-    (["--checkpoint", "{export}", "--prompts", "{tmp}/latin1.txt"], "is not UTF-8 text (byte 0 is 0xe9)"),
-    (["--checkpoint", "{export:model_config=not json}", "--prompt", "hi"], "has a corrupt header (Expecting value"),
-    (["--checkpoint", "{export:step=x}", "--prompt", "hi"], "has a corrupt header (invalid literal for int()"),
-    (["--checkpoint", "{export:hidden=big}", "--prompt", "hi"], "model.hidden='big' must be an integer"),
-    (["--checkpoint", "{export:heads=0}", "--prompt", "hi"], "model config cannot be built (model.heads=0)"),
-    (["--checkpoint", "{export:norm=batchnorm}", "--prompt", "hi"], "model.norm='batchnorm' is not allowed"),
-    *[(["--checkpoint", "x", "--prompt", "hi", *flags], needle) for flags, needle in (
-        (["--temperature", "inf"], "--temperature must be a finite number > 0 within float32's range (1.18e-38 to "
-                                   "3.4e+38; use --greedy for argmax), got inf"),
-        (["--temperature", "nan"], "--temperature must be a finite number > 0 within float32's range"),
-        (["--temperature", "-0.5"], "got -0.5"),
-        (["--temperature", "1e-40"], "got 1e-40"),  # 0 in float32: logits / 0
-        (["--temperature", "1e39"], "got 1e+39"),  # inf in float32
-        (["--greedy", "--temperature", "nan"], "got nan"),  # ignored by --greedy, still a mistake
-        (["--greedy", "--top-k", "0"], "--top-k must be >= 1, got 0"),
-        (["--top-k", "-5"], "--top-k must be >= 1, got -5"),
-        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
-        (["--top-p", "inf"], "--top-p must be in (0, 1], got inf"),
-        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
-        (["--top-p", "1e-300"], "--top-p must be at least 1.18e-38, float32's smallest normal number (below it is 0 "
-                                "in float32 and no token would be kept; use --greedy for the most likely token), got "
-                                "1e-300"),  # generated nothing: the nucleus kept no token
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-        (["--tp", "0"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got 0"),
-        (["--tp", "-1"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got -1"),
-        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
-        (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
-        (["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
-         "argument --temperature: given twice (--temperature 0.5 and --temperature 0.8); give it once (see generate.py "
-         "--help)"),
-        (["--cuda-graph", "--no-cuda-graph"], "argument --cuda-graph/--no-cuda-graph: given twice (--cuda-graph and "
-                                              "--no-cuda-graph)"),
-    )],
-], ids=["no-checkpoint", "unknown-flag", "seed-beyond-64-bits", "prompts-dir", "prompts-not-utf8",
-        "header-not-json", "header-step", "header-type", "header-heads-0", "header-literal",
-        "temperature-inf", "temperature-nan", "temperature-negative", "temperature-below-float32",
-        "temperature-beyond-float32", "greedy-temperature-nan", "greedy-top-k-0", "top-k-negative", "top-p-nan",
-        "top-p-inf", "top-p-0", "top-p-below-float32", "max-new-tokens-0", "tp-0", "tp-negative", "max-new-tokens-negative", "top-k-inf", "temperature-twice",
-        "cuda-graph-twice"])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--prompt", "hi"], "the following arguments are required: --checkpoint (see generate.py --help)"),
+        (["--checkpoint", "x", "--prompt", "hi", "--temprature", "1"], "unrecognized arguments: --temprature 1"),
+        (["--checkpoint", "x", "--prompt", "hi", "--seed", str(2**70)], "--seed 1180591620717411303424 does not fit"),
+        (["--checkpoint", "{export}", "--prompts", "{tmp}"], "--prompts '{tmp}' is not a file"),
+        (["--checkpoint", "{export}", "--prompts", "{tmp}/latin1.txt"], "is not UTF-8 text (byte 0 is 0xe9)"),
+        (["--checkpoint", "{export:model_config=not json}", "--prompt", "hi"], "has a corrupt header (Expecting value"),
+        (["--checkpoint", "{export:step=x}", "--prompt", "hi"], "has a corrupt header (invalid literal for int()"),
+        (["--checkpoint", "{export:hidden=big}", "--prompt", "hi"], "model.hidden='big' must be an integer"),
+        (["--checkpoint", "{export:heads=0}", "--prompt", "hi"], "model config cannot be built (model.heads=0)"),
+        (["--checkpoint", "{export:norm=batchnorm}", "--prompt", "hi"], "model.norm='batchnorm' is not allowed"),
+        *[
+            (["--checkpoint", "x", "--prompt", "hi", *flags], needle)
+            for flags, needle in (
+                (
+                    ["--temperature", "inf"],
+                    "--temperature must be a finite number > 0 within float32's range (1.18e-38 to "
+                    "3.4e+38; use --greedy for argmax), got inf",
+                ),
+                (["--temperature", "nan"], "--temperature must be a finite number > 0 within float32's range"),
+                (["--temperature", "-0.5"], "got -0.5"),
+                (["--temperature", "1e-40"], "got 1e-40"),  # 0 in float32: logits / 0
+                (["--temperature", "1e39"], "got 1e+39"),  # inf in float32
+                (["--greedy", "--temperature", "nan"], "got nan"),  # ignored by --greedy, still a mistake
+                (["--greedy", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+                (["--top-k", "-5"], "--top-k must be >= 1, got -5"),
+                (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+                (["--top-p", "inf"], "--top-p must be in (0, 1], got inf"),
+                (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+                (
+                    ["--top-p", "1e-300"],
+                    "--top-p must be at least 1.18e-38, float32's smallest normal number (below it is 0 "
+                    "in float32 and no token would be kept; use --greedy for the most likely token), got "
+                    "1e-300",
+                ),  # generated nothing: the nucleus kept no token
+                (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+                (["--tp", "0"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got 0"),
+                (["--tp", "-1"], "--tp must be >= 1 (the tensor-parallel size: one process per rank), got -1"),
+                (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
+                (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
+                (
+                    ["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
+                    "argument --temperature: given twice (--temperature 0.5 and --temperature 0.8); give it once (see generate.py "
+                    "--help)",
+                ),
+                (
+                    ["--cuda-graph", "--no-cuda-graph"],
+                    "argument --cuda-graph/--no-cuda-graph: given twice (--cuda-graph and --no-cuda-graph)",
+                ),
+            )
+        ],
+    ],
+    ids=[
+        "no-checkpoint",
+        "unknown-flag",
+        "seed-beyond-64-bits",
+        "prompts-dir",
+        "prompts-not-utf8",
+        "header-not-json",
+        "header-step",
+        "header-type",
+        "header-heads-0",
+        "header-literal",
+        "temperature-inf",
+        "temperature-nan",
+        "temperature-negative",
+        "temperature-below-float32",
+        "temperature-beyond-float32",
+        "greedy-temperature-nan",
+        "greedy-top-k-0",
+        "top-k-negative",
+        "top-p-nan",
+        "top-p-inf",
+        "top-p-0",
+        "top-p-below-float32",
+        "max-new-tokens-0",
+        "tp-0",
+        "tp-negative",
+        "max-new-tokens-negative",
+        "top-k-inf",
+        "temperature-twice",
+        "cuda-graph-twice",
+    ],
+)
 def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, capsys):
     """Arguments, prompt files and export headers that gave a traceback or argparse's usage block."""
     (tmp_path / "latin1.txt").write_bytes("\u00e9t\u00e9\n".encode("latin-1"))
@@ -234,7 +326,7 @@ def test_more_bad_input_is_one_line_with_exit_code_2(argv, needle, tmp_path, cap
         if arg == "{export}":
             return _export_with_header(tmp_path)
         if arg.startswith("{export:"):
-            key, value = arg[len("{export:"):-1].split("=", 1)
+            key, value = arg[len("{export:") : -1].split("=", 1)
             if key in ("model_config", "step"):
                 return _export_with_header(tmp_path, **{key: value})
             return _export_with_header(tmp_path, model_config={key: int(value) if value.isdigit() else value})
@@ -251,20 +343,30 @@ def test_weights_that_are_not_finite_are_one_line_with_exit_code_2(bad, tmp_path
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     weights = {"embedding.weight": torch.zeros(4, 2), "blocks.0.attn.proj.weight": torch.tensor([[0.5, bad]])}
-    code, err = _cli(["--checkpoint", _export_with_header(tmp_path, weights), "--prompt", "a", "--max-new-tokens", "2"],
-                     capsys)
+    code, err = _cli(
+        ["--checkpoint", _export_with_header(tmp_path, weights), "--prompt", "a", "--max-new-tokens", "2"], capsys
+    )
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert err == (f"tpframe: error: --checkpoint '{tmp_path}/m.safetensors': tensor blocks.0.attn.proj.weight holds "
-                   f"1 {'NaN' if bad != bad else 'inf'} (of 2 values): weights that are not finite cannot be trained or "
-                   "generated from; use weights saved before they diverged"), err
+    assert err == (
+        f"tpframe: error: --checkpoint '{tmp_path}/m.safetensors': tensor blocks.0.attn.proj.weight holds "
+        f"1 {'NaN' if bad != bad else 'inf'} (of 2 values): weights that are not finite cannot be trained or "
+        "generated from; use weights saved before they diverged"
+    ), err
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"WORLD_SIZE": "two"}, "env var WORLD_SIZE='two' must be an integer"),
-    ({"WORLD_SIZE": "0"}, "env var WORLD_SIZE='0' must be at least 1"),
-    ({**torchrun_env(2), "RANK": "5"}, "env var RANK=5 must be below WORLD_SIZE=2 (launch with python -m tpframe.launch"),
-    ({"WORLD_SIZE": "2", "RANK": "0"}, "env var WORLD_SIZE=2 needs MASTER_ADDR, MASTER_PORT set too"),
-], ids=["world-word", "world-zero", "rank-beyond-world", "no-master"])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"WORLD_SIZE": "two"}, "env var WORLD_SIZE='two' must be an integer"),
+        ({"WORLD_SIZE": "0"}, "env var WORLD_SIZE='0' must be at least 1"),
+        (
+            {**torchrun_env(2), "RANK": "5"},
+            "env var RANK=5 must be below WORLD_SIZE=2 (launch with python -m tpframe.launch",
+        ),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "env var WORLD_SIZE=2 needs MASTER_ADDR, MASTER_PORT set too"),
+    ],
+    ids=["world-word", "world-zero", "rank-beyond-world", "no-master"],
+)
 def test_a_bad_launch_environment_is_one_line_with_exit_code_2(env, needle, monkeypatch, capsys):
     """The torchrun env is checked before the checkpoint is read (it gave int()'s ValueError, a ZeroDivisionError,
     or nothing at all from a rank that is not 0)."""
@@ -279,9 +381,25 @@ def test_a_bad_launch_environment_is_one_line_with_exit_code_2(env, needle, monk
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1 2 3 "}\n"The cat"\n\n{"text": ""}\n')
-    out = subprocess.run([sys.executable, "generate.py", "--checkpoint", str(checkpoint / "checkpoints"), "--prompts",
-                          str(prompts), "--prompt", "a", "--max-new-tokens", "5", "--json"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "generate.py",
+            "--checkpoint",
+            str(checkpoint / "checkpoints"),
+            "--prompts",
+            str(prompts),
+            "--prompt",
+            "a",
+            "--max-new-tokens",
+            "5",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["a", "1 2 3 ", "The cat", ""]
@@ -311,7 +429,7 @@ def test_help_keeps_its_usage_lines_and_describes_every_option(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert '[--prompt ...] \\\n        [--prompts FILE]' in out, out  # the usage's continuation line stays a line
+    assert "[--prompt ...] \\\n        [--prompts FILE]" in out, out  # the usage's continuation line stays a line
     options = out.split("\noptions:\n", 1)[1]
     for flag in ("--max-new-tokens", "--temperature", "--top-k", "--top-p"):
         line = next(line for line in options.splitlines() if line.strip().startswith(flag))
@@ -326,13 +444,30 @@ def test_tpframe_launch_runs_generate_and_checks_it_first(checkpoint, tmp_path):
         env.pop(key, None)
 
     def launch(*args):
-        return subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node", "2", "generate.py", *args],
-                              cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", "2", "generate.py", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
 
     bad = launch("--checkpoint", str(tmp_path / "nope"), "--prompt", "hi")
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr, bad.stderr
-    out = launch("--checkpoint", str(checkpoint / "checkpoints"), "--tp", "2", "--prompt", "1 2 3 ",
-                 "--max-new-tokens", "4", "--greedy", "--ignore-eos", "--json")
+    out = launch(
+        "--checkpoint",
+        str(checkpoint / "checkpoints"),
+        "--tp",
+        "2",
+        "--prompt",
+        "1 2 3 ",
+        "--max-new-tokens",
+        "4",
+        "--greedy",
+        "--ignore-eos",
+        "--json",
+    )
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(records) == 1 and len(records[0]["token_ids"]) == 4, out.stdout
@@ -354,8 +489,9 @@ def test_tokenizer_comes_from_the_token_file_sidecar(tmp_path):
     tok.save(str(tmp_path / "tok.json"))
     (tmp_path / "a.txt").write_text("hello world hello")
     write_token_file([tmp_path / "a.txt"], tmp_path / "d.bin", tokenizer=tmp_path / "tok.json")
-    source = ModelSource(tmp_path, "checkpoint", ModelConfig(vocab_size=8),
-                         data={"source": "tokens", "path": str(tmp_path / "d.bin")})
+    source = ModelSource(
+        tmp_path, "checkpoint", ModelConfig(vocab_size=8), data={"source": "tokens", "path": str(tmp_path / "d.bin")}
+    )
     found = resolve_tokenizer(source)
     assert isinstance(found, HFTokenizer) and found.eot_id == 1
     assert found.decode(found.encode("hello world")) == "hello world"
@@ -373,9 +509,9 @@ def test_a_runs_relative_data_and_tokenizer_paths_resolve_from_any_folder(tmp_pa
     """prepare_data.py and train.py ran in one folder with relative paths; generation (and the HF export's tokenizer)
     runs from another: the paths are taken from the folder the run was launched in (meta.json's cwd)."""
     tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers
-
     from pathlib import Path
+
+    from tokenizers import models, pre_tokenizers
 
     from tpframe.checkpoint.hf import tokenizer_record
     from tpframe.data.tokenizer import HFTokenizer, write_token_file
@@ -394,8 +530,9 @@ def test_a_runs_relative_data_and_tokenizer_paths_resolve_from_any_folder(tmp_pa
     write_token_file([Path("a.txt")], Path("d.bin"), tokenizer=Path("tok.json"))
     monkeypatch.chdir(elsewhere)
     data = {"source": "tokens", "path": "d.bin"}
-    source = ModelSource(run / "checkpoints/step_00000001", "checkpoint", ModelConfig(vocab_size=8), data=data,
-                         cwd=str(run))
+    source = ModelSource(
+        run / "checkpoints/step_00000001", "checkpoint", ModelConfig(vocab_size=8), data=data, cwd=str(run)
+    )
     assert isinstance(resolve_tokenizer(source), HFTokenizer)
     record = tokenizer_record({"data": data}, warn=pytest.fail, cwd=str(run))
     assert record is not None and record["file"] == run / "tok.json"
@@ -410,11 +547,47 @@ def test_decode_benchmark_runs_hugging_face_at_tp1_and_with_its_tp_plan_at_tp2(t
     pytest.importorskip("accelerate")  # transformers' tp_plan needs it
     results = tmp_path / "results.md"
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "benchmarks/decode.py",
-         "--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--vocab", "256", "--prompt-len", "8",
-         "--new-tokens", "4", "--reps", "1", "--batches", "1,2", "--hf", "eager", "--hf-tp", "eager",
-         "--modes", "nccl-eager", "--results", str(results)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "benchmarks/decode.py",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--ffn",
+            "128",
+            "--heads",
+            "4",
+            "--vocab",
+            "256",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--reps",
+            "1",
+            "--batches",
+            "1,2",
+            "--hf",
+            "eager",
+            "--hf-tp",
+            "eager",
+            "--modes",
+            "nccl-eager",
+            "--results",
+            str(results),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     text = results.read_text()
     rows = [line for line in text.splitlines() if "tp_plan=auto" in line and line.startswith("| 2 |")]

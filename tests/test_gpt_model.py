@@ -11,8 +11,15 @@ from tpframe.models.config import ModelConfig
 
 GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8)
 LLAMA_CFG = dataclasses.replace(
-    GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", position="rotary", activation="swiglu",
-    bias=False, tie_embeddings=False,
+    GPT_CFG,
+    hidden=64,
+    heads=8,
+    kv_heads=4,
+    norm="rmsnorm",
+    position="rotary",
+    activation="swiglu",
+    bias=False,
+    tie_embeddings=False,
 )
 B, S = 2, 8
 
@@ -36,7 +43,9 @@ def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("cfg", [GPT_CFG, LLAMA_CFG], ids=["gpt", "llama-style"])
 def test_gpt_matches_plain_torch_reference(tp, cfg):
-    results = [run_distributed(_parallel_vs_reference, tp, cfg, sp)[0] for sp in ((False, True) if tp > 1 else (False,))]
+    results = [
+        run_distributed(_parallel_vs_reference, tp, cfg, sp)[0] for sp in ((False, True) if tp > 1 else (False,))
+    ]
     weights, n_params, _ = results[0]
     assert n_params == sum(w.numel() for w in weights.values())
 

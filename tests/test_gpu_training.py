@@ -28,8 +28,12 @@ def _losses_and_backend(overrides):
 @pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
 def test_symm_and_nccl_give_the_same_gpt_losses_at_tp2(tmp_path, sp):
     common = ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}", "train.steps=10"]
-    nccl, nccl_symm_calls, device = run_distributed(_losses_and_backend, 2, [*common, "comm.backend=nccl", f"train.run_dir={tmp_path}/n"], backend="nccl")[0]
-    symm, symm_calls, _ = run_distributed(_losses_and_backend, 2, [*common, "comm.backend=symm", f"train.run_dir={tmp_path}/s"], backend="nccl")[0]
+    nccl, nccl_symm_calls, device = run_distributed(
+        _losses_and_backend, 2, [*common, "comm.backend=nccl", f"train.run_dir={tmp_path}/n"], backend="nccl"
+    )[0]
+    symm, symm_calls, _ = run_distributed(
+        _losses_and_backend, 2, [*common, "comm.backend=symm", f"train.run_dir={tmp_path}/s"], backend="nccl"
+    )[0]
     assert device.startswith("cuda") and nccl_symm_calls == 0
     assert symm_calls >= 10 * 2 * 2 * 2, f"the symm run must really run its collectives on symm kernels ({symm_calls})"
     for step, (a, b) in enumerate(zip(symm, nccl), 1):
@@ -45,13 +49,23 @@ def _graphed_losses(overrides):
 def test_copy_engine_async_tp_trains_as_the_plain_path_eagerly_and_from_cuda_graphs_at_tp2(tmp_path):
     """The Trainer at TP=2 + SP with parallel.async_tp=copy_engine, eagerly and with train.cuda_graph (the pushes,
     flags and GEMM blocks replayed): the same fp32 losses as the plain path."""
-    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=8", "model.dropout=0",
-              "model.attention_dropout=0", "train.dtype=float32"]
+    common = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.steps=8",
+        "model.dropout=0",
+        "model.attention_dropout=0",
+        "train.dtype=float32",
+    ]
     runs = {}
-    for name, extra in (("plain", []), ("copy_engine", ["parallel.async_tp=copy_engine"]),
-                        ("copy_engine+graph", ["parallel.async_tp=copy_engine", "train.cuda_graph=true"])):
-        runs[name] = run_distributed(_graphed_losses, 2, [*common, *extra, f"train.run_dir={tmp_path}/{name}"],
-                                     backend="nccl")[0]
+    for name, extra in (
+        ("plain", []),
+        ("copy_engine", ["parallel.async_tp=copy_engine"]),
+        ("copy_engine+graph", ["parallel.async_tp=copy_engine", "train.cuda_graph=true"]),
+    ):
+        runs[name] = run_distributed(
+            _graphed_losses, 2, [*common, *extra, f"train.run_dir={tmp_path}/{name}"], backend="nccl"
+        )[0]
     plain = runs["plain"][0]
     assert runs["copy_engine+graph"][1] and not runs["copy_engine"][1]
     for name in ("copy_engine", "copy_engine+graph"):
@@ -60,11 +74,24 @@ def test_copy_engine_async_tp_trains_as_the_plain_path_eagerly_and_from_cuda_gra
 
 
 def test_bf16_training_resumes_from_an_async_checkpoint_on_gpu(tmp_path):
-    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.dtype=bfloat16", "train.steps=10", "comm.backend=auto"]
+    common = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.dtype=bfloat16",
+        "train.steps=10",
+        "comm.backend=auto",
+    ]
     straight = run_distributed(_losses_and_backend, 2, [*common, f"train.run_dir={tmp_path}/a"], backend="nccl")[0][0]
-    run_distributed(_losses_and_backend, 2, [*common, "checkpoint.interval=5", "checkpoint.async_save=true", f"train.run_dir={tmp_path}/b"], backend="nccl")
+    run_distributed(
+        _losses_and_backend,
+        2,
+        [*common, "checkpoint.interval=5", "checkpoint.async_save=true", f"train.run_dir={tmp_path}/b"],
+        backend="nccl",
+    )
     ckpt = tmp_path / "b" / "checkpoints" / "step_00000005"
-    resumed = run_distributed(_losses_and_backend, 2, [*common, f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/c"], backend="nccl")[0][0]
+    resumed = run_distributed(
+        _losses_and_backend, 2, [*common, f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/c"], backend="nccl"
+    )[0][0]
     assert len(resumed) == 5
     # flash attention's backward accumulates with atomics, so GPU runs agree to bf16 rounding, not bit for bit
     for step, (a, b) in enumerate(zip(resumed, straight[5:]), 6):
@@ -74,9 +101,21 @@ def test_bf16_training_resumes_from_an_async_checkpoint_on_gpu(tmp_path):
 def _strategy_losses(root: str):
     out = {}
     for s in ("ddp", "zero1", "fsdp"):
-        out[s] = [r["loss"] for r in train_in_process(
-            ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.dtype=bfloat16", "train.steps=10", "train.micro_batch_size=2",
-             "parallel.grad_bucket_mb=0.05", "checkpoint.save_at_end=true", f"train.run_dir={root}/{s}"])]
+        out[s] = [
+            r["loss"]
+            for r in train_in_process(
+                [
+                    "parallel.tp=1",
+                    f"parallel.dp_strategy={s}",
+                    "train.dtype=bfloat16",
+                    "train.steps=10",
+                    "train.micro_batch_size=2",
+                    "parallel.grad_bucket_mb=0.05",
+                    "checkpoint.save_at_end=true",
+                    f"train.run_dir={root}/{s}",
+                ]
+            )
+        ]
     return out
 
 
@@ -94,13 +133,25 @@ def _high_priority_losses(root: str):
     for s in ("ddp", "zero1"):
         for hp in (False, True):
             trainer = train_in_process(
-                ["parallel.tp=1", f"parallel.dp_strategy={s}", "train.dtype=bfloat16", "train.steps=6",
-                 "train.micro_batch_size=2", "parallel.grad_bucket_mb=0.05", f"parallel.dp_high_priority={str(hp).lower()}",
-                 f"parallel.overlap_param_gather={str(s == 'zero1').lower()}", f"train.run_dir={root}/{s}{hp}"],
-                keep_trainer=True)
+                [
+                    "parallel.tp=1",
+                    f"parallel.dp_strategy={s}",
+                    "train.dtype=bfloat16",
+                    "train.steps=6",
+                    "train.micro_batch_size=2",
+                    "parallel.grad_bucket_mb=0.05",
+                    f"parallel.dp_high_priority={str(hp).lower()}",
+                    f"parallel.overlap_param_gather={str(s == 'zero1').lower()}",
+                    f"train.run_dir={root}/{s}{hp}",
+                ],
+                keep_trainer=True,
+            )
             state = trainer.parallel
-            out[(s, hp)] = ([r["loss"] for r in trainer.history], trainer.strategy.describe(),
-                            state.dp_sync_group is not state.dp_cp_group)
+            out[(s, hp)] = (
+                [r["loss"] for r in trainer.history],
+                trainer.strategy.describe(),
+                state.dp_sync_group is not state.dp_cp_group,
+            )
     return out
 
 
@@ -110,7 +161,10 @@ def test_dp_sync_on_high_priority_streams_trains_the_same(tmp_path):
     out = run_distributed(_high_priority_losses, 2, str(tmp_path), backend="nccl")[0]
     for s in ("ddp", "zero1"):
         (base, said, own), (high, said_hp, own_hp) = out[(s, False)], out[(s, True)]
-        assert not own and own_hp and "high-priority streams" in said_hp and "high-priority" not in said, (said, said_hp)
+        assert not own and own_hp and "high-priority streams" in said_hp and "high-priority" not in said, (
+            said,
+            said_hp,
+        )
         for step, (a, b) in enumerate(zip(high, base), 1):
             assert abs(a - b) <= 1e-5 * abs(b), f"{s} step {step}: {a!r} vs {b!r}"
 

@@ -68,8 +68,13 @@ def test_lamport_all_reduce_matches_nccl_for_every_dtype_and_tail_size(world):
 
 def _ten_thousand_calls():
     comm, lamport = _lamport()
-    shapes = [(4096, torch.bfloat16), (777, torch.float32), (16384, torch.bfloat16), (3, torch.float16),
-              (65536, torch.bfloat16)]
+    shapes = [
+        (4096, torch.bfloat16),
+        (777, torch.float32),
+        (16384, torch.bfloat16),
+        (3, torch.float16),
+        (65536, torch.bfloat16),
+    ]
     inputs = [_rand(n, d, 100 + i * 10 + comm.rank) for i, (n, d) in enumerate(shapes)]
     first = [lamport.all_reduce(x, torch.empty_like(x)) for x in inputs]
     ok = [_close(f, comm.nccl.all_reduce(x), x.dtype) for f, x in zip(first, inputs)]
@@ -97,8 +102,10 @@ def _graph_thousand_replays():
     lamport = comm.symm.lamport
     comm.symm._algos.clear()
     comm.symm._pick_algorithm = lambda numel, dtype: "lamport"  # force it: this test is about Lamport in graphs
-    static = [torch.zeros(n, device="cuda", dtype=d) for n, d in ((2048, torch.bfloat16), (8192, torch.bfloat16),
-                                                                   (1000, torch.float32))]
+    static = [
+        torch.zeros(n, device="cuda", dtype=d)
+        for n, d in ((2048, torch.bfloat16), (8192, torch.bfloat16), (1000, torch.float32))
+    ]
 
     def step():
         return [comm.all_reduce(t) for t in static]

@@ -12,12 +12,24 @@ import torch
 
 from tests.test_symm_kernels_interpreter import _interpreter_unusable
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+    pytest.mark.slow,
+]
 
 SEG = 32 << 10  # bytes per segment: messages up to 32 KiB
-CALLS = [(7, torch.bfloat16), (4097, torch.float32), (1, torch.float16), (3000, torch.bfloat16), (2048, torch.float32),
-         (5, torch.bfloat16), (8192, torch.float16), (33, torch.float32), (1, torch.bfloat16), (4096, torch.float32)]
+CALLS = [
+    (7, torch.bfloat16),
+    (4097, torch.float32),
+    (1, torch.float16),
+    (3000, torch.bfloat16),
+    (2048, torch.float32),
+    (5, torch.bfloat16),
+    (8192, torch.float16),
+    (33, torch.float32),
+    (1, torch.bfloat16),
+    (4096, torch.float32),
+]
 
 
 def _data(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -59,7 +59,9 @@ def _row_matches_dense():
         for sp, input_is_parallel in ((False, True), (False, False), (True, True)):
             case = f"row dtype={dtype} sp={sp} input_is_parallel={input_is_parallel} tp={tp}"
             ref = _dense_reference(dtype)
-            layer = RowParallelLinear(H_IN, H_OUT, input_is_parallel=input_is_parallel, sequence_parallel=sp, dtype=dtype)
+            layer = RowParallelLinear(
+                H_IN, H_OUT, input_is_parallel=input_is_parallel, sequence_parallel=sp, dtype=dtype
+            )
             assert layer.weight.shape == (H_OUT, H_IN // tp) and layer.weight.tp_dim == 1
             assert layer.bias.tp_dim is None and layer.bias.sequence_parallel == sp
             with torch.no_grad():
@@ -71,7 +73,9 @@ def _row_matches_dense():
             allreduce_sequence_parallel_grads(sequence_parallel_grads(layer.parameters()), comm)
             tol = tol_for(dtype)
             assert_close(y, ref["y"].chunk(tp, 0)[r] if sp else ref["y"], tol, f"{case}: output")
-            assert_close(x.grad, ref["gx"].chunk(tp, -1)[r] if input_is_parallel else ref["gx"], tol, f"{case}: input grad")
+            assert_close(
+                x.grad, ref["gx"].chunk(tp, -1)[r] if input_is_parallel else ref["gx"], tol, f"{case}: input grad"
+            )
             assert_close(layer.weight.grad, ref["gw"].chunk(tp, 1)[r], tol, f"{case}: weight grad")
             assert_close(layer.bias.grad, ref["gb"], tol, f"{case}: bias grad")
 
@@ -122,7 +126,9 @@ def _bad_inputs():
     for name, build in {
         "column_out": lambda: ColumnParallelLinear(16, 30),
         "row_in": lambda: RowParallelLinear(30, 16),
-        "row_sp_without_parallel_input": lambda: RowParallelLinear(16, 16, input_is_parallel=False, sequence_parallel=True),
+        "row_sp_without_parallel_input": lambda: RowParallelLinear(
+            16, 16, input_is_parallel=False, sequence_parallel=True
+        ),
         "column_input_shape": lambda: ColumnParallelLinear(16, 32)(torch.randn(4, 2, 15)),
         "row_input_shape": lambda: RowParallelLinear(32, 16)(torch.randn(4, 2, 32)),
         "sp_sequence_not_divisible": lambda: RowParallelLinear(32, 16, sequence_parallel=True)(torch.randn(6, 2, 8)),

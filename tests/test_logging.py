@@ -12,15 +12,22 @@ import pytest
 import torch
 import yaml
 
+from tpframe.training import flops
 from tpframe.training import logger as tlog
 from tpframe.training.config import LoggingConfig
-from tpframe.training import flops
 from tpframe.training.flops import peak_tflops
 from tpframe.training.logger import MetricsLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = {"loss": 2.31, "lr": 3e-4, "grad_norm": 0.8, "tokens_per_s": 51234.0, "tflops": 120.0,
-           "mfu": 0.121, "mem_gib": 10.5}
+METRICS = {
+    "loss": 2.31,
+    "lr": 3e-4,
+    "grad_norm": 0.8,
+    "tokens_per_s": 51234.0,
+    "tflops": 120.0,
+    "mfu": 0.121,
+    "mem_gib": 10.5,
+}
 
 
 class FakeClock:
@@ -48,8 +55,10 @@ def test_console_line_has_every_metric_and_a_plain_progress_bar(tmp_path, capsys
     out = capsys.readouterr().out
     assert "\r" not in out and "\x1b" not in out  # not a TTY: plain lines only
     train, evl, info = out.splitlines()
-    assert train == ("step  10/100 | loss 2.3100 | lr 3.00e-04 | grad 0.800 | 51.23k tok/s | 120.0 TFLOP/s | "
-                     "MFU 12.1% | mem 10.50 GiB | aux_loss 0.0123 | [##..................]  10% 2.00 s/step ETA 3m00s")
+    assert train == (
+        "step  10/100 | loss 2.3100 | lr 3.00e-04 | grad 0.800 | 51.23k tok/s | 120.0 TFLOP/s | "
+        "MFU 12.1% | mem 10.50 GiB | aux_loss 0.0123 | [##..................]  10% 2.00 s/step ETA 3m00s"
+    )
     assert evl == "eval step 10 | loss 2.5000" and info == "saved checkpoint"
 
 
@@ -249,9 +258,12 @@ def test_peak_tflops_table(monkeypatch):
     assert peak_tflops("cpu", torch.float32, 42.0) == 42.0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, dtype, want in (
-        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0), ("NVIDIA H200", "bfloat16", 989.0),
-        ("NVIDIA H100 PCIe", torch.float16, 756.0), ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
-        ("NVIDIA H100 80GB HBM3", torch.float32, 67.0), ("NVIDIA A10G", torch.bfloat16, None),
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+        ("NVIDIA H200", "bfloat16", 989.0),
+        ("NVIDIA H100 PCIe", torch.float16, 756.0),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
+        ("NVIDIA H100 80GB HBM3", torch.float32, 67.0),
+        ("NVIDIA A10G", torch.bfloat16, None),
         ("NVIDIA L40", torch.bfloat16, None),
     ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
@@ -284,7 +296,9 @@ def test_plot_loss_writes_a_png(tmp_path, capsys):
     # two runs on one plot (each needs its losses; the plot needs a name)
     other = tmp_path / "other"
     other.mkdir()
-    (other / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 3.0}\n{"step": 2, "kind": "train", "loss": 2.0}\n')
+    (other / "metrics.jsonl").write_text(
+        '{"step": 1, "kind": "train", "loss": 3.0}\n{"step": 2, "kind": "train", "loss": 2.0}\n'
+    )
     assert plot.main([str(tmp_path), str(other), "--out", str(tmp_path / "both.png")]) == 0
     assert (tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot.main([str(tmp_path), str(other)]) == 2
@@ -301,8 +315,12 @@ def test_plot_loss_names_the_file_it_wrote_when_out_has_no_suffix(tmp_path, caps
 
 
 def test_plot_loss_cli_exits_2_on_a_missing_file(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_loss.py"), str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plot_loss.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     missing = str(tmp_path / "metrics.jsonl")
     assert result.stderr.strip().splitlines() == [

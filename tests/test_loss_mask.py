@@ -38,8 +38,17 @@ def _losses(overrides):
     # optim.eps=1e-5: early q/k gradients are tiny, and AdamW's default 1e-8 turns their last-bit differences
     # between layouts into 1e-4 weight differences by step 10 (4e-5 in the last eval loss on an AMD EPYC): a
     # machine-dependent amplifier that has nothing to do with which tokens carry a loss
-    history = train_in_process(["parallel.tp=1", "data.eod_mask_loss=true", "model.eod_id=10", "train.eval_interval=5",
-                                "model.position=rotary", "optim.eps=1e-5", *overrides])
+    history = train_in_process(
+        [
+            "parallel.tp=1",
+            "data.eod_mask_loss=true",
+            "model.eod_id=10",
+            "train.eval_interval=5",
+            "model.position=rotary",
+            "optim.eps=1e-5",
+            *overrides,
+        ]
+    )
     return [r["loss"] for r in history] + [r["eval_loss"] for r in history if "eval_loss" in r]
 
 
@@ -56,18 +65,23 @@ def test_every_layout_averages_over_the_same_tokens(tmp_path):
     ref = run_distributed(_losses, 1, [*one, f"train.run_dir={tmp_path}/ref"])[0]
     plain = run_distributed(_losses, 1, [*one, "data.eod_mask_loss=false", f"train.run_dir={tmp_path}/plain"])[0]
     assert abs(plain[0] - ref[0]) > 1e-4, "the mask must change the loss"
-    for i, (name, nproc, extra) in enumerate((
-        ("4 micro-batches of 2", 1, ["train.micro_batch_size=2", "train.eval_steps=8"]),
-        ("DP=2, 2 micro-batches of 2 each", 2, ["train.micro_batch_size=2", "train.eval_steps=4"]),
-        ("DP=2 zero1", 2, ["train.micro_batch_size=4", "train.eval_steps=2", "parallel.dp_strategy=zero1"]),
-        ("TP=2 + SP", 2, [*one, "parallel.tp=2", "parallel.sequence_parallel=true"]),
-        ("PP=2, 2 micro-batches", 2, ["train.micro_batch_size=4", "train.eval_steps=4", "parallel.pp=2"]),
-        ("CP=2 with document attention", 2, [*one, "parallel.cp=2"]),
-    )):
+    for i, (name, nproc, extra) in enumerate(
+        (
+            ("4 micro-batches of 2", 1, ["train.micro_batch_size=2", "train.eval_steps=8"]),
+            ("DP=2, 2 micro-batches of 2 each", 2, ["train.micro_batch_size=2", "train.eval_steps=4"]),
+            ("DP=2 zero1", 2, ["train.micro_batch_size=4", "train.eval_steps=2", "parallel.dp_strategy=zero1"]),
+            ("TP=2 + SP", 2, [*one, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+            ("PP=2, 2 micro-batches", 2, ["train.micro_batch_size=4", "train.eval_steps=4", "parallel.pp=2"]),
+            ("CP=2 with document attention", 2, [*one, "parallel.cp=2"]),
+        )
+    ):
         if "document" in name:  # the same mask with packed documents on both sides
-            ref_docs = run_distributed(_losses, 1, [*one, "model.attention_mask=document",
-                                                    f"train.run_dir={tmp_path}/refdoc"])[0]
-            got = run_distributed(_losses, nproc, [*extra, "model.attention_mask=document", f"train.run_dir={tmp_path}/{i}"])[0]
+            ref_docs = run_distributed(
+                _losses, 1, [*one, "model.attention_mask=document", f"train.run_dir={tmp_path}/refdoc"]
+            )[0]
+            got = run_distributed(
+                _losses, nproc, [*extra, "model.attention_mask=document", f"train.run_dir={tmp_path}/{i}"]
+            )[0]
             _same(got, ref_docs, name)
         else:
             _same(run_distributed(_losses, nproc, [*extra, f"train.run_dir={tmp_path}/{i}"])[0], ref, name)

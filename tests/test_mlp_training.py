@@ -66,14 +66,19 @@ def _train_parallel_mlp(activation: str, sp: bool, seed: int = 3):
         return torch.cat([comm.all_gather(p.contiguous(), dim=dim) for p in t.detach().chunk(parts, dim)], dim)
 
     parts = 2 if activation == "swiglu" else 1
-    return [full(mlp.fc1.weight, 0, parts), full(mlp.fc1.bias, 0, parts), full(mlp.fc2.weight, 1), mlp.fc2.bias.detach()]
+    return [
+        full(mlp.fc1.weight, 0, parts),
+        full(mlp.fc1.bias, 0, parts),
+        full(mlp.fc2.weight, 1),
+        mlp.fc2.bias.detach(),
+    ]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_mlp_trained_five_adamw_steps_matches_dense(tp, activation):
     expected = _dense_mlp_weights(activation)
-    for sp in ((False, True) if tp > 1 else (False,)):
+    for sp in (False, True) if tp > 1 else (False,):
         got = run_distributed(_train_parallel_mlp, tp, activation, sp)[0]
         for name, g, e in zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), got, expected):
             assert_close(g, e, 1e-5, f"{activation} tp={tp} sp={sp} {name} after {STEPS} AdamW steps")

@@ -4,7 +4,6 @@ holding every expert (fp64, to rounding); train.py's losses, gradient norms and 
 SP, DP, EP, CP, PP and recompute layouts against DP alone (fp32), and checkpoints that move between EP
 layouts."""
 
-
 import math
 
 import pytest
@@ -58,16 +57,27 @@ def _loop_worker():
     from tpframe.layers.moe import MoE
 
     torch.manual_seed(0)
-    moe = MoE(H, F, E, K, activation="swiglu", aux_loss_coeff=0.1, z_loss_coeff=0.05, shared_ffn_hidden=20,
-              comm=_solo_comm(), dtype=torch.float64)
+    moe = MoE(
+        H,
+        F,
+        E,
+        K,
+        activation="swiglu",
+        aux_loss_coeff=0.1,
+        z_loss_coeff=0.05,
+        shared_ffn_hidden=20,
+        comm=_solo_comm(),
+        dtype=torch.float64,
+    )
     x = torch.randn(6, 2, H, dtype=torch.float64, requires_grad=True)
     g = torch.randn(6, 2, H, dtype=torch.float64)
     (moe(x) * g).sum().backward()
     params = {n: p.detach().clone().requires_grad_() for n, p in moe.named_parameters()}
     ref_x = x.detach().clone().requires_grad_()
     mlp = lambda name: (*params[f"{name}.fc1.weight"].chunk(2), params[f"{name}.fc2.weight"])  # noqa: E731
-    y, aux, z = _naive(ref_x.view(-1, H), params["router.weight"], {e: mlp(f"experts.{e}") for e in range(E)}, K,
-                       mlp("shared"))
+    y, aux, z = _naive(
+        ref_x.view(-1, H), params["router.weight"], {e: mlp(f"experts.{e}") for e in range(E)}, K, mlp("shared")
+    )
     ((y * g.view(-1, H)).sum() + 0.1 * aux + 0.05 * z).backward()
     assert torch.allclose(moe(x).view(-1, H), y, atol=1e-12)
     assert torch.allclose(moe.last_aux_loss, aux.detach(), atol=1e-12)
@@ -93,8 +103,18 @@ def _bias_worker():
     from tpframe.parallel.recompute import recompute
 
     torch.manual_seed(0)
-    moe = MoE(H, F, E, K, activation="swiglu", aux_loss_coeff=0.1, score="sigmoid", expert_bias=True,
-              comm=_solo_comm(), dtype=torch.float64)
+    moe = MoE(
+        H,
+        F,
+        E,
+        K,
+        activation="swiglu",
+        aux_loss_coeff=0.1,
+        score="sigmoid",
+        expert_bias=True,
+        comm=_solo_comm(),
+        dtype=torch.float64,
+    )
     assert moe.expert_bias.dtype == torch.float32 and not moe.expert_bias.requires_grad
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([0.3, 0.0, -0.3, 0.1]))  # enough to change choices
@@ -105,8 +125,14 @@ def _bias_worker():
     ref_x = x.detach().clone().requires_grad_()
     mlp = lambda name: (*params[f"{name}.fc1.weight"].chunk(2), params[f"{name}.fc2.weight"])  # noqa: E731
     zero = tuple(torch.zeros_like(w) for w in mlp("experts.0"))
-    y, aux, _ = _naive(ref_x.view(-1, H), params["router.weight"], {e: mlp(f"experts.{e}") for e in range(E)}, K,
-                       zero, bias=moe.expert_bias.double())
+    y, aux, _ = _naive(
+        ref_x.view(-1, H),
+        params["router.weight"],
+        {e: mlp(f"experts.{e}") for e in range(E)},
+        K,
+        zero,
+        bias=moe.expert_bias.double(),
+    )
     ((y * g.view(-1, H)).sum() + 0.1 * aux).backward()
     assert torch.allclose(moe(x).view(-1, H), y, atol=1e-12) and torch.allclose(x.grad, ref_x.grad, atol=1e-12)
     for n, p in params.items():  # (an expert no token chose has no gradient in the loop, zeros in the layer)
@@ -115,7 +141,9 @@ def _bias_worker():
     with torch.no_grad():  # generation's dense path chooses with the bias too
         assert torch.allclose(moe(x).view(-1, H), y, atol=1e-12)
     # the slots are counted once per training micro-batch: recompute runs the forward twice, evaluation none
-    chosen = (torch.sigmoid(x.detach().view(-1, H) @ params["router.weight"].detach().t()) + moe.expert_bias).topk(K).indices
+    chosen = (
+        (torch.sigmoid(x.detach().view(-1, H) @ params["router.weight"].detach().t()) + moe.expert_bias).topk(K).indices
+    )
     want = torch.bincount(chosen.flatten(), minlength=E)
     reset_expert_load([moe])
     moe(x).sum().backward()
@@ -143,15 +171,31 @@ def _split_worker(tp: int, ep: int, sp: bool):
     solo = _solo_comm()
     state = initialize_parallel(tp=tp, ep=ep)
     s, b = 8, 2
-    data = [torch.randn(s, b, H, generator=torch.Generator().manual_seed(10 + d), dtype=torch.float64)
-            for d in range(state.dp)]
-    grads = [torch.randn(s, b, H, generator=torch.Generator().manual_seed(20 + d), dtype=torch.float64)
-             for d in range(state.dp)]
+    data = [
+        torch.randn(s, b, H, generator=torch.Generator().manual_seed(10 + d), dtype=torch.float64)
+        for d in range(state.dp)
+    ]
+    grads = [
+        torch.randn(s, b, H, generator=torch.Generator().manual_seed(20 + d), dtype=torch.float64)
+        for d in range(state.dp)
+    ]
 
     def build(comm, ep_comm):
         torch.manual_seed(7)
-        return MoE(H, F, 8, K, activation="swiglu", aux_loss_coeff=0.1, z_loss_coeff=0.05, shared_ffn_hidden=F,
-                   sequence_parallel=sp and comm.size > 1, comm=comm, ep_comm=ep_comm, dtype=torch.float64)
+        return MoE(
+            H,
+            F,
+            8,
+            K,
+            activation="swiglu",
+            aux_loss_coeff=0.1,
+            z_loss_coeff=0.05,
+            shared_ffn_hidden=F,
+            sequence_parallel=sp and comm.size > 1,
+            comm=comm,
+            ep_comm=ep_comm,
+            dtype=torch.float64,
+        )
 
     moe, ref = build(state.tp_comm, state.ep_comm), build(solo, None)
     # this rank: its DP rank's tokens (its sequence slice under SP); the objective is the mean over DP ranks
@@ -212,25 +256,50 @@ LAYOUTS = {
     "ep=4": ["parallel.ep=4"],
     "tp=2 + SP x dp=2": ["parallel.tp=2", "parallel.sequence_parallel=true", DP2],
     # the copies of every weight compared every 3 steps in three layouts (train.compare_replicas_every): none differ
-    "tp=2 x ep=2 zero1": ["parallel.tp=2", "parallel.ep=2", "parallel.dp_strategy=zero1", DP2, "train.compare_replicas_every=3"],
+    "tp=2 x ep=2 zero1": [
+        "parallel.tp=2",
+        "parallel.ep=2",
+        "parallel.dp_strategy=zero1",
+        DP2,
+        "train.compare_replicas_every=3",
+    ],
     "cp=2 x dp=2 x ep=4": ["parallel.cp=2", "parallel.ep=4", DP2],
     "pp=2 x ep=2": ["parallel.pp=2", "parallel.ep=2", DP2, "train.compare_replicas_every=3"],
     "ep=2 full recompute": ["parallel.ep=2", "parallel.activation_checkpointing=full"],
     "ep=2 selective": ["parallel.ep=2", "parallel.activation_checkpointing=selective"],
     # experts sharded over their 2 replicas, the rest over 4; small buckets, gathers overlapped with the forward
-    "ep=2 zero1": ["parallel.ep=2", "parallel.dp_strategy=zero1", "parallel.grad_bucket_mb=0.01",
-                   "parallel.overlap_param_gather=true", "train.compare_replicas_every=3"],
+    "ep=2 zero1": [
+        "parallel.ep=2",
+        "parallel.dp_strategy=zero1",
+        "parallel.grad_bucket_mb=0.01",
+        "parallel.overlap_param_gather=true",
+        "train.compare_replicas_every=3",
+    ],
     "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas
     # one replica per expert (ep = dp): FSDP2 runs no collective for the experts and must divide by dp once
     "ep=4 fsdp": ["parallel.ep=4", "parallel.dp_strategy=fsdp"],
 }
 # DeepSeek-V3's router (sigmoid, expert bias at a rate that changes choices within 10 steps): every layout must
 # count the same slots (summed over DP and CP, per PP stage, once under recompute) and checkpoint the biases
-COMMON = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_aux_loss=0.1",
-          "model.moe_shared_ffn=32", "model.moe_z_loss=0.01", "model.moe_router_score=sigmoid",
-          "model.moe_expert_bias=true", "model.moe_expert_bias_rate=0.01",
-          "model.activation=swiglu", "model.bias=false", "model.position=rotary", "train.micro_batch_size=2",
-          "train.global_batch_size=16", "train.eval_interval=5", "train.eval_steps=2", "parallel.tp=1"]
+COMMON = [
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden=32",
+    "model.moe_aux_loss=0.1",
+    "model.moe_shared_ffn=32",
+    "model.moe_z_loss=0.01",
+    "model.moe_router_score=sigmoid",
+    "model.moe_expert_bias=true",
+    "model.moe_expert_bias_rate=0.01",
+    "model.activation=swiglu",
+    "model.bias=false",
+    "model.position=rotary",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=16",
+    "train.eval_interval=5",
+    "train.eval_steps=2",
+    "parallel.tp=1",
+]
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -242,10 +311,13 @@ def _train_layouts(tmp: str):
     ref = train_in_process([*COMMON, f"train.run_dir={tmp}/ref"], keep_trainer=True)
     out["ref"] = (ref.history, _weights(ref))
     for name, extra in LAYOUTS.items():
-        trainer = train_in_process([*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"],
-                                   keep_trainer=True)
+        trainer = train_in_process(
+            [*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"], keep_trainer=True
+        )
         plain = not any(k in " ".join(extra) for k in ("tp=2", "pp=2", "fsdp"))  # whole parameters (some experts) here
-        if trainer.weight_check is not None:  # steps 3, 6 and 9 compared, the experts over their 2 replicas at ep=2 dp=4
+        if (
+            trainer.weight_check is not None
+        ):  # steps 3, 6 and 9 compared, the experts over their 2 replicas at ep=2 dp=4
             assert trainer.weight_check.checks == 3, name
             assert ("expert-data-parallel (2 copies)" in trainer.weight_check.compares) == (name == "ep=2 zero1"), name
         out[name] = (trainer.history, _weights(trainer) if plain else None)
@@ -253,10 +325,19 @@ def _train_layouts(tmp: str):
     saved = f"{tmp}/tp=2 x ep=2 zero1/checkpoints/step_00000005"
     import json
 
-    assert json.loads(open(f"{saved}/meta.json").read())["layout"] == {"world": 4, "tp": 2, "cp": 1, "dp": 2,
-                                                                       "pp": 1, "ep": 2}
-    for name, extra in (("resumed at dp=4", []), ("resumed at ep=4", LAYOUTS["ep=4"]),
-                        ("resumed at tp=2 x dp=2", ["parallel.tp=2", DP2])):
+    assert json.loads(open(f"{saved}/meta.json").read())["layout"] == {
+        "world": 4,
+        "tp": 2,
+        "cp": 1,
+        "dp": 2,
+        "pp": 1,
+        "ep": 2,
+    }
+    for name, extra in (
+        ("resumed at dp=4", []),
+        ("resumed at ep=4", LAYOUTS["ep=4"]),
+        ("resumed at tp=2 x dp=2", ["parallel.tp=2", DP2]),
+    ):
         history = train_in_process([*COMMON, *extra, f"checkpoint.load={saved}", f"train.run_dir={tmp}/{name}"])
         out[name] = (history, None)
     # its consolidated export starts new runs at dp=4 and at ep=4 (each EP rank takes only its experts)
@@ -267,8 +348,12 @@ def _train_layouts(tmp: str):
     exported = f"{tmp}/step5_rank{dist.get_rank()}.safetensors"
     export_consolidated(saved, exported)
     for name, extra in (("init at dp=4", []), ("init at ep=4", LAYOUTS["ep=4"])):
-        out[name] = (train_in_process([*COMMON, *extra, f"checkpoint.init_from={exported}", "train.steps=2",
-                                       f"train.run_dir={tmp}/{name}"]), None)
+        out[name] = (
+            train_in_process(
+                [*COMMON, *extra, f"checkpoint.init_from={exported}", "train.steps=2", f"train.run_dir={tmp}/{name}"]
+            ),
+            None,
+        )
     return out
 
 
@@ -302,16 +387,19 @@ def _bias_export_and_generate(root: str):
 
     sys.path.insert(0, REPO)
     import generate as cli
-
     from tpframe.checkpoint.export import export_consolidated
 
-    trainer = train_in_process([*COMMON, "train.steps=3", "checkpoint.save_at_end=true", f"train.run_dir={root}"],
-                               keep_trainer=True)
+    trainer = train_in_process(
+        [*COMMON, "train.steps=3", "checkpoint.save_at_end=true", f"train.run_dir={root}"], keep_trainer=True
+    )
     step = f"{root}/checkpoints/step_00000003"
     tensors = export_consolidated(step, f"{root}/model.safetensors")
     biases = {n: p.detach() for n, p in trainer.model.named_parameters() if n.endswith("expert_bias")}
     args = ["--prompt", "the cat", "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
-    texts = [cli.run(cli.prepare(["--checkpoint", src, *args]))[0]["token_ids"] for src in (step, f"{root}/model.safetensors")]
+    texts = [
+        cli.run(cli.prepare(["--checkpoint", src, *args]))[0]["token_ids"]
+        for src in (step, f"{root}/model.safetensors")
+    ]
     return biases, {n: tensors[n] for n in biases}, texts
 
 
@@ -329,8 +417,9 @@ def _cuda_grouped_vs_loop(recompute_activation: bool):
     from tpframe.layers.moe import MoE
 
     torch.manual_seed(0)
-    moe = MoE(256, 384, 8, 2, activation="swiglu", aux_loss_coeff=0.01, comm=_solo_comm(), dtype=torch.bfloat16,
-              device="cuda")
+    moe = MoE(
+        256, 384, 8, 2, activation="swiglu", aux_loss_coeff=0.01, comm=_solo_comm(), dtype=torch.bfloat16, device="cuda"
+    )
     x = torch.randn(512, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     results = []
@@ -353,28 +442,47 @@ def test_cuda_grouped_gemm_experts_equal_the_per_expert_loop_in_bf16(recompute_a
     assert worst < 2e-2, worst  # bf16: the two paths round their GEMMs differently
 
 
-MOE_GPU = ["parallel.tp=1", "model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64",
-           "model.moe_shared_ffn=64", "model.moe_z_loss=0.001",
-           "model.activation=swiglu", "model.bias=false", "model.position=rotary", "train.dtype=bfloat16",
-           "train.steps=8", "optim.grad_clip=0"]
+MOE_GPU = [
+    "parallel.tp=1",
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden=64",
+    "model.moe_shared_ffn=64",
+    "model.moe_z_loss=0.001",
+    "model.activation=swiglu",
+    "model.bias=false",
+    "model.position=rotary",
+    "train.dtype=bfloat16",
+    "train.steps=8",
+    "optim.grad_clip=0",
+]
 
 
-ROUTERS = {"softmax": [], "sigmoid+bias": ["model.moe_router_score=sigmoid", "model.moe_expert_bias=true",
-                                           "model.moe_expert_bias_rate=0.01"]}
+ROUTERS = {
+    "softmax": [],
+    "sigmoid+bias": ["model.moe_router_score=sigmoid", "model.moe_expert_bias=true", "model.moe_expert_bias_rate=0.01"],
+}
 
 
 def _moe_eager_compiled_graphed(root: str, router: list[str]):
     from tpframe.layers.moe import MoE
 
     out = {}
-    for name, extra in {"eager": [], "compile": ["train.compile=true"], "graph": ["train.cuda_graph=true"],
-                        "compile+graph": ["train.compile=true", "train.cuda_graph=true"]}.items():
+    for name, extra in {
+        "eager": [],
+        "compile": ["train.compile=true"],
+        "graph": ["train.cuda_graph=true"],
+        "compile+graph": ["train.compile=true", "train.cuda_graph=true"],
+    }.items():
         torch._dynamo.reset()
         trainer = train_in_process([*MOE_GPU, *router, *extra, f"train.run_dir={root}/{name}"], keep_trainer=True)
         bias = trainer.model.blocks["0"].mlp.expert_bias
-        out[name] = {"losses": [r["loss"] for r in trainer.history], "aux": [r["moe_aux_loss"] for r in trainer.history],
-                     "captured": getattr(trainer.forward_backward, "captured", None),
-                     "bias_moved": None if bias is None else float(bias.abs().max())}
+        out[name] = {
+            "losses": [r["loss"] for r in trainer.history],
+            "aux": [r["moe_aux_loss"] for r in trainer.history],
+            "captured": getattr(trainer.forward_backward, "captured", None),
+            "bias_moved": None if bias is None else float(bias.abs().max()),
+        }
         if name == "eager":  # a compiled MoE block traces whole: the grouped GEMMs need no host sync
             block = trainer.model.blocks["0"]
             assert isinstance(block.mlp, MoE)
@@ -389,8 +497,9 @@ def _moe_eager_compiled_graphed(root: str, router: list[str]):
 def test_cuda_moe_trains_compiled_and_cuda_graphed_like_eager(tmp_path, router):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm in bf16 needs Hopper or newer")
-    out = run_distributed(_moe_eager_compiled_graphed, 1, str(tmp_path), ROUTERS[router], backend="nccl",
-                          timeout=600)[0]
+    out = run_distributed(_moe_eager_compiled_graphed, 1, str(tmp_path), ROUTERS[router], backend="nccl", timeout=600)[
+        0
+    ]
     assert out.pop("graph_breaks") == 0
     eager = out.pop("eager")
     assert eager["losses"][-1] < eager["losses"][0] - 0.5, "the runs must really train"

@@ -13,8 +13,20 @@ import pytest
 from tests.dist_utils import DistributedFailure, run_distributed
 from tests.training_utils import REPO, TINY, merge_overrides
 
-ARGS = ["train.py", *merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, [
-    "parallel.tp=2", "train.global_batch_size=16", "train.steps=6", "train.eval_interval=3", "checkpoint.interval=3"])]
+ARGS = [
+    "train.py",
+    *merge_overrides(
+        ["--config", "configs/tiny_cpu.yaml"],
+        TINY,
+        [
+            "parallel.tp=2",
+            "train.global_batch_size=16",
+            "train.steps=6",
+            "train.eval_interval=3",
+            "checkpoint.interval=3",
+        ],
+    ),
+]
 
 
 def _free_port() -> int:
@@ -32,15 +44,43 @@ def test_two_nodes_train_as_one_node_with_as_many_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     port = _free_port()
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               *ARGS, f"train.run_dir={tmp_path}/nodes"], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *ARGS,
+                f"train.run_dir={tmp_path}/nodes",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    one = subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node", "4", *ARGS,
-                          f"train.run_dir={tmp_path}/one"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    one = subprocess.run(
+        [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", "4", *ARGS, f"train.run_dir={tmp_path}/one"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "world 4 = tp 2 x dp 2" in outs[0]
     assert _losses(tmp_path / "nodes") == _losses(tmp_path / "one")

@@ -9,8 +9,10 @@ import pytest
 
 from tests.test_symm_kernels_interpreter import _interpreter_unusable, run_interpreted
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+    pytest.mark.slow,
+]
 
 
 def _check() -> None:
@@ -23,8 +25,12 @@ def _check() -> None:
     torch.manual_seed(0)
     for programs in (kn.BWD_PROGRAMS, 3):  # one row per program, then a stride of rows per program
         kn.BWD_PROGRAMS = programs
-        for shape, rms, bias in (((5, 3, 24), False, True), ((7, 40), False, False), ((4, 2, 16), True, False),
-                                 ((1, 1, 33), True, False)):
+        for shape, rms, bias in (
+            ((5, 3, 24), False, True),
+            ((7, 40), False, False),
+            ((4, 2, 16), True, False),
+            ((1, 1, 33), True, False),
+        ):
             h = shape[-1]
             x = torch.randn(shape, requires_grad=True)
             w = (1 + 0.1 * torch.randn(h)).requires_grad_()

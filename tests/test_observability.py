@@ -36,9 +36,16 @@ def _observed_run(run_dir: str):
         return next_batch(self)
 
     loader.BatchIterator.next = slow_next
-    overrides = ["parallel.tp=2", "train.steps=3", "logging.interval=2", "logging.tensorboard=true",
-                 "checkpoint.interval=2", "checkpoint.save_at_end=true", "checkpoint.auto_resume=true",
-                 f"train.run_dir={run_dir}"]
+    overrides = [
+        "parallel.tp=2",
+        "train.steps=3",
+        "logging.interval=2",
+        "logging.tensorboard=true",
+        "checkpoint.interval=2",
+        "checkpoint.save_at_end=true",
+        "checkpoint.auto_resume=true",
+        f"train.run_dir={run_dir}",
+    ]
     outputs = []
     for _ in range(2):
         out = io.StringIO()
@@ -80,11 +87,25 @@ def test_jsonl_phase_times_tensorboard_console_and_relaunch_on_cpu(tmp_path):
 
 
 def test_console_puts_a_unit_on_every_number():
-    line = format_metrics({"loss": 2.5, "tokens_per_s": 51234.0, "step_ms": 412.3, "tflops": 120.0, "mfu": 0.121,
-                           "energy_j": 412.0, "energy_j_per_token": 0.00812, "mem_gib": 10.5, "data_ms": 3.0,
-                           "eval_s": 1.5, "aux_loss": 0.01})
-    assert line == ("loss 2.5000 | 51.23k tok/s | step 412 ms | 120.0 TFLOP/s | MFU 12.1% | 412 J/step | 8.12 mJ/tok | "
-                    "mem 10.50 GiB | eval 1.5 s | aux_loss 0.01")  # phase times go to the files only
+    line = format_metrics(
+        {
+            "loss": 2.5,
+            "tokens_per_s": 51234.0,
+            "step_ms": 412.3,
+            "tflops": 120.0,
+            "mfu": 0.121,
+            "energy_j": 412.0,
+            "energy_j_per_token": 0.00812,
+            "mem_gib": 10.5,
+            "data_ms": 3.0,
+            "eval_s": 1.5,
+            "aux_loss": 0.01,
+        }
+    )
+    assert line == (
+        "loss 2.5000 | 51.23k tok/s | step 412 ms | 120.0 TFLOP/s | MFU 12.1% | 412 J/step | 8.12 mJ/tok | "
+        "mem 10.50 GiB | eval 1.5 s | aux_loss 0.01"
+    )  # phase times go to the files only
 
 
 def test_phase_timers_charge_each_phase_on_cpu():
@@ -175,11 +196,24 @@ def test_help_lists_every_config_key_with_its_default_and_comment(capsys):
 
 def _gpu_run(run_dir: str, timers: str):
     # ~0.1-0.2 s per step in fp32: every 10-step window spans many updates of NVML's energy counter
-    return train_in_process(["parallel.tp=2", "train.steps=30", "logging.interval=10", f"logging.timers={timers}",
-                             "model.hidden=1024", "model.layers=8", "model.heads=16", "model.max_seq_len=512",
-                             "train.seq_len=512", "train.micro_batch_size=16", "train.global_batch_size=32",
-                             "data.synthetic_tokens=200000", "checkpoint.interval=20",
-                             f"train.run_dir={run_dir}/{timers}"])
+    return train_in_process(
+        [
+            "parallel.tp=2",
+            "train.steps=30",
+            "logging.interval=10",
+            f"logging.timers={timers}",
+            "model.hidden=1024",
+            "model.layers=8",
+            "model.heads=16",
+            "model.max_seq_len=512",
+            "train.seq_len=512",
+            "train.micro_batch_size=16",
+            "train.global_batch_size=32",
+            "data.synthetic_tokens=200000",
+            "checkpoint.interval=20",
+            f"train.run_dir={run_dir}/{timers}",
+        ]
+    )
 
 
 @pytest.mark.gpu(count=2)

@@ -85,8 +85,13 @@ def test_a_transient_nan_is_rerun_and_training_continues_bit_for_bit(tmp_path, c
 
 def test_divergence_skips_then_stops_and_the_healthy_checkpoint_survives_and_loads(tmp_path, clean):
     env = {"TPFRAME_FAULT_NAN": "5:always"}
-    args = [*ARGS, f"train.run_dir={tmp_path}", "train.max_skipped_steps=2", "checkpoint.interval=2",
-            "checkpoint.keep_last=1"]
+    args = [
+        *ARGS,
+        f"train.run_dir={tmp_path}",
+        "train.max_skipped_steps=2",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=1",
+    ]
     (code, err, out), (code1, err1, _) = run_distributed(_main, 2, args, env=env)
     root = tmp_path / "checkpoints"
     assert code == code1 == 3 and err1 == "", (err, err1)
@@ -98,8 +103,9 @@ def test_divergence_skips_then_stops_and_the_healthy_checkpoint_survives_and_loa
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
     assert json.loads((root / "step_00000004/meta.json").read_text())["healthy"] is True
     assert json.loads((root / "step_00000006/meta.json").read_text())["healthy"] is False
-    resumed = run_distributed(_losses, 2, [f"checkpoint.load={root}/step_00000004",
-                                           f"train.run_dir={tmp_path}/resumed"])[0]
+    resumed = run_distributed(
+        _losses, 2, [f"checkpoint.load={root}/step_00000004", f"train.run_dir={tmp_path}/resumed"]
+    )[0]
     assert resumed == clean[4:], "the healthy checkpoint resumes the fault-free run"
 
 
@@ -108,8 +114,10 @@ def test_a_non_finite_state_is_never_published(tmp_path):
     (code, err, out), _ = run_distributed(_poison_after_step_4, 2, args)
     root = tmp_path / "checkpoints"
     assert code == 3, err
-    assert ("step 4: the model or optimizer state holds non-finite values: no checkpoint is written; "
-            f"the last one is {root}/step_00000002") in out
+    assert (
+        "step 4: the model or optimizer state holds non-finite values: no checkpoint is written; "
+        f"the last one is {root}/step_00000002"
+    ) in out
     assert "train.max_skipped_steps=0: training stopped" in err and f"{root}/step_00000002" in err
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
 
@@ -145,20 +153,35 @@ def _fail_one_save(root, phase):
         failing("save", ckpt.torch, lambda obj, path, *a: rank == 0 and in_step_4(path))
     else:
         failing("write_atomic", ckpt, lambda path, text: rank == 0 and in_step_4(path) and path.name == "meta.json")
-    args = merge_overrides(ARGS, [f"train.run_dir={root}/{phase}", "checkpoint.interval=2",
-                                  f"checkpoint.async_save={str(phase == 'dcp-async').lower()}"])
+    args = merge_overrides(
+        ARGS,
+        [
+            f"train.run_dir={root}/{phase}",
+            "checkpoint.interval=2",
+            f"checkpoint.async_save={str(phase == 'dcp-async').lower()}",
+        ],
+    )
     try:
         return _main(args)
     finally:
         for name, fn in original.items():
-            setattr(filesystem.FileSystemWriter if name == "write_data" else ckpt.torch if name == "save" else ckpt,
-                    name, fn)
+            setattr(
+                filesystem.FileSystemWriter if name == "write_data" else ckpt.torch if name == "save" else ckpt,
+                name,
+                fn,
+            )
 
 
-@pytest.mark.parametrize("phase, where", [("dcp", "rank 1: OSError"), ("dcp-async", "rank 1: OSError"),
-                                          ("rng", "rank 0: OSError"), ("publish", "rank 0: OSError")])
-def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_keeps_the_last(tmp_path, phase,
-                                                                                             where):
+@pytest.mark.parametrize(
+    "phase, where",
+    [
+        ("dcp", "rank 1: OSError"),
+        ("dcp-async", "rank 1: OSError"),
+        ("rng", "rank 0: OSError"),
+        ("publish", "rank 0: OSError"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_keeps_the_last(tmp_path, phase, where):
     """A full disk in any phase of a save, on any one rank: no rank waits for another in a collective, the partial
     checkpoint is removed, the previous one stays `latest`, and every rank stops with exit code 5 and one line."""
     results = run_distributed(_fail_one_save, 2, str(tmp_path), phase)
@@ -168,10 +191,13 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_
         assert code == 5 and "Traceback" not in err, (rank, err)
         assert len(lines) == (rank == 0), (rank, err)  # rank 0 prints the one line
     line = results[0][1].strip()
-    assert line.startswith(f"tpframe: checkpoint not saved: checkpoint step 4 could not be written to {str(root)!r} "
-                           f"({where}: [Errno 28] No space left on device"), line
-    assert line.endswith("the last one, step_00000002, is intact: free space (or set checkpoint.dir) and relaunch "
-                         "to resume from it"), line
+    assert line.startswith(
+        f"tpframe: checkpoint not saved: checkpoint step 4 could not be written to {str(root)!r} "
+        f"({where}: [Errno 28] No space left on device"
+    ), line
+    assert line.endswith(
+        "the last one, step_00000002, is intact: free space (or set checkpoint.dir) and relaunch to resume from it"
+    ), line
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"], "the partial step 4 is gone"
     assert (root / "latest").read_text() == "step_00000002"
 
@@ -202,8 +228,10 @@ def test_a_full_disk_at_the_runs_config_is_one_line_and_exit_5(tmp_path, monkeyp
     code, err, _ = _main(merge_overrides(ARGS, [f"train.run_dir={tmp_path}/run"]))
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 5 and len(lines) == 1, err
-    assert lines[0].startswith(f"tpframe: cannot write {tmp_path}/run/.config.yaml.") and \
-        "(No space left on device): free space or make it writable, then relaunch" in lines[0], lines[0]
+    assert (
+        lines[0].startswith(f"tpframe: cannot write {tmp_path}/run/.config.yaml.")
+        and "(No space left on device): free space or make it writable, then relaunch" in lines[0]
+    ), lines[0]
 
 
 def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_path, monkeypatch):
@@ -221,7 +249,8 @@ def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_pa
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
                 "1.20 GiB is free. Including non-PyTorch memory, this process has 77.9 GiB memory in use. Of the "
-                "allocated memory 70 GiB is allocated by PyTorch\nSee documentation for Memory Management")
+                "allocated memory 70 GiB is allocated by PyTorch\nSee documentation for Memory Management"
+            )
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", forward)
@@ -233,7 +262,8 @@ def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_pa
         "tpframe: out of memory: rank 0 ran out of cpu memory in step 2 (forward_backward): CUDA out of memory. Tried "
         "to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is free; to fit, try a smaller "
         "train.micro_batch_size (the global batch stays: more accumulation) or model, a larger parallel.tp with "
-        "parallel.sequence_parallel=true, parallel.activation_checkpointing=selective or full"), lines[0]
+        "parallel.sequence_parallel=true, parallel.activation_checkpointing=selective or full"
+    ), lines[0]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000001"  # step 1's save stays
 
 
@@ -360,7 +390,13 @@ def test_memory_estimate_bytes_per_parameter_by_strategy():
     assert static(2, "parallel.tp=2") == 16.0  # fp32: weights 4 + grads 4 + moments 8
     assert static(2, "parallel.tp=2", "train.dtype=bfloat16") == 18.0  # + fp32 masters, bf16 weights
     assert static(8, "parallel.tp=2", "train.dtype=bfloat16", "parallel.dp_strategy=zero1") == 9.0  # 2 + 4 + 12/4
-    moe = ("parallel.tp=1", "train.dtype=bfloat16", "parallel.dp_strategy=zero1", "parallel.ep=2", "model.moe_experts=4")
+    moe = (
+        "parallel.tp=1",
+        "train.dtype=bfloat16",
+        "parallel.dp_strategy=zero1",
+        "parallel.ep=2",
+        "model.moe_experts=4",
+    )
     e = estimate(_cfg(*moe), 4, params=10**6, expert_params=6 * 10**5, device_type="cuda")
     assert e.optimizer == 12 * (4e5 / 4 + 6e5 / 2)  # the dense state over dp=4, the experts' over their 2 replicas
     e = estimate(_cfg(*moe[:2], "parallel.dp_strategy=fsdp", *moe[3:]), 4, params=10**6, expert_params=6 * 10**5)
@@ -386,20 +422,40 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     # selective drops the norm outputs (2 x 2 sbh, replicated) and GELU's output (8 sbh, TP-split) of each layer
     selective = s * b * h * (6 + 16 / 2) * L
     assert act("parallel.tp=2", "train.dtype=bfloat16", "parallel.activation_checkpointing=selective") == (
-        selective + loss + embedding)
+        selective + loss + embedding
+    )
     # full recompute of one of the two layers: its input (2 sbh), the other layer, and one layer being recomputed
     one = s * b * h * 2 + 2 * s * b * h * (10 + 24 / 2)
-    assert act("parallel.tp=2", "train.dtype=bfloat16", "parallel.activation_checkpointing=full",
-               "parallel.recompute_layers=1") == one + loss + embedding
-    assert (act("parallel.tp=2", "parallel.activation_checkpointing=true") < act("parallel.tp=2", "parallel.activation_checkpointing=selective")
-            < act("parallel.tp=2"))
+    assert (
+        act(
+            "parallel.tp=2",
+            "train.dtype=bfloat16",
+            "parallel.activation_checkpointing=full",
+            "parallel.recompute_layers=1",
+        )
+        == one + loss + embedding
+    )
+    assert (
+        act("parallel.tp=2", "parallel.activation_checkpointing=true")
+        < act("parallel.tp=2", "parallel.activation_checkpointing=selective")
+        < act("parallel.tp=2")
+    )
     # attention's part follows its own width: grouped-query keys/values (K = 1 head of 32) and Qwen3's wide heads
     # (A = K = 4 heads of 64 = 2h): 4*(A + K)/h in place of 8; a SwiGLU MLP of ffn keeps 2*(2 ffn + ffn)/h
-    llama = ("parallel.tp=2", "train.dtype=bfloat16", "model.norm=rmsnorm", "model.position=rotary",
-             "model.activation=swiglu", "model.ffn_hidden=384")
+    llama = (
+        "parallel.tp=2",
+        "train.dtype=bfloat16",
+        "model.norm=rmsnorm",
+        "model.position=rotary",
+        "model.activation=swiglu",
+        "model.ffn_hidden=384",
+    )
     swiglu = 2 * (2 * 384 + 384) / h
-    for options, attention in (((), 8.0), (("model.kv_heads=1",), 4 * (h + 32) / h),
-                               (("model.head_dim=64",), 4 * (2 * h + 2 * h) / h)):
+    for options, attention in (
+        ((), 8.0),
+        (("model.kv_heads=1",), 4 * (h + 32) / h),
+        (("model.head_dim=64",), 4 * (2 * h + 2 * h) / h),
+    ):
         want = s * b * h * (10 + (attention + swiglu) / 2) * L + loss + embedding
         assert act(*llama, *options) == want, options
 
@@ -467,16 +523,38 @@ def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    first = subprocess.Popen([sys.executable, *merge_overrides(["train.py", "--config", "configs/tiny_cpu.yaml"], TINY,
-                                                               ["parallel.tp=1", "train.steps=100000",
-                                                                f"train.run_dir={run_dir}"])],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            *merge_overrides(
+                ["train.py", "--config", "configs/tiny_cpu.yaml"],
+                TINY,
+                ["parallel.tp=1", "train.steps=100000", f"train.run_dir={run_dir}"],
+            ),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         _read_until(first, _is_step(2))
         before = {p.name: p.stat().st_size for p in run_dir.iterdir() if p.name != "metrics.jsonl"}
-        second = subprocess.run([sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2",
-                                 *merge_overrides(SCRIPT, [f"train.run_dir={run_dir}"])], cwd=REPO, capture_output=True, text=True, env=env,
-                                timeout=120)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tpframe.launch",
+                "--nproc-per-node=2",
+                *merge_overrides(SCRIPT, [f"train.run_dir={run_dir}"]),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert first.poll() is None, "the first run is still training"
         first.send_signal(signal.SIGTERM)
         rest = first.communicate(timeout=120)[0]
@@ -484,11 +562,14 @@ def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_
         first.kill()
     lines = [line for line in second.stderr.splitlines() if line.strip()]
     assert second.returncode == 2 and len(lines) == 1, second.stderr
-    assert (f"train.run_dir={str(run_dir)!r} is in use by another training (pid {first.pid} on " in lines[0]
-            and "pick another train.run_dir" in lines[0]), lines[0]
+    assert (
+        f"train.run_dir={str(run_dir)!r} is in use by another training (pid {first.pid} on " in lines[0]
+        and "pick another train.run_dir" in lines[0]
+    ), lines[0]
     assert first.returncode == 0 and "Traceback" not in rest, rest
     assert {p: s for p, s in before.items() if p != "checkpoints"} == {
-        p.name: p.stat().st_size for p in run_dir.iterdir() if p.name in before and p.name != "checkpoints"}
+        p.name: p.stat().st_size for p in run_dir.iterdir() if p.name in before and p.name != "checkpoints"
+    }
 
 
 def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[list[str], float, str]:
@@ -537,8 +618,17 @@ def test_memory_check_compares_with_the_cuda_device(monkeypatch):
     with pytest.raises(ConfigError, match=r"this run needs about .* but cuda:0 \(.*\) has .* GiB"):
         train.prepare([*base, "model.hidden=16384", "model.heads=128"], world_size=1, rank=0)
     train.prepare([*base, "train.run_dir=/tmp/tpframe_gpu_memory_ok"], world_size=1, rank=0)  # 125M fits
-    cfg = train.prepare([*base, "model.hidden=16384", "model.heads=128", "train.check_memory=false",
-                         "train.run_dir=/tmp/tpframe_gpu_memory_skip"], world_size=1, rank=0)[0]
+    cfg = train.prepare(
+        [
+            *base,
+            "model.hidden=16384",
+            "model.heads=128",
+            "train.check_memory=false",
+            "train.run_dir=/tmp/tpframe_gpu_memory_skip",
+        ],
+        world_size=1,
+        rank=0,
+    )[0]
     assert cfg.train.check_memory is False
 
 
@@ -548,22 +638,43 @@ def test_a_real_cuda_out_of_memory_is_one_line_and_exit_6(tmp_path):
     step 1's forward; the launcher passes on one line and exit code 6."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
     env.update(PYTHONUNBUFFERED="1")
-    out = subprocess.run([sys.executable, "train.py", "--config", "configs/gpt_125m.yaml", "parallel.tp=1",
-                          "train.micro_batch_size=512", "train.global_batch_size=512", "train.steps=2",
-                          "train.check_memory=false", "train.compile=false", f"train.run_dir={tmp_path}/run"],
-                         cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/gpt_125m.yaml",
+            "parallel.tp=1",
+            "train.micro_batch_size=512",
+            "train.global_batch_size=512",
+            "train.steps=2",
+            "train.check_memory=false",
+            "train.compile=false",
+            f"train.run_dir={tmp_path}/run",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 6 and len(lines) == 1, out.stderr[-3000:]
-    assert lines[0].startswith("tpframe: out of memory: rank 0 ran out of cuda memory in step 1 (") and \
-        "Tried to allocate" in lines[0] and "tpframe's peak so far" in lines[0] and \
-        "parallel.activation_checkpointing=selective or full" in lines[0], lines[0]
+    assert (
+        lines[0].startswith("tpframe: out of memory: rank 0 ran out of cuda memory in step 1 (")
+        and "Tried to allocate" in lines[0]
+        and "tpframe's peak so far" in lines[0]
+        and "parallel.activation_checkpointing=selective or full" in lines[0]
+    ), lines[0]
 
 
 @pytest.mark.gpu(count=2)
 def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
     timeout_s = 20
-    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
-                   env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    proc = _launch(
+        [*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
+        env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"},
+    )
     lines, waited, _ = _stop_rank_1(proc, report_timeout=timeout_s + 60, exit_timeout=120)
     assert waited < timeout_s + 10 and "rank 1" in lines[-1] and proc.returncode == 4, (waited, lines[-5:])
     assert (tmp_path / "nccl_trace" / "rank_0").is_file(), lines[-1]

@@ -42,7 +42,7 @@ def test_lazy_zero_copies_the_first_gradient_adds_the_rest_and_zeroes_params_wit
     assert torch.count_nonzero(b.main_grad) == 0, "a param without a gradient this step reads zero, not last step's"
     padding = torch.ones(grads.numel, dtype=torch.bool)
     for p in (a, b, c):
-        padding[grads.offsets[p]: grads.offsets[p] + p.numel()] = False
+        padding[grads.offsets[p] : grads.offsets[p] + p.numel()] = False
     assert torch.count_nonzero(grads.buffer[padding]) == 0, "bucket padding stays zero"
 
 
@@ -64,14 +64,21 @@ def _ddp_steps(fused: bool, dtype: str, max_norm: float, steps: int = 3):
     state = initialize_parallel(tp=1)
     seed_parallel_rng(0)
     dt = getattr(torch, dtype)
-    model = build_model(ModelConfig(hidden=32, layers=2, heads=4, vocab_size=128, max_seq_len=16),
-                        BuildContext(state.tp_comm, dtype=dt))
+    model = build_model(
+        ModelConfig(hidden=32, layers=2, heads=4, vocab_size=128, max_seq_len=16), BuildContext(state.tp_comm, dtype=dt)
+    )
     cfg = OptimConfig(lr=1e-2, grad_clip=max_norm)
     strategy = build_strategy("ddp", model, cfg, state, compute_dtype=dt)
     old = strategy.optimizer  # the same groups, with the AdamW implementation asked for
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in old.param_groups]
-    strategy.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           fused=fused or None, foreach=None if fused else True)
+    strategy.optimizer = torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
     gen = torch.Generator().manual_seed(1)
     norms = []
     for _ in range(steps):
@@ -87,8 +94,13 @@ def _ddp_steps(fused: bool, dtype: str, max_norm: float, steps: int = 3):
         assert getattr(strategy.optimizer, "grad_scale", None) is None, "the clip factor is consumed by the step"
     state_ = strategy.optimizer.state
     moments = [state_[m]["exp_avg_sq"].cpu() for m in strategy.masters]
-    return ([m.detach().cpu() for m in strategy.masters], moments, clipped.cpu(), norms,
-            [p.detach().cpu() for p in model.parameters()])
+    return (
+        [m.detach().cpu() for m in strategy.masters],
+        moments,
+        clipped.cpu(),
+        norms,
+        [p.detach().cpu() for p in model.parameters()],
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -75,7 +75,7 @@ def _groups_of_every_layout():
 
 def test_process_groups_match_layout_at_world_8():
     per_rank = run_distributed(_groups_of_every_layout, 8, timeout=240)
-    for (tp, pp, cp) in LAYOUTS:
+    for tp, pp, cp in LAYOUTS:
         layout = rank_layout(8, tp, pp, cp=cp)
         dp = 8 // (tp * pp * cp)
         for rank, seen in enumerate(per_rank):
@@ -148,9 +148,11 @@ def _initializes_world_itself():
     mesh = state.mesh
     destroy_parallel()
     # Nothing may keep a destroyed group alive to interpreter shutdown, where freeing it can abort the process.
-    released = (mesh._pg_registry == {} if hasattr(mesh, "_pg_registry") else True) and all(
-        getattr(state, name) is None for name in ("mesh", "tp_group", "dp_group", "pp_group", "mp_group")
-    ) and all(comm.group is None for comm in (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm))
+    released = (
+        (mesh._pg_registry == {} if hasattr(mesh, "_pg_registry") else True)
+        and all(getattr(state, name) is None for name in ("mesh", "tp_group", "dp_group", "pp_group", "mp_group"))
+        and all(comm.group is None for comm in (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm))
+    )
     return ok and released and not dist.is_initialized()
 
 

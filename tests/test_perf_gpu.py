@@ -24,8 +24,13 @@ def test_triton_rotary_matches_the_torch_path(dtype):
 
     torch.manual_seed(0)
     # per_row: a table row per sequence ([s, b, 1, d]), as generation's left-padded rows use
-    for s, b, nq, nkv, d, per_row in ((2048, 2, 16, 16, 128, False), (37, 3, 8, 2, 64, False), (16, 1, 6, 3, 80, False),
-                                      (37, 3, 8, 2, 64, True), (1, 8, 16, 16, 128, True)):
+    for s, b, nq, nkv, d, per_row in (
+        (2048, 2, 16, 16, 128, False),
+        (37, 3, 8, 2, 64, False),
+        (16, 1, 6, 3, 80, False),
+        (37, 3, 8, 2, 64, True),
+        (1, 8, 16, 16, 128, True),
+    ):
         rope = RotaryEmbedding(d, s + 64).cuda()
         positions = torch.stack([torch.arange(s, device="cuda") + 5 * i for i in range(b)])
         cos, sin = rope.at(positions, dtype) if per_row else rope(s, dtype)
@@ -35,18 +40,21 @@ def test_triton_rotary_matches_the_torch_path(dtype):
         c64, s64 = rope64.at(positions, torch.float64) if per_row else rope64(s, torch.float64)
         ref = [t.contiguous() for t in split_heads(qkv64, nq, nkv, d, (c64, s64), fused=False)]
         x = qkv64.to(dtype).requires_grad_()
-        ref_grad = torch.autograd.grad(split_heads(qkv64.requires_grad_(), nq, nkv, d, (c64, s64), fused=False),
-                                       qkv64, grads64)[0]
+        ref_grad = torch.autograd.grad(
+            split_heads(qkv64.requires_grad_(), nq, nkv, d, (c64, s64), fused=False), qkv64, grads64
+        )[0]
         outs = {}
         torch._dynamo.reset()
         compiled = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin)), fullgraph=True)
         compiled_tm = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin), token_major=True), fullgraph=True)
         token_major = lambda g: g.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731 (varlen's gradients)
-        for name, fn in (("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False)),
-                         ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d)),
-                         ("compiled", lambda: compiled(x)),  # the kernels as the custom op tpframe::qkv_rotary
-                         ("fused token-major", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, token_major=True)),
-                         ("compiled token-major", lambda: compiled_tm(x))):
+        for name, fn in (
+            ("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False)),
+            ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d)),
+            ("compiled", lambda: compiled(x)),  # the kernels as the custom op tpframe::qkv_rotary
+            ("fused token-major", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, token_major=True)),
+            ("compiled token-major", lambda: compiled_tm(x)),
+        ):
             out = fn()
             if "token-major" in name:
                 assert all(o.transpose(1, 2).is_contiguous() for o in out), name
@@ -62,8 +70,9 @@ def test_triton_rotary_matches_the_torch_path(dtype):
             assert bwd_f <= max(tol, 1.01 * bwd_e), f"{case}: {name} backward error {bwd_f} vs eager {bwd_e}"
         if s < 100:  # the op's registration (schema, fake, autograd) checked by torch itself
             for token_major in (False, True):
-                torch.library.opcheck(torch.ops.tpframe.qkv_rotary,
-                                      (x.detach().requires_grad_(), cos, sin, nq, nkv, d, token_major))
+                torch.library.opcheck(
+                    torch.ops.tpframe.qkv_rotary, (x.detach().requires_grad_(), cos, sin, nq, nkv, d, token_major)
+                )
 
 
 @pytest.mark.gpu
@@ -77,8 +86,12 @@ def test_triton_rotary_with_qk_norms_matches_the_torch_path(dtype):
     from tpframe.layers.norm import RMSNorm
 
     torch.manual_seed(0)
-    for s, b, nq, nkv, d, per_row in ((2048, 2, 16, 8, 128, False), (37, 3, 8, 2, 64, False), (16, 2, 6, 3, 48, False),
-                                      (1, 8, 16, 8, 128, True)):
+    for s, b, nq, nkv, d, per_row in (
+        (2048, 2, 16, 8, 128, False),
+        (37, 3, 8, 2, 64, False),
+        (16, 2, 6, 3, 48, False),
+        (1, 8, 16, 8, 128, True),
+    ):
         positions = torch.stack([torch.arange(s, device="cuda") + 5 * i for i in range(b)])
         tables = {}
         for t in (dtype, torch.float64):
@@ -97,8 +110,9 @@ def test_triton_rotary_with_qk_norms_matches_the_torch_path(dtype):
 
         ref_norms = norms(torch.float64)
         x64 = qkv64.clone().requires_grad_()
-        ref = [t.contiguous() for t in split_heads(x64, nq, nkv, d, tables[torch.float64], fused=False,
-                                                   qk_norm=ref_norms)]
+        ref = [
+            t.contiguous() for t in split_heads(x64, nq, nkv, d, tables[torch.float64], fused=False, qk_norm=ref_norms)
+        ]
         ref_grads = torch.autograd.grad(ref, [x64, *(n.weight for n in ref_norms)], grads64)
         mine = norms(dtype)
         x = qkv64.to(dtype).requires_grad_()
@@ -107,17 +121,20 @@ def test_triton_rotary_with_qk_norms_matches_the_torch_path(dtype):
         torch._dynamo.reset()
         compiled = torch.compile(lambda t: split_heads(t, nq, nkv, d, (cos, sin), qk_norm=mine), fullgraph=True)
         results = {}
-        for name, fn in (("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False, qk_norm=mine)),
-                         ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, norm=weights)),
-                         ("fused token-major", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, token_major=True,
-                                                                   norm=weights)),
-                         ("compiled", lambda: compiled(x))):
+        for name, fn in (
+            ("eager", lambda: split_heads(x, nq, nkv, d, (cos, sin), fused=False, qk_norm=mine)),
+            ("fused", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, norm=weights)),
+            ("fused token-major", lambda: qkv_rotary(x, cos, sin, nq, nkv, d, token_major=True, norm=weights)),
+            ("compiled", lambda: compiled(x)),
+        ):
             out = fn()
             if name == "fused token-major":
                 assert all(o.transpose(1, 2).is_contiguous() for o in out), name
             grads = torch.autograd.grad(out, [x, *(n.weight for n in mine)], [g.to(dtype) for g in grads64])
-            results[name] = ([rel_err(o, r) for o, r in zip(out, ref)],
-                             [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+            results[name] = (
+                [rel_err(o, r) for o, r in zip(out, ref)],
+                [rel_err(g, r) for g, r in zip(grads, ref_grads)],
+            )
         case = f"s={s} b={b} nq={nq} nkv={nkv} d={d} per_row={per_row} {dtype}"
         fwd_e, bwd_e = results["eager"]
         tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -139,8 +156,13 @@ def test_decode_attention_kernel_matches_sdpa(dtype):
     from tests.test_decode_attention_interpreter import cache_case
     from tpframe.kernels.decode_attention import decode_attention, launch_plan
 
-    for b, nq, nkv, s, slots, d in ((1, 16, 16, 1, 256, 128), (8, 8, 8, 1, 256, 128), (2, 32, 4, 1, 4096, 128),
-                                    (3, 6, 2, 2, 144, 64), (1, 4, 4, 1, 16, 80)):
+    for b, nq, nkv, s, slots, d in (
+        (1, 16, 16, 1, 256, 128),
+        (8, 8, 8, 1, 256, 128),
+        (2, 32, 4, 1, 4096, 128),
+        (3, 6, 2, 2, 144, 64),
+        (1, 4, 4, 1, 16, 80),
+    ):
         q, k, v, mask = cache_case(b, nq, nkv, s, slots, d, dtype=torch.float64, device="cuda")
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nq)
         q, k, v, mask = (t.to(dtype) for t in (q, k, v, mask))
@@ -160,8 +182,11 @@ def test_triton_cross_entropy_kernels_match_the_torch_path():
     from tpframe.kernels.cross_entropy import logits_grad_, row_stats
 
     torch.manual_seed(1)
-    for n, v, n_valid, dtype in ((1000, 25152, 25100, torch.bfloat16), (77, 5000, 5000, torch.float32),
-                                 (33, 300, 0, torch.bfloat16)):
+    for n, v, n_valid, dtype in (
+        (1000, 25152, 25100, torch.bfloat16),
+        (77, 5000, 5000, torch.float32),
+        (33, 300, 0, torch.bfloat16),
+    ):
         logits = (torch.randn(n, v, device="cuda") * 3).to(dtype)
         target = torch.randint(-1, max(n_valid, 1), (n,), device="cuda")
         if n_valid == 0:
@@ -216,12 +241,18 @@ def _async_tp_layers_match_plain():
 
 @pytest.mark.gpu(count=2)
 def test_async_tp_layers_match_the_plain_sp_layers_at_tp2():
-    for rank_errors in run_distributed(_async_tp_layers_match_plain, 2, backend="nccl",
-                                       env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}):
+    for rank_errors in run_distributed(
+        _async_tp_layers_match_plain,
+        2,
+        backend="nccl",
+        env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"},
+    ):
         for errors in rank_errors:
             # bf16: the pipelined GEMM chunks round and sum in another order than one GEMM + NCCL
-            assert max(errors) <= 1e-2, f"async TP (ring x2, symm_mem x2, copy_engine x2) vs plain (y, grad x, grads fc1.w fc1.b " \
-                                        f"fc2.w fc2.b): {errors}"
+            assert max(errors) <= 1e-2, (
+                f"async TP (ring x2, symm_mem x2, copy_engine x2) vs plain (y, grad x, grads fc1.w fc1.b "
+                f"fc2.w fc2.b): {errors}"
+            )
 
 
 def _gpt_variants_agree(variants):
@@ -231,15 +262,30 @@ def _gpt_variants_agree(variants):
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
-    cfg = ModelConfig(vocab_size=1000, hidden=256, layers=2, heads=8, kv_heads=4, max_seq_len=256, position="rotary",
-                      vocab_multiple=128)
+    cfg = ModelConfig(
+        vocab_size=1000,
+        hidden=256,
+        layers=2,
+        heads=8,
+        kv_heads=4,
+        max_seq_len=256,
+        position="rotary",
+        vocab_multiple=128,
+    )
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda", generator=g)
     out = {}
     for name, (fused, compiled, async_tp) in variants.items():
         tracker = seed_parallel_rng(0)
-        ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, dtype=torch.bfloat16, seed=4,
-                           fused_kernels=fused, async_tp=async_tp)
+        ctx = BuildContext(
+            state.tp_comm,
+            sequence_parallel=True,
+            rng_tracker=tracker,
+            dtype=torch.bfloat16,
+            seed=4,
+            fused_kernels=fused,
+            async_tp=async_tp,
+        )
         model = build_model(cfg, ctx)
         if compiled:
             compile_model(model, fullgraph=True)
@@ -255,13 +301,24 @@ def _gpt_variants_agree(variants):
 
 @pytest.mark.gpu(count=2)
 def test_compiled_fused_and_async_tp_gpt_match_plain_eager_at_tp2():
-    variants = {"plain eager": (False, False, False), "fused": (True, False, False),  # (fused, compiled, async TP)
-                "fused + async TP ring": (True, False, "ring"), "fused + async TP symm_mem": (True, False, "symm_mem"),
-                "fused + async TP copy_engine": (True, False, "copy_engine"),
-                "compiled": (True, True, False), "compiled + async TP": (True, True, "ring"),
-                "compiled + async TP copy_engine": (True, True, "copy_engine")}
-    report = run_distributed(_gpt_variants_agree, 2, variants, backend="nccl", timeout=600,
-                             env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"})[0]
+    variants = {
+        "plain eager": (False, False, False),
+        "fused": (True, False, False),  # (fused, compiled, async TP)
+        "fused + async TP ring": (True, False, "ring"),
+        "fused + async TP symm_mem": (True, False, "symm_mem"),
+        "fused + async TP copy_engine": (True, False, "copy_engine"),
+        "compiled": (True, True, False),
+        "compiled + async TP": (True, True, "ring"),
+        "compiled + async TP copy_engine": (True, True, "copy_engine"),
+    }
+    report = run_distributed(
+        _gpt_variants_agree,
+        2,
+        variants,
+        backend="nccl",
+        timeout=600,
+        env={"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"},
+    )[0]
     for name, (loss_err, grad_err) in report.items():
         assert loss_err <= 1e-2 and grad_err <= 3e-2, f"{name}: loss rel err {loss_err:.2e}, worst grad {grad_err:.2e}"
 
@@ -291,8 +348,13 @@ def test_norm_kernels_match_torch_on_cuda(dtype):
     from tpframe.kernels.norm import _Norm, fused_norm_applies
 
     torch.manual_seed(0)
-    for shape, rms, bias in (((2048, 4, 768), False, True), ((1000, 2048), False, False), ((512, 3, 4096), True, False),
-                             ((7, 5, 1000), True, False), ((3, 1, 16384), False, True)):
+    for shape, rms, bias in (
+        ((2048, 4, 768), False, True),
+        ((1000, 2048), False, False),
+        ((512, 3, 4096), True, False),
+        ((7, 5, 1000), True, False),
+        ((3, 1, 16384), False, True),
+    ):
         h = shape[-1]
         x64 = torch.randn(shape, device="cuda", dtype=torch.float64)
         w64 = 1 + 0.1 * torch.randn(h, device="cuda", dtype=torch.float64)
@@ -333,18 +395,20 @@ def test_row_linear_kernel_matches_cublas_and_runs_only_in_decode_graphs(dtype):
     g = torch.Generator(device="cuda").manual_seed(7)
     for n, k, bias in ((6144, 2048, True), (2048, 5504, False), (50304, 2048, False), (1000, 100, True)):
         x64 = torch.randn(1, 1, k, device="cuda", dtype=torch.float64, generator=g)
-        w64 = torch.randn(n, k, device="cuda", dtype=torch.float64, generator=g) / k ** 0.5
+        w64 = torch.randn(n, k, device="cuda", dtype=torch.float64, generator=g) / k**0.5
         b64 = torch.randn(n, device="cuda", dtype=torch.float64, generator=g) if bias else None
         ref = torch.nn.functional.linear(x64, w64, b64)
         x, w, b = (t.to(dtype) if t is not None else None for t in (x64, w64, b64))
         cublas = rel_err(torch.nn.functional.linear(x, w, b), ref)
         ours = rel_err(gemv.row_linear(x, w, b), ref)
         assert ours <= max(1e-6 if dtype == torch.float32 else 1e-2, 1.01 * cublas), (n, k, ours, cublas)
-    acts = {"swiglu": lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1],
-            "gelu": lambda h: torch.nn.functional.gelu(h, approximate="tanh")}
+    acts = {
+        "swiglu": lambda h: torch.nn.functional.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1],
+        "gelu": lambda h: torch.nn.functional.gelu(h, approximate="tanh"),
+    }
     for name, act in acts.items():  # the MLP's activation inside the kernel, against torch's GEMM + activation
         x64 = torch.randn(1, 2048, device="cuda", dtype=torch.float64, generator=g)
-        w64 = torch.randn(11008, 2048, device="cuda", dtype=torch.float64, generator=g) / 2048 ** 0.5
+        w64 = torch.randn(11008, 2048, device="cuda", dtype=torch.float64, generator=g) / 2048**0.5
         b64 = torch.randn(11008, device="cuda", dtype=torch.float64, generator=g)
         ref = act(torch.nn.functional.linear(x64, w64, b64))
         x, w, b = (t.to(dtype) for t in (x64, w64, b64))

@@ -20,8 +20,9 @@ from tests.reference import assert_close
 from tpframe.models.config import ModelConfig
 
 GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8, position="rotary")
-LLAMA_CFG = dataclasses.replace(GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", activation="swiglu",
-                                bias=False, tie_embeddings=False)
+LLAMA_CFG = dataclasses.replace(
+    GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False
+)
 B, S = 2, 8
 
 
@@ -103,11 +104,20 @@ def _head_loss_matches_unfused(sp: bool, chunk: int):
             x = (scatter_to_sp(x_full, comm) if sp else x_full).clone().requires_grad_()
             head.weight.grad = None
             if fused:
-                loss = vocab_parallel_head_cross_entropy(x, head.weight, target, comm=comm, sequence_parallel=sp,
-                                                         vocab_size=vocab, label_smoothing=smoothing, chunk=chunk)
+                loss = vocab_parallel_head_cross_entropy(
+                    x,
+                    head.weight,
+                    target,
+                    comm=comm,
+                    sequence_parallel=sp,
+                    vocab_size=vocab,
+                    label_smoothing=smoothing,
+                    chunk=chunk,
+                )
             else:
-                loss = vocab_parallel_cross_entropy(head(x), target, comm=comm, vocab_size=vocab,
-                                                    label_smoothing=smoothing)
+                loss = vocab_parallel_cross_entropy(
+                    head(x), target, comm=comm, vocab_size=vocab, label_smoothing=smoothing
+                )
             (loss * grad_out).sum().backward()
             results[fused] = (loss.detach(), x.grad, head.weight.grad.clone())
         case = f"tp={tp} sp={sp} smoothing={smoothing} chunk={chunk}"
@@ -131,8 +141,9 @@ def test_compile_and_async_tp_keys_parse_and_async_tp_needs_sequence_parallel():
 
     from tpframe.training.config import ConfigError, load_config, validate
 
-    cfg = load_config(None, ["train.compile=true", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "parallel.async_tp=true"])
+    cfg = load_config(
+        None, ["train.compile=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.async_tp=true"]
+    )
     validate(cfg, 2)
     assert cfg.train.compile is True and cfg.parallel.async_tp is True
     with pytest.raises(ConfigError, match="parallel.async_tp .* set parallel.sequence_parallel=true"):
@@ -149,7 +160,8 @@ def _train_compiled_and_eager(tmp, common, compiled_extra, fullgraph):
     # aot_eager: AOTAutograd traces forward and backward through the collectives' fake implementations without
     # needing a C++ toolchain; train.py's wiring is what is under test here
     compile_module.compile_model = lambda model, **kw: compiled_blocks.append(
-        inductor(model, backend="aot_eager", fullgraph=fullgraph))
+        inductor(model, backend="aot_eager", fullgraph=fullgraph)
+    )
     torch._dynamo.reset()
     losses = {}
     for name, extra in (("eager", []), ("compiled", ["train.compile=true", *compiled_extra])):
@@ -168,18 +180,21 @@ def _assert_compiled_trains_like_eager(losses, compiled_blocks):
 
 def test_train_compile_and_async_tp_train_like_eager_at_tp2(tmp_path):
     common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3"]
-    losses, compiled_blocks, _ = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), common,
-                                                 ["parallel.async_tp=true"], True, timeout=300)[0]
+    losses, compiled_blocks, _ = run_distributed(
+        _train_compiled_and_eager, 2, str(tmp_path), common, ["parallel.async_tp=true"], True, timeout=300
+    )[0]
     _assert_compiled_trains_like_eager(losses, compiled_blocks)
 
 
 def test_train_compile_with_context_parallelism_trains_like_eager(tmp_path):
     """CP attention runs eager between the compiled parts of each block (one graph break each)."""
     common = ["parallel.tp=1", "parallel.cp=2", "model.position=rotary", "train.steps=3"]
-    losses, compiled_blocks, breaks = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), common, [], False,
-                                                      timeout=300)[0]
+    losses, compiled_blocks, breaks = run_distributed(
+        _train_compiled_and_eager, 2, str(tmp_path), common, [], False, timeout=300
+    )[0]
     _assert_compiled_trains_like_eager(losses, compiled_blocks)
     assert breaks >= 1, "CP attention must run as a graph break (torch.compiler.disable)"
+
 
 def test_rotary_custom_op_has_fake_shapes_for_tracing():
     """torch.compile traces the fused rotary as tpframe::qkv_rotary (and its backward op) through these fakes."""
@@ -207,9 +222,18 @@ def test_gpu_busy_is_the_union_of_kernel_intervals(tmp_path):
     from tpframe.training.profiler import gpu_busy
 
     trace = tmp_path / "t.json"
-    trace.write_text(json.dumps({"traceEvents": [
-        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
-        {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}]}))
+    trace.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10},
+                    {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},
+                    {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5},
+                    {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100},
+                ]
+            }
+        )
+    )
     span, busy = gpu_busy(str(trace))
     assert (span, busy) == (0.025, 0.020)  # 0-15 and 20-25 us busy; host ops ignored
 
@@ -225,11 +249,22 @@ def test_gpu_timeline_counts_the_collective_time_no_computation_hid(tmp_path):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
     trace = tmp_path / "t.json"
-    trace.write_text(json.dumps({"traceEvents": [
-        k("sm90_xmma_gemm_bf16", 0, 100), k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 100),  # 50 us hidden
-        k("vectorized_elementwise_kernel", 120, 10), k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 140, 20),
-        k("two_shot_all_reduce_kernel", 300, 40), k("Memcpy PtoP (Device -> Device)", 330, 20, "gpu_memcpy"),
-        k("layer_norm_fwd", 345, 100), {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 900}]}))
+    trace.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    k("sm90_xmma_gemm_bf16", 0, 100),
+                    k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 100),  # 50 us hidden
+                    k("vectorized_elementwise_kernel", 120, 10),
+                    k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 140, 20),
+                    k("two_shot_all_reduce_kernel", 300, 40),
+                    k("Memcpy PtoP (Device -> Device)", 330, 20, "gpu_memcpy"),
+                    k("layer_norm_fwd", 345, 100),
+                    {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 900},
+                ]
+            }
+        )
+    )
     comm, exposed = gpu_timeline(str(trace))[2:]
     # collectives: 50-160 and 300-350 = 160 us; compute beside them: 50-100, 120-130, 345-350 = 65 us
     assert (round(comm * 1e3, 6), round(exposed * 1e3, 6)) == (160.0, 95.0)
@@ -255,7 +290,9 @@ def test_collective_waits_pairs_the_ranks_nccl_kernels(tmp_path):
     ar = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
     # rank 0 starts collective 1 at 100 us and collective 2 at 400; rank 1 (its clock base 50 us later) at 150
     # (50 us late) and 380 (20 early); each transfer takes 30 us once both are in
-    r0 = trace("dp.json", 0, [k("gemm", 0, 90), k(ar, 100, 80), k("gemm", 110, 300), k(ar, 400, 30), k("adam", 440, 60)])
+    r0 = trace(
+        "dp.json", 0, [k("gemm", 0, 90), k(ar, 100, 80), k("gemm", 110, 300), k(ar, 400, 30), k("adam", 440, 60)]
+    )
     r1 = trace("dp.rank1.json", 50_000, [k("gemm", -40, 180), k(ar, 100, 30), k(ar, 330, 50), k("adam", 390, 60)])
     waits = collective_waits([r0, r1])
     assert waits["collectives"] == 2 and waits["moving_ms"] == 0.06
@@ -279,7 +316,6 @@ def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
     import subprocess
     import sys
     from pathlib import Path
-
     from types import SimpleNamespace
 
     from tpframe.models.config import ModelConfig
@@ -290,14 +326,38 @@ def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
     results = {}
     for nproc, sp in ((1, "0"), (2, "1")):
         env = dict(os.environ, **dims, SP=sp, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                               "--master-port", str(29700 + nproc), str(root / "benchmarks" / "peer_llama.py")],
-                              env=env, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-port",
+                str(29700 + nproc),
+                str(root / "benchmarks" / "peer_llama.py"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
         assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-2000:]
         results[nproc] = re.search(r"flops/token=(\d+):.*loss ([\d.]+)", line[0]).groups()
-    cfg = ModelConfig(vocab_size=50304, hidden=64, layers=2, heads=8, kv_heads=2, max_seq_len=16, position="rotary",
-                      vocab_multiple=128, norm="rmsnorm", activation="swiglu", bias=False)
+    cfg = ModelConfig(
+        vocab_size=50304,
+        hidden=64,
+        layers=2,
+        heads=8,
+        kv_heads=2,
+        max_seq_len=16,
+        position="rotary",
+        vocab_multiple=128,
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+    )
     assert int(results[1][0]) == GPT.flops_per_token(SimpleNamespace(cfg=cfg, comm=SimpleNamespace(size=1)), 16)
     assert results[2] == results[1]  # same FLOPs and the same loss (3 decimals) at TP=2 + SP
 
@@ -310,7 +370,9 @@ def _emulated_tp2_rank():
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
 
-    spec = importlib.util.spec_from_file_location("bench_gpt", Path(__file__).resolve().parent.parent / "benchmarks" / "gpt.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_gpt", Path(__file__).resolve().parent.parent / "benchmarks" / "gpt.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     state = initialize_parallel(tp=1)
@@ -319,8 +381,11 @@ def _emulated_tp2_rank():
     assert torch.equal(state.tp_comm.all_gather(x), torch.cat([x, x]))
     assert torch.equal(state.tp_comm.reduce_scatter(x), x[:3] + x[3:])
     model = build_model(GPT_CFG, BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=seed_parallel_rng(0)))
-    shapes = {name: tuple(m.weight.shape) for name, m in model.named_modules()
-              if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    shapes = {
+        name: tuple(m.weight.shape)
+        for name, m in model.named_modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    }
     ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     loss = model(ids, ids).mean()
     loss.backward()
@@ -332,6 +397,7 @@ def test_emulated_tp_runs_one_ranks_shards_with_local_collectives():
     outputs, half of every row layer's inputs) and trains through the local stand-ins of the collectives."""
     shapes, loss, grads = run_distributed(_emulated_tp2_rank, 1)[0]
     h = GPT_CFG.hidden
-    assert shapes and all((out * 2 in (3 * h, 4 * h) and inp == h) or (out == h and inp * 2 in (h, 4 * h))
-                          for out, inp in shapes.values()), shapes
+    assert shapes and all(
+        (out * 2 in (3 * h, 4 * h) and inp == h) or (out == h and inp * 2 in (h, 4 * h)) for out, inp in shapes.values()
+    ), shapes
     assert math.isfinite(loss) and grads

@@ -23,9 +23,13 @@ from tpframe.parallel.pipeline import SCHEDULES, schedule_order, simulate, split
 
 # -- schedule orders (pure functions) ------------------------------------------------------------
 
-CASES = [(s, pp, m, v) for pp in (2, 3, 4, 8) for m in (pp, 2 * pp, 3 * pp + 1)
-         for s, v in (("afab", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3))
-         if not (s == "interleaved_1f1b" and m % pp)]
+CASES = [
+    (s, pp, m, v)
+    for pp in (2, 3, 4, 8)
+    for m in (pp, 2 * pp, 3 * pp + 1)
+    for s, v in (("afab", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3))
+    if not (s == "interleaved_1f1b" and m % pp)
+]
 
 
 def _orders(schedule, pp, m, v):
@@ -129,8 +133,16 @@ def test_watchdog_names_the_late_receive():
 
 # -- training runs -------------------------------------------------------------------------------
 
-COMMON = ["parallel.tp=1", "model.layers=8", "optim.decay=constant", "optim.grad_clip=0", "train.micro_batch_size=2",
-          "train.eval_interval=10", "train.eval_steps=2", "checkpoint.save_at_end=true"]
+COMMON = [
+    "parallel.tp=1",
+    "model.layers=8",
+    "optim.decay=constant",
+    "optim.grad_clip=0",
+    "train.micro_batch_size=2",
+    "train.eval_interval=10",
+    "train.eval_steps=2",
+    "checkpoint.save_at_end=true",
+]
 PP2 = {  # name -> overrides, at world 2
     "pp2-afab": ["parallel.pp=2", "parallel.pp_schedule=afab"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
@@ -146,16 +158,33 @@ PP4 = {  # at world 4
     "pp4-zb_h1": ["parallel.pp=4", "parallel.pp_schedule=zb_h1"],
     "pp4-interleaved": ["parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
     "pp2-dp2": ["parallel.pp=2", "train.micro_batch_size=1"],
-    "pp2-dp2-zero1-zb_h1": ["parallel.pp=2", "train.micro_batch_size=1", "parallel.dp_strategy=zero1",
-                            "parallel.pp_schedule=zb_h1"],
-    "pp2-dp2-fsdp-interleaved": ["parallel.pp=2", "train.micro_batch_size=1", "parallel.dp_strategy=fsdp",
-                                 "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
+    "pp2-dp2-zero1-zb_h1": [
+        "parallel.pp=2",
+        "train.micro_batch_size=1",
+        "parallel.dp_strategy=zero1",
+        "parallel.pp_schedule=zb_h1",
+    ],
+    "pp2-dp2-fsdp-interleaved": [
+        "parallel.pp=2",
+        "train.micro_batch_size=1",
+        "parallel.dp_strategy=fsdp",
+        "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.virtual_stages=2",
+    ],
     # 15 steps, a checkpoint at step 10 that the resharding runs resume from
-    "tp2-pp2-sp": ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "train.steps=15",
-                   "checkpoint.interval=10", "checkpoint.save_at_end=false"],
+    "tp2-pp2-sp": [
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.sequence_parallel=true",
+        "train.steps=15",
+        "checkpoint.interval=10",
+        "checkpoint.save_at_end=false",
+    ],
 }
-REFERENCE = {"pp1": ["train.steps=15", "checkpoint.interval=10", "checkpoint.save_at_end=false"],
-             "pp1-untied": ["model.tie_embeddings=false"]}
+REFERENCE = {
+    "pp1": ["train.steps=15", "checkpoint.interval=10", "checkpoint.save_at_end=false"],
+    "pp1-untied": ["model.tie_embeddings=false"],
+}
 PP2["tp2-pp1-sp"] = ["parallel.tp=2", "parallel.sequence_parallel=true"]  # TP=2xPP=2's weights are held to this
 REFERENCE_OF = {"pp2-untied": "pp1-untied", "tp2-pp2-sp": "tp2-pp1-sp"}
 
@@ -236,8 +265,18 @@ def test_pp4_schedule_equals_pp1(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2-pp2-sp", "pp2-dp2", "pp2-dp2-zero1-zb_h1", "pp2-dp2-fsdp-interleaved",
-                                  "pp2-recompute-zb_h1", "pp2-untied", "pp2-uneven"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tp2-pp2-sp",
+        "pp2-dp2",
+        "pp2-dp2-zero1-zb_h1",
+        "pp2-dp2-fsdp-interleaved",
+        "pp2-recompute-zb_h1",
+        "pp2-untied",
+        "pp2-uneven",
+    ],
+)
 def test_pp2_composed_with_tp_sp_dp_recompute_untied_head_and_uneven_stages_equals_pp1(runs, name):
     _assert_equal_to_pp1(*runs, name)
 
@@ -272,8 +311,10 @@ def test_export_reads_a_pp4_checkpoint_like_a_pp1_one(runs, tmp_path):
 def test_every_schedule_on_nccl_trains_like_pp1(tmp_path):
     """The same runs over NCCL on 2 GPUs (fp32; GPU kernels need not be bit-reproducible: 1e-4)."""
     gpu = ["parallel.tp=1", "model.layers=8", "optim.decay=constant", "train.micro_batch_size=2", "train.steps=6"]
-    runs = {s: ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.virtual_stages={2 if 'inter' in s else 1}"]
-            for s in SCHEDULES}
+    runs = {
+        s: ["parallel.pp=2", f"parallel.pp_schedule={s}", f"parallel.virtual_stages={2 if 'inter' in s else 1}"]
+        for s in SCHEDULES
+    }
     todo = [(s, [*gpu, *o, f"train.run_dir={tmp_path / s}"]) for s, o in runs.items()]
     out = run_distributed(_histories, 2, todo, backend="nccl", timeout=600)[0]
     ref = run_distributed(_histories, 1, [("pp1", [*gpu, f"train.run_dir={tmp_path / 'pp1'}"])], backend="nccl")[0]
@@ -294,8 +335,16 @@ def _stage_waits_for_a_lost_message(timeout_s):
     cfg = ModelConfig(layers=2, hidden=32, heads=4, max_seq_len=16)
     ctx = BuildContext(state.tp_comm, rng_tracker=seed_parallel_rng(0), device=state.device)
     model = build_stages(cfg, ctx, pp_rank=state.pp_rank, pp=2)
-    pipeline = build_pipeline(state, schedule="1f1b", seq_len=16, micro_batch_size=2, hidden=32,
-                              sequence_parallel=False, dtype=torch.float32, timeout_s=timeout_s)
+    pipeline = build_pipeline(
+        state,
+        schedule="1f1b",
+        seq_len=16,
+        micro_batch_size=2,
+        hidden=32,
+        sequence_parallel=False,
+        dtype=torch.float32,
+        timeout_s=timeout_s,
+    )
     send = pipeline.links.send
     sent = []
 
@@ -337,23 +386,49 @@ def test_a_stage_that_never_receives_stops_with_a_message_naming_stage_micro_bat
 
 BAD_PIPELINE_CONFIGS = [
     (["parallel.pp=2"], "3", "world size 3 is not divisible by parallel.tp*parallel.pp = 1*2"),
-    (["parallel.pp=2", "train.micro_batch_size=8"], "2", "parallel.pp_schedule=1f1b needs the micro-batches per step, "
-     "train.global_batch_size/(train.micro_batch_size*dp) = 1, to be at least parallel.pp=2"),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2", "model.layers=4",
-      "train.micro_batch_size=1", "train.global_batch_size=3"], "2", "to be a multiple of parallel.pp=2"),
-    (["parallel.pp=2", "model.layers=3"], "2",
-     "model.layers=3 is not divisible by parallel.pp*parallel.virtual_stages = 2*1 = 2"),
-    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2", "model.layers=6"], "2",
-     "model.layers=6 is not divisible by parallel.pp*parallel.virtual_stages = 2*2 = 4"),
-    (["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[1,2]"], "2",
-     "parallel.layers_per_stage=[1, 2] must be 2 counts (parallel.pp*parallel.virtual_stages), each at least 1, "
-     "adding up to model.layers=4 (they add up to 3)"),
+    (
+        ["parallel.pp=2", "train.micro_batch_size=8"],
+        "2",
+        "parallel.pp_schedule=1f1b needs the micro-batches per step, "
+        "train.global_batch_size/(train.micro_batch_size*dp) = 1, to be at least parallel.pp=2",
+    ),
+    (
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=interleaved_1f1b",
+            "parallel.virtual_stages=2",
+            "model.layers=4",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=3",
+        ],
+        "2",
+        "to be a multiple of parallel.pp=2",
+    ),
+    (
+        ["parallel.pp=2", "model.layers=3"],
+        "2",
+        "model.layers=3 is not divisible by parallel.pp*parallel.virtual_stages = 2*1 = 2",
+    ),
+    (
+        ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2", "model.layers=6"],
+        "2",
+        "model.layers=6 is not divisible by parallel.pp*parallel.virtual_stages = 2*2 = 4",
+    ),
+    (
+        ["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[1,2]"],
+        "2",
+        "parallel.layers_per_stage=[1, 2] must be 2 counts (parallel.pp*parallel.virtual_stages), each at least 1, "
+        "adding up to model.layers=4 (they add up to 3)",
+    ),
     # the count that breaks the rule is named, not the sum (which is right here)
     (["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[0,4]"], "2", "(a stage of 0 layers)"),
     (["parallel.pp=2", "model.layers=4", "parallel.layers_per_stage=[1,1,2]"], "2", "(it has 3)"),
     (["parallel.pp=2", "parallel.layers_per_stage=three"], "2", "parallel.layers_per_stage='three' must be a list"),
-    (["parallel.pp=2", "parallel.virtual_stages=2"], "2",
-     "parallel.virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b"),
+    (
+        ["parallel.pp=2", "parallel.virtual_stages=2"],
+        "2",
+        "parallel.virtual_stages=2 needs parallel.pp_schedule=interleaved_1f1b",
+    ),
     (["parallel.pp=2", "model.name=examples.parallel_llama:build"], "2", "does not build pipeline stages"),
 ]
 
@@ -364,8 +439,19 @@ def test_bad_pipeline_config_exits_2_with_one_clear_line(overrides, world, messa
 
     for key, value in torchrun_env(int(world)).items():
         monkeypatch.setenv(key, value)
-    code = train.main(with_overrides(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "parallel.tp=1",
-                                      "model.layers=2", "train.global_batch_size=8", "train.micro_batch_size=2"], overrides))
+    code = train.main(
+        with_overrides(
+            [
+                "--config",
+                os.path.join(REPO, "configs", "tiny_cpu.yaml"),
+                "parallel.tp=1",
+                "model.layers=2",
+                "train.global_batch_size=8",
+                "train.micro_batch_size=2",
+            ],
+            overrides,
+        )
+    )
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
@@ -377,10 +463,29 @@ def test_pipeline_benchmark_runs_full_trainer_steps_on_cpu():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "benchmarks/pipeline.py", "hidden=32", "layers=2", "heads=2", "seq=16",
-                          "vocab=128", "dtype=float32", "gbs=4", "steps=2", "warmup=1", "append=0",
-                          "layouts=pp-1f1b,tp-sp", "row_timeout=120", "fwdbwd=1"],
-                         cwd=root, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/pipeline.py",
+            "hidden=32",
+            "layers=2",
+            "heads=2",
+            "seq=16",
+            "vocab=128",
+            "dtype=float32",
+            "gbs=4",
+            "steps=2",
+            "warmup=1",
+            "append=0",
+            "layouts=pp-1f1b,tp-sp",
+            "row_timeout=120",
+            "fwdbwd=1",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     rows = [line for line in out.stdout.splitlines() if line.startswith("| tp=")]
     # two layout rows, then the non-pipelined one's train step against its bare forward+backward
     assert out.returncode == 0 and len(rows) == 3, out.stdout[-2000:] + out.stderr[-2000:]

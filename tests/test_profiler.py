@@ -16,8 +16,16 @@ LAYOUT = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=6"]
 
 
 def _profiled_and_plain(run_dir: str) -> tuple[list[float], list[float]]:
-    profiled = train_in_process([*LAYOUT, f"train.run_dir={run_dir}/p", "profile.start_step=3", "profile.steps=2",
-                                 "profile.ranks=[0, 1]", "profile.record_shapes=true"])
+    profiled = train_in_process(
+        [
+            *LAYOUT,
+            f"train.run_dir={run_dir}/p",
+            "profile.start_step=3",
+            "profile.steps=2",
+            "profile.ranks=[0, 1]",
+            "profile.record_shapes=true",
+        ]
+    )
     plain = train_in_process([*LAYOUT, f"train.run_dir={run_dir}/q"])
     return [r["loss"] for r in profiled], [r["loss"] for r in plain]
 
@@ -27,7 +35,11 @@ def test_profile_writes_each_ranks_trace_and_table_and_trains_the_same(tmp_path)
         assert profiled == plain, "profiling must not change what trains"
     out = tmp_path / "p" / "profile"
     assert sorted(p.name for p in out.iterdir()) == [
-        "steps3-4-rank0.json", "steps3-4-rank0.txt", "steps3-4-rank1.json", "steps3-4-rank1.txt"]
+        "steps3-4-rank0.json",
+        "steps3-4-rank0.txt",
+        "steps3-4-rank1.json",
+        "steps3-4-rank1.txt",
+    ]
     names = {e.get("name") for e in json.loads((out / "steps3-4-rank1.json").read_text())["traceEvents"]}
     assert {"tpframe step 3", "tpframe step 4"} <= names and "tpframe step 5" not in names
     assert "aten::mm" in names and "tpframe step 2" not in names  # the warm-up step is not recorded
@@ -42,8 +54,10 @@ def _two_launches(run_dir: str) -> list[str]:
     import io
 
     outputs = []
-    for overrides in (["train.steps=4", "profile.start_step=4", "profile.steps=3", "checkpoint.save_at_end=true"],
-                      ["train.steps=6", "profile.start_step=2", "checkpoint.auto_resume=true"]):
+    for overrides in (
+        ["train.steps=4", "profile.start_step=4", "profile.steps=3", "checkpoint.save_at_end=true"],
+        ["train.steps=6", "profile.start_step=2", "checkpoint.auto_resume=true"],
+    ):
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
             train_in_process([f"train.run_dir={run_dir}", "parallel.tp=1", *overrides])
@@ -77,21 +91,35 @@ def test_the_window_records_exactly_its_steps(tmp_path, steps):
     from tpframe.training.profiler import ProfileConfig, StepProfiler
 
     lines = []
-    prof = StepProfiler.open(ProfileConfig(start_step=2, steps=steps), rank=0, device=torch.device("cpu"),
-                             run_dir=tmp_path, log=lines.append)
+    prof = StepProfiler.open(
+        ProfileConfig(start_step=2, steps=steps), rank=0, device=torch.device("cpu"), run_dir=tmp_path, log=lines.append
+    )
     for step in range(1, 7):
         prof.before_step(step)
         torch.ones(4, 4) @ torch.ones(4, 4)
         prof.after_step(step)
     prof.close()
-    names = {e.get("name") for e in json.loads(next(Path(tmp_path, "profile").glob("*.json")).read_text())["traceEvents"]}
-    assert {n for n in names if n and n.startswith("tpframe step")} == {f"tpframe step {s}" for s in range(2, 2 + steps)}
+    names = {
+        e.get("name") for e in json.loads(next(Path(tmp_path, "profile").glob("*.json")).read_text())["traceEvents"]
+    }
+    assert {n for n in names if n and n.startswith("tpframe step")} == {
+        f"tpframe step {s}" for s in range(2, 2 + steps)
+    }
     assert len(lines) == 1 and "written to" in lines[0]
 
 
 def _profile_on_cuda(run_dir: str) -> None:
-    train_in_process([f"train.run_dir={run_dir}", "parallel.tp=1", "train.dtype=bfloat16", "train.steps=4",
-                      "profile.start_step=2", "profile.steps=2", "profile.memory=true"])
+    train_in_process(
+        [
+            f"train.run_dir={run_dir}",
+            "parallel.tp=1",
+            "train.dtype=bfloat16",
+            "train.steps=4",
+            "profile.start_step=2",
+            "profile.steps=2",
+            "profile.memory=true",
+        ]
+    )
 
 
 @pytest.mark.gpu(count=1)
@@ -102,8 +130,9 @@ def test_profile_on_cuda_has_kernel_times_the_idle_time_and_a_memory_snapshot(tm
     out = tmp_path / "profile"
     table = (out / "steps2-3-rank0.txt").read_text()
     assert "Self CUDA" in table and "GPU timeline of the steps" in table and "idle" in table
-    kernels = [e for e in json.loads((out / "steps2-3-rank0.json").read_text())["traceEvents"]
-               if e.get("cat") == "kernel"]
+    kernels = [
+        e for e in json.loads((out / "steps2-3-rank0.json").read_text())["traceEvents"] if e.get("cat") == "kernel"
+    ]
     assert len(kernels) > 50, "the CUDA kernels of two steps are in the trace"
     snapshot = pickle.loads((out / "steps2-3-rank0-memory.pickle").read_bytes())
     assert snapshot["segments"] and any(t for t in snapshot.get("device_traces", [])), "allocations were recorded"

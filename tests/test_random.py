@@ -81,8 +81,15 @@ def _checkpointed_block_grads(use_checkpoint: bool):
     y.square().sum().backward()
     with tracker.fork():
         next_tp = torch.rand(4)
-    return {"y": y.detach(), "gx": x.grad, "g1": fc1.weight.grad, "g2": fc2.weight.grad,
-            "next_default": torch.rand(4), "next_tp": next_tp, "rank": state.rank}
+    return {
+        "y": y.detach(),
+        "gx": x.grad,
+        "g1": fc1.weight.grad,
+        "g2": fc2.weight.grad,
+        "next_default": torch.rand(4),
+        "next_tp": next_tp,
+        "rank": state.rank,
+    }
 
 
 def test_checkpoint_recompute_gives_identical_grads():

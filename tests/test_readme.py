@@ -73,12 +73,22 @@ def readme_blocks(text: str) -> list[Block]:
             prev -= 1
         marker = MARKER.match(lines[prev].strip()) if prev >= 0 else None
         if marker is None:
-            raise ValueError(f"README.md:{i + 1}: a ```{fence.group(1)} block without a marker; put "
-                             "'<!-- readme-test: run -->' or '<!-- readme-test: skip: <why> -->' on the line before it")
+            raise ValueError(
+                f"README.md:{i + 1}: a ```{fence.group(1)} block without a marker; put "
+                "'<!-- readme-test: run -->' or '<!-- readme-test: skip: <why> -->' on the line before it"
+            )
         run = marker.group(1).startswith("run")
-        blocks.append(Block(i + 1, fence.group(1), "\n".join(lines[i + 1 : end]) + "\n", "run" if run else "skip",
-                            int(marker.group(2)) if marker.group(2) else None, marker.group(4) or "",
-                            bool(marker.group(3))))
+        blocks.append(
+            Block(
+                i + 1,
+                fence.group(1),
+                "\n".join(lines[i + 1 : end]) + "\n",
+                "run" if run else "skip",
+                int(marker.group(2)) if marker.group(2) else None,
+                marker.group(4) or "",
+                bool(marker.group(3)),
+            )
+        )
         i = end + 1
     return blocks
 
@@ -90,8 +100,12 @@ def rewrite_bash(code: str) -> str:
         command, _, comment = line.partition(" #") if not line.lstrip().startswith("#") else ("", "", line)
         parts = [p.strip() for p in command.split("&&") if p.strip()]
         parts = [p for p in parts if not p.startswith("pip install") and not p.startswith("python -m pytest")]
-        parts = [f"{SHORT_KEYS.sub('', p).rstrip()} {' '.join(SHORT)}" if re.search(r"\btrain\.py\b", p) and "--help" not in p
-                 else p for p in parts]
+        parts = [
+            f"{SHORT_KEYS.sub('', p).rstrip()} {' '.join(SHORT)}"
+            if re.search(r"\btrain\.py\b", p) and "--help" not in p
+            else p
+            for p in parts
+        ]
         if parts:
             out.append(" && ".join(parts))
     return "\n".join(out) + "\n"
@@ -119,8 +133,9 @@ def test_every_readme_block_is_marked():
 def test_train_help_single_process_command_is_in_readme():
     """`train.py --help` shows a one-process command; the README runs the same command."""
     doc = (ROOT / "train.py").read_text().split('"""')[1]
-    command = next(line.split("#")[0].strip() for line in doc.splitlines()
-                   if line.strip().startswith("python train.py"))
+    command = next(
+        line.split("#")[0].strip() for line in doc.splitlines() if line.strip().startswith("python train.py")
+    )
     runs = "".join(b.code for b in readme_blocks(README.read_text()) if b.action == "run")
     assert command in runs, f"train.py's docstring shows {command!r}, which no README run block has"
 
@@ -131,8 +146,10 @@ def test_every_config_key_the_readme_names_exists():
 
     from tpframe.training.config import Config
 
-    sections = {f.name: {g.name for g in dataclasses.fields(f.type if isinstance(f.type, type) else f.default_factory())}
-                for f in dataclasses.fields(Config)}
+    sections = {
+        f.name: {g.name for g in dataclasses.fields(f.type if isinstance(f.type, type) else f.default_factory())}
+        for f in dataclasses.fields(Config)
+    }
     key = r"`(?:[a-z_]+\.)?\b(" + "|".join(sections) + r")\.([a-z_0-9]+)(?:[=:][^`]*)?`"  # `k`, `k=v`, `a.k: v`
     named = {(s, k) for s, k in re.findall(key, README.read_text()) if k not in ("py", "safetensors", "main")}
     unknown = sorted(f"{s}.{k}" for s, k in named if k not in sections[s])
@@ -150,8 +167,10 @@ def _run_block(b: Block, work: Path, env: dict) -> str | None:
         cmd = [*(launcher if b.nproc else [sys.executable]), str(script)]
     result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
-        return (f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n{cmd[-1]}\n"
-                f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+        return (
+            f"README.md:{b.line} ({b.lang}) failed with exit code {result.returncode}:\n{cmd[-1]}\n"
+            f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+        )
     warned = [line for line in result.stderr.splitlines() if "Warning" in line]
     if warned:
         return f"README.md:{b.line} ({b.lang}) printed warnings a user would see: {warned[:3]}"

@@ -11,7 +11,9 @@ from tests.training_utils import train_in_process
 S, B = 16, 2
 
 
-def _model_case(arch: dict, sp: bool, compiled: bool, modes: tuple[str, ...] = ("none", "selective", "full", "first 1")):
+def _model_case(
+    arch: dict, sp: bool, compiled: bool, modes: tuple[str, ...] = ("none", "selective", "full", "first 1")
+):
     """Per mode: (loss, grads, bytes of the tensors the forward keeps for backward) on this rank."""
     from tpframe.models import BuildContext, build_model
     from tpframe.models.compile import compile_model
@@ -24,13 +26,22 @@ def _model_case(arch: dict, sp: bool, compiled: bool, modes: tuple[str, ...] = (
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    modes = {name: fields for name, fields in (
-        ("none", {}), ("selective", dict(selective_recompute=True)), ("full", dict(activation_checkpointing=True)),
-        ("first 1", dict(activation_checkpointing=True, recompute_layers=1))) if name in modes}
+    modes = {
+        name: fields
+        for name, fields in (
+            ("none", {}),
+            ("selective", dict(selective_recompute=True)),
+            ("full", dict(activation_checkpointing=True)),
+            ("first 1", dict(activation_checkpointing=True, recompute_layers=1)),
+        )
+        if name in modes
+    }
     out = {}
     for name, fields in modes.items():
         tracker = seed_parallel_rng(0)
-        model = build_model(cfg, BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=tracker, seed=3, **fields))
+        model = build_model(
+            cfg, BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=tracker, seed=3, **fields)
+        )
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         if compiled:
             compile_model(model, fullgraph=True)
@@ -73,10 +84,10 @@ def test_recomputed_output_frees_its_storage_and_gives_the_plain_gradients(fn):
     y = torch.nn.functional.linear(held.output, w)  # saves held.output for the weight gradient
     held.discard(after=y)
     assert held.output.untyped_storage().nbytes() == 0
-    (y ** 2).sum().backward(retain_graph=True)
+    (y**2).sum().backward(retain_graph=True)
     assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
     with pytest.raises(RuntimeError, match="one backward per forward"):
-        (y ** 2).sum().backward()
+        (y**2).sum().backward()
 
 
 GPT = dict()
@@ -99,10 +110,12 @@ def _check(results, promised, case, exact):
     # LayerNorm and GELU keep exactly the promised tensors; torch's RMSNorm and SwiGLU are several ops each, whose
     # intermediates (x^2, rstd, silu(gate)) selective recompute frees as well
     assert saved == promised if exact else saved >= promised, (
-        f"{case}: selective kept {saved} fewer bytes, promised {promised}")
+        f"{case}: selective kept {saved} fewer bytes, promised {promised}"
+    )
     if "first 1" in results:
         assert results["full"][2] < results["first 1"][2] < results["none"][2], (
-            f"{case}: kept bytes full {results['full'][2]}, first 1 {results['first 1'][2]}, none {ref_bytes}")
+            f"{case}: kept bytes full {results['full'][2]}, first 1 {results['first 1'][2]}, none {ref_bytes}"
+        )
 
 
 def _eager_cases():
@@ -137,8 +150,9 @@ def test_compiled_selective_recompute_keeps_what_eager_does_at_tp2_sp():
 
 
 def _user_model_case():
-    results, _ = _model_case(dict(LLAMA, name="examples.parallel_llama:build"), True, compiled=False,
-                             modes=("none", "full", "first 1"))
+    results, _ = _model_case(
+        dict(LLAMA, name="examples.parallel_llama:build"), True, compiled=False, modes=("none", "full", "first 1")
+    )
     (loss, grads, none), full, first = results["none"], results["full"][2], results["first 1"][2]
     for name in ("full", "first 1"):
         torch.testing.assert_close(results[name][0], loss, rtol=1e-6, atol=0)
@@ -151,12 +165,22 @@ def test_the_user_model_example_honours_recompute_layers():
 
 
 def _train(tmp: str):
-    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1", "model.attention_dropout=0.1",
-              "train.steps=4"]
-    runs = {"none": [], "selective": ["parallel.activation_checkpointing=selective"],
-            "full, first 1": ["parallel.activation_checkpointing=full", "parallel.recompute_layers=1"]}
-    return {name: [r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{i}"])]
-            for i, (name, extra) in enumerate(runs.items())}
+    common = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "model.dropout=0.1",
+        "model.attention_dropout=0.1",
+        "train.steps=4",
+    ]
+    runs = {
+        "none": [],
+        "selective": ["parallel.activation_checkpointing=selective"],
+        "full, first 1": ["parallel.activation_checkpointing=full", "parallel.recompute_layers=1"],
+    }
+    return {
+        name: [r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{i}"])]
+        for i, (name, extra) in enumerate(runs.items())
+    }
 
 
 def test_train_py_recompute_modes_change_no_bit_with_dropout_at_tp2_sp(tmp_path):
@@ -168,10 +192,15 @@ def test_train_py_recompute_modes_change_no_bit_with_dropout_at_tp2_sp(tmp_path)
 def _pipeline_and_fsdp(tmp: str):
     out = {}
     pp = ["parallel.pp=2", "parallel.tp=1", "model.layers=4", "train.steps=3"]
-    for layout, common in (("pp=2", pp), ("pp=2 zb_h1", [*pp, "parallel.pp_schedule=zb_h1"]),
-                           ("fsdp dp=2", ["parallel.tp=1", "parallel.dp_strategy=fsdp", "train.steps=3"])):
-        out[layout] = [[r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{layout}{i}"])]
-                       for i, extra in enumerate(([], ["parallel.activation_checkpointing=selective"]))]
+    for layout, common in (
+        ("pp=2", pp),
+        ("pp=2 zb_h1", [*pp, "parallel.pp_schedule=zb_h1"]),
+        ("fsdp dp=2", ["parallel.tp=1", "parallel.dp_strategy=fsdp", "train.steps=3"]),
+    ):
+        out[layout] = [
+            [r["loss"] for r in train_in_process([*common, *extra, f"train.run_dir={tmp}/{layout}{i}"])]
+            for i, extra in enumerate(([], ["parallel.activation_checkpointing=selective"]))
+        ]
     return out
 
 
@@ -197,8 +226,17 @@ def _cuda_case(compiled: bool):
     out = {}
     for name in ("none", "selective"):
         tracker = seed_parallel_rng(0)
-        model = build_model(cfg, BuildContext(state.tp_comm, rng_tracker=tracker, seed=3, dtype=torch.bfloat16,
-                                              device=state.device, selective_recompute=name == "selective"))
+        model = build_model(
+            cfg,
+            BuildContext(
+                state.tp_comm,
+                rng_tracker=tracker,
+                seed=3,
+                dtype=torch.bfloat16,
+                device=state.device,
+                selective_recompute=name == "selective",
+            ),
+        )
         if compiled:
             compile_model(model, fullgraph=True)
             model(ids, ids).mean().backward()  # compile outside the measured step

@@ -37,11 +37,21 @@ MICRO, GLOBAL = 2, 8  # world 1: 4 micro-batches per step; DP=2: 2 per rank
 
 def _overrides(tmp, hp: dict, clip: float, decay: str, decay_fraction=None) -> list[str]:
     out = [
-        "train.dtype=float32", f"train.steps={STEPS}", f"train.micro_batch_size={MICRO}",
-        f"train.global_batch_size={GLOBAL}", f"optim.lr={hp['lr']}", f"optim.min_lr={hp['min_lr']}",
-        f"optim.warmup_steps={hp['warmup']}", f"optim.weight_decay={hp['weight_decay']}", f"optim.beta1={hp['beta1']}",
-        f"optim.beta2={hp['beta2']}", f"optim.eps={hp['eps']}", f"optim.grad_clip={clip}", f"optim.decay={decay}",
-        f"train.run_dir={tmp}", "checkpoint.interval=0",
+        "train.dtype=float32",
+        f"train.steps={STEPS}",
+        f"train.micro_batch_size={MICRO}",
+        f"train.global_batch_size={GLOBAL}",
+        f"optim.lr={hp['lr']}",
+        f"optim.min_lr={hp['min_lr']}",
+        f"optim.warmup_steps={hp['warmup']}",
+        f"optim.weight_decay={hp['weight_decay']}",
+        f"optim.beta1={hp['beta1']}",
+        f"optim.beta2={hp['beta2']}",
+        f"optim.eps={hp['eps']}",
+        f"optim.grad_clip={clip}",
+        f"optim.decay={decay}",
+        f"train.run_dir={tmp}",
+        "checkpoint.interval=0",
     ]
     if decay_fraction is not None:
         out.append(f"optim.decay_fraction={decay_fraction}")
@@ -72,8 +82,11 @@ def _tpframe_run(overrides: list[str]) -> dict:
     finally:
         train._build_model = build
     state = trainer.strategy.state_dict()
-    rec["final"] = {k: (tuple(v.size()), [(o, t.detach().clone()) for o, t in v.pieces])
-                    for k, v in state.items() if isinstance(v, LogicalChunks)}
+    rec["final"] = {
+        k: (tuple(v.size()), [(o, t.detach().clone()) for o, t in v.pieces])
+        for k, v in state.items()
+        if isinstance(v, LogicalChunks)
+    }
     rec["step_count"] = float(state["optim/step"].item())
     rec["history"] = [{k: r[k] for k in ("step", "loss", "lr", "grad_norm")} for r in trainer.history]
     rec["model"] = trainer.cfg.model
@@ -105,11 +118,12 @@ def _global_batches(ranks: list[dict], accum: int) -> list[tuple[torch.Tensor, t
         if tp_rank == 0:
             per_dp[dp_rank] = rec["batches"]
         else:  # a TP peer was fed the very same tokens
-            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                       for a, b in zip(rec["batches"], per_dp[dp_rank]))
+            assert all(
+                torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(rec["batches"], per_dp[dp_rank])
+            )
     out = []
     for step in range(STEPS):
-        micro = [b for dp in sorted(per_dp) for b in per_dp[dp][step * accum:(step + 1) * accum]]
+        micro = [b for dp in sorted(per_dp) for b in per_dp[dp][step * accum : (step + 1) * accum]]
         out.append((torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])))
     return out
 
@@ -122,7 +136,9 @@ def plain_torch_training(cfg, initial: dict, batches, hp: dict, clip: float, dec
     no_decay = [p for p in P.values() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay_params, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+        lr=hp["lr"],
+        betas=(hp["beta1"], hp["beta2"]),
+        eps=hp["eps"],
     )
     history = []
     for step, (ids, labels) in enumerate(batches):
@@ -169,8 +185,14 @@ def _weights_and_moments_agree(case: str, final: dict, P: dict, opt, initial: di
         assert err <= tol, f"{case}: {key} differs from plain torch's by {err:.2e} of its {of}"
 
 
-LLAMA = ["model.norm=rmsnorm", "model.position=rotary", "model.activation=swiglu", "model.bias=false",
-         "model.tie_embeddings=false", "model.kv_heads=2"]
+LLAMA = [
+    "model.norm=rmsnorm",
+    "model.position=rotary",
+    "model.activation=swiglu",
+    "model.bias=false",
+    "model.tie_embeddings=false",
+    "model.kv_heads=2",
+]
 # name: (tp, dp, train.py overrides, optim.decay, optim.decay_fraction); world = tp * dp
 CASES = {
     "gpt-tied-1-rank-cosine": (1, 1, [], "cosine", None),

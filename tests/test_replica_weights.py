@@ -11,8 +11,9 @@ from tests.test_ops_faults import _main
 from tests.training_utils import REPO, TINY, merge_overrides
 from tpframe.training.replica_weights import FAULT_FLIP_ENV, weight_hash
 
-ARGS = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY,
-                       ["train.steps=6", "train.micro_batch_size=2"])
+ARGS = merge_overrides(
+    ["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY, ["train.steps=6", "train.micro_batch_size=2"]
+)
 
 
 # -- the hash ----------------------------------------------------------------------------------------
@@ -41,8 +42,14 @@ def _main_and_dir(args, tmp):
 
 def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
     """TP=2 x DP=2, zero1 with the all-gather overlapped: compared every 2 steps, the same losses as without."""
-    args = [*ARGS, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_strategy=zero1",
-            "parallel.overlap_param_gather=true", "train.global_batch_size=8"]
+    args = [
+        *ARGS,
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.dp_strategy=zero1",
+        "parallel.overlap_param_gather=true",
+        "train.global_batch_size=8",
+    ]
     with_check = run_distributed(_main_and_dir, 4, [*args, "train.compare_replicas_every=2"], tmp_path / "on")
     without = run_distributed(_main_and_dir, 4, args, tmp_path / "off")
     code, err, out = with_check[0]
@@ -53,15 +60,23 @@ def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
     def losses(folder):
         import json
 
-        return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()
-                if '"loss"' in line and '"eval' not in line]
+        return [
+            json.loads(line)["loss"]
+            for line in (folder / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"eval' not in line
+        ]
 
     assert losses(tmp_path / "on") == losses(tmp_path / "off") and len(losses(tmp_path / "on")) == 6
 
 
 def test_a_flipped_bit_on_one_dp_rank_stops_training_before_that_steps_checkpoint(tmp_path):
-    args = [*ARGS, "parallel.tp=1", "train.compare_replicas_every=2", "checkpoint.interval=2",
-            f"train.run_dir={tmp_path}"]
+    args = [
+        *ARGS,
+        "parallel.tp=1",
+        "train.compare_replicas_every=2",
+        "checkpoint.interval=2",
+        f"train.run_dir={tmp_path}",
+    ]
     results = run_distributed(_main, 2, args, env={FAULT_FLIP_ENV: "4:1"})
     for code, err, _ in results:
         assert code == 3, err[-2000:]
@@ -74,29 +89,44 @@ def test_a_flipped_bit_on_one_dp_rank_stops_training_before_that_steps_checkpoin
 
 def test_a_tp_replicated_weight_that_drifted_is_found_over_tp(tmp_path):
     """TP=2 alone: the norms' and row-parallel biases' copies on the two TP ranks."""
-    args = [*ARGS, "parallel.tp=2", "train.global_batch_size=2", "train.compare_replicas_every=1",
-            f"train.run_dir={tmp_path}"]
+    args = [
+        *ARGS,
+        "parallel.tp=2",
+        "train.global_batch_size=2",
+        "train.compare_replicas_every=1",
+        f"train.run_dir={tmp_path}",
+    ]
     results = run_distributed(_main, 2, args, env={FAULT_FLIP_ENV: "3:1"})
     assert [r[0] for r in results] == [3, 3], results[0][1][-2000:]
     assert "step 3: copies of the weights are no longer identical: tensor-parallel rank 1's copy of" in results[0][1]
 
 
-@pytest.mark.parametrize("override, env, needle", [
-    (["parallel.dp_strategy=fsdp", "train.compare_replicas_every=5"], {}, "fsdp keeps one shard per rank"),
-    (["train.compare_replicas_every=-1"], {}, "train.compare_replicas_every=-1 must be a number of steps >= 0"),
-    (["train.compare_replicas_every=2"], {FAULT_FLIP_ENV: "x"}, f"{FAULT_FLIP_ENV}='x': expected <step>:<rank>"),
-])
+@pytest.mark.parametrize(
+    "override, env, needle",
+    [
+        (["parallel.dp_strategy=fsdp", "train.compare_replicas_every=5"], {}, "fsdp keeps one shard per rank"),
+        (["train.compare_replicas_every=-1"], {}, "train.compare_replicas_every=-1 must be a number of steps >= 0"),
+        (["train.compare_replicas_every=2"], {FAULT_FLIP_ENV: "x"}, f"{FAULT_FLIP_ENV}='x': expected <step>:<rank>"),
+    ],
+)
 def test_refused_in_one_line(tmp_path, override, env, needle):
-    (code, err, _), _ = run_distributed(_main, 2, [*ARGS, "parallel.tp=1", *override, f"train.run_dir={tmp_path}"],
-                                        env=env)
+    (code, err, _), _ = run_distributed(
+        _main, 2, [*ARGS, "parallel.tp=1", *override, f"train.run_dir={tmp_path}"], env=env
+    )
     assert code == 2 and needle in err, err[-2000:]
     assert len([line for line in err.splitlines() if line.startswith("tpframe:")]) == 1
 
 
 def test_the_tied_embedding_of_the_first_and_last_pipeline_stage_is_compared(tmp_path):
     """PP=2: the input embedding (first stage) and the output head (last stage) are one weight held twice."""
-    args = [*ARGS, "parallel.tp=1", "parallel.pp=2", "train.global_batch_size=4", "train.compare_replicas_every=2",
-            f"train.run_dir={tmp_path}"]
+    args = [
+        *ARGS,
+        "parallel.tp=1",
+        "parallel.pp=2",
+        "train.global_batch_size=4",
+        "train.compare_replicas_every=2",
+        f"train.run_dir={tmp_path}",
+    ]
     results = run_distributed(_main, 2, args, env={FAULT_FLIP_ENV: "2:1"})
     assert [r[0] for r in results] == [3, 3], results[0][1][-2000:]
     assert "first/last pipeline stage rank 1's copy of" in results[0][1]
@@ -113,8 +143,14 @@ def test_the_hash_is_the_same_on_the_gpu_as_on_the_cpu(dtype):
 @pytest.mark.gpu(count=2)
 def test_nccl_dp2_bf16_compares_and_stops_on_a_flipped_bit(tmp_path):
     """DP=2 over NCCL in bf16: equal copies pass at steps 2 and 4, a bit flipped on rank 1 stops both at step 6."""
-    args = [*ARGS, "parallel.tp=1", "train.dtype=bfloat16", "train.steps=8", "train.compare_replicas_every=2",
-            f"train.run_dir={tmp_path}"]
+    args = [
+        *ARGS,
+        "parallel.tp=1",
+        "train.dtype=bfloat16",
+        "train.steps=8",
+        "train.compare_replicas_every=2",
+        f"train.run_dir={tmp_path}",
+    ]
     results = run_distributed(_main, 2, args, env={FAULT_FLIP_ENV: "6:1"}, backend="nccl")
     assert [r[0] for r in results] == [3, 3], results[0][1][-2000:]
     assert "step 6: copies of the weights are no longer identical: data-parallel rank 1's copy of" in results[0][1]

@@ -3,8 +3,6 @@
 found (in a hand-built block, and in train.py with a plug-in model, exit code 2 before the first update), while
 correct layers pass at TP 2 and 4, with and without sequence parallelism."""
 
-import os
-import subprocess
 import sys
 import textwrap
 
@@ -12,7 +10,6 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY
 
 
 def _block_spreads(tp: int, sequence_parallel: bool, tag_norm: bool) -> list[tuple[str, float]]:
@@ -30,7 +27,8 @@ def _block_spreads(tp: int, sequence_parallel: bool, tag_norm: bool) -> list[tup
     model = torch.nn.Sequential(
         LayerNorm(h, sequence_parallel=sequence_parallel and tag_norm),
         ColumnParallelLinear(h, 4 * h, sequence_parallel=sequence_parallel, comm=comm),
-        RowParallelLinear(4 * h, h, sequence_parallel=sequence_parallel, comm=comm))
+        RowParallelLinear(4 * h, h, sequence_parallel=sequence_parallel, comm=comm),
+    )
     check = ReplicaGradCheck(model, comm)
     with check:
         for micro_batch in range(2):
@@ -99,10 +97,18 @@ def _train_untagged(plugin_dir: str, run_dir: str, check: bool, strategy: str = 
     from tpframe.errors import ConfigError
 
     sys.path.insert(0, plugin_dir)
-    overrides = ["model.name=untagged_gpt:build", *more, "parallel.tp=2", "parallel.sequence_parallel=true",
-                 "train.steps=3", f"train.run_dir={run_dir}", "checkpoint.save_at_end=true",
-                 f"train.check_replicas={str(check).lower()}", f"parallel.dp_strategy={strategy}",
-                 "train.global_batch_size=16"]
+    overrides = [
+        "model.name=untagged_gpt:build",
+        *more,
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.steps=3",
+        f"train.run_dir={run_dir}",
+        "checkpoint.save_at_end=true",
+        f"train.check_replicas={str(check).lower()}",
+        f"parallel.dp_strategy={strategy}",
+        "train.global_batch_size=16",
+    ]
     try:
         return [r["loss"] for r in train_in_process(overrides)]
     except ConfigError as e:
@@ -110,8 +116,9 @@ def _train_untagged(plugin_dir: str, run_dir: str, check: bool, strategy: str = 
 
 
 @pytest.mark.parametrize("strategy, world", [("ddp", 2), ("fsdp", 4)])  # fsdp: TP=2 x DP=2, grads read from .grad
-def test_train_stops_before_the_first_update_when_a_plugin_model_drops_its_sequence_parallel_tags(tmp_path, strategy,
-                                                                                                 world):
+def test_train_stops_before_the_first_update_when_a_plugin_model_drops_its_sequence_parallel_tags(
+    tmp_path, strategy, world
+):
     (tmp_path / "untagged_gpt.py").write_text(PLUGIN)
     errors = run_distributed(_train_untagged, world, str(tmp_path), str(tmp_path / "run"), True, strategy)
     assert all(isinstance(e, str) for e in errors), errors  # every rank stops before its first update
@@ -127,7 +134,14 @@ def test_every_stage_stops_when_one_pipeline_stages_replicas_disagree(tmp_path):
     """PP=2 x TP=2: only the last stage's TP group finds its untagged final norm; the first stage's ranks stop too
     (a world-wide agreement), rather than wait for activations that never come."""
     (tmp_path / "untagged_gpt.py").write_text(PLUGIN)
-    errors = run_distributed(_train_untagged, 4, str(tmp_path), str(tmp_path / "run"), True, "ddp",
-                             ["model.name=untagged_gpt:build_last_stage", "parallel.pp=2"])
+    errors = run_distributed(
+        _train_untagged,
+        4,
+        str(tmp_path),
+        str(tmp_path / "run"),
+        True,
+        "ddp",
+        ["model.name=untagged_gpt:build_last_stage", "parallel.pp=2"],
+    )
     assert all(e == errors[0] for e in errors), errors  # one line everywhere: rank 0 (stage 0) names them too
     assert "final_norm.weight" in errors[0] and "blocks." not in errors[0], errors[0]

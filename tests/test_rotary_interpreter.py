@@ -9,8 +9,10 @@ import pytest
 
 from tests.test_symm_kernels_interpreter import _interpreter_unusable, run_interpreted
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+    pytest.mark.slow,
+]
 
 
 def _check() -> None:
@@ -22,8 +24,13 @@ def _check() -> None:
     from tpframe.layers.norm import RMSNorm
 
     torch.manual_seed(0)
-    for s, b, nq, nkv, d, table in ((5, 3, 4, 2, 16, "shared"), (5, 3, 4, 2, 16, "per_row"), (1, 4, 2, 2, 8, "per_row"),
-                                    (3, 1, 3, 1, 12, "per_row"), (4, 2, 2, 1, 8, "2d")):
+    for s, b, nq, nkv, d, table in (
+        (5, 3, 4, 2, 16, "shared"),
+        (5, 3, 4, 2, 16, "per_row"),
+        (1, 4, 2, 2, 8, "per_row"),
+        (3, 1, 3, 1, 12, "per_row"),
+        (4, 2, 2, 1, 8, "2d"),
+    ):
         rope = RotaryEmbedding(d, 64)
         if table == "per_row":  # each row at its own positions, as a left-padded generation batch
             positions = torch.stack([torch.arange(s) + 7 * i for i in range(b)])
@@ -53,12 +60,17 @@ def _check() -> None:
             torch.testing.assert_close(t, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} token-major {name}: {m}")
         strided = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grads]
         tm_grad = torch.autograd.grad(tm, x, strided)[0]
-        torch.testing.assert_close(tm_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} token-major grad: {m}")
+        torch.testing.assert_close(
+            tm_grad, ref_grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} token-major grad: {m}"
+        )
     # with Qwen3's query and key RMSNorms in the same pass: outputs, and the gradients of qkv and of both weights
     for s, b, nq, nkv, d, table in ((5, 3, 4, 2, 16, "shared"), (3, 2, 3, 1, 12, "per_row")):
         rope = RotaryEmbedding(d, 64)
-        cos, sin = rope.at(torch.stack([torch.arange(s) + 3 * i for i in range(b)]), torch.float32) \
-            if table == "per_row" else rope(s, torch.float32)
+        cos, sin = (
+            rope.at(torch.stack([torch.arange(s) + 3 * i for i in range(b)]), torch.float32)
+            if table == "per_row"
+            else rope(s, torch.float32)
+        )
         norms = [RMSNorm(d, 1e-5) for _ in "qk"]
         with torch.no_grad():
             for n in norms:
@@ -69,8 +81,9 @@ def _check() -> None:
         inputs = [qkv, *(n.weight for n in norms)]
         ref_grads = torch.autograd.grad(ref, inputs, grads)
         for token_major in (False, True):
-            got = qkv_rotary(qkv, cos, sin, nq, nkv, d, token_major=token_major,
-                             norm=(norms[0].weight, norms[1].weight, 1e-5))
+            got = qkv_rotary(
+                qkv, cos, sin, nq, nkv, d, token_major=token_major, norm=(norms[0].weight, norms[1].weight, 1e-5)
+            )
             got_grads = torch.autograd.grad(got, inputs, grads)
             case = f"qk_norm s={s} b={b} nq={nq} nkv={nkv} d={d} table={table} token_major={token_major}"
             for name, x, y in zip("qkv", got, ref):

@@ -43,8 +43,11 @@ def test_a_checkpoint_dir_shared_by_two_run_dirs_is_locked_too(tmp_path):
         lock.acquire()
     second = locks_of(cfg(tmp_path / "b", str(tmp_path / "ckpt")))
     second[0].acquire()  # its own run dir is free
-    with pytest.raises(ConfigError, match=r"^checkpoint.dir='.*ckpt' is in use by another training .* pick another "
-                                          r"checkpoint.dir$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^checkpoint.dir='.*ckpt' is in use by another training .* pick another "
+        r"checkpoint.dir$",
+    ):
         second[1].acquire()
     for lock in first + second:
         lock.release()

@@ -8,8 +8,10 @@ import pytest
 
 from tests.test_symm_kernels_interpreter import _interpreter_unusable, run_interpreted
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
-              pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+    pytest.mark.slow,
+]
 
 
 def _check() -> None:

@@ -28,8 +28,9 @@ def loop_attention(q, k, v, window, doc_ids=None):
     out = torch.zeros_like(q)
     for row in range(b):
         for i in range(s):
-            keys = [j for j in range(max(0, i - window + 1), i + 1)
-                    if doc_ids is None or doc_ids[row, j] == doc_ids[row, i]]
+            keys = [
+                j for j in range(max(0, i - window + 1), i + 1) if doc_ids is None or doc_ids[row, j] == doc_ids[row, i]
+            ]
             scores = q[row, :, i, None, :] @ k[row][:, keys].transpose(-1, -2) / math.sqrt(d)  # [nq, 1, keys]
             out[row, :, i] = (scores.softmax(-1) @ v[row][:, keys])[:, 0]
     return out
@@ -63,7 +64,9 @@ def test_window_inside_packed_documents_equals_a_per_query_loop(window):
     ref = loop_attention(q, k, v, window, docs.ids)
     assert_close(out, ref, 1e-12, f"window {window} in documents")
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    for name, got, want in zip("qkv", torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+    for name, got, want in zip(
+        "qkv", torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)
+    ):
         assert_close(got, want, 1e-12, f"window {window} in documents: grad of {name}")
 
 
@@ -92,8 +95,17 @@ def test_each_context_parallel_rank_attends_within_the_window(size, window):
 
 
 GPT_CFG = ModelConfig(vocab_size=101, hidden=32, layers=2, heads=4, max_seq_len=16, vocab_multiple=8, sliding_window=5)
-LLAMA_CFG = dataclasses.replace(GPT_CFG, hidden=64, heads=8, kv_heads=4, norm="rmsnorm", position="rotary",
-                                activation="swiglu", bias=False, tie_embeddings=False)
+LLAMA_CFG = dataclasses.replace(
+    GPT_CFG,
+    hidden=64,
+    heads=8,
+    kv_heads=4,
+    norm="rmsnorm",
+    position="rotary",
+    activation="swiglu",
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 def _windowed_gpt_vs_reference(cfg: ModelConfig, sp: bool):
@@ -111,7 +123,9 @@ def _windowed_gpt_vs_reference(cfg: ModelConfig, sp: bool):
     return float((causal - loss.detach()).abs().max())
 
 
-@pytest.mark.parametrize("cfg,tp", [(GPT_CFG, 1), (GPT_CFG, 2), (LLAMA_CFG, 4)], ids=["gpt-tp1", "gpt-tp2-sp", "llama-tp4-sp"])
+@pytest.mark.parametrize(
+    "cfg,tp", [(GPT_CFG, 1), (GPT_CFG, 2), (LLAMA_CFG, 4)], ids=["gpt-tp1", "gpt-tp2-sp", "llama-tp4-sp"]
+)
 def test_a_windowed_gpt_equals_the_reference_at_every_tp(cfg, tp):
     for differs in run_distributed(_windowed_gpt_vs_reference, tp, cfg, tp > 1):
         assert differs > 1e-3
@@ -134,12 +148,14 @@ def test_train_py_trains_a_window_alike_at_tp2_sp_pp2_and_cp2_with_documents(tmp
     documents, which narrow the window further) follow one process; without the window the losses differ."""
     docs = ["model.attention_mask=document", "model.eod_id=10"]
     ref, ref_norms = run_distributed(_losses, 1, [*docs, f"train.run_dir={tmp_path}/ref"])[0]
-    for i, (name, nproc, extra) in enumerate((
-        ("TP=2+SP", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-        ("PP=2", 2, ["parallel.pp=2"]),
-        ("CP=2", 2, ["parallel.cp=2"]),
-        ("CP=2 x TP=2 + SP", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-    )):
+    for i, (name, nproc, extra) in enumerate(
+        (
+            ("TP=2+SP", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+            ("PP=2", 2, ["parallel.pp=2"]),
+            ("CP=2", 2, ["parallel.cp=2"]),
+            ("CP=2 x TP=2 + SP", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        )
+    ):
         losses, norms = run_distributed(_losses, nproc, [*docs, *extra, f"train.run_dir={tmp_path}/{i}"])[0]
         for step, (a, b) in enumerate(zip(losses, ref)):
             assert math.isclose(a, b, rel_tol=1e-5), f"{name}: step {step + 1}: {a} vs {b}"
@@ -157,10 +173,16 @@ def test_compiled_blocks_take_the_window_without_graph_breaks(tmp_path):
     """train.compile=true (aot_eager on the CPU, fullgraph): the band mask traces into each block."""
     from tests.test_perf_paths import _assert_compiled_trains_like_eager, _train_compiled_and_eager
 
-    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=3", "model.position=rotary",
-              "model.sliding_window=6"]
-    losses, compiled_blocks, breaks = run_distributed(_train_compiled_and_eager, 2, str(tmp_path), common, [], True,
-                                                      timeout=300)[0]
+    common = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.steps=3",
+        "model.position=rotary",
+        "model.sliding_window=6",
+    ]
+    losses, compiled_blocks, breaks = run_distributed(
+        _train_compiled_and_eager, 2, str(tmp_path), common, [], True, timeout=300
+    )[0]
     _assert_compiled_trains_like_eager(losses, compiled_blocks)
     assert breaks == 0
 
@@ -190,8 +212,13 @@ def test_flex_window_attention_on_gpu_equals_the_band_mask(dtype, nq, nkv, d):
     assert flex_usable(q.to(dtype), 0.0), "flex_attention is missing: the fast path would not run"
     gqa = nq != nkv
     mask = band(s, s, window, device="cuda")
-    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
-                                                                             enable_gqa=gqa)
+    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,  # noqa: E731
+        enable_gqa=gqa,
+    )
     flex = lambda q, k, v: sliding_window_attention(q, k, v, window, enable_gqa=gqa)  # noqa: E731
     want = _out_and_grads(dense, q, k, v, dout, torch.float64)
     ref = _out_and_grads(dense, q, k, v, dout, dtype)
@@ -229,15 +256,27 @@ def test_context_parallel_chunks_through_flex_on_gpu_equal_the_band_mask(size):
     b, nq, nkv, s, d, window = 2, 8, 2, 2048, 64, 300
     q, k, v, dout = _gpu_inputs(b, nq, nkv, s, d, seed=3)
     mask = band(s, s, window, device="cuda")
-    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
-                                                                             enable_gqa=True)
+    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,  # noqa: E731
+        enable_gqa=True,
+    )
 
     def chunks(q, k, v):  # every rank's rows, put back in sequence order
         out = torch.empty_like(q)
         for rank in range(size):
             rows = local_positions(s // size, rank=rank, size=size, device="cuda")
-            out[:, :, rows] = attend_local_chunks(shard_sequence(q, dim=2, rank=rank, size=size), k, v, rank=rank,
-                                                  size=size, enable_gqa=True, window=window)
+            out[:, :, rows] = attend_local_chunks(
+                shard_sequence(q, dim=2, rank=rank, size=size),
+                k,
+                v,
+                rank=rank,
+                size=size,
+                enable_gqa=True,
+                window=window,
+            )
         return out
 
     want = _out_and_grads(dense, q, k, v, dout, torch.float64)
@@ -261,21 +300,38 @@ def test_window_inside_documents_on_gpu_equals_the_dense_mask():
     ids[torch.rand(b, s, generator=g, device="cuda") < 0.01] = 0  # documents of ~100 tokens
     docs = Documents.from_tokens(ids, 0)
     mask = docs.mask() & band(s, s, window, device="cuda")
-    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # noqa: E731
-                                                                             enable_gqa=True)
+    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,  # noqa: E731
+        enable_gqa=True,
+    )
     want = _out_and_grads(dense, q, k, v, dout, torch.float64)
     ref = _out_and_grads(dense, q, k, v, dout, torch.bfloat16)
-    got = _out_and_grads(lambda q, k, v: document_attention(q, k, v, docs, enable_gqa=True, window=window), q, k, v,
-                         dout, torch.bfloat16)
+    got = _out_and_grads(
+        lambda q, k, v: document_attention(q, k, v, docs, enable_gqa=True, window=window), q, k, v, dout, torch.bfloat16
+    )
     for what, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, want):
         err, ref_err = float((a - w).abs().max()), float((r - w).abs().max())
         assert err <= 2 * ref_err + 1e-3, f"{what}: error {err:.2e} vs bf16 SDPA's {ref_err:.2e}"
 
 
 def _gpu_losses(overrides):
-    return [r["loss"] for r in train_in_process(
-        ["parallel.tp=1", "model.hidden=64", "model.position=rotary", "model.sliding_window=8", "train.dtype=bfloat16",
-         "train.steps=6", *overrides])]
+    return [
+        r["loss"]
+        for r in train_in_process(
+            [
+                "parallel.tp=1",
+                "model.hidden=64",
+                "model.position=rotary",
+                "model.sliding_window=8",
+                "train.dtype=bfloat16",
+                "train.steps=6",
+                *overrides,
+            ]
+        )
+    ]
 
 
 @pytest.mark.gpu(count=1)
@@ -284,10 +340,12 @@ def test_train_py_with_a_window_on_one_gpu_eager_compiled_and_graphed(tmp_path):
     captured in a CUDA graph; without the window it computes something else."""
     eager = run_distributed(_gpu_losses, 1, [f"train.run_dir={tmp_path}/a"], backend="nccl")[0]
     for name, extra in (("train.compile", ["train.compile=true"]), ("train.cuda_graph", ["train.cuda_graph=true"])):
-        other = run_distributed(_gpu_losses, 1, [*extra, f"train.run_dir={tmp_path}/{name}"], backend="nccl",
-                                timeout=300)[0]
+        other = run_distributed(
+            _gpu_losses, 1, [*extra, f"train.run_dir={tmp_path}/{name}"], backend="nccl", timeout=300
+        )[0]
         for step, (a, b) in enumerate(zip(other, eager)):
             assert math.isclose(a, b, rel_tol=2e-2), f"{name}: step {step + 1}: {a} vs {b}"
-    full = run_distributed(_gpu_losses, 1, ["model.sliding_window=null", f"train.run_dir={tmp_path}/full"],
-                           backend="nccl")[0]
+    full = run_distributed(
+        _gpu_losses, 1, ["model.sliding_window=null", f"train.run_dir={tmp_path}/full"], backend="nccl"
+    )[0]
     assert abs(full[1] - eager[1]) > 1e-3 and eager[-1] < eager[0] - 0.5

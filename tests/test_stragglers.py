@@ -10,8 +10,11 @@ from tests.dist_utils import run_distributed
 from tests.test_ops_faults import _main
 from tests.training_utils import REPO, TINY, merge_overrides
 
-ARGS = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")], TINY,
-                       ["train.steps=4", "train.micro_batch_size=2", "parallel.tp=1", "logging.interval=2"])
+ARGS = merge_overrides(
+    ["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")],
+    TINY,
+    ["train.steps=4", "train.micro_batch_size=2", "parallel.tp=1", "logging.interval=2"],
+)
 
 
 def _slow_rank(args, slow: int):
@@ -45,7 +48,9 @@ def test_a_slow_data_parallel_rank_is_named(tmp_path):
     assert len(lines) == 2 and all(x.startswith("straggler: rank 1 spent") for x in lines), out[-2000:]
     assert "the median" in lines[0] and "of the 2 ranks" in lines[0]
     records = _records(tmp_path)
-    assert records and all(r["slowest_rank"] == 1 and type(r["slowest_rank"]) is int and r["fwd_bwd_max_ms"] > 200 for r in records), records
+    assert records and all(
+        r["slowest_rank"] == 1 and type(r["slowest_rank"]) is int and r["fwd_bwd_max_ms"] > 200 for r in records
+    ), records
 
 
 def test_under_pipeline_parallelism_each_stage_is_compared_with_its_own_replicas(tmp_path):
@@ -60,5 +65,7 @@ def test_under_pipeline_parallelism_each_stage_is_compared_with_its_own_replicas
 
 @pytest.mark.parametrize("value", ["0.5", "-1"])
 def test_a_ratio_below_one_is_refused(tmp_path, value):
-    (code, err, _), _ = run_distributed(_main, 2, [*ARGS, f"logging.straggler_ratio={value}", f"train.run_dir={tmp_path}"])
+    (code, err, _), _ = run_distributed(
+        _main, 2, [*ARGS, f"logging.straggler_ratio={value}", f"train.run_dir={tmp_path}"]
+    )
     assert code == 2 and "must be 0 (off) or at least 1" in err, err[-2000:]

@@ -53,7 +53,9 @@ def _every_kernel_matches_nccl():
                 out = torch.full_like(x, float("nan"))
                 k.all_reduce(x, out, algo)
                 if not _close(out, ref, dtype):
-                    failures.append(f"all_reduce {algo} {dtype} n={numel}: max err {(out.float() - ref.float()).abs().max()}")
+                    failures.append(
+                        f"all_reduce {algo} {dtype} n={numel}: max err {(out.float() - ref.float()).abs().max()}"
+                    )
                 # every rank must hold the same bits (replicated tensors stay in sync)
                 gathered = comm.nccl.all_gather(out.view(1, -1))
                 if not all(torch.equal(gathered[0], g) for g in gathered):
@@ -106,8 +108,13 @@ def _thousand_calls():
     k = comm.symm.kernels
 
     def calls():
-        return [comm.all_reduce(small), comm.all_reduce(big), comm.all_gather(shard), comm.reduce_scatter(big),
-                k.all_reduce(small, torch.empty_like(small), "push")]
+        return [
+            comm.all_reduce(small),
+            comm.all_reduce(big),
+            comm.all_gather(shard),
+            comm.reduce_scatter(big),
+            k.all_reduce(small, torch.empty_like(small), "push"),
+        ]
 
     first = calls()
     drift = torch.zeros((), device="cuda")
@@ -117,11 +124,13 @@ def _thousand_calls():
             drift = torch.maximum(drift, (o.float() - f.float()).abs().max())
         if i % 100 == 0:
             comm.barrier()
-    ok = [_close(first[0], _nccl(comm, "all_reduce", small), torch.bfloat16),
-          _close(first[1], _nccl(comm, "all_reduce", big), torch.bfloat16),
-          torch.equal(first[2], _nccl(comm, "all_gather", shard)),
-          _close(first[3], _nccl(comm, "reduce_scatter", big), torch.bfloat16),
-          _close(first[4], first[0], torch.bfloat16)]
+    ok = [
+        _close(first[0], _nccl(comm, "all_reduce", small), torch.bfloat16),
+        _close(first[1], _nccl(comm, "all_reduce", big), torch.bfloat16),
+        torch.equal(first[2], _nccl(comm, "all_gather", shard)),
+        _close(first[3], _nccl(comm, "reduce_scatter", big), torch.bfloat16),
+        _close(first[4], first[0], torch.bfloat16),
+    ]
     return float(drift), ok, _pad_sum(comm)
 
 
@@ -138,8 +147,12 @@ def _graph_replays():
     static = {name: torch.zeros(s, device="cuda", dtype=torch.bfloat16) for name, s in shapes.items()}
 
     def step():
-        return [comm.all_reduce(static["ar_small"]), comm.all_reduce(static["ar_big"]),
-                comm.all_gather(static["ag"]), comm.reduce_scatter(static["rs"])]
+        return [
+            comm.all_reduce(static["ar_small"]),
+            comm.all_reduce(static["ar_big"]),
+            comm.all_gather(static["ag"]),
+            comm.reduce_scatter(static["rs"]),
+        ]
 
     for t in static.values():
         t.copy_(torch.randn_like(t))
@@ -158,8 +171,12 @@ def _graph_replays():
         for o in outs:
             o.fill_(float("nan"))
         graph.replay()
-        refs = [_nccl(comm, "all_reduce", static["ar_small"]), _nccl(comm, "all_reduce", static["ar_big"]),
-                _nccl(comm, "all_gather", static["ag"]), _nccl(comm, "reduce_scatter", static["rs"])]
+        refs = [
+            _nccl(comm, "all_reduce", static["ar_small"]),
+            _nccl(comm, "all_reduce", static["ar_big"]),
+            _nccl(comm, "all_gather", static["ag"]),
+            _nccl(comm, "reduce_scatter", static["rs"]),
+        ]
         for name, o, r in zip(("ar_small", "ar_big", "ag", "rs"), outs, refs):
             if not _close(o, r, torch.bfloat16):
                 failures.append(f"replay {replay} {name}")

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 
-
 def _interpreter_unusable() -> str:
     """Why Triton's interpreter cannot run here ('' if it can). Triton is not imported here: TRITON_INTERPRET
     must be set (in the rank processes) before triton is first imported."""
@@ -41,12 +40,21 @@ def run_interpreted(module: str) -> None:
     from tests.training_utils import REPO
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", f"from tests.{module} import _check; _check()"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", f"from tests.{module} import _check; _check()"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
 
 
-pytestmark = [pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(bool(_interpreter_unusable()), reason=_interpreter_unusable() or "-"),
+    pytest.mark.slow,
+]
 
 BUF_BYTES = 1 << 20
 PAD_SLOTS = 64
@@ -79,7 +87,7 @@ def _worker(rank, world, bufs, pads, cases, results):
                 out = torch.full((numel,), float("nan"), dtype=dtype)
                 k.reduce_scatter(x, out)
                 full = sum(_rank_data(seed, r, numel * world, dtype).double() for r in range(world))
-                ref, exact = full[rank * numel:(rank + 1) * numel], False
+                ref, exact = full[rank * numel : (rank + 1) * numel], False
             else:
                 x = _rank_data(seed, rank, numel, dtype)
                 if zero_copy:  # the caller wrote its input into the symmetric buffer: no staging copy
@@ -97,7 +105,9 @@ def _worker(rank, world, bufs, pads, cases, results):
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 ok = bad == 0 and torch.allclose(out.double(), ref, rtol=tol, atol=tol * world)
             if not ok:
-                errors.append(f"{op} n={numel} {dtype}: {bad} unwritten, max err {(out.double() - ref).abs().max():.3g}")
+                errors.append(
+                    f"{op} n={numel} {dtype}: {bad} unwritten, max err {(out.double() - ref).abs().max():.3g}"
+                )
         k.barrier()
         results.put((rank, errors))
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -113,7 +123,9 @@ def _run(world: int, cases):
     bufs = [torch.zeros(BUF_BYTES, dtype=torch.uint8).share_memory_() for _ in range(world)]
     pads = [torch.zeros(PAD_SLOTS * world, dtype=torch.int32).share_memory_() for _ in range(world)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, bufs, pads, cases, results), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, bufs, pads, cases, results), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -126,19 +138,34 @@ def _run(world: int, cases):
     errors = [f"rank {r}: {e}" for r in sorted(out) for e in out[r]]
     assert not errors, "\n".join(errors)
     for r, pad in enumerate(pads):
-        assert int(pad.abs().sum()) == 0, f"rank {r}'s signal pad did not return to zero: {pad.nonzero().flatten().tolist()}"
+        assert int(pad.abs().sum()) == 0, (
+            f"rank {r}'s signal pad did not return to zero: {pad.nonzero().flatten().tolist()}"
+        )
 
 
 CASES = [
-    ("one_shot", 1, torch.float32), ("one_shot", 7, torch.bfloat16), ("one_shot", 4097, torch.float16),
-    ("one_shot", 3 * 4096 + 5, torch.bfloat16), ("one_shot", 2048 * 7, torch.float32),
-    ("push", 1, torch.float32), ("push", 1023, torch.bfloat16), ("push", 4096 * 3 + 7, torch.float16),
-    ("two_shot", 1, torch.bfloat16), ("two_shot", 1023, torch.float32), ("two_shot", 4097, torch.bfloat16),
-    ("two_shot", 8 * 4096 + 3, torch.float16), ("two_shot", 16 * 4096, torch.bfloat16),
-    ("one_shot", 4099, torch.bfloat16, "zero-copy"), ("push", 4099, torch.float32, "zero-copy"),
+    ("one_shot", 1, torch.float32),
+    ("one_shot", 7, torch.bfloat16),
+    ("one_shot", 4097, torch.float16),
+    ("one_shot", 3 * 4096 + 5, torch.bfloat16),
+    ("one_shot", 2048 * 7, torch.float32),
+    ("push", 1, torch.float32),
+    ("push", 1023, torch.bfloat16),
+    ("push", 4096 * 3 + 7, torch.float16),
+    ("two_shot", 1, torch.bfloat16),
+    ("two_shot", 1023, torch.float32),
+    ("two_shot", 4097, torch.bfloat16),
+    ("two_shot", 8 * 4096 + 3, torch.float16),
+    ("two_shot", 16 * 4096, torch.bfloat16),
+    ("one_shot", 4099, torch.bfloat16, "zero-copy"),
+    ("push", 4099, torch.float32, "zero-copy"),
     ("two_shot", 3 * 4096 + 1, torch.bfloat16, "zero-copy"),
-    ("all_gather", 1, torch.bfloat16), ("all_gather", 1023, torch.float32), ("all_gather", 4096 * 5, torch.float16),
-    ("reduce_scatter", 1, torch.float32), ("reduce_scatter", 1023, torch.bfloat16), ("reduce_scatter", 4096 * 4 + 8, torch.bfloat16),
+    ("all_gather", 1, torch.bfloat16),
+    ("all_gather", 1023, torch.float32),
+    ("all_gather", 4096 * 5, torch.float16),
+    ("reduce_scatter", 1, torch.float32),
+    ("reduce_scatter", 1023, torch.bfloat16),
+    ("reduce_scatter", 4096 * 4 + 8, torch.bfloat16),
 ]
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tpframe.training.config import ConfigError, DataConfig
 from tpframe.data.loader import build_data
 from tpframe.data.tokenizer import open_token_file, sidecar_path, write_token_file
+from tpframe.training.config import ConfigError, DataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n" * 40
@@ -134,8 +134,11 @@ def test_bad_token_files_name_the_path_and_the_fix(tmp_path):
         train.next()
 
 
-@pytest.mark.parametrize("text_file,out", [("a.txt", "a.txt"), ("a.json", "a"), ("a.txt", ".")],
-                         ids=["out-is-the-input", "sidecar-is-the-input", "out-is-a-directory"])
+@pytest.mark.parametrize(
+    "text_file,out",
+    [("a.txt", "a.txt"), ("a.json", "a"), ("a.txt", ".")],
+    ids=["out-is-the-input", "sidecar-is-the-input", "out-is-a-directory"],
+)
 def test_an_output_that_would_destroy_an_input_or_is_a_directory_is_refused(tmp_path, monkeypatch, text_file, out):
     (tmp_path / text_file).write_text(TEXT)
     monkeypatch.chdir(tmp_path)
@@ -156,8 +159,13 @@ def test_bad_jsonl_names_the_line(tmp_path):
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_data.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "prepare_data.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+    )
 
 
 def test_prepare_data_cli_writes_a_file_or_exits_2_with_one_line(tmp_path):

@@ -9,10 +9,23 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [
-    "model.vocab_size=256", "model.hidden=32", "model.layers=2", "model.heads=4", "model.max_seq_len=32",
-    "train.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=10",
-    "train.eval_interval=0", "data.synthetic_tokens=50000", "optim.warmup_steps=2", "optim.lr=1e-2",
-    "logging.interval=1", "logging.progress=false", "checkpoint.save_at_end=false", "checkpoint.auto_resume=false",
+    "model.vocab_size=256",
+    "model.hidden=32",
+    "model.layers=2",
+    "model.heads=4",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=10",
+    "train.eval_interval=0",
+    "data.synthetic_tokens=50000",
+    "optim.warmup_steps=2",
+    "optim.lr=1e-2",
+    "logging.interval=1",
+    "logging.progress=false",
+    "checkpoint.save_at_end=false",
+    "checkpoint.auto_resume=false",
     "checkpoint.verify=crc",
 ]
 
@@ -20,8 +33,14 @@ TINY = [
 def torchrun_env(world_size: int, rank: int = 0) -> dict[str, str]:
     """The env torchrun gives rank `rank` of `world_size` processes on one host: train.py's and generate.py's
     pre-flight check all of it (tpframe.launch.launch_env), so a test that sets WORLD_SIZE sets the rest too."""
-    return {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    return {
+        "WORLD_SIZE": str(world_size),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
 
 
 def override_key(arg: str) -> str | None:
@@ -70,9 +89,16 @@ def assert_layouts_follow(ref_history: list[dict], results: dict, *, grad_norm_r
     (history, weights)}."""
     ref = {r["step"]: r for r in ref_history}
     for name, (history, _) in results.items():
-        assert [r["step"] for r in history] == (list(range(6, 11)) if name.startswith("resumed") else list(range(1, 11))), name
+        assert [r["step"] for r in history] == (
+            list(range(6, 11)) if name.startswith("resumed") else list(range(1, 11))
+        ), name
         for r in history:
             for key, tol in (("loss", rel), ("eval_loss", rel), ("grad_norm", grad_norm_rel)):
                 if key in r:
                     assert math.isclose(r[key], ref[r["step"]][key], rel_tol=tol, abs_tol=1e-7), (
-                        name, r["step"], key, r[key], ref[r["step"]][key])
+                        name,
+                        r["step"],
+                        key,
+                        r[key],
+                        ref[r["step"]][key],
+                    )

@@ -67,8 +67,10 @@ def inspect_export(path: Path) -> str:
         from tpframe.training.config import from_dict
 
         model = architecture(from_dict({"model": json.loads(header.get("model_config", "{}"))}).model)
-        lines += [f"step        {header.get('step')}   (tpframe {header.get('tpframe_version')})",
-                  "model       " + " ".join(f"{k}={v}" for k, v in model.items())]
+        lines += [
+            f"step        {header.get('step')}   (tpframe {header.get('tpframe_version')})",
+            "model       " + " ".join(f"{k}={v}" for k, v in model.items()),
+        ]
     else:
         lines.append(f"header      {header or 'none'} (not written by tpframe)")
     lines.append("tensors:")
@@ -92,23 +94,29 @@ def inspect_hf(path: Path) -> str:
 
     source = hf_source(path, repr(str(path)))
     config = read_config(path)
-    fields = {k: v for k, v in model_fields(config, f"{str(path)!r}: its config.json").items()
-              if v is not None and k != "name"}
+    fields = {
+        k: v
+        for k, v in model_fields(config, f"{str(path)!r}: its config.json").items()
+        if v is not None and k != "name"
+    }
     tokenizer = "none (pass --tokenizer FILE to generate.py)"
     if hf_dir_tokenizer(path) is not None or fields["vocab_size"] == 256:
         tok = resolve_tokenizer(source)
         if isinstance(tok, HFTokenizer):
             tokenizer = f"tokenizer.json, end-of-text {tok.info['eot_token']!r}"
         else:
-            tokenizer = "byte-level (tpframe's)" if (path / "tokenizer.json").is_file() else \
-                "none: byte-level (vocabulary 256)"
+            tokenizer = (
+                "byte-level (tpframe's)" if (path / "tokenizer.json").is_file() else "none: byte-level (vocabulary 256)"
+            )
             tokenizer += f", end-of-text byte {tok.eot_id}" if tok.eot_id else ""
     names = config.get("architectures")
     name = names[0] if isinstance(names, list) and names else "?"
-    lines = [f"hf model    {path}   ({config.get('model_type')}, {name})",
-             "model       " + " ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                      for k, v in fields.items()),
-             f"tokenizer   {tokenizer}"]
+    lines = [
+        f"hf model    {path}   ({config.get('model_type')}, {name})",
+        "model       "
+        + " ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()),
+        f"tokenizer   {tokenizer}",
+    ]
     if "max_seq_len" not in fields:  # rotary: any context up to the HF model's
         lines.insert(2, f"context     model.max_seq_len up to {source.model.max_seq_len} (max_position_embeddings)")
     lines.append("tensors:")
@@ -129,12 +137,17 @@ def inspected(target: str) -> str:
     if path.is_file() and path.suffix == ".safetensors":
         return inspect_export(path)
     if path.is_file() and is_hf_dir(path.parent):  # its config.json, say
-        raise ConfigError(f"{target!r} is a file of the Hugging Face model directory {str(path.parent)!r}; pass the "
-                          "directory")
+        raise ConfigError(
+            f"{target!r} is a file of the Hugging Face model directory {str(path.parent)!r}; pass the directory"
+        )
     if is_hf_dir(path):
         return inspect_hf(path)
-    if path.is_dir() and not (path / "meta.json").exists() and not (path / "latest").exists() \
-            and (path / "checkpoints").is_dir():
+    if (
+        path.is_dir()
+        and not (path / "meta.json").exists()
+        and not (path / "latest").exists()
+        and (path / "checkpoints").is_dir()
+    ):
         path = path / "checkpoints"  # a run directory
     return inspect(resolve(path))
 
@@ -149,11 +162,15 @@ def check_out(out: str, fmt: str, force: bool = False) -> None:
     if fmt == "safetensors" and (not path.name or path.is_dir()):
         raise ConfigError(f"--out {out!r} is a directory; name the file, e.g. --out {str(path / 'model.safetensors')}")
     if fmt == "safetensors" and not is_file_name:
-        raise ConfigError(f"--out {out!r}: a consolidated export is a .safetensors file (generate.py reads it by that "
-                          "name); use e.g. --out model.safetensors, or --format hf for a directory")
+        raise ConfigError(
+            f"--out {out!r}: a consolidated export is a .safetensors file (generate.py reads it by that "
+            "name); use e.g. --out model.safetensors, or --format hf for a directory"
+        )
     if fmt == "hf" and is_file_name:
-        raise ConfigError(f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
-                          "use e.g. --out hf_model, or drop --format hf for one .safetensors file")
+        raise ConfigError(
+            f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
+            "use e.g. --out hf_model, or drop --format hf for one .safetensors file"
+        )
     if not force:
         from tpframe.checkpoint.export import foreign_export_file
         from tpframe.checkpoint.hf import foreign_export_dir
@@ -169,9 +186,12 @@ def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
 
         info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr), force=force)
         tokenizer = {None: ", no tokenizer files", "byte-level": ", byte-level tokenizer files"}.get(
-            info["tokenizer"], f", tokenizer from {info['tokenizer']}")
-        return (f"wrote a Hugging Face {info['architecture']} model (step {info['step']}: {info['tensors']} tensors, "
-                f"{info['params']:,} parameters, {info['dtype']}{tokenizer}) to {out}")
+            info["tokenizer"], f", tokenizer from {info['tokenizer']}"
+        )
+        return (
+            f"wrote a Hugging Face {info['architecture']} model (step {info['step']}: {info['tensors']} tensors, "
+            f"{info['params']:,} parameters, {info['dtype']}{tokenizer}) to {out}"
+        )
     from tpframe.checkpoint.export import export_consolidated
 
     tensors = export_consolidated(path, out, force=force)
@@ -179,22 +199,33 @@ def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    parser = ArgumentParser(prog="checkpoint.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(
+        prog="checkpoint.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="step, layout, tensors and shapes (of a checkpoint or an export)")
-    p_inspect.add_argument("checkpoint", help="a step_* directory, a checkpoints root, a run directory, an "
-                                              "exported .safetensors file or a Hugging Face model directory")
+    p_inspect.add_argument(
+        "checkpoint",
+        help="a step_* directory, a checkpoints root, a run directory, an "
+        "exported .safetensors file or a Hugging Face model directory",
+    )
     p_export = sub.add_parser("export", help="consolidated safetensors (default) or a Hugging Face model directory")
     p_export.add_argument("checkpoint")
     p_export.add_argument("--out", required=True, help="the .safetensors file, or the directory with --format hf")
-    p_export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                          help="safetensors: tpframe's logical tensor names; hf: config.json + model.safetensors "
-                               "(+ tokenizer files) for transformers' AutoModelForCausalLM")
-    p_export.add_argument("--force", action="store_true",
-                          help="write --out even if what is there is not an earlier tpframe export (an earlier "
-                               "export is replaced without it); with --format hf, into a directory of other files: "
-                               "the export's own files there are replaced and the others kept")
+    p_export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors: tpframe's logical tensor names; hf: config.json + model.safetensors "
+        "(+ tokenizer files) for transformers' AutoModelForCausalLM",
+    )
+    p_export.add_argument(
+        "--force",
+        action="store_true",
+        help="write --out even if what is there is not an earlier tpframe export (an earlier "
+        "export is replaced without it); with --format hf, into a directory of other files: "
+        "the export's own files there are replaced and the others kept",
+    )
     try:
         args = parser.parse_args(argv)
         if args.command == "export":

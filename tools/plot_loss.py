@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Plot train (and eval) loss against step from a run's metrics.jsonl to a PNG; several runs on one plot.
 
-    python tools/plot_loss.py runs/default                # writes runs/default/loss.png
-    python tools/plot_loss.py runs/default --out loss.png
-    python tools/plot_loss.py runs/a runs/b --out ab.png  # two runs overlaid (each its colour; eval as dots)
+python tools/plot_loss.py runs/default                # writes runs/default/loss.png
+python tools/plot_loss.py runs/default --out loss.png
+python tools/plot_loss.py runs/a runs/b --out ab.png  # two runs overlaid (each its colour; eval as dots)
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tpframe.errors import ArgumentParser  # noqa: E402
 from tpframe.paths import check_creatable, refuse_existing, replacing  # noqa: E402
 from tpframe.training.logger import read_metrics  # noqa: E402
-
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -35,11 +34,14 @@ def is_plot(path: Path) -> bool:
 def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """The run's (step, loss) of each kind, "train" and "eval"; ValueError when it has none."""
     if run_dir.is_file():  # its metrics.jsonl, say: the default --out would be a path inside that file
-        raise ValueError(f"{str(run_dir)!r} is a file; pass the run directory that holds metrics.jsonl, e.g. "
-                         f"{str(run_dir.parent)!r}")
+        raise ValueError(
+            f"{str(run_dir)!r} is a file; pass the run directory that holds metrics.jsonl, e.g. {str(run_dir.parent)!r}"
+        )
     records = read_metrics(run_dir / "metrics.jsonl")
-    curves = {kind: [(r["step"], r["loss"]) for r in records if r.get("kind") == kind and r.get("loss") is not None]
-              for kind in ("train", "eval")}
+    curves = {
+        kind: [(r["step"], r["loss"]) for r in records if r.get("kind") == kind and r.get("loss") is not None]
+        for kind in ("train", "eval")
+    }
     if not curves["train"] and not curves["eval"]:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has no 'loss' values to plot")
     return curves
@@ -76,8 +78,15 @@ def plot_loss(run_dirs: str | Path | list, out: str | Path | None = None, force:
         for kind, style in (("train", "-"), ("eval", "o-")):
             if curves[kind]:
                 steps, losses = zip(*curves[kind])
-                ax.plot(steps, losses, style, label=f"{name}{kind}", markersize=4,
-                        color=None if len(runs) == 1 else f"C{i % 10}", alpha=1.0 if kind == "train" else 0.8)
+                ax.plot(
+                    steps,
+                    losses,
+                    style,
+                    label=f"{name}{kind}",
+                    markersize=4,
+                    color=None if len(runs) == 1 else f"C{i % 10}",
+                    alpha=1.0 if kind == "train" else 0.8,
+                )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(str(runs[0]) if len(runs) == 1 else f"{len(runs)} runs")
@@ -95,8 +104,9 @@ def plot_loss(run_dirs: str | Path | list, out: str | Path | None = None, force:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="plot_loss.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="+", help="a run directory holding metrics.jsonl (several: overlaid)")
-    parser.add_argument("--out", help="the PNG to write (default with one run: RUN_DIR/loss.png); an earlier plot "
-                                      "there is replaced")
+    parser.add_argument(
+        "--out", help="the PNG to write (default with one run: RUN_DIR/loss.png); an earlier plot there is replaced"
+    )
     parser.add_argument("--force", action="store_true", help="overwrite --out even if it is not an earlier plot")
     try:
         args = parser.parse_args(argv)

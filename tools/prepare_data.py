@@ -33,8 +33,10 @@ def model_dir_tokenizer(tokenizer: str | None, eot_token: str | None) -> tuple[s
 
     record = hf_dir_tokenizer(Path(tokenizer), eot_token)
     if record is None:
-        raise ValueError(f"--tokenizer {tokenizer!r} is a directory without a tokenizer.json; pass a model directory "
-                         "that has one, or the tokenizer.json file")
+        raise ValueError(
+            f"--tokenizer {tokenizer!r} is a directory without a tokenizer.json; pass a model directory "
+            "that has one, or the tokenizer.json file"
+        )
     if record["kind"] == "bytes":
         return None, eot_token
     return record["file"], record["eot_token"]
@@ -44,13 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt (or any text) and .jsonl files")
     parser.add_argument("--out", required=True, help="the token file to write, e.g. data/foo.bin")
-    parser.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file, or a Hugging Face model directory "
-                        "(default: byte-level)")
+    parser.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizers JSON file, or a Hugging Face model directory (default: byte-level)",
+    )
     parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
     parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
-    parser.add_argument("--force", action="store_true",
-                        help="overwrite OUT (and OUT.json) even if they are not a token file made by this tool "
-                        "(an earlier token file is replaced without it)")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite OUT (and OUT.json) even if they are not a token file made by this tool "
+        "(an earlier token file is replaced without it)",
+    )
     try:
         args = parser.parse_args(argv)
         tokenizer, eot = model_dir_tokenizer(args.tokenizer, args.eot_token)
@@ -58,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
-          f"tokenizer {meta['tokenizer']['kind']}) from {len(args.inputs)} file(s), {meta['num_documents']:,} "
-          f"document(s) of {meta['num_tokens'] / meta['num_documents']:,.0f} tokens on average (end-of-document "
-          f"tokens included), to {args.out} and {sidecar_path(args.out)}")
+    print(
+        f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
+        f"tokenizer {meta['tokenizer']['kind']}) from {len(args.inputs)} file(s), {meta['num_documents']:,} "
+        f"document(s) of {meta['num_tokens'] / meta['num_documents']:,.0f} tokens on average (end-of-document "
+        f"tokens included), to {args.out} and {sidecar_path(args.out)}"
+    )
     print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
     return 0
 

@@ -25,8 +25,13 @@ def shown(value) -> str:
 
 
 _GIVEN = "_tpframe_options_given"  # {action: how it was given}, on the namespace while one parse runs
-_REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction, argparse._HelpAction,
-               argparse._VersionAction)
+_REPEATABLE = (
+    argparse._AppendAction,
+    argparse._AppendConstAction,
+    argparse._CountAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+)
 
 
 @functools.cache
@@ -36,8 +41,11 @@ def _once(cls: type) -> type:
     class Once(cls):
         def __call__(self, parser, namespace, values, option_string=None):
             given = getattr(namespace, _GIVEN, None)
-            text = option_string if self.nargs == 0 else " ".join(
-                [option_string, *(map(str, values) if isinstance(values, list) else [str(values)])])
+            text = (
+                option_string
+                if self.nargs == 0
+                else " ".join([option_string, *(map(str, values) if isinstance(values, list) else [str(values)])])
+            )
             if given is not None and self in given:
                 raise argparse.ArgumentError(self, f"given twice ({given[self]} and {text}); give it once")
             if given is not None:

@@ -41,8 +41,10 @@ def _write_error_file(line: str) -> None:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}},
+                f,
+            )
     except OSError:
         pass
 

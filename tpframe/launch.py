@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
-TPFRAME_CODES = {2: "config error", 3: "training stopped on non-finite steps", 4: "a rank stopped responding",
-                 5: "checkpoint not saved", 6: "out of memory"}
+TPFRAME_CODES = {
+    2: "config error",
+    3: "training stopped on non-finite steps",
+    4: "a rank stopped responding",
+    5: "checkpoint not saved",
+    6: "out of memory",
+}
 
 
 LAUNCH_HINT = "launch with python -m tpframe.launch --nproc-per-node N"
@@ -87,8 +92,10 @@ def launch_env() -> LaunchEnv:
     if world > 1 and not _world_exists():  # the process group is built from these (tpframe.parallel.state)
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k, "").strip()]
         if missing:
-            raise ConfigError(f"env var WORLD_SIZE={world} needs {', '.join(missing)} set too (the processes of a "
-                              f"world find each other through them; {LAUNCH_HINT}, which sets them)")
+            raise ConfigError(
+                f"env var WORLD_SIZE={world} needs {', '.join(missing)} set too (the processes of a "
+                f"world find each other through them; {LAUNCH_HINT}, which sets them)"
+            )
     raw_port = env.get("MASTER_PORT")
     if raw_port is not None and "RANK" in env:  # without RANK, single_process_env picks a port of its own
         try:
@@ -96,8 +103,9 @@ def launch_env() -> LaunchEnv:
         except ValueError:
             port = -1
         if not 1 <= port <= 65535:
-            raise ConfigError(f"env var MASTER_PORT={raw_port!r} must be a TCP port, an integer in 1..65535 "
-                              f"({LAUNCH_HINT})")
+            raise ConfigError(
+                f"env var MASTER_PORT={raw_port!r} must be a TCP port, an integer in 1..65535 ({LAUNCH_HINT})"
+            )
     return LaunchEnv(world, rank, local_rank, local_world)
 
 
@@ -125,10 +133,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from tpframe.errors import ArgumentParser  # refuses an option given twice
     from tpframe.paths import not_a_file
 
-    parser = ArgumentParser(prog="python -m tpframe.launch", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
-                        help="worker processes on this node (one per GPU)")
+    parser = ArgumentParser(
+        prog="python -m tpframe.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--nproc-per-node", "--nproc_per_node", type=int, default=1, help="worker processes on this node (one per GPU)"
+    )
     parser.add_argument("--no-check", action="store_true", help="skip the parent's pre-flight check")
     parser.add_argument("script", help="the script: train.py, or generate.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -200,17 +210,27 @@ def launch(args: argparse.Namespace) -> int:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-        print(f"tpframe.launch: {signal.Signals(signum).name} forwarded to the workers: "
-              "they save a checkpoint and stop", file=sys.stderr, flush=True)
+        print(
+            f"tpframe.launch: {signal.Signals(signum).name} forwarded to the workers: they save a checkpoint and stop",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
     if args.nproc_per_node > 1:  # as torchrun does: N processes each with every core's threads would thrash
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc_per_node, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1: forwarded above
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=args.nproc_per_node,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1: forwarded above
     )
     try:
         elastic_launch(config, sys.executable)("-u", args.script, *args.script_args)
@@ -233,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except LaunchError as e:
-        print(f"tpframe.launch: {e} (usage: python -m tpframe.launch --nproc-per-node N train.py ARGS...)",
-              file=sys.stderr)
+        print(
+            f"tpframe.launch: {e} (usage: python -m tpframe.launch --nproc-per-node N train.py ARGS...)",
+            file=sys.stderr,
+        )
         return 2
     if not args.no_check:
         from tpframe.errors import ConfigError

@@ -77,16 +77,19 @@ def check_creatable(label: str, path: Path, *, directory: bool = False) -> None:
             break
         if part.is_symlink():
             where = f"{label} is" if part == path else f"{label} cannot be created: {str(part)!r} is"
-            raise ConfigError(f"{where} a symbolic link to {os.readlink(part)!r}, which does not exist: create it or "
-                              "remove the link")
+            raise ConfigError(
+                f"{where} a symbolic link to {os.readlink(part)!r}, which does not exist: create it or remove the link"
+            )
     if not folder.is_dir():
         raise ConfigError(f"{label} cannot be created: {str(folder)!r} is a file")
     makes_folders = folder != target or (directory and not path.exists())
     try:
         _probe(folder, makes_folders)
     except OSError as e:
-        raise ConfigError(f"{label} cannot be created: writing in {str(folder)!r} failed "
-                          f"({e.strerror or type(e).__name__}); pick a path on a writable file system") from None
+        raise ConfigError(
+            f"{label} cannot be created: writing in {str(folder)!r} failed "
+            f"({e.strerror or type(e).__name__}); pick a path on a writable file system"
+        ) from None
 
 
 def refuse_existing(label: str, what: str) -> None:

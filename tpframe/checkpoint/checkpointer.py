@@ -22,16 +22,16 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tpframe.checkpoint import dcp_io
-from tpframe.checkpoint.finite import all_finite
 from tpframe.checkpoint.files import (
     FORMAT,
     LATEST,
@@ -48,6 +48,7 @@ from tpframe.checkpoint.files import (
     unreadable,
     write_atomic,
 )
+from tpframe.checkpoint.finite import all_finite
 from tpframe.models.config import architecture, padded_vocab
 from tpframe.parallel.heartbeat import is_comm_failure
 from tpframe.version import __version__
@@ -56,8 +57,19 @@ FAULT_ENV = "TPFRAME_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL this rank mid
 
 
 class Checkpointer:
-    def __init__(self, cfg, parallel, *, tensors, meta: dict[str, Any], rng, vocab_tensors: list[str],
-                 resume: tuple = (None, None), log: Callable[[str], None] = print, health=None):
+    def __init__(
+        self,
+        cfg,
+        parallel,
+        *,
+        tensors,
+        meta: dict[str, Any],
+        rng,
+        vocab_tensors: list[str],
+        resume: tuple = (None, None),
+        log: Callable[[str], None] = print,
+        health=None,
+    ):
         self.cfg, self.parallel, self.log = cfg, parallel, log
         self.vocab_tensors = vocab_tensors  # logical names of the padded vocabulary tables (export trims them)
         self.tensors, self.meta_states, self.rng = tensors, meta, rng
@@ -96,8 +108,11 @@ class Checkpointer:
         if self.pending is not None and flags[1] == 0:
             self._finish_async()
         if flags[0] > 0 or (flags[2] > 0 and step < self.cfg.train.steps):
-            why = ("preemption signal received" if flags[0] > 0 else
-                   f"train.time_limit_minutes={limit:g} reached ({(time.monotonic() - self.started) / 60:.1f} min)")
+            why = (
+                "preemption signal received"
+                if flags[0] > 0
+                else f"train.time_limit_minutes={limit:g} reached ({(time.monotonic() - self.started) / 60:.1f} min)"
+            )
             self.log(f"{why}: saving step {step} and stopping; launch the same command again to resume")
             self.save(step, blocking=True)
             return True
@@ -120,8 +135,10 @@ class Checkpointer:
             self._finish_async()
         state = self.tensors.state_dict()
         if not all_finite(state, self.group):
-            self.log(f"step {step}: the model or optimizer state holds non-finite values: no checkpoint is written; "
-                     f"the last one is {last_healthy(self.root) or 'none'}")
+            self.log(
+                f"step {step}: the model or optimizer state holds non-finite values: no checkpoint is written; "
+                f"the last one is {last_healthy(self.root) or 'none'}"
+            )
             return None
         final, partial = self.root / f"step_{step:08d}", self.root / f"step_{step:08d}.partial"
 
@@ -182,11 +199,17 @@ class Checkpointer:
         intact = (self.root / LATEST).read_text().strip() if (self.root / LATEST).is_file() else None
         raise SaveFailed(
             f"checkpoint step {step} could not be written to {str(self.root)!r} ({'; '.join(failed)[:400]}); "
-            + (f"the last one, {intact}, is intact: free space (or set checkpoint.dir) and relaunch to resume from it"
-               if intact else "no earlier checkpoint exists: free space or set checkpoint.dir, then relaunch"))
+            + (
+                f"the last one, {intact}, is intact: free space (or set checkpoint.dir) and relaunch to resume from it"
+                if intact
+                else "no earlier checkpoint exists: free space or set checkpoint.dir, then relaunch"
+            )
+        )
 
     def _fault_injection(self, step: int) -> None:
-        if os.environ.get(FAULT_ENV) == str(step) and self.parallel.rank == int(os.environ.get("TPFRAME_FAULT_RANK", "0")):
+        if os.environ.get(FAULT_ENV) == str(step) and self.parallel.rank == int(
+            os.environ.get("TPFRAME_FAULT_RANK", "0")
+        ):
             os.kill(os.getpid(), signal.SIGKILL)  # a real kill: the shards are written, nothing is published
 
     def _meta(self, step: int) -> dict[str, Any]:
@@ -199,7 +222,11 @@ class Checkpointer:
             **{name: obj.state_dict() for name, obj in self.meta_states.items()},
             "architecture": architecture(cfg.model),
             "layout": self.layout(),
-            "vocab": {"size": cfg.model.vocab_size, "padded": padded_vocab(cfg.model, p.tp), "tensors": self.vocab_tensors},
+            "vocab": {
+                "size": cfg.model.vocab_size,
+                "padded": padded_vocab(cfg.model, p.tp),
+                "tensors": self.vocab_tensors,
+            },
             "config": cfg.to_dict(),
             "cwd": os.getcwd(),  # what the config's relative paths are relative to (tpframe.paths.recorded_path)
             "healthy": self.health.healthy_since(self.last_saved_step) if self.health is not None else True,
@@ -212,8 +239,11 @@ class Checkpointer:
     def _publish(self, partial: Path, final: Path, meta: dict[str, Any]) -> None:
         """Every rank is done: record sizes and CRCs, write meta.json, rename, point `latest` at it."""
         rank = self.parallel.rank
-        mine = {f.name: file_record(f) for f in sorted(partial.iterdir())
-                if f.name.startswith(f"__{rank}_") or f.name == f"rng_{rank}.pt" or (rank == 0 and f.name == ".metadata")}
+        mine = {
+            f.name: file_record(f)
+            for f in sorted(partial.iterdir())
+            if f.name.startswith(f"__{rank}_") or f.name == f"rng_{rank}.pt" or (rank == 0 and f.name == ".metadata")
+        }
         gathered: list[dict] = [None] * self.parallel.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, mine, group=self.group)
 
@@ -247,11 +277,14 @@ class Checkpointer:
             if name in meta:  # a checkpoint older than a state (e.g. "health") leaves it fresh
                 obj.load_state_dict(meta[name])
         if restores_rng(meta["layout"], self.layout()):
-            self.rng.load_state_dict(self._read(
-                path, meta, lambda: torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False)))
+            self.rng.load_state_dict(
+                self._read(path, meta, lambda: torch.load(path / f"rng_{self.parallel.rank}.pt", weights_only=False))
+            )
         else:
-            self.log(f"resharding checkpoint from layout {meta['layout']} to {self.layout()}: model and optimizer "
-                     "restored; dropout RNG streams continue from this run's seed")
+            self.log(
+                f"resharding checkpoint from layout {meta['layout']} to {self.layout()}: model and optimizer "
+                "restored; dropout RNG streams continue from this run's seed"
+            )
         self.loaded_from = path
         self.last_saved_step = meta["step"]
         dist.barrier(group=self.group)
@@ -302,9 +335,15 @@ class Checkpointer:
         if bad is not None:
             return unreadable(path, bad, cause, fails_crc=True, verify_hint=self.cfg.checkpoint.verify != "crc")
         saved_by = meta.get("torch_version")
-        return CheckpointError(f"checkpoint {str(path)!r} cannot be loaded ({cause}) although its files pass their "
-                               "CRC32 check" + (f"; it was saved by torch {saved_by}, this is torch {torch.__version__}"
-                                                if saved_by != torch.__version__ else ""))
+        return CheckpointError(
+            f"checkpoint {str(path)!r} cannot be loaded ({cause}) although its files pass their "
+            "CRC32 check"
+            + (
+                f"; it was saved by torch {saved_by}, this is torch {torch.__version__}"
+                if saved_by != torch.__version__
+                else ""
+            )
+        )
 
 
 def _cause(e: BaseException) -> str:

@@ -45,8 +45,10 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 def to_cpu(state: dict) -> dict:
     """A CPU copy of a flat state (pieces stay pieces): what an async save writes while training goes on."""
     copy = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
-    return {k: v.map(copy) if isinstance(v, LogicalChunks) else copy(v) if isinstance(v, torch.Tensor) else v
-            for k, v in state.items()}
+    return {
+        k: v.map(copy) if isinstance(v, LogicalChunks) else copy(v) if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
 
 
 class CpuStager:
@@ -70,8 +72,9 @@ def save(state: dict, path, group: dist.ProcessGroup) -> None:
 
 def async_save(state: dict, path, group: dist.ProcessGroup) -> Future:
     """Stage `state` to CPU now and write it in a background thread (its collectives on `group`)."""
-    return dcp.async_save(state, checkpoint_id=str(path), planner=ChunkSavePlanner(), process_group=group,
-                          async_stager=CpuStager())
+    return dcp.async_save(
+        state, checkpoint_id=str(path), planner=ChunkSavePlanner(), process_group=group, async_stager=CpuStager()
+    )
 
 
 def load(state: dict, path, group: dist.ProcessGroup) -> None:
@@ -96,8 +99,11 @@ def read_full_tensors(path, prefix: str = "model/", *, index: dict | None = None
     """Every tensor under `prefix` in full, on the CPU, in one process (no process group needed). `index`: the
     checkpoint's (read_index), when the caller has it already."""
     index = read_index(path, verify_hint=False) if index is None else index
-    wanted = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in index.items()
-              if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    wanted = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in index.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():  # DCP warns that it reads without a process group: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(wanted, checkpoint_id=str(path), no_dist=True)

@@ -49,8 +49,11 @@ class CheckpointWeights(Mapping):
         self.path = Path(step_dir)
         meta = json.loads((self.path / "meta.json").read_text())
         self.vocab, self.vocab_tensors = meta["vocab"]["size"], set(meta["vocab"]["tensors"])
-        self.index = {key: md for key, md in read_index(self.path, verify_hint=False).items()
-                      if key.startswith("model/") and isinstance(md, TensorStorageMetadata)}
+        self.index = {
+            key: md
+            for key, md in read_index(self.path, verify_hint=False).items()
+            if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
+        }
 
     def _logical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[: self.vocab].contiguous() if name in self.vocab_tensors else tensor
@@ -63,8 +66,10 @@ class CheckpointWeights(Mapping):
 
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every tensor at once (one read of the shards: an export's)."""
-        return {key[len("model/") :]: self._logical(key[len("model/") :], tensor)
-                for key, tensor in read_full_tensors(self.path, "model/", index=self.index).items()}
+        return {
+            key[len("model/") :]: self._logical(key[len("model/") :], tensor)
+            for key, tensor in read_full_tensors(self.path, "model/", index=self.index).items()
+        }
 
     def __iter__(self):
         return (key[len("model/") :] for key in self.index)
@@ -113,8 +118,12 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: boo
         refuse_existing(f"--out {str(out)!r}", why)
     tensors = read_model_tensors(checkpoint)
     meta = json.loads((Path(checkpoint) / "meta.json").read_text())
-    header = {"format": "tpframe", "tpframe_version": meta["tpframe_version"], "step": str(meta["step"]),
-              "model_config": json.dumps(meta["config"]["model"])}
+    header = {
+        "format": "tpframe",
+        "tpframe_version": meta["tpframe_version"],
+        "step": str(meta["step"]),
+        "model_config": json.dumps(meta["config"]["model"]),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     with replacing(out) as tmp:
         write_safetensors(tensors, tmp, header)
@@ -124,13 +133,15 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: boo
 def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int, partial: bool = False) -> int:
     """Copy this rank's shard of every logical tensor in `file` into `model` (any TP layout). `partial`:
     the model is one pipeline stage (or chunks of several), so the file may hold tensors it does not."""
-    return copy_logical_tensors(model, safetensors_module().load_file(str(file)), tp_rank, tp, source=str(file),
-                                partial=partial)
+    return copy_logical_tensors(
+        model, safetensors_module().load_file(str(file)), tp_rank, tp, source=str(file), partial=partial
+    )
 
 
 @torch.no_grad()
-def copy_logical_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], tp_rank: int, tp: int, *,
-                         source: str, partial: bool = False) -> int:
+def copy_logical_tensors(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor], tp_rank: int, tp: int, *, source: str, partial: bool = False
+) -> int:
     """Copy this rank's shard of each full logical tensor in `tensors` (read lazily, name by name) into
     `model`; returns the number of logical parameters loaded. A pipeline stage or an expert-parallel rank
     (`partial`) takes only its own."""
@@ -139,12 +150,14 @@ def copy_logical_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor], 
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
             expected.add(shard.name)
             if shard.name not in tensors:
-                raise ValueError(f"{source}: no tensor {shard.name!r}; was it exported from the same model "
-                                 "architecture?")
+                raise ValueError(
+                    f"{source}: no tensor {shard.name!r}; was it exported from the same model architecture?"
+                )
             full = tensors[shard.name]
             if tuple(full.shape) != shard.global_shape:
-                raise ValueError(f"{source}: {shard.name} has shape {tuple(full.shape)}, this model needs "
-                                 f"{shard.global_shape}")
+                raise ValueError(
+                    f"{source}: {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}"
+                )
             target = shard.view(param.detach())
             piece = full
             if shard.tp_dim is not None:

@@ -46,8 +46,9 @@ _META_SHAPE = {
     "data": _is_dict,
     "architecture": _is_dict,
     "layout": lambda v: _is_dict(v) and all(map(_is_int, v.values())),
-    "vocab": lambda v: _is_dict(v) and _is_int(v.get("size")) and _is_int(v.get("padded"))
-    and isinstance(v.get("tensors"), list),
+    "vocab": lambda v: (
+        _is_dict(v) and _is_int(v.get("size")) and _is_int(v.get("padded")) and isinstance(v.get("tensors"), list)
+    ),
     "config": lambda v: _is_dict(v) and all(_is_dict(v.get(k)) for k in ("model", "data", "train")),
 }
 
@@ -74,7 +75,9 @@ def resolve(path: str | Path) -> Path:
         return path
     marker = path / LATEST
     if not marker.exists():
-        raise CheckpointError(f"{str(path)!r} is neither a checkpoint (no {META}) nor a checkpoint root (no '{LATEST}')")
+        raise CheckpointError(
+            f"{str(path)!r} is neither a checkpoint (no {META}) nor a checkpoint root (no '{LATEST}')"
+        )
     try:
         name = marker.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
@@ -83,7 +86,9 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(f"{marker} is empty; point checkpoint.load at a step_* directory")
     target = path / name
     if not (target / META).exists():
-        raise CheckpointError(f"{marker} names {target.name!r}, which is missing or incomplete; point checkpoint.load at an older step_* directory")
+        raise CheckpointError(
+            f"{marker} names {target.name!r}, which is missing or incomplete; point checkpoint.load at an older step_* directory"
+        )
     return target
 
 
@@ -111,22 +116,30 @@ def verify(path: Path, mode: str = "crc") -> dict[str, Any]:
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{meta_file} is corrupt ({e}); use an older step_* directory") from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{meta_file} holds a JSON {_JSON_TYPES.get(type(meta), type(meta).__name__)}, not an "
-                              "object: it is not a tpframe checkpoint's meta.json; use an older step_* directory")
+        raise CheckpointError(
+            f"{meta_file} holds a JSON {_JSON_TYPES.get(type(meta), type(meta).__name__)}, not an "
+            "object: it is not a tpframe checkpoint's meta.json; use an older step_* directory"
+        )
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{str(path)!r} has checkpoint format {meta.get('format')!r}; this tpframe reads "
-                              f"format {FORMAT}")
+        raise CheckpointError(
+            f"{str(path)!r} has checkpoint format {meta.get('format')!r}; this tpframe reads format {FORMAT}"
+        )
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
-        raise CheckpointError(f"{meta_file} lacks {', '.join(missing)}: it was not written by a complete save; "
-                              "use an older step_* directory")
-    if not isinstance(meta["files"], dict) or not all(isinstance(v, dict) and {"size", "crc32"} <= set(v)
-                                                      for v in meta["files"].values()):
+        raise CheckpointError(
+            f"{meta_file} lacks {', '.join(missing)}: it was not written by a complete save; "
+            "use an older step_* directory"
+        )
+    if not isinstance(meta["files"], dict) or not all(
+        isinstance(v, dict) and {"size", "crc32"} <= set(v) for v in meta["files"].values()
+    ):
         raise CheckpointError(f"{meta_file} has a malformed 'files' record; use an older step_* directory")
     malformed = [key for key, ok in _META_SHAPE.items() if not ok(meta[key])]
     if malformed:
-        raise CheckpointError(f"{meta_file} is malformed (wrong type or missing fields in: {', '.join(malformed)}); "
-                              "use an older step_* directory")
+        raise CheckpointError(
+            f"{meta_file} is malformed (wrong type or missing fields in: {', '.join(malformed)}); "
+            "use an older step_* directory"
+        )
     for name, info in meta["files"].items():
         f = path / name
         if not f.exists():
@@ -153,17 +166,23 @@ def read_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:120]}"
 
 
-def unreadable(step: Path, name: str, cause: str, *, fails_crc: bool = False, verify_hint: bool = True
-               ) -> CheckpointError:
+def unreadable(
+    step: Path, name: str, cause: str, *, fails_crc: bool = False, verify_hint: bool = True
+) -> CheckpointError:
     """The line for a file of checkpoint `step` that cannot be read although it has its recorded size: it is
     corrupt. Names an older checkpoint beside it to resume from, when there is one."""
     older = [p for p in published_steps(step.parent) if p.name < step.name]
-    fix = (f"resume from an older step_* folder (checkpoint.load={older[-1]})" if older else
-           "no older checkpoint is beside it to resume from instead")
+    fix = (
+        f"resume from an older step_* folder (checkpoint.load={older[-1]})"
+        if older
+        else "no older checkpoint is beside it to resume from instead"
+    )
     return CheckpointError(
         f"checkpoint file {step / name} cannot be read ({cause}): it is corrupt"
-        + (" (it fails its CRC32 check)" if fails_crc else "") + f"; {fix}"
-        + ("; checkpoint.verify=crc (the default) finds a corrupt file before the run starts" if verify_hint else ""))
+        + (" (it fails its CRC32 check)" if fails_crc else "")
+        + f"; {fix}"
+        + ("; checkpoint.verify=crc (the default) finds a corrupt file before the run starts" if verify_hint else "")
+    )
 
 
 def restores_rng(saved_layout: dict[str, Any], layout: dict[str, Any]) -> bool:
@@ -175,8 +194,12 @@ def restores_rng(saved_layout: dict[str, Any], layout: dict[str, Any]) -> bool:
 
 def check_compatible(cfg, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
-    diffs = [f"model.{k}: checkpoint {theirs!r}, config {mine!r}" for k, mine, theirs
-             in architecture_diffs(cfg.model, meta["architecture"], meta.get("config", {}).get("model", {}))]
+    diffs = [
+        f"model.{k}: checkpoint {theirs!r}, config {mine!r}"
+        for k, mine, theirs in architecture_diffs(
+            cfg.model, meta["architecture"], meta.get("config", {}).get("model", {})
+        )
+    ]
     if diffs:
         raise CheckpointError("checkpoint and config describe different models: " + "; ".join(diffs))
     padded = padded_vocab(cfg.model, cfg.parallel.tp)

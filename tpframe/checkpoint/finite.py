@@ -21,11 +21,14 @@ def check_finite_weights(tensors: Iterable[tuple[str, torch.Tensor]], where: str
     for name, t in tensors:
         if not t.is_floating_point() or not t.numel() or torch.isfinite(torch.linalg.vector_norm(t, float("inf"))):
             continue
-        counts = [f"{n:,} {what}" for what, n in (("NaN", int(torch.isnan(t).sum())), ("inf", int(torch.isinf(t).sum())))
-                  if n]
-        raise ConfigError(f"{where}: tensor {name} holds {' and '.join(counts)} (of {t.numel():,} values): weights "
-                          "that are not finite cannot be trained or generated from; use weights saved before they "
-                          "diverged")
+        counts = [
+            f"{n:,} {what}" for what, n in (("NaN", int(torch.isnan(t).sum())), ("inf", int(torch.isinf(t).sum()))) if n
+        ]
+        raise ConfigError(
+            f"{where}: tensor {name} holds {' and '.join(counts)} (of {t.numel():,} values): weights "
+            "that are not finite cannot be trained or generated from; use weights saved before they "
+            "diverged"
+        )
 
 
 def safetensors_items(paths: Iterable[Path], names: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -33,16 +33,16 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
-from tpframe.errors import ConfigError
 from tpframe.data.corpus import EOD_BYTE
 from tpframe.data.tokenizer import BYTE_SOURCES, ByteTokenizer, first_path
+from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, qkv_bias
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
 
@@ -76,8 +76,15 @@ class Rule:
 
 
 # each architecture's name in messages
-_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-          "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}
+_NAMES = {
+    "gpt2": "GPT-2",
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mixtral": "Mixtral",
+    "qwen3_moe": "Qwen3-MoE",
+}
 
 
 def hf_architecture(m: ModelConfig) -> str:
@@ -87,60 +94,99 @@ def hf_architecture(m: ModelConfig) -> str:
         raise HFMappingError(f"model.name={m.name!r} has no Hugging Face mapping: only the built-in 'gpt' exports")
     if (m.norm, m.position) == ("layernorm", "learned"):
         if m.activation == "swiglu":
-            raise HFMappingError("model.activation=swiglu has no GPT-2 equivalent (layernorm + learned positions is "
-                                 "GPT-2, whose MLP is not gated); use gelu or relu, or rmsnorm + rotary for Llama")
+            raise HFMappingError(
+                "model.activation=swiglu has no GPT-2 equivalent (layernorm + learned positions is "
+                "GPT-2, whose MLP is not gated); use gelu or relu, or rmsnorm + rotary for Llama"
+            )
         if not m.bias:
-            raise HFMappingError("model.bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear layer "
-                                 "and norm); set model.bias=true")
+            raise HFMappingError(
+                "model.bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear layer "
+                "and norm); set model.bias=true"
+            )
         if not qkv_bias(m):
-            raise HFMappingError("model.qkv_bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear "
-                                 "layer); leave model.qkv_bias unset")
+            raise HFMappingError(
+                "model.qkv_bias=false has no GPT-2 equivalent (GPT-2 has biases in every linear "
+                "layer); leave model.qkv_bias unset"
+            )
         if head_dim(m) * m.heads != m.hidden or m.qk_norm:
-            raise HFMappingError(f"model.{'qk_norm=true' if m.qk_norm else f'head_dim={m.head_dim}'} has no GPT-2 "
-                                 "equivalent (GPT-2's heads split model.hidden, without norms); leave it unset")
+            raise HFMappingError(
+                f"model.{'qk_norm=true' if m.qk_norm else f'head_dim={m.head_dim}'} has no GPT-2 "
+                "equivalent (GPT-2's heads split model.hidden, without norms); leave it unset"
+            )
         if m.kv_heads not in (None, m.heads):
-            raise HFMappingError(f"model.kv_heads={m.kv_heads} has no GPT-2 equivalent (GPT-2 has no grouped-query "
-                                 f"attention); set model.kv_heads={m.heads} or use the Llama shape")
+            raise HFMappingError(
+                f"model.kv_heads={m.kv_heads} has no GPT-2 equivalent (GPT-2 has no grouped-query "
+                f"attention); set model.kv_heads={m.heads} or use the Llama shape"
+            )
         if m.moe_experts:
-            raise HFMappingError("a mixture of experts with layernorm + learned positions has no Hugging Face "
-                                 "equivalent; Mixtral is rmsnorm + rotary + swiglu without biases")
+            raise HFMappingError(
+                "a mixture of experts with layernorm + learned positions has no Hugging Face "
+                "equivalent; Mixtral is rmsnorm + rotary + swiglu without biases"
+            )
         if m.sliding_window is not None:
-            raise HFMappingError(f"model.sliding_window={m.sliding_window} has no GPT-2 equivalent (GPT-2 attends to "
-                                 "every earlier token); leave it unset, or use the Llama shape (written as Mistral)")
+            raise HFMappingError(
+                f"model.sliding_window={m.sliding_window} has no GPT-2 equivalent (GPT-2 attends to "
+                "every earlier token); leave it unset, or use the Llama shape (written as Mistral)"
+            )
         return "gpt2"
     if (m.norm, m.position) == ("rmsnorm", "rotary"):
         if m.activation != "swiglu":
-            raise HFMappingError(f"model.activation={m.activation} has no Llama equivalent (rmsnorm + rotary is Llama, "
-                                 "whose MLP is SwiGLU); set model.activation=swiglu")
+            raise HFMappingError(
+                f"model.activation={m.activation} has no Llama equivalent (rmsnorm + rotary is Llama, "
+                "whose MLP is SwiGLU); set model.activation=swiglu"
+            )
         moe = "Qwen3-MoE" if m.qk_norm else "Mixtral"  # a mixture of experts with Qwen3's attention, or Llama's
         if m.moe_experts and (m.bias or qkv_bias(m)):
-            raise HFMappingError(f"model.{'bias' if m.bias else 'qkv_bias'}=true has no {moe} equivalent ({moe} has "
-                                 f"no biases); set model.{'bias' if m.bias else 'qkv_bias'}=false")
+            raise HFMappingError(
+                f"model.{'bias' if m.bias else 'qkv_bias'}=true has no {moe} equivalent ({moe} has "
+                f"no biases); set model.{'bias' if m.bias else 'qkv_bias'}=false"
+            )
         if m.bias and not qkv_bias(m):
-            raise HFMappingError("model.bias=true with model.qkv_bias=false has no Hugging Face equivalent (Llama's "
-                                 "attention_bias covers q, k, v and o together); leave model.qkv_bias unset")
+            raise HFMappingError(
+                "model.bias=true with model.qkv_bias=false has no Hugging Face equivalent (Llama's "
+                "attention_bias covers q, k, v and o together); leave model.qkv_bias unset"
+            )
         if m.moe_shared_ffn:
-            raise HFMappingError(f"model.moe_shared_ffn={m.moe_shared_ffn} has no {moe} equivalent ({moe} has no "
-                                 "shared expert); export without one, or use tpframe's own format")
+            raise HFMappingError(
+                f"model.moe_shared_ffn={m.moe_shared_ffn} has no {moe} equivalent ({moe} has no "
+                "shared expert); export without one, or use tpframe's own format"
+            )
         if m.moe_experts and (m.moe_router_score != "softmax" or m.moe_expert_bias):
-            raise HFMappingError("model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
-                                 f"no {moe} equivalent ({moe} routes by softmax, without a bias); use tpframe's own "
-                                 "format (python tools/checkpoint.py export)")
+            raise HFMappingError(
+                "model.moe_router_score=sigmoid and model.moe_expert_bias (DeepSeek-V3's router) have "
+                f"no {moe} equivalent ({moe} routes by softmax, without a bias); use tpframe's own "
+                "format (python tools/checkpoint.py export)"
+            )
         if m.qk_norm and (m.bias or qkv_bias(m)):
-            raise HFMappingError("model.qk_norm=true maps to Qwen3, which has no biases; set model.bias=false and "
-                                 "leave model.qkv_bias unset")
-        arch = ("qwen3_moe" if m.moe_experts and m.qk_norm else "mixtral" if m.moe_experts else "qwen3" if m.qk_norm
-                else "qwen2" if qkv_bias(m) and not m.bias else "llama")
+            raise HFMappingError(
+                "model.qk_norm=true maps to Qwen3, which has no biases; set model.bias=false and "
+                "leave model.qkv_bias unset"
+            )
+        arch = (
+            "qwen3_moe"
+            if m.moe_experts and m.qk_norm
+            else "mixtral"
+            if m.moe_experts
+            else "qwen3"
+            if m.qk_norm
+            else "qwen2"
+            if qkv_bias(m) and not m.bias
+            else "llama"
+        )
         if arch == "llama" and m.sliding_window is not None:  # Llama has no window: Mistral is Llama with one
             if m.bias:
-                raise HFMappingError(f"model.sliding_window={m.sliding_window} with model.bias=true has no Hugging "
-                                     "Face equivalent (a windowed Llama is Mistral, which has no biases); set "
-                                     "model.bias=false, or leave model.sliding_window unset")
+                raise HFMappingError(
+                    f"model.sliding_window={m.sliding_window} with model.bias=true has no Hugging "
+                    "Face equivalent (a windowed Llama is Mistral, which has no biases); set "
+                    "model.bias=false, or leave model.sliding_window unset"
+                )
             arch = "mistral"
         if arch != "llama" and m.rope_scaling_factor is not None:
-            raise HFMappingError(f"model.rope_scaling_factor={m.rope_scaling_factor} has no {_NAMES[arch]} "
-                                 "equivalent in tpframe's export (Llama 3.1's rotary scaling is written for Llama); "
-                                 "leave it unset, or use tpframe's own format")
+            raise HFMappingError(
+                f"model.rope_scaling_factor={m.rope_scaling_factor} has no {_NAMES[arch]} "
+                "equivalent in tpframe's export (Llama 3.1's rotary scaling is written for Llama); "
+                "leave it unset, or use tpframe's own format"
+            )
         return arch
     raise HFMappingError(
         f"model.norm={m.norm} with model.position={m.position} has no Hugging Face equivalent: GPT-2 is layernorm + "
@@ -180,22 +226,30 @@ def rules(m: ModelConfig, source: str | None = None) -> list[Rule]:
         qkv_leaves = ("weight", "bias") if qkv_bias(m) else ("weight",)
         for i in range(m.layers):
             b, h = f"blocks.{i}.", f"model.layers.{i}."
-            out += [Rule(h + "input_layernorm.weight", (b + "norm1.weight",)),
-                    Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",))]
+            out += [
+                Rule(h + "input_layernorm.weight", (b + "norm1.weight",)),
+                Rule(h + "post_attention_layernorm.weight", (b + "norm2.weight",)),
+            ]
             for leaf in qkv_leaves:
-                out += ([Rule(f"{h}self_attn.qkv_proj.{leaf}", tuple(f"{b}attn.qkv.{p}.{leaf}" for p in "qkv"))]
-                        if fused else
-                        [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"])
+                out += (
+                    [Rule(f"{h}self_attn.qkv_proj.{leaf}", tuple(f"{b}attn.qkv.{p}.{leaf}" for p in "qkv"))]
+                    if fused
+                    else [Rule(f"{h}self_attn.{p}_proj.{leaf}", (f"{b}attn.qkv.{p}.{leaf}",)) for p in "qkv"]
+                )
             if m.qk_norm:
                 out += [Rule(f"{h}self_attn.{p}_norm.weight", (f"{b}attn.{p}_norm.weight",)) for p in "qk"]
             for leaf in leaves:
                 out.append(Rule(f"{h}self_attn.o_proj.{leaf}", (f"{b}attn.proj.{leaf}",)))
                 if not m.moe_experts:
                     out += [
-                        *([Rule(f"{h}mlp.gate_up_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}", f"{b}mlp.fc1.up.{leaf}"))]
-                          if fused else
-                          [Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
-                           Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",))]),
+                        *(
+                            [Rule(f"{h}mlp.gate_up_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}", f"{b}mlp.fc1.up.{leaf}"))]
+                            if fused
+                            else [
+                                Rule(f"{h}mlp.gate_proj.{leaf}", (f"{b}mlp.fc1.gate.{leaf}",)),
+                                Rule(f"{h}mlp.up_proj.{leaf}", (f"{b}mlp.fc1.up.{leaf}",)),
+                            ]
+                        ),
                         Rule(f"{h}mlp.down_proj.{leaf}", (f"{b}mlp.fc2.{leaf}",)),
                     ]
             if m.moe_experts:
@@ -207,8 +261,10 @@ def rules(m: ModelConfig, source: str | None = None) -> list[Rule]:
 
 
 # an HF layer's MoE: its prefix, then each expert's names for tpframe's gate, up and down projections (_EXPERT_PARTS)
-_EXPERT_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
-                 "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+}
 _EXPERT_PARTS = ("fc1.gate", "fc1.up", "fc2")
 
 
@@ -238,8 +294,14 @@ def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{b}norm1.{leaf}"] = shapes[f"{b}norm2.{leaf}"] = (h,)
         if m.qk_norm:
             shapes[f"{b}attn.q_norm.weight"] = shapes[f"{b}attn.k_norm.weight"] = (d,)
-        linears = (("attn.qkv.q", heads * d, h), ("attn.qkv.k", kv * d, h), ("attn.qkv.v", kv * d, h),
-                   ("attn.proj", h, heads * d), *((f"mlp.{n}", f, h) for n, f in mlp_in), ("mlp.fc2", h, ffn))
+        linears = (
+            ("attn.qkv.q", heads * d, h),
+            ("attn.qkv.k", kv * d, h),
+            ("attn.qkv.v", kv * d, h),
+            ("attn.proj", h, heads * d),
+            *((f"mlp.{n}", f, h) for n, f in mlp_in),
+            ("mlp.fc2", h, ffn),
+        )
         if m.moe_experts:  # the router and bias-free experts instead of the MLP
             f = moe_ffn_hidden_size(m)
             linears = linears[:4]
@@ -279,40 +341,92 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
     """config.json for transformers (read by 4.x and 5.x) describing tpframe's model `m`."""
     arch = hf_architecture(m)
     heads, kv, d = _heads(m)
-    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPES[dtype],
-              "initializer_range": m.init_std, "use_cache": True, "bos_token_id": eos_token_id,
-              "eos_token_id": eos_token_id}
+    common = {
+        "vocab_size": m.vocab_size,
+        "tie_word_embeddings": m.tie_embeddings,
+        "torch_dtype": _DTYPES[dtype],
+        "initializer_range": m.init_std,
+        "use_cache": True,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+    }
     if arch == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden, "n_layer": m.layers,
-                "n_head": heads, "n_inner": ffn_hidden_size(m), "n_positions": m.max_seq_len,
-                "activation_function": _GPT2_ACT[m.activation], "layer_norm_epsilon": m.norm_eps,
-                "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.attention_dropout,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-                **common}
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_embd": m.hidden,
+            "n_layer": m.layers,
+            "n_head": heads,
+            "n_inner": ffn_hidden_size(m),
+            "n_positions": m.max_seq_len,
+            "activation_function": _GPT2_ACT[m.activation],
+            "layer_norm_epsilon": m.norm_eps,
+            "resid_pdrop": m.dropout,
+            "embd_pdrop": m.dropout,
+            "attn_pdrop": m.attention_dropout,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            **common,
+        }
     if arch == "mixtral":
-        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": m.hidden,
-                "num_hidden_layers": m.layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-                "intermediate_size": moe_ffn_hidden_size(m), "num_local_experts": m.moe_experts,
-                "num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss,
-                "output_router_logits": False, "hidden_act": "silu", "max_position_embeddings": m.max_seq_len,
-                "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "sliding_window": m.sliding_window,
-                "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-                "attention_dropout": m.attention_dropout, **common}
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": m.hidden,
+            "num_hidden_layers": m.layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": d,
+            "intermediate_size": moe_ffn_hidden_size(m),
+            "num_local_experts": m.moe_experts,
+            "num_experts_per_tok": m.moe_top_k,
+            "router_aux_loss_coef": m.moe_aux_loss,
+            "output_router_logits": False,
+            "hidden_act": "silu",
+            "max_position_embeddings": m.max_seq_len,
+            "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta,
+            "sliding_window": m.sliding_window,
+            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+            "attention_dropout": m.attention_dropout,
+            **common,
+        }
     scaled = m.rope_scaling_factor is not None
-    rope = {"rope_type": "default"} if not scaled else {
-        "rope_type": "llama3", **{hf_key: getattr(m, mine) for hf_key, mine in _LLAMA3_ROPE_KEYS}}
-    llama_like = {"hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": heads,
-                  "num_key_value_heads": kv, "head_dim": d, "intermediate_size": ffn_hidden_size(m), "hidden_act": "silu",
-                  "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-                  "rope_scaling": rope if scaled else None,  # transformers 4
-                  "rope_parameters": {**rope, "rope_theta": m.rope_theta},  # transformers >= 5
-                  "attention_dropout": m.attention_dropout}
+    rope = (
+        {"rope_type": "default"}
+        if not scaled
+        else {"rope_type": "llama3", **{hf_key: getattr(m, mine) for hf_key, mine in _LLAMA3_ROPE_KEYS}}
+    )
+    llama_like = {
+        "hidden_size": m.hidden,
+        "num_hidden_layers": m.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": d,
+        "intermediate_size": ffn_hidden_size(m),
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": rope if scaled else None,  # transformers 4
+        "rope_parameters": {**rope, "rope_theta": m.rope_theta},  # transformers >= 5
+        "attention_dropout": m.attention_dropout,
+    }
     if arch == "mistral":  # Llama without biases, with a sliding window
-        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **llama_like,
-                "sliding_window": m.sliding_window, **common}
+        return {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            **llama_like,
+            "sliding_window": m.sliding_window,
+            **common,
+        }
     # Qwen: a window in every layer (max_window_layers 0) or in none
-    window = {"use_sliding_window": m.sliding_window is not None, "sliding_window": m.sliding_window,
-              "max_window_layers": 0 if m.sliding_window is not None else m.layers}
+    window = {
+        "use_sliding_window": m.sliding_window is not None,
+        "sliding_window": m.sliding_window,
+        "max_window_layers": 0 if m.sliding_window is not None else m.layers,
+    }
     if arch == "qwen2":  # q/k/v biases are Qwen2's own: no bias options
         return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **llama_like, **window, **common}
     qwen3 = {**llama_like, "attention_bias": False, **window}
@@ -320,13 +434,29 @@ def hf_config(m: ModelConfig, *, dtype: torch.dtype = torch.float32, eos_token_i
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **qwen3, **common}
     if arch == "qwen3_moe":  # every layer sparse, the top k renormalized (tpframe's softmax router); intermediate_size,
         # the dense MLP's, is unused
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **qwen3,
-                "num_experts": m.moe_experts, "num_experts_per_tok": m.moe_top_k,
-                "moe_intermediate_size": moe_ffn_hidden_size(m), "norm_topk_prob": True, "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "router_aux_loss_coef": m.moe_aux_loss, "output_router_logits": False,
-                **common}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **llama_like, "attention_bias": m.bias,
-            "mlp_bias": m.bias, "pretraining_tp": 1, **common}
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **qwen3,
+            "num_experts": m.moe_experts,
+            "num_experts_per_tok": m.moe_top_k,
+            "moe_intermediate_size": moe_ffn_hidden_size(m),
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": m.moe_aux_loss,
+            "output_router_logits": False,
+            **common,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **llama_like,
+        "attention_bias": m.bias,
+        "mlp_bias": m.bias,
+        "pretraining_tp": 1,
+        **common,
+    }
 
 
 def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -350,77 +480,130 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
         return value
 
     if kind not in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3"):
-        raise HFMappingError(f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama', "
-                             "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'phi3'")
+        raise HFMappingError(
+            f"{where}: model_type={kind!r} has no tpframe mapping; tpframe reads 'gpt2', 'llama', "
+            "'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'phi3'"
+        )
     tied = config.get("tie_word_embeddings", kind == "gpt2")
     if not isinstance(tied, bool):
         raise refuse("tie_word_embeddings", "must be true or false; fix it in config.json")
     if kind == "gpt2":
         act = config.get("activation_function", "gelu_new")
         if act not in _GPT2_ACT_BACK:
-            raise refuse("activation_function", "has no tpframe equivalent (tpframe's gelu is the tanh approximation, "
-                                                "gelu_new; relu is relu)")
-        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                        ("add_cross_attention", False)):
+            raise refuse(
+                "activation_function",
+                "has no tpframe equivalent (tpframe's gelu is the tanh approximation, gelu_new; relu is relu)",
+            )
+        for key, ok in (
+            ("scale_attn_weights", True),
+            ("scale_attn_by_inverse_layer_idx", False),
+            ("add_cross_attention", False),
+        ):
             if config.get(key, ok) != ok:
                 raise refuse(key, "has no tpframe equivalent")
         hidden, heads = size("n_embd", 768), size("n_head", 12)
         if hidden % heads:
             raise refuse("n_head", f"does not divide n_embd={hidden} (each head has n_embd/n_head dimensions)")
         ffn = size("n_inner", 4 * hidden) if config.get("n_inner") is not None else 4 * hidden
-        return {"name": "gpt", "vocab_size": size("vocab_size", 50257), "hidden": hidden,
-                "layers": size("n_layer", 12), "heads": heads, "kv_heads": heads, "ffn_hidden": ffn,
-                "max_seq_len": size("n_positions", 1024), "norm": "layernorm",
-                "norm_eps": number("layer_norm_epsilon", 1e-5), "position": "learned",
-                "activation": _GPT2_ACT_BACK[act], "bias": True, "tie_embeddings": tied}
+        return {
+            "name": "gpt",
+            "vocab_size": size("vocab_size", 50257),
+            "hidden": hidden,
+            "layers": size("n_layer", 12),
+            "heads": heads,
+            "kv_heads": heads,
+            "ffn_hidden": ffn,
+            "max_seq_len": size("n_positions", 1024),
+            "norm": "layernorm",
+            "norm_eps": number("layer_norm_epsilon", 1e-5),
+            "position": "learned",
+            "activation": _GPT2_ACT_BACK[act],
+            "bias": True,
+            "tie_embeddings": tied,
+        }
     # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, phi3
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "has no tpframe equivalent (tpframe's gated MLP is SwiGLU: silu)")
     window = hf_window(config, where)
     if kind == "llama" and config.get("attention_bias", False) != config.get("mlp_bias", False):
-        raise refuse("attention_bias", f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
-                                       "equivalent (model.bias puts biases on both or neither)")
+        raise refuse(
+            "attention_bias",
+            f"with mlp_bias={config.get('mlp_bias', False)!r} has no tpframe "
+            "equivalent (model.bias puts biases on both or neither)",
+        )
     key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
     rope = config.get(key) or {}
     if not isinstance(rope, dict):
         raise refuse(key, "must be an object (or null); fix it in config.json")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    partial = next((v for v in (rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"))
-                    if v is not None and v != 1), 1)  # transformers 5 keeps it in rope_parameters, 4 at the top
+    partial = next(
+        (
+            v
+            for v in (rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"))
+            if v is not None and v != 1
+        ),
+        1,
+    )  # transformers 5 keeps it in rope_parameters, 4 at the top
     if partial != 1:  # Phi-3.5/4-mini rotate part of each head
-        raise HFMappingError(f"{where}: partial_rotary_factor={partial!r} has no tpframe equivalent (tpframe's rotary "
-                             "turns every dimension of a head)")
+        raise HFMappingError(
+            f"{where}: partial_rotary_factor={partial!r} has no tpframe equivalent (tpframe's rotary "
+            "turns every dimension of a head)"
+        )
     if rope_type not in ("default", "llama3") or rope_type == "llama3" and kind != "llama":
-        raise HFMappingError(f"{where}: rope scaling {rope_type!r} has no tpframe equivalent (tpframe's rotary is "
-                             "unscaled, or Llama 3.1's 'llama3' scaling in a Llama)")
+        raise HFMappingError(
+            f"{where}: rope scaling {rope_type!r} has no tpframe equivalent (tpframe's rotary is "
+            "unscaled, or Llama 3.1's 'llama3' scaling in a Llama)"
+        )
     hidden, heads = size("hidden_size", 4096), size("num_attention_heads", 32)
     kv = size("num_key_value_heads", heads) if config.get("num_key_value_heads") is not None else heads
     if config.get("head_dim") is None and hidden % heads:
-        raise refuse("num_attention_heads", f"does not divide hidden_size={hidden} (the head dim is "
-                                            "hidden_size/num_attention_heads where config.json gives no head_dim)")
+        raise refuse(
+            "num_attention_heads",
+            f"does not divide hidden_size={hidden} (the head dim is "
+            "hidden_size/num_attention_heads where config.json gives no head_dim)",
+        )
     d = hidden // heads if config.get("head_dim") is None else size("head_dim", 128)
     if d % 2:
-        raise refuse("head_dim" if config.get("head_dim") is not None else "num_attention_heads",
-                     f"gives an odd head dim, {d}; rotary positions need an even one")
+        raise refuse(
+            "head_dim" if config.get("head_dim") is not None else "num_attention_heads",
+            f"gives an odd head dim, {d}; rotary positions need an even one",
+        )
     if heads % kv:
-        raise refuse("num_key_value_heads", f"does not divide num_attention_heads={heads} (grouped-query "
-                                            "attention shares each key/value head among a whole group)")
+        raise refuse(
+            "num_key_value_heads",
+            f"does not divide num_attention_heads={heads} (grouped-query "
+            "attention shares each key/value head among a whole group)",
+        )
     size("max_position_embeddings", 2048)  # the context: checked here, chosen by the user (model.max_seq_len)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if not _positive_number(theta):
         raise HFMappingError(f"{where}: rope_theta={theta!r} must be a positive number; fix it in config.json")
-    fields = {"name": "gpt", "vocab_size": size("vocab_size", 32000), "hidden": hidden,
-              "layers": size("num_hidden_layers", 32), "heads": heads, "kv_heads": kv,
-              "ffn_hidden": size("intermediate_size", 11008), "norm": "rmsnorm",
-              "norm_eps": number("rms_norm_eps", 1e-6), "position": "rotary", "rope_theta": theta,
-              "activation": "swiglu", "bias": bool(config.get("attention_bias", False)), "tie_embeddings": tied}
+    fields = {
+        "name": "gpt",
+        "vocab_size": size("vocab_size", 32000),
+        "hidden": hidden,
+        "layers": size("num_hidden_layers", 32),
+        "heads": heads,
+        "kv_heads": kv,
+        "ffn_hidden": size("intermediate_size", 11008),
+        "norm": "rmsnorm",
+        "norm_eps": number("rms_norm_eps", 1e-6),
+        "position": "rotary",
+        "rope_theta": theta,
+        "activation": "swiglu",
+        "bias": bool(config.get("attention_bias", False)),
+        "tie_embeddings": tied,
+    }
     if d * heads != hidden:  # heads of their own width (Qwen3, Mistral-Nemo)
         fields["head_dim"] = d
     if kind in ("qwen3", "qwen3_moe"):  # per-head query and key norms; attention_bias would put biases on q, k, v
         # and o alone
         if config.get("attention_bias", False):
-            raise refuse("attention_bias", f"in a {_NAMES[kind]} has no tpframe equivalent (tpframe's biases are on "
-                                           "every linear layer, or on q/k/v alone); tpframe reads it without biases")
+            raise refuse(
+                "attention_bias",
+                f"in a {_NAMES[kind]} has no tpframe equivalent (tpframe's biases are on "
+                "every linear layer, or on q/k/v alone); tpframe reads it without biases",
+            )
         fields["qk_norm"] = True
     if rope_type == "llama3":
         fields |= _llama3_rope_fields(rope, f"{where}: {key}")
@@ -429,17 +612,21 @@ def model_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
     if window is not None:
         fields["sliding_window"] = window
     if kind == "mixtral":
-        fields |= _moe_fields(config, where, size, experts_key="num_local_experts", ffn_key="intermediate_size",
-                              defaults=(8, 2, 14336))
+        fields |= _moe_fields(
+            config, where, size, experts_key="num_local_experts", ffn_key="intermediate_size", defaults=(8, 2, 14336)
+        )
     if kind == "qwen3_moe":
         fields |= _qwen3_moe_fields(config, where, size)
     return fields
 
 
 # Llama 3.1's rotary scaling: config.json's keys (rope_type "llama3") and the model.* fields holding them
-_LLAMA3_ROPE_KEYS = (("factor", "rope_scaling_factor"), ("low_freq_factor", "rope_low_freq_factor"),
-                     ("high_freq_factor", "rope_high_freq_factor"),
-                     ("original_max_position_embeddings", "rope_original_max_seq_len"))
+_LLAMA3_ROPE_KEYS = (
+    ("factor", "rope_scaling_factor"),
+    ("low_freq_factor", "rope_low_freq_factor"),
+    ("high_freq_factor", "rope_high_freq_factor"),
+    ("original_max_position_embeddings", "rope_original_max_seq_len"),
+)
 
 
 def _llama3_rope_fields(rope: dict[str, Any], where: str) -> dict[str, Any]:
@@ -447,15 +634,22 @@ def _llama3_rope_fields(rope: dict[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for hf_key, mine in _LLAMA3_ROPE_KEYS:
         value = rope.get(hf_key)
-        ok = (_positive_number(value) if hf_key != "original_max_position_embeddings"
-              else isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+        ok = (
+            _positive_number(value)
+            if hf_key != "original_max_position_embeddings"
+            else isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        )
         if not ok:
-            raise HFMappingError(f"{where}: the llama3 scaling's {hf_key}={value!r} must be a positive "
-                                 f"{'integer' if mine.endswith('len') else 'number'}; fix it in config.json")
+            raise HFMappingError(
+                f"{where}: the llama3 scaling's {hf_key}={value!r} must be a positive "
+                f"{'integer' if mine.endswith('len') else 'number'}; fix it in config.json"
+            )
         out[mine] = value
     if not out["rope_high_freq_factor"] > out["rope_low_freq_factor"]:
-        raise HFMappingError(f"{where}: the llama3 scaling's high_freq_factor={out['rope_high_freq_factor']!r} must "
-                             f"exceed its low_freq_factor={out['rope_low_freq_factor']!r}; fix it in config.json")
+        raise HFMappingError(
+            f"{where}: the llama3 scaling's high_freq_factor={out['rope_high_freq_factor']!r} must "
+            f"exceed its low_freq_factor={out['rope_low_freq_factor']!r}; fix it in config.json"
+        )
     return out
 
 
@@ -463,16 +657,29 @@ def _positive_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
 
 
-def _moe_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int], *, experts_key: str,
-               ffn_key: str, defaults: tuple[int, int, int]) -> dict[str, Any]:
+def _moe_fields(
+    config: dict[str, Any],
+    where: str,
+    size: Callable[[str, int], int],
+    *,
+    experts_key: str,
+    ffn_key: str,
+    defaults: tuple[int, int, int],
+) -> dict[str, Any]:
     """Every block a mixture of `experts_key` SwiGLU MLPs of `ffn_key` hidden units, `num_experts_per_tok` per token
     (`defaults`: transformers' for the three, in that order); no dense MLP (ffn_hidden unused), no biases."""
     experts, top_k = size(experts_key, defaults[0]), size("num_experts_per_tok", defaults[1])
     if top_k > experts:
-        raise HFMappingError(f"{where}: num_experts_per_tok={top_k} exceeds {experts_key}={experts}; fix it in "
-                             "config.json")
-    return {"moe_experts": experts, "moe_top_k": top_k, "moe_ffn_hidden": size(ffn_key, defaults[2]),
-            "ffn_hidden": None, "bias": False}
+        raise HFMappingError(
+            f"{where}: num_experts_per_tok={top_k} exceeds {experts_key}={experts}; fix it in config.json"
+        )
+    return {
+        "moe_experts": experts,
+        "moe_top_k": top_k,
+        "moe_ffn_hidden": size(ffn_key, defaults[2]),
+        "ffn_hidden": None,
+        "bias": False,
+    }
 
 
 def _qwen3_moe_fields(config: dict[str, Any], where: str, size: Callable[[str, int], int]) -> dict[str, Any]:
@@ -481,23 +688,37 @@ def _qwen3_moe_fields(config: dict[str, Any], where: str, size: Callable[[str, i
     num_local_experts."""
     step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
     if isinstance(step, bool) or step != 1:
-        raise HFMappingError(f"{where}: decoder_sparse_step={step!r} makes some layers dense MLPs, which tpframe has "
-                             "no equivalent for (every block of a tpframe MoE is a mixture of experts); tpframe reads "
-                             "Qwen3-MoE with decoder_sparse_step=1")
+        raise HFMappingError(
+            f"{where}: decoder_sparse_step={step!r} makes some layers dense MLPs, which tpframe has "
+            "no equivalent for (every block of a tpframe MoE is a mixture of experts); tpframe reads "
+            "Qwen3-MoE with decoder_sparse_step=1"
+        )
     if dense not in (None, []):
-        raise HFMappingError(f"{where}: mlp_only_layers={dense!r} makes those layers dense MLPs, which tpframe has no "
-                             "equivalent for (every block of a tpframe MoE is a mixture of experts); tpframe reads "
-                             "Qwen3-MoE with mlp_only_layers=[]")
+        raise HFMappingError(
+            f"{where}: mlp_only_layers={dense!r} makes those layers dense MLPs, which tpframe has no "
+            "equivalent for (every block of a tpframe MoE is a mixture of experts); tpframe reads "
+            "Qwen3-MoE with mlp_only_layers=[]"
+        )
     if config.get("norm_topk_prob", False) is not True:  # transformers' default: false
-        raise HFMappingError(f"{where}: norm_topk_prob={config.get('norm_topk_prob', False)!r} has no tpframe "
-                             "equivalent (tpframe's softmax router renormalizes the top k's weights to sum 1); "
-                             "tpframe reads Qwen3-MoE with norm_topk_prob=true")
+        raise HFMappingError(
+            f"{where}: norm_topk_prob={config.get('norm_topk_prob', False)!r} has no tpframe "
+            "equivalent (tpframe's softmax router renormalizes the top k's weights to sum 1); "
+            "tpframe reads Qwen3-MoE with norm_topk_prob=true"
+        )
     both = config.get("num_experts"), config.get("num_local_experts")
     if None not in both and both[0] != both[1]:
-        raise HFMappingError(f"{where}: num_experts={both[0]!r} with num_local_experts={both[1]!r}: transformers names "
-                             "one count both ways; keep one of them in config.json")
-    return _moe_fields(config, where, size, experts_key="num_experts" if both[0] is not None else "num_local_experts",
-                       ffn_key="moe_intermediate_size", defaults=(128, 8, 768))
+        raise HFMappingError(
+            f"{where}: num_experts={both[0]!r} with num_local_experts={both[1]!r}: transformers names "
+            "one count both ways; keep one of them in config.json"
+        )
+    return _moe_fields(
+        config,
+        where,
+        size,
+        experts_key="num_experts" if both[0] is not None else "num_local_experts",
+        ffn_key="moe_intermediate_size",
+        defaults=(128, 8, 768),
+    )
 
 
 def hf_context(config: dict[str, Any]) -> int:
@@ -518,8 +739,9 @@ def hf_window(config: dict[str, Any], where: str) -> int | None:
             raise HFMappingError(f"{where}: use_sliding_window={use!r} must be true or false; fix it in config.json")
         window = config.get("sliding_window", 4096) if use else None
         if use and window is None:
-            raise HFMappingError(f"{where}: use_sliding_window=true without a sliding_window size; fix it in "
-                                 "config.json")
+            raise HFMappingError(
+                f"{where}: use_sliding_window=true without a sliding_window size; fix it in config.json"
+            )
     elif kind in ("mistral", "mixtral", "phi3"):
         window = config.get("sliding_window", 4096 if kind == "mistral" else None)
     else:
@@ -527,26 +749,32 @@ def hf_window(config: dict[str, Any], where: str) -> int | None:
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise HFMappingError(f"{where}: sliding_window={window!r} must be a positive integer (or null); fix it in "
-                             "config.json")
+        raise HFMappingError(
+            f"{where}: sliding_window={window!r} must be a positive integer (or null); fix it in config.json"
+        )
     if kind in ("qwen2", "qwen3"):
         layers, types = config.get("num_hidden_layers", 32), config.get("layer_types")
         if types is None:
             first = config.get("max_window_layers", 28)
             if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-                raise HFMappingError(f"{where}: max_window_layers={first!r} must be an integer >= 0; fix it in "
-                                     "config.json")
+                raise HFMappingError(
+                    f"{where}: max_window_layers={first!r} must be an integer >= 0; fix it in config.json"
+                )
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         if not isinstance(types, list) or len(types) != layers:
-            raise HFMappingError(f"{where}: layer_types={types!r} must list one type per layer "
-                                 f"(num_hidden_layers={layers}); fix it in config.json")
+            raise HFMappingError(
+                f"{where}: layer_types={types!r} must list one type per layer "
+                f"(num_hidden_layers={layers}); fix it in config.json"
+            )
         windowed = sum(t == "sliding_attention" for t in types)
         if windowed == 0:
             return None
         if windowed != layers:
-            raise HFMappingError(f"{where}: use_sliding_window=true gives a window of {window} to {windowed} of "
-                                 f"{layers} layers (max_window_layers / layer_types), which tpframe has no equivalent "
-                                 "for (model.sliding_window is every layer's)")
+            raise HFMappingError(
+                f"{where}: use_sliding_window=true gives a window of {window} to {windowed} of "
+                f"{layers} layers (max_window_layers / layer_types), which tpframe has no equivalent "
+                "for (model.sliding_window is every layer's)"
+            )
     return window
 
 
@@ -578,8 +806,11 @@ def check_model_matches(m: ModelConfig, config: dict[str, Any], where: str) -> N
         if not same:
             diffs.append(f"model.{key}={_yaml(mine[key])} but it needs {_yaml(value)}")
     if diffs:
-        raise HFMappingError(f"{where} describes another model: " + "; ".join(diffs)
-                             + " (set these model.* values in the config or as overrides)")
+        raise HFMappingError(
+            f"{where} describes another model: "
+            + "; ".join(diffs)
+            + " (set these model.* values in the config or as overrides)"
+        )
 
 
 def _yaml(value: Any) -> str:
@@ -615,14 +846,18 @@ def weight_files(path: Path) -> dict[str, Path]:
                 held = set(f.keys())
             missing = sorted(name for name, where in files.items() if where == file and name not in held)
             if missing:
-                raise HFMappingError(f"{index} puts {missing[0]!r} in {file.name}, which does not hold it "
-                                     f"({len(missing)} such); the index belongs to other files: download them again")
+                raise HFMappingError(
+                    f"{index} puts {missing[0]!r} in {file.name}, which does not hold it "
+                    f"({len(missing)} such); the index belongs to other files: download them again"
+                )
     elif (path / WEIGHTS).is_file():
         with safetensors_file(path / WEIGHTS) as f:
             files = {name: path / WEIGHTS for name in f.keys()}
     else:
-        raise HFMappingError(f"{path} has a {CONFIG} but no {WEIGHTS} (or {WEIGHTS_INDEX}); tpframe reads "
-                             "safetensors weights: save the model with save_pretrained(..., safe_serialization=True)")
+        raise HFMappingError(
+            f"{path} has a {CONFIG} but no {WEIGHTS} (or {WEIGHTS_INDEX}); tpframe reads "
+            "safetensors weights: save the model with save_pretrained(..., safe_serialization=True)"
+        )
     return files
 
 
@@ -634,8 +869,9 @@ def _index_files(index: Path) -> dict[str, Path]:
         raise HFMappingError(f"{index} is not valid JSON ({e}); download or save the model again") from None
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
-        raise HFMappingError(f'{index} has no "weight_map" object of tensor name: file name; download or save the '
-                             "model again")
+        raise HFMappingError(
+            f'{index} has no "weight_map" object of tensor name: file name; download or save the model again'
+        )
     files = {name: index.parent / file for name, file in weight_map.items()}
     for file in sorted(set(files.values())):
         if not file.is_file():
@@ -684,8 +920,10 @@ class HFWeights(Mapping):
         shapes = hf_shapes(self.m, self.kind)
         missing = [hf for hf, stored in self.names.items() if stored is None]
         if missing:
-            raise HFMappingError(f"{where}: no tensor {missing[0]!r} in its safetensors ({len(missing)} missing); "
-                                 "it does not hold the model its config.json describes")
+            raise HFMappingError(
+                f"{where}: no tensor {missing[0]!r} in its safetensors ({len(missing)} missing); "
+                "it does not hold the model its config.json describes"
+            )
         for hf, stored in self.names.items():
             with safetensors_file(self.files[stored]) as f:
                 part = f.get_slice(stored)
@@ -693,13 +931,17 @@ class HFWeights(Mapping):
             if shape != shapes[hf]:
                 raise HFMappingError(f"{where}: {stored} has shape {shape}, config.json implies {shapes[hf]}")
             if dtype not in _FLOAT_DTYPES:
-                raise HFMappingError(f"{where}: {stored} is {dtype}; tpframe reads {', '.join(_FLOAT_DTYPES)} weights "
-                                     "(not quantized ones): save the model in one of them")
+                raise HFMappingError(
+                    f"{where}: {stored} is {dtype}; tpframe reads {', '.join(_FLOAT_DTYPES)} weights "
+                    "(not quantized ones): save the model in one of them"
+                )
         known = set(self.names.values()) | {"lm_head.weight"}  # a tied GPT-2 may store its head too
         extra = sorted(n for n in self.files if n not in known and not n.endswith(_BUFFERS))
         if extra:
-            raise HFMappingError(f"{where}: tensors tpframe's {hf_architecture(self.m)} has no place for: "
-                                 f"{extra[:3]}{' ...' if len(extra) > 3 else ''}")
+            raise HFMappingError(
+                f"{where}: tensors tpframe's {hf_architecture(self.m)} has no place for: "
+                f"{extra[:3]}{' ...' if len(extra) > 3 else ''}"
+            )
 
     def _read(self, hf: str) -> torch.Tensor:
         if self._cache is None or self._cache[0] != hf:
@@ -734,8 +976,10 @@ def check_hf_dir(m: ModelConfig, path: str | Path) -> None:
     weights.check()  # the model section describes the HF model: now its tensors and shapes
     from tpframe.checkpoint.finite import check_finite_weights, safetensors_items
 
-    check_finite_weights(safetensors_items(sorted(set(weights.files.values())), set(weights.names.values())),
-                         f"checkpoint.init_from={str(path)!r}")
+    check_finite_weights(
+        safetensors_items(sorted(set(weights.files.values())), set(weights.names.values())),
+        f"checkpoint.init_from={str(path)!r}",
+    )
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -750,8 +994,10 @@ def to_hf(tensors: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
         used.update(r.parts)
     unused = sorted(set(tensors) - used)
     if unused:
-        raise HFMappingError(f"tensors with no Hugging Face place: {unused[:3]}; was the checkpoint written by "
-                             "another version of tpframe's GPT?")
+        raise HFMappingError(
+            f"tensors with no Hugging Face place: {unused[:3]}; was the checkpoint written by "
+            "another version of tpframe's GPT?"
+        )
     return out
 
 
@@ -785,8 +1031,9 @@ def write_tokenizer(out_dir: Path, record: dict, model_max_length: int) -> None:
     """tokenizer.json + tokenizer_config.json: what AutoTokenizer.from_pretrained(out_dir) reads."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length}
     if record["kind"] == "bytes":
-        (out_dir / "tokenizer.json").write_text(json.dumps(ByteTokenizer.hf_json(), ensure_ascii=False) + "\n",
-                                                encoding="utf-8")
+        (out_dir / "tokenizer.json").write_text(
+            json.dumps(ByteTokenizer.hf_json(), ensure_ascii=False) + "\n", encoding="utf-8"
+        )
     else:
         shutil.copyfile(record["file"], out_dir / "tokenizer.json")
         config.update(eos_token=record["eot_token"], bos_token=record["eot_token"])
@@ -805,8 +1052,10 @@ def foreign_export_dir(out_dir: str | Path) -> str | None:
     names = sorted(p.name for p in out_dir.iterdir())
     other = [n for n in names if n not in EXPORT_FILES]
     if other:
-        return (f"is a directory holding files a tpframe export does not write ({', '.join(map(repr, other[:3]))}"
-                f"{', ...' if len(other) > 3 else ''})")
+        return (
+            f"is a directory holding files a tpframe export does not write ({', '.join(map(repr, other[:3]))}"
+            f"{', ...' if len(other) > 3 else ''})"
+        )
     if names and not _is_marker(out_dir / MARKER):
         return f"is a directory of model files without tpframe's {MARKER}: not a tpframe export"
     return None
@@ -844,8 +1093,9 @@ def _publish(new: Path, out: Path) -> None:
         new.rmdir()
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print,
-              force: bool = False) -> dict[str, Any]:
+def export_hf(
+    checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print, force: bool = False
+) -> dict[str, Any]:
     """A tpframe checkpoint (any layout) -> an HF directory `AutoModelForCausalLM.from_pretrained` loads.
 
     Refuses (HFMappingError) before writing anything when the model has no HF equivalent, and (ConfigError) a
@@ -880,6 +1130,11 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str],
     finally:
         if new.exists():
             shutil.rmtree(new)
-    return {"architecture": arch, "tensors": len(tensors), "params": sum(t.numel() for t in tensors.values()),
-            "dtype": _DTYPES[dtype], "step": meta["step"],
-            "tokenizer": tokenizer and ("byte-level" if tokenizer["kind"] == "bytes" else str(tokenizer["file"]))}
+    return {
+        "architecture": arch,
+        "tensors": len(tensors),
+        "params": sum(t.numel() for t in tensors.values()),
+        "dtype": _DTYPES[dtype],
+        "step": meta["step"],
+        "tokenizer": tokenizer and ("byte-level" if tokenizer["kind"] == "bytes" else str(tokenizer["file"])),
+    }

@@ -46,8 +46,9 @@ def tpframe_checkpoint(path: Path) -> Path | None:
 
 def _refuse_other_model(key: str, m: ModelConfig, arch: dict, recorded: dict, source: str) -> None:
     """CheckpointError naming each architecture setting where `m` differs from the source's (`arch`, `recorded`)."""
-    diffs = [f"model.{k}={mine!r} but the {source} has {other!r}" for k, mine, other
-             in architecture_diffs(m, arch, recorded)]
+    diffs = [
+        f"model.{k}={mine!r} but the {source} has {other!r}" for k, mine, other in architecture_diffs(m, arch, recorded)
+    ]
     if diffs:
         raise CheckpointError(f"{key} holds another model: " + "; ".join(diffs))
 
@@ -69,9 +70,11 @@ def check_init_from(cfg) -> None:
         _refuse_other_model(key, cfg.model, meta["architecture"], meta["config"]["model"], "checkpoint")
         return
     if path.is_dir():
-        raise CheckpointError(f"{key} is a directory without {hf.CONFIG} and not a tpframe checkpoint (no meta.json "
-                              "or latest): give a Hugging Face model directory, a tpframe checkpoint, or a "
-                              "safetensors file from tools/checkpoint.py export")
+        raise CheckpointError(
+            f"{key} is a directory without {hf.CONFIG} and not a tpframe checkpoint (no meta.json "
+            "or latest): give a Hugging Face model directory, a tpframe checkpoint, or a "
+            "safetensors file from tools/checkpoint.py export"
+        )
     if not path.is_file():
         raise CheckpointError(f"{key} does not exist")
     recorded = _consolidated_model(path)
@@ -82,8 +85,9 @@ def check_init_from(cfg) -> None:
         _refuse_other_model(key, cfg.model, architecture(theirs), dataclasses.asdict(theirs), "file")
 
 
-def load_init_from(model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *,
-                   partial: bool = False) -> str:
+def load_init_from(
+    model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *, partial: bool = False
+) -> str:
     """Copy this rank's shards from `path` into `model` (`partial`: a pipeline stage or an expert-parallel
     rank, which holds only some of the tensors); returns what was loaded, for the log."""
     from tpframe.checkpoint import hf

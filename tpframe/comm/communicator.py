@@ -42,7 +42,9 @@ def resolve_backend_name(requested: str) -> str:
 class Communicator:
     """all_reduce / all_gather / reduce_scatter / barrier over `group`, by the chosen backend."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, backend: str = "auto", device: torch.device | None = None):
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, backend: str = "auto", device: torch.device | None = None
+    ):
         self.group = group if group is not None else dist.group.WORLD
         self.group_name = getattr(self.group, "group_name", "")  # what torch's symm_mem ops take
         self.size = dist.get_world_size(self.group)
@@ -105,8 +107,10 @@ class Communicator:
             if len(self._plans) > 4096:
                 self._plans.clear()
             eager, graph = (self._decide(op, x, graph=g) for g in (False, True))
-            calls = {b: (self.symm.caller(op, x.numel(), x.dtype) if b is self.symm else getattr(self.nccl, op))
-                     for b in {eager, graph}}
+            calls = {
+                b: (self.symm.caller(op, x.numel(), x.dtype) if b is self.symm else getattr(self.nccl, op))
+                for b in {eager, graph}
+            }
             plan = self._plans[key] = ((eager, calls[eager]), (graph, calls[graph]))
         eager, graph = plan
         if eager[0] is graph[0]:
@@ -120,7 +124,9 @@ class Communicator:
             return self.symm
         if self.symm.nvlink is False:
             return self.nccl
-        return self.symm if choose(op, message_bytes(op, x, self.size), x.dtype, self.size, graph) == "symm" else self.nccl
+        return (
+            self.symm if choose(op, message_bytes(op, x, self.size), x.dtype, self.size, graph) == "symm" else self.nccl
+        )
 
     def input_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor to write the next collective's input into. With symmetric memory set up (and room for
@@ -160,7 +166,7 @@ class Communicator:
             self.nccl.all_reduce_(x, op)
         return x
 
-    def all_reduce_async(self, x: torch.Tensor, *, donate: bool = False) -> "Pending":
+    def all_reduce_async(self, x: torch.Tensor, *, donate: bool = False) -> Pending:
         """Start a sum all-reduce of `x` and return at once: the caller launches other work (a weight-gradient
         GEMM) while it runs, then `.wait()` gives the result. Eager calls go through NCCL, which runs on its
         own stream with few SMs beside that work; under torch.compile or CUDA-graph capture the call is the
@@ -171,14 +177,14 @@ class Communicator:
             return Pending(self.all_reduce(x, donate=donate))
         return Pending(*self.nccl.all_reduce_start(x, donate), keep=x)
 
-    def reduce_scatter_async(self, x: torch.Tensor) -> "Pending":
+    def reduce_scatter_async(self, x: torch.Tensor) -> Pending:
         """Start `reduce_scatter(x, dim=0)` and return at once; as `all_reduce_async`."""
         if self.size == 1 or _in_order_only(x):
             return Pending(self.reduce_scatter(x))
         _check_split(x, 0, self.size)
         return Pending(*self.nccl.reduce_scatter_start(x), keep=x)
 
-    def exchange_async(self, send: torch.Tensor, *, to: int, recv: torch.Tensor, source: int) -> "Pending":
+    def exchange_async(self, send: torch.Tensor, *, to: int, recv: torch.Tensor, source: int) -> Pending:
         """Start sending `send` to group rank `to` while receiving `recv` (filled in place) from group rank
         `source`, and return at once; `.wait()` gives `recv`. Every rank of a ring calls it at the same step
         (async TP, tpframe/layers/async_tp.py). Eager only: NCCL runs the pair on its own stream; `send` is
@@ -189,10 +195,11 @@ class Communicator:
             raise ValueError("exchange_async needs contiguous send and receive tensors")
         return Pending(recv, self.nccl.exchange_start(send, to, recv, source), keep=send)
 
-    def beside(self, pending: "Pending | None"):
+    def beside(self, pending: Pending | None):
         """A context for GEMMs launched while `pending` is in flight: they leave `overlap_sm_margin` SMs to it."""
-        return gemm_sm_margin(self.overlap_sm_margin if pending is not None and pending.work is not None else 0,
-                              self.device)
+        return gemm_sm_margin(
+            self.overlap_sm_margin if pending is not None and pending.work is not None else 0, self.device
+        )
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
@@ -221,8 +228,10 @@ class Communicator:
         """Rows of `x` split by `input_splits` (one count per rank, in rank order) sent to the ranks; returns
         the rows received, `output_splits[j]` of them from rank j, in rank order (expert parallelism)."""
         if len(input_splits) != self.size or len(output_splits) != self.size or sum(input_splits) != x.shape[0]:
-            raise ValueError(f"all_to_all: {self.size} ranks, but input_splits={input_splits} (for {x.shape[0]} rows) "
-                             f"and output_splits={output_splits}")
+            raise ValueError(
+                f"all_to_all: {self.size} ranks, but input_splits={input_splits} (for {x.shape[0]} rows) "
+                f"and output_splits={output_splits}"
+            )
         if self.size == 1:
             return x
         return self.nccl.all_to_all(x, output_splits, input_splits)

@@ -59,9 +59,11 @@ def _driver():
     copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
     copy.restype = ctypes.c_int
     fns["copy"] = copy
-    for name, argtypes in (("cuEventCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
-                           ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
-                           ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint])):
+    for name, argtypes in (
+        ("cuEventCreate", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+        ("cuEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+        ("cuStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+    ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
         fns[name] = fn
@@ -83,15 +85,18 @@ def _handle(stream) -> int:
 def stream_write(stream, address: int, value: int) -> None:
     """When `stream` (a torch.cuda.Stream or a raw handle) reaches this point, store `value` (32 bits) at device
     address `address` (after a fence)."""
-    _check(_driver()["cuStreamWriteValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, 0),
-           "cuStreamWriteValue32")
+    _check(
+        _driver()["cuStreamWriteValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32"
+    )
 
 
 def stream_wait(stream, address: int, value: int) -> None:
     """Work queued on `stream` (a torch.cuda.Stream or a raw handle) after this waits until the int32 at
     `address` is >= `value` (wrap-safe)."""
-    _check(_driver()["cuStreamWaitValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
-           "cuStreamWaitValue32")
+    _check(
+        _driver()["cuStreamWaitValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
+        "cuStreamWaitValue32",
+    )
 
 
 def stream_take(stream, address: int) -> None:
@@ -168,8 +173,15 @@ class PeerMemory:
         return self._flag_base[owner] + 4 * index
 
 
-def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device,
-                          timeout_s: float = TIMEOUT_S, dtype: torch.dtype = torch.float32) -> PeerMemory:
+def symmetric_peer_memory(
+    group,
+    *,
+    numel: int,
+    flags: int,
+    device: torch.device,
+    timeout_s: float = TIMEOUT_S,
+    dtype: torch.dtype = torch.float32,
+) -> PeerMemory:
     """Buffers (`numel` of `dtype`) from torch's symmetric memory on `group` (a collective). Raises where it is
     unavailable."""
     from tpframe.comm.symm import symmetric_memory
@@ -187,16 +199,25 @@ def symmetric_peer_memory(group, *, numel: int, flags: int, device: torch.device
         dist.all_gather_object(offsets, offset, group=group)
         if len(set(offsets)) != 1 or offset % local.element_size():
             raise RuntimeError(f"symmetric buffer offsets differ between ranks: {offsets}")
-        out[key] = [local if r == rank else handle.get_buffer(r, (n,), kind, offset // local.element_size())
-                    for r in range(size)]
+        out[key] = [
+            local if r == rank else handle.get_buffer(r, (n,), kind, offset // local.element_size())
+            for r in range(size)
+        ]
         handles.append(handle)
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every rank's zeros are in place before anyone signals
     return PeerMemory(rank, size, out["buffers"], out["flags"], handles, timeout_s)
 
 
-def ipc_peer_memory(group, *, numel: int, flags: int, device: torch.device, timeout_s: float = TIMEOUT_S,
-                    dtype: torch.dtype = torch.float32) -> PeerMemory:
+def ipc_peer_memory(
+    group,
+    *,
+    numel: int,
+    flags: int,
+    device: torch.device,
+    timeout_s: float = TIMEOUT_S,
+    dtype: torch.dtype = torch.float32,
+) -> PeerMemory:
     """Buffers shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU
     (the one-GPU tests). Ranks on different GPUs use `symmetric_peer_memory`."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -223,8 +244,15 @@ class CopyEngineSync:
 
     SLOTS = 2  # scratch slots: the pull of bucket b+1 need not wait for the reduction of bucket b
 
-    def __init__(self, memory: PeerMemory, ranges: list[tuple[int, int]], *, scatter_only: bool, scale: float,
-                 high_priority: bool = False):
+    def __init__(
+        self,
+        memory: PeerMemory,
+        ranges: list[tuple[int, int]],
+        *,
+        scatter_only: bool,
+        scale: float,
+        high_priority: bool = False,
+    ):
         if any((stop - start) % memory.size for start, stop in ranges):
             raise ValueError("every bucket must split evenly over the ranks")
         self.memory, self.ranges, self.scatter_only, self.scale = memory, list(ranges), scatter_only, scale
@@ -233,12 +261,14 @@ class CopyEngineSync:
         self.device = memory.buffer.device
         # high_priority (parallel.dp_high_priority): the reductions' CTAs go ahead of the backward's queued ones
         priority = torch.cuda.Stream.priority_range()[1] if high_priority else 0
-        self.signal, self.pull, self.reduce, self.gather = (torch.cuda.Stream(self.device, priority=priority)
-                                                             for _ in range(4))
+        self.signal, self.pull, self.reduce, self.gather = (
+            torch.cuda.Stream(self.device, priority=priority) for _ in range(4)
+        )
         self._raw = {name: getattr(self, name).cuda_stream for name in ("signal", "pull", "reduce", "gather")}
         widest = max((stop - start) // self.size for start, stop in self.ranges)
-        self.scratch = [torch.empty(len(self.peers) * widest, dtype=torch.float32, device=self.device)
-                        for _ in range(self.SLOTS)]
+        self.scratch = [
+            torch.empty(len(self.peers) * widest, dtype=torch.float32, device=self.device) for _ in range(self.SLOTS)
+        ]
         # Each bucket's launch is a dozen stream operations: raw handles, addresses and reused events (ctypes
         # driver calls) keep its host cost a fraction of torch's stream contexts, views and new events.
         self._ready, self._pulled = RawEvent(), RawEvent()
@@ -329,8 +359,10 @@ class CopyEngineSync:
         bounded by the memory's `timeout_s` (also for a sync a replayed graph queued: `unwaited`)."""
         if self.launched:
             if len(self.launched) != len(self.ranges):
-                raise RuntimeError(f"copy-engine sync finished with {len(self.launched)} of {len(self.ranges)} "
-                                   "buckets launched; every rank must launch every bucket each step")
+                raise RuntimeError(
+                    f"copy-engine sync finished with {len(self.launched)} of {len(self.ranges)} "
+                    "buckets launched; every rank must launch every bucket each step"
+                )
             self._queue_done()
             self.launched = []
             self.unwaited = True
@@ -371,9 +403,11 @@ class CopyEngineSync:
                     flags.copy_(self.memory.flags[me], non_blocking=True)
                 side.synchronize()
                 missing = [p for p in self.peers if int(flags[self._done(p)]) == 0]
-                raise RuntimeError(f"copy-engine gradient sync: step {self.steps} not done after "
-                                   f"{self.memory.timeout_s:.0f} s; DP peer(s) {missing or self.peers} (ranks in the "
-                                   "DP group) never finished theirs")
+                raise RuntimeError(
+                    f"copy-engine gradient sync: step {self.steps} not done after "
+                    f"{self.memory.timeout_s:.0f} s; DP peer(s) {missing or self.peers} (ranks in the "
+                    "DP group) never finished theirs"
+                )
             time.sleep(pause)
             pause = min(1e-4, pause + 1e-5)  # the host reacts within 0.1 ms: the clip norm follows at once
 

@@ -87,8 +87,10 @@ class NcclBackend:
         NCCL group (a send and a receive launched apart could each wait for the other's peer); returns the
         works: waiting on each orders the current stream after the pair."""
         peer = dist.get_global_rank
-        ops = [dist.P2POp(dist.isend, send, peer(self.group, dst), self.group),
-               dist.P2POp(dist.irecv, recv, peer(self.group, src), self.group)]
+        ops = [
+            dist.P2POp(dist.isend, send, peer(self.group, dst), self.group),
+            dist.P2POp(dist.irecv, recv, peer(self.group, src), self.group),
+        ]
         return dist.batch_isend_irecv(ops)
 
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:

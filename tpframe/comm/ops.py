@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-_REGISTRY: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_REGISTRY: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
 _COUNTER = itertools.count()
 
 

@@ -41,8 +41,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tpframe.comm.copy_engine import (PeerMemory, RawEvent, copy_engine_available, stream_copy, stream_take,
-                                     stream_write)
+from tpframe.comm.copy_engine import PeerMemory, RawEvent, copy_engine_available, stream_copy, stream_take, stream_write
 
 _ALIGN = 16  # bytes: every block starts aligned for any dtype
 
@@ -54,7 +53,7 @@ class Incoming:
 
     __slots__ = ("exchange", "source", "slot", "shape", "dtype", "waited")
 
-    def __init__(self, exchange: "PeerExchange", source: int, slot: int, shape, dtype):
+    def __init__(self, exchange: PeerExchange, source: int, slot: int, shape, dtype):
         self.exchange, self.source, self.slot, self.shape, self.dtype = exchange, source, slot, shape, dtype
         self.waited = False
 
@@ -78,8 +77,7 @@ class Gathered:
 
     __slots__ = ("exchange", "incoming", "slot", "own", "shape", "dtype")
 
-    def __init__(self, exchange: "PeerExchange", incoming: dict[int, Incoming], slot: int, own: RawEvent, shape,
-                 dtype):
+    def __init__(self, exchange: PeerExchange, incoming: dict[int, Incoming], slot: int, own: RawEvent, shape, dtype):
         self.exchange, self.incoming, self.slot, self.own = exchange, incoming, slot, own
         self.shape, self.dtype = shape, dtype
 
@@ -125,13 +123,14 @@ class PeerExchange:
         self._held: list[torch.Tensor] = []  # pushed since the last join: their copies may not have run yet
 
     @classmethod
-    def for_group(cls, group, device: torch.device) -> "PeerExchange | None":
+    def for_group(cls, group, device: torch.device) -> PeerExchange | None:
         """Over torch's symmetric memory on `group` where every rank can run it (CUDA, stream memory operations,
         one host, peer access); else None with one warning. A collective."""
         ok, why = copy_engine_available(group, device)
         if not ok:
-            warnings.warn(f"async TP's copy-engine mode is unavailable ({why}); the layers take the plain path",
-                          stacklevel=3)
+            warnings.warn(
+                f"async TP's copy-engine mode is unavailable ({why}); the layers take the plain path", stacklevel=3
+            )
             return None
         from tpframe.comm.copy_engine import symmetric_peer_memory
 
@@ -191,16 +190,18 @@ class PeerExchange:
         if nbytes <= self.slot_bytes:
             return
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"PeerExchange: a push of {nbytes} bytes under CUDA-graph capture outgrows the slots "
-                               f"({self.slot_bytes} bytes), which cannot be re-allocated there: run the captured "
-                               "step once eagerly before capturing it")
+            raise RuntimeError(
+                f"PeerExchange: a push of {nbytes} bytes under CUDA-graph capture outgrows the slots "
+                f"({self.slot_bytes} bytes), which cannot be re-allocated there: run the captured "
+                "step once eagerly before capturing it"
+            )
         if self.memory is not None:  # every earlier push was read: the compute streams waited for them
             torch.cuda.synchronize(self.device)
             self.memory, self._views = None, {}
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
         self.memory = self.factory(numel=self.SLOTS * self.size * self.slot_bytes, flags=2 * self.size * self.SLOTS)
         # every slot starts free: FREE = 1 (peers set it only after this rank's first push, queued after this)
-        self.memory.flags[self.rank][self._free(0, 0):].fill_(1)
+        self.memory.flags[self.rank][self._free(0, 0) :].fill_(1)
         self.sent, self.received = [0] * self.size, [0] * self.size
 
     def push(self, sends: dict[int, torch.Tensor]) -> dict[int, Incoming]:
@@ -220,8 +221,9 @@ class PeerExchange:
             slot = self.sent[peer] % self.SLOTS
             self.sent[peer] += 1
             self._take(push, self.memory.flag(self.rank, self._free(peer, slot)))
-            stream_copy(push, self.memory.base[peer] + self._offset(slot, self.rank), t.data_ptr(),
-                        t.numel() * t.element_size())
+            stream_copy(
+                push, self.memory.base[peer] + self._offset(slot, self.rank), t.data_ptr(), t.numel() * t.element_size()
+            )
             self._set(push, self.memory.flag(peer, self._arrived(self.rank, slot)), 1)
             self._held.append(t)
             self.pushes += 1
@@ -239,8 +241,10 @@ class PeerExchange:
         incoming = self._send({p: t for p in self.peers})
         slots = {inc.slot for inc in incoming.values()}
         if len(slots) != 1:
-            raise RuntimeError(f"PeerExchange.gather: peers' blocks in different regions {sorted(slots)} "
-                               "(pushes to some peers only, between gathers)")
+            raise RuntimeError(
+                f"PeerExchange.gather: peers' blocks in different regions {sorted(slots)} "
+                "(pushes to some peers only, between gathers)"
+            )
         slot = slots.pop()
         push = self.stream.cuda_stream  # after the compute stream's reads of this region's last use
         stream_copy(push, self.memory.base[self.rank] + self._offset(slot, self.rank), t.data_ptr(), nbytes)

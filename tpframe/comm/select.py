@@ -53,7 +53,9 @@ def load_thresholds(path: str | os.PathLike | None = None) -> dict:
     if table is None:
         if not Path(path).exists():
             if path != str(DEFAULT_PATH):
-                raise ValueError(f"comm thresholds file {path!r} does not exist (set by {THRESHOLDS_ENV} or the caller)")
+                raise ValueError(
+                    f"comm thresholds file {path!r} does not exist (set by {THRESHOLDS_ENV} or the caller)"
+                )
             table = {}
         else:
             with open(path) as f:

@@ -13,8 +13,11 @@ import torch
 def local_report(device: torch.device) -> dict:
     """What this rank knows: host, its GPU, and which visible GPUs it can reach peer-to-peer."""
     uuid = _uuid(device.index)
-    peers = {_uuid(i): torch.cuda.can_device_access_peer(device.index, i)
-             for i in range(torch.cuda.device_count()) if i != device.index}
+    peers = {
+        _uuid(i): torch.cuda.can_device_access_peer(device.index, i)
+        for i in range(torch.cuda.device_count())
+        if i != device.index
+    }
     return {"host": socket.gethostname(), "uuid": uuid, "peers": peers, "nvlink": _nvml_nvlink_peers(uuid)}
 
 

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from tpframe.data.config import DataConfig
-from tpframe.errors import ConfigError
 from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus
 from tpframe.data.tokenizer import open_token_file
+from tpframe.errors import ConfigError
 
 STATE_FORMAT = "tpframe.data/1"
 BLEND_FORMAT = "tpframe.data.blend/1"
@@ -41,9 +41,20 @@ _RUN_FIELDS = (
 class BatchIterator:
     """This DP rank's micro-batches from `stream`, forever (wrapping into re-shuffled epochs)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, split: str = "train", *, cp_rank: int = 0, cp_size: int = 1,
-                 source: int | None = None):
+    def __init__(
+        self,
+        stream: TokenStream,
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        split: str = "train",
+        *,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        source: int | None = None,
+    ):
         if seq_len < 1 or micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"BatchIterator needs seq_len >= 1, micro_batch_size >= 1 and 0 <= dp_rank < dp_size; got "
@@ -52,8 +63,10 @@ class BatchIterator:
         if seed < 0:
             raise ValueError(f"data.seed={seed} must be a non-negative integer")
         if not 0 <= cp_rank < cp_size or (cp_size > 1 and seq_len % (2 * cp_size)):
-            raise ValueError(f"BatchIterator needs 0 <= cp_rank < cp_size and seq_len divisible by 2*cp_size; got "
-                             f"cp_rank={cp_rank}, cp_size={cp_size}, seq_len={seq_len}")
+            raise ValueError(
+                f"BatchIterator needs 0 <= cp_rank < cp_size and seq_len divisible by 2*cp_size; got "
+                f"cp_rank={cp_rank}, cp_size={cp_size}, seq_len={seq_len}"
+            )
         self.cp_rank, self.cp_size = cp_rank, cp_size
         if split not in _SPLIT_IDS:
             raise ValueError(f"split={split!r} must be one of {', '.join(_SPLIT_IDS)}")
@@ -125,9 +138,14 @@ class BatchIterator:
     def state_dict(self) -> dict:
         """The position in the stream, independent of the DP layout (JSON-able)."""
         return {
-            "format": STATE_FORMAT, "split": self.split, "seed": self.seed, "corpus": self.stream.fingerprint,
-            "seq_len": self.seq_len, "num_windows": self.num_windows,
-            "samples_consumed": self.samples_consumed, "epoch": self.epoch,
+            "format": STATE_FORMAT,
+            "split": self.split,
+            "seed": self.seed,
+            "corpus": self.stream.fingerprint,
+            "seq_len": self.seq_len,
+            "num_windows": self.num_windows,
+            "samples_consumed": self.samples_consumed,
+            "epoch": self.epoch,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -135,8 +153,12 @@ class BatchIterator:
         _check_format(state, STATE_FORMAT)
         checks = (
             *_RUN_FIELDS,
-            ("corpus", "data stream", "resume with the same data.source/data.path/data.synthetic_tokens/"
-                                      "data.valid_fraction, or start a fresh run"),
+            (
+                "corpus",
+                "data stream",
+                "resume with the same data.source/data.path/data.synthetic_tokens/"
+                "data.valid_fraction, or start a fresh run",
+            ),
             ("num_windows", "number of windows", "resume with the same data and train.seq_len"),
         )
         _check_fields(state, self.state_dict(), checks)
@@ -146,8 +168,10 @@ class BatchIterator:
         self.samples_consumed = consumed
 
     def describe(self) -> str:
-        return (f"{self.split}: {len(self.stream.tokens):,} tokens, {self.num_windows:,} windows of "
-                f"{self.seq_len}+1, epoch {self.epoch}, {self.samples_consumed:,} samples consumed")
+        return (
+            f"{self.split}: {len(self.stream.tokens):,} tokens, {self.num_windows:,} windows of "
+            f"{self.seq_len}+1, epoch {self.epoch}, {self.samples_consumed:,} samples consumed"
+        )
 
 
 class BlendedIterator:
@@ -161,14 +185,31 @@ class BlendedIterator:
     (G samples) and keeps its slice.
     """
 
-    def __init__(self, streams: list[TokenStream], weights: list[float], seq_len: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, split: str = "train", *, cp_rank: int = 0,
-                 cp_size: int = 1):
+    def __init__(
+        self,
+        streams: list[TokenStream],
+        weights: list[float],
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        split: str = "train",
+        *,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+    ):
         if len(streams) != len(weights) or not streams or not all(0 < w < float("inf") for w in weights):
-            raise ValueError(f"BlendedIterator needs one positive weight per stream; got {len(streams)} streams "
-                             f"and weights {weights}")
-        self.sources = [BatchIterator(st, seq_len, micro_batch_size, dp_rank, dp_size, seed, split, cp_rank=cp_rank,
-                                      cp_size=cp_size, source=i) for i, st in enumerate(streams)]
+            raise ValueError(
+                f"BlendedIterator needs one positive weight per stream; got {len(streams)} streams "
+                f"and weights {weights}"
+            )
+        self.sources = [
+            BatchIterator(
+                st, seq_len, micro_batch_size, dp_rank, dp_size, seed, split, cp_rank=cp_rank, cp_size=cp_size, source=i
+            )
+            for i, st in enumerate(streams)
+        ]
         total = float(sum(weights))
         self.weights = [w / total for w in weights]
         self.seq_len, self.split, self.seed = seq_len, split, seed
@@ -214,10 +255,15 @@ class BlendedIterator:
     def state_dict(self) -> dict:
         """The position in the blend, independent of the DP layout (JSON-able)."""
         return {
-            "format": BLEND_FORMAT, "split": self.split, "seed": self.seed, "seq_len": self.seq_len,
-            "corpus": [it.stream.fingerprint for it in self.sources], "weights": self.weights,
+            "format": BLEND_FORMAT,
+            "split": self.split,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "corpus": [it.stream.fingerprint for it in self.sources],
+            "weights": self.weights,
             "num_windows": [it.num_windows for it in self.sources],
-            "samples_consumed": self.samples_consumed, "taken": list(self.taken),
+            "samples_consumed": self.samples_consumed,
+            "taken": list(self.taken),
             "epochs": [t // it.num_windows for t, it in zip(self.taken, self.sources)],
         }
 
@@ -232,15 +278,25 @@ class BlendedIterator:
         )
         _check_fields(state, self.state_dict(), checks)
         consumed, taken = state.get("samples_consumed"), state.get("taken")
-        if (not isinstance(consumed, int) or consumed < 0 or not isinstance(taken, list) or len(taken) != len(self.sources)
-                or not all(isinstance(t, int) and t >= 0 for t in taken) or sum(taken) != consumed):
-            raise ValueError(f"data state has samples_consumed={consumed!r} and taken={taken!r}; expected integers "
-                             ">= 0, one per file, that sum to samples_consumed")
+        if (
+            not isinstance(consumed, int)
+            or consumed < 0
+            or not isinstance(taken, list)
+            or len(taken) != len(self.sources)
+            or not all(isinstance(t, int) and t >= 0 for t in taken)
+            or sum(taken) != consumed
+        ):
+            raise ValueError(
+                f"data state has samples_consumed={consumed!r} and taken={taken!r}; expected integers "
+                ">= 0, one per file, that sum to samples_consumed"
+            )
         self.samples_consumed, self.taken = consumed, list(taken)
 
     def describe(self) -> str:
-        parts = [f"{w:.1%} of {len(it.stream.tokens):,} tokens ({it.num_windows:,} windows, epoch "
-                 f"{t // it.num_windows})" for w, t, it in zip(self.weights, self.taken, self.sources)]
+        parts = [
+            f"{w:.1%} of {len(it.stream.tokens):,} tokens ({it.num_windows:,} windows, epoch {t // it.num_windows})"
+            for w, t, it in zip(self.weights, self.taken, self.sources)
+        ]
         return f"{self.split}: a blend of {'; '.join(parts)}; {self.samples_consumed:,} samples consumed"
 
 
@@ -268,8 +324,10 @@ def _check_format(state: dict, expected: str) -> None:
     kinds = {STATE_FORMAT: "one token stream", BLEND_FORMAT: "a blend of token files (data.path as a list)"}
     got = state.get("format") if isinstance(state, dict) else None
     if got in kinds and got != expected:
-        raise ValueError(f"the checkpoint's data position is for {kinds[got]} but this run reads {kinds[expected]}; "
-                         "resume with the checkpoint's data.path and data.weights")
+        raise ValueError(
+            f"the checkpoint's data position is for {kinds[got]} but this run reads {kinds[expected]}; "
+            "resume with the checkpoint's data.path and data.weights"
+        )
     if got != expected:
         raise ValueError(f"not a data iterator state (expected format {expected!r}): {str(state)[:200]}")
 
@@ -314,8 +372,10 @@ def load_streams(cfg: DataConfig, seq_len: int) -> tuple[list[TokenStream], list
             )
     streams = [stream for stream, _ in opened]
     if cfg.valid_path is None:
-        parts = [split_stream(st, cfg.valid_fraction, seq_len, f"prepare more text for {path} or lower train.seq_len")
-                 for st, (_, path) in zip(streams, files)]
+        parts = [
+            split_stream(st, cfg.valid_fraction, seq_len, f"prepare more text for {path} or lower train.seq_len")
+            for st, (_, path) in zip(streams, files)
+        ]
         return [head for head, _ in parts], [tail for _, tail in parts]
     for stream, (key, path) in zip(streams, files):
         if len(stream.tokens) < seq_len + 1:
@@ -331,8 +391,16 @@ def _tokenizer_id(meta: dict) -> str:
     return f"{tok.get('kind')}" + (f":{str(tok['sha256'])[:12]}" if "sha256" in tok else "")
 
 
-def build_data(cfg: DataConfig, seq_len: int, micro_batch_size: int, dp_rank: int, dp_size: int, *,
-               cp_rank: int = 0, cp_size: int = 1) -> tuple[BatchIterator | BlendedIterator, BatchIterator | BlendedIterator, int]:
+def build_data(
+    cfg: DataConfig,
+    seq_len: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    *,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> tuple[BatchIterator | BlendedIterator, BatchIterator | BlendedIterator, int]:
     """(train iterator, validation iterator, vocab_size of the token stream) for this DP (and CP) rank.
 
     A blend (several files in data.path) gives BlendedIterators: data.weights, or the files' token counts, set
@@ -344,9 +412,28 @@ def build_data(cfg: DataConfig, seq_len: int, micro_batch_size: int, dp_rank: in
 
     def iterator(streams: list[TokenStream], split: str):
         if len(streams) == 1:
-            return BatchIterator(streams[0], seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split,
-                                 cp_rank=cp_rank, cp_size=cp_size)
-        return BlendedIterator(streams, weights, seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed, split,
-                               cp_rank=cp_rank, cp_size=cp_size)
+            return BatchIterator(
+                streams[0],
+                seq_len,
+                micro_batch_size,
+                dp_rank,
+                dp_size,
+                cfg.seed,
+                split,
+                cp_rank=cp_rank,
+                cp_size=cp_size,
+            )
+        return BlendedIterator(
+            streams,
+            weights,
+            seq_len,
+            micro_batch_size,
+            dp_rank,
+            dp_size,
+            cfg.seed,
+            split,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+        )
 
     return iterator(train, "train"), iterator(valid, "valid"), train[0].vocab_size

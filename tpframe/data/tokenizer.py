@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -66,12 +66,28 @@ class ByteTokenizer:
         others = [b for b in range(256) if b not in printable]
         char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
         byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-        return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-                "normalizer": {"type": "Replace", "pattern": {"String": "\0"}, "content": ""},
-                "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
-                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                          "ignore_merges": False, "vocab": {char[b]: b for b in range(256)}, "merges": []}}
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [],
+            "normalizer": {"type": "Replace", "pattern": {"String": "\0"}, "content": ""},
+            "pre_tokenizer": byte_level,
+            "post_processor": None,
+            "decoder": byte_level,
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {char[b]: b for b in range(256)},
+                "merges": [],
+            },
+        }
 
 
 class HFTokenizer:
@@ -87,8 +103,9 @@ class HFTokenizer:
             ) from None
         path = Path(path)
         if why := not_a_file(path):
-            raise ValueError(f"tokenizer file {str(path)!r} {why}; pass a tokenizer.json saved by "
-                             "the `tokenizers` package")
+            raise ValueError(
+                f"tokenizer file {str(path)!r} {why}; pass a tokenizer.json saved by the `tokenizers` package"
+            )
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises its own exception type
@@ -169,15 +186,23 @@ def foreign_output(out: str | Path) -> str | None:
     when only an earlier token file (or nothing) is there."""
     out, side = Path(out), sidecar_path(out)
     if out.exists() and not is_token_sidecar(side):
-        return (f"exists and is not a token file made by prepare_data.py (no sidecar {str(side)!r} of format "
-                f"{FORMAT!r} beside it)")
+        return (
+            f"exists and is not a token file made by prepare_data.py (no sidecar {str(side)!r} of format "
+            f"{FORMAT!r} beside it)"
+        )
     if side.exists() and not is_token_sidecar(side):
         return f"would replace {str(side)!r} (its sidecar's name), which is not a tpframe token sidecar"
     return None
 
 
-def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str | Path | None = None,
-                     jsonl_key: str = "text", eot_token: str | None = None, force: bool = False) -> dict:
+def write_token_file(
+    inputs: list[str | Path],
+    out: str | Path,
+    tokenizer: str | Path | None = None,
+    jsonl_key: str = "text",
+    eot_token: str | None = None,
+    force: bool = False,
+) -> dict:
     """Tokenize `inputs` into `out` (+ `out.json`), streaming; returns the sidecar dict.
 
     An `out` that exists is replaced only when it is an earlier token file (its sidecar says so) or with `force`.
@@ -195,12 +220,15 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
         raise ValueError("--eot-token is for --tokenizer FILE; the byte-level tokenizer ends documents with byte 0")
     out = Path(out)
     if not out.name or out.is_dir():
-        raise ValueError(f"the output {str(out)!r} is a directory; name the token file, "
-                         f"e.g. {str(out / 'tokens.bin')!r}")
+        raise ValueError(
+            f"the output {str(out)!r} is a directory; name the token file, e.g. {str(out / 'tokens.bin')!r}"
+        )
     overwritten = [str(p) for p in inputs if Path(p).resolve() in (out.resolve(), sidecar_path(out).resolve())]
     if overwritten:  # the rename at the end would replace the text with its own tokens
-        raise ValueError(f"input file {overwritten[0]!r} is also the output {str(out)!r} (or its sidecar); writing "
-                         "would destroy it: pick another output name")
+        raise ValueError(
+            f"input file {overwritten[0]!r} is also the output {str(out)!r} (or its sidecar); writing "
+            "would destroy it: pick another output name"
+        )
     if not force and (why := foreign_output(out)):
         refuse_existing(f"--out {str(out)!r}", why)
     check_creatable(f"--out {str(out)!r}", out)
@@ -219,8 +247,14 @@ def write_token_file(inputs: list[str | Path], out: str | Path, tokenizer: str |
         if count == docs:
             raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no text")
         meta = {
-            "format": FORMAT, "num_tokens": count, "dtype": dtype.name, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "num_documents": docs, "tokenizer": tok.info, "sha256": digest.hexdigest(),
+            "format": FORMAT,
+            "num_tokens": count,
+            "dtype": dtype.name,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "num_documents": docs,
+            "tokenizer": tok.info,
+            "sha256": digest.hexdigest(),
             "sources": [str(p) for p in inputs],
         }
         sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
@@ -266,11 +300,15 @@ def read_sidecar(path: str | Path, key: str = "data.path") -> dict:
         raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} {what}; {fix}")
     tok = meta["tokenizer"]
     if not (tok.get("kind") == "bytes" or tok.get("kind") == "huggingface" and isinstance(tok.get("file"), str)):
-        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} has a malformed tokenizer record {tok!r} (kind "
-                         f"'bytes', or 'huggingface' with its 'file'); {fix}")
+        raise ValueError(
+            f"{key}={str(path)!r}: sidecar {str(side)!r} has a malformed tokenizer record {tok!r} (kind "
+            f"'bytes', or 'huggingface' with its 'file'); {fix}"
+        )
     if meta["vocab_size"] < 1:
-        raise ValueError(f"{key}={str(path)!r}: sidecar {str(side)!r} says vocab_size {meta['vocab_size']}; it must be "
-                         f"at least 1; {fix}")
+        raise ValueError(
+            f"{key}={str(path)!r}: sidecar {str(side)!r} says vocab_size {meta['vocab_size']}; it must be "
+            f"at least 1; {fix}"
+        )
     if meta["dtype"] != token_dtype(meta["vocab_size"]).name:
         raise ValueError(
             f"{key}={str(path)!r}: sidecar says dtype {meta['dtype']!r} for vocab_size {meta['vocab_size']}, "

@@ -50,8 +50,18 @@ class Generator:
     noise generator's seed (the same on every rank). cuda_graph: capture the decode step (CUDA only).
     """
 
-    def __init__(self, model: nn.Module, comm: Communicator, *, sampling: SamplingConfig, vocab_size: int,
-                 eos_id: int | list[int] | None = None, seed: int = 0, cuda_graph: bool = True, pad_id: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Communicator,
+        *,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        eos_id: int | list[int] | None = None,
+        seed: int = 0,
+        cuda_graph: bool = True,
+        pad_id: int = 0,
+    ):
         self.model, self.comm = model, comm
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -63,8 +73,14 @@ class Generator:
         table = model.head if getattr(model, "head", None) is not None else model.embedding
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
-        self.sampler = VocabParallelSampler(sampling, comm, vocab_size=vocab_size, rows_per_rank=table.weight.shape[0],
-                                            generator=generator, device=self.device)
+        self.sampler = VocabParallelSampler(
+            sampling,
+            comm,
+            vocab_size=vocab_size,
+            rows_per_rank=table.weight.shape[0],
+            generator=generator,
+            device=self.device,
+        )
         first = next(iter(model.blocks.values())).attn
         self._cache_shape = dict(kv_heads=first.kv_local, head_dim=first.head_dim)
         self._shape = None  # (batch, slots) the buffers below were made for
@@ -77,8 +93,14 @@ class Generator:
             return
         self.graph = None
         dev = self.device
-        self.cache = KVCache(list(self.model.blocks.keys()), batch=batch, max_len=slots, dtype=self.dtype, device=dev,
-                             **self._cache_shape)
+        self.cache = KVCache(
+            list(self.model.blocks.keys()),
+            batch=batch,
+            max_len=slots,
+            dtype=self.dtype,
+            device=dev,
+            **self._cache_shape,
+        )
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # the decode step's input
         self.out = torch.zeros(batch, slots, dtype=torch.long, device=dev)  # every new token, by step
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
@@ -123,7 +145,7 @@ class Generator:
         self._setup(batch, slots)
         ids = torch.full((batch, longest), self.pad_id, dtype=torch.long)
         for row, p in enumerate(prompts):
-            ids[row, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[row, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
         start = torch.tensor([longest - len(p) for p in prompts], dtype=torch.long)
         self.cache.reset(start.to(self.device))
         self.step.zero_()

@@ -24,7 +24,7 @@ from tpframe.kernels import kv_write
 class LayerCache:
     """One layer's keys and values [b, nkv/tp, L, d]; `append` writes this step's slots."""
 
-    def __init__(self, owner: "KVCache", k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, owner: KVCache, k: torch.Tensor, v: torch.Tensor):
         self.owner, self.k, self.v = owner, k, v
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,14 +48,27 @@ class LayerCache:
 class KVCache:
     """Keys and values of every layer for `batch` sequences of up to `max_len` slots."""
 
-    def __init__(self, layer_ids, *, batch: int, kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        layer_ids,
+        *,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         if batch < 1 or max_len < 1:
             raise ValueError(f"a KV cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
         self.batch, self.max_len = batch, max_len
         shape = (batch, kv_heads, max_len, head_dim)
-        self.layers = {str(i): LayerCache(self, torch.zeros(shape, dtype=dtype, device=device),
-                                          torch.zeros(shape, dtype=dtype, device=device)) for i in layer_ids}
+        self.layers = {
+            str(i): LayerCache(
+                self, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            )
+            for i in layer_ids
+        }
         self.dtype = dtype
         self.slot = torch.zeros((), dtype=torch.long, device=device)  # the next slot to write
         self.start = torch.zeros(batch, dtype=torch.long, device=device)

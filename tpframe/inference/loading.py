@@ -46,14 +46,19 @@ def model_config_from(d: dict, where: str) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ConfigError(f"{where}: model settings {unknown} are unknown to this tpframe; "
-                          "generate with the tpframe version that wrote it")
+        raise ConfigError(
+            f"{where}: model settings {unknown} are unknown to this tpframe; "
+            "generate with the tpframe version that wrote it"
+        )
     try:
         cfg = from_dict({"model": d}).model
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    bad = [f"model.{k}={getattr(cfg, k)}" for k in ("vocab_size", "hidden", "layers", "heads", "max_seq_len")
-           if getattr(cfg, k) < 1]
+    bad = [
+        f"model.{k}={getattr(cfg, k)}"
+        for k in ("vocab_size", "hidden", "layers", "heads", "max_seq_len")
+        if getattr(cfg, k) < 1
+    ]
     if not bad and cfg.hidden % cfg.heads:
         bad = [f"model.hidden={cfg.hidden} is not divisible by model.heads={cfg.heads}"]
     if bad:
@@ -68,32 +73,44 @@ def open_source(path: str | Path) -> ModelSource:
     from tpframe.checkpoint.hf import is_hf_dir
 
     p = Path(path)
-    if p.is_file() and is_hf_dir(p.parent) and (p.suffix != ".safetensors" or
-                                                 "model_config" not in _safetensors_header(p)):
-        raise ConfigError(f"--checkpoint {str(p)!r} is a file of the Hugging Face model directory {str(p.parent)!r}; "
-                          "pass the directory")
+    if (
+        p.is_file()
+        and is_hf_dir(p.parent)
+        and (p.suffix != ".safetensors" or "model_config" not in _safetensors_header(p))
+    ):
+        raise ConfigError(
+            f"--checkpoint {str(p)!r} is a file of the Hugging Face model directory {str(p.parent)!r}; "
+            "pass the directory"
+        )
     if p.is_file():
         if p.suffix != ".safetensors":
-            raise ConfigError(f"--checkpoint {str(p)!r} is a file but not a .safetensors export; pass a checkpoint "
-                              "directory or a file written by `tools/checkpoint.py export`")
+            raise ConfigError(
+                f"--checkpoint {str(p)!r} is a file but not a .safetensors export; pass a checkpoint "
+                "directory or a file written by `tools/checkpoint.py export`"
+            )
         header = _safetensors_header(p)
         if "model_config" not in header:
-            raise ConfigError(f"--checkpoint {str(p)!r} has no model_config in its header: not a tpframe export "
-                              "(make one with `python tools/checkpoint.py export DIR --out FILE`)")
+            raise ConfigError(
+                f"--checkpoint {str(p)!r} has no model_config in its header: not a tpframe export "
+                "(make one with `python tools/checkpoint.py export DIR --out FILE`)"
+            )
         try:
             recorded, step = json.loads(header["model_config"]), header.get("step")
             step = int(step) if step is not None else None
         except ValueError as e:  # JSONDecodeError too
-            raise ConfigError(f"--checkpoint {str(p)!r} has a corrupt header ({e}); export it again with "
-                              "`python tools/checkpoint.py export DIR --out FILE`") from None
+            raise ConfigError(
+                f"--checkpoint {str(p)!r} has a corrupt header ({e}); export it again with "
+                "`python tools/checkpoint.py export DIR --out FILE`"
+            ) from None
         return ModelSource(p, "safetensors", model_config_from(recorded, str(p)), step=step)
     if is_hf_dir(p):
         return hf_source(p)
     step_dir = resolve(p)  # CheckpointError (a ConfigError) when it does not exist or names nothing
     meta = verify(step_dir, "crc")
     cfg = model_config_from(meta["config"]["model"], str(step_dir / "meta.json"))
-    return ModelSource(step_dir, "checkpoint", cfg, data=meta["config"].get("data"), step=meta.get("step"),
-                       cwd=meta.get("cwd"))
+    return ModelSource(
+        step_dir, "checkpoint", cfg, data=meta["config"].get("data"), step=meta.get("step"), cwd=meta.get("cwd")
+    )
 
 
 def hf_source(path: Path, where: str | None = None) -> ModelSource:
@@ -114,8 +131,9 @@ def _safetensors_header(path: Path) -> dict:
     try:
         from safetensors import safe_open
     except ImportError:
-        raise ConfigError("reading a .safetensors export needs the safetensors package: "
-                          "pip install safetensors") from None
+        raise ConfigError(
+            "reading a .safetensors export needs the safetensors package: pip install safetensors"
+        ) from None
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}
@@ -156,11 +174,13 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], tp_rank: in
             expected.add(shard.name)
             full = tensors.get(shard.name)
             if full is None:
-                raise ConfigError(f"the weights have no tensor {shard.name!r}; "
-                                  "were they written by this model architecture?")
+                raise ConfigError(
+                    f"the weights have no tensor {shard.name!r}; were they written by this model architecture?"
+                )
             if tuple(full.shape) != shard.global_shape:
-                raise ConfigError(f"weight {shard.name} has shape {tuple(full.shape)}, "
-                                  f"this model needs {shard.global_shape}")
+                raise ConfigError(
+                    f"weight {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}"
+                )
             target = shard.view(param)
             if shard.tp_dim is not None:
                 full = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])

@@ -36,16 +36,20 @@ class SamplingConfig:
         top-p is compared with float32 probabilities: below float32's range it is 0 there, and no token is kept."""
         t, f32 = self.temperature, torch.finfo(torch.float32)
         if not (isinstance(t, (int, float)) and f32.tiny <= t <= f32.max):  # False for NaN
-            raise ValueError(f"--temperature must be a finite number > 0 within float32's range ({f32.tiny:.3g} to "
-                             f"{f32.max:.3g}; use --greedy for argmax), got {t}")
+            raise ValueError(
+                f"--temperature must be a finite number > 0 within float32's range ({f32.tiny:.3g} to "
+                f"{f32.max:.3g}; use --greedy for argmax), got {t}"
+            )
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"--top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_p is not None and self.top_p < f32.tiny:
-            raise ValueError(f"--top-p must be at least {f32.tiny:.3g}, float32's smallest normal number (below it is 0 "
-                             f"in float32 and no token would be kept; use --greedy for the most likely token), "
-                             f"got {self.top_p}")
+            raise ValueError(
+                f"--top-p must be at least {f32.tiny:.3g}, float32's smallest normal number (below it is 0 "
+                f"in float32 and no token would be kept; use --greedy for the most likely token), "
+                f"got {self.top_p}"
+            )
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, comm: Communicator, vocab_start: int) -> torch.Tensor:
@@ -76,8 +80,16 @@ class VocabParallelSampler:
     rows_per_rank: this rank's vocabulary rows (V_padded/tp); generator: the seeded source of noise.
     """
 
-    def __init__(self, config: SamplingConfig, comm: Communicator, *, vocab_size: int, rows_per_rank: int,
-                 generator: torch.Generator | None, device: torch.device):
+    def __init__(
+        self,
+        config: SamplingConfig,
+        comm: Communicator,
+        *,
+        vocab_size: int,
+        rows_per_rank: int,
+        generator: torch.Generator | None,
+        device: torch.device,
+    ):
         config.validate()
         if vocab_size >= 2**24:
             raise ValueError(f"vocab_size {vocab_size} is too large for the fp32 index exchange (< 2**24)")

@@ -13,8 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tpframe.data.tokenizer import (BYTE_SOURCES, EOT_CANDIDATES, ByteTokenizer, HFTokenizer, first_path,
-                                   read_sidecar)
+from tpframe.data.tokenizer import BYTE_SOURCES, EOT_CANDIDATES, ByteTokenizer, HFTokenizer, first_path, read_sidecar
 from tpframe.errors import ConfigError
 from tpframe.inference.loading import ModelSource
 from tpframe.paths import recorded_path
@@ -33,7 +32,9 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None, eot_toke
         recorded = hf_dir_tokenizer(source.path)
     elif data is not None and data.get("source") == "tokens":
         try:
-            side = read_sidecar(recorded_path(first_path(data.get("path")), source.cwd), key="the checkpoint's data.path")
+            side = read_sidecar(
+                recorded_path(first_path(data.get("path")), source.cwd), key="the checkpoint's data.path"
+            )
             recorded, expected = side["tokenizer"], side["vocab_size"]
             why = f"the checkpoint's data {data.get('path')!r} was made with a tokenizer of vocabulary {expected}"
         except ValueError as e:
@@ -45,8 +46,10 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None, eot_toke
         elif recorded is None:
             if vocab != ByteTokenizer.vocab_size:
                 has = "has no tokenizer.json" if source.kind == "hf" else "records no tokenizer"
-                raise ConfigError(f"{str(source.path)!r} {has} and its vocabulary is {vocab}, not byte-level (256); "
-                                  "pass --tokenizer FILE")
+                raise ConfigError(
+                    f"{str(source.path)!r} {has} and its vocabulary is {vocab}, not byte-level (256); "
+                    "pass --tokenizer FILE"
+                )
             tok = _byte_tokenizer(source)
         elif recorded.get("kind") == "bytes":
             tok = _byte_tokenizer(source)
@@ -55,18 +58,24 @@ def resolve_tokenizer(source: ModelSource, override: str | None = None, eot_toke
             tok = HFTokenizer(file, recorded.get("eot_token"))
             digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
             if recorded.get("sha256") and digest != recorded["sha256"]:
-                raise ConfigError(f"tokenizer {recorded['file']!r} changed since the data was prepared (sha256 differs); "
-                                  "pass --tokenizer with the original file")
+                raise ConfigError(
+                    f"tokenizer {recorded['file']!r} changed since the data was prepared (sha256 differs); "
+                    "pass --tokenizer with the original file"
+                )
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if expected is not None and tok.vocab_size != expected:
-        raise ConfigError(f"the tokenizer has a vocabulary of {tok.vocab_size} but {why}; pass the tokenizer "
-                          "the data was prepared with (or leave --tokenizer out)")
+        raise ConfigError(
+            f"the tokenizer has a vocabulary of {tok.vocab_size} but {why}; pass the tokenizer "
+            "the data was prepared with (or leave --tokenizer out)"
+        )
     if tok.vocab_size > vocab:
-        raise ConfigError(f"the tokenizer has a vocabulary of {tok.vocab_size} but the model only {vocab} "
-                          "(model.vocab_size); pass the tokenizer the model was trained with")
+        raise ConfigError(
+            f"the tokenizer has a vocabulary of {tok.vocab_size} but the model only {vocab} "
+            "(model.vocab_size); pass the tokenizer the model was trained with"
+        )
     return tok
 
 
@@ -76,8 +85,10 @@ def _byte_tokenizer(source: ModelSource) -> ByteTokenizer:
     eos = hf_eos_id(source.path) if source.kind == "hf" else None
     if eos is not None:
         if eos >= ByteTokenizer.vocab_size:
-            raise ConfigError(f"{str(source.path / 'config.json')!r}: eos_token_id={eos} is not a byte (0..255) of its "
-                              "byte-level tokenizer; set it to the end-of-text byte (tpframe's is 0) or null")
+            raise ConfigError(
+                f"{str(source.path / 'config.json')!r}: eos_token_id={eos} is not a byte (0..255) of its "
+                "byte-level tokenizer; set it to the end-of-text byte (tpframe's is 0) or null"
+            )
         tok.eot_id = eos
     return tok
 
@@ -113,16 +124,22 @@ def hf_dir_tokenizer(path: Path, eot_token: str | None = None) -> dict | None:
     eot = eot.get("content") if isinstance(eot, dict) else eot
     if eot is not None:
         if not isinstance(eot, str) or tok.token_to_id(eot) is None:
-            raise ConfigError(f"{str(settings)!r}: eos_token={eot!r} is not a token of tokenizer.json; set it to "
-                              "the end-of-text token")
+            raise ConfigError(
+                f"{str(settings)!r}: eos_token={eot!r} is not a token of tokenizer.json; set it to "
+                "the end-of-text token"
+            )
     elif (eos_id := hf_eos_id(path)) is not None:
         eot = tok.id_to_token(eos_id)
         if eot is None:
-            raise ConfigError(f"{str(path / 'config.json')!r}: eos_token_id={eos_id} is not a token of tokenizer.json "
-                              f"(vocabulary {tok.get_vocab_size()}); set it to the end-of-text token's id")
+            raise ConfigError(
+                f"{str(path / 'config.json')!r}: eos_token_id={eos_id} is not a token of tokenizer.json "
+                f"(vocabulary {tok.get_vocab_size()}); set it to the end-of-text token's id"
+            )
     elif all(tok.token_to_id(name) is None for name in EOT_CANDIDATES):
-        raise ConfigError(f"{str(file)!r} has no end-of-text token among {', '.join(EOT_CANDIDATES)}; name its own "
-                          "as eos_token in tokenizer_config.json")
+        raise ConfigError(
+            f"{str(file)!r} has no end-of-text token among {', '.join(EOT_CANDIDATES)}; name its own "
+            "as eos_token in tokenizer_config.json"
+        )
     return {"kind": "huggingface", "file": str(file), "eot_token": eot}
 
 
@@ -131,8 +148,10 @@ def hf_eos_ids(path: Path) -> list[int]:
     eos = _json_object(path / "config.json").get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ConfigError(f"{str(path / 'config.json')!r}: eos_token_id={eos!r} must be a token id (or a list of "
-                          "them, or null); fix it in config.json")
+        raise ConfigError(
+            f"{str(path / 'config.json')!r}: eos_token_id={eos!r} must be a token id (or a list of "
+            "them, or null); fix it in config.json"
+        )
     return ids
 
 
@@ -147,8 +166,10 @@ def stop_ids(source: ModelSource, tok, *, own_tokenizer: bool = True) -> list[in
     extra = hf_eos_ids(source.path) if source.kind == "hf" and own_tokenizer else []
     bad = [i for i in extra if i >= source.model.vocab_size]
     if bad:
-        raise ConfigError(f"{str(source.path / 'config.json')!r}: eos_token_id {bad[0]} is outside the vocabulary "
-                          f"({source.model.vocab_size}); fix it in config.json")
+        raise ConfigError(
+            f"{str(source.path / 'config.json')!r}: eos_token_id {bad[0]} is outside the vocabulary "
+            f"({source.model.vocab_size}); fix it in config.json"
+        )
     return sorted({int(tok.eot_id), *extra})
 
 
@@ -176,8 +197,9 @@ def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"--prompts {file!r} is not UTF-8 text (byte {e.start} is "
-                              f"{e.object[e.start]:#04x})") from None
+            raise ConfigError(
+                f"--prompts {file!r} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})"
+            ) from None
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -208,10 +230,14 @@ def encode_prompts(tok, prompts: list[str], *, context: int, max_new_tokens: int
     for i, text in enumerate(prompts):
         ids = [int(t) for t in tok.encode(text)] or [int(tok.eot_id)]
         if len(ids) >= context:
-            raise ConfigError(f"prompt {i + 1} is {len(ids)} tokens but the model's context is {context} "
-                              "(model.max_seq_len); shorten it")
+            raise ConfigError(
+                f"prompt {i + 1} is {len(ids)} tokens but the model's context is {context} "
+                "(model.max_seq_len); shorten it"
+            )
         if len(ids) + max_new_tokens > context:
-            raise ConfigError(f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
-                              f"model's context of {context} tokens; use --max-new-tokens {context - len(ids)} or less")
+            raise ConfigError(
+                f"prompt {i + 1} ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                f"model's context of {context} tokens; use --max-new-tokens {context - len(ids)} or less"
+            )
         out.append(ids)
     return out

@@ -24,8 +24,9 @@ def _chunk_rows(chunk: int | None, n_cols: int) -> int:
     return chunk if chunk else max(1, DEFAULT_CHUNK_ELEMENTS // max(1, n_cols))
 
 
-def row_stats(logits: torch.Tensor, local_target: torch.Tensor, n_valid: int, chunk: int | None = None,
-              triton: bool | None = None) -> torch.Tensor:
+def row_stats(
+    logits: torch.Tensor, local_target: torch.Tensor, n_valid: int, chunk: int | None = None, triton: bool | None = None
+) -> torch.Tensor:
     n = logits.shape[0]
     stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
@@ -39,39 +40,58 @@ def row_stats(logits: torch.Tensor, local_target: torch.Tensor, n_valid: int, ch
         return stats
     step = _chunk_rows(chunk, n_valid)
     for i in range(0, n, step):
-        rows = logits[i:i + step, :n_valid].float()
+        rows = logits[i : i + step, :n_valid].float()
         m = rows.max(dim=-1).values
-        stats[0, i:i + step] = m
-        stats[1, i:i + step] = (rows - m.unsqueeze(-1)).exp_().sum(dim=-1)
-        t = local_target[i:i + step]
+        stats[0, i : i + step] = m
+        stats[1, i : i + step] = (rows - m.unsqueeze(-1)).exp_().sum(dim=-1)
+        t = local_target[i : i + step]
         picked = rows.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        stats[2, i:i + step] = picked.masked_fill(t < 0, 0.0)
-        stats[3, i:i + step] = rows.sum(dim=-1)
+        stats[2, i : i + step] = picked.masked_fill(t < 0, 0.0)
+        stats[3, i : i + step] = rows.sum(dim=-1)
     return stats
 
 
-def logits_grad_(logits: torch.Tensor, local_target: torch.Tensor, log_z: torch.Tensor, scale: torch.Tensor,
-                 n_valid: int, smoothing: float, vocab: int, chunk: int | None = None,
-                 triton: bool | None = None) -> torch.Tensor:
+def logits_grad_(
+    logits: torch.Tensor,
+    local_target: torch.Tensor,
+    log_z: torch.Tensor,
+    scale: torch.Tensor,
+    n_valid: int,
+    smoothing: float,
+    vocab: int,
+    chunk: int | None = None,
+    triton: bool | None = None,
+) -> torch.Tensor:
     n, v = logits.shape
     if n == 0:
         return logits
     if use_triton(logits) if triton is None else triton:
         block = min(4096, _next_pow2(max(v, 16)))
-        _logits_grad_kernel[(n,)](logits, logits.stride(0), local_target, log_z, scale, v, n_valid,
-                                  1.0 - smoothing, smoothing / vocab, BLOCK=block, num_warps=8)
+        _logits_grad_kernel[(n,)](
+            logits,
+            logits.stride(0),
+            local_target,
+            log_z,
+            scale,
+            v,
+            n_valid,
+            1.0 - smoothing,
+            smoothing / vocab,
+            BLOCK=block,
+            num_warps=8,
+        )
         return logits
     step = _chunk_rows(chunk, v)
     for i in range(0, n, step):
-        rows = logits[i:i + step]
-        p = (rows.float() - log_z[i:i + step].unsqueeze(-1)).exp_()
-        t = local_target[i:i + step]
+        rows = logits[i : i + step]
+        p = (rows.float() - log_z[i : i + step].unsqueeze(-1)).exp_()
+        t = local_target[i : i + step]
         hit = (t >= 0).float() * (1.0 - smoothing)
         p.scatter_add_(-1, t.clamp(min=0).unsqueeze(-1), -hit.unsqueeze(-1))
         if smoothing > 0:
             p[:, :n_valid] -= smoothing / vocab
         p[:, n_valid:] = 0.0
-        p.mul_(scale[i:i + step].unsqueeze(-1))
+        p.mul_(scale[i : i + step].unsqueeze(-1))
         rows.copy_(p)
     return logits
 
@@ -109,8 +129,9 @@ if HAVE_TRITON:
         tl.store(stats + 3 * N + row, tl.sum(total, axis=0))
 
     @triton.jit
-    def _logits_grad_kernel(logits, stride, target, log_z, scale, n_cols, n_valid, hit_weight, smooth,
-                            BLOCK: tl.constexpr):
+    def _logits_grad_kernel(
+        logits, stride, target, log_z, scale, n_cols, n_valid, hit_weight, smooth, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0)
         base = logits + row.to(tl.int64) * stride
         t = tl.load(target + row)

@@ -40,9 +40,25 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _decode_attn(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
-                     NQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                     SPLITS: tl.constexpr):
+    def _decode_attn(
+        q,
+        k,
+        v,
+        mask,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        L,
+        SPLIT_L,
+        scale,
+        S: tl.constexpr,
+        NQ: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         """Multi-head attention (kv head h serves query head h)."""
         pid = tl.program_id(0)  # ((row * NQ + head) * S + token): q's and out's row of d values
         split = tl.program_id(1)
@@ -82,9 +98,28 @@ if HAVE_TRITON:
             tl.store(part_acc + at * D + dd, acc, mask=dmask)
 
     @triton.jit
-    def _decode_attn_group(q, k, v, mask, out, part_m, part_l, part_acc, L, SPLIT_L, scale, S: tl.constexpr,
-                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                           NQ: tl.constexpr, NKV: tl.constexpr, BLOCK_G: tl.constexpr, FP32: tl.constexpr):
+    def _decode_attn_group(
+        q,
+        k,
+        v,
+        mask,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        L,
+        SPLIT_L,
+        scale,
+        S: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr,
+        NQ: tl.constexpr,
+        NKV: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        FP32: tl.constexpr,
+    ):
         """Grouped-query attention: one program per (row, kv head, query token, split) serves the kv head's
         G = NQ / NKV query heads at once, reading each cache slot once (two small matmuls per tile)."""
         pid = tl.program_id(0)  # (row * NKV + kv head) * S + token
@@ -138,8 +173,16 @@ if HAVE_TRITON:
             tl.store(part_acc + at[:, None] * D + dd[None, :], acc, mask=qmask)
 
     @triton.jit
-    def _decode_attn_merge(out, part_m, part_l, part_acc, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _decode_attn_merge(
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         sp = tl.arange(0, BLOCK_S)
         dd = tl.arange(0, BLOCK_D)
@@ -147,8 +190,9 @@ if HAVE_TRITON:
         m = tl.load(part_m + at, mask=sp < SPLITS, other=-1e30)
         l_ = tl.load(part_l + at, mask=sp < SPLITS, other=0.0)
         w = tl.where(sp < SPLITS, tl.exp(m - tl.max(m, axis=0)), 0.0)  # a fully masked split weighs exp(-1e30-M) = 0
-        acc = tl.load(part_acc + at[:, None] * D + dd[None, :], mask=(sp[:, None] < SPLITS) & (dd[None, :] < D),
-                      other=0.0)
+        acc = tl.load(
+            part_acc + at[:, None] * D + dd[None, :], mask=(sp[:, None] < SPLITS) & (dd[None, :] < D), other=0.0
+        )
         o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l_, axis=0)
         tl.store(out + pid.to(tl.int64) * D + dd, o.to(out.dtype.element_ty), mask=dd < D)
 
@@ -189,14 +233,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     common = dict(S=s, D=d, BLOCK_D=max(16, block_d) if grouped else block_d, SPLITS=splits)
     args = (q, k, v, mask, out, part_m, part_l, part_acc, slots, per, 1.0 / math.sqrt(d))
     if grouped:
-        _decode_attn_group[(programs, splits)](*args, **common, NQ=nq, NKV=nkv, BLOCK=GROUP_BLOCK_L,
-                                               BLOCK_G=max(16, triton.next_power_of_2(nq // nkv)),
-                                               FP32=q.dtype == torch.float32, num_warps=GROUP_NUM_WARPS)
+        _decode_attn_group[(programs, splits)](
+            *args,
+            **common,
+            NQ=nq,
+            NKV=nkv,
+            BLOCK=GROUP_BLOCK_L,
+            BLOCK_G=max(16, triton.next_power_of_2(nq // nkv)),
+            FP32=q.dtype == torch.float32,
+            num_warps=GROUP_NUM_WARPS,
+        )
     else:
         _decode_attn[(programs, splits)](*args, **common, NQ=nq, BLOCK=BLOCK_L, num_warps=NUM_WARPS)
     if splits > 1:
-        _decode_attn_merge[(rows,)](out, part_m, part_l, part_acc, D=d, BLOCK_D=block_d, SPLITS=splits,
-                                    BLOCK_S=triton.next_power_of_2(splits))
+        _decode_attn_merge[(rows,)](
+            out, part_m, part_l, part_acc, D=d, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)
+        )
     return out
 
 
@@ -215,11 +267,19 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if not HAVE_TRITON:
         raise RuntimeError("decode_attention needs Triton")
     b, nq, s, d = q.shape
-    if (k.dim() != 4 or k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or nq % k.shape[1]
-            or tuple(mask.shape) != (b, 1, s, k.shape[2])):
-        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"mask {tuple(mask.shape)} do not fit [b, nq, s, d], [b, nkv, L, d] (nq a multiple of nkv), "
-                         "[b, 1, s, L]")
+    if (
+        k.dim() != 4
+        or k.shape[0] != b
+        or k.shape[3] != d
+        or v.shape != k.shape
+        or nq % k.shape[1]
+        or tuple(mask.shape) != (b, 1, s, k.shape[2])
+    ):
+        raise ValueError(
+            f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+            f"mask {tuple(mask.shape)} do not fit [b, nq, s, d], [b, nkv, L, d] (nq a multiple of nkv), "
+            "[b, 1, s, L]"
+        )
     if torch.compiler.is_compiling():
         return torch.ops.tpframe.decode_attention(q, k, v, mask)
     return _attend(q, k, v, mask)

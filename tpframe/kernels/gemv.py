@@ -27,8 +27,19 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _row_linear(x, w, b, y, N, K, stride_w, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+    def _row_linear(
+        x,
+        w,
+        b,
+        y,
+        N,
+        K,
+        stride_w,
+        HAS_BIAS: tl.constexpr,
+        ACT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """y[n] = act(sum_k w[n, k] x[k] + b[n]) for N outputs; ACT 1 (SwiGLU): the weight holds 2N rows, gate
         then up, and y[n] = silu(gate_n) * up_n."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,23 +74,31 @@ if HAVE_TRITON:
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `x @ weight.T` goes to the one-row kernel: one row, inference inside a CUDA-graph capture, weight
     rows contiguous, one of the kernel's dtypes (x's and the weight's)."""
-    return (use_triton(x) and x.numel() == x.shape[-1] and not torch.is_grad_enabled()
-            and x.dtype == weight.dtype and x.dtype in DTYPES and weight.stride(-1) == 1
-            and torch.cuda.is_current_stream_capturing())
+    return (
+        use_triton(x)
+        and x.numel() == x.shape[-1]
+        and not torch.is_grad_enabled()
+        and x.dtype == weight.dtype
+        and x.dtype in DTYPES
+        and weight.stride(-1) == 1
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "gelu": 2, "relu": 3}
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               activation: str | None = None) -> torch.Tensor:
+def row_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for x holding one row ([..., K], every leading dim 1); weight [N, K].
     `activation` applies the MLP's activation in the same kernel: "gelu" (tanh approximation), "relu", or
     "swiglu", where the weight holds the gate rows then the up rows and the result is silu(gate) * up [..., N/2]."""
     n, k = weight.shape
     if x.numel() != k or x.shape[-1] != k:
-        raise ValueError(f"row_linear: x {tuple(x.shape)} must hold one row of {k} features "
-                         f"(weight {tuple(weight.shape)})")
+        raise ValueError(
+            f"row_linear: x {tuple(x.shape)} must hold one row of {k} features (weight {tuple(weight.shape)})"
+        )
     if activation not in ACTIVATIONS:
         raise ValueError(f"row_linear: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if not HAVE_TRITON:
@@ -94,7 +113,18 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     y = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     block_n = SWIGLU_BLOCK_N if activation == "swiglu" else BLOCK_N
     _row_linear[(triton.cdiv(n, block_n),)](
-        x1, weight, bias if bias is not None else y, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        ACT=ACTIVATIONS[activation], BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=WARPS, num_stages=STAGES)
+        x1,
+        weight,
+        bias if bias is not None else y,
+        y,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        ACT=ACTIVATIONS[activation],
+        BLOCK_N=block_n,
+        BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)),
+        num_warps=WARPS,
+        num_stages=STAGES,
+    )
     return y

@@ -34,21 +34,36 @@ if HAVE_TRITON:
 
 def takes(k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor) -> bool:
     """Whether `kv_write` serves this append: inside a CUDA-graph capture, contiguous inputs of the cache's dtype."""
-    return (use_triton(k) and torch.cuda.is_current_stream_capturing() and k.dtype == v.dtype == cache_k.dtype
-            and k.is_contiguous() and v.is_contiguous() and cache_k.is_contiguous())
+    return (
+        use_triton(k)
+        and torch.cuda.is_current_stream_capturing()
+        and k.dtype == v.dtype == cache_k.dtype
+        and k.is_contiguous()
+        and v.is_contiguous()
+        and cache_k.is_contiguous()
+    )
 
 
-def kv_write(k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-             index: torch.Tensor) -> None:
+def kv_write(
+    k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, index: torch.Tensor
+) -> None:
     """Write k and v [b, nkv, s, d] into slots `index` [s] of cache_k and cache_v [b, nkv, L, d], in place."""
     if not HAVE_TRITON:
         raise RuntimeError("kv_write needs Triton")
     b, n, s, d = k.shape
-    if (v.shape != k.shape or cache_k.shape != cache_v.shape or cache_k.shape[:2] != (b, n) or cache_k.shape[3] != d
-            or index.shape != (s,) or not (k.is_contiguous() and v.is_contiguous() and cache_k.is_contiguous()
-                                          and cache_v.is_contiguous())):
-        raise ValueError(f"kv_write: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(cache_k.shape)} / "
-                         f"{tuple(cache_v.shape)}, index {tuple(index.shape)} do not fit contiguous [b, nkv, s, d], "
-                         "[b, nkv, L, d], [s]")
-    _kv_write[(b * n * s,)](k, v, cache_k, cache_v, index, s, cache_k.shape[2], d,
-                            BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+    if (
+        v.shape != k.shape
+        or cache_k.shape != cache_v.shape
+        or cache_k.shape[:2] != (b, n)
+        or cache_k.shape[3] != d
+        or index.shape != (s,)
+        or not (k.is_contiguous() and v.is_contiguous() and cache_k.is_contiguous() and cache_v.is_contiguous())
+    ):
+        raise ValueError(
+            f"kv_write: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(cache_k.shape)} / "
+            f"{tuple(cache_v.shape)}, index {tuple(index.shape)} do not fit contiguous [b, nkv, s, d], "
+            "[b, nkv, L, d], [s]"
+        )
+    _kv_write[(b * n * s,)](
+        k, v, cache_k, cache_v, index, s, cache_k.shape[2], d, BLOCK_D=triton.next_power_of_2(d), num_warps=1
+    )

@@ -31,8 +31,9 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _norm_fwd(x, w, b, y, mean_out, rstd_out, H, eps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+    def _norm_fwd(
+        x, w, b, y, mean_out, rstd_out, H, eps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < H
@@ -51,8 +52,21 @@ if HAVE_TRITON:
         tl.store(rstd_out + row, rstd)
 
     @triton.jit
-    def _norm_bwd(x, w, dy, dx, mean_in, rstd_in, dw_part, db_part, R, H, RMS: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    def _norm_bwd(
+        x,
+        w,
+        dy,
+        dx,
+        mean_in,
+        rstd_in,
+        dw_part,
+        db_part,
+        R,
+        H,
+        RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < H
@@ -94,8 +108,20 @@ class _Norm(torch.autograd.Function):
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
         block = triton.next_power_of_2(h)
-        _norm_fwd[(rows,)](x2, weight, bias if bias is not None else weight, y, mean, rstd, h, eps, RMS=rms,
-                           HAS_BIAS=bias is not None, BLOCK=block, num_warps=_warps(block))
+        _norm_fwd[(rows,)](
+            x2,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            mean,
+            rstd,
+            h,
+            eps,
+            RMS=rms,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.rms, ctx.has_bias, ctx.shape = rms, bias is not None, x.shape
         return y.view(x.shape)
@@ -110,8 +136,22 @@ class _Norm(torch.autograd.Function):
         dw_part = torch.empty(programs, h, dtype=torch.float32, device=x2.device)
         db_part = torch.empty_like(dw_part) if ctx.has_bias else dw_part
         block = triton.next_power_of_2(h)
-        _norm_bwd[(programs,)](x2, weight, dy2, dx, mean, rstd, dw_part, db_part, rows, h, RMS=ctx.rms,
-                               HAS_BIAS=ctx.has_bias, BLOCK=block, num_warps=_warps(block))
+        _norm_bwd[(programs,)](
+            x2,
+            weight,
+            dy2,
+            dx,
+            mean,
+            rstd,
+            dw_part,
+            db_part,
+            rows,
+            h,
+            RMS=ctx.rms,
+            HAS_BIAS=ctx.has_bias,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
         dw = dw_part.sum(0).to(weight.dtype)
         db = db_part.sum(0).to(weight.dtype) if ctx.has_bias else None
         return dx.view(ctx.shape), dw, db, None, None
@@ -120,18 +160,23 @@ class _Norm(torch.autograd.Function):
 def fused_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `norm` runs the kernel on these tensors (else torch's own ops): CUDA, Triton, not under compile
     tracing, a contiguous input no wider than MAX_HIDDEN, weight of the input's dtype."""
-    return (use_triton(x) and x.is_contiguous() and x.shape[-1] <= MAX_HIDDEN and weight.dtype == x.dtype
-            and x.numel() > 0)
+    return (
+        use_triton(x) and x.is_contiguous() and x.shape[-1] <= MAX_HIDDEN and weight.dtype == x.dtype and x.numel() > 0
+    )
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, *, rms: bool,
-         fused: bool = True) -> torch.Tensor:
+def norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, *, rms: bool, fused: bool = True
+) -> torch.Tensor:
     """LayerNorm (`rms=False`, optional bias) or RMSNorm (`rms=True`, no bias) of `x` over its last dimension;
     `fused=False` always takes torch's ops, and so do eager calls on fewer than FUSED_MIN_NUMEL elements."""
     if rms and bias is not None:
         raise ValueError("RMSNorm has no bias")
-    if fused and fused_norm_applies(x, weight) and (x.numel() >= FUSED_MIN_NUMEL
-                                                    or torch.cuda.is_current_stream_capturing()):
+    if (
+        fused
+        and fused_norm_applies(x, weight)
+        and (x.numel() >= FUSED_MIN_NUMEL or torch.cuda.is_current_stream_capturing())
+    ):
         return _Norm.apply(x, weight, bias, eps, rms)
     if rms:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -33,9 +33,34 @@ if HAVE_TRITON:
         return tl.where(h < NQ, q1, k1), tl.where(h < NQ, q2, k2)
 
     @triton.jit
-    def _qkv_rotary_fwd(qkv, cos, sin, q, k, v, qw, kw, eps, S, B, CS, CB, QB, QN, QS, KB, KN, KS, NQ: tl.constexpr,
-                        NKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
-                        NORM: tl.constexpr, WRITE_V: tl.constexpr):
+    def _qkv_rotary_fwd(
+        qkv,
+        cos,
+        sin,
+        q,
+        k,
+        v,
+        qw,
+        kw,
+        eps,
+        S,
+        B,
+        CS,
+        CB,
+        QB,
+        QN,
+        QS,
+        KB,
+        KN,
+        KS,
+        NQ: tl.constexpr,
+        NKV: tl.constexpr,
+        D: tl.constexpr,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        NORM: tl.constexpr,
+        WRITE_V: tl.constexpr,
+    ):
         tok = tl.program_id(0)  # = s_i * B + b_i, the row of qkv
         s_i = tok // B
         b_i = tok % B
@@ -75,9 +100,38 @@ if HAVE_TRITON:
         tl.store(dv + D // 2, o2, mask=is_v)
 
     @triton.jit
-    def _qkv_rotary_bwd(gq, gk, gv, cos, sin, gqkv, qkv, qw, kw, dw_part, eps, S, B, CS, CB, QB, QN, QS, KB, KN, KS,
-                        VB, VN, VS, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr,
-                        HALF: tl.constexpr, NORM: tl.constexpr):
+    def _qkv_rotary_bwd(
+        gq,
+        gk,
+        gv,
+        cos,
+        sin,
+        gqkv,
+        qkv,
+        qw,
+        kw,
+        dw_part,
+        eps,
+        S,
+        B,
+        CS,
+        CB,
+        QB,
+        QN,
+        QS,
+        KB,
+        KN,
+        KS,
+        VB,
+        VN,
+        VS,
+        NQ: tl.constexpr,
+        NKV: tl.constexpr,
+        D: tl.constexpr,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
         tok = tl.program_id(0)
         s_i = tok // B
         b_i = tok % B
@@ -91,11 +145,16 @@ if HAVE_TRITON:
         pq = gq + b64 * QB + s64 * QS + h.to(tl.int64) * QN + j  # each gradient in its own layout (strides)
         pk = gk + b64 * KB + s64 * KS + (h - NQ).to(tl.int64) * KN + j
         pv = gv + b64 * VB + s64 * VS + (h - NQ - NKV).to(tl.int64) * VN + j
-        g1 = (tl.load(pq, mask=is_q, other=0.0).to(tl.float32) + tl.load(pk, mask=is_k, other=0.0).to(tl.float32)
-              + tl.load(pv, mask=is_v, other=0.0).to(tl.float32))
-        g2 = (tl.load(pq + D // 2, mask=is_q, other=0.0).to(tl.float32)
-              + tl.load(pk + D // 2, mask=is_k, other=0.0).to(tl.float32)
-              + tl.load(pv + D // 2, mask=is_v, other=0.0).to(tl.float32))
+        g1 = (
+            tl.load(pq, mask=is_q, other=0.0).to(tl.float32)
+            + tl.load(pk, mask=is_k, other=0.0).to(tl.float32)
+            + tl.load(pv, mask=is_v, other=0.0).to(tl.float32)
+        )
+        g2 = (
+            tl.load(pq + D // 2, mask=is_q, other=0.0).to(tl.float32)
+            + tl.load(pk + D // 2, mask=is_k, other=0.0).to(tl.float32)
+            + tl.load(pv + D // 2, mask=is_v, other=0.0).to(tl.float32)
+        )
         t = s_i.to(tl.int64) * CS + b_i.to(tl.int64) * CB + j  # this token's table row
         c1 = tl.load(cos + t, mask=j < D // 2, other=0.0).to(tl.float32)
         c2 = tl.load(cos + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
@@ -140,8 +199,9 @@ def _table_strides(cos: torch.Tensor, d: int) -> tuple[int, int]:
     return rows * d, (d if rows > 1 else 0)
 
 
-def _empty(like: torch.Tensor, b: int, n: int, s: int, d: int, token_major: bool,
-           seq_major: bool = False) -> torch.Tensor:
+def _empty(
+    like: torch.Tensor, b: int, n: int, s: int, d: int, token_major: bool, seq_major: bool = False
+) -> torch.Tensor:
     """[b, n, s, d]: contiguous, or a view of token-major [b, s, n, d] or of seq-major [s, b, n, d] memory."""
     if token_major:
         return like.new_empty((b, s, n, d)).transpose(1, 2)
@@ -155,11 +215,24 @@ def _bns_strides(t: torch.Tensor) -> tuple[int, int, int]:
 def _v_view(qkv: torch.Tensor, nq: int, nkv: int, d: int) -> torch.Tensor:
     """v as [b, nkv, s, d], a view of qkv's memory."""
     s, b = qkv.shape[:2]
-    return qkv.view(s, b, nq + 2 * nkv, d)[:, :, nq + nkv:].permute(1, 2, 0, 3)
+    return qkv.view(s, b, nq + 2 * nkv, d)[:, :, nq + nkv :].permute(1, 2, 0, 3)
 
 
-def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int, token_major: bool = False, qw=None, kw=None,
-                eps: float = 0.0, *, seq_major: bool = False, write_v: bool = True):
+def _rotary_fwd(
+    qkv,
+    cos,
+    sin,
+    nq: int,
+    nkv: int,
+    d: int,
+    token_major: bool = False,
+    qw=None,
+    kw=None,
+    eps: float = 0.0,
+    *,
+    seq_major: bool = False,
+    write_v: bool = True,
+):
     """(q, k, v); `seq_major`: in [s, b, n, d] memory (qkv's order); `write_v=False`: v is the view of qkv (with the
     norms, whose backward keeps qkv anyway)."""
     s, b = qkv.shape[:2]
@@ -167,9 +240,25 @@ def _rotary_fwd(qkv, cos, sin, nq: int, nkv: int, d: int, token_major: bool = Fa
     q, k = _empty(qkv, b, nq, s, d, token_major, seq_major), _empty(qkv, b, nkv, s, d, token_major, seq_major)
     v = _empty(qkv, b, nkv, s, d, token_major, seq_major) if write_v else _v_view(qkv, nq, nkv, d)
     norm = qw is not None
-    _qkv_rotary_fwd[(s * b,)](qkv, cos, sin, q, k, v, qw if norm else cos, kw if norm else cos, eps, s, b,
-                              *_table_strides(cos, d), *_bns_strides(q), *_bns_strides(k), NORM=norm,
-                              WRITE_V=write_v, **_launch_meta(nq, nkv, d))
+    _qkv_rotary_fwd[(s * b,)](
+        qkv,
+        cos,
+        sin,
+        q,
+        k,
+        v,
+        qw if norm else cos,
+        kw if norm else cos,
+        eps,
+        s,
+        b,
+        *_table_strides(cos, d),
+        *_bns_strides(q),
+        *_bns_strides(k),
+        NORM=norm,
+        WRITE_V=write_v,
+        **_launch_meta(nq, nkv, d),
+    )
     return q, k, v
 
 
@@ -182,9 +271,27 @@ def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int, qkv=None, qw=No
     gq, gk, gv = (g if g.stride(-1) == 1 else g.contiguous() for g in (gq, gk, gv))  # any (b, n, s) strides
     norm = qw is not None
     parts = torch.empty((s * b, 2, d), dtype=torch.float32, device=gq.device) if norm else gqkv
-    _qkv_rotary_bwd[(s * b,)](gq, gk, gv, cos, sin, gqkv, qkv.contiguous() if norm else gqkv, qw if norm else cos,
-                              kw if norm else cos, parts, eps, s, b, *_table_strides(cos, d), *_bns_strides(gq),
-                              *_bns_strides(gk), *_bns_strides(gv), NORM=norm, **_launch_meta(nq, nkv, d))
+    _qkv_rotary_bwd[(s * b,)](
+        gq,
+        gk,
+        gv,
+        cos,
+        sin,
+        gqkv,
+        qkv.contiguous() if norm else gqkv,
+        qw if norm else cos,
+        kw if norm else cos,
+        parts,
+        eps,
+        s,
+        b,
+        *_table_strides(cos, d),
+        *_bns_strides(gq),
+        *_bns_strides(gk),
+        *_bns_strides(gv),
+        NORM=norm,
+        **_launch_meta(nq, nkv, d),
+    )
     if not norm:
         return gqkv
     return gqkv, parts[:, 0].sum(0).to(qw.dtype), parts[:, 1].sum(0).to(kw.dtype)  # separate tensors, no views
@@ -201,8 +308,9 @@ class _QKVRotary(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin, nq, nkv, d, token_major, qw=None, kw=None, eps=0.0):
         ctx.save_for_backward(cos, sin, *((qkv, qw, kw) if qw is not None else ()))
         ctx.dims, ctx.eps = (nq, nkv, d), eps
-        return _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major, qw, kw, eps, seq_major=True,
-                           write_v=qw is None or token_major)
+        return _rotary_fwd(
+            qkv, cos, sin, nq, nkv, d, token_major, qw, kw, eps, seq_major=True, write_v=qw is None or token_major
+        )
 
     @staticmethod
     def backward(ctx, gq, gk, gv):  # an output without a gradient arrives as zeros (materialized by autograd)
@@ -219,8 +327,9 @@ class _QKVRotary(torch.autograd.Function):
 # qkv_rotary permutes: Inductor keeps a custom op's contiguous outputs as they are, where it assumed permuted ones
 # contiguous against their fake's strides
 @torch.library.custom_op("tpframe::qkv_rotary", mutates_args=())
-def qkv_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int,
-                  d: int, token_major: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_rotary_op(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int, token_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = _rotary_fwd(qkv, cos, sin, nq, nkv, d, token_major, seq_major=not token_major)
     return out if token_major else tuple(t.permute(2, 0, 1, 3) for t in out)
 
@@ -234,8 +343,16 @@ def _(qkv, cos, sin, nq, nkv, d, token_major=False):
 
 
 @torch.library.custom_op("tpframe::qkv_rotary_backward", mutates_args=())
-def qkv_rotary_backward_op(gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, nq: int, nkv: int, d: int) -> torch.Tensor:
+def qkv_rotary_backward_op(
+    gq: torch.Tensor,
+    gk: torch.Tensor,
+    gv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    nq: int,
+    nkv: int,
+    d: int,
+) -> torch.Tensor:
     return _rotary_bwd(gq, gk, gv, cos, sin, nq, nkv, d)
 
 
@@ -261,8 +378,17 @@ def _backward(ctx, gq, gk, gv):
 qkv_rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int, d: int, *,
-               token_major: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+def qkv_rotary(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    nq: int,
+    nkv: int,
+    d: int,
+    *,
+    token_major: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+):
     """The Triton path: (q, k, v), each [b, n, s, d]: a view of seq-major [s, b, n, d] memory, or (`token_major`)
     of [b, s, n, d] memory, which variable-length attention reads as [b*s, n, d] without a copy; cos/sin
     [s, 1, 1, d] (or [s, d]) shared by the batch, or [s, b, 1, d] with a row per sequence. `norm`: (q weight, k weight, eps) of RMSNorms over each
@@ -271,12 +397,21 @@ def qkv_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int,
     if not HAVE_TRITON:
         raise RuntimeError("qkv_rotary needs Triton")
     s, b = qkv.shape[:2]
-    if (qkv.shape[-1] != (nq + 2 * nkv) * d or d % 2 or cos.shape[0] != s or cos.shape[-1] != d
-            or cos.numel() not in (s * d, s * b * d) or sin.shape != cos.shape
-            or norm is not None and (tuple(norm[0].shape) != (d,) or tuple(norm[1].shape) != (d,))):
+    if (
+        qkv.shape[-1] != (nq + 2 * nkv) * d
+        or d % 2
+        or cos.shape[0] != s
+        or cos.shape[-1] != d
+        or cos.numel() not in (s * d, s * b * d)
+        or sin.shape != cos.shape
+        or norm is not None
+        and (tuple(norm[0].shape) != (d,) or tuple(norm[1].shape) != (d,))
+    ):
         weights = "" if norm is None else f" / norm weights {tuple(norm[0].shape)}, {tuple(norm[1].shape)}"
-        raise ValueError(f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)}{weights} do not match "
-                         f"nq={nq}, nkv={nkv}, d={d}")
+        raise ValueError(
+            f"qkv_rotary: qkv {tuple(qkv.shape)} / cos {tuple(cos.shape)}{weights} do not match "
+            f"nq={nq}, nkv={nkv}, d={d}"
+        )
     if norm is None:
         if torch.compiler.is_compiling():
             out = torch.ops.tpframe.qkv_rotary(qkv, cos, sin, nq, nkv, d, token_major)

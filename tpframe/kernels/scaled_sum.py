@@ -36,10 +36,19 @@ def scaled_sum_torch_(own: torch.Tensor, pulled: torch.Tensor, scale: float) -> 
 def scaled_sum_(own: torch.Tensor, pulled: torch.Tensor, scale: float) -> torch.Tensor:
     """own [n] fp32 contiguous, pulled [m, n] (rows contiguous, row stride n): own = (own + sum of rows) * scale."""
     n = own.numel()
-    if own.dtype != torch.float32 or pulled.dtype != torch.float32 or own.dim() != 1 or pulled.dim() != 2 \
-            or pulled.shape[1] != n or not own.is_contiguous() or not pulled.is_contiguous():
-        raise ValueError(f"scaled_sum_: own {tuple(own.shape)} {own.dtype}, pulled {tuple(pulled.shape)} "
-                         f"{pulled.dtype}: need contiguous fp32 [n] and [m, n]")
+    if (
+        own.dtype != torch.float32
+        or pulled.dtype != torch.float32
+        or own.dim() != 1
+        or pulled.dim() != 2
+        or pulled.shape[1] != n
+        or not own.is_contiguous()
+        or not pulled.is_contiguous()
+    ):
+        raise ValueError(
+            f"scaled_sum_: own {tuple(own.shape)} {own.dtype}, pulled {tuple(pulled.shape)} "
+            f"{pulled.dtype}: need contiguous fp32 [n] and [m, n]"
+        )
     if not HAVE_TRITON or not own.is_cuda and not _interpreting():
         return scaled_sum_torch_(own, pulled, scale)
     block = 4096

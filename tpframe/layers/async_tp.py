@@ -90,8 +90,9 @@ def _rows(x: torch.Tensor, blocks: int) -> torch.Tensor:
     return x.reshape(blocks, -1, x.shape[-1])
 
 
-def ring_all_gather_matmul(x: torch.Tensor, b: torch.Tensor, comm: Communicator,
-                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_all_gather_matmul(
+    x: torch.Tensor, b: torch.Tensor, comm: Communicator, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(all_gather(x), all_gather(x) @ b + bias) with the gather pipelined under the GEMM blocks.
 
     x [m, ..., k] this rank's block of dim 0; b [k, o]. Step j multiplies block (rank + j) % n while that
@@ -147,8 +148,9 @@ def ring_traced(comm: Communicator, mode: str | None) -> bool:
 
 
 @torch.library.custom_op("tpframe::ring_column_linear", mutates_args=())
-def ring_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(all_gather(x), all_gather(x) weight^T + bias): `ring_all_gather_matmul`, or, inside a CUDA-graph capture
     (no NCCL send/receive there), the all-gather and one GEMM."""
     comm = comm_ops.lookup(comm_name)

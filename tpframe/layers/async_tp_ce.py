@@ -171,8 +171,9 @@ def _(x, weight, bias, comm_name):
 
 
 @torch.library.custom_op("tpframe::ce_column_backward", mutates_args=())
-def ce_column_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool,
-                       comm_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ce_column_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, has_bias: bool, comm_name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return column_backward(grad, x, weight, comm_ops.lookup(comm_name), has_bias)
 
 
@@ -193,8 +194,9 @@ def _(x, weight, comm_name):
 
 
 @torch.library.custom_op("tpframe::ce_row_backward", mutates_args=())
-def ce_row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ce_row_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     return row_backward(grad, x, weight, comm_ops.lookup(comm_name))
 
 

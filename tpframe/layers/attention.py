@@ -30,23 +30,25 @@ from tpframe.layers.documents import Documents, context_parallel_document_attent
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.layers.norm import RMSNorm
 from tpframe.layers.sliding_window import sliding_window_attention
+from tpframe.layers.utils import InitMethod, divide
 from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
-from tpframe.layers.utils import InitMethod, divide
-
 
 DECODE_TOKENS = 4  # queries per row up to which generation's attention runs the decode kernel, not SDPA
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                    original_max_seq_len: int) -> torch.Tensor:
+def llama3_inv_freq(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_seq_len: int
+) -> torch.Tensor:
     """Llama 3.1's rotary scaling of the frequencies (transformers' rope_type "llama3"): wavelengths longer than
     original/low_freq_factor are stretched `factor` times, those shorter than original/high_freq_factor kept, and
     the band between blended linearly in original/wavelength."""
     wavelength = 2 * math.pi / inv_freq
     blend = (original_max_seq_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
     scaled = torch.where(wavelength > original_max_seq_len / low_freq_factor, inv_freq / factor, inv_freq)
-    between = (wavelength >= original_max_seq_len / high_freq_factor) & (wavelength <= original_max_seq_len / low_freq_factor)
+    between = (wavelength >= original_max_seq_len / high_freq_factor) & (
+        wavelength <= original_max_seq_len / low_freq_factor
+    )
     return torch.where(between, (1 - blend) * inv_freq / factor + blend * inv_freq, scaled)
 
 
@@ -54,8 +56,14 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for rotary positions (GPT-NeoX rotate-half convention), [s, 1, 1, d]. `scaling`: Llama 3.1's
     (factor, low_freq_factor, high_freq_factor, original context) or None (`tpframe.models.config.rope_scaling`)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0, *,
-                 scaling: tuple[float, float, float, int] | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_seq_len: int,
+        theta: float = 10000.0,
+        *,
+        scaling: tuple[float, float, float, int] | None = None,
+    ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim, got {head_dim}")
@@ -71,8 +79,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int, dtype: torch.dtype, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions offset..offset+seq_len-1: [s, 1, 1, d] each."""
         if offset + seq_len > self.max_seq_len:
-            raise ValueError(f"positions up to {offset + seq_len - 1} exceed the rotary table's "
-                             f"max_seq_len {self.max_seq_len}")
+            raise ValueError(
+                f"positions up to {offset + seq_len - 1} exceed the rotary table's max_seq_len {self.max_seq_len}"
+            )
         return self.cos[offset : offset + seq_len].to(dtype), self.sin[offset : offset + seq_len].to(dtype)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +97,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused: bool = True, *,
-                token_major: bool = False, qk_norm: tuple[nn.Module, nn.Module] | None = None):
+def split_heads(
+    qkv: torch.Tensor,
+    nq: int,
+    nkv: int,
+    d: int,
+    rotary=None,
+    fused: bool = True,
+    *,
+    token_major: bool = False,
+    qk_norm: tuple[nn.Module, nn.Module] | None = None,
+):
     """qkv [s, b, (nq + 2 nkv) d] -> SDPA's q [b, nq, s, d], k, v [b, nkv, s, d], rotary applied to q and k.
     `token_major`: the fused kernel writes them in [b, s, n, d] memory (what variable-length attention reads).
 
@@ -99,8 +117,14 @@ def split_heads(qkv: torch.Tensor, nq: int, nkv: int, d: int, rotary=None, fused
     or one row per sequence ([s, b, 1, d]: generation's left-padded rows, where it replaces ten small kernels
     per layer of every decode step). `qk_norm`: the query and key RMSNorms, applied per head before the rotation
     (eagerly in the same kernel, unless a norm's `fused` is off; compiled, by Inductor)."""
-    if (fused and rotary is not None and rotary[0].shape[1] in (1, qkv.shape[1]) and HAVE_TRITON and qkv.is_cuda
-            and (qk_norm is None or all(n.fused for n in qk_norm) and not torch.compiler.is_compiling())):
+    if (
+        fused
+        and rotary is not None
+        and rotary[0].shape[1] in (1, qkv.shape[1])
+        and HAVE_TRITON
+        and qkv.is_cuda
+        and (qk_norm is None or all(n.fused for n in qk_norm) and not torch.compiler.is_compiling())
+    ):
         norm = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
         return qkv_rotary(qkv, *rotary, nq, nkv, d, token_major=token_major, norm=norm)
     s, b = qkv.shape[:2]
@@ -155,21 +179,34 @@ class ParallelAttention(nn.Module):
         q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
         common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
         self.qkv = ColumnParallelLinear(  # qkv_bias: this projection's biases alone (Qwen2); None: as `bias`
-            hidden, q_size + 2 * kv_size, init_method=init_method, fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)),
+            hidden,
+            q_size + 2 * kv_size,
+            init_method=init_method,
+            fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)),
             **{**common, "bias": bias if qkv_bias is None else qkv_bias},
         )
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
         if qk_norm:  # each rank normalizes only its heads: the weights' gradients are partial over TP, summed there
             norm = dict(sequence_parallel=True, dtype=dtype, device=device)
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, norm_eps, **norm), RMSNorm(self.head_dim, norm_eps, **norm)
+            self.q_norm, self.k_norm = (
+                RMSNorm(self.head_dim, norm_eps, **norm),
+                RMSNorm(self.head_dim, norm_eps, **norm),
+            )
         else:
             self.q_norm = self.k_norm = None
         self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
         self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
         self.fused_window = True  # a sliding window by flex_attention's block mask on CUDA (else SDPA's dense mask)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None, *,
-                entered: bool = False, documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache=None,
+        *,
+        entered: bool = False,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]. `cache`: one layer's view of a KV cache (`append(k, v)` -> every
         slot's keys and values [b, nkv/tp, L, d]; `mask` [b, 1, s, L], True where a query may look).
         `entered=True`: x is already `self.qkv.enter(x)` (selective recompute). `documents`: packed
@@ -180,11 +217,21 @@ class ParallelAttention(nn.Module):
         # SDPA takes [b, n, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         # the varlen kernel reads each document's tokens as rows of [b*s, n, d]: have them written that way
-        token_major = documents is not None and self.cp_comm is None and uses_varlen(
-            qkv, documents, dropout, head_dim=d, window=self.window)
-        q, k, v = split_heads(qkv, self.heads_local, self.kv_local, d, rotary, fused=self.fused_rotary,
-                              token_major=token_major,
-                              qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None)
+        token_major = (
+            documents is not None
+            and self.cp_comm is None
+            and uses_varlen(qkv, documents, dropout, head_dim=d, window=self.window)
+        )
+        q, k, v = split_heads(
+            qkv,
+            self.heads_local,
+            self.kv_local,
+            d,
+            rotary,
+            fused=self.fused_rotary,
+            token_major=token_major,
+            qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None,
+        )
         gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)
@@ -203,14 +250,17 @@ class ParallelAttention(nn.Module):
 
     def _causal(self, q, k, v, dropout: float, gqa: bool, documents: Documents | None = None) -> torch.Tensor:
         if documents is not None and self.cp_comm is not None:
-            return context_parallel_document_attention(q, k, v, self.cp_comm, documents, dropout_p=dropout,
-                                                       enable_gqa=gqa, window=self.window)
+            return context_parallel_document_attention(
+                q, k, v, self.cp_comm, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window
+            )
         if documents is not None:
             return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
-            return context_parallel_attention(q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa,
-                                              window=self.window, flex=self.fused_window)
+            return context_parallel_attention(
+                q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa, window=self.window, flex=self.fused_window
+            )
         if self.window is not None:
-            return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa,
-                                            flex=self.fused_window)
+            return sliding_window_attention(
+                q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa, flex=self.fused_window
+            )
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -68,7 +68,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(ignored, 0.0)
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside, ignored, valid_vocab if valid_vocab is not None else torch.empty(0))
+        ctx.save_for_backward(
+            softmax, local_target, outside, ignored, valid_vocab if valid_vocab is not None else torch.empty(0)
+        )
         ctx.label_smoothing, ctx.n_valid, ctx.has_mask = label_smoothing, n_valid, valid_vocab is not None
         ctx.input_dtype = ctx_dtype
         return loss
@@ -157,8 +159,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
         x, weight, logits, local_target, log_z, ignored = ctx.saved_tensors
         scale = grad_loss.float().masked_fill(ignored, 0.0).contiguous()
         # the saved logits become their own gradient: backward runs once
-        grad_logits = logits_grad_(logits, local_target, log_z, scale, ctx.n_valid, ctx.label_smoothing,
-                                   ctx.vocab_size, ctx.chunk)
+        grad_logits = logits_grad_(
+            logits, local_target, log_z, scale, ctx.n_valid, ctx.label_smoothing, ctx.vocab_size, ctx.chunk
+        )
         grad_x = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
         pending = None
         if grad_x is not None and ctx.enter is not None:  # sent while the weight gradient is computed
@@ -196,14 +199,17 @@ def vocab_parallel_head_cross_entropy(
         raise ValueError(f"vocab_size={vocab_size} does not fit the {weight.shape[0] * comm.size} rows of the head")
     rows = (x.shape[0] * (comm.size if sequence_parallel else 1),) + tuple(x.shape[1:-1])
     if rows != tuple(target.shape):
-        raise ValueError(f"vocab_parallel_head_cross_entropy: hidden states {tuple(x.shape)} "
-                         f"({'sequence-parallel, ' if sequence_parallel else ''}{rows} rows) and target "
-                         f"{tuple(target.shape)} must agree on every dim but the last")
+        raise ValueError(
+            f"vocab_parallel_head_cross_entropy: hidden states {tuple(x.shape)} "
+            f"({'sequence-parallel, ' if sequence_parallel else ''}{rows} rows) and target "
+            f"{tuple(target.shape)} must agree on every dim but the last"
+        )
     # eager training at tp > 1: the entry happens inside the Function, whose backward overlaps its collective
     enter = sequence_parallel if overlaps_entry_grad(comm) else None
     if enter is None:
         x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
         x = x.reshape(-1, x.shape[-1])
-    loss = _HeadCrossEntropy.apply(x, weight, target.reshape(-1), comm, vocab_size, ignore_index, label_smoothing,
-                                   chunk, enter)
+    loss = _HeadCrossEntropy.apply(
+        x, weight, target.reshape(-1), comm, vocab_size, ignore_index, label_smoothing, chunk, enter
+    )
     return loss.view(target.shape)

@@ -76,8 +76,9 @@ class Documents:
         return cls(ids, positions, cu, int((bounds[1:] - bounds[:-1]).max()))
 
     @classmethod
-    def for_cp_rank(cls, input_ids: torch.Tensor, eod_id: int, *, rank: int, size: int,
-                    varlen: bool | None = None) -> Documents:
+    def for_cp_rank(
+        cls, input_ids: torch.Tensor, eod_id: int, *, rank: int, size: int, varlen: bool | None = None
+    ) -> Documents:
         """The documents of whole rows [b, S] (every CP rank's tokens, gathered) for CP rank `rank` of `size`,
         whose queries are chunks `rank` and `2*size-1-rank` of c = S / (2 size) tokens. `varlen` (default: on
         CUDA) also describes each chunk's documents as variable-length sequences (`ChunkSequences`), from one
@@ -89,8 +90,10 @@ class Documents:
         c = s // (2 * size)
         starts = (docs.positions == 0).cpu()  # each row's document starts (position 0 also starts a row)
         rows = [row.nonzero().flatten().tolist() + [s] for row in starts]
-        chunks = tuple(ChunkSequences.of_chunk(rows, start, c, s, input_ids.device)
-                       for start in (rank * c, (2 * size - 1 - rank) * c))
+        chunks = tuple(
+            ChunkSequences.of_chunk(rows, start, c, s, input_ids.device)
+            for start in (rank * c, (2 * size - 1 - rank) * c)
+        )
         return cls(docs.ids, docs.positions, chunks=chunks)
 
     def mask(self) -> torch.Tensor:
@@ -100,8 +103,16 @@ class Documents:
         return ((self.ids[:, :, None] == self.ids[:, None, :]) & causal)[:, None]
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, *,
-                       dropout_p: float = 0.0, enable_gqa: bool = False, window: int | None = None) -> torch.Tensor:
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: Documents,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal attention inside each document (within `window` tokens, if given): q [b, nq, s, d], k and v
     [b, nkv, s, d] -> [b, nq, s, d]."""
     if uses_varlen(q, docs, dropout_p, window=window):
@@ -114,9 +125,17 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: 
 
 
 @torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/parallel/context.py)
-def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, docs: Documents, *,
-                                        dropout_p: float = 0.0, enable_gqa: bool = False,
-                                        window: int | None = None) -> torch.Tensor:
+def context_parallel_document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm,
+    docs: Documents,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    window: int | None = None,
+) -> torch.Tensor:
     """This CP rank's queries q [b, nq, 2c, d] (its chunks r and 2cp-1-r) over the whole sequence's keys, inside
     each document: k and v [b, nkv, 2c, d] are all-gathered over `comm` as for causal CP attention, and `docs`
     describes the whole rows ([b, S]). On CUDA (bf16, no dropout) with `docs.chunks` (`Documents.for_cp_rank`):
@@ -132,21 +151,31 @@ def context_parallel_document_attention(q: torch.Tensor, k: torch.Tensor, v: tor
     mask = (ids[:, rows, None] == ids[:, None, :]) & (rows[:, None] >= keys[None, :])
     if window is not None:
         mask = mask & (rows[:, None] - keys[None, :] < window)
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None], dropout_p=dropout_p,
-                                          enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(
+        q, kv[0], kv[1], attn_mask=mask[:, None], dropout_p=dropout_p, enable_gqa=enable_gqa
+    )
 
 
-def uses_varlen(q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, head_dim: int | None = None,
-                window: int | None = None) -> bool:
+def uses_varlen(
+    q: torch.Tensor, docs: Documents, dropout_p: float = 0.0, *, head_dim: int | None = None, window: int | None = None
+) -> bool:
     """Whether `document_attention` runs the variable-length Flash kernel for these inputs (q, or any tensor of
     its device and dtype with `head_dim`; with a sliding `window`, where this torch's varlen_attn takes one)."""
-    return (docs.cu_seqlens is not None and _varlen_usable(q, dropout_p, head_dim)
-            and (window is None or "window_size" in _VARLEN_ARGS))
+    return (
+        docs.cu_seqlens is not None
+        and _varlen_usable(q, dropout_p, head_dim)
+        and (window is None or "window_size" in _VARLEN_ARGS)
+    )
 
 
 def _varlen_usable(q: torch.Tensor, dropout_p: float, head_dim: int | None = None) -> bool:
-    return (_varlen_attn is not None and dropout_p == 0 and q.is_cuda and q.dtype in VARLEN_DTYPES
-            and (head_dim or q.shape[-1]) <= 256)
+    return (
+        _varlen_attn is not None
+        and dropout_p == 0
+        and q.is_cuda
+        and q.dtype in VARLEN_DTYPES
+        and (head_dim or q.shape[-1]) <= 256
+    )
 
 
 @torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
@@ -174,8 +203,9 @@ def _varlen_causal(q, k, v, cu_q, cu_k, max_q, max_k, enable_gqa: bool, window: 
     return _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
 
 
-def _varlen_chunks(q: torch.Tensor, kv: torch.Tensor, chunks, enable_gqa: bool,
-                   window: int | None = None) -> torch.Tensor:
+def _varlen_chunks(
+    q: torch.Tensor, kv: torch.Tensor, chunks, enable_gqa: bool, window: int | None = None
+) -> torch.Tensor:
     """q [b, nq, 2c, d] (this CP rank's two chunks) over kv [2, b, nkv, S, d], one varlen call per chunk."""
     b, nq, two_c, d = q.shape
     c, nkv, s = two_c // 2, kv.shape[2], kv.shape[3]
@@ -218,5 +248,10 @@ class ChunkSequences:
                 k_lens.append(qe - ds)
             keys.append(torch.arange(i * s + first, i * s + start + c))
         cu = lambda lens: torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
-        return cls(torch.cat(keys).to(device, non_blocking=True), cu(q_lens).to(device, non_blocking=True),
-                   cu(k_lens).to(device, non_blocking=True), max(q_lens), max(k_lens))
+        return cls(
+            torch.cat(keys).to(device, non_blocking=True),
+            cu(q_lens).to(device, non_blocking=True),
+            cu(k_lens).to(device, non_blocking=True),
+            max(q_lens),
+            max(k_lens),
+        )

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.parallel.state import default_tp_comm
 from tpframe.layers.linear import column_parallel_linear
 from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
+from tpframe.parallel.state import default_tp_comm
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
@@ -70,8 +70,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * self.rows_per_rank
         self.sequence_parallel = sequence_parallel
         shard = init_vocab_shard(
-            num_embeddings, embedding_dim, padded=self.padded_num_embeddings, rank=rank, tp=tp,
-            init_method=init_method or normal_init(), dtype=dtype, device=device or self.comm.device,
+            num_embeddings,
+            embedding_dim,
+            padded=self.padded_num_embeddings,
+            rank=rank,
+            tp=tp,
+            init_method=init_method or normal_init(),
+            dtype=dtype,
+            device=device or self.comm.device,
         )
         self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
         self.weight.vocab_rows = num_embeddings  # rows past this are padding (not in checkpoints)
@@ -120,13 +126,20 @@ class ParallelLMHead(nn.Module):
         self.vocab_size, self.sequence_parallel = vocab_size, sequence_parallel
         padded = padded_vocab_size(vocab_size, self.comm.size, pad_to_multiple_of)
         shard = init_vocab_shard(
-            vocab_size, hidden, padded=padded, rank=self.comm.rank, tp=self.comm.size,
-            init_method=init_method or normal_init(), dtype=dtype, device=device or self.comm.device,
+            vocab_size,
+            hidden,
+            padded=padded,
+            rank=self.comm.rank,
+            tp=self.comm.size,
+            init_method=init_method or normal_init(),
+            dtype=dtype,
+            device=device or self.comm.device,
         )
         self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
         self.weight.vocab_rows = vocab_size
         self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, None, self.comm, self.sequence_parallel,
-                                      decode_kernel=self.fused_decode)
+        return column_parallel_linear(
+            x, self.weight, None, self.comm, self.sequence_parallel, decode_kernel=self.fused_decode
+        )

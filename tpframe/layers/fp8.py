@@ -58,8 +58,9 @@ class _Float8Linear(torch.autograd.Function):
             gx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
             gx = gx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            gw = torch._scaled_mm(g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv,
-                                  out_dtype=grad.dtype)
+            gw = torch._scaled_mm(
+                g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype
+            )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         return gx, gw, gb

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
-from tpframe.layers.async_tp_ce import ce_column, ce_row  # parallel.async_tp=copy_engine
+from tpframe.kernels import gemv
 from tpframe.layers.async_tp import (
     FusedAllGatherLinear,
     FusedLinearReduceScatter,
@@ -37,19 +37,19 @@ from tpframe.layers.async_tp import (
     ring_all_gather_matmul,
     ring_traced,
 )
+from tpframe.layers.async_tp_ce import ce_column, ce_row  # parallel.async_tp=copy_engine
+from tpframe.layers.fp8 import fp8_linear
 from tpframe.layers.mappings import (
     copy_to_tp,
     enter_backward_start,
     enter_forward,
-    overlaps_entry_grad,
     gather_from_sp,
     gather_from_tp,
+    overlaps_entry_grad,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
-from tpframe.kernels import gemv
-from tpframe.layers.fp8 import fp8_linear
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
 from tpframe.layers.weight_grad import deferring, linear
 from tpframe.parallel.state import default_tp_comm
@@ -57,7 +57,9 @@ from tpframe.parallel.state import default_tp_comm
 
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> None:
     if x.shape[-1] != expected:
-        raise ValueError(f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}")
+        raise ValueError(
+            f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}"
+        )
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -96,8 +98,14 @@ def enter_tp_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool
     return gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
 
 
-def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp8: bool = False,
-                 decode_kernel: bool = True) -> torch.Tensor:
+def local_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fp8: bool = False,
+    decode_kernel: bool = True,
+) -> torch.Tensor:
     """This rank's GEMM of a TP layer: float8 (`fp8`); the one-row kernel inside a batch-1 decode step's CUDA
     graph (`decode_kernel`, tpframe/kernels/gemv.py); else F.linear, whose weight gradient zero-bubble pipeline
     schedules may defer."""
@@ -239,9 +247,18 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
         """`entered=True`: x is already `self.enter(input)` (all-gathered under SP)."""
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
-        return column_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.gather_output,
-                                      async_tp=self.async_tp, fp8=self.fp8, entered=entered,
-                                      decode_kernel=self.fused_decode)
+        return column_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.comm,
+            self.sequence_parallel,
+            self.gather_output,
+            async_tp=self.async_tp,
+            fp8=self.fp8,
+            entered=entered,
+            decode_kernel=self.fused_decode,
+        )
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input's entry into the TP region; forward(enter(x), entered=True) == forward(x)."""
@@ -251,7 +268,8 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}"
-            + (f", async_tp={self.async_tp}" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
+            + (f", async_tp={self.async_tp}" if self.async_tp else "")
+            + (", fp8=True" if self.fp8 else "")
         )
 
 
@@ -296,8 +314,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear", "in_features/tp" if self.input_is_parallel else "in_features")
-        return row_parallel_linear(x, self.weight, self.bias, self.comm, self.sequence_parallel, self.input_is_parallel,
-                                   async_tp=self.async_tp, fp8=self.fp8, decode_kernel=self.fused_decode)
+        return row_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.comm,
+            self.sequence_parallel,
+            self.input_is_parallel,
+            async_tp=self.async_tp,
+            fp8=self.fp8,
+            decode_kernel=self.fused_decode,
+        )
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output, x_r W_r^T, not yet summed over TP and without the bias: for a caller
@@ -311,7 +338,8 @@ class RowParallelLinear(nn.Module):
         return (
             f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}"
-            + (f", async_tp={self.async_tp}" if self.async_tp else "") + (", fp8=True" if self.fp8 else "")
+            + (f", async_tp={self.async_tp}" if self.async_tp else "")
+            + (", fp8=True" if self.fp8 else "")
         )
 
 

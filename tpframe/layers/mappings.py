@@ -33,9 +33,7 @@ def _slice(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
     if comm.size == 1:
         return x
     if x.shape[dim] % comm.size:
-        raise ValueError(
-            f"cannot split dim {dim} of shape {tuple(x.shape)} over {comm.size} tensor-parallel ranks"
-        )
+        raise ValueError(f"cannot split dim {dim} of shape {tuple(x.shape)} over {comm.size} tensor-parallel ranks")
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
 
 
@@ -127,8 +125,12 @@ def overlaps_entry_grad(comm: Communicator) -> bool:
     the gradient's collective with its weight gradient): eager training at tp > 1, unless the communicator's
     `overlap_backward` (config comm.overlap_backward) is off. Under torch.compile the separate mappings are
     traced (custom ops); without grad there is no backward to overlap."""
-    return (comm.size > 1 and getattr(comm, "overlap_backward", False) and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
+    return (
+        comm.size > 1
+        and getattr(comm, "overlap_backward", False)
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def enter_forward(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:

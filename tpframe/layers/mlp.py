@@ -47,14 +47,19 @@ class ParallelMLP(nn.Module):
         common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
         if activation == "swiglu":
             self.fc1 = ColumnParallelLinear(
-                hidden, 2 * ffn_hidden, init_method=init_method, fused_parts=(("gate", ffn_hidden), ("up", ffn_hidden)), **common
+                hidden,
+                2 * ffn_hidden,
+                init_method=init_method,
+                fused_parts=(("gate", ffn_hidden), ("up", ffn_hidden)),
+                **common,
             )
         else:
             self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, init_method=init_method, **common)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, init_method=output_init_method or init_method, **common)
 
-    def forward(self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False,
-                reduce: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False, reduce: bool = True
+    ) -> torch.Tensor:
         """`entered=True`: x is already `self.fc1.enter(x)`. `recompute_activation`: the activation's output
         (fc2's saved input, the block's largest activation) is freed after fc2 and recomputed in backward.
         `reduce=False` (bias-free MLPs, with `entered=True`): this rank's partial output, not yet summed over TP."""

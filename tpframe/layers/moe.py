@@ -59,7 +59,6 @@ from tpframe.layers.utils import InitMethod, normal_init, tag_param
 from tpframe.parallel.recompute import RecomputedOutput
 from tpframe.parallel.state import default_tp_comm
 
-
 DENSE_MAX_TOKENS = 64
 _GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -237,15 +236,28 @@ class MoE(nn.Module):
         # replicated over TP, but each TP rank's gradient is partial (it weighs partial expert outputs): summed
         # over TP like a sequence-parallel parameter's
         self.router = nn.Linear(hidden, num_experts, bias=False, device="meta")  # [E, h]; used through F.linear
-        self.router.weight = tag_param(nn.Parameter(router.to(device=device, dtype=dtype)), None, sequence_parallel=True)
+        self.router.weight = tag_param(
+            nn.Parameter(router.to(device=device, dtype=dtype)), None, sequence_parallel=True
+        )
         self.expert_bias = None
         if expert_bias:  # fp32 whatever the model's dtype: steps of 1e-3 vanish in bf16 next to a bias of ~1
-            self.expert_bias = tag_param(nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False), None)
-            self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device),
-                                 persistent=False)  # routed slots of this step's micro-batches (this rank's tokens)
+            self.expert_bias = tag_param(
+                nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False), None
+            )
+            self.register_buffer(
+                "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
+            )  # routed slots of this step's micro-batches (this rank's tokens)
         base = torch.initial_seed()
-        mlp = dict(activation=activation, bias=False, sequence_parallel=sequence_parallel, comm=self.comm,
-                   init_method=init_method, output_init_method=output_init_method, dtype=dtype, device=device)
+        mlp = dict(
+            activation=activation,
+            bias=False,
+            sequence_parallel=sequence_parallel,
+            comm=self.comm,
+            init_method=init_method,
+            output_init_method=output_init_method,
+            dtype=dtype,
+            device=device,
+        )
         self.shared = None
         if shared_ffn_hidden:
             with torch.random.fork_rng(devices=[]):
@@ -338,8 +350,10 @@ class MoE(nn.Module):
         if self.ep_comm is None and self._grouped(xs):
             ys = self._run_grouped(xs, counts, recompute_activation)  # no host synchronization
         elif xs.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("MoE: a CUDA graph can capture the experts only as grouped GEMMs (bf16 on Hopper or "
-                               "newer, no float8, parallel.ep=1); this layer sizes them on the host")
+            raise RuntimeError(
+                "MoE: a CUDA graph can capture the experts only as grouped GEMMs (bf16 on Hopper or "
+                "newer, no float8, parallel.ep=1); this layer sizes them on the host"
+            )
         elif self.ep_comm is None:
             ys = self._run_experts(xs, counts.tolist(), recompute_activation)
         else:
@@ -350,13 +364,21 @@ class MoE(nn.Module):
     def _run_experts(self, xs: torch.Tensor, sizes: list[int], recompute_activation: bool) -> torch.Tensor:
         """Rows of `xs` grouped by local expert (`sizes[i]` rows for the i-th) -> their partial outputs."""
         chunks = xs.split(sizes)
-        return torch.cat([expert(chunk, entered=True, reduce=False, recompute_activation=recompute_activation)
-                          for expert, chunk in zip(self.experts.values(), chunks)])
+        return torch.cat(
+            [
+                expert(chunk, entered=True, reduce=False, recompute_activation=recompute_activation)
+                for expert, chunk in zip(self.experts.values(), chunks)
+            ]
+        )
 
     def _grouped(self, xs: torch.Tensor) -> bool:
         """Whether the experts run as grouped GEMMs (torch._grouped_mm: bf16 on Hopper and newer, not float8)."""
-        return (self._hopper and xs.is_cuda and xs.dtype == torch.bfloat16
-                and not any(m.fc1.fp8 or m.fc2.fp8 for m in self.experts.values()))
+        return (
+            self._hopper
+            and xs.is_cuda
+            and xs.dtype == torch.bfloat16
+            and not any(m.fc1.fp8 or m.fc2.fp8 for m in self.experts.values())
+        )
 
     def _run_grouped(self, xs: torch.Tensor, counts: torch.Tensor, recompute_activation: bool) -> torch.Tensor:
         """`_run_experts` as two grouped GEMMs over the experts' stacked weights (torchtitan's route): the
@@ -393,7 +415,9 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         ep = self.ep_comm.size if self.ep_comm else 1
-        return (f"experts={self.num_experts} (experts {self.first_expert}..{self.first_expert + self.local_experts - 1} "
-                f"here, ep={ep}), top_k={self.top_k}, score={self.score}, expert_bias={self.expert_bias is not None}, "
-                f"aux_loss_coeff={self.aux_loss_coeff}, "
-                f"z_loss_coeff={self.z_loss_coeff}, sp={self.sequence_parallel}")
+        return (
+            f"experts={self.num_experts} (experts {self.first_expert}..{self.first_expert + self.local_experts - 1} "
+            f"here, ep={ep}), top_k={self.top_k}, score={self.score}, expert_bias={self.expert_bias is not None}, "
+            f"aux_loss_coeff={self.aux_loss_coeff}, "
+            f"z_loss_coeff={self.z_loss_coeff}, sp={self.sequence_parallel}"
+        )

@@ -15,13 +15,23 @@ from tpframe.layers.utils import tag_param
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-5, *, bias: bool = True, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        eps: float = 1e-5,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.hidden, self.eps = hidden, eps
         self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
         if bias:
-            self.bias = tag_param(nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), None, sequence_parallel)
+            self.bias = tag_param(
+                nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), None, sequence_parallel
+            )
         else:
             self.register_parameter("bias", None)
         self.fused = True  # the Triton kernel on CUDA (tpframe/kernels/norm.py; BuildContext.fused_kernels)
@@ -31,8 +41,15 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-5, *, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        eps: float = 1e-5,
+        *,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.hidden, self.eps = hidden, eps
         self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
@@ -42,8 +59,16 @@ class RMSNorm(nn.Module):
         return norm(x, self.weight, None, self.eps, rms=True, fused=self.fused)
 
 
-def build_norm(kind: str, hidden: int, eps: float = 1e-5, *, bias: bool = True, sequence_parallel: bool = False,
-               dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
+def build_norm(
+    kind: str,
+    hidden: int,
+    eps: float = 1e-5,
+    *,
+    bias: bool = True,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+) -> nn.Module:
     """'layernorm' or 'rmsnorm'."""
     if kind == "layernorm":
         return LayerNorm(hidden, eps, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype, device=device)

@@ -36,12 +36,26 @@ def band(q_len: int, k_len: int, window: int, *, device=None) -> torch.Tensor:
 def flex_usable(q: torch.Tensor, dropout_p: float) -> bool:
     """Whether `sliding_window_attention` takes flex_attention for q [b, n, s, d]."""
     d = q.shape[-1]
-    return (flex_attention is not None and q.is_cuda and dropout_p == 0 and 16 <= d <= 256 and d & (d - 1) == 0
-            and q.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return (
+        flex_attention is not None
+        and q.is_cuda
+        and dropout_p == 0
+        and 16 <= d <= 256
+        and d & (d - 1) == 0
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
-def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
-                             dropout_p: float = 0.0, enable_gqa: bool = False, flex: bool = True) -> torch.Tensor:
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    flex: bool = True,
+) -> torch.Tensor:
     """Causal attention within `window`: q [b, nq, sq, d] over k and v [b, nkv, sk, d] -> [b, nq, sq, d]. The
     queries are the last sq of the sk positions (sq < sk: a context-parallel chunk over the keys before it).
     `flex=False`: the dense band mask even where flex_attention could run."""
@@ -50,8 +64,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa)
     if flex and flex_usable(q, dropout_p):
         return _flex_window(q, k, v, window, enable_gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=band(sq, sk, window, device=q.device),
-                                          dropout_p=dropout_p, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=band(sq, sk, window, device=q.device), dropout_p=dropout_p, enable_gqa=enable_gqa
+    )
 
 
 @torch.compiler.disable  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
@@ -73,4 +88,5 @@ def _block_mask(sq: int, sk: int, window: int, device: str):
 
     def in_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx + offset) & (q_idx + offset - kv_idx < window)
+
     return create_block_mask(in_window, None, None, sq, sk, device=device)

@@ -26,8 +26,8 @@ per-token loss is for the local tokens.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -59,7 +59,9 @@ class BuildContext:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False  # recompute whole blocks in backward
     recompute_layers: int | None = None  # with activation_checkpointing: only the first N blocks built here
-    selective_recompute: bool = False  # recompute norms and activation functions only (needs supports_selective_recompute)
+    selective_recompute: bool = (
+        False  # recompute norms and activation functions only (needs supports_selective_recompute)
+    )
     rng_tracker: RNGStatesTracker | None = None
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
@@ -113,7 +115,8 @@ def check_context_parallel_support(name: str, builder: Callable, cp: int) -> Non
             f"model.name={name!r} does not implement context parallelism, so parallel.cp={cp} cannot split its "
             "sequences; use parallel.cp=1, or place tokens at their global positions and attend with "
             "tpframe.parallel.context (or pass ctx.cp_comm to ParallelAttention), then set "
-            "supports_context_parallel = True on its builder (README)")
+            "supports_context_parallel = True on its builder (README)"
+        )
 
 
 def check_document_mask_support(name: str, builder: Callable, attention_mask: str) -> None:
@@ -122,7 +125,8 @@ def check_document_mask_support(name: str, builder: Callable, attention_mask: st
         raise ConfigError(
             f"model.name={name!r} does not implement model.attention_mask=document, so its attention would cross "
             "document ends; use model.attention_mask=causal, or attend with tpframe.layers.documents (pass "
-            "documents= to ParallelAttention) and set supports_document_mask = True on its builder (README)")
+            "documents= to ParallelAttention) and set supports_document_mask = True on its builder (README)"
+        )
 
 
 def check_recompute_support(name: str, builder: Callable, *, selective: bool, layers: int | None) -> None:
@@ -130,11 +134,13 @@ def check_recompute_support(name: str, builder: Callable, *, selective: bool, la
     if selective and not getattr(builder, "supports_selective_recompute", False):
         raise ConfigError(
             f"model.name={name!r} does not implement selective recompute; use parallel.activation_checkpointing=full "
-            "or false, or honour ctx.selective_recompute and set supports_selective_recompute = True on its builder")
+            "or false, or honour ctx.selective_recompute and set supports_selective_recompute = True on its builder"
+        )
     if layers is not None and not getattr(builder, "supports_recompute_layers", False):
         raise ConfigError(
             f"model.name={name!r} does not honour parallel.recompute_layers; remove it, or honour "
-            "ctx.recompute_layers and set supports_recompute_layers = True on its builder")
+            "ctx.recompute_layers and set supports_recompute_layers = True on its builder"
+        )
 
 
 def resolve_builder(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:
@@ -142,7 +148,9 @@ def resolve_builder(name: str) -> Callable[[ModelConfig, BuildContext], nn.Modul
     if name in BUILTIN:
         return BUILTIN[name]
     if ":" not in name:
-        raise ConfigError(f"model.name={name!r} is neither a built-in model ({', '.join(BUILTIN)}) nor 'module:function'")
+        raise ConfigError(
+            f"model.name={name!r} is neither a built-in model ({', '.join(BUILTIN)}) nor 'module:function'"
+        )
     module_name, fn_name = name.split(":", 1)
     try:
         module = importlib.import_module(module_name)
@@ -158,7 +166,9 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     model = resolve_builder(cfg.name)(cfg, ctx)
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(model, m, None))]
     if missing:
-        raise ConfigError(f"model.name={cfg.name!r} built a {type(model).__name__} without {', '.join(missing)}() (see tpframe/models/__init__.py)")
+        raise ConfigError(
+            f"model.name={cfg.name!r} built a {type(model).__name__} without {', '.join(missing)}() (see tpframe/models/__init__.py)"
+        )
     if cfg.sliding_window is not None:  # a model that ignores the window would silently attend past it
         from tpframe.layers.attention import ParallelAttention
 
@@ -167,9 +177,13 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
         if not layers or other:
             raise ConfigError(
                 f"model.sliding_window={cfg.sliding_window}: model.name={cfg.name!r} built "
-                + (f"attention without that window ({', '.join(other[:2])}{', ...' if len(other) > 2 else ''})"
-                   if layers else "no tpframe ParallelAttention to give it to")
-                + "; pass window=cfg.sliding_window to ParallelAttention, or leave model.sliding_window unset")
+                + (
+                    f"attention without that window ({', '.join(other[:2])}{', ...' if len(other) > 2 else ''})"
+                    if layers
+                    else "no tpframe ParallelAttention to give it to"
+                )
+                + "; pass window=cfg.sliding_window to ParallelAttention, or leave model.sliding_window unset"
+            )
     untagged = [n for n, p in model.named_parameters() if not hasattr(p, "tp_dim")]
     if untagged:  # an untagged TP shard would be saved as if replicated: a silent wrong resume
         raise ConfigError(

@@ -11,8 +11,9 @@ from __future__ import annotations
 from torch import nn
 
 
-def compile_model(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False,
-                  mode: str | None = None) -> int:
+def compile_model(
+    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False, mode: str | None = None
+) -> int:
     """Compile every block of `model.blocks` in place; returns how many were compiled.
 
     `fullgraph=True` turns any graph break into an error (the tests use it); the default lets an unusual
@@ -20,8 +21,9 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", fullgraph: boo
     A CUDA-graphing mode ("reduce-overhead") does not mix with the decode step's own graph capture."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        raise ValueError(f"compile_model: {type(model).__name__} has no `blocks` to compile "
-                         "(see tpframe/models/gpt.py)")
+        raise ValueError(
+            f"compile_model: {type(model).__name__} has no `blocks` to compile (see tpframe/models/gpt.py)"
+        )
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         block.compile(backend=backend, fullgraph=fullgraph, mode=mode)
     return len(blocks)

@@ -94,8 +94,21 @@ def moe_ffn_hidden_size(m: ModelConfig) -> int:
 
 
 # Fields that fix tensor shapes or semantics: a checkpoint loads only into a model with equal values.
-ARCH_FIELDS = ("name", "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "norm", "position",
-               "activation", "bias", "tie_embeddings", "max_seq_len")
+ARCH_FIELDS = (
+    "name",
+    "vocab_size",
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "norm",
+    "position",
+    "activation",
+    "bias",
+    "tie_embeddings",
+    "max_seq_len",
+)
 
 
 def architecture(m: ModelConfig) -> dict:
@@ -121,21 +134,35 @@ def architecture(m: ModelConfig) -> dict:
 # Fields that change what the model computes but none of its tensors: a resume may change them (a longer context's
 # rotary base, dropout for fine-tuning), and its log names each one that did (`computation_change`).
 _SCALING_COMPANIONS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
-COMPUTATION_FIELDS = ("rope_theta", "rope_scaling_factor", *_SCALING_COMPANIONS, "norm_eps", "attention_mask", "eod_id",
-                      "sliding_window", "dropout", "attention_dropout")
+COMPUTATION_FIELDS = (
+    "rope_theta",
+    "rope_scaling_factor",
+    *_SCALING_COMPANIONS,
+    "norm_eps",
+    "attention_mask",
+    "eod_id",
+    "sliding_window",
+    "dropout",
+    "attention_dropout",
+)
 
 
 def computation_change(mine: ModelConfig, saved: ModelConfig) -> str | None:
     """One line naming the COMPUTATION_FIELDS a resumed run changed since its checkpoint (`saved`), or None. The
     scaling's companions count only while a scaling is on."""
     unscaled = mine.rope_scaling_factor is None and saved.rope_scaling_factor is None
-    keys = [k for k in COMPUTATION_FIELDS
-            if getattr(mine, k) != getattr(saved, k) and not (unscaled and k in _SCALING_COMPANIONS)]
+    keys = [
+        k
+        for k in COMPUTATION_FIELDS
+        if getattr(mine, k) != getattr(saved, k) and not (unscaled and k in _SCALING_COMPANIONS)
+    ]
     if not keys:
         return None
-    return ("the model computes differently from the checkpoint's (" + ", ".join(
-        f"model.{k} {_plain(getattr(saved, k))} -> {_plain(getattr(mine, k))}" for k in keys)
-            + "); its weights load unchanged")
+    return (
+        "the model computes differently from the checkpoint's ("
+        + ", ".join(f"model.{k} {_plain(getattr(saved, k))} -> {_plain(getattr(mine, k))}" for k in keys)
+        + "); its weights load unchanged"
+    )
 
 
 def _plain(value) -> str:
@@ -143,8 +170,11 @@ def _plain(value) -> str:
 
 
 # architecture keys a model holds only where it departs from their default (a function of the other fields)
-_OPTIONAL_DEFAULT = {"qkv_bias": lambda m: m.bias, "head_dim": lambda m: m.hidden // m.heads,
-                     "qk_norm": lambda m: False}
+_OPTIONAL_DEFAULT = {
+    "qkv_bias": lambda m: m.bias,
+    "head_dim": lambda m: m.hidden // m.heads,
+    "qk_norm": lambda m: False,
+}
 
 
 def _optional_arch(m: ModelConfig) -> dict:
@@ -162,8 +192,9 @@ def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> l
             if configured is None:
                 configured = _OPTIONAL_DEFAULT[key](ModelConfig(**{k: theirs[k] for k in ("hidden", "heads", "bias")}))
             ours, theirs = {key: _optional_arch(mine)[key], **ours}, {key: configured, **theirs}
-    pairs = ((k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k)))
-             for k in sorted({*ours, *theirs}))
+    pairs = (
+        (k, ours.get(k, getattr(mine, k, None)), theirs.get(k, theirs_model.get(k))) for k in sorted({*ours, *theirs})
+    )
     return [(k, a, b) for k, a, b in pairs if a != b]
 
 

@@ -22,13 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpframe.layers import ParallelLMHead, ParallelMLP, VocabParallelEmbedding, build_norm, column_parallel_linear
-from tpframe.layers import vocab_parallel_cross_entropy
-from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
-from tpframe.layers.linear import enable_async_tp
+from tpframe.layers import (
+    ParallelLMHead,
+    ParallelMLP,
+    VocabParallelEmbedding,
+    build_norm,
+    column_parallel_linear,
+    vocab_parallel_cross_entropy,
+)
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
+from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
 from tpframe.layers.documents import Documents
 from tpframe.layers.embedding import padded_vocab_size
+from tpframe.layers.linear import enable_async_tp
 from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
@@ -63,19 +69,46 @@ class TransformerBlock(nn.Module):
         norm = dict(bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device)
         self.norm1 = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
         self.norm2 = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
-        common = dict(bias=cfg.bias, sequence_parallel=sp, comm=ctx.comm, init_method=init, output_init_method=out_init,
-                      dtype=dtype, device=device)
+        common = dict(
+            bias=cfg.bias,
+            sequence_parallel=sp,
+            comm=ctx.comm,
+            init_method=init,
+            output_init_method=out_init,
+            dtype=dtype,
+            device=device,
+        )
         self.attn = ParallelAttention(
-            cfg.hidden, cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
-            qkv_bias=cfg.qkv_bias, attention_dropout=cfg.attention_dropout,
-            rng_tracker=ctx.rng_tracker, cp_comm=ctx.cp_comm, window=cfg.sliding_window, **common,
+            cfg.hidden,
+            cfg.heads,
+            kv_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            qkv_bias=cfg.qkv_bias,
+            attention_dropout=cfg.attention_dropout,
+            rng_tracker=ctx.rng_tracker,
+            cp_comm=ctx.cp_comm,
+            window=cfg.sliding_window,
+            **common,
         )
         if cfg.moe_experts:
             common.pop("bias")
-            self.mlp = MoE(cfg.hidden, moe_ffn_hidden_size(cfg), cfg.moe_experts, cfg.moe_top_k, activation=cfg.activation,
-                           aux_loss_coeff=cfg.moe_aux_loss, z_loss_coeff=cfg.moe_z_loss, score=cfg.moe_router_score,
-                           expert_bias=cfg.moe_expert_bias,
-                           shared_ffn_hidden=cfg.moe_shared_ffn, ep_comm=ctx.ep_comm, cp_comm=ctx.cp_comm, **common)
+            self.mlp = MoE(
+                cfg.hidden,
+                moe_ffn_hidden_size(cfg),
+                cfg.moe_experts,
+                cfg.moe_top_k,
+                activation=cfg.activation,
+                aux_loss_coeff=cfg.moe_aux_loss,
+                z_loss_coeff=cfg.moe_z_loss,
+                score=cfg.moe_router_score,
+                expert_bias=cfg.moe_expert_bias,
+                shared_ffn_hidden=cfg.moe_shared_ffn,
+                ep_comm=ctx.ep_comm,
+                cp_comm=ctx.cp_comm,
+                **common,
+            )
         else:
             self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
         self.attn.fused_rotary = self.attn.fused_window = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
@@ -154,8 +187,11 @@ class GPT(nn.Module):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)
             # Replicated; under SP each rank embeds only its positions, so its gradient is partial.
             self.position = tag_param(nn.Parameter(table.to(device=device, dtype=dtype)), None, sp)
-        self.rotary = (RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta,
-                                       scaling=rope_scaling(cfg)).to(device) if cfg.position == "rotary" else None)
+        self.rotary = (
+            RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta, scaling=rope_scaling(cfg)).to(device)
+            if cfg.position == "rotary"
+            else None
+        )
         self.embed_dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         blocks = {}
         for i in self.stage.layer_ids(cfg.layers):
@@ -163,7 +199,9 @@ class GPT(nn.Module):
                 blocks[str(i)] = TransformerBlock(cfg, ctx)
         self.blocks = nn.ModuleDict(blocks)
         if self.stage.last:
-            self.final_norm = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device)
+            self.final_norm = build_norm(
+                cfg.norm, cfg.hidden, cfg.norm_eps, bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device
+            )
             self.final_norm.fused = ctx.fused_kernels
             if not cfg.tie_embeddings:
                 with seeded(seed + 2):
@@ -205,8 +243,9 @@ class GPT(nn.Module):
         x = self.final_norm(x)
         if self.head is not None:
             return self.head(x)
-        return column_parallel_linear(x, self.embedding.weight, None, self.comm, self.sequence_parallel,
-                                      decode_kernel=self.fused_head_loss)
+        return column_parallel_linear(
+            x, self.embedding.weight, None, self.comm, self.sequence_parallel, decode_kernel=self.fused_head_loss
+        )
 
     @property
     def needs_input_ids(self) -> bool:
@@ -221,12 +260,14 @@ class GPT(nn.Module):
         if self.cfg.eod_id is None:
             raise ValueError("model.attention_mask=document needs model.eod_id (train.py sets it from the data)")
         if self.cp > 1:  # this rank's tokens [b, S/cp]: the documents are those of the whole rows
-            return Documents.for_cp_rank(gather_token_ids(input_ids, self.ctx.cp_comm), self.cfg.eod_id,
-                                         rank=self.cp_rank, size=self.cp)
+            return Documents.for_cp_rank(
+                gather_token_ids(input_ids, self.ctx.cp_comm), self.cfg.eod_id, rank=self.cp_rank, size=self.cp
+            )
         return Documents.from_tokens(input_ids, self.cfg.eod_id)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
-                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """First stage: `x` is input_ids [b, s]; later stages: hidden states [s(/tp), b, h] (and, with
         model.attention_mask=document, `input_ids` [b, s], where the documents are found).
 
@@ -271,15 +312,26 @@ class GPT(nn.Module):
             return self.logits(x[-1:])[0]  # [b, V/tp]
         if labels is not None and self.fused_head_loss:  # head + loss without the fp32 logits
             weight = self.head.weight if self.head is not None else self.embedding.weight
-            return vocab_parallel_head_cross_entropy(
-                self.final_norm(x), weight, labels.t(), comm=self.comm, sequence_parallel=self.sequence_parallel,
-                vocab_size=self.cfg.vocab_size,
-            ).t().contiguous()  # [b, s]; not a view: FSDP2 warns on each rank when a module returns one
+            return (
+                vocab_parallel_head_cross_entropy(
+                    self.final_norm(x),
+                    weight,
+                    labels.t(),
+                    comm=self.comm,
+                    sequence_parallel=self.sequence_parallel,
+                    vocab_size=self.cfg.vocab_size,
+                )
+                .t()
+                .contiguous()
+            )  # [b, s]; not a view: FSDP2 warns on each rank when a module returns one
         logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm,
-                                            vocab_size=self.cfg.vocab_size).t().contiguous()
+        return (
+            vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm, vocab_size=self.cfg.vocab_size)
+            .t()
+            .contiguous()
+        )
 
     # -- accounting -----------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:
@@ -291,6 +343,7 @@ class GPT(nn.Module):
         c = self.cfg
         h, d = c.hidden, head_dim(c)
         q, kv = c.heads * d, (c.kv_heads or c.heads) * d
+
         def mlp_macs(ffn: int) -> int:  # fc1 (gate and up for swiglu) and fc2
             return h * (2 * ffn if c.activation == "swiglu" else ffn) + ffn * h
 
@@ -300,4 +353,3 @@ class GPT(nn.Module):
         layer = 2 * (h * (q + 2 * kv) + q * h + mlp) + 4 * seq_len * q
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         return 3.0 * (c.layers * layer + 2 * h * padded)
-

@@ -20,10 +20,19 @@ from tpframe.optim.strategy import GradStrategy
 STRATEGIES = ("ddp", "zero1", "fsdp")
 
 
-def build_strategy(name: str, model: nn.Module, cfg: OptimConfig, parallel, *, bucket_mb: float = 40.0,
-                   overlap_grad_sync: bool = True, overlap_param_gather: bool = False,
-                   compute_dtype: torch.dtype = torch.float32, dp_comm: str = "nccl",
-                   reduce_dtype: torch.dtype = torch.float32) -> GradStrategy:
+def build_strategy(
+    name: str,
+    model: nn.Module,
+    cfg: OptimConfig,
+    parallel,
+    *,
+    bucket_mb: float = 40.0,
+    overlap_grad_sync: bool = True,
+    overlap_param_gather: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    dp_comm: str = "nccl",
+    reduce_dtype: torch.dtype = torch.float32,
+) -> GradStrategy:
     """The strategy `name` over `model` (built already; fsdp shards it in place)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
     if dp_comm != "nccl" and name == "fsdp":
@@ -31,13 +40,28 @@ def build_strategy(name: str, model: nn.Module, cfg: OptimConfig, parallel, *, b
     if name == "ddp":
         from tpframe.optim.ddp import DDPStrategy
 
-        return DDPStrategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync, dp_comm=dp_comm,
-                           reduce_dtype=reduce_dtype)
+        return DDPStrategy(
+            model,
+            cfg,
+            parallel,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap_grad_sync,
+            dp_comm=dp_comm,
+            reduce_dtype=reduce_dtype,
+        )
     if name == "zero1":
         from tpframe.optim.zero1 import Zero1Strategy
 
-        return Zero1Strategy(model, cfg, parallel, bucket_bytes=bucket_bytes, overlap=overlap_grad_sync,
-                             overlap_param_gather=overlap_param_gather, dp_comm=dp_comm, reduce_dtype=reduce_dtype)
+        return Zero1Strategy(
+            model,
+            cfg,
+            parallel,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap_grad_sync,
+            overlap_param_gather=overlap_param_gather,
+            dp_comm=dp_comm,
+            reduce_dtype=reduce_dtype,
+        )
     if name == "fsdp":
         from tpframe.optim.fsdp import FSDPStrategy
 

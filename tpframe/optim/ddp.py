@@ -16,10 +16,10 @@ from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
     GradStrategy,
-    add_chunks,
-    add_frozen,
     adamw_step,
     adamw_step_count,
+    add_chunks,
+    add_frozen,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
@@ -38,9 +38,17 @@ from tpframe.parallel.state import ParallelState
 class DDPStrategy(GradStrategy):
     name = "ddp"
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, dp_comm: str = "nccl",
-                 reduce_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: OptimConfig,
+        parallel: ParallelState,
+        *,
+        bucket_bytes: int = 40 * 2**20,
+        overlap: bool = True,
+        dp_comm: str = "nccl",
+        reduce_dtype: torch.dtype = torch.float32,
+    ):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
@@ -50,16 +58,32 @@ class DDPStrategy(GradStrategy):
         self._expert_ids = {id(p) for p in self.expert_params}
         dense = [p for p in self.params if id(p) not in self._expert_ids]
         # parallel.dp_comm=copy_engine: the dense buckets sync by copy engines (tpframe/comm/copy_engine.py)
-        peer = dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device,
-                              timeout_s=parallel.timeout_s)
-        self.grads = GradBuffer(dense, parallel.dp_sync_group or parallel.dp_cp_group, dp_size=parallel.dp_cp,
-                                bucket_bytes=bucket_bytes, overlap=overlap, mode="all_reduce", peer_memory=peer,
-                                high_priority=parallel.dp_high_priority, reduce_dtype=reduce_dtype)
+        peer = dp_peer_memory(
+            dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device, timeout_s=parallel.timeout_s
+        )
+        self.grads = GradBuffer(
+            dense,
+            parallel.dp_sync_group or parallel.dp_cp_group,
+            dp_size=parallel.dp_cp,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            mode="all_reduce",
+            peer_memory=peer,
+            high_priority=parallel.dp_high_priority,
+            reduce_dtype=reduce_dtype,
+        )
         self.expert_grads = None
         if self.expert_params:  # summed over the expert's replicas, averaged over every rank's loss
-            self.expert_grads = GradBuffer(self.expert_params, parallel.edp_group, dp_size=parallel.edp,
-                                           bucket_bytes=bucket_bytes, overlap=overlap, mode="all_reduce",
-                                           average_over=parallel.dp_cp, reduce_dtype=reduce_dtype)
+            self.expert_grads = GradBuffer(
+                self.expert_params,
+                parallel.edp_group,
+                dp_size=parallel.edp,
+                bucket_bytes=bucket_bytes,
+                overlap=overlap,
+                mode="all_reduce",
+                average_over=parallel.dp_cp,
+                reduce_dtype=reduce_dtype,
+            )
         self.buffers = [g for g in (self.grads, self.expert_grads) if g is not None]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         # the low-precision params and their fp32 masters, copied back after each update
@@ -87,12 +111,21 @@ class DDPStrategy(GradStrategy):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # grads are equal on every DP replica: sum over one model replica (tp x pp) only
-        counted = [p.main_grad for p in self.params if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank)
-                   and id(p) not in self._expert_ids]
+        counted = [
+            p.main_grad
+            for p in self.params
+            if counts_once(p, self.parallel.tp_rank, self.parallel.pp_rank) and id(p) not in self._expert_ids
+        ]
         experts = [p.main_grad for p in self.expert_params]  # TP shards: each counts; different on each EP rank
-        return clip_by_global_norm(counted, [g.buffer for g in self.buffers], max_norm, [self.parallel.mp_comm],
-                                   self.grads.buffer.device, optimizer=self.optimizer,
-                                   split=(experts, self.parallel.ep_comm) if experts else None)
+        return clip_by_global_norm(
+            counted,
+            [g.buffer for g in self.buffers],
+            max_norm,
+            [self.parallel.mp_comm],
+            self.grads.buffer.device,
+            optimizer=self.optimizer,
+            split=(experts, self.parallel.ep_comm) if experts else None,
+        )
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -110,7 +143,9 @@ class DDPStrategy(GradStrategy):
         tp_rank, tp = self.parallel.tp_rank, self.parallel.tp
         out: dict = {}
         for (name, p), m in zip(self.named, self.masters):
-            add_chunks(out, "model/{}" if m is not p else weights_key(available), name, p, tp_rank, tp, p.detach().view(-1))
+            add_chunks(
+                out, "model/{}" if m is not p else weights_key(available), name, p, tp_rank, tp, p.detach().view(-1)
+            )
             if m is not p:
                 add_chunks(out, "optim/{}/master", name, p, tp_rank, tp, m.view(-1))
             for key in MOMENTS:
@@ -143,5 +178,7 @@ class DDPStrategy(GradStrategy):
         engine = ", copy-engine sync" if self.grads.sync_engine == "copy_engine" else ""
         engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
         engine += ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
-        return (f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}"
-                f"{engine}{experts})")
+        return (
+            f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}"
+            f"{engine}{experts})"
+        )

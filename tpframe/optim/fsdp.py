@@ -22,14 +22,13 @@ from torch import nn
 
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
-    replicas_label,
     MOMENTS,
     STEP_KEY,
     GradStrategy,
     ParamTags,
+    adamw_step_count,
     add_chunks,
     add_frozen,
-    adamw_step_count,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
@@ -37,6 +36,7 @@ from tpframe.optim.strategy import (
     named_frozen,
     named_trainable,
     needed_keys,
+    replicas_label,
     set_adamw_lr,
     set_adamw_step_count,
     weights_key,
@@ -57,19 +57,30 @@ def _row_start(p: torch.Tensor) -> int:
 class FSDPStrategy(GradStrategy):
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: OptimConfig,
+        parallel: ParallelState,
+        *,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype = torch.float32,
+    ):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.parallel, self.compute_dtype, self.reduce_dtype = parallel, compute_dtype, reduce_dtype
         tags = {n: ParamTags.of(p) for n, p in model.named_parameters()}
         bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
         if bad:
-            raise ValueError(f"fsdp keeps fp32 params (the masters) and computes in train.dtype; build the model in fp32, got {bad}")
+            raise ValueError(
+                f"fsdp keeps fp32 params (the masters) and computes in train.dtype; build the model in fp32, got {bad}"
+            )
         mixed = compute_dtype != torch.float32
         # gradients reduce-scattered in fp32 (or bf16: parallel.grad_reduce_dtype), then kept in the fp32 shards
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype if mixed else None,
-                                      reduce_dtype=reduce_dtype if mixed or reduce_dtype != torch.float32 else None)
+        policy = MixedPrecisionPolicy(
+            param_dtype=compute_dtype if mixed else None,
+            reduce_dtype=reduce_dtype if mixed or reduce_dtype != torch.float32 else None,
+        )
         mesh = parallel.dp_cp_mesh  # the gradient replicas: dp (x cp)
         expert_mesh = None
         if parallel.ep > 1:  # an expert's replicas
@@ -112,8 +123,9 @@ class FSDPStrategy(GradStrategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = [local_tensor(p.grad) for _, p in self.named if p.grad is not None]
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
-        counted = [local_tensor(p.grad) for _, p in self.named
-                   if p.grad is not None and counts_once(p, tp_rank, pp_rank)]
+        counted = [
+            local_tensor(p.grad) for _, p in self.named if p.grad is not None and counts_once(p, tp_rank, pp_rank)
+        ]
         comms = [self.parallel.dp_cp_comm, self.parallel.mp_comm]
         return clip_by_global_norm(counted, grads, max_norm, comms, self.parallel.device)
 
@@ -155,7 +167,11 @@ class FSDPStrategy(GradStrategy):
         return moments  # the sharded fp32 params are the masters and the model at once
 
     def describe(self) -> str:
-        experts = f", experts over their {self.parallel.edp} replicas (ep={self.parallel.ep})" if self.parallel.ep > 1 else ""
-        return (f"fsdp (FSDP2 over {replicas_label(self.parallel)}{experts}, fp32 shards, "
-                f"compute in {str(self.compute_dtype).replace('torch.', '')}"
-                f"{', reduced in bf16' if self.reduce_dtype == torch.bfloat16 else ''})")
+        experts = (
+            f", experts over their {self.parallel.edp} replicas (ep={self.parallel.ep})" if self.parallel.ep > 1 else ""
+        )
+        return (
+            f"fsdp (FSDP2 over {replicas_label(self.parallel)}{experts}, fp32 shards, "
+            f"compute in {str(self.compute_dtype).replace('torch.', '')}"
+            f"{', reduced in bf16' if self.reduce_dtype == torch.bfloat16 else ''})"
+        )

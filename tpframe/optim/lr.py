@@ -37,10 +37,15 @@ def schedule_change(step: int, cfg: OptimConfig, total_steps: int, saved: OptimC
     line for a run resuming at `step` under (`cfg`, `total_steps`); None when nothing did. A shorter or longer
     train.steps moves the whole decay: the next step's rate is no longer the one the interrupted run would have used."""
     changed = [f"train.steps {saved_steps} -> {total_steps}"] if saved_steps != total_steps else []
-    changed += [f"optim.{k} {getattr(saved, k)} -> {getattr(cfg, k)}" for k in SCHEDULE_KEYS
-                if getattr(saved, k) != getattr(cfg, k)]
+    changed += [
+        f"optim.{k} {getattr(saved, k)} -> {getattr(cfg, k)}"
+        for k in SCHEDULE_KEYS
+        if getattr(saved, k) != getattr(cfg, k)
+    ]
     if not changed:
         return None
     now, before = lr_at(step, cfg, total_steps), lr_at(step, saved, saved_steps)
-    return (f"the learning-rate schedule changed since the checkpoint ({', '.join(changed)}): step {step + 1} runs "
-            f"at lr {now:.3g}" + (f", not {before:.3g}" if now != before else " as before, later steps differ"))
+    return (
+        f"the learning-rate schedule changed since the checkpoint ({', '.join(changed)}): step {step + 1} runs "
+        f"at lr {now:.3g}" + (f", not {before:.3g}" if now != before else " as before, later steps differ")
+    )

@@ -45,8 +45,13 @@ class ParamTags:
 
     @classmethod
     def of(cls, p: torch.Tensor) -> ParamTags:
-        return cls(getattr(p, "tp_dim", None), getattr(p, "sequence_parallel", False),
-                   getattr(p, "fused_parts", None), getattr(p, "vocab_rows", None), getattr(p, "pipeline_tied", False))
+        return cls(
+            getattr(p, "tp_dim", None),
+            getattr(p, "sequence_parallel", False),
+            getattr(p, "fused_parts", None),
+            getattr(p, "vocab_rows", None),
+            getattr(p, "pipeline_tied", False),
+        )
 
     def apply(self, p: torch.Tensor) -> None:
         p.tp_dim, p.sequence_parallel, p.pipeline_tied = self.tp_dim, self.sequence_parallel, self.pipeline_tied
@@ -70,8 +75,12 @@ def make_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Opt
     first = (decay or no_decay)[0]
     on_cuda = first.device.type == "cuda"
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        fused=on_cuda, foreach=None if on_cuda else True,
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=on_cuda,
+        foreach=None if on_cuda else True,
     )
 
 
@@ -106,10 +115,16 @@ def set_adamw_step_count(optimizer: torch.optim.AdamW, step: torch.Tensor) -> No
 
 
 @torch.no_grad()
-def clip_by_global_norm(counted: list[torch.Tensor], scaled: list[torch.Tensor], max_norm: float,
-                        comms: list[Communicator], device: torch.device, *,
-                        optimizer: torch.optim.Optimizer | None = None,
-                        split: tuple[list[torch.Tensor], Communicator] | None = None) -> float:
+def clip_by_global_norm(
+    counted: list[torch.Tensor],
+    scaled: list[torch.Tensor],
+    max_norm: float,
+    comms: list[Communicator],
+    device: torch.device,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    split: tuple[list[torch.Tensor], Communicator] | None = None,
+) -> float:
     """L2 norm of all `counted` gradients summed over `comms`; scale `scaled` so it is at most `max_norm`
     (0 disables clipping). Returns the norm before clipping (non-finite if any gradient is).
 
@@ -157,8 +172,9 @@ def adamw_step(optimizer: torch.optim.AdamW) -> None:
     optimizer.grad_scale = None  # type: ignore[attr-defined]
 
 
-def add_chunks(out: dict, key_fmt: str, name: str, param: torch.Tensor, tp_rank: int, tp: int, flat: torch.Tensor,
-               start: int = 0) -> None:
+def add_chunks(
+    out: dict, key_fmt: str, name: str, param: torch.Tensor, tp_rank: int, tp: int, flat: torch.Tensor, start: int = 0
+) -> None:
     """Add `flat`'s pieces (elements [start, start+numel) of a tensor shaped like `param`) under `key_fmt`."""
     for logical, (shape, rects) in chunks_of(name, param, tp_rank, tp, flat, start).items():
         key = key_fmt.format(logical)

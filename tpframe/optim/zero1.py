@@ -26,14 +26,13 @@ from torch import nn
 from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.strategy import (
-    replicas_label,
     MOMENTS,
     STEP_KEY,
     GradStrategy,
-    add_chunks,
-    add_frozen,
     adamw_step,
     adamw_step_count,
+    add_chunks,
+    add_frozen,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
@@ -41,6 +40,7 @@ from tpframe.optim.strategy import (
     named_frozen,
     named_trainable,
     needed_keys,
+    replicas_label,
     set_adamw_lr,
     set_adamw_step_count,
     weights_key,
@@ -79,9 +79,18 @@ class Sharded:
 class Zero1Strategy(GradStrategy):
     name = "zero1"
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig, parallel: ParallelState, *,
-                 bucket_bytes: int = 40 * 2**20, overlap: bool = True, overlap_param_gather: bool = False,
-                 dp_comm: str = "nccl", reduce_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: OptimConfig,
+        parallel: ParallelState,
+        *,
+        bucket_bytes: int = 40 * 2**20,
+        overlap: bool = True,
+        overlap_param_gather: bool = False,
+        dp_comm: str = "nccl",
+        reduce_dtype: torch.dtype = torch.float32,
+    ):
         self.parallel = parallel
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
@@ -91,16 +100,34 @@ class Zero1Strategy(GradStrategy):
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
         experts = {id(p) for p in params if getattr(p, "expert", False)} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
-        self.parts = [self._shard([p for p in params if id(p) not in experts],
-                                  parallel.dp_sync_group or parallel.dp_cp_group, parallel.dp_cp,
-                                  parallel.dp_cp_rank, bucket_bytes=bucket_bytes, overlap=overlap,
-                                  peer_memory=dp_peer_memory(dp_comm, parallel.dp_cp_group, parallel.dp_cp,
-                                                             parallel.device, timeout_s=parallel.timeout_s),
-                                  high_priority=parallel.dp_high_priority, reduce_dtype=reduce_dtype)]
+        self.parts = [
+            self._shard(
+                [p for p in params if id(p) not in experts],
+                parallel.dp_sync_group or parallel.dp_cp_group,
+                parallel.dp_cp,
+                parallel.dp_cp_rank,
+                bucket_bytes=bucket_bytes,
+                overlap=overlap,
+                peer_memory=dp_peer_memory(
+                    dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device, timeout_s=parallel.timeout_s
+                ),
+                high_priority=parallel.dp_high_priority,
+                reduce_dtype=reduce_dtype,
+            )
+        ]
         if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
-            self.parts.append(self._shard([p for p in params if id(p) in experts], parallel.edp_group, parallel.edp,
-                                          parallel.edp_comm.rank, bucket_bytes=bucket_bytes, overlap=overlap,
-                                          average_over=parallel.dp_cp, reduce_dtype=reduce_dtype))
+            self.parts.append(
+                self._shard(
+                    [p for p in params if id(p) in experts],
+                    parallel.edp_group,
+                    parallel.edp,
+                    parallel.edp_comm.rank,
+                    bucket_bytes=bucket_bytes,
+                    overlap=overlap,
+                    average_over=parallel.dp_cp,
+                    reduce_dtype=reduce_dtype,
+                )
+            )
         self.grads = self.parts[0].grads
         self.param_buffer = self.parts[0].params
         decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
@@ -112,13 +139,34 @@ class Zero1Strategy(GradStrategy):
         if overlap_param_gather and parallel.dp_cp > 1:
             self._install_wait_hooks(model)
 
-    def _shard(self, params: list[nn.Parameter], group, size: int, rank: int, *, bucket_bytes: int, overlap: bool,
-               average_over: int | None = None, peer_memory=None, high_priority: bool = False,
-               reduce_dtype: torch.dtype = torch.float32) -> Sharded:
+    def _shard(
+        self,
+        params: list[nn.Parameter],
+        group,
+        size: int,
+        rank: int,
+        *,
+        bucket_bytes: int,
+        overlap: bool,
+        average_over: int | None = None,
+        peer_memory=None,
+        high_priority: bool = False,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> Sharded:
         """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
-        grads = GradBuffer(params, group, dp_size=size, dp_rank=rank, bucket_bytes=bucket_bytes, overlap=overlap,
-                           mode="reduce_scatter", average_over=average_over, peer_memory=peer_memory,
-                           high_priority=high_priority, reduce_dtype=reduce_dtype)
+        grads = GradBuffer(
+            params,
+            group,
+            dp_size=size,
+            dp_rank=rank,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            mode="reduce_scatter",
+            average_over=average_over,
+            peer_memory=peer_memory,
+            high_priority=high_priority,
+            reduce_dtype=reduce_dtype,
+        )
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p in params:
@@ -154,10 +202,12 @@ class Zero1Strategy(GradStrategy):
             part.grads.finish_sync()
         # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
         allreduce_sequence_parallel_grads(
-            [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm)
+            [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm
+        )
         # a tied weight has a bucket of its own: this slice is the same element range on both stages
-        allreduce_pipeline_tied_grads([sg.grad for sg in self.segments if getattr(sg.param, "pipeline_tied", False)],
-                                      self.parallel.embedding_comm)
+        allreduce_pipeline_tied_grads(
+            [sg.grad for sg in self.segments if getattr(sg.param, "pipeline_tied", False)], self.parallel.embedding_comm
+        )
 
     def clip_grad_norm(self, max_norm: float) -> float:
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
@@ -191,8 +241,9 @@ class Zero1Strategy(GradStrategy):
                 lo, hi = part.grads.shard_range(b)
                 # In place: this rank's slice of the output is its input (NCCL skips the self-copy; gloo
                 # gathers into a scratch buffer and copies out), so no clone of the shard is needed.
-                work = _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.group,
-                                   async_op=background)
+                work = _all_gather(
+                    part.params[b.start : b.stop], part.params[lo:hi], group=part.group, async_op=background
+                )
                 if background:
                     self._gathers[(k, i)] = work
 
@@ -204,8 +255,12 @@ class Zero1Strategy(GradStrategy):
                 work.wait()
 
     def _install_wait_hooks(self, model: nn.Module) -> None:
-        index = {id(p): (k, i) for k, part in enumerate(self.parts) for i, b in enumerate(part.grads.buckets)
-                 for p in b.params}
+        index = {
+            id(p): (k, i)
+            for k, part in enumerate(self.parts)
+            for i, b in enumerate(part.grads.buckets)
+            for p in b.params
+        }
         for module in model.modules():
             mine = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
             if mine:
@@ -225,8 +280,16 @@ class Zero1Strategy(GradStrategy):
                 if sg.master is not sg.flat:
                     add_chunks(out, "optim/{}/master", sg.name, sg.param, tp_rank, tp, sg.master, sg.start)
                 for key in MOMENTS:
-                    add_chunks(out, "optim/{}/" + key, sg.name, sg.param, tp_rank, tp,
-                               self.optimizer.state[sg.master][key], sg.start)
+                    add_chunks(
+                        out,
+                        "optim/{}/" + key,
+                        sg.name,
+                        sg.param,
+                        tp_rank,
+                        tp,
+                        self.optimizer.state[sg.master][key],
+                        sg.start,
+                    )
             out[STEP_KEY] = adamw_step_count(self.optimizer)
         add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
         return needed_keys(out, available)
@@ -258,7 +321,12 @@ class Zero1Strategy(GradStrategy):
         engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
         engine += ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
         n = sum(len(part.grads.buckets) for part in self.parts)
-        experts = f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas" if len(self.parts) > 1 else ""
-        return (f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "
-                f"{n} gradient bucket{'s' * (n != 1)}{engine}{gather})")
-
+        experts = (
+            f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas"
+            if len(self.parts) > 1
+            else ""
+        )
+        return (
+            f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "
+            f"{n} gradient bucket{'s' * (n != 1)}{engine}{gather})"
+        )

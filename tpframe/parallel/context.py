@@ -41,8 +41,10 @@ MERGE_MIN_CHUNK = 2048
 def _check(seq_len: int, size: int) -> int:
     """The chunk length c of a local sequence of `seq_len` tokens (two chunks)."""
     if seq_len % 2:
-        raise ValueError(f"a context-parallel rank holds two equal chunks, so its {seq_len} tokens must be even "
-                         f"(the sequence length must be a multiple of 2*cp = {2 * size})")
+        raise ValueError(
+            f"a context-parallel rank holds two equal chunks, so its {seq_len} tokens must be even "
+            f"(the sequence length must be a multiple of 2*cp = {2 * size})"
+        )
     return seq_len // 2
 
 
@@ -51,8 +53,10 @@ def shard_sequence(x: torch.Tensor, *, dim: int, rank: int, size: int) -> torch.
     if size == 1:
         return x
     if x.shape[dim] % (2 * size):
-        raise ValueError(f"cannot split a sequence of {x.shape[dim]} tokens into 2*cp = {2 * size} equal chunks; "
-                         f"make the sequence length a multiple of {2 * size}")
+        raise ValueError(
+            f"cannot split a sequence of {x.shape[dim]} tokens into 2*cp = {2 * size} equal chunks; "
+            f"make the sequence length a multiple of {2 * size}"
+        )
     chunks = x.chunk(2 * size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
 
@@ -62,8 +66,12 @@ def local_positions(seq_len: int, *, rank: int, size: int, device: torch.device 
     if size == 1:
         return torch.arange(seq_len, device=device)
     c = _check(seq_len, size)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
-                      torch.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, device=device)])
+    return torch.cat(
+        [
+            torch.arange(rank * c, (rank + 1) * c, device=device),
+            torch.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, device=device),
+        ]
+    )
 
 
 def gather_sequence(t: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -90,9 +98,17 @@ def order_chunks(g: torch.Tensor) -> torch.Tensor:
 
 
 @torch.compiler.disable  # eager inside a compiled block (a graph break): torch.compile traces no lower-right mask
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator, *,
-                               dropout_p: float = 0.0, enable_gqa: bool = False, window: int | None = None,
-                               flex: bool = True) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: Communicator,
+    *,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    window: int | None = None,
+    flex: bool = True,
+) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence's keys (within a sliding `window`, if
     given).
 
@@ -100,13 +116,32 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     their global positions). Returns [b, nq, 2c, d], equal to those rows of causal attention over the whole
     sequence."""
     kv = gather_sequence(torch.stack([k, v]), comm)  # one all-gather for both: [2, b, nkv, S, d]
-    return attend_local_chunks(q, kv[0], kv[1], rank=comm.rank, size=comm.size, dropout_p=dropout_p,
-                               enable_gqa=enable_gqa, window=window, flex=flex)
+    return attend_local_chunks(
+        q,
+        kv[0],
+        kv[1],
+        rank=comm.rank,
+        size=comm.size,
+        dropout_p=dropout_p,
+        enable_gqa=enable_gqa,
+        window=window,
+        flex=flex,
+    )
 
 
-def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rank: int, size: int,
-                        dropout_p: float = 0.0, enable_gqa: bool = False, fused: bool = True,
-                        window: int | None = None, flex: bool = True) -> torch.Tensor:
+def attend_local_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rank: int,
+    size: int,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    fused: bool = True,
+    window: int | None = None,
+    flex: bool = True,
+) -> torch.Tensor:
     """CP rank `rank`'s queries q [b, nq, 2c, d] over the whole sequence's k, v [b, nkv, S, d]: each local chunk
     attends to the keys before it (no mask) and to its own keys (the square causal mask), merged into one softmax
     (`_ChunkAttention`). Where the fused kernels do not apply (dropout, head dim > 128, other dtypes) or do not pay
@@ -124,17 +159,36 @@ def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ra
         qc, end = q[..., chunk * c : (chunk + 1) * c, :], start + c
         if window is not None:
             first = max(0, start - window + 1)
-            outs.append(sliding_window_attention(qc, k[..., first:end, :], v[..., first:end, :], window,
-                                                 dropout_p=dropout_p, enable_gqa=enable_gqa, flex=flex))
+            outs.append(
+                sliding_window_attention(
+                    qc,
+                    k[..., first:end, :],
+                    v[..., first:end, :],
+                    window,
+                    dropout_p=dropout_p,
+                    enable_gqa=enable_gqa,
+                    flex=flex,
+                )
+            )
         elif start == 0:  # the sequence's first chunk: a square causal mask
-            outs.append(F.scaled_dot_product_attention(qc, k[..., :c, :], v[..., :c, :], dropout_p=dropout_p,
-                                                       is_causal=True, enable_gqa=enable_gqa))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qc, k[..., :c, :], v[..., :c, :], dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa
+                )
+            )
         elif fused:
             outs.append(_ChunkAttention.apply(qc, k[..., :end, :], v[..., :end, :], start))
         else:
-            outs.append(F.scaled_dot_product_attention(qc, k[..., :end, :], v[..., :end, :],
-                                                       attn_mask=causal_lower_right(c, end), dropout_p=dropout_p,
-                                                       enable_gqa=enable_gqa))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qc,
+                    k[..., :end, :],
+                    v[..., :end, :],
+                    attn_mask=causal_lower_right(c, end),
+                    dropout_p=dropout_p,
+                    enable_gqa=enable_gqa,
+                )
+            )
     return torch.cat(outs, dim=-2)
 
 
@@ -154,14 +208,16 @@ def _backend(q: torch.Tensor):
 
 def _cudnn_forward(q, k, v, causal):
     out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False)
+        q, k, v, None, True, 0.0, causal, False
+    )
     return out, lse, (seed, offset, cq, ck, mq, mk)
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, aux):
     seed, offset, cq, ck, mq, mk = aux
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, causal)
+        dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, causal
+    )
 
 
 def _flash_forward(q, k, v, causal):
@@ -172,7 +228,8 @@ def _flash_forward(q, k, v, causal):
 def _flash_backward(dout, q, k, v, out, lse, causal, aux):
     cq, ck, mq, mk, rng, unused = aux
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, rng, unused)
+        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, rng, unused
+    )
 
 
 def _cpu_forward(q, k, v, causal):
@@ -184,7 +241,11 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, aux):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
 
 
-_CUDNN, _FLASH, _CPU = (_cudnn_forward, _cudnn_backward), (_flash_forward, _flash_backward), (_cpu_forward, _cpu_backward)
+_CUDNN, _FLASH, _CPU = (
+    (_cudnn_forward, _cudnn_backward),
+    (_flash_forward, _flash_backward),
+    (_cpu_forward, _cpu_backward),
+)
 
 
 class _ChunkAttention(torch.autograd.Function):
@@ -221,8 +282,9 @@ class _ChunkAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk, dv = torch.empty_like(kr), torch.empty_like(vr)
         for (lo, hi), causal, aux in (((0, start), False, ctx.aux[0]), ((start, kr.shape[-2]), True, ctx.aux[1])):
-            gq, gk, gv = bwd(dout, q, kr[..., lo:hi, :].contiguous(), vr[..., lo:hi, :].contiguous(), out, lse,
-                             causal, aux)
+            gq, gk, gv = bwd(
+                dout, q, kr[..., lo:hi, :].contiguous(), vr[..., lo:hi, :].contiguous(), out, lse, causal, aux
+            )
             dq += gq
             dk[..., lo:hi, :], dv[..., lo:hi, :] = gk, gv
         if groups > 1:  # the repeated heads' gradients, summed into their kv head

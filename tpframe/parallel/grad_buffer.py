@@ -37,8 +37,8 @@ so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,11 @@ def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Com
 
 def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") -> list[torch.Tensor]:
     """The gradients (`attr`: "grad" or "main_grad") of the sequence-parallel params among `params`."""
-    return [getattr(p, attr) for p in params if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None]
+    return [
+        getattr(p, attr)
+        for p in params
+        if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None
+    ]
 
 
 @dataclass(eq=False)
@@ -99,10 +103,21 @@ class GradBuffer:
     in the flat buffer; the same layout can carry the params themselves (zero1's param buffer).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], dp_group: dist.ProcessGroup | None, *, dp_size: int,
-                 dp_rank: int = 0, bucket_bytes: int = 40 * 2**20, overlap: bool = True, mode: str = "all_reduce",
-                 average_over: int | None = None, peer_memory=None, high_priority: bool = False,
-                 reduce_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        dp_group: dist.ProcessGroup | None,
+        *,
+        dp_size: int,
+        dp_rank: int = 0,
+        bucket_bytes: int = 40 * 2**20,
+        overlap: bool = True,
+        mode: str = "all_reduce",
+        average_over: int | None = None,
+        peer_memory=None,
+        high_priority: bool = False,
+        reduce_dtype: torch.dtype = torch.float32,
+    ):
         if mode not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"GradBuffer mode must be 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if bucket_bytes <= 0:
@@ -124,8 +139,9 @@ class GradBuffer:
         self.average_over = average_over or dp_size
         # NCCL averages inside the collective (ReduceOp.AVG), saving a pass over the whole fp32 buffer on the
         # compute stream before each launch (2 ms per step at 1.3B parameters on an H200); gloo has no AVG
-        self._avg_in_collective = (dp_size > 1 and self.average_over == dp_size
-                                   and dist.get_backend(dp_group) == dist.Backend.NCCL)
+        self._avg_in_collective = (
+            dp_size > 1 and self.average_over == dp_size and dist.get_backend(dp_group) == dist.Backend.NCCL
+        )
         self.offsets: dict[nn.Parameter, int] = {}
         self.buckets: list[Bucket] = []
         offset, current = 0, []
@@ -160,8 +176,13 @@ class GradBuffer:
             memory = peer_memory(numel=self.numel, flags=CopyEngineSync.flags_needed(len(ranges), dp_size))
             if mode == "reduce_scatter" and memory.rank != dp_rank:
                 raise ValueError(f"peer memory rank {memory.rank} is not this buffer's DP rank {dp_rank}")
-            self._ce = CopyEngineSync(memory, ranges, scatter_only=mode == "reduce_scatter",
-                                      scale=1.0 / self.average_over, high_priority=high_priority)
+            self._ce = CopyEngineSync(
+                memory,
+                ranges,
+                scatter_only=mode == "reduce_scatter",
+                scale=1.0 / self.average_over,
+                high_priority=high_priority,
+            )
             self.buffer = self._ce.buffer  # zeroed; padding stays zero
         else:
             self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)  # padding stays zero

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,16 @@ class GraphedForwardBackward:
     """A schedule function (same signature as `forward_backward_no_pipelining`) that replays CUDA graphs
     after `warmup_steps` eager calls. `grad_sync` must be a strategy with a GradBuffer `grads` (ddp, zero1)."""
 
-    def __init__(self, *, warmup_steps: int = 2, auto: bool = False, probe_steps: int = 3, min_gain: float = 0.03,
-                 log: Callable[[str], None] | None = None, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        *,
+        warmup_steps: int = 2,
+        auto: bool = False,
+        probe_steps: int = 3,
+        min_gain: float = 0.03,
+        log: Callable[[str], None] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ):
         if warmup_steps < 1:
             raise ValueError(f"a CUDA-graphed schedule needs at least one eager warm-up step, got {warmup_steps}")
         if auto and probe_steps < 1:
@@ -73,15 +81,17 @@ class GraphedForwardBackward:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def __call__(self, model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
-                 device: torch.device) -> torch.Tensor:
+    def __call__(
+        self, model: nn.Module, batches, num_micro_batches: int, *, grad_sync, device: torch.device
+    ) -> torch.Tensor:
         self.calls += 1
         mode = "eager" if self.calls <= self.warmup_steps else self.decision or self._probe(device)
         if mode == "eager":
             return forward_backward_no_pipelining(model, batches, num_micro_batches, grad_sync=grad_sync, device=device)
         if self.captured and num_micro_batches != len(self.keys):
-            raise RuntimeError(f"train.cuda_graph captured steps of {len(self.keys)} micro-batches, "
-                               f"this one has {num_micro_batches}")
+            raise RuntimeError(
+                f"train.cuda_graph captured steps of {len(self.keys)} micro-batches, this one has {num_micro_batches}"
+            )
         buffer = grad_sync.grads
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i in range(num_micro_batches):
@@ -95,11 +105,15 @@ class GraphedForwardBackward:
                         raise
                     failed = str(e)
                 if self.auto and self._agree([1.0 if failed else 0.0], device)[0] > 0:
-                    self._stay_eager(f"the capture failed: {failed}" if failed else "the capture failed on another rank")
+                    self._stay_eager(
+                        f"the capture failed: {failed}" if failed else "the capture failed on another rank"
+                    )
                     return self._eager_rest(model, batches, input_ids, labels, num_micro_batches, grad_sync, device)
             if input_ids.shape != self.inputs.shape or labels.shape != self.labels.shape:
-                raise RuntimeError(f"train.cuda_graph replays fixed shapes {tuple(self.inputs.shape)}, but a batch "
-                                   f"has {tuple(input_ids.shape)}; set train.cuda_graph=false for varying shapes")
+                raise RuntimeError(
+                    f"train.cuda_graph replays fixed shapes {tuple(self.inputs.shape)}, but a batch "
+                    f"has {tuple(input_ids.shape)}; set train.cuda_graph=false for varying shapes"
+                )
             self.inputs.copy_(input_ids, non_blocking=True)
             self.labels.copy_(labels, non_blocking=True)
             which = self.keys[i]
@@ -118,10 +132,13 @@ class GraphedForwardBackward:
         if self._last is not None and self._last[0] != "capture":
             self._timed[self._last[0]].append(now - self._last[1])
         if len(self._timed["graph"]) >= self.probe_steps:
-            e, g = self._agree([statistics.median(self._timed["eager"]), statistics.median(self._timed["graph"])],
-                               device)  # the slowest rank's medians: it paces the others
-            what = (f"train.cuda_graph=auto: a step took {e * 1e3:.1f} ms eager and {g * 1e3:.1f} ms replayed from "
-                    f"CUDA graphs (median of {self.probe_steps} each, {e / g:.2f}x)")
+            e, g = self._agree(
+                [statistics.median(self._timed["eager"]), statistics.median(self._timed["graph"])], device
+            )  # the slowest rank's medians: it paces the others
+            what = (
+                f"train.cuda_graph=auto: a step took {e * 1e3:.1f} ms eager and {g * 1e3:.1f} ms replayed from "
+                f"CUDA graphs (median of {self.probe_steps} each, {e / g:.2f}x)"
+            )
             if g <= e * (1.0 - self.min_gain):
                 self.decision = "graph"
                 self.log(f"{what}: keeping the graphs")
@@ -170,8 +187,15 @@ class GraphedForwardBackward:
             keys[-1] += "+sync"
         return keys
 
-    def _capture(self, model: nn.Module, buffer, input_ids: torch.Tensor, labels: torch.Tensor,
-                 num_micro_batches: int, device: torch.device) -> None:
+    def _capture(
+        self,
+        model: nn.Module,
+        buffer,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        num_micro_batches: int,
+        device: torch.device,
+    ) -> None:
         """Capture each graph the step's micro-batches replay (`keys`), in step order; the buffer's bookkeeping is
         left as it was (a step's start: every main_grad stale, nothing launched), since capturing runs no kernel."""
         self.keys = keys = self._keys(num_micro_batches, buffer.sync_in_graph)
@@ -198,7 +222,9 @@ class GraphedForwardBackward:
                 self.state_after[which] = buffer.host_state()
         except RuntimeError as e:
             self.graphs.clear()
-            raise ConfigError(f"train.cuda_graph could not capture the training step ({str(e).strip().splitlines()[0][:160]}); "
-                              "set train.cuda_graph=false") from None
+            raise ConfigError(
+                f"train.cuda_graph could not capture the training step ({str(e).strip().splitlines()[0][:160]}); "
+                "set train.cuda_graph=false"
+            ) from None
         finally:
             buffer.set_host_state(at_start)

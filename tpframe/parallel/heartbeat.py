@@ -49,8 +49,17 @@ PHASES = {
     "done": (("world",), "the end of training"),
 }
 
-_COMM_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
-                "communicator was aborted", "nccl error", "socket", "peer")
+_COMM_ERRORS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "communicator was aborted",
+    "nccl error",
+    "socket",
+    "peer",
+)
 
 
 class CommFailure(RuntimeError):
@@ -191,8 +200,9 @@ class Heartbeat:
         members = sorted({r for name in group_names for r in self.groups.get(name, [])})
         silent = set(self.silent(max(3 * self.period, 2.0)))
         me = (self.progress.step, self.progress.phase)
-        return [r for r in members if r != self.rank
-                and (r in silent or (self.peers[r].step, self.peers[r].phase) != me)]
+        return [
+            r for r in members if r != self.rank and (r in silent or (self.peers[r].step, self.peers[r].phase) != me)
+        ]
 
     def _describe_peer(self, r: int) -> str:
         p, age = self.peers[r], time.monotonic() - self.peers[r].changed
@@ -206,10 +216,15 @@ class Heartbeat:
         groups, what = PHASES.get(self.progress.phase, (("world",), self.progress.phase))
         missing = self._waiting_for(groups) if silent_only is None else silent_only
         names = " and ".join(f"{g} group {self.groups.get(g)}" for g in groups)
-        where = (f"rank {self.rank} waited {time.monotonic() - self.progress.since:.0f} s at step {self.progress.step} "
-                 f"in {what} on the {names}")
-        who = ("; did not arrive: " + ", ".join(self._describe_peer(r) for r in missing)) if missing else \
-              "; every rank of the group was alive and at the same place (a collective mismatch?)"
+        where = (
+            f"rank {self.rank} waited {time.monotonic() - self.progress.since:.0f} s at step {self.progress.step} "
+            f"in {what} on the {names}"
+        )
+        who = (
+            ("; did not arrive: " + ", ".join(self._describe_peer(r) for r in missing))
+            if missing
+            else "; every rank of the group was alive and at the same place (a collective mismatch?)"
+        )
         store_age = time.monotonic() - self.store_ok_at
         if store_age > max(3 * self.period, 2.0):
             who += f"; the store the heartbeats go through has not answered for {store_age:.0f} s"

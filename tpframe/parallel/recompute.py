@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -95,8 +96,10 @@ class RecomputedOutput:
 
     def _recompute(self, grad: torch.Tensor) -> None:
         if self.ctx is None:
-            raise RuntimeError("selective recompute runs one backward per forward; a second backward through the "
-                               "same graph (retain_graph=True) is not supported: use activation_checkpointing=full")
+            raise RuntimeError(
+                "selective recompute runs one backward per forward; a second backward through the "
+                "same graph (retain_graph=True) is not supported: use activation_checkpointing=full"
+            )
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in self.ctx.saved_tensors]
         saved: set[int] = set()
 
@@ -107,9 +110,13 @@ class RecomputedOutput:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.fn(*inputs)
         storage, fresh = self.output.untyped_storage(), out.untyped_storage()
-        if (fresh.nbytes() == self.nbytes and out.stride() == self.output.stride()
-                and out.storage_offset() == self.output.storage_offset() and fresh.data_ptr() not in saved
-                and hasattr(storage, "_swap_data_ptr_")):
+        if (
+            fresh.nbytes() == self.nbytes
+            and out.stride() == self.output.stride()
+            and out.storage_offset() == self.output.storage_offset()
+            and fresh.data_ptr() not in saved
+            and hasattr(storage, "_swap_data_ptr_")
+        ):
             # no copy: the recomputed memory becomes the output's (the recompute graph does not read its output)
             storage._swap_data_ptr_(fresh)
         else:
@@ -133,8 +140,10 @@ class _RecomputedOutputFunction(torch.autograd.Function):
     def backward(ctx, grad):
         out, inputs = getattr(ctx, "recomputed", None), getattr(ctx, "inputs", None)
         if out is None:
-            raise RuntimeError("RecomputedOutput: backward reached an output that was never recomputed "
-                               "(discard(after=...) must name a tensor the backward passes through)")
+            raise RuntimeError(
+                "RecomputedOutput: backward reached an output that was never recomputed "
+                "(discard(after=...) must name a tensor the backward passes through)"
+            )
         torch.autograd.backward(out, grad)
         ctx.recomputed = ctx.inputs = None
         return (None, *(t.grad if t.requires_grad else None for t in inputs))
@@ -153,9 +162,16 @@ def sac_policy(ctx, op, *args, **kwargs):
 @functools.cache
 def _saved_ops() -> frozenset:
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu"]
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     tp = getattr(torch.ops, "tpframe", None)
     ops.update(getattr(tp, n).default for n in ("all_reduce", "reduce_scatter", "qkv_rotary") if hasattr(tp, n))
@@ -180,5 +196,6 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceNotice())
 def selective_checkpoint(fn: Callable[..., Any], *args):
     """`fn(*args)` under torch's selective checkpointing with `sac_policy` (for traced, compiled code;
     dynamo needs the context function at module level)."""
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
-                                             context_fn=_sac_contexts)
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_sac_contexts
+    )

@@ -22,8 +22,15 @@ def micro_batch_loss(per_token: torch.Tensor, num_micro_batches: int, loss_scale
     return per_token.sum() * loss_scale
 
 
-def forward_backward_no_pipelining(model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
-                                   device: torch.device, loss_scale: float | None = None) -> torch.Tensor:
+def forward_backward_no_pipelining(
+    model: nn.Module,
+    batches,
+    num_micro_batches: int,
+    *,
+    grad_sync,
+    device: torch.device,
+    loss_scale: float | None = None,
+) -> torch.Tensor:
     """Every micro-batch forward then backward on the whole model; gradients accumulate."""
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i in range(num_micro_batches):
@@ -38,8 +45,9 @@ def forward_backward_no_pipelining(model: nn.Module, batches, num_micro_batches:
 
 
 @torch.no_grad()
-def forward_only_no_pipelining(model: nn.Module, batches, num_micro_batches: int, *,
-                               device: torch.device, loss_scale: float | None = None) -> torch.Tensor:
+def forward_only_no_pipelining(
+    model: nn.Module, batches, num_micro_batches: int, *, device: torch.device, loss_scale: float | None = None
+) -> torch.Tensor:
     """Mean loss over `num_micro_batches` micro-batches, no gradients (evaluation); with `loss_scale`, the sum of
     `micro_batch_loss` (as in training)."""
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)

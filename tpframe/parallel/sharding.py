@@ -60,7 +60,16 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vo
         for part, size in parts:
             rows = size // tp_size
             index = (slice(start, start + rows),) + whole[1:]
-            shards.append(LogicalShard(_part_name(name, part), name, (size,) + full[1:], (tp_rank * rows,) + (0,) * (len(full) - 1), 0, index))
+            shards.append(
+                LogicalShard(
+                    _part_name(name, part),
+                    name,
+                    (size,) + full[1:],
+                    (tp_rank * rows,) + (0,) * (len(full) - 1),
+                    0,
+                    index,
+                )
+            )
             start += rows
         return shards
     local = full[tp_dim]
@@ -158,8 +167,9 @@ class LogicalChunks:
         raise ValueError(f"{index.fqn}: no piece at offset {tuple(index.offset)} on this rank")
 
 
-def range_rectangles(shard: LogicalShard, shape: tuple[int, ...], flat: torch.Tensor,
-                     start: int = 0) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+def range_rectangles(
+    shard: LogicalShard, shape: tuple[int, ...], flat: torch.Tensor, start: int = 0
+) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """The rectangles of `shard`'s piece held in `flat`, as (global offset, view of `flat`) pairs.
 
     `flat` holds elements [start, start + flat.numel()) of a parameter-shaped tensor of `shape`
@@ -200,8 +210,15 @@ def range_rectangles(shard: LogicalShard, shape: tuple[int, ...], flat: torch.Te
     return out
 
 
-def chunks_of(name: str, param: torch.Tensor, tp_rank: int, tp: int, flat: torch.Tensor, start: int = 0,
-              shape: tuple[int, ...] | None = None) -> dict[str, tuple[tuple[int, ...], list]]:
+def chunks_of(
+    name: str,
+    param: torch.Tensor,
+    tp_rank: int,
+    tp: int,
+    flat: torch.Tensor,
+    start: int = 0,
+    shape: tuple[int, ...] | None = None,
+) -> dict[str, tuple[tuple[int, ...], list]]:
     """{logical name: (global shape, rectangles)} of a parameter-shaped tensor's elements held in `flat`
     ([start, start + numel) of the flattened tensor; `shape` defaults to `param`'s). Vocabulary tables
     keep their padding rows (every rank's piece an even chunk)."""

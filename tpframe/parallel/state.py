@@ -48,8 +48,10 @@ def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1, ep: i
         )
     dp = world_size // (tp * cp * pp)
     if not isinstance(ep, int) or ep < 1 or (dp * cp) % ep:
-        raise ValueError(f"the expert-parallel size must divide dp*cp = {dp}*{cp} = {dp * cp} (the ranks holding "
-                         f"different data), got ep={ep!r}; change parallel.ep or the number of processes")
+        raise ValueError(
+            f"the expert-parallel size must divide dp*cp = {dp}*{cp} = {dp * cp} (the ranks holding "
+            f"different data), got ep={ep!r}; change parallel.ep or the number of processes"
+        )
 
     def rank(t: int, c: int, d: int, p: int) -> int:
         return t + tp * (c + cp * (d + dp * p))
@@ -186,8 +188,15 @@ def _init_world_from_env(backend: str, timeout: timedelta | None) -> None:
 
 
 def initialize_parallel(
-    tp: int = 1, pp: int = 1, backend: str | None = None, comm_backend: str = "auto", timeout_s: float | None = None,
-    *, cp: int = 1, ep: int = 1, dp_high_priority: bool = False,
+    tp: int = 1,
+    pp: int = 1,
+    backend: str | None = None,
+    comm_backend: str = "auto",
+    timeout_s: float | None = None,
+    *,
+    cp: int = 1,
+    ep: int = 1,
+    dp_high_priority: bool = False,
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
@@ -301,8 +310,12 @@ def initialize_parallel(
         dp_sync_group=dp_sync_group,
         dp_high_priority=high,
         owns_world=owns_world,
-        _groups=created + [g for g in {tp_group, dp_group, pp_group, cp_group, dp_cp_group}
-                           if g is not None and g is not dist.group.WORLD],
+        _groups=created
+        + [
+            g
+            for g in {tp_group, dp_group, pp_group, cp_group, dp_cp_group}
+            if g is not None and g is not dist.group.WORLD
+        ],
     )
     state.edp_comm = Communicator(edp_group, backend="nccl", device=device) if ep > 1 else state.dp_cp_comm
     _STATE = state
@@ -312,7 +325,9 @@ def initialize_parallel(
 def get_parallel_state() -> ParallelState:
     """The state built by `initialize_parallel`; a clear error if there is none."""
     if _STATE is None:
-        raise RuntimeError("tpframe parallel state is not initialized: call tpframe.parallel.initialize_parallel() first")
+        raise RuntimeError(
+            "tpframe parallel state is not initialized: call tpframe.parallel.initialize_parallel() first"
+        )
     return _STATE
 
 
@@ -331,9 +346,17 @@ def destroy_parallel() -> None:
     state, _STATE = _STATE, None
     if state is None or not dist.is_initialized():
         return
-    comms = (state.tp_comm, state.dp_comm, state.mp_comm, state.pp_comm, state.embedding_comm, state.cp_comm,
-             state.dp_cp_comm if state.dp_cp_comm is not state.dp_comm else None, state.ep_comm,
-             state.edp_comm if state.ep > 1 else None)
+    comms = (
+        state.tp_comm,
+        state.dp_comm,
+        state.mp_comm,
+        state.pp_comm,
+        state.embedding_comm,
+        state.cp_comm,
+        state.dp_cp_comm if state.dp_cp_comm is not state.dp_comm else None,
+        state.ep_comm,
+        state.edp_comm if state.ep > 1 else None,
+    )
     for comm in comms:
         if comm is not None:  # frees symmetric memory where a communicator set it up
             comm.close(release_group=state.owns_world)

@@ -11,8 +11,8 @@ fail in `validate` before any process is wired up.
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,7 +32,9 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
     pp: int = 1  # pipeline-parallel size
     cp: int = 1  # context-parallel size: ranks that split each sequence (README: context parallelism)
-    ep: int = 1  # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
+    ep: int = (
+        1  # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
+    )
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
     # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory,
     # ~1/4 more time); "selective" (norms and activation functions only: ~1/3 less memory, +3-4% time eager,
@@ -73,8 +75,11 @@ class ParallelConfig:
 
     def recompute_context(self) -> dict:
         """The BuildContext fields that carry it to the model."""
-        return dict(activation_checkpointing=self.recompute == "full", recompute_layers=self.recompute_layers,
-                    selective_recompute=self.recompute == "selective")
+        return dict(
+            activation_checkpointing=self.recompute == "full",
+            recompute_layers=self.recompute_layers,
+            selective_recompute=self.recompute == "selective",
+        )
 
 
 @dataclass
@@ -292,8 +297,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override key {dotted!r} must be section.key (e.g. parallel.tp=2)")
         section, key = parts
         if (section, key) in given:
-            raise ConfigError(f"override {section}.{key} is given twice ({given[section, key]!r} and {item!r}); "
-                              "give it once")
+            raise ConfigError(
+                f"override {section}.{key} is given twice ({given[section, key]!r} and {item!r}); give it once"
+            )
         given[section, key] = item
         value = parse_override_value(item, raw)
         if section not in data or data[section] is None:
@@ -324,11 +330,19 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
 
     for key, value in (
-        ("model.vocab_size", m.vocab_size), ("model.hidden", m.hidden), ("model.layers", m.layers),
-        ("model.heads", m.heads), ("model.max_seq_len", m.max_seq_len), ("model.vocab_multiple", m.vocab_multiple),
-        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("train.seq_len", t.seq_len),
-        ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
-        ("checkpoint.keep_last", cfg.checkpoint.keep_last), ("logging.interval", cfg.logging.interval),
+        ("model.vocab_size", m.vocab_size),
+        ("model.hidden", m.hidden),
+        ("model.layers", m.layers),
+        ("model.heads", m.heads),
+        ("model.max_seq_len", m.max_seq_len),
+        ("model.vocab_multiple", m.vocab_multiple),
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("train.seq_len", t.seq_len),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+        ("logging.interval", cfg.logging.interval),
     ):
         positive(key, value)
     if t.steps < 0:
@@ -350,40 +364,58 @@ def validate(cfg: Config, world_size: int) -> None:
         )
     dp = world_size // (p.tp * p.cp * p.pp)
     if m.head_dim is None and m.hidden % m.heads:
-        raise ConfigError(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; give each head's width "
-                          "as model.head_dim, or pick heads that divide it")
+        raise ConfigError(
+            f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; give each head's width "
+            "as model.head_dim, or pick heads that divide it"
+        )
     if m.head_dim is not None and m.head_dim < 1:
         raise ConfigError(f"model.head_dim={m.head_dim} must be at least 1 (or null: model.hidden/model.heads)")
     kv = m.kv_heads if m.kv_heads is not None else m.heads
     if kv < 1 or m.heads % kv:
         raise ConfigError(f"model.kv_heads={kv} must divide model.heads={m.heads}")
-    for key, value in (("model.heads", m.heads), ("model.kv_heads", kv), ("model.hidden", m.hidden),
-                       ("model.ffn_hidden", ffn_hidden_size(m))):
+    for key, value in (
+        ("model.heads", m.heads),
+        ("model.kv_heads", kv),
+        ("model.hidden", m.hidden),
+        ("model.ffn_hidden", ffn_hidden_size(m)),
+    ):
         if value % p.tp:
             raise ConfigError(f"parallel.tp={p.tp} does not divide {key}={value}; pick a tp that divides it")
     if m.position == "rotary" and head_dim(m) % 2:
-        raise ConfigError(f"rotary positions need an even head dim; model.{'hidden/model.heads' if m.head_dim is None else 'head_dim'} = {head_dim(m)}")
+        raise ConfigError(
+            f"rotary positions need an even head dim; model.{'hidden/model.heads' if m.head_dim is None else 'head_dim'} = {head_dim(m)}"
+        )
     if m.rope_scaling_factor is not None:
         if m.position != "rotary":
-            raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} scales rotary positions; set "
-                              "model.position=rotary or leave model.rope_scaling_factor unset")
+            raise ConfigError(
+                f"model.rope_scaling_factor={m.rope_scaling_factor} scales rotary positions; set "
+                "model.position=rotary or leave model.rope_scaling_factor unset"
+            )
         if not m.rope_high_freq_factor > m.rope_low_freq_factor:
-            raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
-                              f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1's are 4 and 1)")
+            raise ConfigError(
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1's are 4 and 1)"
+            )
         if m.rope_original_max_seq_len < 1:
-            raise ConfigError(f"model.rope_original_max_seq_len={m.rope_original_max_seq_len} must be at least 1 "
-                              "(Llama 3.1's is 8192)")
+            raise ConfigError(
+                f"model.rope_original_max_seq_len={m.rope_original_max_seq_len} must be at least 1 "
+                "(Llama 3.1's is 8192)"
+            )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if m.sliding_window is not None and (isinstance(m.sliding_window, bool) or m.sliding_window < 1):
-        raise ConfigError(f"model.sliding_window={m.sliding_window} must be a number of tokens >= 1 (or null: full "
-                          "causal attention)")
+        raise ConfigError(
+            f"model.sliding_window={m.sliding_window} must be a number of tokens >= 1 (or null: full causal attention)"
+        )
     if m.eod_id is not None and not 0 <= m.eod_id < m.vocab_size:
-        raise ConfigError(f"model.eod_id={m.eod_id} is not a token id of model.vocab_size={m.vocab_size}; give the "
-                          "token that ends a document, or null for the data's own")
+        raise ConfigError(
+            f"model.eod_id={m.eod_id} is not a token id of model.vocab_size={m.vocab_size}; give the "
+            "token that ends a document, or null for the data's own"
+        )
     if p.async_tp and not p.sequence_parallel:
-        raise ConfigError("parallel.async_tp overlaps the sequence-parallel collectives; "
-                          "set parallel.sequence_parallel=true")
+        raise ConfigError(
+            "parallel.async_tp overlaps the sequence-parallel collectives; set parallel.sequence_parallel=true"
+        )
     if p.cp > 1:
         _validate_context_parallel(cfg)
     elif p.sequence_parallel and t.seq_len % p.tp:
@@ -402,48 +434,69 @@ def validate(cfg: Config, world_size: int) -> None:
     if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError("optim.warmup_steps, optim.grad_clip and optim.weight_decay must not be negative")
     if o.decay_fraction is not None and not 0.0 < o.decay_fraction <= 1.0:
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]: the last fraction of train.steps "
-                          "that decays (e.g. 0.2), or null for a decay right after warmup")
+        raise ConfigError(
+            f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]: the last fraction of train.steps "
+            "that decays (e.g. 0.2), or null for a decay right after warmup"
+        )
     if o.decay_fraction is not None and o.decay == "constant":
-        raise ConfigError("optim.decay_fraction sets when the decay starts, and optim.decay=constant has none; "
-                          "set optim.decay=cosine or linear, or optim.decay_fraction=null")
+        raise ConfigError(
+            "optim.decay_fraction sets when the decay starts, and optim.decay=constant has none; "
+            "set optim.decay=cosine or linear, or optim.decay_fraction=null"
+        )
     if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
         raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
     _validate_data(cfg.data)
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in (0, 1)")
     if cfg.train.gc_interval < 0:
-        raise ConfigError(f"train.gc_interval={cfg.train.gc_interval} must be a number of steps >= 0 (0: Python's "
-                          "automatic garbage collection)")
+        raise ConfigError(
+            f"train.gc_interval={cfg.train.gc_interval} must be a number of steps >= 0 (0: Python's "
+            "automatic garbage collection)"
+        )
     if cfg.train.time_limit_minutes is not None and not cfg.train.time_limit_minutes > 0:
-        raise ConfigError(f"train.time_limit_minutes={cfg.train.time_limit_minutes} must be a positive number of minutes "
-                          "(or null: no limit)")
+        raise ConfigError(
+            f"train.time_limit_minutes={cfg.train.time_limit_minutes} must be a positive number of minutes "
+            "(or null: no limit)"
+        )
     if cfg.logging.straggler_ratio and cfg.logging.straggler_ratio < 1:
-        raise ConfigError(f"logging.straggler_ratio={cfg.logging.straggler_ratio} must be 0 (off) or at least 1: a "
-                          "rank slower than this many times its stage's median is named, e.g. 1.1")
+        raise ConfigError(
+            f"logging.straggler_ratio={cfg.logging.straggler_ratio} must be 0 (off) or at least 1: a "
+            "rank slower than this many times its stage's median is named, e.g. 1.1"
+        )
     if not 0 <= cfg.comm.overlap_sm_margin <= 64:
-        raise ConfigError(f"comm.overlap_sm_margin={cfg.comm.overlap_sm_margin} must be between 0 and 64 SMs "
-                          "(0: GEMMs beside a collective use every SM)")
+        raise ConfigError(
+            f"comm.overlap_sm_margin={cfg.comm.overlap_sm_margin} must be between 0 and 64 SMs "
+            "(0: GEMMs beside a collective use every SM)"
+        )
     if not p.grad_bucket_mb > 0 or p.grad_bucket_mb != p.grad_bucket_mb:
         raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
     if cfg.train.compare_replicas_every < 0:
-        raise ConfigError(f"train.compare_replicas_every={cfg.train.compare_replicas_every} must be a number of steps "
-                          ">= 0 (0: off)")
+        raise ConfigError(
+            f"train.compare_replicas_every={cfg.train.compare_replicas_every} must be a number of steps >= 0 (0: off)"
+        )
     if cfg.train.compare_replicas_every and p.dp_strategy == "fsdp":
-        raise ConfigError("train.compare_replicas_every compares the copies ddp and zero1 keep of each weight; fsdp keeps "
-                          "one shard per rank, so there is nothing to compare: set parallel.dp_strategy=ddp or zero1, "
-                          "or train.compare_replicas_every=0")
+        raise ConfigError(
+            "train.compare_replicas_every compares the copies ddp and zero1 keep of each weight; fsdp keeps "
+            "one shard per rank, so there is nothing to compare: set parallel.dp_strategy=ddp or zero1, "
+            "or train.compare_replicas_every=0"
+        )
     if p.dp_high_priority and p.dp_strategy == "fsdp":
-        raise ConfigError("parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; "
-                          "fsdp syncs through FSDP2's own collectives: set parallel.dp_high_priority=false or "
-                          "parallel.dp_strategy=ddp or zero1")
+        raise ConfigError(
+            "parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; "
+            "fsdp syncs through FSDP2's own collectives: set parallel.dp_high_priority=false or "
+            "parallel.dp_strategy=ddp or zero1"
+        )
     if p.dp_comm == "copy_engine" and p.dp_strategy == "fsdp":
-        raise ConfigError("parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
-                          "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1")
+        raise ConfigError(
+            "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
+            "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1"
+        )
     if p.dp_comm == "copy_engine" and p.grad_reduce_dtype != "float32":
-        raise ConfigError(f"parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM "
-                          f"held); set parallel.grad_reduce_dtype=float32, or parallel.dp_comm=nccl to reduce in "
-                          f"{p.grad_reduce_dtype}")
+        raise ConfigError(
+            f"parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM "
+            f"held); set parallel.grad_reduce_dtype=float32, or parallel.dp_comm=nccl to reduce in "
+            f"{p.grad_reduce_dtype}"
+        )
     if p.overlap_param_gather and p.dp_strategy != "zero1":
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
     _validate_recompute(cfg)
@@ -454,12 +507,16 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.eval_interval < 0 or t.eval_steps < 0 or cfg.checkpoint.interval < 0:
         raise ConfigError("train.eval_interval, train.eval_steps and checkpoint.interval must not be negative")
     if t.eval_only and not t.eval_steps:
-        raise ConfigError("train.eval_only=true evaluates on train.eval_steps=0 held-out micro-batches: nothing; "
-                          "set train.eval_steps to 1 or more")
+        raise ConfigError(
+            "train.eval_only=true evaluates on train.eval_steps=0 held-out micro-batches: nothing; "
+            "set train.eval_steps to 1 or more"
+        )
     if t.eval_interval and not t.eval_steps:  # every evaluation would read nothing: none would run
-        raise ConfigError(f"train.eval_interval={t.eval_interval} evaluates on train.eval_steps=0 held-out "
-                          "micro-batches: no evaluation would run; set train.eval_steps to 1 or more, or "
-                          "train.eval_interval=0 to turn evaluation off")
+        raise ConfigError(
+            f"train.eval_interval={t.eval_interval} evaluates on train.eval_steps=0 held-out "
+            "micro-batches: no evaluation would run; set train.eval_steps to 1 or more, or "
+            "train.eval_interval=0 to turn evaluation off"
+        )
     _validate_pipeline(cfg, dp)
     _validate_moe(cfg, dp)
     _validate_profile(cfg, world_size)
@@ -481,8 +538,11 @@ def _refuse_empty_paths(cfg: Config) -> None:
     for key, hint in _PATH_KEYS.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        values = [(key, value)] if not isinstance(value, (list, tuple)) else [
-            (f"{key}[{i}]", v) for i, v in enumerate(value)]
+        values = (
+            [(key, value)]
+            if not isinstance(value, (list, tuple))
+            else [(f"{key}[{i}]", v) for i, v in enumerate(value)]
+        )
         for where, v in values:
             if isinstance(v, str) and not v.strip():
                 raise ConfigError(f"{where} is empty; give {hint}")
@@ -492,17 +552,25 @@ def _validate_data(d) -> None:
     if d.source == "tokens" and not d.paths:
         raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
     if d.source != "tokens" and (d.path or d.weights):
-        raise ConfigError(f"data.path and data.weights are for data.source=tokens (got data.source={d.source}); "
-                          "set data.source=tokens or drop them")
+        raise ConfigError(
+            f"data.path and data.weights are for data.source=tokens (got data.source={d.source}); "
+            "set data.source=tokens or drop them"
+        )
     if d.source != "tokens" and d.valid_path:  # it would be ignored
-        raise ConfigError(f"data.valid_path is a held-out token file for data.source=tokens (got "
-                          f"data.source={d.source}); set data.source=tokens or drop it")
+        raise ConfigError(
+            f"data.valid_path is a held-out token file for data.source=tokens (got "
+            f"data.source={d.source}); set data.source=tokens or drop it"
+        )
     if d.weights is not None and isinstance(d.path, str):
-        raise ConfigError("data.weights blends several token files: give data.path as a list of as many files, "
-                          "e.g. data.path=[a.bin,b.bin] data.weights=[0.7,0.3]")
+        raise ConfigError(
+            "data.weights blends several token files: give data.path as a list of as many files, "
+            "e.g. data.path=[a.bin,b.bin] data.weights=[0.7,0.3]"
+        )
     if d.weights is not None and len(d.weights) != len(d.paths):
-        raise ConfigError(f"data.weights has {len(d.weights)} entries but data.path lists {len(d.paths)} files; "
-                          "give one weight per file")
+        raise ConfigError(
+            f"data.weights has {len(d.weights)} entries but data.path lists {len(d.paths)} files; "
+            "give one weight per file"
+        )
     if d.weights is not None and not all(0.0 < w < float("inf") for w in d.weights):
         raise ConfigError(f"data.weights={shown(d.weights)} must all be positive numbers (a share of samples per file)")
 
@@ -511,27 +579,37 @@ def _validate_profile(cfg: Config, world_size: int) -> None:
     """The `profile` section (tpframe/training/profiler.py): a window inside the run, ranks that exist."""
     pr = cfg.profile
     if pr.start_step < 0 or pr.steps < 1:
-        raise ConfigError(f"profile.start_step={pr.start_step} and profile.steps={pr.steps} need start_step >= 0 "
-                          "(0: no profiling) and steps >= 1")
+        raise ConfigError(
+            f"profile.start_step={pr.start_step} and profile.steps={pr.steps} need start_step >= 0 "
+            "(0: no profiling) and steps >= 1"
+        )
     if pr.start_step > cfg.train.steps:
-        raise ConfigError(f"profile.start_step={pr.start_step} is after the last step (train.steps={cfg.train.steps}): "
-                          "nothing would be profiled; lower it, or set 0 to profile nothing")
+        raise ConfigError(
+            f"profile.start_step={pr.start_step} is after the last step (train.steps={cfg.train.steps}): "
+            "nothing would be profiled; lower it, or set 0 to profile nothing"
+        )
     bad = [r for r in pr.ranks if not 0 <= r < world_size]
     if bad or not pr.ranks:
-        raise ConfigError(f"profile.ranks={shown(pr.ranks)} must name at least one rank, each in 0..{world_size - 1} "
-                          f"(world size {world_size})")
+        raise ConfigError(
+            f"profile.ranks={shown(pr.ranks)} must name at least one rank, each in 0..{world_size - 1} "
+            f"(world size {world_size})"
+        )
 
 
 def _validate_context_parallel(cfg: Config) -> None:
     """parallel.cp > 1 (tpframe/parallel/context.py): each sequence in 2*cp equal chunks, two per CP rank."""
     p, t = cfg.parallel, cfg.train
     if t.seq_len % (2 * p.cp):
-        raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2*cp = {2 * p.cp} equal chunks; "
-                          f"train.seq_len={t.seq_len} is not divisible by {2 * p.cp}")
+        raise ConfigError(
+            f"parallel.cp={p.cp} cuts each sequence into 2*cp = {2 * p.cp} equal chunks; "
+            f"train.seq_len={t.seq_len} is not divisible by {2 * p.cp}"
+        )
     if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel splits each CP rank's train.seq_len/parallel.cp = "
-                          f"{t.seq_len // p.cp} tokens over parallel.tp={p.tp}; make train.seq_len a multiple of "
-                          f"{p.cp * p.tp * 2 // math.gcd(2, p.tp)}")
+        raise ConfigError(
+            f"parallel.sequence_parallel splits each CP rank's train.seq_len/parallel.cp = "
+            f"{t.seq_len // p.cp} tokens over parallel.tp={p.tp}; make train.seq_len a multiple of "
+            f"{p.cp * p.tp * 2 // math.gcd(2, p.tp)}"
+        )
 
 
 def _validate_moe(cfg: Config, dp: int) -> None:
@@ -543,12 +621,16 @@ def _validate_moe(cfg: Config, dp: int) -> None:
         raise ConfigError(f"parallel.ep={p.ep} must be at least 1 (1: every rank holds every expert)")
     if not m.moe_experts:
         if p.ep > 1:
-            raise ConfigError(f"parallel.ep={p.ep} splits the experts of a mixture-of-experts model; set "
-                              "model.moe_experts (e.g. 8) or parallel.ep=1")
+            raise ConfigError(
+                f"parallel.ep={p.ep} splits the experts of a mixture-of-experts model; set "
+                "model.moe_experts (e.g. 8) or parallel.ep=1"
+            )
         for key in ("moe_shared_ffn", "moe_z_loss", "moe_expert_bias"):
             if getattr(m, key):
-                raise ConfigError(f"model.{key}={getattr(m, key)} belongs to a mixture-of-experts model; set "
-                                  f"model.moe_experts (e.g. 8) or model.{key}=0")
+                raise ConfigError(
+                    f"model.{key}={getattr(m, key)} belongs to a mixture-of-experts model; set "
+                    f"model.moe_experts (e.g. 8) or model.{key}=0"
+                )
         return
     if not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.moe_experts={m.moe_experts}")
@@ -556,23 +638,31 @@ def _validate_moe(cfg: Config, dp: int) -> None:
     if ffn < 1 or ffn % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} must divide each expert's hidden size model.moe_ffn_hidden={ffn}")
     if m.moe_shared_ffn < 0 or m.moe_shared_ffn % p.tp:
-        raise ConfigError(f"model.moe_shared_ffn={m.moe_shared_ffn} (the shared expert's hidden size; 0: none) must "
-                          f"be a non-negative multiple of parallel.tp={p.tp}")
+        raise ConfigError(
+            f"model.moe_shared_ffn={m.moe_shared_ffn} (the shared expert's hidden size; 0: none) must "
+            f"be a non-negative multiple of parallel.tp={p.tp}"
+        )
     if m.moe_z_loss < 0:
         raise ConfigError(f"model.moe_z_loss={m.moe_z_loss} must not be negative (0: no router z-loss)")
     if m.moe_aux_loss < 0:
         raise ConfigError(f"model.moe_aux_loss={m.moe_aux_loss} must not be negative (0: no load-balancing loss)")
     if m.moe_expert_bias and not 0 < m.moe_expert_bias_rate < math.inf:
-        raise ConfigError(f"model.moe_expert_bias_rate={m.moe_expert_bias_rate} must be a positive number (how far "
-                          "each expert's bias moves per step; e.g. 0.001)")
+        raise ConfigError(
+            f"model.moe_expert_bias_rate={m.moe_expert_bias_rate} must be a positive number (how far "
+            "each expert's bias moves per step; e.g. 0.001)"
+        )
     if (dp * p.cp) % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp} (experts are split over "
-                          "ranks holding different data); change parallel.ep or the number of processes")
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp} (experts are split over "
+            "ranks holding different data); change parallel.ep or the number of processes"
+        )
     if m.moe_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
     if t.compile and p.ep > 1:
-        raise ConfigError("train.compile is not supported with parallel.ep > 1 yet (the all-to-all is sized on "
-                          "the host, every layer); set train.compile=false or parallel.ep=1")
+        raise ConfigError(
+            "train.compile is not supported with parallel.ep > 1 yet (the all-to-all is sized on "
+            "the host, every layer); set train.compile=false or parallel.ep=1"
+        )
 
 
 def _validate_recompute(cfg: Config) -> None:
@@ -580,19 +670,27 @@ def _validate_recompute(cfg: Config) -> None:
     p = cfg.parallel
     if p.recompute_layers is not None:
         if p.recompute != "full":
-            raise ConfigError(f"parallel.recompute_layers={p.recompute_layers} picks which blocks recompute whole; it "
-                              "needs parallel.activation_checkpointing=full (got "
-                              f"{p.activation_checkpointing!r})")
+            raise ConfigError(
+                f"parallel.recompute_layers={p.recompute_layers} picks which blocks recompute whole; it "
+                "needs parallel.activation_checkpointing=full (got "
+                f"{p.activation_checkpointing!r})"
+            )
         if not 1 <= p.recompute_layers <= cfg.model.layers:
-            raise ConfigError(f"parallel.recompute_layers={p.recompute_layers} must be in 1..model.layers="
-                              f"{cfg.model.layers} (null: every block)")
+            raise ConfigError(
+                f"parallel.recompute_layers={p.recompute_layers} must be in 1..model.layers="
+                f"{cfg.model.layers} (null: every block)"
+            )
     if p.recompute == "selective" and p.async_tp:
-        raise ConfigError("parallel.activation_checkpointing=selective re-gathers the norm outputs itself, which "
-                          "parallel.async_tp would overlap with the GEMM; turn one off")
+        raise ConfigError(
+            "parallel.activation_checkpointing=selective re-gathers the norm outputs itself, which "
+            "parallel.async_tp would overlap with the GEMM; turn one off"
+        )
     if p.recompute == "selective" and cfg.train.fp8:
-        raise ConfigError("train.fp8 already keeps float8 copies of the GEMM inputs instead of the norm and "
-                          "activation outputs, so parallel.activation_checkpointing=selective would only add "
-                          "compute; use full or false")
+        raise ConfigError(
+            "train.fp8 already keeps float8 copies of the GEMM inputs instead of the norm and "
+            "activation outputs, so parallel.activation_checkpointing=selective would only add "
+            "compute; use full or false"
+        )
 
 
 def cuda_graph_obstacle(cfg: Config) -> str | None:
@@ -603,30 +701,46 @@ def cuda_graph_obstacle(cfg: Config) -> str | None:
     if p.pp > 1:
         return "train.cuda_graph graphs the non-pipelined step; set parallel.pp=1 or train.cuda_graph=false"
     if p.dp_strategy == "fsdp":
-        return ("train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or zero1, "
-                "or set train.cuda_graph=false")
+        return (
+            "train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or zero1, "
+            "or set train.cuda_graph=false"
+        )
     if p.overlap_param_gather:
-        return ("train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
-                "set parallel.overlap_param_gather=false or train.cuda_graph=false")
+        return (
+            "train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
+            "set parallel.overlap_param_gather=false or train.cuda_graph=false"
+        )
     if m.dropout > 0 or m.attention_dropout > 0:
-        return (f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
-                f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})")
+        return (
+            f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
+            f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})"
+        )
     if cfg.data.eod_mask_loss:
-        return ("train.cuda_graph replays a fixed loss scale, and data.eod_mask_loss scales each step by its count of "
-                "tokens that carry a loss; set train.cuda_graph=false or data.eod_mask_loss=false")
+        return (
+            "train.cuda_graph replays a fixed loss scale, and data.eod_mask_loss scales each step by its count of "
+            "tokens that carry a loss; set train.cuda_graph=false or data.eod_mask_loss=false"
+        )
     if m.attention_mask == "document":
-        return ("train.cuda_graph cannot replay model.attention_mask=document: the documents' boundaries, read on the "
-                "host, change every batch; set train.cuda_graph=false or model.attention_mask=causal")
+        return (
+            "train.cuda_graph cannot replay model.attention_mask=document: the documents' boundaries, read on the "
+            "host, change every batch; set train.cuda_graph=false or model.attention_mask=causal"
+        )
     if p.cp > 1:  # train.compile works: CP attention runs eager between the compiled parts of a block
-        return ("train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention's all-gather "
-                "and chunk kernels are not verified under capture); set train.cuda_graph=false or parallel.cp=1")
+        return (
+            "train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention's all-gather "
+            "and chunk kernels are not verified under capture); set train.cuda_graph=false or parallel.cp=1"
+        )
     if m.moe_experts and p.ep > 1:
-        return ("train.cuda_graph is not supported with parallel.ep > 1 yet (the all-to-all is sized on the host, "
-                "every layer); set train.cuda_graph=false or parallel.ep=1")
+        return (
+            "train.cuda_graph is not supported with parallel.ep > 1 yet (the all-to-all is sized on the host, "
+            "every layer); set train.cuda_graph=false or parallel.ep=1"
+        )
     if m.moe_experts and (t.dtype != "bfloat16" or t.fp8):
-        return ("train.cuda_graph captures MoE experts only as grouped GEMMs, which need train.dtype=bfloat16 and "
-                "train.fp8=false (otherwise each expert's GEMM is sized on the host); change those or set "
-                "train.cuda_graph=false")
+        return (
+            "train.cuda_graph captures MoE experts only as grouped GEMMs, which need train.dtype=bfloat16 and "
+            "train.fp8=false (otherwise each expert's GEMM is sized on the host); change those or set "
+            "train.cuda_graph=false"
+        )
     return None
 
 
@@ -634,24 +748,33 @@ def _validate_fp8(cfg: Config) -> None:
     """train.fp8 (tpframe/layers/fp8.py): bf16 activations, the plain GEMM path, every GEMM dim a multiple of 16."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if t.dtype != "bfloat16":
-        raise ConfigError(f"train.fp8 computes in float8 with bf16 inputs and outputs; set train.dtype=bfloat16 "
-                          f"(got {t.dtype})")
+        raise ConfigError(
+            f"train.fp8 computes in float8 with bf16 inputs and outputs; set train.dtype=bfloat16 (got {t.dtype})"
+        )
     if p.async_tp:
-        raise ConfigError("train.fp8 and parallel.async_tp cannot be combined (the overlapped GEMMs are bf16); "
-                          "turn one off")
+        raise ConfigError(
+            "train.fp8 and parallel.async_tp cannot be combined (the overlapped GEMMs are bf16); turn one off"
+        )
     if p.pp > 1 and p.pp_schedule == "zb_h1":
-        raise ConfigError("train.fp8 cannot defer weight gradients (parallel.pp_schedule=zb_h1); use 1f1b, afab or "
-                          "interleaved_1f1b")
+        raise ConfigError(
+            "train.fp8 cannot defer weight gradients (parallel.pp_schedule=zb_h1); use 1f1b, afab or interleaved_1f1b"
+        )
     tokens = t.micro_batch_size * t.seq_len
     if tokens % 16:
-        raise ConfigError(f"train.fp8 needs train.micro_batch_size*train.seq_len = {tokens} to be a multiple of 16 "
-                          "(float8 GEMM dims)")
-    for key, value in (("model.hidden", m.hidden), ("the ffn width", ffn_hidden_size(m)),
-                       ("model.heads * head dim", m.heads * head_dim(m)),
-                       ("model.kv_heads * head dim", (m.kv_heads or m.heads) * head_dim(m))):
+        raise ConfigError(
+            f"train.fp8 needs train.micro_batch_size*train.seq_len = {tokens} to be a multiple of 16 (float8 GEMM dims)"
+        )
+    for key, value in (
+        ("model.hidden", m.hidden),
+        ("the ffn width", ffn_hidden_size(m)),
+        ("model.heads * head dim", m.heads * head_dim(m)),
+        ("model.kv_heads * head dim", (m.kv_heads or m.heads) * head_dim(m)),
+    ):
         if value % (16 * p.tp):
-            raise ConfigError(f"train.fp8 needs {key} = {value} divisible by 16*parallel.tp = {16 * p.tp} "
-                              "(each rank's float8 GEMM dims are multiples of 16)")
+            raise ConfigError(
+                f"train.fp8 needs {key} = {value} divisible by 16*parallel.tp = {16 * p.tp} "
+                "(each rank's float8 GEMM dims are multiples of 16)"
+            )
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:
@@ -677,8 +800,13 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
     if p.layers_per_stage is not None:
         counts = p.layers_per_stage
         if len(counts) != stages or min(counts) < 1 or sum(counts) != layers:
-            wrong = (f"it has {len(counts)}" if len(counts) != stages else
-                     f"a stage of {min(counts)} layers" if min(counts) < 1 else f"they add up to {sum(counts)}")
+            wrong = (
+                f"it has {len(counts)}"
+                if len(counts) != stages
+                else f"a stage of {min(counts)} layers"
+                if min(counts) < 1
+                else f"they add up to {sum(counts)}"
+            )
             raise ConfigError(
                 f"parallel.layers_per_stage={shown(counts)} must be {stages} counts (parallel.pp*parallel.virtual_stages), "
                 f"each at least 1, adding up to model.layers={layers} ({wrong})"
@@ -692,8 +820,10 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
             "train.micro_batch_size"
         )
     if p.dp_strategy == "fsdp" and schedule == "zb_h1":
-        raise ConfigError("parallel.pp_schedule=zb_h1 defers weight gradients past FSDP's reduce-scatter; use "
-                          "parallel.dp_strategy=ddp or zero1 with it")
+        raise ConfigError(
+            "parallel.pp_schedule=zb_h1 defers weight gradients past FSDP's reduce-scatter; use "
+            "parallel.dp_strategy=ddp or zero1 with it"
+        )
     if not p.pp_timeout_s > 0:
         raise ConfigError(f"parallel.pp_timeout_s={p.pp_timeout_s} must be a positive number of seconds")
 

@@ -38,7 +38,7 @@ def _comments(source: str) -> dict[int, str]:
 def _type_name(node: ast.expr, source: str) -> str:
     text = ast.get_source_segment(source, node) or ""
     if text.startswith("Literal["):
-        return "|".join(str(v) for v in ast.literal_eval(text[len("Literal"):]))
+        return "|".join(str(v) for v in ast.literal_eval(text[len("Literal") :]))
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # e.g. bool | Literal["full", "selective"]
         return "|".join(_type_name(side, source) for side in (node.left, node.right))
     return text
@@ -94,8 +94,10 @@ def help_table(width: int = 120) -> str:
     keys = config_keys()
     w_name = max(len(k.name) for k in keys)
     w_default = min(max(len(k.default) for k in keys), 16)
-    rows = ["config keys (set in the YAML file or as section.key=value):",
-            f"  {'key':{w_name}}  {'default':{w_default}}  type: what"]
+    rows = [
+        "config keys (set in the YAML file or as section.key=value):",
+        f"  {'key':{w_name}}  {'default':{w_default}}  type: what",
+    ]
     indent = 2 + w_name + 2 + w_default + 2
     for k in keys:
         what = f"{k.type}: {k.comment}" if k.comment else k.type

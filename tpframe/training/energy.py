@@ -14,7 +14,7 @@ fields). CPU runs report nothing (the fields are absent, not zero).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

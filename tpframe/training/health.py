@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,8 +53,9 @@ def parse_fault_spec(spec: str | None) -> tuple[int, str, int] | None:
         if len(parts) > 3 or mode not in FAULT_MODES or step < 1 or micro < 0:
             raise ValueError
     except (ValueError, IndexError):
-        raise ConfigError(f"env var {FAULT_NAN_ENV}={spec!r} must be "
-                          f"<step>:<{'|'.join(FAULT_MODES)}>[:<micro-batch>]") from None
+        raise ConfigError(
+            f"env var {FAULT_NAN_ENV}={spec!r} must be <step>:<{'|'.join(FAULT_MODES)}>[:<micro-batch>]"
+        ) from None
     return step, mode, micro
 
 
@@ -80,8 +81,11 @@ class MicroBatchWatch:
         step, mode, where = self.fault
         if micro != where:
             return False
-        return {"once": self.step == step and self.attempt == 0, "step": self.step == step,
-                "always": self.step >= step}[mode]
+        return {
+            "once": self.step == step and self.attempt == 0,
+            "step": self.step == step,
+            "always": self.step >= step,
+        }[mode]
 
     def _hook(self, module, inputs, output):
         if not isinstance(output, torch.Tensor) or not torch.is_grad_enabled():
@@ -145,8 +149,18 @@ class StepGuard:
 
     Its counters are checkpointed (state_dict/load_state_dict) and recorded in meta.json."""
 
-    def __init__(self, cfg, model: nn.Module, *, data, rng, dp_comm, rank: int = 0, cp: int = 1,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg,
+        model: nn.Module,
+        *,
+        data,
+        rng,
+        dp_comm,
+        rank: int = 0,
+        cp: int = 1,
+        log: Callable[[str], None] = print,
+    ):
         """`dp_comm`: the ranks that hold the same parameters (DP, times CP when `cp` > 1)."""
         self.on_nonfinite, self.max_skipped = cfg.on_nonfinite, cfg.max_skipped_steps
         self.data, self.rng, self.dp_comm, self.log, self.cp = data, rng, dp_comm, log, cp
@@ -178,17 +192,22 @@ class StepGuard:
             self._observe(step, loss)
             return loss, norm, True
         self.last_incident = step
-        what = (f"step {step}: the re-run is non-finite too ({self._describe(loss, norm)}): "
-                "deterministic (the batch or the model state)")
+        what = (
+            f"step {step}: the re-run is non-finite too ({self._describe(loss, norm)}): "
+            "deterministic (the batch or the model state)"
+        )
         if self.on_nonfinite == "abort":
             raise TrainingAborted(f"{what}; training stopped (train.on_nonfinite=abort)")
         self.consecutive_skips += 1
         self.skipped_steps += 1
         if self.consecutive_skips > self.max_skipped:
-            raise TrainingAborted(f"{what}; {self.consecutive_skips} non-finite steps in a row exceed "
-                                  f"train.max_skipped_steps={self.max_skipped}: training stopped")
-        self.log(f"{what}; update skipped ({self.consecutive_skips} in a row, "
-                 f"train.max_skipped_steps={self.max_skipped})")
+            raise TrainingAborted(
+                f"{what}; {self.consecutive_skips} non-finite steps in a row exceed "
+                f"train.max_skipped_steps={self.max_skipped}: training stopped"
+            )
+        self.log(
+            f"{what}; update skipped ({self.consecutive_skips} in a row, train.max_skipped_steps={self.max_skipped})"
+        )
         return loss, norm, False
 
     def _observe(self, step: int, loss: float) -> None:
@@ -198,8 +217,10 @@ class StepGuard:
             self.loss_spikes += 1
             self.last_incident = step
             z, median = spike
-            self.log(f"step {step}: loss spike: {loss:.4f} against a median of {median:.4f} over the last "
-                     f"{len(self.spikes.losses) - 1} steps (robust z {z:.1f} > train.loss_spike_z={self.spikes.z:g})")
+            self.log(
+                f"step {step}: loss spike: {loss:.4f} against a median of {median:.4f} over the last "
+                f"{len(self.spikes.losses) - 1} steps (robust z {z:.1f} > train.loss_spike_z={self.spikes.z:g})"
+            )
 
     def _describe(self, loss: float, norm: float) -> str:
         """What was non-finite, and where: the first bad micro-batch of every DP rank (one tiny all-reduce)."""
@@ -215,7 +236,11 @@ class StepGuard:
         found = self.dp_comm.all_reduce(found, op="max") if dp > 1 else found
         where = [(r, int(i)) for r, i in enumerate(found.tolist()) if i >= 0]
         if where:
-            rank = (lambda r: f"DP rank {r}") if self.cp == 1 else (lambda r: f"DP rank {r // self.cp} CP rank {r % self.cp}")
+            rank = (
+                (lambda r: f"DP rank {r}")
+                if self.cp == 1
+                else (lambda r: f"DP rank {r // self.cp} CP rank {r % self.cp}")
+            )
             text += "; first in " + ", ".join(f"micro-batch {i} of {rank(r)}" for r, i in where)
         else:
             text += " (every micro-batch's loss was finite: the backward overflowed)"
@@ -226,9 +251,13 @@ class StepGuard:
         return self.last_incident <= step
 
     def state_dict(self) -> dict:
-        return {"consecutive_skips": self.consecutive_skips, "skipped_steps": self.skipped_steps,
-                "transient_faults": self.transient_faults, "loss_spikes": self.loss_spikes,
-                "last_incident": self.last_incident}
+        return {
+            "consecutive_skips": self.consecutive_skips,
+            "skipped_steps": self.skipped_steps,
+            "transient_faults": self.transient_faults,
+            "loss_spikes": self.loss_spikes,
+            "last_incident": self.last_incident,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():

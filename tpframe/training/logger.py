@@ -43,8 +43,17 @@ _RATE_WINDOW = 10  # ETA: steps/s over the last this-many log calls
 class MetricsLogger:
     """Console, JSONL and wandb logging for one run; a no-op on every rank but the main one."""
 
-    def __init__(self, cfg: LoggingConfig, run_dir: str | Path, is_main: bool, total_steps: int,
-                 config: dict, start_step: int = 0, stream: TextIO | None = None, open_files: bool = True):
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: str | Path,
+        is_main: bool,
+        total_steps: int,
+        config: dict,
+        start_step: int = 0,
+        stream: TextIO | None = None,
+        open_files: bool = True,
+    ):
         """`open_files=False`: write nothing (config.yaml, metrics.jsonl, wandb, TensorBoard) until `open()`; the
         console works at once (train.py opens them once a resumed checkpoint has loaded)."""
         self.cfg, self.run_dir, self.is_main = cfg, Path(run_dir), is_main
@@ -145,13 +154,17 @@ class MetricsLogger:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._jsonl, end)  # no torn line for read_metrics to trip on
             if not self._lost:
-                self._warn(f"{self.run_dir / 'metrics.jsonl'} cannot be written ({e}); its records go to the "
-                           "console only until it can")
+                self._warn(
+                    f"{self.run_dir / 'metrics.jsonl'} cannot be written ({e}); its records go to the "
+                    "console only until it can"
+                )
             self._lost += 1
             return
         if self._lost:
-            self._warn(f"{self.run_dir / 'metrics.jsonl'} is written again; {self._lost} records before step {step} "
-                       "are only on the console")
+            self._warn(
+                f"{self.run_dir / 'metrics.jsonl'} is written again; {self._lost} records before step {step} "
+                "are only on the console"
+            )
             self._lost = 0
 
     def _write_scalars(self, step: int, kind: str, metrics: dict[str, float | None]) -> None:
@@ -232,8 +245,13 @@ _FORMATS = {  # known keys, in console order
 }
 # tpframe/training/timers.py and stragglers.py (a slow rank gets a console line of its own)
 FILES_ONLY = ("data_ms", "fwd_bwd_ms", "grad_sync_ms", "optim_ms", "ckpt_ms", "fwd_bwd_max_ms", "slowest_rank")
-_UNITS = (("_ms", _ms), ("_s", lambda v: f"{v:.3g} s"), ("_j", _joules), ("_gib", lambda v: f"{v:.2f} GiB"),
-          ("_w", lambda v: f"{v:.0f} W"))
+_UNITS = (
+    ("_ms", _ms),
+    ("_s", lambda v: f"{v:.3g} s"),
+    ("_j", _joules),
+    ("_gib", lambda v: f"{v:.2f} GiB"),
+    ("_w", lambda v: f"{v:.0f} W"),
+)
 
 
 def _other(key: str, value: float) -> str:
@@ -315,8 +333,10 @@ def read_metrics(path: str | Path) -> list[dict]:
                     break
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                raise ValueError(f"{path}:{lineno}: not a metrics record (a JSON object with an integer 'step'); "
-                                 "is this a tpframe metrics.jsonl?")
+                raise ValueError(
+                    f"{path}:{lineno}: not a metrics record (a JSON object with an integer 'step'); "
+                    "is this a tpframe metrics.jsonl?"
+                )
             if rec.get("kind") == "start":
                 records = [r for r in records if r["step"] <= rec["step"]]
             else:
@@ -346,15 +366,24 @@ def _init_wandb(cfg: LoggingConfig, run_dir: Path, config: dict, warn):
     try:
         import wandb
     except ImportError:
-        warn('logging.wandb=true but the wandb package is not installed (pip install -e ".[wandb]"); '
-             "continuing without wandb")
+        warn(
+            'logging.wandb=true but the wandb package is not installed (pip install -e ".[wandb]"); '
+            "continuing without wandb"
+        )
         return None
     mode = os.environ.get("WANDB_MODE") or ("online" if wandb_key_configured() else "offline")
     id_file = run_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id + "\n")
-    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_name, config=config, dir=str(run_dir),
-                      mode=mode, id=run_id, resume="allow")
+    return wandb.init(
+        project=cfg.wandb_project,
+        name=cfg.wandb_name,
+        config=config,
+        dir=str(run_dir),
+        mode=mode,
+        id=run_id,
+        resume="allow",
+    )
 
 
 # -- TensorBoard ----------------------------------------------------------------------------------
@@ -366,8 +395,11 @@ def _init_tensorboard(run_dir: Path, start_step: int, warn):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        warn("logging.tensorboard=true but the tensorboard package is not installed (pip install tensorboard); "
-             "continuing without TensorBoard")
+        warn(
+            "logging.tensorboard=true but the tensorboard package is not installed (pip install tensorboard); "
+            "continuing without TensorBoard"
+        )
         return None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
-                         flush_secs=10)
+    return SummaryWriter(
+        log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None, flush_secs=10
+    )

@@ -52,8 +52,14 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.overhead
 
     def describe(self) -> str:
-        parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
-                 ("activations", self.activations), ("buffers", self.buffers), ("overhead", self.overhead)]
+        parts = [
+            ("params", self.params),
+            ("grads", self.grads),
+            ("optimizer", self.optimizer),
+            ("activations", self.activations),
+            ("buffers", self.buffers),
+            ("overhead", self.overhead),
+        ]
         return " + ".join(f"{name} {gib(v)}" for name, v in parts if v >= 0.005 * GIB)
 
 
@@ -82,8 +88,7 @@ def activation_bytes(cfg, device_type: str) -> float:
     else:
         per_layer = sbh * (10 - norms + (split - act) / tp + score_term / tp)
     if m.moe_experts:  # MoE: top_k expert MLPs per token instead of one, plus the dispatched tokens and outputs
-        per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) / tp + 4.0)
-                            - mlp(ffn_hidden_size(m)) / tp)
+        per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) / tp + 4.0) - mlp(ffn_hidden_size(m)) / tp)
         per_layer += sbh * (mlp(m.moe_shared_ffn) / tp + 2.0 / tp) if m.moe_shared_ffn else 0.0
     if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
         per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_width / tp
@@ -99,8 +104,9 @@ def activation_bytes(cfg, device_type: str) -> float:
     return layers * scale + loss + embedding
 
 
-def estimate(cfg, world_size: int, *, params: int, expert_params: int = 0, buffer_bytes: int = 0,
-             device_type: str = "cuda") -> MemoryEstimate:
+def estimate(
+    cfg, world_size: int, *, params: int, expert_params: int = 0, buffer_bytes: int = 0, device_type: str = "cuda"
+) -> MemoryEstimate:
     """Bytes one rank needs: `params` is its parameter count (TP-sharded, before any DP sharding), of which
     `expert_params` are MoE experts (zero1 and fsdp shard those over dp/ep replicas only)."""
     p = cfg.parallel
@@ -120,8 +126,14 @@ def estimate(cfg, world_size: int, *, params: int, expert_params: int = 0, buffe
             optimizer = per_param * sharded
         else:
             optimizer = per_param * P
-    return MemoryEstimate(weights, grads, optimizer, activation_bytes(cfg, device_type), float(buffer_bytes),
-                          OVERHEAD.get(device_type, OVERHEAD["cpu"]))
+    return MemoryEstimate(
+        weights,
+        grads,
+        optimizer,
+        activation_bytes(cfg, device_type),
+        float(buffer_bytes),
+        OVERHEAD.get(device_type, OVERHEAD["cpu"]),
+    )
 
 
 # -- what the device has -----------------------------------------------------------------------------
@@ -129,9 +141,10 @@ def estimate(cfg, world_size: int, *, params: int, expert_params: int = 0, buffe
 
 def _cgroup_available() -> float | None:
     """Bytes the container may still use (cgroup v2, then v1), or None without a limit."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             raw = Path(limit_file).read_text().strip()
             if raw == "max" or int(raw) >= 2**60:
@@ -188,11 +201,16 @@ def _fixes(cfg, dp: int | None = None) -> list[str]:
     """What makes a layout need less memory per rank, of what this config does not do already (`dp`: the ranks
     zero1 or fsdp would shard over; None: unknown)."""
     p = cfg.parallel
-    fixes = ["a smaller train.micro_batch_size (the global batch stays: more accumulation) or model",
-             "a larger parallel.tp" + ("" if p.sequence_parallel else " with parallel.sequence_parallel=true")]
+    fixes = [
+        "a smaller train.micro_batch_size (the global batch stays: more accumulation) or model",
+        "a larger parallel.tp" + ("" if p.sequence_parallel else " with parallel.sequence_parallel=true"),
+    ]
     if p.recompute != "full":
-        fixes.append("parallel.activation_checkpointing=selective or full" if p.recompute == "none"
-                     else "parallel.activation_checkpointing=full")
+        fixes.append(
+            "parallel.activation_checkpointing=selective or full"
+            if p.recompute == "none"
+            else "parallel.activation_checkpointing=full"
+        )
     if p.dp_strategy == "ddp" and (dp is None or dp > 1):
         fixes.append("parallel.dp_strategy=zero1 or fsdp")
     return fixes
@@ -202,12 +220,14 @@ class OutOfMemory(Exception):
     """The device ran out of memory during the run (the estimate let it start): exit code 6, one line."""
 
 
-def out_of_memory(error: BaseException, cfg, *, rank: int, dp: int, step: int, phase: str,
-                  device: torch.device) -> OutOfMemory:
+def out_of_memory(
+    error: BaseException, cfg, *, rank: int, dp: int, step: int, phase: str, device: torch.device
+) -> OutOfMemory:
     """`error` (torch.OutOfMemoryError) as the one line a user acts on: where, how much, and what to change."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     first = first.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0][:240].rstrip(".")
     peak = f"; tpframe's peak so far {gib(torch.cuda.max_memory_allocated(device))}" if device.type == "cuda" else ""
-    return OutOfMemory(f"rank {rank} ran out of {device.type} memory in step {step} ({phase}): {first}{peak}; "
-                       f"to fit, try {', '.join(_fixes(cfg, dp))}")
-
+    return OutOfMemory(
+        f"rank {rank} ran out of {device.type} memory in step {step} ({phase}): {first}{peak}; "
+        f"to fit, try {', '.join(_fixes(cfg, dp))}"
+    )

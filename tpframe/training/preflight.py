@@ -48,8 +48,10 @@ def cuda_graph_device_obstacle(cfg, device: str) -> str | None:
         from tpframe.layers.moe import grouped_gemms_available
 
         if not grouped_gemms_available(torch.device("cuda", torch.cuda.current_device())):
-            return ("train.cuda_graph with model.moe_experts needs grouped expert GEMMs (torch._grouped_mm, "
-                    "compute capability 9.0+: Hopper); set train.cuda_graph=false on this GPU")
+            return (
+                "train.cuda_graph with model.moe_experts needs grouped expert GEMMs (torch._grouped_mm, "
+                "compute capability 9.0+: Hopper); set train.cuda_graph=false on this GPU"
+            )
     return None
 
 
@@ -61,27 +63,38 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
         raise ConfigError(why)
     if device == "cpu":
         if cfg.parallel.dp_comm == "copy_engine":
-            raise ConfigError("parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; "
-                              "set parallel.dp_comm=nccl")
+            raise ConfigError(
+                "parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; "
+                "set parallel.dp_comm=nccl"
+            )
         if cfg.parallel.async_tp in ("symm_mem", "copy_engine") and cfg.parallel.tp > 1:
-            raise ConfigError(f"parallel.async_tp={cfg.parallel.async_tp} moves data between GPUs and no CUDA device "
-                              "is visible; set parallel.async_tp=ring (or false)")
+            raise ConfigError(
+                f"parallel.async_tp={cfg.parallel.async_tp} moves data between GPUs and no CUDA device "
+                "is visible; set parallel.async_tp=ring (or false)"
+            )
         if cfg.profile.memory and cfg.profile.start_step:
-            raise ConfigError("profile.memory records the CUDA allocator and no CUDA device is visible; "
-                              "set profile.memory=false")
+            raise ConfigError(
+                "profile.memory records the CUDA allocator and no CUDA device is visible; set profile.memory=false"
+            )
         return
     if t.fp8 and torch.cuda.get_device_capability() < (8, 9):
         major, minor = torch.cuda.get_device_capability()
-        raise ConfigError(f"train.fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); this GPU is "
-                          f"{major}.{minor}; set train.fp8=false")
+        raise ConfigError(
+            f"train.fp8 needs float8 GEMMs (compute capability 8.9+: Ada, Hopper); this GPU is "
+            f"{major}.{minor}; set train.fp8=false"
+        )
     if t.fp8 and not t.compile:
-        raise ConfigError("train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
-                          "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true")
+        raise ConfigError(
+            "train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
+            "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true"
+        )
     gpus = torch.cuda.device_count()
     if max(local_world, local_rank + 1) > gpus:
-        raise ConfigError(f"{local_world} processes on this host but it has {gpus} CUDA device(s), and each rank "
-                          f"needs its own GPU; launch at most {gpus} per host (--nproc-per-node) or make more GPUs "
-                          "visible (CUDA_VISIBLE_DEVICES)")
+        raise ConfigError(
+            f"{local_world} processes on this host but it has {gpus} CUDA device(s), and each rank "
+            f"needs its own GPU; launch at most {gpus} per host (--nproc-per-node) or make more GPUs "
+            "visible (CUDA_VISIBLE_DEVICES)"
+        )
 
 
 def dry_build(cfg) -> nn.Module | None:
@@ -92,17 +105,24 @@ def dry_build(cfg) -> nn.Module | None:
 
     p = cfg.parallel
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" and p.dp_strategy != "fsdp" else torch.float32
-    ctx = BuildContext(_ShapeComm(p.tp), sequence_parallel=p.sequence_parallel,
-                       **p.recompute_context(), rng_tracker=None, dtype=dtype,
-                       device=torch.device("meta"), seed=cfg.train.seed)
+    ctx = BuildContext(
+        _ShapeComm(p.tp),
+        sequence_parallel=p.sequence_parallel,
+        **p.recompute_context(),
+        rng_tracker=None,
+        dtype=dtype,
+        device=torch.device("meta"),
+        seed=cfg.train.seed,
+    )
     try:
         with torch.device("meta"):
             model = build_model(cfg.model, ctx)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"model.name={cfg.model.name!r}: building the model failed: "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"model.name={cfg.model.name!r}: building the model failed: {type(e).__name__}: {e}"
+        ) from None
     except Exception:  # noqa: BLE001 - a builder that needs real tensors: checked when the run builds it
         return None
     if not isinstance(model, nn.Module):
@@ -122,17 +142,25 @@ def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int], **device) ->
 
     params, experts, buffers = sizes
     params -= experts - experts // cfg.parallel.ep  # built whole here; a rank holds 1/ep of the experts
-    est = estimate(cfg, world_size, params=params, expert_params=experts // cfg.parallel.ep, buffer_bytes=buffers,
-                   device_type=device["device_type"])
+    est = estimate(
+        cfg,
+        world_size,
+        params=params,
+        expert_params=experts // cfg.parallel.ep,
+        buffer_bytes=buffers,
+        device_type=device["device_type"],
+    )
     check_fits(cfg, est, **device)
 
 
-def check_memory(cfg, world_size: int, model: nn.Module | None, *, device_type: str, local_rank: int,
-                 local_world: int) -> None:
+def check_memory(
+    cfg, world_size: int, model: nn.Module | None, *, device_type: str, local_rank: int, local_world: int
+) -> None:
     if not cfg.train.check_memory or model is None:
         return
-    _check_sizes(cfg, world_size, _sizes(model), device_type=device_type, local_rank=local_rank,
-                 local_world=local_world)
+    _check_sizes(
+        cfg, world_size, _sizes(model), device_type=device_type, local_rank=local_rank, local_world=local_world
+    )
 
 
 # A meta-device build takes ~3 ms a layer (100000 layers: minutes of silence before the estimate could run)
@@ -181,8 +209,9 @@ def identity(config: dict) -> dict[str, Any]:
 
 def differences(saved: dict, current: dict, where: str) -> list[str]:
     a, b = identity(saved), identity(current)
-    return [f"{k} is {a.get(k)!r} {where} but {b.get(k)!r} now"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{k} is {a.get(k)!r} {where} but {b.get(k)!r} now" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+    ]
 
 
 def _resolved(paths) -> list[Path] | None:
@@ -214,17 +243,23 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
         _check_writable_dir("checkpoint.dir", Path(cfg.checkpoint.dir))
     # what the run writes there, in the way: found now, not when the first save fails after hours of training
     if not cfg.checkpoint.dir and (run_dir / "checkpoints").is_file():
-        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a file named checkpoints, where the run saves its "
-                          "checkpoints; pick another train.run_dir or set checkpoint.dir")
+        raise ConfigError(
+            f"train.run_dir={str(run_dir)!r} holds a file named checkpoints, where the run saves its "
+            "checkpoints; pick another train.run_dir or set checkpoint.dir"
+        )
     if (run_dir / "metrics.jsonl").is_dir():
-        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a directory named metrics.jsonl, where the run "
-                          "writes its metrics; pick another train.run_dir")
+        raise ConfigError(
+            f"train.run_dir={str(run_dir)!r} holds a directory named metrics.jsonl, where the run "
+            "writes its metrics; pick another train.run_dir"
+        )
     if cfg.logging.jsonl and (run_dir / "metrics.jsonl").exists():  # the run appends to it
         from tpframe.training.logger import foreign_metrics
 
         if why := foreign_metrics(run_dir / "metrics.jsonl"):
-            raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a metrics.jsonl that tpframe did not write ({why}), "
-                              "where the run appends its metrics; move it away or pick another train.run_dir")
+            raise ConfigError(
+                f"train.run_dir={str(run_dir)!r} holds a metrics.jsonl that tpframe did not write ({why}), "
+                "where the run appends its metrics; move it away or pick another train.run_dir"
+            )
     saved_file = run_dir / "config.yaml"
     if not saved_file.exists():
         return
@@ -233,8 +268,9 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
         if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
             raise ValueError("not a mapping of sections")
     except (OSError, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"train.run_dir={str(run_dir)!r} holds a config.yaml that cannot be read ({e}); "
-                          "pick another train.run_dir") from None
+        raise ConfigError(
+            f"train.run_dir={str(run_dir)!r} holds a config.yaml that cannot be read ({e}); pick another train.run_dir"
+        ) from None
     current = cfg.to_dict()
     diffs = differences(saved, current, "there")
     if cfg.data.source == "tokens" and not resuming:
@@ -255,8 +291,12 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
 
     ck = cfg.checkpoint
     root = checkpoint_root(cfg)
-    saves = not cfg.train.eval_only and (ck.save_at_end or ck.save_on_signal or cfg.train.time_limit_minutes is not None
-                                         or 0 < ck.interval < cfg.train.steps)
+    saves = not cfg.train.eval_only and (
+        ck.save_at_end
+        or ck.save_on_signal
+        or cfg.train.time_limit_minutes is not None
+        or 0 < ck.interval < cfg.train.steps
+    )
     if not saves or not root.is_dir():
         return  # it never saves, or saves into a new folder
     label = f"checkpoint.dir={str(root)!r}" if ck.dir else f"train.run_dir={cfg.train.run_dir!r}"
@@ -264,8 +304,10 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
     other = "an empty checkpoint.dir" if ck.dir else "another train.run_dir (or an empty checkpoint.dir)"
     if foreign := foreign_steps(root):
         names = ", ".join(repr(prefix + p.name) for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ConfigError(f"{label} holds {names}, which {'is' if len(foreign) == 1 else 'are'} not a tpframe "
-                          f"checkpoint (no {META}): a save of that step would replace it; move it away or pick {other}")
+        raise ConfigError(
+            f"{label} holds {names}, which {'is' if len(foreign) == 1 else 'are'} not a tpframe "
+            f"checkpoint (no {META}): a save of that step would replace it; move it away or pick {other}"
+        )
     published = published_steps(root)
     if not published or (resume_path is not None and Path(resume_path).resolve().parent == root.resolve()):
         return
@@ -277,8 +319,10 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
     else:
         why = "checkpoint.auto_resume=false" if not ck.auto_resume else f"no '{LATEST}' file names one to resume"
         resume = f"checkpoint.load={newest}"
-    raise ConfigError(f"{label} already holds checkpoints (newest {prefix}{newest.name}) that this run does not resume from "
-                      f"({why}); its saves would replace them: resume from them ({resume}), or pick {other}")
+    raise ConfigError(
+        f"{label} already holds checkpoints (newest {prefix}{newest.name}) that this run does not resume from "
+        f"({why}); its saves would replace them: resume from them ({resume}), or pick {other}"
+    )
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -309,8 +353,14 @@ def resolve_end_of_document(cfg, train_data) -> None:
     """model.attention_mask=document, data.eod_mask_loss: model.eod_id, when not given, becomes the data's
     end-of-document token (the byte 0 of data.source=stdlib, a token file's `eot_id`); data without one needs it set."""
     m = cfg.model
-    uses = [key for key, on in (("model.attention_mask=document", m.attention_mask == "document"),
-                                ("data.eod_mask_loss=true", cfg.data.eod_mask_loss)) if on]
+    uses = [
+        key
+        for key, on in (
+            ("model.attention_mask=document", m.attention_mask == "document"),
+            ("data.eod_mask_loss=true", cfg.data.eod_mask_loss),
+        )
+        if on
+    ]
     if not uses or m.eod_id is not None:
         return
     eot = train_data.streams[0].eot_id
@@ -318,7 +368,8 @@ def resolve_end_of_document(cfg, train_data) -> None:
         raise ConfigError(
             f"{' and '.join(uses)}: data.source={cfg.data.source} marks no document ends; set model.eod_id "
             "to the token that ends a document (e.g. model.eod_id=10 makes each line of the synthetic corpus one), "
-            "or use data.source=stdlib or tokens")
+            "or use data.source=stdlib or tokens"
+        )
     m.eod_id = int(eot)
 
 
@@ -336,12 +387,15 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
         saved = meta["config"]
         diffs = [d for d in differences(saved, cfg.to_dict(), "in the checkpoint") if not d.startswith("model.")]
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}/meta.json is malformed ({type(e).__name__}: {e}); "
-                              "use an older step_* directory") from None
+        raise CheckpointError(
+            f"{path}/meta.json is malformed ({type(e).__name__}: {e}); use an older step_* directory"
+        ) from None
     if diffs:
-        raise CheckpointError(f"checkpoint {str(path)!r} belongs to another run: {'; '.join(diffs)}; resume with "
-                              "the same settings, or start a new run (a new train.run_dir; checkpoint.init_from "
-                              "for the weights)")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} belongs to another run: {'; '.join(diffs)}; resume with "
+            "the same settings, or start a new run (a new train.run_dir; checkpoint.init_from "
+            "for the weights)"
+        )
     try:
         train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
     except ValueError as e:
@@ -383,19 +437,32 @@ def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
         with safe_open(file, framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise ConfigError(f"{key} is not a safetensors file ({str(e).splitlines()[0][:120]}); export one with "
-                          "python tools/checkpoint.py export") from None
+        raise ConfigError(
+            f"{key} is not a safetensors file ({str(e).splitlines()[0][:120]}); export one with "
+            "python tools/checkpoint.py export"
+        ) from None
     if model is not None:
         from tpframe.parallel.sharding import param_shards
 
-        want = {s.name: tuple(s.global_shape) for n, p in model.named_parameters()
-                for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)}
+        want = {
+            s.name: tuple(s.global_shape)
+            for n, p in model.named_parameters()
+            for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)
+        }
         missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-        wrong = [f"{k} {shapes[k]} (the model's is {want[k]})"
-                 for k in sorted(set(want) & set(shapes)) if shapes[k] != want[k]]
+        wrong = [
+            f"{k} {shapes[k]} (the model's is {want[k]})"
+            for k in sorted(set(want) & set(shapes))
+            if shapes[k] != want[k]
+        ]
         if missing or extra or wrong:
-            what = (f"lacks {missing[:3]}" if missing else f"has tensors this model does not: {extra[:3]}" if extra
-                    else f"has other shapes: {'; '.join(wrong[:3])}")
+            what = (
+                f"lacks {missing[:3]}"
+                if missing
+                else f"has tensors this model does not: {extra[:3]}"
+                if extra
+                else f"has other shapes: {'; '.join(wrong[:3])}"
+            )
             raise ConfigError(f"{key} {what}; was it exported from a model with this config's architecture?")
     from tpframe.checkpoint.finite import check_finite_weights, safetensors_items
 

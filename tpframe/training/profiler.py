@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -37,22 +37,25 @@ class ProfileConfig:
 class StepProfiler:
     """Profiles steps [start_step, start_step + steps) of one rank; see the module docstring."""
 
-    def __init__(self, cfg: ProfileConfig, *, rank: int, device: torch.device, out_dir: Path,
-                 log: Callable[[str], None]):
+    def __init__(
+        self, cfg: ProfileConfig, *, rank: int, device: torch.device, out_dir: Path, log: Callable[[str], None]
+    ):
         from torch.profiler import ProfilerActivity, profile
 
         self.cfg, self.rank, self.cuda, self.out_dir, self.log = cfg, rank, device.type == "cuda", out_dir, log
         self.first, self.last = cfg.start_step, cfg.start_step + cfg.steps - 1
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=activities, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack,
-                            acc_events=True)  # one window; without it torch warns when the warm-up is set up
+        self.prof = profile(
+            activities=activities, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack, acc_events=True
+        )  # one window; without it torch warns when the warm-up is set up
         self.state = "waiting"  # -> "warm" (profiler set up, not recording) -> "recording" -> "done"
         self.recorded: list[int] = []
         self.span = None  # the current step's range in the trace ("tpframe step N")
 
     @classmethod
-    def open(cls, cfg: ProfileConfig, *, rank: int, device: torch.device, run_dir: str | Path,
-             log: Callable[[str], None]) -> StepProfiler | None:
+    def open(
+        cls, cfg: ProfileConfig, *, rank: int, device: torch.device, run_dir: str | Path, log: Callable[[str], None]
+    ) -> StepProfiler | None:
         """A profiler for this rank, or None when profiling is off or this rank is not in `cfg.ranks`."""
         if cfg.start_step <= 0 or rank not in cfg.ranks:
             return None
@@ -71,8 +74,10 @@ class StepProfiler:
             self.prof.start_trace()
             self.state = "recording"
         elif self.state == "waiting" and step > self.first:
-            self.log(f"profile: profile.start_step={self.first} is before this launch's first step ({step}): "
-                     "nothing profiled; set a later profile.start_step to profile a resumed run")
+            self.log(
+                f"profile: profile.start_step={self.first} is before this launch's first step ({step}): "
+                "nothing profiled; set a later profile.start_step to profile a resumed run"
+            )
             self.state = "done"
         if self.state == "recording":
             self.recorded.append(step)
@@ -114,11 +119,15 @@ class StepProfiler:
         if self.cuda:
             span, busy, comm, exposed = gpu_timeline(trace)
             if span > 0:
-                idle = (f"; GPU busy {busy:.1f} of {span:.1f} ms, idle {1 - busy / span:.1%} (launch gaps and host "
-                        "waits: the most train.cuda_graph could win)")
+                idle = (
+                    f"; GPU busy {busy:.1f} of {span:.1f} ms, idle {1 - busy / span:.1%} (launch gaps and host "
+                    "waits: the most train.cuda_graph could win)"
+                )
                 if comm > 0:
-                    idle += (f"; collectives ran {comm:.1f} ms, {exposed:.1f} ms of it with no computation beside "
-                             "them (what overlap did not hide)")
+                    idle += (
+                        f"; collectives ran {comm:.1f} ms, {exposed:.1f} ms of it with no computation beside "
+                        "them (what overlap did not hide)"
+                    )
                 table += f"\nGPU timeline of the steps, first kernel to last{idle}\n"
         stem.with_suffix(".txt").write_text(table)
         written = [trace.name, stem.with_suffix(".txt").name]
@@ -235,9 +244,14 @@ def collective_waits(traces: list[str | Path]) -> dict[str, object] | None:
         moving += min(dur for _, dur in same)
         skews.append(latest - min(start for start, _ in same))
     first, last = min(r[1] for r in ranks), min(r[2] for r in ranks)
-    return {"waited_ms": [w / 1e3 for w in waited], "moving_ms": moving / 1e3,
-            "median_skew_us": statistics.median(skews), "collectives": len(skews),
-            "start_skew_ms": [(r[1] - first) / 1e3 for r in ranks], "end_skew_ms": [(r[2] - last) / 1e3 for r in ranks]}
+    return {
+        "waited_ms": [w / 1e3 for w in waited],
+        "moving_ms": moving / 1e3,
+        "median_skew_us": statistics.median(skews),
+        "collectives": len(skews),
+        "start_skew_ms": [(r[1] - first) / 1e3 for r in ranks],
+        "end_skew_ms": [(r[2] - last) / 1e3 for r in ranks],
+    }
 
 
 def gpu_busy(trace_path: str | Path) -> tuple[float, float]:

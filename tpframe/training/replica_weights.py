@@ -115,8 +115,9 @@ class ReplicaWeightCheck:
             self.groups.append(("tensor-parallel", parallel.tp_group, self._ranks(parallel.tp_group), replicated))
         tied = [(n, p) for n, p in named if getattr(p, "pipeline_tied", False)]  # one order on both stages
         if tied and parallel.embedding_group is not None:
-            self.groups.append(("first/last pipeline stage", parallel.embedding_group,
-                                self._ranks(parallel.embedding_group), tied))
+            self.groups.append(
+                ("first/last pipeline stage", parallel.embedding_group, self._ranks(parallel.embedding_group), tied)
+            )
         self.fault = parse_flip_spec(os.environ.get(FAULT_FLIP_ENV))
         self.checks = 0
 
@@ -129,8 +130,9 @@ class ReplicaWeightCheck:
         """What the check compares at this layout, for the start-up lines."""
         if not self.groups:
             return "nothing at this layout (every weight has one copy)"
-        return ", ".join(f"{len(params)} weights over {what} ({len(ranks)} copies)"
-                         for what, _, ranks, params in self.groups)
+        return ", ".join(
+            f"{len(params)} weights over {what} ({len(ranks)} copies)" for what, _, ranks, params in self.groups
+        )
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -163,16 +165,19 @@ class ReplicaWeightCheck:
         dist.all_gather_object(everyone, found)
         lines = list(dict.fromkeys(line for seen in everyone for line in seen))  # each group's finding once
         raise ReplicasDiverged(
-            f"step {step}: copies of the weights are no longer identical: " + "; ".join(lines[:4])
+            f"step {step}: copies of the weights are no longer identical: "
+            + "; ".join(lines[:4])
             + (f" (and {len(lines) - 4} more)" if len(lines) > 4 else "")
             + ". A bit flip on one GPU or a rank that computed a different update; check that device's health "
-            "(nvidia-smi -q -d ECC) before resuming")
+            "(nvidia-smi -q -d ECC) before resuming"
+        )
 
     def _inject(self, step: int) -> None:
         if self.fault is None or self.fault != (step, dist.get_rank()) or not self.groups:
             return
         p = self.groups[0][3][0][1]
         flat = p.detach().reshape(-1)
-        bits = flat[:1].view(torch.int16 if p.element_size() == 2 else torch.int32 if p.element_size() == 4
-                             else torch.uint8)
+        bits = flat[:1].view(
+            torch.int16 if p.element_size() == 2 else torch.int32 if p.element_size() == 4 else torch.uint8
+        )
         bits ^= 1  # in place: the last bit of the first element

@@ -33,8 +33,11 @@ MAX_SPREAD = 1e-3  # largest |g_rank - g_rank0| / |g| tolerated for a replicated
 
 def watched(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The trainable weights replicated over TP whose gradient no strategy sums over TP."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and getattr(p, "tp_dim", None) is None
-            and not getattr(p, "sequence_parallel", False)]
+    return [
+        (n, p)
+        for n, p in model.named_parameters()
+        if p.requires_grad and getattr(p, "tp_dim", None) is None and not getattr(p, "sequence_parallel", False)
+    ]
 
 
 class ReplicaGradCheck:
@@ -50,7 +53,7 @@ class ReplicaGradCheck:
         g = local_tensor(grad).detach().float()
         self.grads[i] = self.grads[i] + g if i in self.grads else g.clone()
 
-    def __enter__(self) -> "ReplicaGradCheck":
+    def __enter__(self) -> ReplicaGradCheck:
         self._hooks = [p.register_hook(lambda g, i=i: self._record(i, g)) for i, (_, p) in enumerate(self.params)]
         return self
 
@@ -107,4 +110,5 @@ class ReplicaGradCheck:
                 f"{names}. Their layers see rank-dependent activations (sequence parallelism, or per-rank heads), so "
                 f"the gradient must be summed over TP: build them with sequence_parallel=ctx.sequence_parallel "
                 f"(tpframe.layers norms) or tag_param(p, None, sequence_parallel=True); "
-                f"train.check_replicas=false skips this check")
+                f"train.check_replicas=false skips this check"
+            )

@@ -29,8 +29,10 @@ LOCK_NAME = ".lock"
 
 
 def _refusal(key: str, run_dir: Path, holder: str) -> ConfigError:
-    return ConfigError(f"{key}={str(run_dir)!r} is in use by another training ({holder or 'holder unknown'}); "
-                       f"wait for it to end, stop it, or pick another {key}")
+    return ConfigError(
+        f"{key}={str(run_dir)!r} is in use by another training ({holder or 'holder unknown'}); "
+        f"wait for it to end, stop it, or pick another {key}"
+    )
 
 
 def _try_lock(fd: int) -> bool:

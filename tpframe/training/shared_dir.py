@@ -59,4 +59,5 @@ def check_shared(dirs: list[tuple[str, str | Path]], *, rank: int, group=None, f
             raise ConfigError(
                 f"{key}={str(path)!r} is not one folder for every node: ranks on {', '.join(blind)} do not see what "
                 f"rank 0 (on {hosts[0]}) writes there, so checkpoints would be split between the nodes; put the run "
-                "on a filesystem every node mounts (NFS, Lustre, ...)")
+                "on a filesystem every node mounts (NFS, Lustre, ...)"
+            )

@@ -46,6 +46,8 @@ class StragglerReport:
         if not self.ratio or ratio <= self.ratio or n < 2:
             return metrics, None
         among = "its pipeline stage's" if len(stages) > 1 else "the"
-        return metrics, (f"straggler: rank {rank} spent {ms:.1f} ms per step in forward+backward, {ratio:.3f}x the "
-                         f"median {median:.1f} ms of {among} {n} ranks; the others wait for it "
-                         f"(logging.straggler_ratio={self.ratio:g})")
+        return metrics, (
+            f"straggler: rank {rank} spent {ms:.1f} ms per step in forward+backward, {ratio:.3f}x the "
+            f"median {median:.1f} ms of {among} {n} ranks; the others wait for it "
+            f"(logging.straggler_ratio={self.ratio:g})"
+        )

@@ -15,16 +15,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from tpframe.layers.moe import MoE, reset_expert_load, set_aux_loss_scale, update_expert_biases
 from tpframe.optim import GradStrategy, lr_at
 from tpframe.parallel.heartbeat import Progress
 from tpframe.parallel.rng import RNGState
 from tpframe.parallel.schedules import forward_only_no_pipelining
-from tpframe.layers.moe import MoE, reset_expert_load, set_aux_loss_scale, update_expert_biases
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
 from tpframe.training.energy import EnergyMeter, sum_over_ranks
@@ -38,17 +39,38 @@ from tpframe.training.timers import PhaseTimers, TimedBatches
 
 
 class Trainer:
-    def __init__(self, cfg: Config, parallel: ParallelState, model: nn.Module, strategy: GradStrategy, train_data,
-                 valid_data, logger, *, forward_backward: Callable, forward_only: Callable | None = None,
-                 peak_tflops: float | None = None, guard: StepGuard | None = None, progress: Progress | None = None,
-                 profiler: StepProfiler | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        parallel: ParallelState,
+        model: nn.Module,
+        strategy: GradStrategy,
+        train_data,
+        valid_data,
+        logger,
+        *,
+        forward_backward: Callable,
+        forward_only: Callable | None = None,
+        peak_tflops: float | None = None,
+        guard: StepGuard | None = None,
+        progress: Progress | None = None,
+        profiler: StepProfiler | None = None,
+    ):
         self.cfg, self.parallel, self.model, self.strategy = cfg, parallel, model, strategy
         self.train_data, self.valid_data, self.logger = train_data, valid_data, logger
         self.forward_backward = forward_backward
         self.forward_only = forward_only or forward_only_no_pipelining  # evaluation
         rng = RNGState(parallel.device, parallel.rng_tracker)
-        self.guard = guard or StepGuard(cfg.train, model, data=train_data, rng=rng, dp_comm=parallel.dp_cp_comm, cp=parallel.cp,
-                                        rank=parallel.rank, log=logger.info)
+        self.guard = guard or StepGuard(
+            cfg.train,
+            model,
+            data=train_data,
+            rng=rng,
+            dp_comm=parallel.dp_cp_comm,
+            cp=parallel.cp,
+            rank=parallel.rank,
+            log=logger.info,
+        )
         self.progress = progress or Progress()  # what this rank is doing, for timeout reports
         self.profiler = profiler  # the config's `profile` window on this rank, or None
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
@@ -67,15 +89,28 @@ class Trainer:
         self.timers = PhaseTimers(parallel.device, cfg.logging.timers)
         self.energy = EnergyMeter.open(parallel.device, logger.info)  # None on CPU: no energy fields
         # the launch's first step compares TP-replicated weights' gradients over TP (then dropped)
-        self.replica_check = (ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
-                              if cfg.train.check_replicas and parallel.tp > 1 else None)
+        self.replica_check = (
+            ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
+            if cfg.train.check_replicas and parallel.tp > 1
+            else None
+        )
         # several ranks: at each log step, whose forward+backward was slow (the DP replicas wait for it)
-        self.stragglers = (StragglerReport(pp_rank=parallel.pp_rank, world=parallel.world_size,
-                                           ratio=cfg.logging.straggler_ratio, device=parallel.device)
-                           if parallel.world_size > 1 and cfg.logging.timers != "none" else None)
+        self.stragglers = (
+            StragglerReport(
+                pp_rank=parallel.pp_rank,
+                world=parallel.world_size,
+                ratio=cfg.logging.straggler_ratio,
+                device=parallel.device,
+            )
+            if parallel.world_size > 1 and cfg.logging.timers != "none"
+            else None
+        )
         # every train.compare_replicas_every steps: the copies of each weight still bit-identical over the ranks
-        self.weight_check = (ReplicaWeightCheck(model, parallel, every=cfg.train.compare_replicas_every)
-                             if cfg.train.compare_replicas_every else None)
+        self.weight_check = (
+            ReplicaWeightCheck(model, parallel, every=cfg.train.compare_replicas_every)
+            if cfg.train.compare_replicas_every
+            else None
+        )
 
     # -- checkpointed counters (the Stateful protocol) -------------------------------------------
     def state_dict(self) -> dict[str, int]:
@@ -96,7 +131,9 @@ class Trainer:
             self.progress.mark(self.step + 1, "optimizer")
             self.strategy.step(lr)
             if cfg.model.moe_expert_bias:  # after the update, as Megatron-Core does; the counts of this step only
-                load_max = update_expert_biases(self.moe_layers, self.parallel.dp_cp_comm, cfg.model.moe_expert_bias_rate)
+                load_max = update_expert_biases(
+                    self.moe_layers, self.parallel.dp_cp_comm, cfg.model.moe_expert_bias_rate
+                )
         else:
             self.skipped_steps += 1
         self.timers.mark("optim")
@@ -120,7 +157,10 @@ class Trainer:
         layer of the model and the replicas: one all-reduce."""
         import torch.distributed as dist
 
-        kinds = {"moe_aux_loss": "last_aux_loss", **({"moe_z_loss": "last_z_loss"} if self.cfg.model.moe_z_loss else {})}
+        kinds = {
+            "moe_aux_loss": "last_aux_loss",
+            **({"moe_z_loss": "last_z_loss"} if self.cfg.model.moe_z_loss else {}),
+        }
         total = torch.zeros(len(kinds), 2, dtype=torch.float32, device=self.parallel.device)
         for row, attr in enumerate(kinds.values()):
             values = [getattr(m, attr) for m in self.moe_layers if getattr(m, attr) is not None]
@@ -141,8 +181,9 @@ class Trainer:
         check, self.replica_check = self.replica_check, None
         batches, extra = self._batches(TimedBatches(self.train_data, self.timers), self.accum)
         with check or contextlib.nullcontext():
-            loss_sum = self.forward_backward(self.model, batches, self.accum, grad_sync=self.strategy,
-                                             device=parallel.device, **extra)
+            loss_sum = self.forward_backward(
+                self.model, batches, self.accum, grad_sync=self.strategy, device=parallel.device, **extra
+            )
         if check is not None:
             check.verify()  # before any update: a ConfigError, exit code 2
         self.timers.mark("fwd_bwd")
@@ -267,4 +308,3 @@ def scheduled_gc(interval: int):
     finally:
         if enabled:
             gc.enable()
-

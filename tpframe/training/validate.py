@@ -37,8 +37,10 @@ def _strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = 
         except TypeError:
             raise ConfigError(f"line {line}: a mapping key must be a name, got {shown(key)}") from None
         if first is not None:
-            raise ConfigError(f"key {shown(key)} appears twice in one mapping (lines {first} and {line}); "
-                              "YAML would silently keep only the last: merge them")
+            raise ConfigError(
+                f"key {shown(key)} appears twice in one mapping (lines {first} and {line}); "
+                "YAML would silently keep only the last: merge them"
+            )
         seen[key] = line
     return loader.construct_mapping(node, deep=deep)
 
@@ -63,8 +65,10 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); "
-                          "save it as UTF-8") from None
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); "
+            "save it as UTF-8"
+        ) from None
     except OSError as e:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
     try:
@@ -74,11 +78,15 @@ def read_yaml_file(path: str | Path) -> dict[str, Any]:
     except ConfigError as e:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     if data is None:
-        raise ConfigError(f"config file {str(path)!r} is empty; give it at least one section "
-                          "(see configs/tiny_cpu.yaml), or leave --config out to run on the defaults")
+        raise ConfigError(
+            f"config file {str(path)!r} is empty; give it at least one section "
+            "(see configs/tiny_cpu.yaml), or leave --config out to run on the defaults"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections (model:, train:, ...), "
-                          f"not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of sections (model:, train:, ...), "
+            f"not a {type(data).__name__}"
+        )
     return data
 
 
@@ -89,8 +97,9 @@ def parse_override_value(item: str, raw: str) -> Any:
     try:
         return yaml.load(raw, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); "
-                          "quote it if it is a string") from None
+        raise ConfigError(
+            f"override {item!r}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); quote it if it is a string"
+        ) from None
 
 
 # -- numbers ----------------------------------------------------------------------------------------
@@ -148,16 +157,20 @@ def check_numbers(cfg) -> None:
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}={getattr(getattr(cfg, section), name)} must be a non-negative integer")
     if cfg.train.seed >= SEED_LIMIT:
-        raise ConfigError(f"train.seed={cfg.train.seed} must be below 2**63 (torch's seeds are 64-bit and each layer "
-                          "and rank adds an offset)")
+        raise ConfigError(
+            f"train.seed={cfg.train.seed} must be below 2**63 (torch's seeds are 64-bit and each layer "
+            "and rank adds an offset)"
+        )
     if cfg.data.synthetic_tokens < 2:
         raise ConfigError(f"data.synthetic_tokens={cfg.data.synthetic_tokens} must be at least 2")
     n = cfg.data.synthetic_tokens
     if n > SYNTHETIC_TOKENS_MAX:
         shown = f"{n:,}" if n < 10**15 else f"{n:.3g}"
-        raise ConfigError(f"data.synthetic_tokens={shown} is more than the synthetic corpus takes ({SYNTHETIC_TOKENS_MAX:,} at most: every rank "
-                          "generates it before training, about a minute and 2.5 GiB of memory for that many); for "
-                          "more data use data.source=tokens (tools/prepare_data.py)")
+        raise ConfigError(
+            f"data.synthetic_tokens={shown} is more than the synthetic corpus takes ({SYNTHETIC_TOKENS_MAX:,} at most: every rank "
+            "generates it before training, about a minute and 2.5 GiB of memory for that many); for "
+            "more data use data.source=tokens (tools/prepare_data.py)"
+        )
     if cfg.train.max_skipped_steps < 0:
         raise ConfigError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must not be negative")
 

@@ -31,10 +31,20 @@ RUNTIME_ARGS = ("x_addr", "out_addr", "buf_table", "pad_table", "n", "chunk", "r
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def one_shot_all_reduce_kernel(
-    x_addr: tl.int64, out_addr: tl.int64, buf_table: tl.int64, pad_table: tl.int64,
-    n: tl.int32, chunk: tl.int32, rank: tl.int32,
-    DT: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-    COPY_IN: tl.constexpr, X_ALIGNED: tl.constexpr, N_ALIGNED: tl.constexpr,
+    x_addr: tl.int64,
+    out_addr: tl.int64,
+    buf_table: tl.int64,
+    pad_table: tl.int64,
+    n: tl.int32,
+    chunk: tl.int32,
+    rank: tl.int32,
+    DT: tl.constexpr,
+    VEC: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COPY_IN: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    N_ALIGNED: tl.constexpr,
 ):
     """out[:n] = sum over ranks of x[:n]  (x, out: n elements of DT; `chunk` unused)."""
     pid = tl.program_id(0)
@@ -54,10 +64,20 @@ def one_shot_all_reduce_kernel(
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def two_shot_all_reduce_kernel(
-    x_addr: tl.int64, out_addr: tl.int64, buf_table: tl.int64, pad_table: tl.int64,
-    n: tl.int32, chunk: tl.int32, rank: tl.int32,
-    DT: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-    COPY_IN: tl.constexpr, X_ALIGNED: tl.constexpr, N_ALIGNED: tl.constexpr,
+    x_addr: tl.int64,
+    out_addr: tl.int64,
+    buf_table: tl.int64,
+    pad_table: tl.int64,
+    n: tl.int32,
+    chunk: tl.int32,
+    rank: tl.int32,
+    DT: tl.constexpr,
+    VEC: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COPY_IN: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    N_ALIGNED: tl.constexpr,
 ):
     """out[:n] = sum over ranks of x[:n]; rank r reduces chunk r = [r*chunk, (r+1)*chunk) (chunk: a
     multiple of VEC, 16 bytes of DT, with WORLD*chunk >= n)."""
@@ -74,7 +94,9 @@ def two_shot_all_reduce_kernel(
     if COPY_IN:
         x = as_ptr(x_addr, DT, X_ALIGNED)
         for t in range(pid, tiles, nprog):
-            copy_rows(x + row_start, own + row_start, t * BLOCK, row_len, rows >= 0, t * BLOCK + BLOCK <= last_len, BLOCK)
+            copy_rows(
+                x + row_start, own + row_start, t * BLOCK, row_len, rows >= 0, t * BLOCK + BLOCK <= last_len, BLOCK
+            )
     block_barrier(pad_table, rank, pid, WORLD)
     end = tl.minimum(rank * chunk + chunk, n)
     for t in range(pid, tiles, nprog):
@@ -88,16 +110,28 @@ def two_shot_all_reduce_kernel(
                 store_tile(peer_ptr(buf_table, p, DT), start, total, mask, full)
     block_barrier(pad_table, rank, pid, WORLD)
     for t in range(pid, tiles, nprog):
-        copy_rows(own + row_start, out + row_start, t * BLOCK, row_len, rows != rank, t * BLOCK + BLOCK <= last_len, BLOCK)
+        copy_rows(
+            own + row_start, out + row_start, t * BLOCK, row_len, rows != rank, t * BLOCK + BLOCK <= last_len, BLOCK
+        )
     block_barrier(pad_table, rank, pid, WORLD)
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def push_all_reduce_kernel(
-    x_addr: tl.int64, out_addr: tl.int64, buf_table: tl.int64, pad_table: tl.int64,
-    n: tl.int32, chunk: tl.int32, rank: tl.int32,
-    DT: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-    COPY_IN: tl.constexpr, X_ALIGNED: tl.constexpr, N_ALIGNED: tl.constexpr,
+    x_addr: tl.int64,
+    out_addr: tl.int64,
+    buf_table: tl.int64,
+    pad_table: tl.int64,
+    n: tl.int32,
+    chunk: tl.int32,
+    rank: tl.int32,
+    DT: tl.constexpr,
+    VEC: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COPY_IN: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    N_ALIGNED: tl.constexpr,
 ):
     """out[:n] = sum over ranks of x[:n]. Rank q's buffer holds WORLD slots of `chunk` elements (a multiple
     of VEC, >= n): slot s holds the input of rank (q - s) mod WORLD, so slot 0 is q's own input (where a

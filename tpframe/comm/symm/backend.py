@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tpframe.comm import select
-from tpframe.comm.topology import local_report, nvlink_verdict
 from tpframe.comm.symm.ops import TRITON_DTYPES, WORLD_SIZES, SymmKernels
+from tpframe.comm.topology import local_report, nvlink_verdict
 
 BUFFER_ENV = "TPFRAME_SYMM_BUFFER_MB"
 DEFAULT_BUFFER_BYTES = 128 << 20
@@ -32,8 +32,16 @@ class SymmBackend:
 
     name = "symm"
 
-    def __init__(self, group, size: int, device: torch.device, buffer: torch.Tensor, handle, kernels: SymmKernels,
-                 nvlink: bool | None):
+    def __init__(
+        self,
+        group,
+        size: int,
+        device: torch.device,
+        buffer: torch.Tensor,
+        handle,
+        kernels: SymmKernels,
+        nvlink: bool | None,
+    ):
         self.group, self.size, self.device = group, size, device
         self.rank = dist.get_rank(group)
         self.buffer, self.handle, self.kernels = buffer, handle, kernels
@@ -44,7 +52,7 @@ class SymmBackend:
 
     # -- set-up ---------------------------------------------------------------------------------
     @classmethod
-    def create(cls, group, size: int, device: torch.device, buffer_bytes: int | None = None) -> "SymmBackend":
+    def create(cls, group, size: int, device: torch.device, buffer_bytes: int | None = None) -> SymmBackend:
         """Set up on every rank of `group` (a collective); raises on every rank if any rank cannot."""
         if device.type != "cuda":
             raise ValueError(f"symm needs CUDA devices, got {device}")
@@ -100,16 +108,19 @@ class SymmBackend:
         ok = bool(torch.allclose(ours.float(), ref, rtol=2e-2, atol=2e-2))
         lamport_ok = self.lamport is not None
         if lamport_ok:
-            lamport_ok = all(bool(torch.allclose(self.lamport.all_reduce(x, torch.empty_like(x)).float(), ref,
-                                                 rtol=2e-2, atol=2e-2)) for _ in range(4))  # four calls: slots rotate
+            lamport_ok = all(
+                bool(torch.allclose(self.lamport.all_reduce(x, torch.empty_like(x)).float(), ref, rtol=2e-2, atol=2e-2))
+                for _ in range(4)
+            )  # four calls: slots rotate
         verdicts = _gather(self.group, self.size, (ok, lamport_ok))
         if not all(v[0] for v in verdicts):
             bad = [r for r, v in enumerate(verdicts) if not v[0]]
             raise RuntimeError(f"symm self-test disagreed with NCCL on ranks {bad}")
         if not all(v[1] for v in verdicts):
             if self.lamport is not None:
-                warnings.warn("the Lamport all-reduce disagreed with NCCL in its self-test; it will not be used",
-                              stacklevel=3)
+                warnings.warn(
+                    "the Lamport all-reduce disagreed with NCCL in its self-test; it will not be used", stacklevel=3
+                )
             self.lamport = None
 
     # -- the Communicator interface -------------------------------------------------------------
@@ -189,7 +200,9 @@ class SymmBackend:
 
             def reduce_scatter(x):
                 if x.shape[0] % size:
-                    raise ValueError(f"reduce_scatter needs dim 0 of {tuple(x.shape)} divisible by the group size {size}")
+                    raise ValueError(
+                        f"reduce_scatter needs dim 0 of {tuple(x.shape)} divisible by the group size {size}"
+                    )
                 out = x.new_empty((x.shape[0] // size,) + x.shape[1:])
                 xa = x.data_ptr()
                 if xa & 15 or lo <= xa < hi or not x.is_contiguous():
@@ -238,8 +251,10 @@ class SymmBackend:
             numel *= s
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if dtype not in TRITON_DTYPES or nbytes > self.kernels.own_bytes:
-            raise ValueError(f"input_buffer {tuple(shape)} {dtype} does not fit the {self.kernels.own_bytes}-byte "
-                             f"symmetric buffer (dtypes {sorted(map(str, TRITON_DTYPES))})")
+            raise ValueError(
+                f"input_buffer {tuple(shape)} {dtype} does not fit the {self.kernels.own_bytes}-byte "
+                f"symmetric buffer (dtypes {sorted(map(str, TRITON_DTYPES))})"
+            )
         return self.buffer[:nbytes].view(dtype).view(tuple(shape))
 
     def close(self) -> None:
@@ -253,4 +268,3 @@ def _gather(group, size: int, obj) -> list:
     out = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
-

@@ -77,5 +77,5 @@ def module():
 def ptx_params(ptx: str) -> tuple[str, ...]:
     """The parameter types of the (single) .entry in `ptx`, e.g. ('u64', 'u32', ...)."""
     start = ptx.index(".entry")
-    head = ptx[start: ptx.index(")", start)]
+    head = ptx[start : ptx.index(")", start)]
     return tuple(line.split()[1].lstrip(".") for line in head.splitlines() if line.strip().startswith(".param"))

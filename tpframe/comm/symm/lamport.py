@@ -42,8 +42,11 @@ _SENTINEL_WORD = tl.constexpr(SENTINEL_WORD)  # the same, for the kernel
 NUM_WARPS = 4
 STATE_WORDS = 8
 DEFAULT_SEGMENT_BYTES = 1 << 20  # the largest message, per rank and slot
-_BITS = {torch.bfloat16: (tl.int16, tl.bfloat16), torch.float16: (tl.int16, tl.float16),
-         torch.float32: (tl.int32, tl.float32)}  # dtype -> (the integer type its bits travel as, the float type)
+_BITS = {
+    torch.bfloat16: (tl.int16, tl.bfloat16),
+    torch.float16: (tl.int16, tl.float16),
+    torch.float32: (tl.int32, tl.float32),
+}  # dtype -> (the integer type its bits travel as, the float type)
 
 
 @triton.jit
@@ -63,10 +66,23 @@ def _sendable(v, SENT: tl.constexpr, REPL: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def lamport_all_reduce_kernel(
-    x_addr: tl.int64, out_addr: tl.int64, buf_table: tl.int64, state_addr: tl.int64,
-    n: tl.int32, seg: tl.int32, rank: tl.int32,
-    DT: tl.constexpr, BITS: tl.constexpr, ITEM: tl.constexpr, SENT: tl.constexpr, REPL: tl.constexpr,
-    VEC: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, CLEAR_BLOCK: tl.constexpr, X_ALIGNED: tl.constexpr,
+    x_addr: tl.int64,
+    out_addr: tl.int64,
+    buf_table: tl.int64,
+    state_addr: tl.int64,
+    n: tl.int32,
+    seg: tl.int32,
+    rank: tl.int32,
+    DT: tl.constexpr,
+    BITS: tl.constexpr,
+    ITEM: tl.constexpr,
+    SENT: tl.constexpr,
+    REPL: tl.constexpr,
+    VEC: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CLEAR_BLOCK: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
 ):
     """out[:n] = sum over ranks of x[:n] (n elements of DT); `seg`: elements of DT per buffer segment."""
     pid = tl.program_id(0)
@@ -129,8 +145,16 @@ class LamportAllReduce:
     Lamport buffer (3 * world * seg_bytes, filled with `SENTINEL_WORD`), `state` this rank's int32 [STATE_WORDS]
     zeros. `max_programs`: the grid cap (every program must be resident at once)."""
 
-    def __init__(self, buf_table: torch.Tensor, state: torch.Tensor, rank: int, world: int, seg_bytes: int,
-                 max_programs: int, device: torch.device):
+    def __init__(
+        self,
+        buf_table: torch.Tensor,
+        state: torch.Tensor,
+        rank: int,
+        world: int,
+        seg_bytes: int,
+        max_programs: int,
+        device: torch.device,
+    ):
         if seg_bytes % 16 or seg_bytes <= 0:
             raise ValueError(f"Lamport segments must be a positive multiple of 16 bytes, got {seg_bytes}")
         self.buf_table, self.state = buf_table, state  # kept alive: the kernel reads them
@@ -151,8 +175,10 @@ class LamportAllReduce:
         if not x.is_contiguous():
             x = x.contiguous()
         if not self.fits(x.numel(), x.dtype):
-            raise ValueError(f"Lamport all-reduce of {x.numel()} {x.dtype} elements does not fit its "
-                             f"{self.seg_bytes}-byte segments (dtypes {sorted(map(str, _BITS))})")
+            raise ValueError(
+                f"Lamport all-reduce of {x.numel()} {x.dtype} elements does not fit its "
+                f"{self.seg_bytes}-byte segments (dtypes {sorted(map(str, _BITS))})"
+            )
         self.plan(x.numel(), x.dtype, x.data_ptr() % 16 == 0)(x.data_ptr(), out.data_ptr())
         return out
 
@@ -166,8 +192,14 @@ class LamportAllReduce:
             launcher = self._launcher(dtype, x_aligned)
             block = launcher.constexprs["BLOCK"]
             grid = min(max(-(-numel // block), 1), self.max_programs)
-            plan = self._plans[key] = launcher.bind(grid, self.buf_table.data_ptr(), self.state.data_ptr(), numel,
-                                                    self.seg_bytes // dtype.itemsize, self.rank)
+            plan = self._plans[key] = launcher.bind(
+                grid,
+                self.buf_table.data_ptr(),
+                self.state.data_ptr(),
+                numel,
+                self.seg_bytes // dtype.itemsize,
+                self.rank,
+            )
         return plan
 
     def warm_up(self, dtype: torch.dtype) -> None:
@@ -180,15 +212,33 @@ class LamportAllReduce:
             bits, dt = _BITS[dtype]
             vec = 16 // dtype.itemsize
             sent, repl = (-32768, 0) if dtype.itemsize == 2 else (SENTINEL_WORD, -2147483648)
-            constexprs = dict(DT=dt, BITS=bits, ITEM=dtype.itemsize, SENT=sent, REPL=repl, VEC=vec, WORLD=self.world,
-                              BLOCK=vec * 32 * NUM_WARPS, CLEAR_BLOCK=4 * 32 * NUM_WARPS, X_ALIGNED=x_aligned)
-            launcher = self._launchers[(dtype, x_aligned)] = KernelLauncher(lamport_all_reduce_kernel, constexprs,
-                                                                            NUM_WARPS, self.device)
+            constexprs = dict(
+                DT=dt,
+                BITS=bits,
+                ITEM=dtype.itemsize,
+                SENT=sent,
+                REPL=repl,
+                VEC=vec,
+                WORLD=self.world,
+                BLOCK=vec * 32 * NUM_WARPS,
+                CLEAR_BLOCK=4 * 32 * NUM_WARPS,
+                X_ALIGNED=x_aligned,
+            )
+            launcher = self._launchers[(dtype, x_aligned)] = KernelLauncher(
+                lamport_all_reduce_kernel, constexprs, NUM_WARPS, self.device
+            )
         return launcher
 
     @classmethod
-    def create(cls, group, rank: int, world: int, device: torch.device, max_programs: int,
-               seg_bytes: int = DEFAULT_SEGMENT_BYTES) -> "LamportAllReduce":
+    def create(
+        cls,
+        group,
+        rank: int,
+        world: int,
+        device: torch.device,
+        max_programs: int,
+        seg_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> LamportAllReduce:
         """Allocate and rendezvous the symmetric buffer on every rank of `group` (a collective)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem

@@ -27,7 +27,9 @@ class KernelLauncher:
         names = list(kernel.arg_names)
         self.runtime_names = [a for a in names if a not in constexprs]
         if names[: len(self.runtime_names)] != self.runtime_names:
-            raise ValueError(f"{kernel.fn.__name__}: runtime arguments must precede the constexprs {sorted(constexprs)}")
+            raise ValueError(
+                f"{kernel.fn.__name__}: runtime arguments must precede the constexprs {sorted(constexprs)}"
+            )
         self.kernel = kernel
         self.constexprs = dict(constexprs)
         self.num_warps = num_warps
@@ -40,8 +42,9 @@ class KernelLauncher:
     def _compile(self):
         """The compiled kernel's C launch entry and its fixed arguments, or None (use the JIT call)."""
         with torch.cuda.device(self.device):
-            compiled = self.kernel.warmup(*([0] * len(self.runtime_names)), grid=(1,), num_warps=self.num_warps,
-                                          **self.constexprs)
+            compiled = self.kernel.warmup(
+                *([0] * len(self.runtime_names)), grid=(1,), num_warps=self.num_warps, **self.constexprs
+            )
             if hasattr(compiled, "result"):  # an async-compile future
                 compiled = compiled.result()
             runner = compiled.run  # loads the module on this device
@@ -90,6 +93,23 @@ class KernelLauncher:
         raw, function, coop, pdl, meta = self._fast
 
         def run(*head):
-            raw(grid, 1, 1, stream_of(index), function, coop, pdl, None, None, meta, None, None, None, *head, *tail, *consts)
+            raw(
+                grid,
+                1,
+                1,
+                stream_of(index),
+                function,
+                coop,
+                pdl,
+                None,
+                None,
+                meta,
+                None,
+                None,
+                None,
+                *head,
+                *tail,
+                *consts,
+            )
 
         return run

@@ -59,8 +59,17 @@ class SymmKernels:
     program owns `world` int32 slots of the signal pad, and all programs must fit on the GPU at once).
     """
 
-    def __init__(self, buf_table: torch.Tensor, pad_table: torch.Tensor, own_addr: int, own_bytes: int,
-                 rank: int, world: int, max_programs: int, device: torch.device):
+    def __init__(
+        self,
+        buf_table: torch.Tensor,
+        pad_table: torch.Tensor,
+        own_addr: int,
+        own_bytes: int,
+        rank: int,
+        world: int,
+        max_programs: int,
+        device: torch.device,
+    ):
         if world not in WORLD_SIZES:
             raise ValueError(f"symm kernels support world sizes {WORLD_SIZES}, got {world}")
         if max_programs < 1:
@@ -92,7 +101,9 @@ class SymmKernels:
             return False
         kind = kind or ("two_shot" if op == "all_reduce" else op)
         total = numel * self.world if op == "all_gather" else numel
-        index_limit = max(total, self.needed_bytes(kind, numel, dtype) // dtype.itemsize) + self.world * block_elems(dtype)
+        index_limit = max(total, self.needed_bytes(kind, numel, dtype) // dtype.itemsize) + self.world * block_elems(
+            dtype
+        )
         return self.needed_bytes(kind, numel, dtype) <= self.own_bytes and index_limit <= MAX_INDEX
 
     # -- collectives ----------------------------------------------------------------------------
@@ -140,7 +151,9 @@ class SymmKernels:
 
     def _plan(self, kind: str, numel: int, dtype: torch.dtype, copy_in: bool, x_aligned: bool):
         if not self.fits("all_reduce" if kind in ALL_REDUCE_ALGOS else kind, numel, dtype, kind):
-            raise ValueError(f"{kind} of {numel} {dtype} elements does not fit the {self.own_bytes}-byte symmetric buffer")
+            raise ValueError(
+                f"{kind} of {numel} {dtype} elements does not fit the {self.own_bytes}-byte symmetric buffer"
+            )
         block, vec = block_elems(dtype), vec_elems(dtype)
         n, chunk, n_aligned = numel, 0, False
         if kind == "two_shot":
@@ -156,8 +169,15 @@ class SymmKernels:
         else:
             n_aligned = kind == "all_gather" and n % vec == 0
             tiles = -(-n // block)
-        constexprs = dict(DT=TRITON_DTYPES[dtype], VEC=vec, WORLD=self.world, BLOCK=block,
-                          COPY_IN=copy_in, X_ALIGNED=x_aligned, N_ALIGNED=n_aligned)
+        constexprs = dict(
+            DT=TRITON_DTYPES[dtype],
+            VEC=vec,
+            WORLD=self.world,
+            BLOCK=block,
+            COPY_IN=copy_in,
+            X_ALIGNED=x_aligned,
+            N_ALIGNED=n_aligned,
+        )
         variant = (kind, dtype, copy_in, x_aligned, n_aligned)
         launcher = self._launchers.get(variant)
         if launcher is None:
@@ -170,6 +190,13 @@ class SymmKernels:
         for kind in ALL_REDUCE_ALGOS:
             variant = (kind, dtype, True, True, False)
             if variant not in self._launchers:
-                constexprs = dict(DT=TRITON_DTYPES[dtype], VEC=vec_elems(dtype), WORLD=self.world, BLOCK=block_elems(dtype),
-                                  COPY_IN=True, X_ALIGNED=True, N_ALIGNED=False)
+                constexprs = dict(
+                    DT=TRITON_DTYPES[dtype],
+                    VEC=vec_elems(dtype),
+                    WORLD=self.world,
+                    BLOCK=block_elems(dtype),
+                    COPY_IN=True,
+                    X_ALIGNED=True,
+                    N_ALIGNED=False,
+                )
                 self._launchers[variant] = KernelLauncher(KERNELS[kind], constexprs, NUM_WARPS, self.device)

@@ -17,10 +17,20 @@ from tpframe.comm.symm.tiles import copy_rows, load_sum, store_tile
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def reduce_scatter_kernel(
-    x_addr: tl.int64, out_addr: tl.int64, buf_table: tl.int64, pad_table: tl.int64,
-    n: tl.int32, chunk: tl.int32, rank: tl.int32,
-    DT: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-    COPY_IN: tl.constexpr, X_ALIGNED: tl.constexpr, N_ALIGNED: tl.constexpr,
+    x_addr: tl.int64,
+    out_addr: tl.int64,
+    buf_table: tl.int64,
+    pad_table: tl.int64,
+    n: tl.int32,
+    chunk: tl.int32,
+    rank: tl.int32,
+    DT: tl.constexpr,
+    VEC: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COPY_IN: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    N_ALIGNED: tl.constexpr,
 ):
     """x: WORLD*n elements, out: n elements (N_ALIGNED: n is a multiple of VEC; `chunk` unused)."""
     pid = tl.program_id(0)

@@ -36,19 +36,50 @@ from tpframe.parallel.pipeline.runtime import PipelineSchedule, StageTimer
 from tpframe.parallel.state import ParallelState
 
 
-def build_pipeline(state: ParallelState, *, schedule: str, virtual_stages: int = 1, seq_len: int, micro_batch_size: int,
-                   hidden: int, sequence_parallel: bool, dtype: torch.dtype, timeout_s: float = 300.0,
-                   timer: StageTimer | None = None) -> PipelineSchedule:
+def build_pipeline(
+    state: ParallelState,
+    *,
+    schedule: str,
+    virtual_stages: int = 1,
+    seq_len: int,
+    micro_batch_size: int,
+    hidden: int,
+    sequence_parallel: bool,
+    dtype: torch.dtype,
+    timeout_s: float = 300.0,
+    timer: StageTimer | None = None,
+) -> PipelineSchedule:
     """The schedule for this rank (collective: every rank of the world calls it, to build the links)."""
     links = PipelineLinks(state, wrap=virtual_stages > 1, timeout_s=timeout_s)
     tokens = seq_len // state.tp if sequence_parallel else seq_len
-    return PipelineSchedule(state, links, schedule=schedule, virtual_stages=virtual_stages,
-                            activation_shape=(tokens, micro_batch_size, hidden), dtype=dtype, timer=timer)
+    return PipelineSchedule(
+        state,
+        links,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        activation_shape=(tokens, micro_batch_size, hidden),
+        dtype=dtype,
+        timer=timer,
+    )
 
 
 __all__ = [
-    "SCHEDULES", "Action", "ModelChunks", "PipelineLinks", "PipelineSchedule", "PipelineTimeout",
-    "StageTimer", "build_pipeline", "build_stages", "local_stages", "model_chunks",
-    "pipeline_numel", "pipeline_union",
-    "schedule_order", "simulate", "split_layers", "splits_backward", "theoretical_bubble",
+    "SCHEDULES",
+    "Action",
+    "ModelChunks",
+    "PipelineLinks",
+    "PipelineSchedule",
+    "PipelineTimeout",
+    "StageTimer",
+    "build_pipeline",
+    "build_stages",
+    "local_stages",
+    "model_chunks",
+    "pipeline_numel",
+    "pipeline_union",
+    "schedule_order",
+    "simulate",
+    "split_layers",
+    "splits_backward",
+    "theoretical_bubble",
 ]

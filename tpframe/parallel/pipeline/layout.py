@@ -55,8 +55,9 @@ def model_chunks(model: nn.Module) -> list[nn.Module]:
     return list(model.chunks) if isinstance(model, ModelChunks) else [model]
 
 
-def build_stages(cfg, ctx, *, pp_rank: int, pp: int, virtual_stages: int = 1,
-                 layers_per_stage: list[int] | None = None) -> nn.Module:
+def build_stages(
+    cfg, ctx, *, pp_rank: int, pp: int, virtual_stages: int = 1, layers_per_stage: list[int] | None = None
+) -> nn.Module:
     """This rank's part of the model `cfg` describes: `build_model` once per local virtual stage, each
     with its `ctx.stage` (pp=1: the whole model, exactly as without pipelining)."""
     from tpframe.models import Stage, build_model
@@ -65,8 +66,10 @@ def build_stages(cfg, ctx, *, pp_rank: int, pp: int, virtual_stages: int = 1,
         return build_model(cfg, ctx)
     stages = pp * virtual_stages
     layers = split_layers(cfg.layers, stages, layers_per_stage)
-    chunks = [build_model(cfg, dataclasses.replace(ctx, stage=Stage(layers[s], first=s == 0, last=s == stages - 1)))
-              for s in local_stages(pp_rank, pp, virtual_stages)]
+    chunks = [
+        build_model(cfg, dataclasses.replace(ctx, stage=Stage(layers[s], first=s == 0, last=s == stages - 1)))
+        for s in local_stages(pp_rank, pp, virtual_stages)
+    ]
     return chunks[0] if virtual_stages == 1 else ModelChunks(chunks)
 
 
@@ -87,7 +90,9 @@ def pipeline_numel(model: nn.Module, state) -> int:
     mine = numel((n, p) for n, p in held if not getattr(p, "expert", False))
     experts = numel((n, p) for n, p in held if getattr(p, "expert", False))  # this EP rank's experts only
     if state.ep > 1:
-        experts = int(state.ep_comm.all_reduce(torch.tensor([experts], dtype=torch.float64, device=state.device)).item())
+        experts = int(
+            state.ep_comm.all_reduce(torch.tensor([experts], dtype=torch.float64, device=state.device)).item()
+        )
     mine += experts
     if state.pp == 1:
         return mine

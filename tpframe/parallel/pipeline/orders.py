@@ -32,8 +32,9 @@ def splits_backward(schedule: str) -> bool:
     return schedule == "zb_h1"
 
 
-def schedule_order(schedule: str, *, pp: int, rank: int, num_micro_batches: int,
-                   virtual_stages: int = 1) -> list[Action]:
+def schedule_order(
+    schedule: str, *, pp: int, rank: int, num_micro_batches: int, virtual_stages: int = 1
+) -> list[Action]:
     """The actions pipeline rank `rank` runs for one step, in order."""
     m = num_micro_batches
     if schedule not in SCHEDULES:
@@ -121,8 +122,9 @@ class Simulation:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def simulate(orders: list[list[Action]], *, virtual_stages: int = 1,
-             cost: dict[str, float] | None = None) -> Simulation:
+def simulate(
+    orders: list[list[Action]], *, virtual_stages: int = 1, cost: dict[str, float] | None = None
+) -> Simulation:
     """Run every rank's order against the others with action costs `cost` (default F=B=W=1, and a
     B that is not split costs B+W) and zero-latency links. Raises ValueError on a deadlock, or when a
     link would deliver messages in an order its receiver does not consume them (first in, first out:
@@ -172,8 +174,12 @@ def simulate(orders: list[list[Action]], *, virtual_stages: int = 1,
         if received.get(link) != messages:
             raise ValueError(f"link {link} sends {messages} but its receiver takes {received.get(link)}")
     for kind in ("F", "B") + (("W",) if split else ()):
-        missing = [(s, i) for s in range(stages) for i in range(max(a.mb for o in orders for a in o) + 1)
-                   if (kind, s, i) not in done]
+        missing = [
+            (s, i)
+            for s in range(stages)
+            for i in range(max(a.mb for o in orders for a in o) + 1)
+            if (kind, s, i) not in done
+        ]
         if missing:
             raise ValueError(f"pipeline order never runs {kind} of (stage, micro-batch) {missing[:4]}")
     return Simulation(max(clock), busy, sent)

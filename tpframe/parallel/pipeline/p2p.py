@@ -20,8 +20,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -91,9 +91,11 @@ class PipelineLinks:
         work = dist.irecv(buffer, peer, group=group)
         peer_stage = stage - 1 if kind == "act" else stage + 1
         what = "activations" if kind == "act" else "output gradient"
-        message = (f"pipeline stage {stage} (rank {self.state.rank}) waited more than {self.timeout_s:g}s for the "
-                   f"{what} of micro-batch {mb} from stage {peer_stage} (rank {peer}); that rank stopped or hangs, "
-                   "see its log (parallel.pp_timeout_s sets the limit)")
+        message = (
+            f"pipeline stage {stage} (rank {self.state.rank}) waited more than {self.timeout_s:g}s for the "
+            f"{what} of micro-batch {mb} from stage {peer_stage} (rank {peer}); that rank stopped or hangs, "
+            "see its log (parallel.pp_timeout_s sets the limit)"
+        )
         with self.idle():
             if self.cuda:  # the wait only orders the streams; the watchdog bounds it
                 self.watchdog.watch(work, message)

@@ -28,8 +28,17 @@ from tpframe.parallel.state import ParallelState
 class PipelineSchedule:
     """One pipeline schedule over `links`; `activation_shape` is [s(/tp), b, h], the same for every stage."""
 
-    def __init__(self, state: ParallelState, links: PipelineLinks, *, schedule: str, virtual_stages: int = 1,
-                 activation_shape: tuple[int, ...], dtype: torch.dtype, timer: StageTimer | None = None):
+    def __init__(
+        self,
+        state: ParallelState,
+        links: PipelineLinks,
+        *,
+        schedule: str,
+        virtual_stages: int = 1,
+        activation_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        timer: StageTimer | None = None,
+    ):
         self.state, self.links, self.schedule = state, links, schedule
         self.pp, self.rank, self.v = state.pp, state.pp_rank, virtual_stages
         self.stages = self.pp * virtual_stages
@@ -41,12 +50,21 @@ class PipelineSchedule:
     def order(self, num_micro_batches: int) -> list[Action]:
         if num_micro_batches not in self._orders:
             self._orders[num_micro_batches] = schedule_order(
-                self.schedule, pp=self.pp, rank=self.rank, num_micro_batches=num_micro_batches, virtual_stages=self.v)
+                self.schedule, pp=self.pp, rank=self.rank, num_micro_batches=num_micro_batches, virtual_stages=self.v
+            )
         return self._orders[num_micro_batches]
 
     # -- one training step -----------------------------------------------------------------------
-    def forward_backward(self, model: nn.Module, batches, num_micro_batches: int, *, grad_sync,
-                         device: torch.device, loss_scale: float | None = None) -> torch.Tensor:
+    def forward_backward(
+        self,
+        model: nn.Module,
+        batches,
+        num_micro_batches: int,
+        *,
+        grad_sync,
+        device: torch.device,
+        loss_scale: float | None = None,
+    ) -> torch.Tensor:
         chunks, m = model_chunks(model), num_micro_batches
         data = [batches.next() for _ in range(m)]
         order = self.order(m)
@@ -78,8 +96,15 @@ class PipelineSchedule:
         return loss
 
     @torch.no_grad()
-    def forward_only(self, model: nn.Module, batches, num_micro_batches: int, *, device: torch.device,
-                     loss_scale: float | None = None) -> torch.Tensor:
+    def forward_only(
+        self,
+        model: nn.Module,
+        batches,
+        num_micro_batches: int,
+        *,
+        device: torch.device,
+        loss_scale: float | None = None,
+    ) -> torch.Tensor:
         """Mean loss over `num_micro_batches` (evaluation): every micro-batch through every chunk, in order (with
         `loss_scale`: the sum of `micro_batch_loss`, as in training)."""
         chunks = model_chunks(model)
@@ -118,8 +143,10 @@ class PipelineSchedule:
             return x, chunk(x, labels.to(device, non_blocking=True), **extra)  # per-token loss [b, s]
         y = chunk(x, **extra)
         if tuple(y.shape) != self.shape or y.dtype != self.dtype:
-            raise RuntimeError(f"pipeline stage {stage} produced activations {tuple(y.shape)} {y.dtype}; the pipeline "
-                               f"sends {self.shape} {self.dtype} ([s(/tp), b, h] in the compute dtype)")
+            raise RuntimeError(
+                f"pipeline stage {stage} produced activations {tuple(y.shape)} {y.dtype}; the pipeline "
+                f"sends {self.shape} {self.dtype} ([s(/tp), b, h] in the compute dtype)"
+            )
         self.links.send("act", y.detach())
         return x, y
 
