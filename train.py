@@ -34,7 +34,7 @@ class _ArgumentParser(ArgumentParser):  # refuses --config given twice, too
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from tpframe.training.config_help import help_table
+    from tpframe.run.help import help_table
 
     parser = _ArgumentParser(
         description=__doc__, epilog=help_table(), formatter_class=argparse.RawDescriptionHelpFormatter
@@ -51,7 +51,7 @@ def _schedule(cfg, state, pipeline, log):
     (train.cuda_graph; `auto` measures both and keeps the faster, where graphs can be used at all)."""
     from tpframe.parallel.graphed import GraphedForwardBackward
     from tpframe.parallel.schedules import get_forward_backward
-    from tpframe.training.preflight import cuda_graph_device_obstacle
+    from tpframe.run.preflight import cuda_graph_device_obstacle
 
     graph = cfg.train.cuda_graph
     if graph == "auto":
@@ -84,7 +84,7 @@ def prepare(
         resolve_builder,
     )
     from tpframe.parallel.state import coords_of, cp_of
-    from tpframe.training import preflight as checks
+    from tpframe.run import preflight as checks
 
     args = parse_args(argv)
     env = launch_env() if world_size is None else None  # the launcher's parent checks for a world it will start
@@ -173,8 +173,7 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
     """This rank's model (its pipeline stages' chunks; pp=1: the whole model) with fp8, compile and init_from
     applied, and the lines that say what was done to it."""
     from tpframe.checkpoint.init_from import load_init_from
-    from tpframe.models import BuildContext
-    from tpframe.parallel.pipeline import build_stages
+    from tpframe.models import BuildContext, build_stages
 
     p, notes = cfg.parallel, []
     ctx = BuildContext(
@@ -344,17 +343,17 @@ def _resume_changes(cfg, meta: dict, step: int) -> list[str]:
 def run(cfg, train_data, valid_data, resume=(None, None)):
     """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
+    from tpframe.observe.flops import peak_tflops
+    from tpframe.observe.logger import MetricsLogger
+    from tpframe.observe.profiler import StepProfiler
     from tpframe.optim import build_strategy
     from tpframe.parallel import destroy_parallel, seed_parallel_rng
     from tpframe.parallel.heartbeat import Heartbeat, Progress
     from tpframe.parallel.pipeline import build_pipeline, pipeline_numel, pipeline_union
     from tpframe.parallel.rng import RNGState
     from tpframe.parallel.schedules import get_forward_only
-    from tpframe.training.flops import peak_tflops
-    from tpframe.training.logger import MetricsLogger
-    from tpframe.training.profiler import StepProfiler
-    from tpframe.training.run_lock import run_folders
-    from tpframe.training.shared_dir import check_shared
+    from tpframe.run.run_lock import run_folders
+    from tpframe.run.shared_dir import check_shared
     from tpframe.training.trainer import Trainer
 
     p, dtype = cfg.parallel, DTYPES[cfg.train.dtype]
@@ -459,7 +458,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         return trainer
     except torch.OutOfMemoryError as e:  # this rank alone: its line goes out now, before the teardown below
         from tpframe import exits
-        from tpframe.training.memory import out_of_memory
+        from tpframe.run.memory import out_of_memory
 
         failure = out_of_memory(
             e, cfg, rank=state.rank, dp=state.dp_cp, step=progress.step, phase=progress.phase, device=state.device
@@ -482,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     from tpframe import exits
     from tpframe.checkpoint.files import SaveFailed
     from tpframe.parallel.heartbeat import CommFailure
+    from tpframe.run.memory import OutOfMemory
+    from tpframe.run.run_lock import locks_of
     from tpframe.training.health import TrainingAborted
-    from tpframe.training.memory import OutOfMemory
-    from tpframe.training.run_lock import locks_of
 
     try:
         rank = launch_env().rank

@@ -3,7 +3,7 @@
     python benchmarks/cp_attention.py [--seq 16384,65536] [--cp 2,4,8] [--results benchmarks/RESULTS.md] [--no-append]
 
 With parallel.cp = c, CP rank r holds chunks r and 2c-1-r of the sequence and attends, forward and backward, over
-the keys up to each chunk's end (tpframe/parallel/context.py: attend_local_chunks, two FlashAttention calls with
+the keys up to each chunk's end (tpframe/layers/context.py: attend_local_chunks, two FlashAttention calls with
 a lower-right causal mask), after the keys and values are all-gathered and put in order (order_chunks). This
 times, on one GPU, rank r's share for every r (the all-gather itself needs c GPUs: its bytes are stated):
   - whole: causal attention over all S tokens, forward + backward (what one GPU without CP does);
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from comm import report  # noqa: E402
 
-from tpframe.parallel.context import MERGE_MIN_CHUNK, attend_local_chunks, order_chunks, shard_sequence  # noqa: E402
+from tpframe.layers.context import MERGE_MIN_CHUNK, attend_local_chunks, order_chunks, shard_sequence  # noqa: E402
 
 SHAPES = {  # name: (query heads, kv heads, head dim)
     "GPT-1.3B (16 heads, d=128)": (16, 16, 128),

@@ -226,7 +226,7 @@ def profile_step(step, folder: str | None, name: str, rank: int, cuda: bool, syn
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tpframe.training.profiler import gpu_timeline, op_table
+    from tpframe.observe.profiler import gpu_timeline, op_table
 
     torch.distributed.barrier()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:

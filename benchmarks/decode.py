@@ -164,7 +164,7 @@ def profile_decode(gen: Generator, args, path: str) -> None:
     trace beside it, and the GPU's busy and idle time per token (every rank runs the steps; rank 0 writes)."""
     from gpt import profile_step  # benchmarks/gpt.py
 
-    from tpframe.training.profiler import gpu_busy
+    from tpframe.observe.profiler import gpu_busy
 
     @torch.no_grad()
     def steps():

@@ -163,7 +163,7 @@ def cp_rows(doc_len: int, dev: torch.device) -> list[str]:
     before, and off CUDA) against the variable-length sequences of `Documents.for_cp_rank`. The all-gather is the
     same for both and not timed."""
     from tpframe.layers import documents
-    from tpframe.parallel.context import local_positions, shard_sequence
+    from tpframe.layers.context import local_positions, shard_sequence
 
     b, s, nq, nkv, d = 1, 32768, 32, 8, 128
     rows = []

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpframe.training.profiler import collective_waits, gpu_events, gpu_timeline  # noqa: E402
+from tpframe.observe.profiler import collective_waits, gpu_events, gpu_timeline  # noqa: E402
 
 
 def breakdown(trace: Path) -> dict:

@@ -317,7 +317,7 @@ def profile_step(step, path: str, rank: int) -> None:
     time) could save. (Training runs get the same from the config's `profile` section.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    from tpframe.training.profiler import gpu_busy, op_table
+    from tpframe.observe.profiler import gpu_busy, op_table
 
     cuda = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:

@@ -48,12 +48,12 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpframe.errors import ConfigError  # noqa: E402
-from tpframe.models import BuildContext  # noqa: E402
+from tpframe.models import BuildContext, build_stages  # noqa: E402
 from tpframe.models.compile import compile_model  # noqa: E402
 from tpframe.optim import build_strategy  # noqa: E402
 from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng  # noqa: E402
 from tpframe.parallel.graphed import GraphedForwardBackward  # noqa: E402
-from tpframe.parallel.pipeline import StageTimer, build_pipeline, build_stages, theoretical_bubble  # noqa: E402
+from tpframe.parallel.pipeline import StageTimer, build_pipeline, theoretical_bubble  # noqa: E402
 from tpframe.parallel.schedules import forward_backward_no_pipelining  # noqa: E402
 from tpframe.training.config import from_dict, validate  # noqa: E402
 from tpframe.training.trainer import Trainer  # noqa: E402

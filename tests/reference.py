@@ -40,7 +40,7 @@ def leaf(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def loss_and_full_tensors(model, ids: torch.Tensor, labels: torch.Tensor, comm):
     """A TP model's per-token loss on (ids, labels), after its backward of the mean, with its full logical weights and
     gradients (sequence-parallel gradients summed over TP first): what a plain single-process model is checked by."""
-    from tpframe.parallel.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
+    from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
     from tpframe.parallel.sharding import gather_full_tensors
 
     loss = model(ids, labels)

@@ -1,4 +1,4 @@
-"""Context parallelism (tpframe/parallel/context.py) against one process holding the whole sequence: the
+"""Context parallelism (tpframe/layers/context.py) against one process holding the whole sequence: the
 attention rows (fp64, to rounding), the GPT's per-token losses and gradients (fp32), train.py's losses,
 gradient norms and weights over 10 steps at CP 2 and 4 composed with TP+SP, DP (ddp, zero1, fsdp), PP and
 recompute, and checkpoints that move between CP layouts."""
@@ -11,7 +11,7 @@ from tests.training_utils import assert_layouts_follow, train_in_process
 
 
 def test_each_rank_holds_two_chunks_at_their_global_positions():
-    from tpframe.parallel.context import local_positions, shard_sequence
+    from tpframe.layers.context import local_positions, shard_sequence
 
     seq = torch.arange(16).view(1, 16)
     for cp in (1, 2, 4):
@@ -32,7 +32,7 @@ def _attention(nq: int, nkv: int):
     import torch.nn.functional as F
 
     from tpframe.comm import Communicator
-    from tpframe.parallel.context import context_parallel_attention, shard_sequence
+    from tpframe.layers.context import context_parallel_attention, shard_sequence
 
     cp, r = dist.get_world_size(), dist.get_rank()
     comm = Communicator(dist.group.WORLD, backend="nccl", device=torch.device("cpu"))
@@ -62,10 +62,10 @@ def test_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention(cp, 
 def _model(arch: dict):
     import torch.distributed as dist
 
+    from tpframe.layers.context import shard_sequence
     from tpframe.models import BuildContext, build_model
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import initialize_parallel
-    from tpframe.parallel.context import shard_sequence
 
     cp = dist.get_world_size()
     state = initialize_parallel(tp=1, cp=cp)
@@ -181,7 +181,7 @@ def test_cuda_chunks_attend_like_the_whole_sequence_in_bf16(nkv, fused):
     GQA: every CP rank's rows and gradients equal whole-sequence attention's within bf16 rounding."""
     import torch.nn.functional as F
 
-    from tpframe.parallel.context import attend_local_chunks, shard_sequence
+    from tpframe.layers.context import attend_local_chunks, shard_sequence
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, nq, s, d = 2, 16, 2048, 128

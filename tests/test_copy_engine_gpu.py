@@ -22,7 +22,7 @@ def _synced_buckets(mode: str, late_rank: int, high_priority: bool = False):
     import torch.distributed as dist
 
     from tpframe.comm.copy_engine import ipc_peer_memory
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
 
     rank, n = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.device_count() - 1 if dist.get_backend() == "gloo" else rank)
@@ -118,7 +118,7 @@ def _graphed_steps(mode: str, late_rank: int, micro: int, steps: int = 6):
     from torch import nn
 
     from tpframe.comm.copy_engine import ipc_peer_memory
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
     from tpframe.parallel.graphed import GraphedForwardBackward
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -235,7 +235,7 @@ def _one_rank_never_syncs():
     import torch.distributed as dist
 
     from tpframe.comm.copy_engine import ipc_peer_memory
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
 
     rank, device = dist.get_rank(), torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)

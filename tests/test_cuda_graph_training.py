@@ -41,7 +41,7 @@ def test_recompute_without_rng_state_saves_none_and_gives_the_same_gradients(mon
 def test_gradient_buffer_bookkeeping_can_be_read_and_restored():
     """What a graph replay cannot do itself: mark the params whose gradient the replay copied in, so the
     end of the step zeroes only the params that really received none."""
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
 
     used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
     buf = GradBuffer([*used.parameters(), *unused.parameters()], None, dp_size=1, bucket_bytes=64)
@@ -169,8 +169,8 @@ def test_a_graphed_run_that_diverges_is_rerun_skipped_and_stopped_with_a_message
 
 def test_auto_is_refused_nowhere_and_names_what_keeps_it_eager():
     """train.cuda_graph=auto passes validation where `true` is refused; the obstacle is the line `true` gets."""
+    from tpframe.run.preflight import check_device, cuda_graph_device_obstacle
     from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
-    from tpframe.training.preflight import check_device, cuda_graph_device_obstacle
 
     for extra, words in (
         (["parallel.pp=2", "parallel.tp=1", "train.micro_batch_size=2"], "non-pipelined step"),

@@ -150,8 +150,8 @@ def test_a_run_directory_of_a_blend_admits_the_same_blend_and_names_another(tmp_
     config.yaml already written), and names a different blend in one line."""
     import yaml
 
+    from tpframe.run.preflight import check_run_dir
     from tpframe.training.config import load_config
-    from tpframe.training.preflight import check_run_dir
 
     files = _token_files(tmp_path, ["abc " * 200, "xyz " * 200])
     cfg = load_config(None, ["data.source=tokens", f"data.path=[{files[0]},{files[1]}]", f"train.run_dir={tmp_path}/r"])

@@ -341,7 +341,7 @@ def _bf16_wire(mode: str, reduce_dtype: str):
     import torch.distributed as dist
     from torch import nn
 
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: averaged inside the collective
@@ -433,7 +433,7 @@ def _bf16_wire_stream_order():
     import torch.distributed as dist
     from torch import nn
 
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
 
     class SlowGrad(torch.autograd.Function):
         @staticmethod

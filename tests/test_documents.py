@@ -257,7 +257,7 @@ def _cp_chunks_vs_dense(varlen, dev, dtype, *, b, s, nq, nkv, d, mean, seed=0):
     """Every CP rank's queries (cp 2 and 4) through `_varlen_chunks` (with `varlen` as the kernel) against the
     dense-mask CP attention: the largest (error, its scale) over output and q, k, v gradients."""
     import tpframe.layers.documents as documents
-    from tpframe.parallel.context import local_positions, shard_sequence
+    from tpframe.layers.context import local_positions, shard_sequence
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 50, (b, s), generator=g)

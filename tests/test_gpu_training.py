@@ -175,7 +175,7 @@ def _bucket_means(mode: str):
     import torch
     import torch.distributed as dist
 
-    from tpframe.parallel.grad_buffer import GradBuffer
+    from tpframe.optim.grad_buffer import GradBuffer
 
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -12,11 +12,10 @@ import pytest
 import torch
 import yaml
 
-from tpframe.training import flops
-from tpframe.training import logger as tlog
-from tpframe.training.config import LoggingConfig
-from tpframe.training.flops import peak_tflops
-from tpframe.training.logger import MetricsLogger, read_metrics
+from tpframe.observe import flops
+from tpframe.observe import logger as tlog
+from tpframe.observe.flops import peak_tflops
+from tpframe.observe.logger import LoggingConfig, MetricsLogger, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {

@@ -91,7 +91,7 @@ def test_two_nodes_train_as_one_node_with_as_many_processes(tmp_path):
 def _check(root: str, shared: bool):
     import torch.distributed as dist
 
-    from tpframe.training.shared_dir import check_shared
+    from tpframe.run.shared_dir import check_shared
 
     rank = dist.get_rank()
     folder = Path(root) / ("same" if shared else f"node{rank}")  # not shared: each rank its own folder, one path

@@ -15,9 +15,9 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import REPO, train_in_process
-from tpframe.training.config import Config, LoggingConfig
-from tpframe.training.logger import MetricsLogger, format_metrics
-from tpframe.training.timers import PHASES, PhaseTimers, TimedBatches
+from tpframe.observe.logger import LoggingConfig, MetricsLogger, format_metrics
+from tpframe.observe.timers import PHASES, PhaseTimers, TimedBatches
+from tpframe.training.config import Config
 
 PHASE_KEYS = [f"{p}_ms" for p in PHASES]
 DATA_DELAY_S = 0.02  # added to every train micro-batch read, to see it charged to "data"
@@ -143,7 +143,7 @@ def test_phase_timers_charge_each_phase_on_cpu():
 def test_energy_is_absent_on_cpu_and_per_step_and_token_from_the_counter():
     from types import SimpleNamespace
 
-    from tpframe.training.energy import EnergyMeter, sum_over_ranks
+    from tpframe.observe.energy import EnergyMeter, sum_over_ranks
     from tpframe.training.trainer import Trainer
 
     assert EnergyMeter.open(torch.device("cpu")) is None

@@ -60,7 +60,7 @@ def _poison_after_step_4(args):
 
 
 def _train_losses(run_dir: Path) -> list[float]:
-    from tpframe.training.logger import read_metrics
+    from tpframe.observe.logger import read_metrics
 
     return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
 
@@ -381,7 +381,7 @@ def _cfg(*overrides):
 
 
 def test_memory_estimate_bytes_per_parameter_by_strategy():
-    from tpframe.training.memory import estimate
+    from tpframe.run.memory import estimate
 
     def static(world, *o):
         e = estimate(_cfg(*o), world, params=10**6, device_type="cuda")
@@ -406,7 +406,7 @@ def test_memory_estimate_bytes_per_parameter_by_strategy():
 
 
 def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
-    from tpframe.training.memory import activation_bytes
+    from tpframe.run.memory import activation_bytes
 
     def act(*o):
         return activation_bytes(_cfg("train.micro_batch_size=8", "model.vocab_size=256", *o), "cuda")

@@ -58,7 +58,7 @@ def _safetensors(tmp: Path, wrong_shape: bool, bad_value: float | None = None, h
 
     from tpframe.checkpoint import hf as hf_format
     from tpframe.parallel.sharding import param_shards
-    from tpframe.training import preflight
+    from tpframe.run import preflight
     from tpframe.training.config import load_config
 
     cfg = load_config(os.path.join(REPO, "configs/tiny_cpu.yaml"), [*TINY, "parallel.tp=1"])
@@ -919,8 +919,8 @@ def test_a_run_saves_where_it_resumes_from_or_where_no_checkpoint_is(tmp_path, s
     may use any."""
     from tpframe.checkpoint.files import preflight as resume_path
     from tpframe.errors import ConfigError
+    from tpframe.run.preflight import check_checkpoint_dir
     from tpframe.training.config import load_config
-    from tpframe.training.preflight import check_checkpoint_dir
 
     ckpts = saved_run / "checkpoints"
 
@@ -943,7 +943,7 @@ def test_a_run_saves_where_it_resumes_from_or_where_no_checkpoint_is(tmp_path, s
 
 
 def test_a_metrics_file_is_appended_to_only_when_tpframe_wrote_it(tmp_path, saved_run):
-    from tpframe.training.logger import foreign_metrics
+    from tpframe.observe.logger import foreign_metrics
 
     assert foreign_metrics(saved_run / "metrics.jsonl") is None
     for text, why in (

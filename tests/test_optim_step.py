@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tpframe.optim.grad_buffer import GradBuffer
 from tpframe.optim.strategy import clip_factor
-from tpframe.parallel.grad_buffer import GradBuffer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

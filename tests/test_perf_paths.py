@@ -219,7 +219,7 @@ def test_gpu_busy_is_the_union_of_kernel_intervals(tmp_path):
     """The profiler's idle-time measure (what a CUDA graph of the step could save at most), also benchmarks/gpt.py's."""
     import json
 
-    from tpframe.training.profiler import gpu_busy
+    from tpframe.observe.profiler import gpu_busy
 
     trace = tmp_path / "t.json"
     trace.write_text(
@@ -243,7 +243,7 @@ def test_gpu_timeline_counts_the_collective_time_no_computation_hid(tmp_path):
     training profiler's summary): NCCL kernels, symm kernels and peer copies are communication, the rest compute."""
     import json
 
-    from tpframe.training.profiler import gpu_busy, gpu_timeline
+    from tpframe.observe.profiler import gpu_busy, gpu_timeline
 
     def k(name, ts, dur, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -278,7 +278,7 @@ def test_collective_waits_pairs_the_ranks_nccl_kernels(tmp_path):
     rank that starts it earlier waits for the later one (the traces' ts are relative to baseTimeNanoseconds)."""
     import json
 
-    from tpframe.training.profiler import collective_waits
+    from tpframe.observe.profiler import collective_waits
 
     def k(name, ts, dur):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}

@@ -78,7 +78,7 @@ def test_layers_split_by_stage():
 
 
 def test_deferred_weight_gradients_equal_autograd_and_fire_each_hook_once():
-    from tpframe.layers.weight_grad import WeightGradStore, linear
+    from tpframe.parallel.pipeline.weight_grad import WeightGradStore, linear
     from tpframe.parallel.recompute import recompute
 
     torch.manual_seed(0)
@@ -326,10 +326,10 @@ def test_every_schedule_on_nccl_trains_like_pp1(tmp_path):
 
 
 def _stage_waits_for_a_lost_message(timeout_s):
-    from tpframe.models import BuildContext
+    from tpframe.models import BuildContext, build_stages
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.pipeline import PipelineTimeout, build_pipeline, build_stages
+    from tpframe.parallel.pipeline import PipelineTimeout, build_pipeline
 
     state = initialize_parallel(pp=2)
     cfg = ModelConfig(layers=2, hidden=32, heads=4, max_seq_len=16)

@@ -1,4 +1,4 @@
-"""The config's `profile` section (tpframe/training/profiler.py): torch.profiler over chosen steps on chosen
+"""The config's `profile` section (tpframe/observe/profiler.py): torch.profiler over chosen steps on chosen
 ranks, without changing what trains. The bad values are in tests/test_ops_inputs.py; the CUDA parts (device
 times, idle time, the memory snapshot) in tests/test_gpu_training.py."""
 
@@ -76,7 +76,7 @@ def test_a_window_cut_short_by_the_last_step_or_missed_by_a_resume(tmp_path):
 def test_profile_is_off_by_default_and_only_on_its_ranks(tmp_path):
     import torch
 
-    from tpframe.training.profiler import ProfileConfig, StepProfiler
+    from tpframe.observe.profiler import ProfileConfig, StepProfiler
 
     kw = dict(device=torch.device("cpu"), run_dir=tmp_path, log=print)
     assert StepProfiler.open(ProfileConfig(), rank=0, **kw) is None
@@ -88,7 +88,7 @@ def test_profile_is_off_by_default_and_only_on_its_ranks(tmp_path):
 def test_the_window_records_exactly_its_steps(tmp_path, steps):
     import torch
 
-    from tpframe.training.profiler import ProfileConfig, StepProfiler
+    from tpframe.observe.profiler import ProfileConfig, StepProfiler
 
     lines = []
     prof = StepProfiler.open(

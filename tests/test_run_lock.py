@@ -1,11 +1,11 @@
-"""One training per run directory (tpframe/training/run_lock.py): the lock, its probe, and its release."""
+"""One training per run directory (tpframe/run/run_lock.py): the lock, its probe, and its release."""
 
 import os
 
 import pytest
 
 from tpframe.errors import ConfigError
-from tpframe.training.run_lock import LOCK_NAME, RunDirLock, check_free
+from tpframe.run.run_lock import LOCK_NAME, RunDirLock, check_free
 
 
 def test_a_held_run_dir_refuses_a_second_holder_and_the_probe_until_released(tmp_path):
@@ -31,7 +31,7 @@ def test_a_held_run_dir_refuses_a_second_holder_and_the_probe_until_released(tmp
 def test_a_checkpoint_dir_shared_by_two_run_dirs_is_locked_too(tmp_path):
     from types import SimpleNamespace
 
-    from tpframe.training.run_lock import locks_of
+    from tpframe.run.run_lock import locks_of
 
     def cfg(run_dir, ckpt=None):
         return SimpleNamespace(train=SimpleNamespace(run_dir=str(run_dir)), checkpoint=SimpleNamespace(dir=ckpt))

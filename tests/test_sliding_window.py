@@ -75,7 +75,7 @@ def test_window_inside_packed_documents_equals_a_per_query_loop(window):
 def test_each_context_parallel_rank_attends_within_the_window(size, window):
     """Every CP rank's two chunks over the whole sequence's keys (`attend_local_chunks`, what CP attention runs after
     its all-gather) equal those rows of the per-query loop, gradients included."""
-    from tpframe.parallel.context import attend_local_chunks, local_positions, shard_sequence
+    from tpframe.layers.context import attend_local_chunks, local_positions, shard_sequence
 
     g = torch.Generator().manual_seed(size * window)
     q, k, v = (torch.randn(2, n, 16, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2))
@@ -250,8 +250,8 @@ def test_flex_window_attention_on_gpu_equals_the_band_mask(dtype, nq, nkv, d):
 def test_context_parallel_chunks_through_flex_on_gpu_equal_the_band_mask(size):
     """bf16, every CP rank's chunks over the whole sequence's keys (flex with fewer queries than keys, right-aligned
     block masks): output and gradients as close to float64 as SDPA with the dense band mask in bf16."""
+    from tpframe.layers.context import attend_local_chunks, local_positions, shard_sequence
     from tpframe.layers.sliding_window import band
-    from tpframe.parallel.context import attend_local_chunks, local_positions, shard_sequence
 
     b, nq, nkv, s, d, window = 2, 8, 2, 2048, 64, 300
     q, k, v, dout = _gpu_inputs(b, nq, nkv, s, d, seed=3)

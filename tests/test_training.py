@@ -165,7 +165,7 @@ def test_tiny_config_learns_under_torchrun(tmp_path, tp):
         ],
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    from tpframe.training.logger import read_metrics
+    from tpframe.observe.logger import read_metrics
 
     train = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     first, last = train[0]["loss"], train[-1]["loss"]

@@ -14,8 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tpframe.errors import ArgumentParser  # noqa: E402
+from tpframe.observe.logger import read_metrics  # noqa: E402
 from tpframe.paths import check_creatable, refuse_existing, replacing  # noqa: E402
-from tpframe.training.logger import read_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

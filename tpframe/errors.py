@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import reprlib
 
 
@@ -78,3 +79,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def env_int(name: str, default: int | None, low: int, *, hint: str = "") -> int | None:
+    """Environment variable `name` as an integer >= `low` (`default` when unset); a ConfigError naming it
+    (+ `hint`) otherwise."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"env var {name}={raw!r} must be an integer{hint}") from None
+    if value < low:
+        raise ConfigError(f"env var {name}={raw!r} must be at least {low}{hint}")
+    return value

@@ -55,28 +55,11 @@ def _world_exists() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def env_int(name: str, default: int | None, low: int, *, hint: str = "") -> int | None:
-    """Environment variable `name` as an integer >= `low` (`default` when unset); a ConfigError naming it
-    (+ `hint`) otherwise."""
-    from tpframe.errors import ConfigError
-
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"env var {name}={raw!r} must be an integer{hint}") from None
-    if value < low:
-        raise ConfigError(f"env var {name}={raw!r} must be at least {low}{hint}")
-    return value
-
-
 def launch_env() -> LaunchEnv:
     """This process's torchrun environment (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), checked before anything is written: train.py's and generate.py's pre-flight. Unset, it is a
     world of one (`single_process_env` fills it in). A ConfigError names the variable and the fix."""
-    from tpframe.errors import ConfigError
+    from tpframe.errors import ConfigError, env_int
 
     env = os.environ
 

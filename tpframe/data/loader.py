@@ -10,7 +10,7 @@ with G = micro_batch_size * dp_size, and DP rank r takes its slice [t*G + r*b, t
 DP=2 at micro-batch b sees the same samples as DP=1 at 2b, and the position in the stream is one
 number, the global samples consumed: a checkpoint resumes exactly on any DP layout.
 With context parallelism (cp_size > 1) the CP ranks of a DP rank share its samples and each keeps its
-tokens of them, [b, s/cp] (tpframe/parallel/context.py: shard_sequence).
+tokens of them, [b, s/cp] (tpframe/layers/context.py: shard_sequence).
 
 Several token files (data.path as a list) are blended by `BlendedIterator`: global sample i comes from
 one file, chosen by a fixed rule from i and the weights, and is that file's next sample in its own
@@ -304,7 +304,7 @@ def _to_batch(chunk: np.ndarray, cp_rank: int, cp_size: int) -> tuple[torch.Tens
     """(inputs, labels) from token rows [b, s+1]; this CP rank's share of each when cp_size > 1."""
     chunk = torch.from_numpy(chunk)
     if cp_size > 1:
-        from tpframe.parallel.context import shard_sequence  # here: tools/prepare_data.py needs no torch.distributed
+        from tpframe.layers.context import shard_sequence  # here: tools/prepare_data.py needs no torch.distributed
 
         return tuple(shard_sequence(t, dim=1, rank=cp_rank, size=cp_size) for t in (chunk[:, :-1], chunk[:, 1:]))
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()

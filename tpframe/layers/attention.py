@@ -5,7 +5,7 @@
 
 With sequence parallelism x and the output are [s/tp, b, h]: qkv all-gathers the sequence and
 proj reduce-scatters it. The fused qkv weight keeps q, k and v as separate logical tensors.
-With context parallelism (`cp_comm`, tpframe/parallel/context.py) x holds this CP rank's tokens of the
+With context parallelism (`cp_comm`, tpframe/layers/context.py) x holds this CP rank's tokens of the
 sequence and attention runs over every rank's keys and values, all-gathered over the CP group.
 Generation passes a `cache` (tpframe.inference.kv_cache): this step's keys and values are appended
 to it and the queries attend over the whole cache under its mask (causal, and correct when the
@@ -26,12 +26,12 @@ from tpframe.comm import Communicator
 from tpframe.kernels import HAVE_TRITON
 from tpframe.kernels.decode_attention import decode_attention
 from tpframe.kernels.rotary import qkv_rotary
+from tpframe.layers.context import context_parallel_attention
 from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention, uses_varlen
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.layers.norm import RMSNorm
 from tpframe.layers.sliding_window import sliding_window_attention
 from tpframe.layers.utils import InitMethod, divide
-from tpframe.parallel.context import context_parallel_attention
 from tpframe.parallel.state import default_tp_comm
 
 DECODE_TOKENS = 4  # queries per row up to which generation's attention runs the decode kernel, not SDPA

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpframe.layers.context import gather_sequence, local_positions
 from tpframe.layers.sliding_window import band
-from tpframe.parallel.context import gather_sequence, local_positions
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -124,7 +124,7 @@ def document_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
-@torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/parallel/context.py)
+@torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/layers/context.py)
 def context_parallel_document_attention(
     q: torch.Tensor,
     k: torch.Tensor,

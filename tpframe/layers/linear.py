@@ -51,7 +51,7 @@ from tpframe.layers.mappings import (
     scatter_to_tp,
 )
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
-from tpframe.layers.weight_grad import deferring, linear
+from tpframe.parallel.pipeline.weight_grad import deferring, linear
 from tpframe.parallel.state import default_tp_comm
 
 

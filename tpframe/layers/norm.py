@@ -2,7 +2,7 @@
 
 Under sequence parallelism each TP rank normalizes only its [s/tp, b, h] slice, so its weight
 gradient is partial: the parameters are tagged `sequence_parallel` and the trainer all-reduces
-their gradients over TP (see tpframe.parallel.grad_buffer).
+their gradients over TP (see tpframe.optim.grad_buffer).
 """
 
 from __future__ import annotations

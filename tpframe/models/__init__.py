@@ -18,13 +18,14 @@ over the two stages every step.
 
 A model that supports context parallelism (parallel.cp > 1) says so with `build.supports_context_parallel
 = True`: it is then given only this CP rank's tokens of each sequence (input_ids and labels [b, S/cp], the
-chunks of tpframe/parallel/context.py), places them at their global positions (`local_positions`) and
+chunks of tpframe/layers/context.py), places them at their global positions (`local_positions`) and
 attends over the whole sequence through `ctx.cp_comm` (ParallelAttention does, given `cp_comm`); its
 per-token loss is for the local tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from torch import nn
 from tpframe.comm import Communicator
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig
+from tpframe.parallel.pipeline.layout import ModelChunks, local_stages, split_layers
 from tpframe.parallel.rng import RNGStatesTracker
 
 
@@ -75,7 +77,7 @@ class BuildContext:
 
     @property
     def cp(self) -> tuple[int, int]:
-        """(CP rank, CP size): which tokens of each sequence this rank holds (tpframe/parallel/context.py)."""
+        """(CP rank, CP size): which tokens of each sequence this rank holds (tpframe/layers/context.py)."""
         return (self.cp_comm.rank, self.cp_comm.size) if self.cp_comm is not None else (0, 1)
 
     def recomputes_block(self, n: int) -> bool:
@@ -114,7 +116,7 @@ def check_context_parallel_support(name: str, builder: Callable, cp: int) -> Non
         raise ConfigError(
             f"model.name={name!r} does not implement context parallelism, so parallel.cp={cp} cannot split its "
             "sequences; use parallel.cp=1, or place tokens at their global positions and attend with "
-            "tpframe.parallel.context (or pass ctx.cp_comm to ParallelAttention), then set "
+            "tpframe.layers.context (or pass ctx.cp_comm to ParallelAttention), then set "
             "supports_context_parallel = True on its builder (README)"
         )
 
@@ -191,3 +193,19 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
             "tpframe.layers.utils.tag_param (tp_dim=None for replicated ones)"
         )
     return model
+
+
+def build_stages(
+    cfg, ctx, *, pp_rank: int, pp: int, virtual_stages: int = 1, layers_per_stage: list[int] | None = None
+) -> nn.Module:
+    """This rank's part of the model `cfg` describes: `build_model` once per local virtual stage, each
+    with its `ctx.stage` (pp=1: the whole model, exactly as without pipelining)."""
+    if pp == 1 and virtual_stages == 1:
+        return build_model(cfg, ctx)
+    stages = pp * virtual_stages
+    layers = split_layers(cfg.layers, stages, layers_per_stage)
+    chunks = [
+        build_model(cfg, dataclasses.replace(ctx, stage=Stage(layers[s], first=s == 0, last=s == stages - 1)))
+        for s in local_stages(pp_rank, pp, virtual_stages)
+    ]
+    return chunks[0] if virtual_stages == 1 else ModelChunks(chunks)

@@ -31,6 +31,7 @@ from tpframe.layers import (
     vocab_parallel_cross_entropy,
 )
 from tpframe.layers.attention import ParallelAttention, RotaryEmbedding
+from tpframe.layers.context import gather_token_ids, local_positions
 from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
 from tpframe.layers.documents import Documents
 from tpframe.layers.embedding import padded_vocab_size
@@ -39,7 +40,6 @@ from tpframe.layers.moe import MoE
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, rope_scaling
-from tpframe.parallel.context import gather_token_ids, local_positions
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
 
@@ -233,7 +233,7 @@ class GPT(nn.Module):
         return self.embed_dropout(x)
 
     def _local_positions(self, s: int) -> torch.Tensor:
-        """Global positions of this CP rank's s tokens (tpframe/parallel/context.py)."""
+        """Global positions of this CP rank's s tokens (tpframe/layers/context.py)."""
         if s * self.cp > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {s * self.cp} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         return local_positions(s, rank=self.cp_rank, size=self.cp, device=self.ctx.device)

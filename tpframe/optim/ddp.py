@@ -1,7 +1,7 @@
 """`ddp`: every DP rank holds the whole model and optimizer; gradients averaged by bucketed all-reduces.
 
 Buckets launch their all-reduce while the last micro-batch's backward is still running
-(tpframe.parallel.grad_buffer), so the DP traffic hides behind compute. AdamW runs on fp32 masters
+(tpframe.optim.grad_buffer), so the DP traffic hides behind compute. AdamW runs on fp32 masters
 (bf16 params get an fp32 copy; fp32 params are their own master).
 """
 
@@ -12,6 +12,7 @@ from torch import nn
 
 from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
+from tpframe.optim.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
@@ -31,7 +32,6 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.state import ParallelState
 
 

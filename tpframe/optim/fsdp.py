@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tpframe.optim.config import OptimConfig
+from tpframe.optim.grad_buffer import allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
@@ -41,7 +42,6 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.sharding import local_tensor
 from tpframe.parallel.state import ParallelState
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
+from tpframe.optim.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
@@ -45,7 +46,6 @@ from tpframe.optim.strategy import (
     set_adamw_step_count,
     weights_key,
 )
-from tpframe.parallel.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.parallel.state import ParallelState
 
 # torch 2.13 renamed the tensor collectives; 2.11 only has the old names.

@@ -6,7 +6,7 @@ The first `warmup_steps` optimizer steps run eagerly (compilation, cuBLAS and NC
 Communicator's plans). The next step captures up to three graphs into one memory pool, reading static
 input buffers the batches are copied into:
   - "first": the step's first micro-batch, whose gradient hooks *copy* into the fp32 `main_grad`
-    (the gradient buffer's lazy zeroing, tpframe.parallel.grad_buffer);
+    (the gradient buffer's lazy zeroing, tpframe.optim.grad_buffer);
   - "rest": any later micro-batch, whose hooks *add*;
   - "+sync" on either: the step's last micro-batch with the DP gradient sync inside, each bucket launched
     as its last gradient lands (overlapped with the rest of backward, as eagerly), where the gradient

@@ -7,7 +7,7 @@ Rank order is TP fastest, then CP (context parallelism: the sequence split), the
 so the ranks of a TP group are adjacent and sit inside one NVLink node, and a CP group next to them
 (Megatron-Core's order). Parameters are replicated over DP and CP alike, so gradients are reduced over
 their product, the `dp_cp` group; batches are split over DP only (the CP ranks of a replica share its
-sequences and take different tokens of them: tpframe/parallel/context.py).
+sequences and take different tokens of them: tpframe/layers/context.py).
 
 Expert parallelism (MoE models, `ep`) splits the experts over `ep` consecutive ranks of the dp_cp
 group (ranks holding different data, so the all-to-all that moves tokens to their experts carries
@@ -119,7 +119,7 @@ class ParallelState:
     pp_ranks: list[int]
     tp_ranks: list[int]
     dp_ranks: list[int]
-    # Context parallelism (tpframe/parallel/context.py). With cp == 1 the cp group is this rank alone and
+    # Context parallelism (tpframe/layers/context.py). With cp == 1 the cp group is this rank alone and
     # the dp_cp fields are the dp ones.
     cp: int = 1
     cp_rank: int = 0

@@ -22,8 +22,9 @@ from typing import Any, Literal
 from tpframe.data.config import DataConfig
 from tpframe.errors import ConfigError, shown
 from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size
+from tpframe.observe.logger import LoggingConfig
+from tpframe.observe.profiler import ProfileConfig
 from tpframe.optim.config import OptimConfig
-from tpframe.training.profiler import ProfileConfig
 from tpframe.training.validate import check_env, check_numbers, parse_override_value, read_yaml_file
 
 
@@ -135,22 +136,6 @@ class CheckpointConfig:
     async_save: bool = False  # write in a background thread while training goes on
     save_on_signal: bool = True  # SIGTERM / SIGUSR1: save and exit cleanly
     save_at_end: bool = True  # save after the last step
-
-
-@dataclass
-class LoggingConfig:
-    interval: int = 10  # log every N steps (and always the first step of a launch)
-    jsonl: bool = True  # <run_dir>/metrics.jsonl
-    progress: bool = True  # progress bar and ETA on the console
-    wandb: bool = False  # also log to Weights & Biases (pip install -e ".[wandb]")
-    wandb_project: str = "tpframe"  # wandb project
-    wandb_name: str | None = None  # wandb run name; None: wandb picks one
-    peak_tflops: float | None = None  # per-device peak for MFU; None: a table by device name
-    tensorboard: bool = False  # also write every metric to <run_dir>/tensorboard (pip install tensorboard)
-    timers: Literal["auto", "sync", "none"] = "auto"  # phase times per step: CUDA events or CPU clock; sync; none
-    # several ranks: at each log step, name a rank whose forward+backward takes more than this many times the median
-    # of its pipeline stage's ranks (tpframe/training/stragglers.py); 0: no line (fwd_bwd_max_ms, slowest_rank logged)
-    straggler_ratio: float = 1.1
 
 
 @dataclass
@@ -576,7 +561,7 @@ def _validate_data(d) -> None:
 
 
 def _validate_profile(cfg: Config, world_size: int) -> None:
-    """The `profile` section (tpframe/training/profiler.py): a window inside the run, ranks that exist."""
+    """The `profile` section (tpframe/observe/profiler.py): a window inside the run, ranks that exist."""
     pr = cfg.profile
     if pr.start_step < 0 or pr.steps < 1:
         raise ConfigError(
@@ -597,7 +582,7 @@ def _validate_profile(cfg: Config, world_size: int) -> None:
 
 
 def _validate_context_parallel(cfg: Config) -> None:
-    """parallel.cp > 1 (tpframe/parallel/context.py): each sequence in 2*cp equal chunks, two per CP rank."""
+    """parallel.cp > 1 (tpframe/layers/context.py): each sequence in 2*cp equal chunks, two per CP rank."""
     p, t = cfg.parallel, cfg.train
     if t.seq_len % (2 * p.cp):
         raise ConfigError(
@@ -696,7 +681,7 @@ def _validate_recompute(cfg: Config) -> None:
 def cuda_graph_obstacle(cfg: Config) -> str | None:
     """Why train.cuda_graph cannot replay this run's step (tpframe/parallel/graphed.py replays a fixed,
     non-random forward+backward), as the line a ConfigError says for `true`; None if nothing in the config
-    stands in the way (the device is checked at start-up: tpframe.training.preflight.check_device)."""
+    stands in the way (the device is checked at start-up: tpframe.run.preflight.check_device)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.pp > 1:
         return "train.cuda_graph graphs the non-pipelined step; set parallel.pp=1 or train.cuda_graph=false"

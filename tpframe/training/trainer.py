@@ -22,20 +22,20 @@ import torch
 from torch import nn
 
 from tpframe.layers.moe import MoE, reset_expert_load, set_aux_loss_scale, update_expert_biases
+from tpframe.observe.energy import EnergyMeter, sum_over_ranks
+from tpframe.observe.profiler import StepProfiler
+from tpframe.observe.stragglers import StragglerReport
+from tpframe.observe.timers import PhaseTimers, TimedBatches
 from tpframe.optim import GradStrategy, lr_at
 from tpframe.parallel.heartbeat import Progress
 from tpframe.parallel.rng import RNGState
 from tpframe.parallel.schedules import forward_only_no_pipelining
 from tpframe.parallel.state import ParallelState
 from tpframe.training.config import Config, grad_accumulation_steps
-from tpframe.training.energy import EnergyMeter, sum_over_ranks
 from tpframe.training.health import StepGuard
 from tpframe.training.loss_mask import StepBatches, per_token_scale
-from tpframe.training.profiler import StepProfiler
 from tpframe.training.replica_weights import ReplicaWeightCheck
 from tpframe.training.replicas import ReplicaGradCheck
-from tpframe.training.stragglers import StragglerReport
-from tpframe.training.timers import PhaseTimers, TimedBatches
 
 
 class Trainer:

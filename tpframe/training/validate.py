@@ -18,8 +18,7 @@ from typing import Any
 import yaml
 
 from tpframe.data.corpus import SYNTHETIC_TOKENS_MAX
-from tpframe.errors import ConfigError, shown
-from tpframe.launch import env_int
+from tpframe.errors import ConfigError, env_int, shown
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -1,13 +1,13 @@
 """Pipeline parallelism: the model cut into stages by layer, micro-batches flowing through them.
 
-    orders.py   which actions (F, B, W per micro-batch and chunk) each rank runs, per schedule:
-                all-forward-all-backward, 1F1B, interleaved 1F1B, ZB-H1; `simulate` checks and costs them
-    p2p.py      the links between neighbouring stages: one process group per direction and kind,
-                fixed shapes, receives bounded by a timeout that names the stage, micro-batch and peer
-    runtime.py  `PipelineSchedule`: runs an order on this rank's model chunk(s); a sibling of
-                tpframe.parallel.schedules.forward_backward_no_pipelining
-    layout.py   which layers each (virtual) stage holds; `build_stages` builds this rank's part
-The deferred weight gradients of the zero-bubble schedule live with the layers (tpframe/layers/weight_grad.py).
+orders.py   which actions (F, B, W per micro-batch and chunk) each rank runs, per schedule:
+            all-forward-all-backward, 1F1B, interleaved 1F1B, ZB-H1; `simulate` checks and costs them
+p2p.py      the links between neighbouring stages: one process group per direction and kind,
+            fixed shapes, receives bounded by a timeout that names the stage, micro-batch and peer
+runtime.py  `PipelineSchedule`: runs an order on this rank's model chunk(s); a sibling of
+            tpframe.parallel.schedules.forward_backward_no_pipelining
+layout.py   which layers each (virtual) stage holds (tpframe.models.build_stages builds this rank's part)
+weight_grad.py  the zero-bubble schedule's deferred weight gradients (the one seam in the layers' GEMMs)
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 
 from tpframe.parallel.pipeline.layout import (
     ModelChunks,
-    build_stages,
     local_stages,
     model_chunks,
     pipeline_numel,
@@ -72,7 +71,6 @@ __all__ = [
     "PipelineTimeout",
     "StageTimer",
     "build_pipeline",
-    "build_stages",
     "local_stages",
     "model_chunks",
     "pipeline_numel",

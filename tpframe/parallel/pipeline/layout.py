@@ -7,8 +7,6 @@ schedules). Layers split evenly, or by `layers_per_stage` (one count per virtual
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
 
@@ -53,24 +51,6 @@ class ModelChunks(nn.Module):
 
 def model_chunks(model: nn.Module) -> list[nn.Module]:
     return list(model.chunks) if isinstance(model, ModelChunks) else [model]
-
-
-def build_stages(
-    cfg, ctx, *, pp_rank: int, pp: int, virtual_stages: int = 1, layers_per_stage: list[int] | None = None
-) -> nn.Module:
-    """This rank's part of the model `cfg` describes: `build_model` once per local virtual stage, each
-    with its `ctx.stage` (pp=1: the whole model, exactly as without pipelining)."""
-    from tpframe.models import Stage, build_model
-
-    if pp == 1 and virtual_stages == 1:
-        return build_model(cfg, ctx)
-    stages = pp * virtual_stages
-    layers = split_layers(cfg.layers, stages, layers_per_stage)
-    chunks = [
-        build_model(cfg, dataclasses.replace(ctx, stage=Stage(layers[s], first=s == 0, last=s == stages - 1)))
-        for s in local_stages(pp_rank, pp, virtual_stages)
-    ]
-    return chunks[0] if virtual_stages == 1 else ModelChunks(chunks)
 
 
 def pipeline_numel(model: nn.Module, state) -> int:

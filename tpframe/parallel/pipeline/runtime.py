@@ -17,10 +17,10 @@ import time
 import torch
 from torch import nn
 
-from tpframe.layers.weight_grad import WeightGradStore
 from tpframe.parallel.pipeline.layout import model_chunks
 from tpframe.parallel.pipeline.orders import Action, schedule_order, splits_backward
 from tpframe.parallel.pipeline.p2p import PipelineLinks
+from tpframe.parallel.pipeline.weight_grad import WeightGradStore
 from tpframe.parallel.schedules import micro_batch_loss
 from tpframe.parallel.state import ParallelState
 

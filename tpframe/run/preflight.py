@@ -27,7 +27,7 @@ from torch import nn
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig, architecture
 from tpframe.paths import check_creatable
-from tpframe.training.run_lock import check_free, run_folders
+from tpframe.run.run_lock import check_free, run_folders
 
 # What makes two runs the same run: a run directory holds one; a checkpoint resumes only into it.
 DATA_IDENTITY = ("source", "seed", "synthetic_tokens", "valid_fraction")
@@ -138,7 +138,7 @@ def _sizes(model: nn.Module) -> tuple[int, int, int]:
 
 
 def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int], **device) -> None:
-    from tpframe.training.memory import check_fits, estimate
+    from tpframe.run.memory import check_fits, estimate
 
     params, experts, buffers = sizes
     params -= experts - experts // cfg.parallel.ep  # built whole here; a rank holds 1/ep of the experts
@@ -253,7 +253,7 @@ def check_run_dir(cfg, resuming: bool = False, *, probe_lock: bool = True) -> No
             "writes its metrics; pick another train.run_dir"
         )
     if cfg.logging.jsonl and (run_dir / "metrics.jsonl").exists():  # the run appends to it
-        from tpframe.training.logger import foreign_metrics
+        from tpframe.observe.logger import foreign_metrics
 
         if why := foreign_metrics(run_dir / "metrics.jsonl"):
             raise ConfigError(

@@ -13,7 +13,7 @@ steps stale; `read_metrics` drops them), `time` (unix seconds) and the metrics, 
 (`<run_dir>/tensorboard`) and wandb get the same scalars as `train/<name>` and `eval/<name>`.
 
 The console prints every number with its unit (`step 412 ms`, `51.2k tok/s`, `mem 10.50 GiB`); the
-per-phase times (`data_ms`, `fwd_bwd_ms`, ... see tpframe/training/timers.py) go to the files only.
+per-phase times (`data_ms`, `fwd_bwd_ms`, ... see tpframe/observe/timers.py) go to the files only.
 """
 
 from __future__ import annotations
@@ -26,18 +26,34 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 from urllib.parse import urlparse
 
 import yaml
 
 from tpframe.paths import not_a_file
-from tpframe.training.config import LoggingConfig
 
 _RESERVED = ("step", "kind", "time")
 _BAR_WIDTH = 20
 _RATE_WINDOW = 10  # ETA: steps/s over the last this-many log calls
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10  # log every N steps (and always the first step of a launch)
+    jsonl: bool = True  # <run_dir>/metrics.jsonl
+    progress: bool = True  # progress bar and ETA on the console
+    wandb: bool = False  # also log to Weights & Biases (pip install -e ".[wandb]")
+    wandb_project: str = "tpframe"  # wandb project
+    wandb_name: str | None = None  # wandb run name; None: wandb picks one
+    peak_tflops: float | None = None  # per-device peak for MFU; None: a table by device name
+    tensorboard: bool = False  # also write every metric to <run_dir>/tensorboard (pip install tensorboard)
+    timers: Literal["auto", "sync", "none"] = "auto"  # phase times per step: CUDA events or CPU clock; sync; none
+    # several ranks: at each log step, name a rank whose forward+backward takes more than this many times the median
+    # of its pipeline stage's ranks (tpframe/observe/stragglers.py); 0: no line (fwd_bwd_max_ms, slowest_rank logged)
+    straggler_ratio: float = 1.1
 
 
 class MetricsLogger:
@@ -243,7 +259,7 @@ _FORMATS = {  # known keys, in console order
     "energy_j_per_token": lambda v: f"{_joules(v)}/tok",
     "mem_gib": lambda v: f"mem {v:.2f} GiB",
 }
-# tpframe/training/timers.py and stragglers.py (a slow rank gets a console line of its own)
+# tpframe/observe/timers.py and stragglers.py (a slow rank gets a console line of its own)
 FILES_ONLY = ("data_ms", "fwd_bwd_ms", "grad_sync_ms", "optim_ms", "ckpt_ms", "fwd_bwd_max_ms", "slowest_rank")
 _UNITS = (
     ("_ms", _ms),

@@ -1,0 +1,1 @@
+"""A run's set-up: pre-flight checks before any process group, the memory estimate, --help, run locks."""
