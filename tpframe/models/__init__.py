@@ -61,9 +61,8 @@ class BuildContext:
     sequence_parallel: bool = False
     activation_checkpointing: bool = False  # recompute whole blocks in backward
     recompute_layers: int | None = None  # with activation_checkpointing: only the first N blocks built here
-    selective_recompute: bool = (
-        False  # recompute norms and activation functions only (needs supports_selective_recompute)
-    )
+    # recompute norms and activation functions only (needs supports_selective_recompute)
+    selective_recompute: bool = False
     rng_tracker: RNGStatesTracker | None = None
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None

@@ -33,9 +33,8 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
     pp: int = 1  # pipeline-parallel size
     cp: int = 1  # context-parallel size: ranks that split each sequence (README: context parallelism)
-    ep: int = (
-        1  # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
-    )
+    # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
+    ep: int = 1
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
     # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory,
     # ~1/4 more time); "selective" (norms and activation functions only: ~1/3 less memory, +3-4% time eager,
