@@ -80,8 +80,7 @@ def counts(nbytes: int, scale: float) -> tuple[int, int]:
 
 def device_barrier(device):
     torch.cuda.synchronize()
-    if dist.is_initialized():  # (benchmarks/decode_attention.py times one process's kernels, no group)
-        dist.barrier(device_ids=[device.index])
+    dist.barrier(device_ids=[device.index])
 
 
 def time_eager(fn, k, reps, device) -> float:
@@ -426,6 +425,10 @@ def table_md(op, dname, res, world, mode) -> list[str]:
     return lines + [""]
 
 
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def targets_md(res, world) -> list[str]:
     """The issue's all-reduce bf16 targets, checked on these numbers."""
     t, sizes = res["times"], res["sizes"]
@@ -450,7 +453,7 @@ def targets_md(res, world) -> list[str]:
             extra = max(t[(s, "nccl-donate", mode)] - t[(s, "nccl-raw", mode)] for s in sizes)
             lines.append(
                 f"- {mode}: tpframe's NCCL backend (donated input) minus raw dist.all_reduce, worst size: "
-                f"{extra:+.1f} us (target <= 2 us: {'met' if extra <= 2 else 'NOT met'})"
+                f"{extra:+.1f} us (target <= 2 us: {met(extra <= 2)})"
             )
         decode = [s for s in sizes if 4 * KIB <= s <= 64 * KIB]
         if mode == "graph" and decode:
@@ -459,13 +462,13 @@ def targets_md(res, world) -> list[str]:
             nccl = ", ".join(f"{t[(s, 'nccl-raw', mode)]:.1f}" for s in decode)
             lines.append(
                 f"- graph, decode sizes 4-64 KiB: ours {ours} us, NCCL {nccl} us; min {vs:.2f}x "
-                f"(target >= 2x: {'met' if vs >= 2 else 'NOT met'})"
+                f"(target >= 2x: {met(vs >= 2)})"
             )
         lines.append(
-            f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {'met' if vs_nccl >= 3 else 'NOT met'}); "
-            f"vs torch symm min {vs_torch:.2f}x (target >= 1: {'met' if vs_torch >= 1 else 'NOT met'}); "
-            f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {'met' if vs_nccl_mid >= 1.5 else 'NOT met'}); "
-            f"auto worst {auto_worst:.2f} of the better backend (target <= 1.05: {'met' if auto_worst <= 1.05 else 'NOT met'})"
+            f"- {mode}: 4-256 KiB ours vs NCCL min {vs_nccl:.2f}x (target >= 3x: {met(vs_nccl >= 3)}); "
+            f"vs torch symm min {vs_torch:.2f}x (target >= 1: {met(vs_torch >= 1)}); "
+            f"1-4 MiB vs NCCL min {vs_nccl_mid:.2f}x (target >= 1.5x: {met(vs_nccl_mid >= 1.5)}); "
+            f"auto worst {auto_worst:.2f} of the better backend (target <= 1.05: {met(auto_worst <= 1.05)})"
         )
     return lines + [""]
 
@@ -497,7 +500,7 @@ def nccl_window(args, device, world: int, rank: int) -> None:
             k, reps = counts(nbytes, args.scale)
             row = [fmt_size(nbytes)]
             for buf in (plain, win):
-                for mode, timer in (("eager", time_eager), ("graph", time_graph)):
+                for timer in (time_eager, time_graph):
                     local = timer(lambda buf=buf: dist.all_reduce(buf), k, reps, device)
                     everyone = [None] * world
                     dist.all_gather_object(everyone, local)
@@ -624,7 +627,8 @@ def main():
             "nccl-donate = the same backend on a donated input (in place, no copy: what the layers call); "
             "torch-1shot = torch.ops.symm_mem.one_shot_all_reduce_copy (staging included); torch-2shot = copy into "
             "the symmetric buffer + two_shot_all_reduce_out; ours-1shot (pull from peers), ours-push (write into "
-            "peers), ours-2shot, ours = tpframe symm kernels (staging fused in the kernel); auto = Communicator(backend='auto') with the thresholds this run wrote. "
+            "peers), ours-2shot, ours = tpframe symm kernels (staging fused in the kernel); "
+            "auto = Communicator(backend='auto') with the thresholds this run wrote. "
             "comm-nccl / comm-symm = the same Communicator forced to one backend (same dispatch cost). "
             "'ours vs X' = X time / our fastest kernel's time; 'auto vs best comm' = auto time / "
             "min(comm-nccl, comm-symm).",

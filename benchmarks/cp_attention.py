@@ -10,9 +10,10 @@ times, on one GPU, rank r's share for every r (the all-gather itself needs c GPU
   - ideal: whole / c, a perfect split;
   - rank min / max: the fastest and slowest rank's attention (+ its reorder of the gathered keys and values);
   - balance: min / max over the ranks (1.0: every rank waits for none); efficiency: ideal / max;
-  - chunk attention: "merged blocks", the default from MERGE_MIN_CHUNK queries per chunk (each chunk over the keys before it, no mask, and over its own
-    keys, causal: two fused-kernel calls merged by their log-sum-exps; cuDNN on Hopper), or "lower-right mask"
-    (one SDPA call per chunk with torch's lower-right causal bias: FlashAttention-2), the fallback.
+  - chunk attention: "merged blocks", the default from MERGE_MIN_CHUNK queries per chunk (each chunk over the keys
+    before it, no mask, and over its own keys, causal: two fused-kernel calls merged by their log-sum-exps; cuDNN on
+    Hopper), or "lower-right mask" (one SDPA call per chunk with torch's lower-right causal bias: FlashAttention-2),
+    the fallback.
 Random bf16 q, k, v and upstream gradient, b = 1; median of 10 timed calls after 3 warm-up calls, CUDA events.
 FLOPs, causal: forward 2*b*nq*S^2*d (half of full attention's 4*b*nq*S^2*d), backward 2.5x forward
 (FlashAttention recomputes the scores): 7*b*nq*S^2*d for forward + backward.
@@ -57,6 +58,57 @@ def timed(fn, *, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def rank_ms(q, k, v, dout, *, rank: int, cp: int, fused: bool) -> float:
+    """One CP rank's attention, forward + backward, over the all-gathered keys and values (here: this GPU's copy of
+    every rank's share, stacked as the all-gather hands them over), their reordering included."""
+    ql = shard_sequence(q.detach(), dim=2, rank=rank, size=cp).requires_grad_()
+    dl = shard_sequence(dout, dim=2, rank=rank, size=cp)
+    kv = torch.stack(
+        [shard_sequence(torch.stack([k.detach(), v.detach()]), dim=3, rank=i, size=cp) for i in range(cp)]
+    ).requires_grad_()
+    gqa = q.shape[1] != k.shape[1]
+
+    def rank_step():
+        ordered = order_chunks(kv)  # [2, b, nkv, S, d]
+        out = attend_local_chunks(ql, ordered[0], ordered[1], rank=rank, size=cp, enable_gqa=gqa, fused=fused)
+        torch.autograd.grad(out, (ql, kv), dl)
+
+    return timed(rank_step)
+
+
+def case_rows(name: str, nq: int, nkv: int, d: int, s: int, cps: list[int], dev: torch.device) -> list[str]:
+    """The table's rows of one shape and sequence length: the whole attention, then each cp's ranks."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for n in (nq, nkv, nkv)
+    )
+    dout = torch.randn(1, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16)
+
+    def whole():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    t_whole = timed(whole)
+    flops = 7 * nq * s * s * d
+    rows = []
+    for cp in cps:
+        ideal = t_whole / cp
+        kv_bytes = 2 * s * nkv * d * 2 * (cp - 1) / cp  # bf16 k and v of the other ranks' tokens
+        for fused in (True, False):
+            per_rank = [rank_ms(q, k, v, dout, rank=r, cp=cp, fused=fused) for r in range(cp)]
+            lo, hi = min(per_rank), max(per_rank)
+            merged = s // (2 * cp) >= MERGE_MIN_CHUNK  # what the default picks at this chunk length
+            how = ("default: merged blocks" if merged else "default: lower-right mask") if fused else "lower-right mask"
+            rows.append(
+                f"| {name} | {s} | {cp} | {how} | {t_whole:.2f} | {flops / t_whole / 1e9:.0f} | "
+                f"{ideal:.2f} | {lo:.2f} | {hi:.2f} | {lo / hi:.2f} | {ideal / hi:.2f} | "
+                f"{kv_bytes / 2**20:.0f} MiB |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", default="16384,65536")
@@ -76,60 +128,7 @@ def main() -> int:
     ]
     for name, (nq, nkv, d) in SHAPES.items():
         for s in seqs:
-            g = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (
-                torch.randn(1, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                for n in (nq, nkv, nkv)
-            )
-            dout = torch.randn(1, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16)
-
-            def whole():
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
-                torch.autograd.grad(out, (q, k, v), dout)
-
-            t_whole = timed(whole)
-            flops = 7 * nq * s * s * d
-            for cp in cps:
-                per_rank = {True: [], False: []}
-                for r in range(cp):
-                    ql = shard_sequence(q.detach(), dim=2, rank=r, size=cp).requires_grad_()
-                    dl = shard_sequence(dout, dim=2, rank=r, size=cp)
-                    # what the all-gather hands this rank: every rank's kv, stacked (here: this GPU's copy)
-                    kv = torch.stack(
-                        [
-                            shard_sequence(torch.stack([k.detach(), v.detach()]), dim=3, rank=i, size=cp)
-                            for i in range(cp)
-                        ]
-                    ).requires_grad_()
-
-                    for fused in (True, False):
-
-                        def rank_step():
-                            ordered = order_chunks(kv)  # [2, b, nkv, S, d]
-                            out = attend_local_chunks(
-                                ql, ordered[0], ordered[1], rank=r, size=cp, enable_gqa=nq != nkv, fused=fused
-                            )
-                            torch.autograd.grad(out, (ql, kv), dl)
-
-                        per_rank[fused].append(timed(rank_step))
-                    del kv
-                ideal = t_whole / cp
-                kv_bytes = 2 * s * nkv * d * 2 * (cp - 1) / cp  # bf16 k and v of the other ranks' tokens
-                for fused in (True, False):
-                    lo, hi = min(per_rank[fused]), max(per_rank[fused])
-                    merged = s // (2 * cp) >= MERGE_MIN_CHUNK  # what the default picks at this chunk length
-                    how = (
-                        ("default: merged blocks" if merged else "default: lower-right mask")
-                        if fused
-                        else "lower-right mask"
-                    )
-                    rows.append(
-                        f"| {name} | {s} | {cp} | {how} | {t_whole:.2f} | {flops / t_whole / 1e9:.0f} | "
-                        f"{ideal:.2f} | {lo:.2f} | {hi:.2f} | {lo / hi:.2f} | {ideal / hi:.2f} | "
-                        f"{kv_bytes / 2**20:.0f} MiB |"
-                    )
-                    print(rows[-1], flush=True)
-            del q, k, v, dout
+            rows += case_rows(name, nq, nkv, d, s, cps, dev)
             torch.cuda.empty_cache()
     device = torch.cuda.get_device_name(dev)
     text = "\n".join(

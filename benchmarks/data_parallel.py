@@ -18,10 +18,10 @@ what stays allocated between steps (weights, gradient buffer, optimizer state: w
 peak - resident is what a step adds on top (activations, the bf16 gradients in flight, collective buffers),
 which no DP strategy shards: it sets how far zero1/fsdp can bring the peak down. Each row also gives every
 rank's own median step (a slower GPU paces the whole DP group). PROFILE=folder profiles one more step per row
-(every rank's chrome trace, rank 0's op table there) and adds its GPU timeline: busy time, how long the collectives ran
+(rank 0's chrome trace and op table there) and adds its GPU timeline: busy time, how long the collectives ran
 and how much of that no computation hid. GRAPH=1 replays each micro-batch from a CUDA graph (train.cuda_graph's
-schedule, tpframe/parallel/graphed.py) after two eager steps: the copy-engine sync is then inside the last
-micro-batch's graph, NCCL's after it; fsdp rows are skipped (not graphed); CUDA only. PHASES=1 (CUDA) prints, per
+schedule, tpframe/parallel/graphed.py) after two eager steps, the gradient sync after the replays; fsdp rows are
+skipped (not graphed); CUDA only. PHASES=1 (CUDA) prints, per
 row and rank, the medians of every timed step split at its phases (forward+backward, the grad sync's wait, clip,
 optimizer), by the host's clock and by CUDA events on the compute stream: whether a DP step's extra time is a slower
 backward, a wait for the gradients, or the host.
@@ -43,25 +43,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1 runs,
-    #        parallel.dp_comm, parallel.dp_high_priority, parallel.grad_reduce_dtype)
-    ("DP=1", "ddp", True, "1", "nccl", False, "float32"),
-    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "nccl", False, "float32"),
-    ("ddp, overlap off", "ddp", False, "N", "nccl", False, "float32"),
-    ("ddp, overlap on", "ddp", True, "N", "nccl", False, "float32"),
-    ("ddp, overlap on, high-priority stream", "ddp", True, "N", "nccl", True, "float32"),
-    ("ddp, overlap on, copy-engine sync", "ddp", True, "N", "copy_engine", False, "float32"),
-    ("ddp, overlap on, copy-engine sync, high-priority streams", "ddp", True, "N", "copy_engine", True, "float32"),
-    ("ddp, overlap on, bf16 reduce", "ddp", True, "N", "nccl", False, "bfloat16"),
-    ("zero1", "zero1", True, "N", "nccl", False, "float32"),
-    ("zero1, bf16 reduce", "zero1", True, "N", "nccl", False, "bfloat16"),
-    ("zero1, copy-engine sync", "zero1", True, "N", "copy_engine", False, "float32"),
-    ("fsdp", "fsdp", True, "N", "nccl", False, "float32"),
-    ("fsdp, bf16 reduce", "fsdp", True, "N", "nccl", False, "bfloat16"),
+ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" = NPROC, "1xN" = N independent DP=1
+    #        runs, parallel.grad_reduce_dtype)
+    ("DP=1", "ddp", True, "1", "float32"),
+    ("DP=1 on every GPU at once (no DP traffic)", "ddp", True, "1xN", "float32"),
+    ("ddp, overlap off", "ddp", False, "N", "float32"),
+    ("ddp, overlap on", "ddp", True, "N", "float32"),
+    ("ddp, overlap on, bf16 reduce", "ddp", True, "N", "bfloat16"),
+    ("zero1", "zero1", True, "N", "float32"),
+    ("zero1, bf16 reduce", "zero1", True, "N", "bfloat16"),
+    ("fsdp", "fsdp", True, "N", "float32"),
+    ("fsdp, bf16 reduce", "fsdp", True, "N", "bfloat16"),
     # PyTorch's own DP on the same model (benchmarks/peer_dp.py), each divided by its own DP=1 row
-    ("torch peer, DP=1", "peer:ddp", True, "1", "nccl", False, "float32"),
-    ("torch DDP peer (nanoGPT's way)", "peer:ddp", True, "N", "nccl", False, "float32"),
-    ("torch FSDP2 peer (torchtitan's way)", "peer:fsdp", True, "N", "nccl", False, "float32"),
+    ("torch peer, DP=1", "peer:ddp", True, "1", "float32"),
+    ("torch DDP peer (nanoGPT's way)", "peer:ddp", True, "N", "float32"),
+    ("torch FSDP2 peer (torchtitan's way)", "peer:fsdp", True, "N", "float32"),
 ]
 
 
@@ -69,9 +65,7 @@ def env(name: str, default) -> int:
     return type(default)(os.environ.get(name, default))
 
 
-def worker(
-    strategy: str, overlap: bool, dp_comm: str = "nccl", high_priority: bool = False, reduce_dtype: str = "float32"
-) -> None:
+def worker(strategy: str, overlap: bool, reduce_dtype: str = "float32") -> None:
     import torch
 
     from tpframe.models import BuildContext, build_model
@@ -81,7 +75,7 @@ def worker(
     from tpframe.parallel.graphed import GraphedForwardBackward
     from tpframe.parallel.schedules import forward_backward_no_pipelining
 
-    state = initialize_parallel(tp=1, dp_high_priority=high_priority)
+    state = initialize_parallel(tp=1)
     cuda = state.device.type == "cuda"
     H, L, NH, S, MB, ACCUM, STEPS = (
         env("HIDDEN", 2048),
@@ -114,7 +108,6 @@ def worker(
         bucket_mb=env("BUCKET_MB", 40.0),
         overlap_grad_sync=overlap,
         compute_dtype=dtype,
-        dp_comm=dp_comm,
         reduce_dtype=getattr(torch, reduce_dtype),
     )
 
@@ -189,10 +182,7 @@ def worker(
     torch.distributed.all_gather_object(per_rank, dt)
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
-    name = (
-        f"{strategy}-overlap{int(overlap)}-{dp_comm}{'-hp' * high_priority}{'-bf16' * (reduce_dtype != 'float32')}"
-        f"-dp{state.dp}"
-    )
+    name = f"{strategy}-overlap{int(overlap)}{'-bf16' * (reduce_dtype != 'float32')}-dp{state.dp}"
     profiled = profile_step(step, os.environ.get("PROFILE"), name, state.rank, cuda, sync)
     if state.rank == 0:
         print(
@@ -232,13 +222,11 @@ def profile_step(step, folder: str | None, name: str, rank: int, cuda: bool, syn
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         sync()
-    if not cuda:
+    if not cuda or rank != 0:
         return {}
     Path(folder).mkdir(parents=True, exist_ok=True)
-    trace = Path(folder) / (f"{name}.json" if rank == 0 else f"{name}.rank{rank}.json")  # dp_timeline pairs them
+    trace = Path(folder) / f"{name}.json"
     prof.export_chrome_trace(str(trace))
-    if rank != 0:
-        return {}
     (Path(folder) / f"{name}.txt").write_text(op_table(prof, cuda=True, rows=30))
     span, busy, comm, exposed = gpu_timeline(trace)
     return {"gpu_span_ms": span, "gpu_busy_ms": busy, "comm_ms": comm, "comm_exposed_ms": exposed}
@@ -256,7 +244,7 @@ def main() -> None:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    for name, strategy, overlap, n, dp_comm, high_priority, reduce_dtype in ROWS:
+    for name, strategy, overlap, n, reduce_dtype in ROWS:
         if only and name not in only:
             continue
         if env("GRAPH", 0) == 1 and (strategy == "fsdp" or strategy.startswith("peer:")):
@@ -267,7 +255,7 @@ def main() -> None:
         cmd += (
             [str(ROOT / "benchmarks" / "peer_dp.py"), strategy[len("peer:") :]]
             if strategy.startswith("peer:")
-            else [__file__, "--worker", strategy, str(int(overlap)), dp_comm, str(int(high_priority)), reduce_dtype]
+            else [__file__, "--worker", strategy, str(int(overlap)), reduce_dtype]
         )
         # "1xN": one single-GPU run per GPU, all at once: the same per-GPU work and power draw as DP=N, no DP traffic
         copies = nproc if n == "1xN" else 1
@@ -306,10 +294,14 @@ def main() -> None:
         + (", activation checkpointing" if env("CKPT", 0) == 1 else "")
         + (", each micro-batch replayed from a CUDA graph" if env("GRAPH", 0) == 1 else "")
     )
+    keys = "NPROC LAYERS HIDDEN HEADS SEQ MB ACCUM STEPS CKPT GRAPH BUCKET_MB ROWS PHASES NCCL_MAX_NCHANNELS".split()
+    given = " ".join(
+        f"{k}={os.environ[k]!r}" if k == "ROWS" else f"{k}={os.environ[k]}" for k in keys if k in os.environ
+    )
     head = [
         f"\n### Data parallelism, full optimizer steps ({device} x{nproc}, torch {torch.__version__}, {shape})",
-        f"`{' '.join(f'{k}={os.environ[k]}' for k in ('NPROC', 'LAYERS', 'HIDDEN', 'HEADS', 'SEQ', 'MB', 'ACCUM', 'STEPS', 'CKPT', 'GRAPH', 'BUCKET_MB', 'NCCL_MAX_NCHANNELS') if k in os.environ)} "
-        "python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the same work per row.",
+        f"`{given} python benchmarks/data_parallel.py`; median step of STEPS after 3 warm-up; every GPU does the "
+        "same work per row.",
         "",
         "| run | dp | step (s) | vs its DP=1 | TFLOP/s per GPU | peak GiB | peak vs ddp | resident GiB "
         "| peak - resident GiB | optimizer state GiB | each GPU's median step (s) |",
@@ -353,7 +345,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4], sys.argv[5] == "1", sys.argv[6])
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+    elif len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4])
     else:
         main()

@@ -484,7 +484,8 @@ def report(args, rows, agree, world, device):
             f"--nproc-per-node {world} benchmarks/decode.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`  ",
             f"torch {torch.__version__}; model L={args.layers} H={args.hidden} heads={args.heads}"
             f"{f' (kv heads {args.kv_heads})' if args.kv_heads else ''} FFN={args.ffn} (SwiGLU) "
-            f"V={args.vocab}, bf16, random weights; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy. "
+            f"V={args.vocab}, bf16, random weights; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+            "greedy. "
             "Per-token = decode time / (new tokens - 1), median of the timed generations after a warm-up; tokens/s = "
             "batch / per-token. Floor at batch 1 (weights read once per token, 4.8 TB/s): ~0.59 ms at TP=1, "
             "~0.29 ms at TP=2."

@@ -48,82 +48,83 @@ SHAPES = {  # name: (batch, seq, query heads, kv heads, head dim)
 
 
 def attention_rows(doc_lens: list[int], dev: torch.device) -> list[str]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention)
     rows = []
-    for name, (b, s, nq, nkv, d) in SHAPES.items():
+    for name, shape in SHAPES.items():
         for mean in doc_lens:
-            g = torch.Generator(device=dev).manual_seed(0)
-            q, k, v = (
-                torch.randn(b, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                for n in (nq, nkv, nkv)
-            )
-            dout = torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16)
-            ids = torch.ones(b, s, dtype=torch.long)
-            ids.view(-1)[document_ends(b * s, mean)] = 0
-            ids = ids.to(dev)
-            docs = Documents.from_tokens(ids, 0)
-            assert uses_varlen(q, docs), "the variable-length Flash path is not available on this torch"
-            lengths = (docs.cu_seqlens[1:] - docs.cu_seqlens[:-1]).double()
-            useful = 7 * nq * d * float(lengths.square().sum())
-            gqa = nq != nkv
-            doc_ids = docs.ids
-
-            def block_causal(b_, h_, qi, ki):
-                return (qi >= ki) & (doc_ids[b_, qi] == doc_ids[b_, ki])
-
-            def block_mask():
-                return create_block_mask(block_causal, b, None, s, s, device=dev)
-
-            bm = block_mask()
-            # the same values in token-major memory ([b, s, n, d]), as tpframe's attention layer now hands them over
-            # for documents: varlen reads them as [b*s, n, d] with no copy, and its gradients go back as they come
-            leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-            qt, kt, vt = (t.transpose(1, 2) for t in leaves)
-            runs = {
-                "causal, whole rows (no document mask)": lambda: F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=gqa
-                ),
-                "tpframe document_attention (varlen Flash), head-major inputs (copied)": lambda: document_attention(
-                    q, k, v, docs, enable_gqa=gqa
-                ),
-                "tpframe document_attention (varlen Flash), token-major inputs (the model's)": lambda: (
-                    document_attention(qt, kt, vt, docs, enable_gqa=gqa)
-                ),
-                "dense mask SDPA (tpframe's fallback)": lambda: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=docs.mask(), enable_gqa=gqa
-                ),
-                "flex_attention + compile, block-causal (torchtitan's way)": lambda: flex(
-                    q, k, v, block_mask=bm, enable_gqa=gqa
-                ),
-            }
-            want = runs["dense mask SDPA (tpframe's fallback)"]().float()
-            setup = {
-                "tpframe document_attention (varlen Flash), token-major inputs (the model's)": timed(
-                    lambda: Documents.from_tokens(ids, 0)
-                ),
-                "flex_attention + compile, block-causal (torchtitan's way)": timed(block_mask),
-            }
-            for label, fn in runs.items():
-
-                def fwd_bwd(fn=fn, inputs=leaves if "token-major" in label else (q, k, v)):
-                    torch.autograd.grad(fn(), inputs, dout)
-
-                ms = timed(fwd_bwd)
-                with torch.no_grad():
-                    err = float((fn().float() - want).abs().max()) if "whole rows" not in label else float("nan")
-                per_batch = setup.get(label)
-                rows.append(
-                    f"| {name} | {mean} | {len(lengths)} | {label} | {ms:.2f} | "
-                    + (f"{per_batch:.2f}" if per_batch is not None else "-")
-                    + f" | {useful / ms / 1e9:.0f} | "
-                    + ("-" if err != err else f"{err:.1e}")
-                    + " |"
-                )
-                print(rows[-1], flush=True)
-            del q, k, v, dout, bm, leaves, qt, kt, vt
+            rows += attention_case(name, shape, mean, dev, flex)
             torch.cuda.empty_cache()
+    return rows
+
+
+def attention_case(name: str, shape: tuple, mean: int, dev: torch.device, flex) -> list[str]:
+    """Every attention of the table on one shape, documents of mean length `mean`: its rows."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s, nq, nkv, d = shape
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (
+        torch.randn(b, n, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for n in (nq, nkv, nkv)
+    )
+    dout = torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16)
+    ids = torch.ones(b, s, dtype=torch.long)
+    ids.view(-1)[document_ends(b * s, mean)] = 0
+    ids = ids.to(dev)
+    docs = Documents.from_tokens(ids, 0)
+    assert uses_varlen(q, docs), "the variable-length Flash path is not available on this torch"
+    lengths = (docs.cu_seqlens[1:] - docs.cu_seqlens[:-1]).double()
+    useful = 7 * nq * d * float(lengths.square().sum())
+    gqa = nq != nkv
+    doc_ids = docs.ids
+
+    def block_causal(b_, h_, qi, ki):
+        return (qi >= ki) & (doc_ids[b_, qi] == doc_ids[b_, ki])
+
+    def block_mask():
+        return create_block_mask(block_causal, b, None, s, s, device=dev)
+
+    bm = block_mask()
+    # the same values in token-major memory ([b, s, n, d]), as tpframe's attention layer hands them over for
+    # documents: varlen reads them as [b*s, n, d] with no copy, and its gradients go back as they come
+    leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+    qt, kt, vt = (t.transpose(1, 2) for t in leaves)
+    varlen_tm = "tpframe document_attention (varlen Flash), token-major inputs (the model's)"
+    dense = "dense mask SDPA (tpframe's fallback)"
+    flex_label = "flex_attention + compile, block-causal (torchtitan's way)"
+    runs = {
+        "causal, whole rows (no document mask)": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=gqa
+        ),
+        "tpframe document_attention (varlen Flash), head-major inputs (copied)": lambda: document_attention(
+            q, k, v, docs, enable_gqa=gqa
+        ),
+        varlen_tm: lambda: document_attention(qt, kt, vt, docs, enable_gqa=gqa),
+        dense: lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), enable_gqa=gqa),
+        flex_label: lambda: flex(q, k, v, block_mask=bm, enable_gqa=gqa),
+    }
+    want = runs[dense]().float()
+    setup = {varlen_tm: timed(lambda: Documents.from_tokens(ids, 0)), flex_label: timed(block_mask)}
+    rows = []
+    for label, fn in runs.items():
+
+        def fwd_bwd(fn=fn, inputs=leaves if "token-major" in label else (q, k, v)):
+            torch.autograd.grad(fn(), inputs, dout)
+
+        ms = timed(fwd_bwd)
+        with torch.no_grad():
+            err = float((fn().float() - want).abs().max()) if "whole rows" not in label else float("nan")
+        per_batch = setup.get(label)
+        rows.append(
+            f"| {name} | {mean} | {len(lengths)} | {label} | {ms:.2f} | "
+            + (f"{per_batch:.2f}" if per_batch is not None else "-")
+            + f" | {useful / ms / 1e9:.0f} | "
+            + ("-" if err != err else f"{err:.1e}")
+            + " |"
+        )
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -160,54 +161,56 @@ def model_rows(doc_len: int) -> list[str]:
 def cp_rows(doc_len: int, dev: torch.device) -> list[str]:
     """One CP rank's share of packed-document attention (rank 0's two query chunks over the gathered keys of a
     Llama-8B-style row of S = 32768 tokens, 32 heads, GQA 8, d=128): the dense [b, 1, 2c, S] mask (tpframe's path
-    before, and off CUDA) against the variable-length sequences of `Documents.for_cp_rank`. The all-gather is the
-    same for both and not timed."""
+    before, and off CUDA) against the variable-length sequences of `Documents.for_cp_rank`, at cp = 2, 4, 8. The
+    all-gather is the same for both and not timed."""
+    rows = []
+    for cp in (2, 4, 8):
+        rows += cp_case(cp, doc_len, dev)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def cp_case(cp: int, doc_len: int, dev: torch.device) -> list[str]:
     from tpframe.layers import documents
     from tpframe.layers.context import local_positions, shard_sequence
 
     b, s, nq, nkv, d = 1, 32768, 32, 8, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.ones(b, s, dtype=torch.long)
+    ids.view(-1)[document_ends(b * s, doc_len)] = 0
+    ids = ids.to(dev)
+    docs = documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp)
+    q = shard_sequence(
+        torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16), dim=2, rank=0, size=cp
+    ).requires_grad_()
+    kv = torch.randn(2, b, nkv, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+    local = local_positions(s // cp, rank=0, size=cp, device=dev)
+    k_lens = [(c.cu_k[1:] - c.cu_k[:-1]).double() for c in docs.chunks]
+    q_lens = [(c.cu_q[1:] - c.cu_q[:-1]).double() for c in docs.chunks]
+    # useful FLOPs: each query attends its document's earlier keys: 2 GEMMs fwd, 5 bwd, mean keys (lk - lq/2)
+    useful = sum(float((ql * (lk - ql / 2)).sum()) for ql, lk in zip(q_lens, k_lens, strict=True)) * 7 * 2 * nq * d
+
+    def dense():
+        mask = (docs.ids[:, local, None] == docs.ids[:, None, :]) & (local[:, None] >= torch.arange(s, device=dev))
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None], enable_gqa=True)
+
+    def varlen():
+        return documents._varlen_chunks(q, kv, docs.chunks, True)
+
+    want = dense().float()
+    build = timed(lambda: documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp))
     rows = []
-    for cp in (2, 4, 8):
-        g = torch.Generator(device=dev).manual_seed(0)
-        ids = torch.ones(b, s, dtype=torch.long)
-        ids.view(-1)[document_ends(b * s, doc_len)] = 0
-        ids = ids.to(dev)
-        docs = documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp)
-        q = shard_sequence(
-            torch.randn(b, nq, s, d, generator=g, device=dev, dtype=torch.bfloat16), dim=2, rank=0, size=cp
-        ).requires_grad_()
-        kv = torch.randn(2, b, nkv, s, d, generator=g, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        dout = torch.randn_like(q)
-        local = local_positions(s // cp, rank=0, size=cp, device=dev)
-        lengths = (
-            (docs.chunks[0].cu_k[1:] - docs.chunks[0].cu_k[:-1]).double(),
-            (docs.chunks[1].cu_k[1:] - docs.chunks[1].cu_k[:-1]).double(),
+    for label, fn in (("dense mask SDPA (before)", dense), ("varlen Flash, per chunk", varlen)):
+        ms = timed(lambda fn=fn: torch.autograd.grad(fn(), (q, kv), dout))
+        with torch.no_grad():
+            err = float((fn().float() - want).abs().max())
+        rows.append(
+            f"| {cp} | {s // cp} | {doc_len} | {label} | {ms:.2f} | "
+            + (f"{build:.2f}" if "varlen" in label else "-")
+            + f" | {useful / ms / 1e9:.0f} | {err:.1e} |"
         )
-        q_lens = [(c.cu_q[1:] - c.cu_q[:-1]).double() for c in docs.chunks]
-        # useful FLOPs: each query attends its document's earlier keys: 2 GEMMs fwd, 5 bwd, mean keys (lk - lq/2)
-        useful = sum(float((ql * (lk - ql / 2)).sum()) for ql, lk in zip(q_lens, lengths)) * 7 * 2 * nq * d
-
-        def dense():
-            mask = (docs.ids[:, local, None] == docs.ids[:, None, :]) & (local[:, None] >= torch.arange(s, device=dev))
-            return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None], enable_gqa=True)
-
-        def varlen():
-            return documents._varlen_chunks(q, kv, docs.chunks, True)
-
-        want = dense().float()
-        build = timed(lambda: documents.Documents.for_cp_rank(ids, 0, rank=0, size=cp))
-        for label, fn in (("dense mask SDPA (before)", dense), ("varlen Flash, per chunk", varlen)):
-            ms = timed(lambda fn=fn: torch.autograd.grad(fn(), (q, kv), dout))
-            with torch.no_grad():
-                err = float((fn().float() - want).abs().max())
-            rows.append(
-                f"| {cp} | {s // cp} | {doc_len} | {label} | {ms:.2f} | "
-                + (f"{build:.2f}" if "varlen" in label else "-")
-                + f" | {useful / ms / 1e9:.0f} | {err:.1e} |"
-            )
-            print(rows[-1], flush=True)
-        del q, kv, dout
-        torch.cuda.empty_cache()
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -264,11 +267,11 @@ def main() -> int:
         [
             f"## Packed documents (model.attention_mask=document): 1x {device}, {datetime.date.today()}",
             "",
-            f"Command: `{cmd}`. torch {torch.__version__}, bf16, forward + backward, median of 10 calls after 3 warm-up "
-            "calls (CUDA events), random data; documents of 1..2m-1 tokens (mean m) packed into each row. Useful FLOPs "
-            "= 7*nq*d*sum(L_i^2) (causal inside each document); the whole-row causal row does more work than that "
-            "(its TFLOP/s counts the same useful FLOPs). 'build per batch': Documents.from_tokens (one host read-back of "
-            "the boundaries) or flex's create_block_mask, once per micro-batch, not per layer.",
+            f"Command: `{cmd}`. torch {torch.__version__}, bf16, forward + backward, median of 10 calls after 3 "
+            "warm-up calls (CUDA events), random data; documents of 1..2m-1 tokens (mean m) packed into each row. "
+            "Useful FLOPs = 7*nq*d*sum(L_i^2) (causal inside each document); the whole-row causal row does more work "
+            "than that (its TFLOP/s counts the same useful FLOPs). 'build per batch': Documents.from_tokens (one host "
+            "read-back of the boundaries) or flex's create_block_mask, once per micro-batch, not per layer.",
             "",
             *rows,
             *model,

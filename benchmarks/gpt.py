@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
-                                                      #   ACT BIAS PROFILE GRAPH FP8 TP_OVERLAP SM_MARGIN
+                                                      #   ACT BIAS PROFILE GRAPH FP8 SM_MARGIN
                                                       #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
@@ -11,15 +11,12 @@ One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
-with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=symm_mem by torch's fused ops,
-ASYNC_TP=copy_engine by copy-engine pushes (tpframe/layers/async_tp_ce.py), FUSED=0
-turns the Triton rotary and the fused head+loss off (FUSED_OFF=norm,rope,head: some of them; qk_norm: the query/key
-norms out of the rotary kernel, into torch's ops; window: a sliding window as SDPA with the dense band mask, not
-flex_attention; NORM_MIN_NUMEL=n:
-the kernel norms from n elements up), TP_OVERLAP=1 sets comm.overlap_backward=true (the backward's input-gradient
-collective beside the weight gradient instead of after both GEMMs), SM_MARGIN=n comm.overlap_sm_margin (the
-GEMMs beside a collective leave n SMs to it; default 16, as the config). PROFILE=path writes a torch.profiler
-table of one more step there.
+with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=copy_engine by copy-engine pushes
+(tpframe/layers/async_tp_ce.py), FUSED=0 turns the Triton kernels off (FUSED_OFF=norm,rope,head: some of them;
+qk_norm: the query/key norms out of the rotary kernel, into torch's ops; window: a sliding window as SDPA with the
+dense band mask, not flex_attention; NORM_MIN_NUMEL=n: the kernel norms from n elements up), SM_MARGIN=n
+comm.overlap_sm_margin (the GEMMs beside a collective leave n SMs to it; default 32, as the config).
+PROFILE=path writes a torch.profiler table of one more step there.
 The RESULT line ends with the memory one forward holds for its backward (activations, measured once).
 GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
 graph's static buffers) and times its replays: what a training-step CUDA graph would save over launching the same
@@ -27,7 +24,8 @@ kernels one by one. CKPT=full|selective recomputes in backward (parallel.activat
 only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8; TFLOP/s still counts the
 model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
-with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's own work.
+with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's
+own work.
 HEAD_DIM=n gives the heads their own width (model.head_dim), QK_NORM=1 adds Qwen3's per-head query/key norms
 (model.qk_norm), WINDOW=n sliding-window attention (model.sliding_window; TFLOP/s still counts whole-row causal
 attention). DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
@@ -77,9 +75,9 @@ def flag(name: str, default: str = "0") -> bool:
 
 def async_mode() -> str | bool:
     value = os.environ.get("ASYNC_TP", "0")
-    modes = {"0": False, "1": "ring", "ring": "ring", "symm_mem": "symm_mem", "copy_engine": "copy_engine"}
+    modes = {"0": False, "1": "ring", "ring": "ring", "copy_engine": "copy_engine"}
     if value not in modes:
-        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 (ring), ring, symm_mem or copy_engine")
+        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 (ring), ring or copy_engine")
     return modes[value]
 
 
@@ -131,7 +129,6 @@ def run_one() -> None:
     state = initialize_parallel(
         tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))), comm_backend=os.environ.get("COMM", "auto")
     )
-    state.tp_comm.overlap_backward = flag("TP_OVERLAP")  # comm.overlap_backward
     state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 32)  # comm.overlap_sm_margin (its default)
     tp = state.tp
     if env("EMULATE_TP", 0) > 1:
@@ -247,18 +244,16 @@ def run_one() -> None:
     if state.rank == 0:
         from tpframe.layers.linear import async_tp_available
 
-        # else the layers fell back (no symmetric memory for symm_mem, whose ops compiled blocks do not trace; the
-        # ring's and copy_engine's are custom ops there; a CUDA graph captures copy_engine's only)
+        # else the layers fell back (a CUDA graph captures copy_engine's pushes only, not the ring's)
         ran_async = (
             ctx.async_tp
             and async_tp_available(state.tp_comm, inp, ctx.async_tp)
             and (not flag("GRAPH") or ctx.async_tp == "copy_engine")
-            and (ctx.async_tp in ("ring", "copy_engine") or not flag("COMPILE"))
         )
+        fused = f"{int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''}"
         tags = (
             f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
-            f"fused={int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''} fp8={int(flag('FP8'))} ckpt={ckpt} "
-            f"overlap_backward={int(state.tp_comm.overlap_backward)} sm_margin={state.tp_comm.overlap_sm_margin}"
+            f"fused={fused} fp8={int(flag('FP8'))} ckpt={ckpt} sm_margin={state.tp_comm.overlap_sm_margin}"
             + (f" doc_len={doc_len}" if doc_len else "")
         )
         line = (
@@ -272,10 +267,9 @@ def run_one() -> None:
         if not flag("NO_APPEND"):
             with open(Path(__file__).resolve().parent / "RESULTS.md", "a") as f:
                 f.write(
-                    f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} EMULATE_TP={tp} SP={int(sp)} MB={MB} SEQ={S} LAYERS={L} "
-                    f"HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
-                    f"x{state.world_size}, "
-                    f"torch {torch.__version__}:\n  {line}\n"
+                    f"\n- `torchrun benchmarks/gpt.py` env TP={state.tp} EMULATE_TP={tp} SP={int(sp)} MB={MB} SEQ={S} "
+                    f"LAYERS={L} HIDDEN={H} HEADS={NH} on {torch.cuda.get_device_name() if cuda else 'CPU'} "
+                    f"x{state.world_size}, torch {torch.__version__}:\n  {line}\n"
                 )
     destroy_parallel()
 
@@ -415,7 +409,6 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add(f"DTensor TP={tp} + SP, compile", dtensor, tp, TP=str(tp), SP="1", COMPILE="1")
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
-    add(f"tpframe TP={tp} + SP, eager, comm.overlap_backward=true", ours, tp, TP=str(tp), SP="1", TP_OVERLAP="1")
     add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="ring")
     add(
         f"tpframe TP={tp} + SP, eager + async TP (NCCL ring), no SM margin",
@@ -425,14 +418,6 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         SP="1",
         ASYNC_TP="ring",
         SM_MARGIN="0",
-    )
-    add(
-        f"tpframe TP={tp} + SP, eager + async TP (torch's symm_mem ops)",
-        ours,
-        tp,
-        TP=str(tp),
-        SP="1",
-        ASYNC_TP="symm_mem",
     )
     add(f"tpframe TP={tp} + SP, eager + async TP (copy engines)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="copy_engine")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")
@@ -447,6 +432,16 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     )
     if torch.cuda.is_available():
         add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
+        add(
+            f"tpframe TP={tp} + SP, compile + async TP (copy engines), one CUDA graph",
+            ours,
+            tp,
+            TP=str(tp),
+            SP="1",
+            COMPILE="1",
+            GRAPH="1",
+            ASYNC_TP="copy_engine",
+        )
         if torch.cuda.get_device_capability() >= (8, 9):
             add(f"tpframe TP={tp} + SP, fp8, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1", FP8="1")
     if shape != "llama" and peers and (Path("/tmp/site") / "megatron").exists():
@@ -617,11 +612,11 @@ def report(args, rows: dict, tp: int) -> None:
         f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
         f"{datetime.date.today().isoformat()}",
         "",
-        f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} --budget-s {args.budget_s:.0f}` "
-        "(one device call; every job a subprocess on the same machine; single-GPU jobs two at a time, one per "
-        f"GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), 3 warm-up steps then 10 "
-        "timed, random "
-        "tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + 12*L*H*S*T + 6*H*V*T (GPT shapes; the "
+        f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} "
+        f"--budget-s {args.budget_s:.0f}` (one device call; every job a subprocess on the same machine; single-GPU "
+        f"jobs two at a time, one per GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), "
+        "3 warm-up steps then 10 timed, random tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + "
+        "12*L*H*S*T + 6*H*V*T (GPT shapes; the "
         "Llama shape counts its SwiGLU and GQA matmuls), T = MB*S tokens per TP group; TFLOP/s per GPU = FLOPs / "
         "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
         "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2; the Llama shape's peers are "

@@ -155,8 +155,10 @@ def main() -> int:
     device = torch.cuda.get_device_name(dev)
     text = (
         f"## Mixture-of-experts layer, forward+backward: tpframe vs plain-torch peers, 1x {device}, "
-        f"{datetime.date.today()}\n\nCommand: `python benchmarks/moe.py --iters {args.iters}`; torch {torch.__version__}, "
-        "bf16. See the script's docstring for the runs and the FLOP count.\n\n" + "\n".join(lines) + "\n"
+        f"{datetime.date.today()}\n\nCommand: `python benchmarks/moe.py --iters {args.iters}`; "
+        f"torch {torch.__version__}, bf16. See the script's docstring for the runs and the FLOP count.\n\n"
+        + "\n".join(lines)
+        + "\n"
     )
     report(text, args.results, append=not args.no_append)
     dist.destroy_process_group()

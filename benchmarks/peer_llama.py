@@ -200,7 +200,8 @@ loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 if rank == 0:
     print(
         f"RESULT llama-peer tp={TP} sp={int(SP and TP > 1)} compile={int(COMPILE)} async_tp={int(ASYNC_TP)} "
-        f"mb={MB} seq={S} L={L} H={H} kv_heads={NKV} flops/token={per_token}: step {dt * 1e3:.1f} ms, {T / dt:.0f} tok/s per TP group, "
+        f"mb={MB} seq={S} L={L} H={H} kv_heads={NKV} flops/token={per_token}: step {dt * 1e3:.1f} ms, "
+        f"{T / dt:.0f} tok/s per TP group, "
         f"{flops / dt / TP / 1e12:.1f} TFLOP/s per GPU, mem {mem:.1f} GiB, loss {loss.item():.3f}",
         flush=True,
     )

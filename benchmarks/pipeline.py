@@ -19,11 +19,11 @@ F, B, W costs: (p-1)/(m+p-1) for 1F1B and AFAB, (p-1)/(v*m+p-1) interleaved, (p-
 Keys (argv key=value, or env in upper case): hidden layers heads seq vocab mb gbs steps warmup dtype
 layouts (comma-separated: pp-afab pp-1f1b pp-interleaved pp-zb_h1 tp-sp dp; a non-pipelined one may end in
 +compile (train.compile: every block compiled) and/or +graph (train.cuda_graph: forward+backward replayed from CUDA
-graphs, captured in the third warm-up step, so warmup >= 3), e.g. tp-sp,tp-sp+compile,tp-sp+compile+graph) virtual (chunks per rank for
-pp-interleaved) comm nproc row_timeout append (0: print only) fwdbwd (1: the non-pipelined rows also time
-the same model's bare forward+backward, gradients dropped and no optimizer, as benchmarks/gpt.py does, before
-the strategy exists, and the table gives the full step's overhead over it and where it goes: the trainer's
-GPU-timeline phases grad_sync and optim) profile (a path: rank 0 writes a torch.profiler table of one more
+graphs, captured in the third warm-up step, so warmup >= 3), e.g. tp-sp,tp-sp+compile,tp-sp+compile+graph) virtual
+(chunks per rank for pp-interleaved) comm nproc row_timeout append (0: print only) fwdbwd (1: the non-pipelined
+rows also time the same model's bare forward+backward, gradients dropped and no optimizer, as benchmarks/gpt.py
+does, before the strategy exists, and the table gives the full step's overhead over it and where it goes: the
+trainer's GPU-timeline phases grad_sync and optim) profile (a path: rank 0 writes a torch.profiler table of one more
 train step there, one file per layout).
 Appends the table, the command and the device to benchmarks/RESULTS.md.
 """
@@ -422,4 +422,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+    else:
+        main(sys.argv[1:])

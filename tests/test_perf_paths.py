@@ -274,8 +274,9 @@ def test_gpu_timeline_counts_the_collective_time_no_computation_hid(tmp_path):
 
 
 def test_collective_waits_pairs_the_ranks_nccl_kernels(tmp_path):
-    """benchmarks/dp_timeline.py's cross-rank table: the i-th NCCL kernel of each rank's trace is one collective; the
-    rank that starts it earlier waits for the later one (the traces' ts are relative to baseTimeNanoseconds)."""
+    """profiler.collective_waits, across the ranks' traces: the i-th NCCL kernel of each rank's trace is one
+    collective; the rank that starts it earlier waits for the later one (the traces' ts are relative to
+    baseTimeNanoseconds)."""
     import json
 
     from tpframe.observe.profiler import collective_waits
@@ -300,11 +301,6 @@ def test_collective_waits_pairs_the_ranks_nccl_kernels(tmp_path):
     assert waits["median_skew_us"] == 35.0 and waits["start_skew_ms"] == [0.0, 0.01]
     assert [round(x, 6) for x in waits["end_skew_ms"]] == [0.0, 0.0]  # both last events end at 500 us
     assert collective_waits([r0, trace("other.json", 0, [k(ar, 0, 1)])]) is None  # another collective count
-
-    from benchmarks.dp_timeline import waits_table  # the repository root is on sys.path (tests/conftest.py)
-
-    rows = waits_table([r0])
-    assert rows[-1] == "| dp | 2 | 0.1 / 0.0 | 0.1 | 35 | 0.00 / 0.01 | 0.00 / 0.00 |"
 
 
 def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
