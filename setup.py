@@ -18,6 +18,7 @@ setup(
     extras_require={
         # transformers: the Hugging Face export/import tests; tensorboard: logging.tensorboard and its test
         "dev": [
+            "ruff==0.17.6",
             "pytest>=7",
             "pytest-timeout",
             "matplotlib",
