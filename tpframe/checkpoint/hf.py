@@ -32,8 +32,6 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the weight dtypes tpframe converts from
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-__all__ = ["HFMappingError", "HFWeights", "check_hf_dir", "hf_architecture", "hf_config", "model_fields", "to_hf"]
-
 
 # -- the family ------------------------------------------------------------------------------------
 
