@@ -133,10 +133,6 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     source = open_source(args.checkpoint)
-    if source.model.name != "gpt":
-        raise ConfigError(
-            f"the checkpoint's model.name is {source.model.name!r}; generate.py runs the built-in GPT only"
-        )
     check_tp(source.model, tp)
     if args.eot_token is not None and args.tokenizer is None:
         raise ConfigError("--eot-token names the end-of-text token of --tokenizer FILE; pass both, or neither")
@@ -175,11 +171,11 @@ def sampling(args):
 
 def run(plan: Plan) -> list[dict]:
     """Build the TP group and the model, load this rank's shards, generate; returns one record per prompt."""
+    from tpframe.checkpoint.export import copy_logical_tensors
     from tpframe.inference import Generator
-    from tpframe.inference.loading import load_weights, read_weights
-    from tpframe.models import BuildContext
+    from tpframe.inference.loading import read_weights
+    from tpframe.models import BuildContext, build_model
     from tpframe.models.compile import compile_model
-    from tpframe.models.gpt import GPT
     from tpframe.parallel import destroy_parallel, initialize_parallel
 
     args, cfg = plan.args, plan.model
@@ -188,8 +184,13 @@ def run(plan: Plan) -> list[dict]:
     try:
         cuda = state.device.type == "cuda"
         dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
-        model = GPT(cfg, BuildContext(state.tp_comm, dtype=dtype, device=state.device)).eval()
-        load_weights(model, tensors, state.tp_rank, state.tp)
+        model = build_model(cfg, BuildContext(state.tp_comm, dtype=dtype, device=state.device)).eval()
+        if not callable(getattr(model, "kv_cache_spec", None)):
+            raise ConfigError(
+                f"model.name={cfg.name!r} built a {type(model).__name__} without kv_cache_spec(), which generation "
+                "needs (tpframe/models/protocol.py)"
+            )
+        copy_logical_tensors(model, tensors, state.tp_rank, state.tp, source=f"--checkpoint {args.checkpoint!r}")
         del tensors
         if args.compile:
             compile_model(model, mode=args.compile)

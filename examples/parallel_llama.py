@@ -9,7 +9,8 @@ Train it with the same entry point:
     (it sets model.name=examples.parallel_llama:build and the choices this model fixes)
 
 A builder takes (ModelConfig, BuildContext) and returns a module with forward(input_ids, labels) ->
-per-token loss [b, s] and flops_per_token(seq_len) (see tpframe/models/__init__.py).
+per-token loss [b, s] and flops_per_token(seq_len) (tpframe/models/protocol.py); examples/gpt_neox.py is one that
+also generates and has a Hugging Face family.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tpframe.layers.utils import normal_init, scaled_normal_init
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, rope_scaling
 from tpframe.models.gpt import layer_seed, seeded
+from tpframe.models.protocol import ModelSpec
 from tpframe.parallel import recompute
 
 
@@ -124,7 +126,7 @@ FIXED_CHOICES = {
 }
 
 
-def build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
+def _build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     """The builder train.py calls for model.name=examples.parallel_llama:build."""
     wrong = {k: v for k, v in FIXED_CHOICES.items() if getattr(cfg, k) != v}
     if wrong:  # this model fixes these choices: refuse a config that asks for others
@@ -133,5 +135,6 @@ def build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     return ParallelLlama(cfg, ctx)
 
 
-build.supports_recompute_layers = True  # honours ctx.recompute_layers (ctx.selective_recompute it does not)
-build.supports_document_mask = True  # honours model.attention_mask=document
+# what train.py finds at model.name=examples.parallel_llama:build (tpframe/models/protocol.py): the builder and the
+# options it honours, ctx.recompute_layers and model.attention_mask=document (ctx.selective_recompute it does not)
+build = ModelSpec(_build, supports_recompute_layers=True, supports_document_mask=True)

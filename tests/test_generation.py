@@ -513,7 +513,7 @@ def test_a_runs_relative_data_and_tokenizer_paths_resolve_from_any_folder(tmp_pa
 
     from tokenizers import models, pre_tokenizers
 
-    from tpframe.checkpoint.hf import tokenizer_record
+    from tpframe.checkpoint.hf_export import tokenizer_record
     from tpframe.data.tokenizer import HFTokenizer, write_token_file
     from tpframe.errors import ConfigError
     from tpframe.inference.loading import ModelSource

@@ -428,7 +428,7 @@ def test_the_runs_tokenizer_ships_with_the_export(tmp_path):
     """A run whose token file was made with a `tokenizers` JSON exports it: AutoTokenizer reads it, same ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from tpframe.checkpoint.hf import tokenizer_record, write_tokenizer
+    from tpframe.checkpoint.hf_export import tokenizer_record, write_tokenizer
     from tpframe.data.tokenizer import write_token_file
 
     text = "the cat sat on the mat . the dog sat on the log ."
@@ -1228,8 +1228,9 @@ def test_sliding_windows_read_as_transformers_reads_them(hf_dirs):
     """Mistral's window is 4096 when config.json gives none; a Qwen's only with use_sliding_window, and in Qwen2/Qwen3
     only from max_window_layers on (or as layer_types say): in every layer or none, else one line. A model without
     the directory's window is refused naming it."""
-    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, hf_window, read_config
+    from tpframe.checkpoint.hf import HFMappingError, check_model_matches, read_config
     from tpframe.models.config import ModelConfig
+    from tpframe.models.hf.llama import hf_window
 
     mistral = read_config(hf_dirs["mistral"])
     assert hf_window(mistral, "x") == 6

@@ -173,7 +173,7 @@ def check_out(out: str, fmt: str, force: bool = False) -> None:
         )
     if not force:
         from tpframe.checkpoint.export import foreign_export_file
-        from tpframe.checkpoint.hf import foreign_export_dir
+        from tpframe.checkpoint.hf_export import foreign_export_dir
 
         if why := (foreign_export_dir if fmt == "hf" else foreign_export_file)(path):
             refuse_existing(f"--out {out!r}", why)
@@ -182,7 +182,7 @@ def check_out(out: str, fmt: str, force: bool = False) -> None:
 
 def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
     if fmt == "hf":
-        from tpframe.checkpoint.hf import export_hf
+        from tpframe.checkpoint.hf_export import export_hf
 
         info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr), force=force)
         tokenizer = {None: ", no tokenizer files", "byte-level": ", byte-level tokenizer files"}.get(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tpframe.checkpoint.dcp_io import read_full_tensors, read_index
+from tpframe.errors import ConfigError
 from tpframe.parallel.sharding import param_shards
 from tpframe.paths import link_target, refuse_existing, replacing
 
@@ -144,18 +145,18 @@ def copy_logical_tensors(
 ) -> int:
     """Copy this rank's shard of each full logical tensor in `tensors` (read lazily, name by name) into
     `model`; returns the number of logical parameters loaded. A pipeline stage or an expert-parallel rank
-    (`partial`) takes only its own."""
+    (`partial`) takes only its own. ConfigError (one line) for a tensor missing, extra or of another shape."""
     expected, loaded = set(), 0
     for name, param in model.named_parameters():
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
             expected.add(shard.name)
             if shard.name not in tensors:
-                raise ValueError(
+                raise ConfigError(
                     f"{source}: no tensor {shard.name!r}; was it exported from the same model architecture?"
                 )
             full = tensors[shard.name]
             if tuple(full.shape) != shard.global_shape:
-                raise ValueError(
+                raise ConfigError(
                     f"{source}: {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}"
                 )
             target = shard.view(param.detach())
@@ -166,5 +167,5 @@ def copy_logical_tensors(
             loaded += full.numel()
     extra = sorted(set(tensors) - expected)
     if extra and not partial:  # a pipeline stage (an EP rank) holds only some of the tensors
-        raise ValueError(f"{source} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise ConfigError(f"{source} has tensors this model does not: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     return loaded

@@ -87,7 +87,8 @@ def resolve(path: str | Path) -> Path:
     target = path / name
     if not (target / META).exists():
         raise CheckpointError(
-            f"{marker} names {target.name!r}, which is missing or incomplete; point checkpoint.load at an older step_* directory"
+            f"{marker} names {target.name!r}, which is missing or incomplete; point checkpoint.load at an older "
+            "step_* directory"
         )
     return target
 
@@ -218,11 +219,7 @@ def preflight(cfg) -> tuple[Path | None, dict | None]:
     else:
         root = checkpoint_root(cfg)
         if not (cfg.checkpoint.auto_resume and (root / LATEST).exists()):
-            if cfg.checkpoint.init_from:
-                from tpframe.checkpoint.init_from import check_init_from
-
-                check_init_from(cfg)  # a file or HF directory that can become this model
-            return None, None
+            return None, None  # checkpoint.init_from, if any, is checked by tpframe/checkpoint/init_from.py
         path = resolve(root)
     meta = verify(path, cfg.checkpoint.verify)
     check_compatible(cfg, meta)

@@ -18,8 +18,10 @@ from pathlib import Path
 
 from torch import nn
 
-from tpframe.checkpoint.files import CheckpointError
-from tpframe.models.config import ModelConfig, architecture, architecture_diffs
+from tpframe.checkpoint import hf
+from tpframe.checkpoint.export import CheckpointWeights, copy_logical_tensors, safetensors_module
+from tpframe.checkpoint.files import LATEST, META, CheckpointError, resolve, verify
+from tpframe.models.config import ModelConfig, architecture, architecture_diffs, read_model_config
 
 
 def _consolidated_model(path: Path) -> dict | None:
@@ -37,8 +39,6 @@ def _consolidated_model(path: Path) -> dict | None:
 def tpframe_checkpoint(path: Path) -> Path | None:
     """The step directory of a tpframe checkpoint at `path` (a step directory, or a root holding `latest`), or
     None when `path` is not one."""
-    from tpframe.checkpoint.files import LATEST, META, resolve
-
     if path.is_dir() and ((path / META).is_file() or (path / LATEST).is_file()):
         return resolve(path)
     return None
@@ -55,8 +55,6 @@ def _refuse_other_model(key: str, m: ModelConfig, arch: dict, recorded: dict, so
 
 def check_init_from(cfg) -> None:
     """One CheckpointError for an init_from that cannot become this run's model."""
-    from tpframe.checkpoint import hf
-
     path = Path(cfg.checkpoint.init_from)
     key = f"checkpoint.init_from={str(path)!r}"
     if hf.is_hf_dir(path):
@@ -64,8 +62,6 @@ def check_init_from(cfg) -> None:
         return
     step = tpframe_checkpoint(path)
     if step is not None:
-        from tpframe.checkpoint.files import verify
-
         meta = verify(step, cfg.checkpoint.verify)
         _refuse_other_model(key, cfg.model, meta["architecture"], meta["config"]["model"], "checkpoint")
         return
@@ -79,9 +75,7 @@ def check_init_from(cfg) -> None:
         raise CheckpointError(f"{key} does not exist")
     recorded = _consolidated_model(path)
     if recorded is not None:
-        from tpframe.training.config import from_dict
-
-        theirs = from_dict({"model": recorded}).model
+        theirs = read_model_config(recorded)
         _refuse_other_model(key, cfg.model, architecture(theirs), dataclasses.asdict(theirs), "file")
 
 
@@ -90,9 +84,6 @@ def load_init_from(
 ) -> str:
     """Copy this rank's shards from `path` into `model` (`partial`: a pipeline stage or an expert-parallel
     rank, which holds only some of the tensors); returns what was loaded, for the log."""
-    from tpframe.checkpoint import hf
-    from tpframe.checkpoint.export import copy_logical_tensors, safetensors_module
-
     path = Path(path)
     if hf.is_hf_dir(path):
         config = hf.read_config(path)
@@ -100,8 +91,6 @@ def load_init_from(
         return f"Hugging Face {config['model_type']} model {path} ({n / 1e6:.2f}M parameters)"
     step = tpframe_checkpoint(path)
     if step is not None:
-        from tpframe.checkpoint.export import CheckpointWeights
-
         n = copy_logical_tensors(model, CheckpointWeights(step), tp_rank, tp, source=str(step), partial=partial)
         return f"the weights of checkpoint {step} ({n / 1e6:.2f}M parameters; optimizer, step and data start afresh)"
     tensors = safetensors_module().load_file(str(path))

@@ -44,7 +44,8 @@ class Generation:
 
 
 class Generator:
-    """Generation with `model` (a tpframe GPT built for `comm`'s TP group, eval mode) on `comm`'s ranks.
+    """Generation with `model` (built for `comm`'s TP group, eval mode: tpframe/models/protocol.py's Model, with its
+    kv_cache_spec) on `comm`'s ranks.
 
     vocab_size: ids that may be generated (the model's, or fewer: the tokenizer's). seed: the sampling
     noise generator's seed (the same on every rank). cuda_graph: capture the decode step (CUDA only).
@@ -70,19 +71,18 @@ class Generator:
         stops = () if eos_id is None else sorted({int(eos_id)} if isinstance(eos_id, int) else set(map(int, eos_id)))
         self._stops = set(stops)
         self._stop_ids = torch.tensor(stops, dtype=torch.long, device=self.device).view(1, -1) if stops else None
-        table = model.head if getattr(model, "head", None) is not None else model.embedding
+        rows = next(p.shape[0] for p in model.parameters() if getattr(p, "vocab_rows", None))  # V_padded/tp
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self.sampler = VocabParallelSampler(
             sampling,
             comm,
             vocab_size=vocab_size,
-            rows_per_rank=table.weight.shape[0],
+            rows_per_rank=rows,
             generator=generator,
             device=self.device,
         )
-        first = next(iter(model.blocks.values())).attn
-        self._cache_shape = dict(kv_heads=first.kv_local, head_dim=first.head_dim)
+        self.cache_spec = model.kv_cache_spec()  # tpframe/models/protocol.py
         self._shape = None  # (batch, slots) the buffers below were made for
         self.graph = None
 
@@ -93,13 +93,15 @@ class Generator:
             return
         self.graph = None
         dev = self.device
+        spec = self.cache_spec
         self.cache = KVCache(
-            list(self.model.blocks.keys()),
+            spec.layers,
             batch=batch,
             max_len=slots,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
             dtype=self.dtype,
             device=dev,
-            **self._cache_shape,
         )
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # the decode step's input
         self.out = torch.zeros(batch, slots, dtype=torch.long, device=dev)  # every new token, by step

@@ -5,7 +5,7 @@ the run.
 
     source = open_source("runs/x/checkpoints")     # filesystem only, before any process group
     tensors = read_weights(source)                 # {logical name: full tensor} on the CPU
-    load_weights(model, tensors, tp_rank, tp)      # this rank's piece of each into the model
+    copy_logical_tensors(model, tensors, tp_rank, tp, source=...)  # this rank's piece of each (checkpoint/export.py)
 
 Logical names are those of tpframe.parallel.sharding (fused q/k/v and gate/up split, vocabulary tables
 without padding rows), which do not depend on the layout the checkpoint was written at.
@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from tpframe.checkpoint import resolve, verify
+from tpframe.checkpoint.export import read_model_tensors
+from tpframe.checkpoint.finite import check_finite_weights
+from tpframe.checkpoint.hf import HFWeights, hf_context, is_hf_dir, model_fields, read_config
 from tpframe.errors import ConfigError
-from tpframe.models.config import ModelConfig
-from tpframe.parallel.sharding import param_shards
+from tpframe.models.config import ModelConfig, read_model_config
 
 
 @dataclass
@@ -39,8 +41,6 @@ class ModelSource:
 
 def model_config_from(d: dict, where: str) -> ModelConfig:
     """The recorded `model:` section as a checked ModelConfig (the types and sizes a run's config would need)."""
-    from tpframe.training.config import from_dict
-
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: the recorded model config is a {type(d).__name__}, not a mapping")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -51,7 +51,7 @@ def model_config_from(d: dict, where: str) -> ModelConfig:
             "generate with the tpframe version that wrote it"
         )
     try:
-        cfg = from_dict({"model": d}).model
+        cfg = read_model_config(d)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     bad = [
@@ -69,9 +69,6 @@ def model_config_from(d: dict, where: str) -> ModelConfig:
 def open_source(path: str | Path) -> ModelSource:
     """Find and check the weights at `path` (a step directory, a checkpoints root with `latest`, or a
     .safetensors export); ConfigError when they cannot be used."""
-    from tpframe.checkpoint import resolve, verify
-    from tpframe.checkpoint.hf import is_hf_dir
-
     p = Path(path)
     if (
         p.is_file()
@@ -116,8 +113,6 @@ def open_source(path: str | Path) -> ModelSource:
 def hf_source(path: Path, where: str | None = None) -> ModelSource:
     """An HF model directory: the model its config.json describes (the context is max_position_embeddings), its
     weights' names, shapes and dtypes checked from the safetensors headers; errors begin with `where`."""
-    from tpframe.checkpoint.hf import HFWeights, hf_context, model_fields, read_config
-
     where = where or f"--checkpoint {str(path)!r}"
     config = read_config(path)
     fields = model_fields(config, f"{where}: its config.json")
@@ -144,48 +139,15 @@ def _safetensors_header(path: Path) -> dict:
 def read_weights(source: ModelSource) -> dict[str, torch.Tensor]:
     """Every model tensor in full, on the CPU, by logical name (vocabulary padding removed); ConfigError when
     one holds NaN or inf."""
-    from tpframe.checkpoint.finite import check_finite_weights
-
     if source.kind == "safetensors":
         import safetensors.torch
 
         tensors = safetensors.torch.load_file(str(source.path))
     elif source.kind == "hf":
-        from tpframe.checkpoint.hf import HFWeights
-
         tensors = dict(HFWeights(source.path, source.model))  # views into each HF tensor, read once
     else:
-        from tpframe.checkpoint.export import read_model_tensors
-
         with warnings.catch_warnings():  # DCP notes that it reads without a process group: that is the intent
             warnings.simplefilter("ignore", UserWarning)
             tensors = read_model_tensors(source.path)
     check_finite_weights(tensors.items(), f"--checkpoint {str(source.path)!r}")
     return tensors
-
-
-@torch.no_grad()
-def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], tp_rank: int, tp: int) -> None:
-    """Copy this rank's shard of every logical tensor into `model` (built for TP size `tp`). Vocabulary
-    padding rows keep their zeros. ConfigError when a tensor is missing, extra or of another shape."""
-    expected = set()
-    for name, param in model.named_parameters():
-        for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
-            expected.add(shard.name)
-            full = tensors.get(shard.name)
-            if full is None:
-                raise ConfigError(
-                    f"the weights have no tensor {shard.name!r}; were they written by this model architecture?"
-                )
-            if tuple(full.shape) != shard.global_shape:
-                raise ConfigError(
-                    f"weight {shard.name} has shape {tuple(full.shape)}, this model needs {shard.global_shape}"
-                )
-            target = shard.view(param)
-            if shard.tp_dim is not None:
-                full = full.narrow(shard.tp_dim, shard.offset[shard.tp_dim], target.shape[shard.tp_dim])
-            target.copy_(full)
-    extra = sorted(set(tensors) - expected)
-    if extra:
-        more = " ..." if len(extra) > 5 else ""
-        raise ConfigError(f"the weights hold tensors this model does not have: {extra[:5]}{more}")

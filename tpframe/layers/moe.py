@@ -16,7 +16,7 @@ the share of routed slots that chose expert e, counted over the micro-batch's wh
 over CP; P_e the mean router probability of e). ST-MoE's router z-loss (`z_loss_coeff` times the mean of
 logsumexp(logits)^2) keeps the router's logits small. Both enter training through their gradients only
 (Megatron's MoEAuxLossAutoScaler), so the reported loss stays the language-model loss; `aux_loss_scale` (set
-by the trainer to 1/micro-batches, `set_aux_loss_scale`) weighs them like the micro-batch's loss.
+to 1/micro-batches each step, by GPT.start_step) weighs them like the micro-batch's loss.
 
 DeepSeek-V3's router is the other choice (`score="sigmoid"`, `expert_bias=True`): scores sigmoid(logits), the
 top-k normalized to sum 1 (for k > 1), and auxiliary-loss-free balancing: a per-expert bias, added to the
@@ -167,14 +167,6 @@ def reset_expert_load(layers: list[nn.Module]) -> None:
     for m in layers:
         if isinstance(m, MoE) and m.expert_bias is not None:
             m.expert_load.zero_()
-
-
-def set_aux_loss_scale(model: nn.Module, scale: float) -> int:
-    """Weigh every MoE layer's auxiliary loss gradient by `scale` (1/micro-batches per step); returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for m in layers:
-        m.aux_loss_scale = scale
-    return len(layers)
 
 
 class MoE(nn.Module):

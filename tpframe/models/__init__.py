@@ -1,13 +1,14 @@
-"""Models, and how train.py finds them: `model.name` is "gpt" or "package.module:build_fn".
+"""Models, and how train.py finds them: `model.name` is "gpt" or "package.module:spec".
 
-A model builder has the signature `build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module`, and the
-module it returns must provide
+`spec` is a `ModelSpec` (tpframe/models/protocol.py; a plain builder function is one with the `supports_*` flags
+it carries as attributes). Its builder `build(cfg: ModelConfig, ctx: BuildContext) -> nn.Module` returns a module
+implementing the protocol's `Model`: at least
     forward(input_ids [b, s], labels [b, s]) -> per-token loss [b, s] (fp32)
     flops_per_token(seq_len) -> float         training FLOPs per token of the whole model, for TFLOP/s and MFU
-and tag every parameter with `tp_dim` (tpframe.layers.utils.tag_param; the layers do it for theirs), so
+and tags every parameter with `tp_dim` (tpframe.layers.utils.tag_param; the layers do it for theirs), so
 checkpoints know how each tensor is split.
 
-A model that supports pipeline parallelism (parallel.pp > 1) says so with `build.supports_pipeline = True`
+A model that supports pipeline parallelism (parallel.pp > 1) says so with `supports_pipeline=True`
 and builds only `ctx.stage` (see `Stage` and tpframe/models/gpt.py): the blocks of `stage.layers` under
 their global layer index, the embedding only on the first stage, the final norm, head and loss only on
 the last. Its forward then takes input_ids on the first stage and hidden states [s(/tp), b, h] (in the
@@ -16,9 +17,9 @@ compute dtype) on the others, and returns hidden states of that shape on every s
 embedding) is drawn identically on both and tagged `pipeline_tied = True`: its gradients are summed
 over the two stages every step.
 
-A model that supports context parallelism (parallel.cp > 1) says so with `build.supports_context_parallel
-= True`: it is then given only this CP rank's tokens of each sequence (input_ids and labels [b, S/cp], the
-chunks of tpframe/layers/context.py), places them at their global positions (`local_positions`) and
+A model that supports context parallelism (parallel.cp > 1) says so with `supports_context_parallel=True`: it
+is then given only this CP rank's tokens of each sequence (input_ids and labels [b, S/cp], the chunks of
+tpframe/layers/context.py), places them at their global positions (`local_positions`) and
 attends over the whole sequence through `ctx.cp_comm` (ParallelAttention does, given `cp_comm`); its
 per-token loss is for the local tokens.
 """
@@ -36,8 +37,10 @@ from torch import nn
 from tpframe.comm import Communicator
 from tpframe.errors import ConfigError
 from tpframe.models.config import ModelConfig
+from tpframe.models.protocol import ModelSpec
 from tpframe.parallel.pipeline.layout import ModelChunks, local_stages, split_layers
 from tpframe.parallel.rng import RNGStatesTracker
+from tpframe.parallel.sharding import param_shards
 
 
 @dataclass(frozen=True)
@@ -84,18 +87,27 @@ class BuildContext:
         return self.activation_checkpointing and (self.recompute_layers is None or n < self.recompute_layers)
 
 
-def build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
+def _build_gpt(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     from tpframe.models.gpt import GPT
 
     return GPT(cfg, ctx)
 
 
-build_gpt.supports_pipeline = True  # builds only ctx.stage (see the module docstring)
-build_gpt.supports_selective_recompute = True  # honours ctx.selective_recompute
-build_gpt.supports_recompute_layers = True  # honours ctx.recompute_layers
-build_gpt.supports_context_parallel = True  # honours ctx.cp_comm
-build_gpt.supports_document_mask = True  # honours model.attention_mask=document (tpframe/layers/documents.py)
+def _gpt_family(m: ModelConfig):
+    from tpframe.models.hf import gpt_family
 
+    return gpt_family(m)
+
+
+build_gpt = ModelSpec(
+    _build_gpt,
+    supports_pipeline=True,
+    supports_context_parallel=True,
+    supports_document_mask=True,  # model.attention_mask=document (tpframe/layers/documents.py)
+    supports_selective_recompute=True,
+    supports_recompute_layers=True,
+    hf_family=_gpt_family,
+)
 BUILTIN = {"gpt": build_gpt}
 REQUIRED_METHODS = ("forward", "flops_per_token")
 
@@ -168,7 +180,8 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(model, m, None))]
     if missing:
         raise ConfigError(
-            f"model.name={cfg.name!r} built a {type(model).__name__} without {', '.join(missing)}() (see tpframe/models/__init__.py)"
+            f"model.name={cfg.name!r} built a {type(model).__name__} without {', '.join(missing)}() "
+            "(see tpframe/models/__init__.py)"
         )
     if cfg.sliding_window is not None:  # a model that ignores the window would silently attend past it
         from tpframe.layers.attention import ParallelAttention
@@ -192,6 +205,22 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
             "tpframe.layers.utils.tag_param (tp_dim=None for replicated ones)"
         )
     return model
+
+
+class ShapeComm:
+    """Stands in for a Communicator while a model is built on the meta device: sizes, no collectives."""
+
+    def __init__(self, size: int):
+        self.size, self.rank, self.device = size, 0, torch.device("meta")
+
+
+def logical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every logical tensor of the model `cfg` describes (tpframe.parallel.sharding's names, vocabulary unpadded) and
+    its global shape, in the model's order: from the model itself, built on the meta device."""
+    meta = torch.device("meta")
+    with meta:
+        model = build_model(cfg, BuildContext(ShapeComm(1), device=meta))
+    return {s.name: s.global_shape for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)}
 
 
 def build_stages(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
+import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from tpframe.errors import ConfigError, shown
 from tpframe.layers.embedding import padded_vocab_size
 
 
@@ -201,3 +205,38 @@ def architecture_diffs(mine: ModelConfig, theirs: dict, theirs_model: dict) -> l
 def padded_vocab(m: ModelConfig, tp: int) -> int:
     """Rows of the vocabulary tables at TP size `tp` (a multiple of model.vocab_multiple and of tp)."""
     return padded_vocab_size(m.vocab_size, tp, m.vocab_multiple)
+
+
+def read_model_config(section: dict[str, Any]) -> ModelConfig:
+    """A recorded `model:` section (a checkpoint's meta.json, an export's header) as a ModelConfig, each value checked
+    as a run's config is: ConfigError naming the key. (A small copy of training/config.py's parser, for what loads
+    weights without the training package.)"""
+    hints = typing.get_type_hints(ModelConfig)
+    return ModelConfig(**{key: _typed(value, hints.get(key), f"model.{key}") for key, value in section.items()})
+
+
+def _typed(value: Any, annotation: Any, key: str) -> Any:
+    if annotation is None:
+        raise ConfigError(f"unknown config key {key!r}")
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
+        (option,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return None if value is None else _typed(value, option, key)
+    if typing.get_origin(annotation) is Literal:
+        if value not in typing.get_args(annotation):
+            choices = ", ".join(map(repr, typing.get_args(annotation)))
+            raise ConfigError(f"{key}={shown(value)} is not allowed; choose one of {choices}")
+        return value
+    if annotation in (int, float):
+        number = value
+        if isinstance(value, str):  # YAML reads 1e10 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            if annotation is float:
+                return float(number)
+            if isinstance(number, int) or number.is_integer():
+                return int(number)
+        raise ConfigError(f"{key}={shown(value)} must be {'an integer' if annotation is int else 'a number'}")
+    if not isinstance(value, annotation):  # bool, str
+        raise ConfigError(f"{key}={shown(value)} must be {'true or false' if annotation is bool else 'a string'}")
+    return value

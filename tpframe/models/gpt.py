@@ -36,10 +36,11 @@ from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
 from tpframe.layers.documents import Documents
 from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.linear import enable_async_tp
-from tpframe.layers.moe import MoE
+from tpframe.layers.moe import MoE, reset_expert_load, update_expert_biases
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
 from tpframe.models.config import ModelConfig, ffn_hidden_size, head_dim, moe_ffn_hidden_size, rope_scaling
+from tpframe.models.protocol import KVCacheSpec
 from tpframe.parallel.recompute import RecomputedOutput, recompute, selective_checkpoint
 from tpframe.parallel.rng import RNGStatesTracker
 
@@ -353,3 +354,34 @@ class GPT(nn.Module):
         layer = 2 * (h * (q + 2 * kv) + q * h + mlp) + 4 * seq_len * q
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         return 3.0 * (c.layers * layer + 2 * h * padded)
+
+    # -- what generation and the trainer ask of a model (tpframe/models/protocol.py) ----------------
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = next(iter(self.blocks.values())).attn
+        return KVCacheSpec(tuple(self.blocks.keys()), attn.kv_local, attn.head_dim)
+
+    def _moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
+
+    def start_step(self, micro_batches: int) -> None:
+        """MoE: the load-balancing loss weighed like each micro-batch's loss; the step's expert loads counted anew."""
+        layers = self._moe_layers()
+        for m in layers:
+            m.aux_loss_scale = 1.0 / micro_batches
+        reset_expert_load(layers)
+
+    def finish_step(self, dp_comm) -> dict[str, float]:
+        """MoE with expert biases: after the update, as Megatron-Core does, on the counts of this step only."""
+        load_max = update_expert_biases(self._moe_layers(), dp_comm, self.cfg.moe_expert_bias_rate)
+        return {} if load_max is None else {"moe_load_max": load_max}
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """The last micro-batch's load-balancing loss (and router z-loss, when on), [sum, count] over this stage's
+        MoE layers."""
+        kinds = {"moe_aux_loss": "last_aux_loss", **({"moe_z_loss": "last_z_loss"} if self.cfg.moe_z_loss else {})}
+        out = {}
+        for key, attr in kinds.items() if self.cfg.moe_experts else ():
+            values = [v.float() for m in self._moe_layers() if (v := getattr(m, attr)) is not None]
+            total = torch.stack(values).sum() if values else torch.zeros((), device=self.ctx.device)
+            out[key] = torch.stack([total, torch.tensor(float(len(values)), device=total.device)])
+        return out

@@ -33,13 +33,6 @@ from tpframe.run.run_lock import check_free, run_folders
 DATA_IDENTITY = ("source", "seed", "synthetic_tokens", "valid_fraction")
 
 
-class _ShapeComm:
-    """Stands in for a Communicator while a model is built on the meta device: sizes, no collectives."""
-
-    def __init__(self, size: int):
-        self.size, self.rank, self.device = size, 0, torch.device("meta")
-
-
 def cuda_graph_device_obstacle(cfg, device: str) -> str | None:
     """Why train.cuda_graph cannot run on this machine (no CUDA device; MoE without grouped GEMMs), or None."""
     if device == "cpu":
@@ -101,12 +94,12 @@ def dry_build(cfg) -> nn.Module | None:
     """TP rank 0's model built on the meta device: the builder's own checks run, shapes and parameter
     counts are known, nothing is allocated. None when the builder cannot build on meta (the checks
     that need shapes are then skipped)."""
-    from tpframe.models import BuildContext, build_model
+    from tpframe.models import BuildContext, ShapeComm, build_model
 
     p = cfg.parallel
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" and p.dp_strategy != "fsdp" else torch.float32
     ctx = BuildContext(
-        _ShapeComm(p.tp),
+        ShapeComm(p.tp),
         sequence_parallel=p.sequence_parallel,
         **p.recompute_context(),
         rng_tracker=None,
@@ -424,9 +417,15 @@ def check_checkpoint_files(cfg, path: Path | None, meta: dict | None, *, world_s
 
 
 def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
-    """checkpoint.init_from is a safetensors file with exactly this model's tensors and shapes, all finite."""
+    """checkpoint.init_from can become this model (tpframe/checkpoint/init_from.py); a safetensors file holds exactly
+    this model's tensors and shapes, all finite."""
     file = cfg.checkpoint.init_from
-    if not file or resuming or Path(file).is_dir():  # a Hugging Face directory: tpframe/checkpoint/init_from.py
+    if not file or resuming:
+        return
+    from tpframe.checkpoint.init_from import check_init_from as can_become_this_model
+
+    can_become_this_model(cfg)
+    if Path(file).is_dir():  # a Hugging Face directory or a checkpoint: checked whole above
         return
     key = f"checkpoint.init_from={file!r}"
     try:

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpframe.layers.moe import MoE, reset_expert_load, set_aux_loss_scale, update_expert_biases
 from tpframe.observe.energy import EnergyMeter, sum_over_ranks
 from tpframe.observe.profiler import StepProfiler
 from tpframe.observe.stragglers import StragglerReport
@@ -75,9 +74,6 @@ class Trainer:
         self.profiler = profiler  # the config's `profile` window on this rank, or None
         self.accum = grad_accumulation_steps(cfg, parallel.world_size)
         self.eod_mask = cfg.model.eod_id if cfg.data.eod_mask_loss else None  # labels after it carry no loss
-        # MoE: the load-balancing loss weighed like each micro-batch's loss, and logged (its mean over the layers)
-        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
-        set_aux_loss_scale(model, 1.0 / self.accum)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         self.flops_per_step = model.flops_per_token(cfg.train.seq_len) * self.tokens_per_step
         self.peak_tflops = peak_tflops
@@ -125,15 +121,13 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         loss, grad_norm, apply = self.guard.run_step(self.step + 1, self._attempt)
-        load_max = None
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        finished = {}
         if apply:
             self.progress.mark(self.step + 1, "optimizer")
             self.strategy.step(lr)
-            if cfg.model.moe_expert_bias:  # after the update, as Megatron-Core does; the counts of this step only
-                load_max = update_expert_biases(
-                    self.moe_layers, self.parallel.dp_cp_comm, cfg.model.moe_expert_bias_rate
-                )
+            finish = getattr(self.model, "finish_step", None)  # the model's own after-update work (MoE: expert biases)
+            finished = finish(self.parallel.dp_cp_comm) if finish is not None else {}
         else:
             self.skipped_steps += 1
         self.timers.mark("optim")
@@ -145,38 +139,30 @@ class Trainer:
                 wait()
             self.weight_check.verify(self.step)  # ReplicasDiverged (exit code 3) on every rank, or nothing
         self.tokens_seen += self.tokens_per_step
-        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
-        if self.cfg.model.moe_experts:  # every rank takes part (a stage may hold no MoE layer)
-            metrics.update(self._moe_losses())
-        if load_max is not None:  # the logging rank's layers (its pipeline stage's)
-            metrics["moe_load_max"] = load_max
-        return metrics
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **self._aux_losses(), **finished}
 
-    def _moe_losses(self) -> dict[str, float]:
-        """The last micro-batch's load-balancing loss (and router z-loss, when on), each averaged over every MoE
-        layer of the model and the replicas: one all-reduce."""
-        import torch.distributed as dist
-
-        kinds = {
-            "moe_aux_loss": "last_aux_loss",
-            **({"moe_z_loss": "last_z_loss"} if self.cfg.model.moe_z_loss else {}),
-        }
-        total = torch.zeros(len(kinds), 2, dtype=torch.float32, device=self.parallel.device)
-        for row, attr in enumerate(kinds.values()):
-            values = [getattr(m, attr) for m in self.moe_layers if getattr(m, attr) is not None]
-            if values:
-                total[row, 0], total[row, 1] = torch.stack(values).float().sum(), len(values)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
+    def _aux_losses(self) -> dict[str, float]:
+        """The model's auxiliary losses (MoE: load balancing, router z-loss), each the mean over every rank's layers:
+        summed over a model replica (TP x PP), then over the replicas (DP x CP)."""
+        aux = getattr(self.model, "aux_losses", None)
+        losses = aux() if aux is not None else {}
+        if not losses:
+            return {}
+        total = torch.stack(list(losses.values())).to(self.parallel.device, torch.float32)  # [kinds, (sum, count)]
+        for comm in (self.parallel.mp_comm, self.parallel.dp_cp_comm):
+            if comm.size > 1:
+                total = comm.all_reduce(total, donate=True)
         means = (total[:, 0] / total[:, 1].clamp(min=1)).tolist()
-        return dict(zip(kinds, means))
+        return dict(zip(losses, means))
 
     def _attempt(self) -> tuple[float, float]:
         """One try of the step: (loss averaged over DP, global gradient norm); no update yet."""
         parallel, mark, step = self.parallel, self.progress.mark, self.step + 1
         self.timers.begin()  # a re-run starts the phase times over
         self.strategy.zero_grad()
-        reset_expert_load(self.moe_layers)
+        start = getattr(self.model, "start_step", None)  # the model's own (MoE: loads counted anew, aux losses scaled)
+        if start is not None:
+            start(self.accum)
         mark(step, "forward_backward")
         check, self.replica_check = self.replica_check, None
         batches, extra = self._batches(TimedBatches(self.train_data, self.timers), self.accum)

@@ -45,6 +45,20 @@ class ModelChunks(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         return self.chunks[0].flops_per_token(seq_len)
 
+    # the trainer's hooks (tpframe/models/protocol.py), each chunk's in turn
+    def start_step(self, micro_batches: int) -> None:
+        for chunk in self.chunks:
+            if hasattr(chunk, "start_step"):
+                chunk.start_step(micro_batches)
+
+    def finish_step(self, dp_comm) -> dict[str, float]:
+        done = [chunk.finish_step(dp_comm) for chunk in self.chunks if hasattr(chunk, "finish_step")]
+        return {k: max(d[k] for d in done) for k in done[0]} if done else {}  # e.g. the worst expert load
+
+    def aux_losses(self) -> dict:
+        done = [chunk.aux_losses() for chunk in self.chunks if hasattr(chunk, "aux_losses")]
+        return {k: sum(d[k] for d in done) for k in done[0]} if done else {}  # [sum, count] pairs add up
+
     def forward(self, *args, **kwargs):
         raise RuntimeError("model chunks run through a pipeline schedule (tpframe.parallel.pipeline), not forward()")
 
