@@ -56,38 +56,29 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUresult {rc}")
 
 
-def _handle(stream) -> int:
-    return stream if isinstance(stream, int) else stream.cuda_stream
+def stream_write(stream: int, address: int, value: int) -> None:
+    """When `stream` (a raw stream handle) reaches this point, store `value` (32 bits) at device address `address`
+    (after a fence)."""
+    _check(_driver()["cuStreamWriteValue32_v2"](stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
 
 
-def stream_write(stream, address: int, value: int) -> None:
-    """When `stream` (a torch.cuda.Stream or a raw handle) reaches this point, store `value` (32 bits) at device
-    address `address` (after a fence)."""
-    _check(
-        _driver()["cuStreamWriteValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32"
-    )
+def stream_wait(stream: int, address: int, value: int) -> None:
+    """Work queued on `stream` (a raw stream handle) after this waits until the int32 at `address` is >= `value`
+    (wrap-safe)."""
+    _check(_driver()["cuStreamWaitValue32_v2"](stream, address, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
 
 
-def stream_wait(stream, address: int, value: int) -> None:
-    """Work queued on `stream` (a torch.cuda.Stream or a raw handle) after this waits until the int32 at
-    `address` is >= `value` (wrap-safe)."""
-    _check(
-        _driver()["cuStreamWaitValue32_v2"](_handle(stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
-        "cuStreamWaitValue32",
-    )
-
-
-def stream_take(stream, address: int) -> None:
+def stream_take(stream: int, address: int) -> None:
     """Work queued on `stream` after this waits until the int32 flag at `address` is 1, which it then resets to 0
     (one side of a handshake whose other side sets the flag to 1 with `stream_write`)."""
     stream_wait(stream, address, 1)
     stream_write(stream, address, 0)
 
 
-def stream_copy(stream, dst: int, src: int, nbytes: int) -> None:
-    """Queue a device-to-device copy of `nbytes` on `stream` (raw addresses: what torch's same-device `copy_`
-    calls, without its host cost; a peer's mapped memory as `dst` makes it a copy engine's transfer)."""
-    _check(_driver()["copy"](dst, src, nbytes, _handle(stream)), "cuMemcpyDtoDAsync")
+def stream_copy(stream: int, dst: int, src: int, nbytes: int) -> None:
+    """Queue a device-to-device copy of `nbytes` on `stream` (raw handle and addresses: what torch's same-device
+    `copy_` calls, without its host cost; a peer's mapped memory as `dst` makes it a copy engine's transfer)."""
+    _check(_driver()["copy"](dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
 
 class RawEvent:
