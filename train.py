@@ -155,7 +155,6 @@ def _parallel_state(cfg):
             ep=p.ep,
             comm_backend=cfg.comm.backend,
             timeout_s=cfg.comm.timeout_s,
-            dp_high_priority=p.dp_high_priority,
         )
     except Exception as e:
         if not is_comm_failure(e):
@@ -164,7 +163,6 @@ def _parallel_state(cfg):
             f"the process groups could not be set up within comm.timeout_s={cfg.comm.timeout_s:g}: "
             f"{str(e).strip().splitlines()[0][:200]}"
         ) from None
-    state.tp_comm.overlap_backward = cfg.comm.overlap_backward
     state.tp_comm.overlap_sm_margin = cfg.comm.overlap_sm_margin
     return state
 
@@ -389,7 +387,6 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             overlap_grad_sync=p.overlap_grad_sync,
             overlap_param_gather=p.overlap_param_gather,
             compute_dtype=dtype,
-            dp_comm=p.dp_comm,
             reduce_dtype=getattr(torch, p.grad_reduce_dtype),
         )
         start_step = resume[1]["train"]["step"] if resume[1] else 0

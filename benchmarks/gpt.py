@@ -91,14 +91,14 @@ def emulate_tp(comm, n: int) -> None:
     comm.reduce_scatter = lambda x, dim=0: sum(x.chunk(n, dim))
     comm.all_reduce = lambda x, op="sum", *, donate=False: x if donate else x.clone()
     if comm.device.type == "cuda":  # async_tp=copy_engine: pushes copied into local stand-ins, every wait passed
-        from tpframe.comm.copy_engine import PeerMemory, stream_wait, stream_write
+        from tpframe.comm.peer_memory import PeerMemory, stream_wait, stream_write
         from tpframe.comm.peer_exchange import PeerExchange
 
-        def memory(*, numel: int, flags: int) -> PeerMemory:
+        def memory(*, nbytes: int, flags: int) -> PeerMemory:
             return PeerMemory(
                 0,
                 n,
-                [torch.empty(numel, dtype=torch.uint8, device=comm.device) for _ in range(n)],
+                [torch.empty(nbytes, dtype=torch.uint8, device=comm.device) for _ in range(n)],
                 [torch.zeros(flags, dtype=torch.int32, device=comm.device) for _ in range(n)],
             )
 

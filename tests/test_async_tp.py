@@ -2,13 +2,13 @@
 
 - "ring": the ring all-gather + GEMM and GEMM + ring reduce-scatter equal all-gather / reduce-scatter around one
   GEMM (float64, TP 2 and 4); column + row layers give the plain layers' output and gradients (float32); each
-  transfer starts before a GEMM and is waited for after it (the order that lets the GEMM hide it); train.py with
+  transfer starts before a GEMM and is waited for after it (the order that lets the GEMM hide it), and the column
+  layer's backward starts its input gradient's reduce-scatter between its two GEMMs; train.py with
   parallel.async_tp=ring trains like the plain path.
 - The GEMMs beside a collective in flight leave `comm.overlap_sm_margin` SMs (cuBLASLt's SM count target, set
   around them and restored after): checked by recording the setting at each GEMM of a backward and a ring.
-- "symm_mem": its autograd Functions' math (torch's reference implementations of the fused symm_mem ops standing
-  in for the CUDA ones) equals the plain layers; without symmetric memory the layers fall back, bit for bit, as
-  "copy_engine" does without copy engines (its GPU test: tests/test_async_tp_ce_gpu.py).
+- "copy_engine" without copy engines falls back to the plain path, bit for bit (its GPU test:
+  tests/test_async_tp_ce_gpu.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,18 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close
-from tests.test_linear import _LoggedPending
 from tests.test_perf_paths import GPT_CFG, B, S
+
+
+class _LoggedPending:
+    """A `Pending` whose wait is logged in `events` (as `label`)."""
+
+    def __init__(self, pending, events, label="wait"):
+        self.pending, self.events, self.label, self.work = pending, events, label, pending.work
+
+    def wait(self):
+        self.events.append(self.label)
+        return self.pending.wait()
 
 
 def _fc_pair(comm):
@@ -132,6 +142,13 @@ def _ring_order():
         return _LoggedPending(original(*args, **kwargs), events)
 
     comm.exchange_async = logged
+    original_rs = comm.reduce_scatter_async
+
+    def logged_rs(*args, **kwargs):
+        events.append("rs start")
+        return _LoggedPending(original_rs(*args, **kwargs), events, "rs wait")
+
+    comm.reduce_scatter_async = logged_rs
 
     class GemmLog(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -176,9 +193,10 @@ def test_each_ring_transfer_starts_before_a_gemm_and_is_waited_for_after_it():
     for n, out in (run_distributed(_ring_order, n)[0] for n in (2, 4)):
         _check_hidden(out["column forward (all-gather)"], f"tp={n} column forward", n - 1)
         _check_hidden(out["row forward (reduce-scatter)"], f"tp={n} row forward", n - 1)
-        # backward: the row layer's ring all-gather of dy (the column layer's reduce-scatter is started apart:
-        # tests/test_linear.py checks it)
+        # backward: the row layer's ring all-gather of dy, then the column layer's dX GEMM, its reduce-scatter
+        # started, the dW GEMM beside it, and the wait
         _check_hidden(out["backward"], f"tp={n} backward", n - 1)
+        assert out["backward"][-4:] == ["mm", "rs start", "mm", "rs wait"], (n, out["backward"])
         assert out["column forward (all-gather)"][:2] == ["start", "mm"], "the own block's GEMM must not wait"
 
 
@@ -202,7 +220,6 @@ def test_train_with_ring_async_tp_trains_like_the_plain_path_at_tp2(tmp_path):
 
 
 def _gpu_modes_fall_back_on_cpu():
-    from tpframe.layers import async_tp
     from tpframe.layers.linear import ColumnParallelLinear, async_tp_available
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
@@ -211,7 +228,7 @@ def _gpu_modes_fall_back_on_cpu():
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, GPT_CFG.vocab_size, (B, S), generator=g)
     out = []
-    for mode in (None, "symm_mem", "copy_engine"):
+    for mode in (None, "copy_engine"):
         tracker = seed_parallel_rng(0)
         ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, async_tp=mode or False)
         model = build_model(GPT_CFG, ctx)
@@ -220,8 +237,6 @@ def _gpu_modes_fall_back_on_cpu():
         loss = model(ids, ids)
         loss.mean().backward()
         out.append((loss.detach(), [p.grad for p in model.parameters()]))
-    assert async_tp._FUSED_OPS, "torch.ops.symm_mem's fused ops must be found (only the device rules async TP out here)"
-    assert not async_tp_available(state.tp_comm, torch.zeros(1), "symm_mem"), "CPU has no symmetric memory"
     assert not async_tp_available(state.tp_comm, torch.zeros(1), "copy_engine"), "CPU has no copy engines"
     assert state.tp_comm.peer_exchange() is None
     assert async_tp_available(state.tp_comm, torch.zeros(1), "ring"), "the ring runs wherever the group does"
@@ -232,43 +247,8 @@ def _gpu_modes_fall_back_on_cpu():
 
 
 def test_gpu_async_tp_modes_fall_back_to_the_plain_path_on_cpu():
-    """symm_mem without symmetric memory, copy_engine without copy engines: the plain path, bit for bit."""
+    """copy_engine without copy engines: the plain path, bit for bit."""
     run_distributed(_gpu_modes_fall_back_on_cpu, 2)
-
-
-def _symm_mem_functions_match_plain():
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    from tpframe.layers import linear
-    from tpframe.layers.mappings import scatter_to_sp
-    from tpframe.parallel import initialize_parallel
-
-    # torch's reference (all-gather / reduce-scatter, then matmul) versions of the fused ops; CPU has no CUDA kernels
-    torch.ops.symm_mem.fused_all_gather_matmul = symm_mem._fused_all_gather_matmul_fallback
-    torch.ops.symm_mem.fused_matmul_reduce_scatter = symm_mem._fused_matmul_reduce_scatter_fallback
-    linear.async_tp_available = lambda comm, x, mode="symm_mem": True
-    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
-    fc1, fc2 = _fc_pair(comm)
-    g = torch.Generator().manual_seed(1)
-    x_full, grad_full = torch.randn(8, 3, 16, generator=g), torch.randn(8, 3, 16, generator=g)
-    x0, grad = scatter_to_sp(x_full, comm), scatter_to_sp(grad_full, comm)
-    plain = _run_pair(fc1, fc2, x0, grad, None)
-    fused = _run_pair(fc1, fc2, x0, grad, "symm_mem")
-    fc1.async_tp = "symm_mem"
-    assert "FusedAllGatherLinear" in type(fc1(x0).grad_fn).__name__, "the symm_mem path did not run"
-    for what, a, b in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), fused, plain):
-        assert_close(a, b, 1e-5, f"symm_mem async TP vs plain: {what}", atol=1e-7)
-    return True
-
-
-def test_symm_mem_async_tp_functions_equal_the_plain_sp_layers_at_tp2():
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
-        import pytest
-
-        pytest.skip("this torch has no reference implementation of the fused symm_mem ops")
-    run_distributed(_symm_mem_functions_match_plain, 2)
 
 
 class _FakeBlas:
@@ -307,7 +287,7 @@ def test_gemm_sm_margin_sets_and_restores_the_cublaslt_carveout(monkeypatch):
 
 
 def _margins_seen():
-    """The SM carveout in force at each GEMM of a column layer's backward (overlap_backward) and of the rings."""
+    """The SM carveout in force at each GEMM of a column layer's backward (plain and ring) and of the rings."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tpframe.comm import margin
@@ -328,8 +308,7 @@ def _margins_seen():
             return func(*args, **(kwargs or {}))
 
     out = {}
-    for name, overlap, mode in (("overlap_backward", True, None), ("plain", False, None), ("ring", False, "ring")):
-        comm.overlap_backward = overlap
+    for name, mode in (("plain", None), ("ring", "ring")):
         fc1.async_tp = fc2.async_tp = mode
         y = fc1(x)
         seen.clear()
@@ -347,7 +326,6 @@ def _margins_seen():
 def test_gemms_beside_a_collective_leave_the_sm_margin():
     out = run_distributed(_margins_seen, 2)[0]
     # backward: dX's GEMM, then (collective started) dW's GEMM beside it
-    assert out["overlap_backward: column backward"] == [None, 12], out
     assert out["plain: column backward"] == [None, None], out
     assert out["ring: column backward"] == [None, 12], out
     # tp=2 forward: column ring (own block beside the transfer, then the received block), row ring (the peer's
@@ -356,7 +334,7 @@ def test_gemms_beside_a_collective_leave_the_sm_margin():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
-@pytest.mark.parametrize("mode", ["symm_mem", "copy_engine"])
+@pytest.mark.parametrize("mode", ["copy_engine"])
 def test_gpu_async_tp_modes_are_one_line_and_exit_2_without_cuda(mode, capsys, tmp_path, monkeypatch):
     from tests.training_utils import REPO, torchrun_env
 

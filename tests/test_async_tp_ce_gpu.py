@@ -22,8 +22,8 @@ def _ce_pair(dtype):
     import torch.distributed as dist
 
     from tpframe.comm import Communicator
-    from tpframe.comm.copy_engine import ipc_peer_memory
     from tpframe.comm.peer_exchange import PeerExchange
+    from tpframe.comm.peer_memory import ipc_peer_memory
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -31,7 +31,7 @@ def _ce_pair(dtype):
     torch.cuda.set_device(device)
     comm = Communicator(dist.group.WORLD, backend="nccl", device=device)
     exchange = PeerExchange(
-        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
+        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device),
         rank=rank,
         size=n,
         device=device,
@@ -145,14 +145,14 @@ def _pushes_ahead_of_slow_reads():
     import torch
     import torch.distributed as dist
 
-    from tpframe.comm.copy_engine import ipc_peer_memory
     from tpframe.comm.peer_exchange import PeerExchange
+    from tpframe.comm.peer_memory import ipc_peer_memory
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
     ex = PeerExchange(
-        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device, dtype=torch.uint8),
+        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device),
         rank=rank,
         size=2,
         device=device,

@@ -186,31 +186,11 @@ BAD = [
         ["parallel.dp_strategy=fsdp", "parallel.overlap_param_gather=true"],
         "parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got fsdp)",
     ),
-    (["parallel.dp_comm=ce"], "parallel.dp_comm='ce' is not allowed; choose one of 'nccl', 'copy_engine'"),
-    (
-        ["parallel.dp_strategy=fsdp", "parallel.dp_comm=copy_engine"],
-        "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through FSDP2's own",
-    ),
     (
         ["parallel.grad_reduce_dtype=float16"],
         "parallel.grad_reduce_dtype='float16' is not allowed; choose one of 'float32', 'bfloat16'",
     ),
-    (
-        ["parallel.dp_comm=copy_engine", "parallel.grad_reduce_dtype=bfloat16"],
-        "parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM held); set",
-    ),
-    (
-        ["parallel.dp_strategy=fsdp", "parallel.dp_high_priority=true"],
-        "parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; fsdp syncs",
-    ),
 ]
-if not __import__("torch").cuda.is_available():  # a CUDA-only switch on a machine without CUDA
-    BAD.append(
-        (
-            ["parallel.dp_comm=copy_engine"],
-            "parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; set parallel.dp_comm=nccl",
-        )
-    )
 
 
 @pytest.mark.parametrize("overrides,message", BAD)
@@ -279,43 +259,6 @@ def test_checkpoint_moves_between_strategies_and_dp_sizes(tmp_path):
         assert len(losses) == 5, name
         for i, (a, b) in enumerate(zip(losses, straight[5:])):
             assert abs(a - b) <= 1e-5 * abs(b), f"{name}: step {i + 6} loss {a!r} vs the uninterrupted run's {b!r}"
-
-
-def _copy_engine_fallback():
-    import warnings
-
-    from tpframe.models import BuildContext, build_model
-    from tpframe.models.config import ModelConfig
-    from tpframe.optim import OptimConfig, build_strategy
-    from tpframe.parallel import initialize_parallel, seed_parallel_rng
-
-    state = initialize_parallel(tp=1)
-    model = build_model(
-        ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, max_seq_len=8),
-        BuildContext(state.tp_comm, rng_tracker=seed_parallel_rng(0), device=state.device),
-    )
-    out = {}
-    for name in ("ddp", "zero1"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            s = build_strategy(name, model, OptimConfig(), state, dp_comm="copy_engine")
-        out[name] = (s.grads.sync_engine, s.describe(), [str(w.message) for w in caught])
-    try:
-        build_strategy("ddp", model, OptimConfig(), state, dp_comm="dma")
-    except ValueError as e:
-        out["bad"] = str(e)
-    return out
-
-
-def test_copy_engine_sync_falls_back_to_the_process_group_where_it_cannot_run():
-    """On CPU ranks the copy-engine sync is unavailable: one warning saying why, and the buckets sync over the
-    process group as with parallel.dp_comm=nccl (the GPU tests in test_copy_engine_gpu.py run it)."""
-    for r in run_distributed(_copy_engine_fallback, 2):
-        for name in ("ddp", "zero1"):
-            engine, described, warned = r[name]
-            assert engine == "nccl" and "copy-engine" not in described, (name, described)
-            assert any("parallel.dp_comm=copy_engine is unavailable (needs CUDA devices" in w for w in warned), warned
-        assert r["bad"] == "parallel.dp_comm='dma': choose one of nccl, copy_engine"
 
 
 def test_gpus_without_peer_access_are_named():

@@ -127,48 +127,6 @@ def test_every_dp_strategy_trains_the_same_on_gpu(tmp_path):
     assert losses["ddp"][-1] < losses["ddp"][0] - 0.5
 
 
-def _high_priority_losses(root: str):
-    """ddp and zero1 (param gather overlapped), each with and without parallel.dp_high_priority; what each says."""
-    out = {}
-    for s in ("ddp", "zero1"):
-        for hp in (False, True):
-            trainer = train_in_process(
-                [
-                    "parallel.tp=1",
-                    f"parallel.dp_strategy={s}",
-                    "train.dtype=bfloat16",
-                    "train.steps=6",
-                    "train.micro_batch_size=2",
-                    "parallel.grad_bucket_mb=0.05",
-                    f"parallel.dp_high_priority={str(hp).lower()}",
-                    f"parallel.overlap_param_gather={str(s == 'zero1').lower()}",
-                    f"train.run_dir={root}/{s}{hp}",
-                ],
-                keep_trainer=True,
-            )
-            state = trainer.parallel
-            out[(s, hp)] = (
-                [r["loss"] for r in trainer.history],
-                trainer.strategy.describe(),
-                state.dp_sync_group is not state.dp_cp_group,
-            )
-    return out
-
-
-def test_dp_sync_on_high_priority_streams_trains_the_same(tmp_path):
-    """parallel.dp_high_priority: a DP communicator of its own (high-priority stream) carries the buckets, and the
-    losses are those of the default stream's."""
-    out = run_distributed(_high_priority_losses, 2, str(tmp_path), backend="nccl")[0]
-    for s in ("ddp", "zero1"):
-        (base, said, own), (high, said_hp, own_hp) = out[(s, False)], out[(s, True)]
-        assert not own and own_hp and "high-priority streams" in said_hp and "high-priority" not in said, (
-            said,
-            said_hp,
-        )
-        for step, (a, b) in enumerate(zip(high, base), 1):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{s} step {step}: {a!r} vs {b!r}"
-
-
 def _bucket_means(mode: str):
     """A GradBuffer over NCCL at DP=2 (several buckets, overlapped): the synced buffer, the ranges this rank owns
     (reduce-scatter) and, per weight, its offset and the exact fp32 mean of both ranks' gradients."""

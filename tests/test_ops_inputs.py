@@ -395,7 +395,11 @@ CASES = [
         lambda t, s: (["comm.overlap_sm_margin=-4"], {}),
         "comm.overlap_sm_margin=-4 must be between 0 and 64",
     ),
-    ("async-tp-word", lambda t, s: (["parallel.async_tp=nccl"], {}), "choose true, false or one of 'ring', 'symm_mem'"),
+    (
+        "async-tp-word",
+        lambda t, s: (["parallel.async_tp=nccl"], {}),
+        "choose true, false or one of 'ring', 'copy_engine'",
+    ),
     (
         "fp8-async-tp",
         lambda t, s: (

@@ -46,7 +46,6 @@ class Communicator:
         self, group: dist.ProcessGroup | None = None, backend: str = "auto", device: torch.device | None = None
     ):
         self.group = group if group is not None else dist.group.WORLD
-        self.group_name = getattr(self.group, "group_name", "")  # what torch's symm_mem ops take
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.device = device if device is not None else _default_device()
@@ -57,9 +56,6 @@ class Communicator:
         if self.requested in ("symm", "auto") and self.size > 1:
             self.symm = _try_symm(self.group, self.size, self.device, self.requested)
         self.name = comm_ops.register(self)  # the key of this communicator in the compile-visible ops
-        # layers entering a TP region on this group overlap their input gradient's collective with the weight
-        # gradient in backward (tpframe.layers.mappings.overlaps_entry_grad; the comm.overlap_backward config)
-        self.overlap_backward = False
         # SMs the GEMMs hiding a collective of this group leave to it (tpframe/comm/margin.py; comm.overlap_sm_margin)
         self.overlap_sm_margin = 32
         self._exchange = _UNSET  # async TP's copy-engine transport (peer_exchange), set up at its first use
@@ -84,11 +80,6 @@ class Communicator:
     def use_peer_exchange(self, exchange) -> None:
         """Use `exchange` as this group's copy-engine transport (the one-GPU tests share memory by CUDA IPC)."""
         self._exchange = exchange
-
-    @property
-    def has_symmetric_memory(self) -> bool:
-        """Whether symmetric memory is set up on this group (the condition for async TP's fused ops)."""
-        return self.symm is not None
 
     # -- dispatch -------------------------------------------------------------------------------
     def backend_for(self, op: str, x: torch.Tensor):
@@ -166,19 +157,11 @@ class Communicator:
             self.nccl.all_reduce_(x, op)
         return x
 
-    def all_reduce_async(self, x: torch.Tensor, *, donate: bool = False) -> Pending:
-        """Start a sum all-reduce of `x` and return at once: the caller launches other work (a weight-gradient
+    def reduce_scatter_async(self, x: torch.Tensor) -> Pending:
+        """Start `reduce_scatter(x, dim=0)` and return at once: the caller launches other work (a weight-gradient
         GEMM) while it runs, then `.wait()` gives the result. Eager calls go through NCCL, which runs on its
         own stream with few SMs beside that work; under torch.compile or CUDA-graph capture the call is the
         ordinary one (the result is ready when returned)."""
-        if self.size == 1:
-            return Pending(x)
-        if _in_order_only(x):
-            return Pending(self.all_reduce(x, donate=donate))
-        return Pending(*self.nccl.all_reduce_start(x, donate), keep=x)
-
-    def reduce_scatter_async(self, x: torch.Tensor) -> Pending:
-        """Start `reduce_scatter(x, dim=0)` and return at once; as `all_reduce_async`."""
         if self.size == 1 or _in_order_only(x):
             return Pending(self.reduce_scatter(x))
         _check_split(x, 0, self.size)

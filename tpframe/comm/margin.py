@@ -9,8 +9,8 @@ copy ran on the SMs left free. torch exposes that as cuBLASLt's SM count target 
 honoured by the cuBLASLt path only, so the window also routes plain matmuls there).
 
 `comm.overlap_sm_margin` (Communicator.overlap_sm_margin, default 32) sets `sms` for the GEMMs that hide a TP
-collective: the weight-gradient GEMM beside the input gradient's reduce-scatter (`comm.overlap_backward`) and async
-TP's ring; 0 lets them use every SM. On 2x H200 with NCCL's own kernels (`torchrun --nproc-per-node 2
+collective: async TP's ring, and the column ring's weight-gradient GEMM beside the input gradient's reduce-scatter;
+0 lets them use every SM. On 2x H200 with NCCL's own kernels (`torchrun --nproc-per-node 2
 benchmarks/overlap.py`) the same GEMM beside a 32 MiB send/receive pair (a ring step) took 1.01x of the two one after
 the other with no margin, 0.97x / 0.93x / 0.60x with 8 / 16 / 32 SMs left free; beside a 64 MiB reduce-scatter 0.97x,
 0.91x, 0.87x, 0.73x. GPT-1.3B at TP=2 + SP with the ring: 157.5 ms per forward+backward at margin 0, 158.4 at 16,

@@ -42,7 +42,6 @@ class NcclBackend:
         self._ag_opts = _options(_C10D.AllgatherOptions)
         self._rs_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
         # started collectives (`*_start`): NCCL runs them on its own stream, beside what the caller launches next
-        self._ar_start_opts = _options(_C10D.AllreduceOptions, reduceOp=dist.ReduceOp.SUM, blocking=False)
         self._rs_start_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM, blocking=False)
         # torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single; 2.11 has
         # only the underscored names.
@@ -71,14 +70,9 @@ class NcclBackend:
         _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
 
-    def all_reduce_start(self, x: torch.Tensor, donate: bool = False):
-        """Start a sum all-reduce on NCCL's stream; returns (result, work): `work.wait()` orders the current
-        stream after it. `x` (and the result) must stay alive until then."""
-        out = x if donate and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-        return out, self.group.allreduce([out], self._ar_start_opts)
-
     def reduce_scatter_start(self, x: torch.Tensor):
-        """Start a reduce-scatter on NCCL's stream; returns (result, work), as `all_reduce_start`."""
+        """Start a reduce-scatter on NCCL's stream; returns (result, work): `work.wait()` orders the current
+        stream after it. `x` (and the result) must stay alive until then."""
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
         return out, self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_start_opts)
 

@@ -41,7 +41,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tpframe.comm.copy_engine import PeerMemory, RawEvent, copy_engine_available, stream_copy, stream_take, stream_write
+from tpframe.comm.peer_memory import (
+    PeerMemory,
+    RawEvent,
+    copy_engine_available,
+    stream_copy,
+    stream_take,
+    stream_write,
+    symmetric_peer_memory,
+)
 
 _ALIGN = 16  # bytes: every block starts aligned for any dtype
 
@@ -100,7 +108,7 @@ class PeerExchange:
     """`push({peer: tensor})`: each tensor copied into that peer's region for this rank; returns, per peer, the
     `Incoming` tensor that peer pushes to this rank in its matching call (same shape and dtype: the collectives
     built on it are symmetric). `gather(tensor)`: the all-gather of dim 0 into one of this rank's regions.
-    `memory_factory(numel=, flags=)` allocates a PeerMemory of bytes (a collective).
+    `memory_factory(nbytes=, flags=)` allocates a PeerMemory (tpframe/comm/peer_memory.py; a collective).
 
     Each layer call makes a few pushes, waits and releases, so their host cost counts at small shapes: they work
     on raw stream handles and addresses (ctypes driver calls), not torch's stream and tensor objects. Every op
@@ -132,9 +140,7 @@ class PeerExchange:
                 f"async TP's copy-engine mode is unavailable ({why}); the layers take the plain path", stacklevel=3
             )
             return None
-        from tpframe.comm.copy_engine import symmetric_peer_memory
-
-        factory = functools.partial(symmetric_peer_memory, group, device=device, dtype=torch.uint8)
+        factory = functools.partial(symmetric_peer_memory, group, device=device)
         return cls(factory, rank=dist.get_rank(group), size=dist.get_world_size(group), device=device)
 
     def current(self) -> int:
@@ -199,7 +205,7 @@ class PeerExchange:
             torch.cuda.synchronize(self.device)
             self.memory, self._views = None, {}
         self.slot_bytes = -(-nbytes // _ALIGN) * _ALIGN
-        self.memory = self.factory(numel=self.SLOTS * self.size * self.slot_bytes, flags=2 * self.size * self.SLOTS)
+        self.memory = self.factory(nbytes=self.SLOTS * self.size * self.slot_bytes, flags=2 * self.size * self.SLOTS)
         # every slot starts free: FREE = 1 (peers set it only after this rank's first push, queued after this)
         self.memory.flags[self.rank][self._free(0, 0) :].fill_(1)
         self.sent, self.received = [0] * self.size, [0] * self.size

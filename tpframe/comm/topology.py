@@ -1,6 +1,6 @@
 """Which GPUs a group's ranks sit on and whether they reach each other: the checks before anything maps a peer's
-memory (the symm backend, the copy-engine gradient sync, async TP's copy-engine mode). Reports are plain dicts,
-gathered over the group by the caller: {"host", "uuid", "peers": {uuid: can access}, "nvlink": {uuid: ok} or None}.
+memory (the symm backend, async TP's copy-engine mode). Reports are plain dicts, gathered over the group by the
+caller: {"host", "uuid", "peers": {uuid: can access}, "nvlink": {uuid: ok} or None}.
 """
 
 from __future__ import annotations

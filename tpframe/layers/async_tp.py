@@ -14,23 +14,23 @@ computation via decomposition", ASPLOS 2023):
 Every block's GEMM but the first (all-gather) or last (reduce-scatter) overlaps one transfer. The transfers are
 NCCL send/receive pairs on NCCL's stream (`Communicator.exchange_async`): no staging copy. NCCL's kernels hold SMs
 for the whole transfer, so the GEMMs beside them leave `comm.overlap_sm_margin` SMs free (tpframe/comm/margin.py).
-Three modes:
+Two modes:
     "ring"         these functions (any NCCL or gloo group; the CPU tests run them);
-    "symm_mem"     torch.ops.symm_mem's fused ops (copy-engine transfers over symmetric memory; they copy each
-                   input into a symmetric workspace first; CUDA only);
     "copy_engine"  tpframe/layers/async_tp_ce.py: blocks pushed straight into the peers' memory by the copy
                    engines, read where they land; no SM held by the transfers, no margin (CUDA, one host).
-"symm_mem" runs eagerly only; "copy_engine" is custom ops (async_tp_ce.py), eager and compiled alike. The ring
-also runs inside compiled blocks, as the custom ops below (opaque to Inductor, which fuses what is around them;
-their autograd formulas call each other); under CUDA-graph capture "copy_engine" is captured (its flags return
-to where they started after every exchange), the eager "ring" and "symm_mem" layers take the plain path, and the
-ring's custom ops take one collective and one GEMM.
+"copy_engine" is custom ops (async_tp_ce.py), eager and compiled alike. The ring also runs inside compiled blocks,
+as the custom ops below (opaque to Inductor, which fuses what is around them; their autograd formulas call each
+other); under CUDA-graph capture "copy_engine" is captured (its flags return to where they started after every
+exchange), the eager ring layers take the plain path, and the ring's custom ops take one collective and one GEMM.
 
     torch.ops.tpframe.ring_column_linear(x, w, bias, comm)  -> (all_gather(x), all_gather(x) w^T + bias)
     torch.ops.tpframe.ring_row_linear(x, w, comm)           -> reduce_scatter(x w^T)
 
-Row layer (this module's Functions; the column layer's ring is `_ColumnLinear` in linear.py):
-    forward   y = reduce_scatter(x W^T)       backward  dY = all_gather(dy), dX = dY W (ring), dW = dY^T x
+The eager layers (this module's autograd Functions):
+    column    forward  y = all_gather(x) W^T + b (ring)
+              backward dX = dy W, reduce-scatter(dX) started (NCCL's stream), dW = dy^T all_gather(x) and db beside it
+    row       forward  y = reduce_scatter(x W^T) (ring)
+              backward dY = all_gather(dy), dX = dY W (ring), dW = dY^T x
 """
 
 from __future__ import annotations
@@ -40,38 +40,21 @@ import torch
 from tpframe.comm import Communicator
 from tpframe.comm import ops as comm_ops
 
-MODES = ("ring", "symm_mem", "copy_engine")
-
-
-def _load_fused_ops() -> bool:
-    """torch defines the symm_mem fused ops when torch.distributed._symmetric_memory is imported."""
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    ops = torch.ops.symm_mem
-    return hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
-
-
-_FUSED_OPS = _load_fused_ops()
+MODES = ("ring", "copy_engine")
 
 
 def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
-    torch.compile, not captured in a CUDA graph) at tp > 1; "symm_mem" also needs CUDA with symmetric memory,
-    "copy_engine" CUDA with the group's copy-engine transport (`Communicator.peer_exchange`), and its custom ops
-    also run in compiled blocks (set up before tracing: `enable_async_tp`) and under CUDA-graph capture."""
+    torch.compile, not captured in a CUDA graph) at tp > 1; "copy_engine" needs CUDA with the group's copy-engine
+    transport (`Communicator.peer_exchange`), and its custom ops also run in compiled blocks (set up before
+    tracing: `enable_async_tp`) and under CUDA-graph capture."""
     if comm.size == 1:
         return False
     if mode == "copy_engine":
         if not x.is_cuda:
             return False
         return comm.has_peer_exchange if torch.compiler.is_compiling() else comm.peer_exchange() is not None
-    if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    if mode == "ring":
-        return True
-    return x.is_cuda and comm.has_symmetric_memory and _FUSED_OPS
+    return not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def normalize_mode(value) -> str | None:
@@ -219,6 +202,29 @@ def _mm_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool):
     return g2.t() @ x.reshape(-1, x.shape[-1]), (g2.sum(0) if has_bias else None)
 
 
+class RingAllGatherLinear(torch.autograd.Function):
+    """y = all_gather_sp(x) W^T + b by `ring_all_gather_matmul`. Backward hides dX's reduce-scatter behind the weight
+    gradient: dX = dy W, start reduce-scatter(dX) (NCCL's stream), dW = dy^T all_gather(x) and db while it runs
+    (leaving `comm.overlap_sm_margin` SMs to it), then wait."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        x_full, y = ring_all_gather_matmul(x, weight.t(), comm, bias)
+        ctx.save_for_backward(x_full, weight)
+        ctx.comm = comm
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_full, weight = ctx.saved_tensors
+        pending = ctx.comm.reduce_scatter_async(grad.matmul(weight)) if ctx.needs_input_grad[0] else None
+        g2 = grad.reshape(-1, grad.shape[-1])
+        with ctx.comm.beside(pending):
+            gw = g2.t().mm(x_full.reshape(-1, x_full.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
+        return (pending.wait() if pending is not None else None), gw, gb, None
+
+
 class RingLinearReduceScatter(torch.autograd.Function):
     """y = reduce_scatter_sp(x W^T) by `ring_matmul_reduce_scatter`; backward gathers dy by
     `ring_all_gather_matmul` (dX's GEMM blocks hide it), then dW = dY^T x."""
@@ -233,46 +239,5 @@ class RingLinearReduceScatter(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_full, gx = ring_all_gather_matmul(grad, weight, ctx.comm)
-        gw, _ = _mm_grads(grad_full, x, False)
-        return gx, gw, None
-
-
-class FusedAllGatherLinear(torch.autograd.Function):
-    """y = all_gather_sp(x) W^T + b by torch.ops.symm_mem.fused_all_gather_matmul (mode "symm_mem")."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm):
-        name = comm.group_name
-        x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x.contiguous(), [weight.t()], 0, name)
-        if bias is not None:
-            y = y.add_(bias)
-        ctx.save_for_backward(x_full, weight)
-        ctx.comm, ctx.has_bias = comm, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_full, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        gx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, weight, "sum", 0, ctx.comm.group_name)
-        gw, gb = _mm_grads(grad, x_full, ctx.has_bias)
-        return gx, gw, gb, None
-
-
-class FusedLinearReduceScatter(torch.autograd.Function):
-    """y = reduce_scatter_sp(x W^T) by torch.ops.symm_mem.fused_matmul_reduce_scatter (mode "symm_mem")."""
-
-    @staticmethod
-    def forward(ctx, x, weight, comm):
-        y = torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight.t(), "sum", 0, comm.group_name)
-        ctx.save_for_backward(x, weight)
-        ctx.comm = comm
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        name = ctx.comm.group_name
-        grad_full, (gx,) = torch.ops.symm_mem.fused_all_gather_matmul(grad.contiguous(), [weight], 0, name)
         gw, _ = _mm_grads(grad_full, x, False)
         return gx, gw, None

@@ -17,13 +17,7 @@ import torch
 
 from tpframe.comm import Communicator
 from tpframe.kernels.cross_entropy import logits_grad_, row_stats
-from tpframe.layers.mappings import (
-    copy_to_tp,
-    enter_backward_start,
-    enter_forward,
-    gather_from_sp,
-    overlaps_entry_grad,
-)
+from tpframe.layers.mappings import copy_to_tp, gather_from_sp
 from tpframe.parallel.state import default_tp_comm
 
 
@@ -122,14 +116,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
     """loss[n] = CE(x[n] W^T, target[n]) over the vocab-parallel W, logits kept in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, comm, vocab_size, ignore_index, label_smoothing, chunk, enter):
-        # enter (None, or sequence_parallel as a bool): x [s(/tp), b, h] enters the TP region here, and backward
-        # overlaps the input gradient's collective with the weight gradient (tpframe.layers.mappings)
-        ctx.enter, ctx.comm = enter, comm
-        if enter is not None:
-            x = enter_forward(x, comm, enter)
-            ctx.x_shape = x.shape
-            x = x.reshape(-1, x.shape[-1])
+    def forward(ctx, x, weight, target, comm, vocab_size, ignore_index, label_smoothing, chunk):
         v_local = weight.shape[0]
         start = comm.rank * v_local
         n_valid = max(0, min(v_local, vocab_size - start))  # columns past vocab_size are padding
@@ -163,13 +150,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
             logits, local_target, log_z, scale, ctx.n_valid, ctx.label_smoothing, ctx.vocab_size, ctx.chunk
         )
         grad_x = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
-        pending = None
-        if grad_x is not None and ctx.enter is not None:  # sent while the weight gradient is computed
-            pending = enter_backward_start(grad_x.view(ctx.x_shape), ctx.comm, ctx.enter)
-        with ctx.comm.beside(pending):
-            grad_w = torch.matmul(grad_logits.t(), x) if ctx.needs_input_grad[1] else None
-        grad_x = pending.wait() if pending is not None else grad_x
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        grad_w = torch.matmul(grad_logits.t(), x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def vocab_parallel_head_cross_entropy(
@@ -204,12 +186,9 @@ def vocab_parallel_head_cross_entropy(
             f"({'sequence-parallel, ' if sequence_parallel else ''}{rows} rows) and target "
             f"{tuple(target.shape)} must agree on every dim but the last"
         )
-    # eager training at tp > 1: the entry happens inside the Function, whose backward overlaps its collective
-    enter = sequence_parallel if overlaps_entry_grad(comm) else None
-    if enter is None:
-        x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
-        x = x.reshape(-1, x.shape[-1])
+    x = gather_from_sp(x, comm) if sequence_parallel else copy_to_tp(x, comm, donate_grad=True)
+    x = x.reshape(-1, x.shape[-1])
     loss = _HeadCrossEntropy.apply(
-        x, weight, target.reshape(-1), comm, vocab_size, ignore_index, label_smoothing, chunk, enter
+        x, weight, target.reshape(-1), comm, vocab_size, ignore_index, label_smoothing, chunk
     )
     return loss.view(target.shape)

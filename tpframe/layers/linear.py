@@ -4,17 +4,13 @@ Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is 
 Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
         then the full bias [out] is added once.
 
-Async TP (`async_tp="ring"`, `"symm_mem"` or `"copy_engine"`, with sequence parallelism;
-tpframe/layers/async_tp.py): each GEMM and its sequence collective are one autograd Function (or custom op) whose
-collective is micro-pipelined with the GEMM's blocks:
+Async TP (`async_tp="ring"` or `"copy_engine"`, with sequence parallelism; tpframe/layers/async_tp.py): each GEMM
+and its sequence collective are one autograd Function (or custom op) whose collective is micro-pipelined with the
+GEMM's blocks:
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
-Where it cannot run (tp = 1, no SP, CUDA-graph capture; under torch.compile "symm_mem"; "symm_mem" also without
-symmetric memory, "copy_engine" without the copy-engine transport) the same layers take the plain path below.
-With `comm.overlap_backward` (off by default), in eager training at tp > 1 a column layer's entry into the TP
-region and its GEMM are one autograd Function (`_ColumnLinear`) whose backward starts the input gradient's
-reduce-scatter (all-reduce without SP) on NCCL's stream and computes the weight gradient while it runs, leaving
-`comm.overlap_sm_margin` SMs to the collective (tpframe/comm/margin.py).
+Where it cannot run (tp = 1, no SP, CUDA-graph capture of the eager ring, "copy_engine" without the copy-engine
+transport) the same layers take the plain path below.
 
 `fp8=True`: the plain path's GEMM in float8 (tpframe/layers/fp8.py; not with async TP or deferred weight
 gradients, which the config refuses).
@@ -23,35 +19,29 @@ gradients, which the config refuses).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.kernels import gemv
 from tpframe.layers.async_tp import (
-    FusedAllGatherLinear,
-    FusedLinearReduceScatter,
+    RingAllGatherLinear,
     RingLinearReduceScatter,
     async_tp_available,
     normalize_mode,
-    ring_all_gather_matmul,
     ring_traced,
 )
 from tpframe.layers.async_tp_ce import ce_column, ce_row  # parallel.async_tp=copy_engine
 from tpframe.layers.fp8 import fp8_linear
 from tpframe.layers.mappings import (
     copy_to_tp,
-    enter_backward_start,
-    enter_forward,
     gather_from_sp,
     gather_from_tp,
-    overlaps_entry_grad,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
-from tpframe.parallel.pipeline.weight_grad import deferring, linear
+from tpframe.parallel.pipeline.weight_grad import linear
 from tpframe.parallel.state import default_tp_comm
 
 
@@ -60,36 +50,6 @@ def _check_last_dim(x: torch.Tensor, expected: int, layer: str, what: str) -> No
         raise ValueError(
             f"{layer}: input of shape {tuple(x.shape)} has last dim {x.shape[-1]}, expected {what} = {expected}"
         )
-
-
-class _ColumnLinear(torch.autograd.Function):
-    """y = enter_tp_region(x) W^T + b in one Function, whose backward hides the input gradient's collective
-    behind the weight-gradient GEMM: dX = dY W, start reduce-scatter(dX) (all-reduce without SP), dW = dY^T X
-    and db while it runs, then wait. The separate mappings would run the collective after both GEMMs.
-    `ring` (async TP, with SP): the forward's all-gather is pipelined under the GEMM's blocks as well."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm, sequence_parallel, ring=False):
-        if ring:
-            x, y = ring_all_gather_matmul(x, weight.t(), comm, bias)
-        else:
-            x = enter_forward(x, comm, sequence_parallel)
-            y = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        pending = None
-        if ctx.needs_input_grad[0]:
-            pending = enter_backward_start(grad.matmul(weight), ctx.comm, ctx.sequence_parallel)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        with ctx.comm.beside(pending):
-            gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.needs_input_grad[2] else None
-        return (pending.wait() if pending is not None else None), gw, gb, None, None, None
 
 
 def enter_tp_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
@@ -135,21 +95,17 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
-    `async_tp`: None, "ring", "symm_mem" or "copy_engine" (True = "ring"): the SP all-gather under the GEMM.
+    `async_tp`: None, "ring" or "copy_engine" (True = "ring"): the SP all-gather under the GEMM.
     `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
     mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
     if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
         y = torch.ops.tpframe.ring_column_linear(x, weight, bias, comm.name)[1]
-    elif mode is not None and async_tp_available(comm, x, mode):
-        if mode == "ring":  # its weight gradient is computed in backward, not deferred
-            y = _ColumnLinear.apply(x, weight, bias, comm, True, True)
-        elif mode == "copy_engine":
+    elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
+        if mode == "copy_engine":
             y = ce_column(x, weight, bias, comm)
         else:
-            y = FusedAllGatherLinear.apply(x, weight, bias, comm)
-    elif not entered and not fp8 and not deferring() and overlaps_entry_grad(comm):
-        y = _ColumnLinear.apply(x, weight, bias, comm, sequence_parallel)
+            y = RingAllGatherLinear.apply(x, weight, bias, comm)
     else:
         x = x if entered else enter_tp_region(x, comm, sequence_parallel)
         y = local_linear(x, weight, bias, fp8=fp8, decode_kernel=decode_kernel)
@@ -182,7 +138,7 @@ def row_parallel_linear(
         if mode == "copy_engine":
             y = ce_row(x, weight, comm)
         else:
-            y = (RingLinearReduceScatter if mode == "ring" else FusedLinearReduceScatter).apply(x, weight, comm)
+            y = RingLinearReduceScatter.apply(x, weight, comm)
     else:
         y = local_linear(x, weight, fp8=fp8, decode_kernel=decode_kernel)
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
@@ -344,12 +300,11 @@ class RowParallelLinear(nn.Module):
 
 
 def enable_async_tp(model: nn.Module, mode: bool | str | None = "ring") -> int:
-    """Set async TP's mode ("ring", "symm_mem", "copy_engine"; True = "ring"; None/False: off) in every
-    sequence-parallel linear layer of `model`; returns how many.
+    """Set async TP's mode ("ring", "copy_engine"; True = "ring"; None/False: off) in every sequence-parallel linear
+    layer of `model`; returns how many.
 
-    Layers fall back to the plain path per call where `async_tp_available` says no (tp = 1, compiling,
-    capturing; "symm_mem" also on CPU or without symmetric memory on the group, "copy_engine" on CPU or without
-    the group's copy-engine transport)."""
+    Layers fall back to the plain path per call where `async_tp_available` says no (tp = 1; the eager ring
+    under CUDA-graph capture, "copy_engine" on CPU or without the group's copy-engine transport)."""
     n, mode = 0, normalize_mode(mode)
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:

@@ -14,10 +14,6 @@ Each is an autograd function whose forward and backward collectives go through t
 
 Sequence-parallel activations are sequence-first, [s/tp, b, h], so the split is dim 0.
 
-A GEMM that enters a TP region can take the entry into its own autograd Function (`enter_forward` /
-`enter_backward_start`): its backward then starts the input gradient's collective (reduce-scatter, or
-all-reduce without SP) as soon as that gradient exists and computes the weight gradient while it runs
-(Megatron-LM's overlap of the TP communication in backward; column layers and the fused head).
 The all-reduces take `donate` flags: a layer that knows the tensor is a fresh GEMM output nobody else
 reads lets NCCL reduce it in place (no copy). Under torch.compile every collective is a traced custom op.
 """
@@ -118,31 +114,6 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_gather(grad, dim=0), None
-
-
-def overlaps_entry_grad(comm: Communicator) -> bool:
-    """Whether a GEMM entering a TP region on `comm` should take the entry into its own backward (and overlap
-    the gradient's collective with its weight gradient): eager training at tp > 1, unless the communicator's
-    `overlap_backward` (config comm.overlap_backward) is off. Under torch.compile the separate mappings are
-    traced (custom ops); without grad there is no backward to overlap."""
-    return (
-        comm.size > 1
-        and getattr(comm, "overlap_backward", False)
-        and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-    )
-
-
-def enter_forward(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
-    """The forward of entering a TP region, for use inside an autograd Function: the sequence all-gathered
-    under SP, else `x` itself."""
-    return comm.all_gather(x, dim=0) if sequence_parallel else x
-
-
-def enter_backward_start(grad: torch.Tensor, comm: Communicator, sequence_parallel: bool):
-    """Start the backward of entering a TP region on `grad` (a fresh tensor, given up): reduce-scatter under SP,
-    else all-reduce. Returns a `Pending`; its `wait()` gives the input gradient."""
-    return comm.reduce_scatter_async(grad) if sequence_parallel else comm.all_reduce_async(grad, donate=True)
 
 
 def copy_to_tp(x: torch.Tensor, comm: Communicator, donate_grad: bool = False) -> torch.Tensor:

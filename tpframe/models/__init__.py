@@ -71,8 +71,8 @@ class BuildContext:
     device: torch.device | None = None
     seed: int = 1234
     stage: Stage = field(default_factory=Stage)
-    async_tp: bool | str = False  # with sequence_parallel: GEMMs pipelined with their collectives, "ring" (= True),
-    # "symm_mem" or "copy_engine" (tpframe/layers/async_tp.py)
+    async_tp: bool | str = False  # with sequence_parallel: GEMMs pipelined with their collectives, "ring" (= True)
+    # or "copy_engine" (tpframe/layers/async_tp.py)
     fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
     cp_comm: Communicator | None = None  # context parallelism (needs supports_context_parallel): the CP group
     ep_comm: Communicator | None = None  # expert parallelism (MoE models): the group that splits the experts

@@ -30,13 +30,10 @@ def build_strategy(
     overlap_grad_sync: bool = True,
     overlap_param_gather: bool = False,
     compute_dtype: torch.dtype = torch.float32,
-    dp_comm: str = "nccl",
     reduce_dtype: torch.dtype = torch.float32,
 ) -> GradStrategy:
     """The strategy `name` over `model` (built already; fsdp shards it in place)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
-    if dp_comm != "nccl" and name == "fsdp":
-        raise ValueError(f"parallel.dp_comm={dp_comm} is for ddp and zero1; fsdp syncs through FSDP2's own NCCL calls")
     if name == "ddp":
         from tpframe.optim.ddp import DDPStrategy
 
@@ -46,7 +43,6 @@ def build_strategy(
             parallel,
             bucket_bytes=bucket_bytes,
             overlap=overlap_grad_sync,
-            dp_comm=dp_comm,
             reduce_dtype=reduce_dtype,
         )
     if name == "zero1":
@@ -59,7 +55,6 @@ def build_strategy(
             bucket_bytes=bucket_bytes,
             overlap=overlap_grad_sync,
             overlap_param_gather=overlap_param_gather,
-            dp_comm=dp_comm,
             reduce_dtype=reduce_dtype,
         )
     if name == "fsdp":

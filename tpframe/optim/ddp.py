@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.optim.strategy import (
@@ -46,7 +45,6 @@ class DDPStrategy(GradStrategy):
         *,
         bucket_bytes: int = 40 * 2**20,
         overlap: bool = True,
-        dp_comm: str = "nccl",
         reduce_dtype: torch.dtype = torch.float32,
     ):
         self.parallel = parallel
@@ -57,19 +55,13 @@ class DDPStrategy(GradStrategy):
         self.expert_params = [p for p in self.params if getattr(p, "expert", False)] if parallel.ep > 1 else []
         self._expert_ids = {id(p) for p in self.expert_params}
         dense = [p for p in self.params if id(p) not in self._expert_ids]
-        # parallel.dp_comm=copy_engine: the dense buckets sync by copy engines (tpframe/comm/copy_engine.py)
-        peer = dp_peer_memory(
-            dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device, timeout_s=parallel.timeout_s
-        )
         self.grads = GradBuffer(
             dense,
-            parallel.dp_sync_group or parallel.dp_cp_group,
+            parallel.dp_cp_group,
             dp_size=parallel.dp_cp,
             bucket_bytes=bucket_bytes,
             overlap=overlap,
             mode="all_reduce",
-            peer_memory=peer,
-            high_priority=parallel.dp_high_priority,
             reduce_dtype=reduce_dtype,
         )
         self.expert_grads = None
@@ -175,10 +167,8 @@ class DDPStrategy(GradStrategy):
     def describe(self) -> str:
         n = sum(len(g.buckets) for g in self.buffers)
         experts = f", experts over ep={self.parallel.ep}" if self.expert_grads is not None else ""
-        engine = ", copy-engine sync" if self.grads.sync_engine == "copy_engine" else ""
-        engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
-        engine += ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
+        reduced = ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
         return (
             f"ddp ({n} gradient bucket{'s' * (n != 1)}, overlap {'on' if self.grads.overlap else 'off'}"
-            f"{engine}{experts})"
+            f"{reduced}{experts})"
         )

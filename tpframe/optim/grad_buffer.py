@@ -25,12 +25,6 @@ the write-back are queued at the bucket's launch on a stream of their own (one b
 the backward's stream does none of that work; `finish_sync` makes the compute stream wait for it. The rounding is
 memory-bound: ~1.3% of a GPT-1.3B step on an H100 wherever it runs (benchmarks/RESULTS.md).
 
-With `peer_memory` (parallel.dp_comm=copy_engine) the buffer lives in memory every DP rank can address and
-each bucket is synced by the copy engines instead of NCCL (tpframe/comm/copy_engine.py): no SM is held
-while the bytes move, so the sync does not slow the backward GEMMs it hides behind. Its stream operations are
-the same every step, so a CUDA-graphed step captures it, overlapped, inside the last micro-batch's backward
-(`sync_in_graph`; tpframe/parallel/graphed.py); the NCCL collectives run after the replays instead.
-
 Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
 so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
 """
@@ -114,8 +108,6 @@ class GradBuffer:
         overlap: bool = True,
         mode: str = "all_reduce",
         average_over: int | None = None,
-        peer_memory=None,
-        high_priority: bool = False,
         reduce_dtype: torch.dtype = torch.float32,
     ):
         if mode not in ("all_reduce", "reduce_scatter"):
@@ -124,15 +116,12 @@ class GradBuffer:
             raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"gradients are reduced in float32 or bfloat16, got {reduce_dtype}")
-        if reduce_dtype != torch.float32 and peer_memory is not None and dp_size > 1:
-            raise ValueError("the copy-engine sync reduces in float32; reduce in bfloat16 through the process group")
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("GradBuffer needs at least one parameter that requires grad")
         self.params = list(reversed(params))  # backward produces the last layers' grads first
         self.dp_group, self.dp_size, self.dp_rank, self.overlap, self.mode = dp_group, dp_size, dp_rank, overlap, mode
         self.reduce_dtype = reduce_dtype
-        self.high_priority = high_priority
         self._wire_stream = None  # CUDA, reduce_dtype != fp32: where buckets are rounded, reduced and written back
         # the sum over the group is divided by this: dp_size, or more where the group is a subset of the ranks
         # whose losses are averaged (expert parallelism: experts replicated over dp*cp/ep ranks only)
@@ -167,25 +156,8 @@ class GradBuffer:
             if offset - start >= limit or i == len(self.params) - 1 or tied:
                 close()
         self.numel = self.buckets[-1].stop
-        device = self.params[0].device
-        self._ce = None  # the copy-engine sync (peer_memory given, dp_size > 1)
-        if peer_memory is not None and dp_size > 1:
-            from tpframe.comm.copy_engine import CopyEngineSync
-
-            ranges = [(b.start, b.stop) for b in self.buckets]
-            memory = peer_memory(numel=self.numel, flags=CopyEngineSync.flags_needed(len(ranges), dp_size))
-            if mode == "reduce_scatter" and memory.rank != dp_rank:
-                raise ValueError(f"peer memory rank {memory.rank} is not this buffer's DP rank {dp_rank}")
-            self._ce = CopyEngineSync(
-                memory,
-                ranges,
-                scatter_only=mode == "reduce_scatter",
-                scale=1.0 / self.average_over,
-                high_priority=high_priority,
-            )
-            self.buffer = self._ce.buffer  # zeroed; padding stays zero
-        else:
-            self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)  # padding stays zero
+        # padding stays zero
+        self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.params[0].device)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._position = {id(p): i for i, p in enumerate(self.params)}
         for p in self.params:
@@ -213,8 +185,6 @@ class GradBuffer:
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
-        if self._ce is not None:
-            self._ce.finish()
         if self._wire_stream is not None:  # every bucket's rounding, collective and write-back were queued there
             torch.cuda.current_stream(self.buffer.device).wait_stream(self._wire_stream)
         for b in self.buckets:
@@ -224,24 +194,16 @@ class GradBuffer:
             if b.wire is not None:
                 self._write_back(b)
 
-    @property
-    def sync_in_graph(self) -> bool:
-        """Whether a CUDA graph may capture this buffer's DP sync (the copy-engine one; see the module docstring)."""
-        return self._ce is not None
-
     def host_state(self) -> tuple:
         """The host bookkeeping of this step so far: per bucket which params have no gradient yet, whether it was
-        launched and how many gradients it still waits for; whether syncing; the copy-engine sync's own. A
-        CUDA-graphed schedule restores it after each replay, since the hooks that keep it do not run then."""
-        buckets = [(set(b.fresh), b.launched, b.pending) for b in self.buckets]
-        return buckets, self.syncing, self._ce.host_state() if self._ce is not None else None
+        launched and how many gradients it still waits for; whether syncing. A CUDA-graphed schedule restores it
+        after each replay, since the hooks that keep it do not run then."""
+        return [(set(b.fresh), b.launched, b.pending) for b in self.buckets], self.syncing
 
     def set_host_state(self, state: tuple) -> None:
-        buckets, self.syncing, ce = state
+        buckets, self.syncing = state
         for b, (fresh, launched, pending) in zip(self.buckets, buckets, strict=True):
             b.fresh, b.launched, b.pending = set(fresh), launched, pending
-        if self._ce is not None:
-            self._ce.set_host_state(ce)
 
     def _accumulate(self, p: nn.Parameter) -> None:
         b = self.bucket_of[p]
@@ -267,9 +229,6 @@ class GradBuffer:
         if self.events is not None:
             self.events.append(("launch", b.index))
         data = self.buffer[b.start : b.stop]
-        if self._ce is not None:
-            self._ce.launch(b.index)  # averages in its reduction
-            return
         if self.average_over > 1 and not self._avg_in_collective:
             data.mul_(1.0 / self.average_over)  # average in fp32 (exact for powers of two)
         if self.dp_size == 1:
@@ -281,8 +240,7 @@ class GradBuffer:
             b.work = self._collective(b, b.wire)
         else:  # all of it on the wire stream, after what the compute stream has queued so far (this bucket's grads)
             if self._wire_stream is None:
-                priority = torch.cuda.Stream.priority_range()[1] if self.high_priority else 0
-                self._wire_stream = torch.cuda.Stream(self.buffer.device, priority=priority)
+                self._wire_stream = torch.cuda.Stream(self.buffer.device)
             self._wire_stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
             with torch.cuda.stream(self._wire_stream):
                 b.wire = data.to(self.reduce_dtype)  # allocated on the wire stream, used only there
@@ -313,11 +271,6 @@ class GradBuffer:
     def shards(self) -> list[torch.Tensor]:
         """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
         return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
-
-    @property
-    def sync_engine(self) -> str:
-        """What moves this buffer's DP traffic: "copy_engine" or "nccl" (the process group's collectives)."""
-        return "copy_engine" if self._ce is not None else "nccl"
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpframe.comm.copy_engine import dp_peer_memory
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.optim.strategy import (
@@ -88,7 +87,6 @@ class Zero1Strategy(GradStrategy):
         bucket_bytes: int = 40 * 2**20,
         overlap: bool = True,
         overlap_param_gather: bool = False,
-        dp_comm: str = "nccl",
         reduce_dtype: torch.dtype = torch.float32,
     ):
         self.parallel = parallel
@@ -103,15 +101,11 @@ class Zero1Strategy(GradStrategy):
         self.parts = [
             self._shard(
                 [p for p in params if id(p) not in experts],
-                parallel.dp_sync_group or parallel.dp_cp_group,
+                parallel.dp_cp_group,
                 parallel.dp_cp,
                 parallel.dp_cp_rank,
                 bucket_bytes=bucket_bytes,
                 overlap=overlap,
-                peer_memory=dp_peer_memory(
-                    dp_comm, parallel.dp_cp_group, parallel.dp_cp, parallel.device, timeout_s=parallel.timeout_s
-                ),
-                high_priority=parallel.dp_high_priority,
                 reduce_dtype=reduce_dtype,
             )
         ]
@@ -149,8 +143,6 @@ class Zero1Strategy(GradStrategy):
         bucket_bytes: int,
         overlap: bool,
         average_over: int | None = None,
-        peer_memory=None,
-        high_priority: bool = False,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> Sharded:
         """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
@@ -163,8 +155,6 @@ class Zero1Strategy(GradStrategy):
             overlap=overlap,
             mode="reduce_scatter",
             average_over=average_over,
-            peer_memory=peer_memory,
-            high_priority=high_priority,
             reduce_dtype=reduce_dtype,
         )
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
@@ -317,9 +307,7 @@ class Zero1Strategy(GradStrategy):
 
     def describe(self) -> str:
         gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
-        engine = ", copy-engine reduce-scatter" if self.grads.sync_engine == "copy_engine" else ""
-        engine += ", high-priority streams" if self.parallel.dp_high_priority else ""
-        engine += ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
+        reduced = ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
         n = sum(len(part.grads.buckets) for part in self.parts)
         experts = (
             f", experts over ep={self.parallel.ep} and their {self.parallel.edp} replicas"
@@ -328,5 +316,5 @@ class Zero1Strategy(GradStrategy):
         )
         return (
             f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "
-            f"{n} gradient bucket{'s' * (n != 1)}{engine}{gather})"
+            f"{n} gradient bucket{'s' * (n != 1)}{reduced}{gather})"
         )

@@ -3,22 +3,18 @@
 short (small models, small micro-batches) and costs nothing measurable at GPT-1.3B (benchmarks/RESULTS.md).
 
 The first `warmup_steps` optimizer steps run eagerly (compilation, cuBLAS and NCCL set-up, the
-Communicator's plans). The next step captures up to three graphs into one memory pool, reading static
+Communicator's plans). The next step captures up to two graphs into one memory pool, reading static
 input buffers the batches are copied into:
   - "first": the step's first micro-batch, whose gradient hooks *copy* into the fp32 `main_grad`
     (the gradient buffer's lazy zeroing, tpframe.optim.grad_buffer);
-  - "rest": any later micro-batch, whose hooks *add*;
-  - "+sync" on either: the step's last micro-batch with the DP gradient sync inside, each bucket launched
-    as its last gradient lands (overlapped with the rest of backward, as eagerly), where the gradient
-    buffer's sync can be captured (`sync_in_graph`: parallel.dp_comm=copy_engine).
+  - "rest": any later micro-batch, whose hooks *add*.
 Python does not run on a replay, so the gradient buffer's own bookkeeping (which params still have a
-stale `main_grad`, which buckets were launched) is set after each replay to what it was after the capture.
+stale `main_grad`) is set after each replay to what it was after the capture.
 
-What the graphs hold: forward, backward, the gradient accumulation, the TP collectives (the
-Communicator picks its graph-mode backend during capture) and the copy-engine DP sync. What they do not:
-an NCCL DP gradient sync, which runs after the last replay in `finish_grad_sync` (no overlap with
-backward: at the shapes where graphs pay, the gradients are small), clipping and the optimizer step; the
-host's bounded wait for a captured copy-engine sync is in `finish_grad_sync` too. Not random: dropout must be 0
+What the graphs hold: forward, backward, the gradient accumulation and the TP collectives (the
+Communicator picks its graph-mode backend during capture). What they do not: the DP gradient sync, which
+runs after the last replay in `finish_grad_sync` (no overlap with backward: at the shapes where graphs pay,
+the gradients are small), clipping and the optimizer step. Not random: dropout must be 0
 (the TP RNG tracker swaps generator states on the host, which a replay cannot repeat), so activation
 recompute does not save RNG states (tpframe.parallel.recompute, `preserve_rng=False`).
 
@@ -178,15 +174,6 @@ class GraphedForwardBackward:
 
         return forward_backward_no_pipelining(model, _Rest(), num_micro_batches, grad_sync=grad_sync, device=device)
 
-    @staticmethod
-    def _keys(num_micro_batches: int, sync_in_graph: bool) -> list[str]:
-        """The graph each micro-batch replays: "first" / "rest", the last with "+sync" when the DP sync is
-        captured."""
-        keys = ["first"] + ["rest"] * (num_micro_batches - 1)
-        if sync_in_graph:
-            keys[-1] += "+sync"
-        return keys
-
     def _capture(
         self,
         model: nn.Module,
@@ -198,7 +185,7 @@ class GraphedForwardBackward:
     ) -> None:
         """Capture each graph the step's micro-batches replay (`keys`), in step order; the buffer's bookkeeping is
         left as it was (a step's start: every main_grad stale, nothing launched), since capturing runs no kernel."""
-        self.keys = keys = self._keys(num_micro_batches, buffer.sync_in_graph)
+        self.keys = keys = ["first"] + ["rest"] * (num_micro_batches - 1)  # the graph each micro-batch replays
         self.inputs = torch.empty_like(input_ids, device=device)
         self.labels = torch.empty_like(labels, device=device)
         at_start = buffer.host_state()
@@ -208,15 +195,10 @@ class GraphedForwardBackward:
         try:
             for which in dict.fromkeys(keys):  # distinct, in step order
                 graph = torch.cuda.CUDAGraph()
-                sync = which.endswith("+sync")
                 # thread-local: a background checkpoint writer may touch CUDA while this thread captures
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     loss = model(self.inputs, self.labels).mean() / num_micro_batches
-                    if sync:
-                        buffer.start_sync()
                     loss.backward()
-                    if sync:
-                        buffer.finish_sync()  # queues what is left; the host's wait comes after the replay
                 pool = graph.pool()
                 self.graphs[which], self.losses[which] = graph, loss.detach()
                 self.state_after[which] = buffer.host_state()

@@ -137,12 +137,7 @@ class ParallelState:
     ep_ranks: list[int] = field(default_factory=list)
     edp_group: dist.ProcessGroup | None = None  # an expert's replicas: its gradients reduce here
     edp_comm: Communicator | None = None
-    # the DP x CP gradient sync's group: dp_cp_group, or (dp_high_priority on CUDA) the same ranks in a NCCL
-    # communicator whose stream has high priority
-    dp_sync_group: dist.ProcessGroup | None = None
-    dp_high_priority: bool = False
     owns_world: bool = False
-    timeout_s: float | None = None  # comm.timeout_s: the bound on every collective (None: torch's default)
     rng_tracker: object | None = None  # an RNGStatesTracker, set by tpframe.parallel.rng.seed_parallel_rng
     _groups: list = field(default_factory=list, repr=False)
 
@@ -196,16 +191,14 @@ def initialize_parallel(
     *,
     cp: int = 1,
     ep: int = 1,
-    dp_high_priority: bool = False,
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
     `cp` is the context-parallel size (each sequence split over that many ranks); `ep` the expert-parallel
-    size (MoE experts split over that many ranks of dp x cp). `dp_high_priority` (CUDA): the gradient sync's
-    group (`dp_sync_group`) is a NCCL communicator of its own over the dp x cp ranks, on a high-priority stream.
-    `backend` is the
-    torch.distributed backend used if the world is not up yet (default: nccl with CUDA, else gloo).
-    `comm_backend` picks the TP communicator backend (auto/nccl/symm). `timeout_s` bounds every collective of every group built here (and of the world, if built here).
+    size (MoE experts split over that many ranks of dp x cp). `backend` is the torch.distributed backend used if
+    the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend` picks the TP communicator backend
+    (auto/nccl/symm). `timeout_s` bounds every collective of every group built here (and of the world, if built
+    here).
     """
     global _STATE
     if _STATE is not None:
@@ -254,15 +247,6 @@ def initialize_parallel(
     if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
         groups = own_groups(("mp", "embedding"))
         mp_group, embedding_group = groups["mp"], groups.get("embedding")
-    dp_sync_group = dp_cp_group
-    high = dp_high_priority and device.type == "cuda" and dp * cp > 1
-    if high:  # every rank builds every dp x cp group, as own_groups does
-        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        for ranks in layout["dp_cp"]:
-            group = dist.new_group(ranks, timeout=timeout, pg_options=options)
-            created.append(group)
-            if rank in ranks:
-                dp_sync_group = group
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if timeout is not None and set_timeout is not None:  # the mesh builds its groups with torch's default timeout
         for group in {tp_group, dp_group, pp_group, cp_group, dp_cp_group} - {dist.group.WORLD, None}:
@@ -284,7 +268,6 @@ def initialize_parallel(
         pp_group=pp_group,
         mp_group=mp_group,
         embedding_group=embedding_group,
-        timeout_s=timeout_s,
         tp_comm=Communicator(tp_group, backend=comm_backend, device=device),
         dp_comm=(dp_comm := Communicator(dp_group, backend="nccl", device=device)),
         mp_comm=Communicator(mp_group, backend="nccl", device=device),
@@ -307,8 +290,6 @@ def initialize_parallel(
         ep_comm=Communicator(ep_group, backend="nccl", device=device) if ep > 1 else None,
         ep_ranks=find("ep"),
         edp_group=edp_group,
-        dp_sync_group=dp_sync_group,
-        dp_high_priority=high,
         owns_world=owns_world,
         _groups=created
         + [
@@ -372,5 +353,5 @@ def destroy_parallel() -> None:
     if isinstance(registry, dict):
         registry.clear()
     state.mesh = state.tp_group = state.dp_group = state.pp_group = state.mp_group = state.embedding_group = None
-    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = state.edp_group = state.dp_sync_group = None
+    state.cp_group = state.dp_cp_group = state.dp_cp_mesh = state.edp_group = None
     state._groups = []

@@ -55,15 +55,10 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.cuda_graph is True and (why := cuda_graph_device_obstacle(cfg, device)):
         raise ConfigError(why)
     if device == "cpu":
-        if cfg.parallel.dp_comm == "copy_engine":
+        if cfg.parallel.async_tp == "copy_engine" and cfg.parallel.tp > 1:
             raise ConfigError(
-                "parallel.dp_comm=copy_engine copies between GPUs and no CUDA device is visible; "
-                "set parallel.dp_comm=nccl"
-            )
-        if cfg.parallel.async_tp in ("symm_mem", "copy_engine") and cfg.parallel.tp > 1:
-            raise ConfigError(
-                f"parallel.async_tp={cfg.parallel.async_tp} moves data between GPUs and no CUDA device "
-                "is visible; set parallel.async_tp=ring (or false)"
+                "parallel.async_tp=copy_engine moves data between GPUs and no CUDA device is visible; "
+                "set parallel.async_tp=ring (or false)"
             )
         if cfg.profile.memory and cfg.profile.start_step:
             raise ConfigError(

@@ -45,14 +45,6 @@ class ParallelConfig:
     grad_bucket_mb: float = 40.0  # ddp/zero1: gradients are synced in buckets of about this many MiB (fp32)
     overlap_grad_sync: bool = True  # ddp/zero1: launch each bucket's collective during the last backward
     overlap_param_gather: bool = False  # zero1: all-gather updated params in the background, waited for in forward
-    # ddp/zero1: what moves the gradient buckets: "nccl", or "copy_engine" (one host's GPUs: DMA copies between
-    # their memories and one small reduction kernel per bucket, no SM held while bytes move; README: data
-    # parallelism); falls back to nccl with a warning where unavailable
-    dp_comm: Literal["nccl", "copy_engine"] = "nccl"
-    # ddp/zero1 on CUDA: the gradient sync (and zero1's param all-gather) on high-priority streams, so its kernels
-    # take free SMs ahead of the backward's queued GEMMs (NCCL: a DP communicator of its own; copy engines: their
-    # streams). Megatron-LM's --high-priority-stream-groups dp
-    dp_high_priority: bool = False
     # the dtype the DP gradient sync moves: float32, or bfloat16 (half the bytes; micro-batches still accumulate in
     # fp32 and only the sum over DP is rounded). Megatron-LM's --grad-reduce-in-bf16, torchtitan's
     # mixed_precision_reduce
@@ -62,10 +54,10 @@ class ParallelConfig:
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
     # with sequence_parallel: each GEMM overlaps its TP collective (tpframe/layers/async_tp.py): "ring" (= true;
-    # NCCL send/receive pipelined under the GEMM's blocks; 1.02x at GPT-1.3B TP=2 + SP on 2x H200), "symm_mem"
-    # (torch's fused ops; CUDA + symmetric memory) or "copy_engine" (blocks pushed into the peers' memory by DMA,
-    # no SM held: tpframe/layers/async_tp_ce.py; one host's GPUs)
-    async_tp: bool | Literal["ring", "symm_mem", "copy_engine"] = False
+    # NCCL send/receive pipelined under the GEMM's blocks; 1.02x at GPT-1.3B TP=2 + SP on 2x H200) or
+    # "copy_engine" (blocks pushed into the peers' memory by DMA, no SM held: tpframe/layers/async_tp_ce.py; one
+    # host's GPUs)
+    async_tp: bool | Literal["ring", "copy_engine"] = False
 
     @property
     def recompute(self) -> str:
@@ -141,11 +133,7 @@ class CheckpointConfig:
 class CommConfig:
     backend: Literal["auto", "nccl", "symm"] = "auto"  # TP collectives; env TPFRAME_COMM_BACKEND overrides
     timeout_s: float = 300.0  # every process group: a collective waiting longer ends the run (exit code 4)
-    # eager tp > 1: column layers and the fused head start the input gradient's reduce-scatter (all-reduce without
-    # SP) on NCCL's stream and compute the weight gradient while it runs; false: after both GEMMs, on the TP backend.
-    # Off: on 2x H200 (GPT-1.3B TP=2 + SP) it ran 159.0 ms per forward+backward against 157.2 without (README)
-    overlap_backward: bool = False
-    # SMs the GEMMs that hide a TP collective (overlap_backward, parallel.async_tp=ring) leave free for it
+    # SMs the GEMMs that hide a TP collective (parallel.async_tp=ring) leave free for it
     # (tpframe/comm/margin.py); 0: those GEMMs use every SM
     overlap_sm_margin: int = 32
 
@@ -463,23 +451,6 @@ def validate(cfg: Config, world_size: int) -> None:
             "train.compare_replicas_every compares the copies ddp and zero1 keep of each weight; fsdp keeps "
             "one shard per rank, so there is nothing to compare: set parallel.dp_strategy=ddp or zero1, "
             "or train.compare_replicas_every=0"
-        )
-    if p.dp_high_priority and p.dp_strategy == "fsdp":
-        raise ConfigError(
-            "parallel.dp_high_priority puts ddp's and zero1's gradient buckets on high-priority streams; "
-            "fsdp syncs through FSDP2's own collectives: set parallel.dp_high_priority=false or "
-            "parallel.dp_strategy=ddp or zero1"
-        )
-    if p.dp_comm == "copy_engine" and p.dp_strategy == "fsdp":
-        raise ConfigError(
-            "parallel.dp_comm=copy_engine syncs ddp's and zero1's gradient buckets; fsdp syncs through "
-            "FSDP2's own collectives: set parallel.dp_comm=nccl or parallel.dp_strategy=ddp or zero1"
-        )
-    if p.dp_comm == "copy_engine" and p.grad_reduce_dtype != "float32":
-        raise ConfigError(
-            f"parallel.dp_comm=copy_engine reduces the gradients in float32 (its bytes move by DMA, no SM "
-            f"held); set parallel.grad_reduce_dtype=float32, or parallel.dp_comm=nccl to reduce in "
-            f"{p.grad_reduce_dtype}"
         )
     if p.overlap_param_gather and p.dp_strategy != "zero1":
         raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
