@@ -91,8 +91,8 @@ def emulate_tp(comm, n: int) -> None:
     comm.reduce_scatter = lambda x, dim=0: sum(x.chunk(n, dim))
     comm.all_reduce = lambda x, op="sum", *, donate=False: x if donate else x.clone()
     if comm.device.type == "cuda":  # async_tp=copy_engine: pushes copied into local stand-ins, every wait passed
-        from tpframe.comm.peer_memory import PeerMemory, stream_wait, stream_write
         from tpframe.comm.peer_exchange import PeerExchange
+        from tpframe.comm.peer_memory import PeerMemory, stream_wait, stream_write
 
         def memory(*, nbytes: int, flags: int) -> PeerMemory:
             return PeerMemory(
