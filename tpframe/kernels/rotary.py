@@ -33,6 +33,65 @@ if HAVE_TRITON:
         return tl.where(h < NQ, q1, k1), tl.where(h < NQ, q2, k2)
 
     @triton.jit
+    def _row(base, tok, h, j, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr):
+        """Each head's first half in row `tok` of qkv (or of its gradient): [s * b, (NQ + 2 NKV) * D] memory."""
+        return base + tok.to(tl.int64) * ((NQ + 2 * NKV) * D) + h * D + j
+
+    @triton.jit
+    def _head(base, b_i, s_i, n, j, SB, SN, SS):
+        """Head `n`'s first half at (b_i, s_i) of a [b, n, s, d] tensor with element strides SB, SN, SS: head-major
+        [b, n, s, d] or token-major [b, s, n, d] memory."""
+        return base + (b_i * SB + s_i * SS + j) + n.to(tl.int64) * SN
+
+    @triton.jit
+    def _load_halves(p, mask, D: tl.constexpr):
+        """The two halves of the heads starting at `p`, in fp32."""
+        return tl.load(p, mask=mask, other=0.0).to(tl.float32), tl.load(p + D // 2, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_halves(p, x1, x2, mask, D: tl.constexpr):
+        tl.store(p, x1.to(p.dtype.element_ty), mask=mask)
+        tl.store(p + D // 2, x2.to(p.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rstd(x1, x2, eps, D: tl.constexpr):
+        """1 / the root mean square of each head (over both halves), for its RMSNorm."""
+        return tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1, keep_dims=True) / D + eps)
+
+    @triton.jit
+    def _rotate(x1, x2, c, s, jm, rot, D: tl.constexpr, INVERSE: tl.constexpr):
+        """The rotation of the heads where `rot` (the others pass through), with this token's table rows at c and
+        s; `INVERSE`: its transpose, for the backward."""
+        c1 = tl.load(c, mask=jm, other=0.0).to(tl.float32)
+        c2 = tl.load(c + D // 2, mask=jm, other=0.0).to(tl.float32)
+        s1 = tl.load(s, mask=jm, other=0.0).to(tl.float32)
+        s2 = tl.load(s + D // 2, mask=jm, other=0.0).to(tl.float32)
+        if INVERSE:
+            y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+        else:
+            y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+        return tl.where(rot, y1, x1), tl.where(rot, y2, x2)
+
+    @triton.jit
+    def _norms_bwd(d1, d2, x1, x2, qw, kw, part, h, j, rot, eps, NQ: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+        """Through the norms y = x * rstd * w of the heads that rotate: the gradient of their input x, from that of
+        y (d1, d2). Stores this token's share of the weights' gradients at `part`, [q's D, k's D] (summed over the
+        tokens after)."""
+        rstd = _rstd(x1, x2, eps, D)
+        w1, w2 = _head_weights(qw, kw, h, j, NQ, D)
+        n1, n2 = x1 * rstd, x2 * rstd  # the normalized input
+        e1, e2 = d1 * w1, d2 * w2  # its gradient
+        mean = tl.sum(e1 * n1 + e2 * n2, axis=1, keep_dims=True) / D
+        part = part + tl.arange(0, HALF)
+        jm = tl.arange(0, HALF) < D // 2
+        is_qh, is_kh = h < NQ, (h >= NQ) & rot
+        tl.store(part, tl.sum(tl.where(is_qh, d1 * n1, 0.0), axis=0), mask=jm)
+        tl.store(part + D // 2, tl.sum(tl.where(is_qh, d2 * n2, 0.0), axis=0), mask=jm)
+        tl.store(part + D, tl.sum(tl.where(is_kh, d1 * n1, 0.0), axis=0), mask=jm)
+        tl.store(part + D + D // 2, tl.sum(tl.where(is_kh, d2 * n2, 0.0), axis=0), mask=jm)
+        return tl.where(rot, rstd * (e1 - n1 * mean), d1), tl.where(rot, rstd * (e2 - n2 * mean), d2)
+
+    @triton.jit
     def _qkv_rotary_fwd(
         qkv,
         cos,
@@ -43,7 +102,6 @@ if HAVE_TRITON:
         qw,
         kw,
         eps,
-        S,
         B,
         CS,
         CB,
@@ -61,43 +119,26 @@ if HAVE_TRITON:
         NORM: tl.constexpr,
         WRITE_V: tl.constexpr,
     ):
-        tok = tl.program_id(0)  # = s_i * B + b_i, the row of qkv
-        s_i = tok // B
-        b_i = tok % B
+        """One token (a row of qkv) per program. CS, CB: the tables' s and b strides; QB, QN, QS and KB, KN, KS: q's
+        and k's (and v's) b, head and s strides."""
+        tok = tl.program_id(0)  # = s_i * B + b_i
+        s_i, b_i = (tok // B).to(tl.int64), (tok % B).to(tl.int64)
         h = tl.arange(0, HEADS)[:, None]
         j = tl.arange(0, HALF)[None, :]
         inside = (h < NQ + 2 * NKV) & (j < D // 2)
-        row = qkv + tok.to(tl.int64) * ((NQ + 2 * NKV) * D) + h * D + j
-        x1 = tl.load(row, mask=inside, other=0.0).to(tl.float32)
-        x2 = tl.load(row + D // 2, mask=inside, other=0.0).to(tl.float32)
         rot = h < NQ + NKV  # q and k heads rotate; v heads are copied
+        x1, x2 = _load_halves(_row(qkv, tok, h, j, NQ, NKV, D), inside, D)
         if NORM:  # q and k heads first go through their RMSNorms (Qwen3's), in fp32
-            rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1, keep_dims=True) / D + eps)
+            rstd = _rstd(x1, x2, eps, D)
             w1, w2 = _head_weights(qw, kw, h, j, NQ, D)
             x1 = tl.where(rot, x1 * rstd * w1, x1)
             x2 = tl.where(rot, x2 * rstd * w2, x2)
-        t = s_i.to(tl.int64) * CS + b_i.to(tl.int64) * CB + j  # this token's table row
-        c1 = tl.load(cos + t, mask=j < D // 2, other=0.0).to(tl.float32)
-        c2 = tl.load(cos + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
-        s1 = tl.load(sin + t, mask=j < D // 2, other=0.0).to(tl.float32)
-        s2 = tl.load(sin + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
-        o1 = tl.where(rot, x1 * c1 - x2 * s1, x1).to(q.dtype.element_ty)
-        o2 = tl.where(rot, x2 * c2 + x1 * s2, x2).to(q.dtype.element_ty)
-        # element strides of q's and of k's and v's (b, head, s) dims: head-major [b, n, s, d] or token-major
-        # [b, s, n, d] memory
-        bq, bk = b_i.to(tl.int64) * QB + s_i.to(tl.int64) * QS + j, b_i.to(tl.int64) * KB + s_i.to(tl.int64) * KS + j
-        is_q = inside & (h < NQ)
-        dq = q + bq + h.to(tl.int64) * QN
-        tl.store(dq, o1, mask=is_q)
-        tl.store(dq + D // 2, o2, mask=is_q)
-        is_k = inside & (h >= NQ) & (h < NQ + NKV)
-        dk = k + bk + (h - NQ).to(tl.int64) * KN
-        tl.store(dk, o1, mask=is_k)
-        tl.store(dk + D // 2, o2, mask=is_k)
+        t = s_i * CS + b_i * CB + j  # this token's table row
+        o1, o2 = _rotate(x1, x2, cos + t, sin + t, j < D // 2, rot, D, False)
+        _store_halves(_head(q, b_i, s_i, h, j, QB, QN, QS), o1, o2, inside & (h < NQ), D)
+        _store_halves(_head(k, b_i, s_i, h - NQ, j, KB, KN, KS), o1, o2, inside & (h >= NQ) & rot, D)
         is_v = inside & (h >= NQ + NKV) & WRITE_V  # else v is a view of qkv, written by no one
-        dv = v + bk + (h - NQ - NKV).to(tl.int64) * KN
-        tl.store(dv, o1, mask=is_v)
-        tl.store(dv + D // 2, o2, mask=is_v)
+        _store_halves(_head(v, b_i, s_i, h - NQ - NKV, j, KB, KN, KS), o1, o2, is_v, D)
 
     @triton.jit
     def _qkv_rotary_bwd(
@@ -112,7 +153,6 @@ if HAVE_TRITON:
         kw,
         dw_part,
         eps,
-        S,
         B,
         CS,
         CB,
@@ -132,59 +172,23 @@ if HAVE_TRITON:
         HALF: tl.constexpr,
         NORM: tl.constexpr,
     ):
+        """The forward's strides, and each gradient's own (b, head, s) strides."""
         tok = tl.program_id(0)
-        s_i = tok // B
-        b_i = tok % B
+        s_i, b_i = (tok // B).to(tl.int64), (tok % B).to(tl.int64)
         h = tl.arange(0, HEADS)[:, None]
         j = tl.arange(0, HALF)[None, :]
         inside = (h < NQ + 2 * NKV) & (j < D // 2)
-        b64, s64 = b_i.to(tl.int64), s_i.to(tl.int64)
-        is_q = inside & (h < NQ)
-        is_k = inside & (h >= NQ) & (h < NQ + NKV)
-        is_v = inside & (h >= NQ + NKV)
-        pq = gq + b64 * QB + s64 * QS + h.to(tl.int64) * QN + j  # each gradient in its own layout (strides)
-        pk = gk + b64 * KB + s64 * KS + (h - NQ).to(tl.int64) * KN + j
-        pv = gv + b64 * VB + s64 * VS + (h - NQ - NKV).to(tl.int64) * VN + j
-        g1 = (
-            tl.load(pq, mask=is_q, other=0.0).to(tl.float32)
-            + tl.load(pk, mask=is_k, other=0.0).to(tl.float32)
-            + tl.load(pv, mask=is_v, other=0.0).to(tl.float32)
-        )
-        g2 = (
-            tl.load(pq + D // 2, mask=is_q, other=0.0).to(tl.float32)
-            + tl.load(pk + D // 2, mask=is_k, other=0.0).to(tl.float32)
-            + tl.load(pv + D // 2, mask=is_v, other=0.0).to(tl.float32)
-        )
-        t = s_i.to(tl.int64) * CS + b_i.to(tl.int64) * CB + j  # this token's table row
-        c1 = tl.load(cos + t, mask=j < D // 2, other=0.0).to(tl.float32)
-        c2 = tl.load(cos + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
-        s1 = tl.load(sin + t, mask=j < D // 2, other=0.0).to(tl.float32)
-        s2 = tl.load(sin + t + D // 2, mask=j < D // 2, other=0.0).to(tl.float32)
         rot = h < NQ + NKV
-        d1 = tl.where(rot, g1 * c1 + g2 * s2, g1)
-        d2 = tl.where(rot, g2 * c2 - g1 * s1, g2)
-        if NORM:  # through the norms: y = x * rstd * w, their input recomputed from qkv
-            src = qkv + tok.to(tl.int64) * ((NQ + 2 * NKV) * D) + h * D + j
-            x1 = tl.load(src, mask=inside & rot, other=0.0).to(tl.float32)
-            x2 = tl.load(src + D // 2, mask=inside & rot, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1, keep_dims=True) / D + eps)
-            w1, w2 = _head_weights(qw, kw, h, j, NQ, D)
-            n1, n2 = x1 * rstd, x2 * rstd  # the normalized input
-            e1, e2 = d1 * w1, d2 * w2  # its gradient
-            mean = tl.sum(e1 * n1 + e2 * n2, axis=1, keep_dims=True) / D
-            # this token's share of the weights' gradients, dw_part[token] = [q's D, k's D], summed over tokens after
-            part = dw_part + tok.to(tl.int64) * (2 * D) + tl.arange(0, HALF)
-            jm = tl.arange(0, HALF) < D // 2
-            is_qh, is_kh = h < NQ, (h >= NQ) & rot
-            tl.store(part, tl.sum(tl.where(is_qh, d1 * n1, 0.0), axis=0), mask=jm)
-            tl.store(part + D // 2, tl.sum(tl.where(is_qh, d2 * n2, 0.0), axis=0), mask=jm)
-            tl.store(part + D, tl.sum(tl.where(is_kh, d1 * n1, 0.0), axis=0), mask=jm)
-            tl.store(part + D + D // 2, tl.sum(tl.where(is_kh, d2 * n2, 0.0), axis=0), mask=jm)
-            d1 = tl.where(rot, rstd * (e1 - n1 * mean), d1)
-            d2 = tl.where(rot, rstd * (e2 - n2 * mean), d2)
-        row = gqkv + tok.to(tl.int64) * ((NQ + 2 * NKV) * D) + h * D + j
-        tl.store(row, d1.to(gqkv.dtype.element_ty), mask=inside)
-        tl.store(row + D // 2, d2.to(gqkv.dtype.element_ty), mask=inside)
+        q1, q2 = _load_halves(_head(gq, b_i, s_i, h, j, QB, QN, QS), inside & (h < NQ), D)
+        k1, k2 = _load_halves(_head(gk, b_i, s_i, h - NQ, j, KB, KN, KS), inside & (h >= NQ) & rot, D)
+        v1, v2 = _load_halves(_head(gv, b_i, s_i, h - NQ - NKV, j, VB, VN, VS), inside & (h >= NQ + NKV), D)
+        t = s_i * CS + b_i * CB + j  # this token's table row
+        d1, d2 = _rotate(q1 + k1 + v1, q2 + k2 + v2, cos + t, sin + t, j < D // 2, rot, D, True)
+        if NORM:  # their input recomputed from qkv
+            x1, x2 = _load_halves(_row(qkv, tok, h, j, NQ, NKV, D), inside & rot, D)
+            part = dw_part + tok.to(tl.int64) * (2 * D)
+            d1, d2 = _norms_bwd(d1, d2, x1, x2, qw, kw, part, h, j, rot, eps, NQ, D, HALF)
+        _store_halves(_row(gqkv, tok, h, j, NQ, NKV, D), d1, d2, inside, D)
 
 
 def _launch_meta(nq: int, nkv: int, d: int) -> dict:
@@ -250,7 +254,6 @@ def _rotary_fwd(
         qw if norm else cos,
         kw if norm else cos,
         eps,
-        s,
         b,
         *_table_strides(cos, d),
         *_bns_strides(q),
@@ -283,7 +286,6 @@ def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int, qkv=None, qw=No
         kw if norm else cos,
         parts,
         eps,
-        s,
         b,
         *_table_strides(cos, d),
         *_bns_strides(gq),
@@ -391,9 +393,9 @@ def qkv_rotary(
 ):
     """The Triton path: (q, k, v), each [b, n, s, d]: a view of seq-major [s, b, n, d] memory, or (`token_major`)
     of [b, s, n, d] memory, which variable-length attention reads as [b*s, n, d] without a copy; cos/sin
-    [s, 1, 1, d] (or [s, d]) shared by the batch, or [s, b, 1, d] with a row per sequence. `norm`: (q weight, k weight, eps) of RMSNorms over each
-    query and key head before the rotation (Qwen3's), in the same pass (eager only: compiled, Inductor's fusion of
-    torch's ops is as fast, 125.8 against 125.4 ms at GPT-1.3B on one H100, and holds 0.7 GiB less)."""
+    [s, 1, 1, d] (or [s, d]) shared by the batch, or [s, b, 1, d] with a row per sequence. `norm`: (q weight,
+    k weight, eps) of RMSNorms over each query and key head before the rotation (Qwen3's), in the same pass (eager
+    only: compiled, Inductor's fusion of torch's ops is as fast and holds less memory)."""
     if not HAVE_TRITON:
         raise RuntimeError("qkv_rotary needs Triton")
     s, b = qkv.shape[:2]
