@@ -98,6 +98,53 @@ if HAVE_TRITON:
             tl.store(part_acc + at * D + dd, acc, mask=dmask)
 
     @triton.jit
+    def _dot(a, b, FP32: tl.constexpr):
+        """a @ b in fp32: exact for fp32 inputs (no tf32), else on b's dtype."""
+        if FP32:
+            ab = tl.dot(a, b, input_precision="ieee")
+        else:
+            ab = tl.dot(a.to(b.dtype), b)
+        return ab
+
+    @triton.jit
+    def _group_scan(
+        qt,
+        k,
+        v,
+        mrow,
+        lo,
+        hi,
+        scale,
+        dd,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        FP32: tl.constexpr,
+    ):
+        """Online softmax of a query group `qt` [BLOCK_G, BLOCK_D] over cache slots lo..hi of one kv head (k, v at
+        its first slot, mask row `mrow`): the running max, sum and output, in fp32."""
+        m_i = tl.full((BLOCK_G,), -1e30, tl.float32)
+        l_i = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, dd.shape[0]), tl.float32)
+        for off in range(lo, hi, BLOCK):
+            slots = off + tl.arange(0, BLOCK)
+            inside = slots < hi
+            both = inside[:, None] & (dd < D)[None, :]
+            kt = tl.load(k + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
+            sc = _dot(qt, tl.trans(kt), FP32) * scale
+            bias = tl.load(mrow + slots, mask=inside, other=0.0).to(tl.float32)
+            sc = tl.maximum(sc + bias[None, :], -1e30)
+            sc = tl.where(inside[None, :], sc, -1e30)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            pr = tl.where(inside[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+            alpha = tl.exp(m_i - m_new)
+            vt = tl.load(v + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
+            acc = acc * alpha[:, None] + _dot(pr, vt, FP32)
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _decode_attn_group(
         q,
         k,
@@ -130,40 +177,14 @@ if HAVE_TRITON:
         G: tl.constexpr = NQ // NKV
         gg = tl.arange(0, BLOCK_G)
         dd = tl.arange(0, BLOCK_D)
-        dmask = dd < D
         qrows = ((row * NQ + kh * G + gg) * S + t).to(tl.int64)  # q's and out's rows of this group
-        qmask = (gg < G)[:, None] & dmask[None, :]
+        qmask = (gg < G)[:, None] & (dd < D)[None, :]
         qt = tl.load(q + qrows[:, None] * D + dd[None, :], mask=qmask, other=0.0)
         kv_off = (row * NKV + kh).to(tl.int64) * L * D
         mrow = mask + (row * S + t).to(tl.int64) * L
-        m_i = tl.full((BLOCK_G,), -1e30, tl.float32)
-        l_i = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
         lo = split * SPLIT_L
         hi = tl.minimum(lo + SPLIT_L, L)
-        for off in range(lo, hi, BLOCK):
-            slots = off + tl.arange(0, BLOCK)
-            inside = slots < hi
-            both = inside[:, None] & dmask[None, :]
-            kt = tl.load(k + kv_off + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
-            if FP32:
-                sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
-            else:
-                sc = tl.dot(qt, tl.trans(kt)) * scale
-            bias = tl.load(mrow + slots, mask=inside, other=0.0).to(tl.float32)
-            sc = tl.maximum(sc + bias[None, :], -1e30)
-            sc = tl.where(inside[None, :], sc, -1e30)
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            pr = tl.where(inside[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-            alpha = tl.exp(m_i - m_new)
-            vt = tl.load(v + kv_off + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
-            if FP32:
-                pv = tl.dot(pr, vt, input_precision="ieee")
-            else:
-                pv = tl.dot(pr.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            m_i = m_new
+        m_i, l_i, acc = _group_scan(qt, k + kv_off, v + kv_off, mrow, lo, hi, scale, dd, D, BLOCK, BLOCK_G, FP32)
         if SPLITS == 1:
             tl.store(out + qrows[:, None] * D + dd[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
         else:
@@ -202,7 +223,8 @@ def plan_splits(programs: int, slots: int, block: int | None = None, target: int
     split a multiple of `block` slots (default BLOCK_L)."""
     block, target = block or BLOCK_L, target or PROGRAMS
     want = max(1, min(MAX_SPLITS, -(-target // programs), -(-slots // block)))
-    per = -(-(-(-slots // want)) // block) * block
+    per = -(-slots // want)  # slots per split, then rounded up to whole blocks
+    per = -(-per // block) * block
     return -(-slots // per), per
 
 
