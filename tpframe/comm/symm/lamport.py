@@ -64,6 +64,50 @@ def _sendable(v, SENT: tl.constexpr, REPL: tl.constexpr, BITS: tl.constexpr):
     return tl.where(v == SENT, REPL, v).to(BITS)
 
 
+@triton.jit
+def _push(x, buf_table, mine, n, rank, BITS: tl.constexpr, SENT, REPL, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """My input, the sentinel replaced, into `mine` (my segment of this call's slot) of every peer's buffer."""
+    for t in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        offs = t * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        full = t * BLOCK + BLOCK <= n
+        v = _sendable(_load(x, offs, mask, full, False), SENT, REPL, BITS)
+        for q in tl.static_range(WORLD):
+            if q != rank:
+                store_tile(peer_ptr(buf_table, q, BITS) + mine, t * BLOCK, v, mask, full)
+
+
+@triton.jit
+def _clear(
+    state, buf_table, rank, call, slot, n, seg, ITEM: tl.constexpr, WORLD: tl.constexpr, CLEAR_BLOCK: tl.constexpr
+):
+    """Refill the slot of the previous call in my buffer with the sentinel, as far as it was written (in 32-bit
+    words, every segment); note how far this call writes its slot."""
+    pid = tl.program_id(0)
+    old = (call + 2) % 3
+    words = tl.load(state + 2 + old, volatile=True)
+    if pid == 0:
+        tl.store(state + 2 + slot, tl.cdiv(n * ITEM, 4))
+    seg_words = seg * ITEM // 4
+    rows = tl.arange(0, WORLD)
+    cleared = peer_ptr(buf_table, rank, tl.int32) + old * WORLD * seg_words + rows * seg_words
+    for t in range(pid, tl.cdiv(words, CLEAR_BLOCK), tl.num_programs(0)):
+        cols = t * CLEAR_BLOCK + tl.arange(0, CLEAR_BLOCK)
+        sentinel = tl.full([WORLD, CLEAR_BLOCK], _SENTINEL_WORD, tl.int32)
+        tl.store(cleared[:, None] + cols[None, :], sentinel, mask=(cols < words)[None, :] & (rows >= 0)[:, None])
+
+
+@triton.jit
+def _arrived(src, offs, mask, full, SENT):
+    """A tile of a peer's segment, polled until no element is the sentinel (all of it has arrived)."""
+    v = _load(src, offs, mask, full, True)
+    pending = tl.max(tl.where(mask & (v == SENT), 1, 0), axis=0)
+    while pending > 0:
+        v = _load(src, offs, mask, full, True)
+        pending = tl.max(tl.where(mask & (v == SENT), 1, 0), axis=0)
+    return v
+
+
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def lamport_all_reduce_kernel(
     x_addr: tl.int64,
@@ -92,28 +136,8 @@ def lamport_all_reduce_kernel(
     slot = call % 3
     seg = seg // VEC * VEC  # == seg; tells the compiler segments start 16-byte aligned
     x = as_ptr(x_addr, BITS, X_ALIGNED)
-    # push: my input into segment `rank` of slot `slot` of every peer's buffer
-    mine = (slot * WORLD + rank) * seg
-    for t in range(pid, tl.cdiv(n, BLOCK), nprog):
-        offs = t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        full = t * BLOCK + BLOCK <= n
-        v = _sendable(_load(x, offs, mask, full, False), SENT, REPL, BITS)
-        for q in tl.static_range(WORLD):
-            if q != rank:
-                store_tile(peer_ptr(buf_table, q, BITS) + mine, t * BLOCK, v, mask, full)
-    # clear: the slot of the previous call, as far as it was written (in 32-bit words, every segment)
-    old = (call + 2) % 3
-    words = tl.load(state + 2 + old, volatile=True)
-    if pid == 0:
-        tl.store(state + 2 + slot, tl.cdiv(n * ITEM, 4))
-    seg_words = seg * ITEM // 4
-    rows = tl.arange(0, WORLD)
-    cleared = peer_ptr(buf_table, rank, tl.int32) + old * WORLD * seg_words + rows * seg_words
-    for t in range(pid, tl.cdiv(words, CLEAR_BLOCK), nprog):
-        cols = t * CLEAR_BLOCK + tl.arange(0, CLEAR_BLOCK)
-        sentinel = tl.full([WORLD, CLEAR_BLOCK], _SENTINEL_WORD, tl.int32)
-        tl.store(cleared[:, None] + cols[None, :], sentinel, mask=(cols < words)[None, :] & (rows >= 0)[:, None])
+    _push(x, buf_table, (slot * WORLD + rank) * seg, n, rank, BITS, SENT, REPL, WORLD, BLOCK)
+    _clear(state, buf_table, rank, call, slot, n, seg, ITEM, WORLD, CLEAR_BLOCK)
     # reduce: wait for each peer's segment of this slot in our own buffer, sum in rank order
     own = peer_ptr(buf_table, rank, BITS) + slot * WORLD * seg
     out = as_ptr(out_addr, DT, True)
@@ -126,11 +150,7 @@ def lamport_all_reduce_kernel(
             if p == rank:
                 v = _sendable(_load(x, offs, mask, full, False), SENT, REPL, BITS)
             else:
-                v = _load(own + p * seg, offs, mask, full, True)
-                pending = tl.max(tl.where(mask & (v == SENT), 1, 0), axis=0)
-                while pending > 0:
-                    v = _load(own + p * seg, offs, mask, full, True)
-                    pending = tl.max(tl.where(mask & (v == SENT), 1, 0), axis=0)
+                v = _arrived(own + p * seg, offs, mask, full, SENT)
             acc += v.to(DT, bitcast=True).to(tl.float32)
         store_tile(out, t * BLOCK, acc.to(DT), mask, full)
     # the last program to finish moves the call counter on (every program has read it by then)
