@@ -195,19 +195,9 @@ def foreign_output(out: str | Path) -> str | None:
     return None
 
 
-def write_token_file(
-    inputs: list[str | Path],
-    out: str | Path,
-    tokenizer: str | Path | None = None,
-    jsonl_key: str = "text",
-    eot_token: str | None = None,
-    force: bool = False,
-) -> dict:
-    """Tokenize `inputs` into `out` (+ `out.json`), streaming; returns the sidecar dict.
-
-    An `out` that exists is replaced only when it is an earlier token file (its sidecar says so) or with `force`.
-    Written to temporary names and renamed at the end, so a failed run leaves no half file behind.
-    """
+def _check_paths(inputs: list[str | Path], out: Path, *, tokenizer, eot_token: str | None, force: bool) -> None:
+    """write_token_file's refusals: inputs missing, none, or the output itself; an output that is a directory, that
+    cannot be created or (without `force`) that write_token_file did not make; --eot-token without --tokenizer."""
     missing = [(str(p), why) for p in inputs if (why := not_a_file(p))]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -218,7 +208,6 @@ def write_token_file(
         raise ValueError("no input files given; pass one or more .txt or .jsonl files")
     if eot_token is not None and not tokenizer:  # it would be ignored
         raise ValueError("--eot-token is for --tokenizer FILE; the byte-level tokenizer ends documents with byte 0")
-    out = Path(out)
     if not out.name or out.is_dir():
         raise ValueError(
             f"the output {str(out)!r} is a directory; name the token file, e.g. {str(out / 'tokens.bin')!r}"
@@ -232,6 +221,23 @@ def write_token_file(
     if not force and (why := foreign_output(out)):
         refuse_existing(f"--out {str(out)!r}", why)
     check_creatable(f"--out {str(out)!r}", out)
+
+
+def write_token_file(
+    inputs: list[str | Path],
+    out: str | Path,
+    tokenizer: str | Path | None = None,
+    jsonl_key: str = "text",
+    eot_token: str | None = None,
+    force: bool = False,
+) -> dict:
+    """Tokenize `inputs` into `out` (+ `out.json`), streaming; returns the sidecar dict.
+
+    An `out` that exists is replaced only when it is an earlier token file (its sidecar says so) or with `force`.
+    Written to temporary names and renamed at the end, so a failed run leaves no half file behind.
+    """
+    out = Path(out)
+    _check_paths(inputs, out, tokenizer=tokenizer, eot_token=eot_token, force=force)
     tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
