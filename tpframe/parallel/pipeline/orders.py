@@ -144,12 +144,7 @@ def simulate(
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
                 s = a.chunk * pp + r
-                if a.kind == "F":
-                    dep = ("F", s - 1, a.mb) if s > 0 else None
-                elif a.kind == "B":
-                    dep = ("B", s + 1, a.mb) if s < stages - 1 else ("F", s, a.mb)
-                else:
-                    dep = ("B", s, a.mb)
+                dep = _dependency(a, s, stages)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[r], done[dep] if dep is not None else 0.0)
@@ -170,6 +165,24 @@ def simulate(
         if not progressed:
             stuck = {r: orders[r][pos[r]] for r in range(pp) if pos[r] < len(orders[r])}
             raise ValueError(f"pipeline order deadlocks: ranks wait at {stuck}")
+    _check_complete(orders, done, sent, received, stages=stages, split=split)
+    return Simulation(max(clock), busy, sent)
+
+
+def _dependency(a: Action, s: int, stages: int) -> tuple[str, int, int] | None:
+    """What must finish before action `a` at virtual stage `s` starts: (kind, virtual stage, micro-batch), or None."""
+    if a.kind == "F":
+        return ("F", s - 1, a.mb) if s > 0 else None
+    if a.kind == "B":
+        return ("B", s + 1, a.mb) if s < stages - 1 else ("F", s, a.mb)
+    return ("B", s, a.mb)
+
+
+def _check_complete(
+    orders: list[list[Action]], done: dict, sent: dict, received: dict, *, stages: int, split: bool
+) -> None:
+    """Raise unless every link's receiver takes its messages in the order they were sent and every stage ran F and B
+    (and W, when split) of every micro-batch."""
     for link, messages in sent.items():
         if received.get(link) != messages:
             raise ValueError(f"link {link} sends {messages} but its receiver takes {received.get(link)}")
@@ -182,7 +195,6 @@ def simulate(
         ]
         if missing:
             raise ValueError(f"pipeline order never runs {kind} of (stage, micro-batch) {missing[:4]}")
-    return Simulation(max(clock), busy, sent)
 
 
 def theoretical_bubble(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
