@@ -98,31 +98,10 @@ if HAVE_TRITON:
             tl.store(part_acc + at * D + dd, acc, mask=dmask)
 
     @triton.jit
-    def _dot(a, b, FP32: tl.constexpr):
-        """a @ b in fp32: exact for fp32 inputs (no tf32), else on b's dtype."""
-        if FP32:
-            ab = tl.dot(a, b, input_precision="ieee")
-        else:
-            ab = tl.dot(a.to(b.dtype), b)
-        return ab
-
-    @triton.jit
-    def _group_scan(
-        qt,
-        k,
-        v,
-        mrow,
-        lo,
-        hi,
-        scale,
-        dd,
-        D: tl.constexpr,
-        BLOCK: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        FP32: tl.constexpr,
-    ):
+    def _group_scan(qt, k, v, mrow, lo, hi, scale, dd, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr):
         """Online softmax of a query group `qt` [BLOCK_G, BLOCK_D] over cache slots lo..hi of one kv head (k, v at
-        its first slot, mask row `mrow`): the running max, sum and output, in fp32."""
+        its first slot, mask row `mrow`): the running max, sum and output, in fp32. The matmuls' "ieee": fp32 inputs
+        multiply in full precision (no tf32); it changes nothing for 16-bit ones."""
         m_i = tl.full((BLOCK_G,), -1e30, tl.float32)
         l_i = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, dd.shape[0]), tl.float32)
@@ -131,7 +110,7 @@ if HAVE_TRITON:
             inside = slots < hi
             both = inside[:, None] & (dd < D)[None, :]
             kt = tl.load(k + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
-            sc = _dot(qt, tl.trans(kt), FP32) * scale
+            sc = tl.dot(qt, tl.trans(kt), input_precision="ieee") * scale
             bias = tl.load(mrow + slots, mask=inside, other=0.0).to(tl.float32)
             sc = tl.maximum(sc + bias[None, :], -1e30)
             sc = tl.where(inside[None, :], sc, -1e30)
@@ -139,7 +118,8 @@ if HAVE_TRITON:
             pr = tl.where(inside[None, :], tl.exp(sc - m_new[:, None]), 0.0)
             alpha = tl.exp(m_i - m_new)
             vt = tl.load(v + slots[:, None] * D + dd[None, :], mask=both, other=0.0)
-            acc = acc * alpha[:, None] + _dot(pr, vt, FP32)
+            pv = tl.dot(pr.to(vt.dtype), vt, input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(pr, axis=1)
             m_i = m_new
         return m_i, l_i, acc
@@ -165,7 +145,6 @@ if HAVE_TRITON:
         NQ: tl.constexpr,
         NKV: tl.constexpr,
         BLOCK_G: tl.constexpr,
-        FP32: tl.constexpr,
     ):
         """Grouped-query attention: one program per (row, kv head, query token, split) serves the kv head's
         G = NQ / NKV query heads at once, reading each cache slot once (two small matmuls per tile)."""
@@ -184,7 +163,7 @@ if HAVE_TRITON:
         mrow = mask + (row * S + t).to(tl.int64) * L
         lo = split * SPLIT_L
         hi = tl.minimum(lo + SPLIT_L, L)
-        m_i, l_i, acc = _group_scan(qt, k + kv_off, v + kv_off, mrow, lo, hi, scale, dd, D, BLOCK, BLOCK_G, FP32)
+        m_i, l_i, acc = _group_scan(qt, k + kv_off, v + kv_off, mrow, lo, hi, scale, dd, D, BLOCK, BLOCK_G)
         if SPLITS == 1:
             tl.store(out + qrows[:, None] * D + dd[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty), mask=qmask)
         else:
@@ -262,7 +241,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             NKV=nkv,
             BLOCK=GROUP_BLOCK_L,
             BLOCK_G=max(16, triton.next_power_of_2(nq // nkv)),
-            FP32=q.dtype == torch.float32,
             num_warps=GROUP_NUM_WARPS,
         )
     else:
