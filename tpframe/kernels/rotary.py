@@ -50,6 +50,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _store_halves(p, x1, x2, mask, D: tl.constexpr):
+        """Both halves of the heads starting at `p`, in p's dtype."""
         tl.store(p, x1.to(p.dtype.element_ty), mask=mask)
         tl.store(p + D // 2, x2.to(p.dtype.element_ty), mask=mask)
 
