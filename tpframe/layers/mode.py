@@ -17,6 +17,8 @@ from tpframe.layers.fp8 import fp8_refusal
 
 @dataclass(frozen=True)
 class LayerMode:
+    """What the layers run (see the module docstring); frozen: a layer reads it once, when it is built."""
+
     # tpframe/kernels' Triton kernels on CUDA (norms, rotary, decode attention, one-row GEMMs, head + loss) and
     # flex_attention's sliding-window mask; False: torch's ops
     fused_kernels: bool = True
