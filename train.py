@@ -155,6 +155,7 @@ def _parallel_state(cfg):
             ep=p.ep,
             comm_backend=cfg.comm.backend,
             timeout_s=cfg.comm.timeout_s,
+            overlap_sm_margin=cfg.comm.overlap_sm_margin,
         )
     except Exception as e:
         if not is_comm_failure(e):
@@ -163,14 +164,14 @@ def _parallel_state(cfg):
             f"the process groups could not be set up within comm.timeout_s={cfg.comm.timeout_s:g}: "
             f"{str(e).strip().splitlines()[0][:200]}"
         ) from None
-    state.tp_comm.overlap_sm_margin = cfg.comm.overlap_sm_margin
     return state
 
 
 def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str]]:
-    """This rank's model (its pipeline stages' chunks; pp=1: the whole model) with fp8, compile and init_from
-    applied, and the lines that say what was done to it."""
+    """This rank's model (its pipeline stages' chunks; pp=1: the whole model) built in the layer mode of the config,
+    compiled and initialized (init_from), and the lines that say what was done to it."""
     from tpframe.checkpoint.init_from import load_init_from
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_stages
 
     p, notes = cfg.parallel, []
@@ -182,7 +183,8 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         dtype=torch.float32 if p.dp_strategy == "fsdp" else DTYPES[cfg.train.dtype],  # fsdp: fp32 masters
         device=state.device,
         seed=cfg.train.seed,
-        async_tp=p.async_tp,
+        # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
+        mode=LayerMode(fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp),
         cp_comm=state.cp_comm,
         ep_comm=state.ep_comm,
     )
@@ -195,10 +197,10 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         layers_per_stage=p.layers_per_stage,
     )
     chunks = getattr(model, "chunks", [model])
-    if cfg.train.fp8:  # the blocks' linear layers; the head and embedding stay bf16 (torchtitan's choice)
-        from tpframe.layers.linear import enable_fp8
+    if cfg.train.fp8:
+        from tpframe.layers.linear import fp8_layers
 
-        done = [enable_fp8(chunk, small_layers=cfg.train.fp8_small_layers) for chunk in chunks]
+        done = [fp8_layers(chunk) for chunk in chunks]
         skipped = [name for _, names in done for name in names]
         notes.append(
             f"float8 GEMMs in {sum(n for n, _ in done)} linear layers"
@@ -363,7 +365,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         tracker = seed_parallel_rng(cfg.train.seed)
         model, notes = _build_model(cfg, state, tracker, resume)
         num_params = pipeline_numel(model, state)  # every stage's, the tied copy once
-        vocab_tables = [n for n, q in model.named_parameters() if getattr(q, "vocab_rows", None)]
+        vocab_tables = [n for n, q in model.named_parameters() if q.vocab_rows]
         vocab_tensors = pipeline_union(state, vocab_tables)  # every stage's (embedding first, head last)
         pipeline = None
         if p.pp > 1:

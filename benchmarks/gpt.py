@@ -12,10 +12,9 @@ the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
 COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
 with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=copy_engine by copy-engine pushes
-(tpframe/layers/async_tp_ce.py), FUSED=0 turns the Triton kernels off (FUSED_OFF=norm,rope,head: some of them;
-qk_norm: the query/key norms out of the rotary kernel, into torch's ops; window: a sliding window as SDPA with the
-dense band mask, not flex_attention; NORM_MIN_NUMEL=n: the kernel norms from n elements up), SM_MARGIN=n
-comm.overlap_sm_margin (the GEMMs beside a collective leave n SMs to it; default 32, as the config).
+(tpframe/layers/async_tp_ce.py), FUSED=0 turns the Triton kernels off (LayerMode.fused_kernels; NORM_MIN_NUMEL=n:
+the kernel norms from n elements up), SM_MARGIN=n comm.overlap_sm_margin (the GEMMs beside a collective leave n SMs
+to it; default 32, as the config).
 PROFILE=path writes a torch.profiler table of one more step there.
 The RESULT line ends with the memory one forward holds for its backward (activations, measured once).
 GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
@@ -121,15 +120,17 @@ def emulate_tp(comm, n: int) -> None:
 
 # -- one run (under torchrun) ---------------------------------------------------------------------
 def run_one() -> None:
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_model
     from tpframe.models.compile import compile_model
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import destroy_parallel, initialize_parallel, seed_parallel_rng
 
     state = initialize_parallel(
-        tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))), comm_backend=os.environ.get("COMM", "auto")
+        tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
+        comm_backend=os.environ.get("COMM", "auto"),
+        overlap_sm_margin=env("SM_MARGIN", 32),  # comm.overlap_sm_margin (its default)
     )
-    state.tp_comm.overlap_sm_margin = env("SM_MARGIN", 32)  # comm.overlap_sm_margin (its default)
     tp = state.tp
     if env("EMULATE_TP", 0) > 1:
         if state.world_size != 1:
@@ -172,34 +173,14 @@ def run_one() -> None:
         dtype=torch.bfloat16,
         device=state.device,
         seed=1234,
-        async_tp=async_mode() if sp else False,
-        fused_kernels=flag("FUSED", "1"),
+        # FP8: the blocks' GEMMs in float8 where they gain (train.fp8)
+        mode=LayerMode(fused_kernels=flag("FUSED", "1"), fp8=flag("FP8"), async_tp=async_mode() if sp else None),
     )
     model = build_model(cfg, ctx)
     if "NORM_MIN_NUMEL" in os.environ:  # the size under which eager norms take torch's ops (0: the kernel always)
         import tpframe.kernels.norm
 
         tpframe.kernels.norm.FUSED_MIN_NUMEL = env("NORM_MIN_NUMEL", 0)
-    off = {part for part in os.environ.get("FUSED_OFF", "").split(",") if part}  # one kernel family back to torch
-    if off - {"norm", "rope", "head", "qk_norm", "window"}:
-        raise SystemExit(f"FUSED_OFF={os.environ['FUSED_OFF']!r}: name some of norm, rope, head, qk_norm, window")
-    for name, m in model.named_modules():
-        if (
-            ("norm" in off or "qk_norm" in off and name.endswith(("q_norm", "k_norm")))
-            and hasattr(m, "fused")
-            and hasattr(m, "eps")
-        ):
-            m.fused = False
-        if "rope" in off and hasattr(m, "fused_rotary"):
-            m.fused_rotary = False
-        if "window" in off and hasattr(m, "fused_window"):
-            m.fused_window = False
-    if "head" in off:
-        model.fused_head_loss = False
-    if flag("FP8"):  # the blocks' GEMMs in float8 (train.fp8)
-        from tpframe.layers.linear import enable_fp8
-
-        enable_fp8(model)
     if flag("COMPILE"):
         compile_model(model)
     g = torch.Generator(device=state.device).manual_seed(state.dp_rank)  # TP ranks share the batch
@@ -245,16 +226,16 @@ def run_one() -> None:
         from tpframe.layers.linear import async_tp_available
 
         # else the layers fell back (a CUDA graph captures copy_engine's pushes only, not the ring's)
+        mode = ctx.mode
         ran_async = (
-            ctx.async_tp
-            and async_tp_available(state.tp_comm, inp, ctx.async_tp)
-            and (not flag("GRAPH") or ctx.async_tp == "copy_engine")
+            mode.async_tp
+            and async_tp_available(state.tp_comm, inp, mode.async_tp)
+            and (not flag("GRAPH") or mode.async_tp == "copy_engine")
         )
-        fused = f"{int(ctx.fused_kernels)}{'-' + '-'.join(sorted(off)) if off else ''}"
         tags = (
-            f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={ctx.async_tp if ran_async else 0} "
-            f"fused={fused} fp8={int(flag('FP8'))} ckpt={ckpt} sm_margin={state.tp_comm.overlap_sm_margin}"
-            + (f" doc_len={doc_len}" if doc_len else "")
+            f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={mode.async_tp if ran_async else 0} "
+            f"fused={int(mode.fused_kernels)} fp8={int(mode.fp8)} ckpt={ckpt} "
+            f"sm_margin={state.tp_comm.overlap_sm_margin}" + (f" doc_len={doc_len}" if doc_len else "")
         )
         line = (
             f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "

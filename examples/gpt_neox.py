@@ -38,9 +38,9 @@ class NeoXBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: BuildContext):
         super().__init__()
-        sp, dtype, device = ctx.sequence_parallel, ctx.dtype, ctx.device
-        self.norm1 = LayerNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
-        self.norm2 = LayerNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        sp, dtype, device, mode = ctx.sequence_parallel, ctx.dtype, ctx.device, ctx.mode
+        self.norm1 = LayerNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=sp, dtype=dtype, device=device, mode=mode)
+        self.norm2 = LayerNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=sp, dtype=dtype, device=device, mode=mode)
         common = dict(
             sequence_parallel=sp,
             comm=ctx.comm,
@@ -48,6 +48,7 @@ class NeoXBlock(nn.Module):
             output_init_method=scaled_normal_init(cfg.init_std, cfg.layers),
             dtype=dtype,
             device=device,
+            mode=mode,  # the layer mode (fused kernels, float8, async TP): each layer decides from it
         )
         self.attn = ParallelAttention(
             cfg.hidden, cfg.heads, attention_dropout=cfg.attention_dropout, rng_tracker=ctx.rng_tracker, **common
@@ -79,9 +80,11 @@ class GPTNeoX(nn.Module):
             with seeded(layer_seed(ctx.seed, i)):
                 blocks[str(i)] = NeoXBlock(cfg, ctx)
         self.blocks = nn.ModuleDict(blocks)
-        self.final_norm = LayerNorm(cfg.hidden, cfg.norm_eps, sequence_parallel=sp, dtype=dtype, device=device)
+        self.final_norm = LayerNorm(
+            cfg.hidden, cfg.norm_eps, sequence_parallel=sp, dtype=dtype, device=device, mode=ctx.mode
+        )
         with seeded(ctx.seed + 2):
-            self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, **vocab)
+            self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, mode=ctx.mode, **vocab)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None) -> torch.Tensor:
         """The per-token loss [b, s]; without labels the local logits [b, s, V/tp]; with a KV cache (generation)

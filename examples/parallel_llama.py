@@ -43,10 +43,10 @@ class ParallelBlock(nn.Module):
             output_init_method=scaled_normal_init(cfg.init_std, cfg.layers),
             dtype=ctx.dtype,
             device=ctx.device,
+            mode=ctx.mode,  # the layer mode (fused kernels, float8, async TP): each layer decides from it
         )
-        self.norm = RMSNorm(
-            cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device
-        )
+        norm = dict(sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device, mode=ctx.mode)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, **norm)
         self.attn = ParallelAttention(
             cfg.hidden,
             cfg.heads,
@@ -89,11 +89,10 @@ class ParallelLlama(nn.Module):
             with seeded(layer_seed(ctx.seed, i)):
                 blocks[str(i)] = ParallelBlock(cfg, ctx)
         self.blocks = nn.ModuleDict(blocks)
-        self.final_norm = RMSNorm(
-            cfg.hidden, cfg.norm_eps, sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device
-        )
+        norm = dict(sequence_parallel=ctx.sequence_parallel, dtype=ctx.dtype, device=ctx.device, mode=ctx.mode)
+        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, **norm)
         with seeded(ctx.seed + 2):
-            self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, **vocab)
+            self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, mode=ctx.mode, **vocab)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embedding(input_ids.t())  # [s(/tp), b, h]

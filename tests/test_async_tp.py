@@ -34,22 +34,22 @@ class _LoggedPending:
         return self.pending.wait()
 
 
-def _fc_pair(comm):
+def _fc_pair(comm, mode=None):
+    """A column and a row layer, sequence-parallel, built with async TP `mode`: the same weights for every mode."""
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+    from tpframe.layers.mode import LayerMode
 
     torch.manual_seed(0)
-    fc1 = ColumnParallelLinear(16, 32, sequence_parallel=True, comm=comm)
-    fc2 = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm)
+    kw = dict(sequence_parallel=True, comm=comm, mode=LayerMode(async_tp=mode))
+    fc1, fc2 = ColumnParallelLinear(16, 32, **kw), RowParallelLinear(32, 16, **kw)
     with torch.no_grad():
         fc1.bias.normal_(), fc2.bias.normal_()
     return fc1, fc2
 
 
-def _run_pair(fc1, fc2, x0, grad, mode):
-    fc1.async_tp = fc2.async_tp = mode
+def _run_pair(comm, x0, grad, mode):
+    fc1, fc2 = _fc_pair(comm, mode)
     x = x0.clone().requires_grad_()
-    for p in (*fc1.parameters(), *fc2.parameters()):
-        p.grad = None
     y = fc2(torch.tanh(fc1(x)))
     y.backward(grad)
     return [y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())]
@@ -74,10 +74,9 @@ def _ring_matches_plain():
     y = ring_matmul_reduce_scatter(xs[r], b, comm)
     assert_close(y, (xs @ b).sum(0).chunk(n)[r], 1e-12, "GEMM + ring reduce-scatter", atol=1e-12)
 
-    fc1, fc2 = _fc_pair(comm)
     x_in, grad_in = torch.randn(4 * n, 3, 16, generator=g), torch.randn(4 * n, 3, 16, generator=g)
     x0, grad = scatter_to_sp(x_in, comm), scatter_to_sp(grad_in, comm)
-    plain, ring = (_run_pair(fc1, fc2, x0, grad, mode) for mode in (None, "ring"))
+    plain, ring = (_run_pair(comm, x0, grad, mode) for mode in (None, "ring"))
     for what, a, b_ in zip(("y", "grad x", "grad fc1.w", "grad fc1.b", "grad fc2.w", "grad fc2.b"), ring, plain):
         assert_close(a, b_, 1e-5, f"ring async TP vs plain at tp={n}: {what}", atol=1e-6)
     return True
@@ -97,19 +96,16 @@ def _compiled_ring_matches_plain():
     comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
     n = comm.size
     g = torch.Generator().manual_seed(1)
-    fc1, fc2 = _fc_pair(comm)
     x_in, grad_in = torch.randn(4 * n, 3, 16, generator=g), torch.randn(4 * n, 3, 16, generator=g)
     x0, grad = scatter_to_sp(x_in, comm), scatter_to_sp(grad_in, comm)
-    plain = _run_pair(fc1, fc2, x0, grad, None)
+    plain = _run_pair(comm, x0, grad, None)
     transfers = []
     original = comm.exchange_async
     comm.exchange_async = lambda *a, **k: (transfers.append(1), original(*a, **k))[1]
     torch._dynamo.reset()
+    fc1, fc2 = _fc_pair(comm, "ring")
     compiled = torch.compile(lambda x: fc2(torch.tanh(fc1(x))), backend="aot_eager", fullgraph=True)
-    fc1.async_tp = fc2.async_tp = "ring"
     x = x0.clone().requires_grad_()
-    for p in (*fc1.parameters(), *fc2.parameters()):
-        p.grad = None
     y = compiled(x)
     y.backward(grad)
     ring = [y, x.grad] + [p.grad for p in (*fc1.parameters(), *fc2.parameters())]
@@ -161,8 +157,7 @@ def _ring_order():
                 events.append("mm")
             return func(*args, **(kwargs or {}))
 
-    fc1, fc2 = _fc_pair(comm)
-    fc1.async_tp = fc2.async_tp = "ring"
+    fc1, fc2 = _fc_pair(comm, "ring")
     x = scatter_to_sp(torch.randn(4 * comm.size, 3, 16), comm).requires_grad_()
     out = {}
     with GemmLog():
@@ -221,6 +216,7 @@ def test_train_with_ring_async_tp_trains_like_the_plain_path_at_tp2(tmp_path):
 
 def _gpu_modes_fall_back_on_cpu():
     from tpframe.layers.linear import ColumnParallelLinear, async_tp_available
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
 
@@ -230,7 +226,9 @@ def _gpu_modes_fall_back_on_cpu():
     out = []
     for mode in (None, "copy_engine"):
         tracker = seed_parallel_rng(0)
-        ctx = BuildContext(state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, async_tp=mode or False)
+        ctx = BuildContext(
+            state.tp_comm, sequence_parallel=True, rng_tracker=tracker, seed=3, mode=LayerMode(async_tp=mode)
+        )
         model = build_model(GPT_CFG, ctx)
         linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)]
         assert all(m.async_tp == mode for m in linears)
@@ -294,10 +292,10 @@ def _margins_seen():
     from tpframe.layers.mappings import scatter_to_sp
     from tpframe.parallel import initialize_parallel
 
-    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
-    fc1, fc2 = _fc_pair(comm)
+    comm = initialize_parallel(tp=torch.distributed.get_world_size(), overlap_sm_margin=12).tp_comm
+    pairs = {mode: _fc_pair(comm, mode) for mode in (None, "ring")}
     x = scatter_to_sp(torch.randn(4 * comm.size, 3, 16), comm).requires_grad_()
-    comm.overlap_sm_margin, comm.device = 12, torch.device("cuda")  # settings only: the GEMMs run on CPU
+    comm.device = torch.device("cuda")  # a setting only: the GEMMs run on CPU
     margin._C = blas = _FakeBlas()
     seen: list = []
 
@@ -309,7 +307,7 @@ def _margins_seen():
 
     out = {}
     for name, mode in (("plain", None), ("ring", "ring")):
-        fc1.async_tp = fc2.async_tp = mode
+        fc1, fc2 = pairs[mode]
         y = fc1(x)
         seen.clear()
         with GemmLog():

@@ -25,6 +25,7 @@ def _ce_pair(dtype):
     from tpframe.comm.peer_exchange import PeerExchange
     from tpframe.comm.peer_memory import ipc_peer_memory
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
+    from tpframe.layers.mode import LayerMode
 
     rank, n = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.device_count() - 1)
@@ -38,7 +39,7 @@ def _ce_pair(dtype):
     )
     comm.use_peer_exchange(exchange)
     torch.manual_seed(0)
-    kw = dict(sequence_parallel=True, comm=comm, dtype=dtype, device=device, async_tp="copy_engine")
+    kw = dict(sequence_parallel=True, comm=comm, dtype=dtype, device=device, mode=LayerMode(async_tp="copy_engine"))
     fc1, fc2 = ColumnParallelLinear(64, 256, **kw), RowParallelLinear(256, 64, **kw)
     with torch.no_grad():
         fc1.bias.normal_(generator=torch.Generator(device).manual_seed(5))

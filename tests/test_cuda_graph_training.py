@@ -41,10 +41,12 @@ def test_recompute_without_rng_state_saves_none_and_gives_the_same_gradients(mon
 def test_gradient_buffer_bookkeeping_can_be_read_and_restored():
     """What a graph replay cannot do itself: mark the params whose gradient the replay copied in, so the
     end of the step zeroes only the params that really received none."""
+    from tpframe.layers.utils import tag_param
     from tpframe.optim.grad_buffer import GradBuffer
 
     used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
-    buf = GradBuffer([*used.parameters(), *unused.parameters()], None, dp_size=1, bucket_bytes=64)
+    params = [tag_param(p, tp_dim=None) for p in (*used.parameters(), *unused.parameters())]
+    buf = GradBuffer(params, None, dp_size=1, bucket_bytes=64)
     buf.zero()
     at_start = buf.host_state()
     used(torch.ones(2, 4)).sum().backward()

@@ -151,7 +151,7 @@ def _state_bytes(dtype: str) -> dict[str, tuple[int, int]]:
         ModelConfig(hidden=64, layers=2, heads=4, vocab_size=256, moe_experts=4, moe_ffn_hidden=32),
         BuildContext(state.tp_comm, dtype=getattr(torch, dtype), ep_comm=state.ep_comm),
     )
-    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
+    experts = sum(p.numel() for p in model.parameters() if p.expert)
     strategy = build_strategy("zero1", model, OptimConfig(), state, bucket_mb=0.05, compute_dtype=getattr(torch, dtype))
     out["zero1 ep=2"] = (strategy.state_bytes(), sum(p.numel() for p in model.parameters()) - experts, experts)
     destroy_parallel()
@@ -284,12 +284,13 @@ def _bf16_wire(mode: str, reduce_dtype: str):
     import torch.distributed as dist
     from torch import nn
 
+    from tpframe.layers.utils import tag_param
     from tpframe.optim.grad_buffer import GradBuffer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: averaged inside the collective
     torch.manual_seed(0)
-    params = [nn.Parameter(torch.zeros(n, device=device)) for n in (37, 64, 5, 50)]
+    params = [tag_param(nn.Parameter(torch.zeros(n, device=device)), tp_dim=None) for n in (37, 64, 5, 50)]
     buf = GradBuffer(
         params,
         None,
@@ -376,6 +377,7 @@ def _bf16_wire_stream_order():
     import torch.distributed as dist
     from torch import nn
 
+    from tpframe.layers.utils import tag_param
     from tpframe.optim.grad_buffer import GradBuffer
 
     class SlowGrad(torch.autograd.Function):
@@ -390,7 +392,7 @@ def _bf16_wire_stream_order():
                 a = a @ a
             return g + 0 * a[0, 0]  # the gradient's kernel waits for the matmuls
 
-    params = [nn.Parameter(torch.zeros(1 << 20, device="cuda")) for _ in range(4)]
+    params = [tag_param(nn.Parameter(torch.zeros(1 << 20, device="cuda")), tp_dim=None) for _ in range(4)]
     buf = GradBuffer(
         params,
         dist.group.WORLD,

@@ -198,19 +198,27 @@ def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
     layers all qualify at TP=1; dims that are not multiples of 16 never do."""
     from types import SimpleNamespace
 
-    from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, enable_fp8, fp8_pays
+    from tpframe.layers.fp8 import fp8_pays
+    from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, fp8_layers
+    from tpframe.layers.mode import LayerMode
 
     assert not fp8_pays(2304, 768) and not fp8_pays(768, 768) and not fp8_pays(3072, 768) and fp8_pays(768, 3072)
     assert all(fp8_pays(o, i) for o, i in ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)))
     comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
-    model = torch.nn.ModuleDict(
-        {
-            "fc1": ColumnParallelLinear(768, 3072, comm=comm),
-            "fc2": RowParallelLinear(3072, 768, comm=comm),
-            "odd": RowParallelLinear(3080, 768, comm=comm),
-        }
-    )
-    n, skipped = enable_fp8(model)
+
+    def build(**mode):
+        kw = dict(comm=comm, mode=LayerMode(fp8=True, **mode))
+        return torch.nn.ModuleDict(
+            {
+                "fc1": ColumnParallelLinear(768, 3072, **kw),
+                "fc2": RowParallelLinear(3072, 768, **kw),
+                "odd": RowParallelLinear(3080, 768, **kw),
+            }
+        )
+
+    model = build()
+    n, skipped = fp8_layers(model)
     assert n == 1 and model["fc2"].fp8 and not model["fc1"].fp8 and not model["odd"].fp8
     assert skipped == ["fc1 (3072x768: too small to gain)", "odd (768x3080: not multiples of 16)"]
-    assert enable_fp8(model, small_layers=True) == (2, ["odd (768x3080: not multiples of 16)"]) and model["fc1"].fp8
+    model = build(fp8_small_layers=True)
+    assert fp8_layers(model) == (2, ["odd (768x3080: not multiples of 16)"]) and model["fc1"].fp8

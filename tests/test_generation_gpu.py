@@ -91,6 +91,7 @@ def test_graph_decode_equals_eager_decode_token_for_token(backend, compiled, tmp
 
 def _decode_variants(options: dict):
     from tpframe.inference import Generator, SamplingConfig
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext
     from tpframe.models.compile import compile_model
     from tpframe.models.config import ModelConfig
@@ -114,7 +115,10 @@ def _decode_variants(options: dict):
     out = {}
     for name, fused, compiled in (("sdpa", False, False), ("kernel", True, False), ("compiled", True, True)):
         model = GPT(
-            cfg, BuildContext(state.tp_comm, dtype=torch.float32, device=state.device, seed=3, fused_kernels=fused)
+            cfg,
+            BuildContext(
+                state.tp_comm, dtype=torch.float32, device=state.device, seed=3, mode=LayerMode(fused_kernels=fused)
+            ),
         ).eval()
         if compiled:
             compile_model(model, fullgraph=True)

@@ -133,11 +133,12 @@ def _bucket_means(mode: str):
     import torch
     import torch.distributed as dist
 
+    from tpframe.layers.utils import tag_param
     from tpframe.optim.grad_buffer import GradBuffer
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    weights = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (37, 1000, 4096)]
+    weights = [tag_param(torch.nn.Parameter(torch.randn(n, device="cuda")), tp_dim=None) for n in (37, 1000, 4096)]
     buf = GradBuffer(weights, dist.group.WORLD, dp_size=2, dp_rank=rank, bucket_bytes=4096, mode=mode)
     buf.zero()
     buf.start_sync()

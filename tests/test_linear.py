@@ -148,3 +148,32 @@ def test_bad_shapes_raise_clear_value_errors():
     assert "last dim 15, expected in_features = 16" in messages["column_input_shape"]
     assert "last dim 32, expected in_features/tp = 8" in messages["row_input_shape"]
     assert "(6, 2, 16) divisible by the group size 4" in messages["sp_sequence_not_divisible"]
+
+
+def test_layers_decide_what_they_run_from_the_layer_mode_when_built():
+    """Async TP only in sequence-parallel layers; the fused kernels off in linear, norm and attention layers alike;
+    every parameter carries every tag, with its default where the layer set none."""
+    from types import SimpleNamespace
+
+    from tpframe.layers import ColumnParallelLinear, RowParallelLinear, build_norm
+    from tpframe.layers.attention import ParallelAttention
+    from tpframe.layers.mode import LayerMode
+    from tpframe.layers.utils import PARAM_ATTRIBUTES, tag_param
+
+    comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
+    mode = LayerMode(fused_kernels=False, async_tp=True)
+    assert mode.async_tp == "ring" and LayerMode().fused_kernels and LayerMode().async_tp is None
+    sp, plain = (ColumnParallelLinear(16, 32, sequence_parallel=s, comm=comm, mode=mode) for s in (True, False))
+    row = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm, mode=mode)
+    assert (sp.async_tp, row.async_tp, plain.async_tp) == ("ring", "ring", None)
+    norm = build_norm("rmsnorm", 16, mode=mode)
+    attn = ParallelAttention(16, 2, qk_norm=True, comm=comm, mode=mode)
+    assert not (sp.fused_decode or norm.fused or attn.fused or attn.fused_decode or attn.q_norm.fused)
+    for p in (*sp.parameters(), *row.parameters(), *norm.parameters(), *attn.parameters()):
+        assert all(hasattr(p, name) for name in PARAM_ATTRIBUTES)
+    assert attn.qkv.weight.fused_parts == (("q", 16), ("k", 16), ("v", 16)) and not row.weight.expert
+    assert tag_param(row.weight, expert=True).expert and row.weight.tp_dim == 1  # a later tag keeps the others
+    with pytest.raises(TypeError, match="first tags name tp_dim"):
+        tag_param(torch.nn.Parameter(torch.zeros(2)), sequence_parallel=True)
+    with pytest.raises(TypeError, match="unknown tags"):
+        tag_param(row.weight, tp=0)

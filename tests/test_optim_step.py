@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tpframe.layers.utils import tag_param
 from tpframe.optim.grad_buffer import GradBuffer
 from tpframe.optim.strategy import clip_factor
 
@@ -15,9 +16,7 @@ from tpframe.optim.strategy import clip_factor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lazy_zero_copies_the_first_gradient_adds_the_rest_and_zeroes_params_without_one(dtype):
     torch.manual_seed(0)
-    a = torch.nn.Parameter(torch.randn(5, 3, dtype=dtype))
-    b = torch.nn.Parameter(torch.randn(7, dtype=dtype))
-    c = torch.nn.Parameter(torch.randn(4, dtype=dtype))
+    a, b, c = (tag_param(torch.nn.Parameter(torch.randn(*s, dtype=dtype)), tp_dim=None) for s in ((5, 3), (7,), (4,)))
     grads = GradBuffer([a, b, c], None, dp_size=1, bucket_bytes=16)  # several buckets
     assert len(grads.buckets) > 1
     xs = [torch.randn(5, 3, dtype=dtype) for _ in range(3)]

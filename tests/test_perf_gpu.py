@@ -211,21 +211,26 @@ def _async_tp_layers_match_plain():
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
     from tpframe.layers.linear import async_tp_available
     from tpframe.layers.mappings import scatter_to_sp
+    from tpframe.layers.mode import LayerMode
 
     comm = Communicator(backend="auto")
-    torch.manual_seed(0)
     s, b, h, f = 1024, 2, 1024, 4096
-    kw = dict(sequence_parallel=True, comm=comm, dtype=torch.bfloat16)
-    fc1, fc2 = ColumnParallelLinear(h, f, **kw), RowParallelLinear(f, h, **kw)
+
+    def pair(mode):  # the same weights in every mode
+        torch.manual_seed(0)
+        kw = dict(sequence_parallel=True, comm=comm, dtype=torch.bfloat16, mode=LayerMode(async_tp=mode))
+        return ColumnParallelLinear(h, f, **kw), RowParallelLinear(f, h, **kw)
+
     g = torch.Generator(device="cuda").manual_seed(3)
     x_full = torch.randn(s, b, h, device="cuda", generator=g).bfloat16()
     grad = torch.randn(s // comm.size, b, h, device="cuda", generator=g).bfloat16()
     x0 = scatter_to_sp(x_full, comm)
     assert async_tp_available(comm, x0, "copy_engine"), "the copy-engine transport must be set up for this test"
+    layers = {mode: pair(mode) for mode in (None, "ring", "copy_engine")}
     results = []
     # each mode twice: the ring's second call reuses its NCCL pairs, copy_engine's its slots
     for async_tp in (None, "ring", "ring", "copy_engine", "copy_engine"):
-        fc1.async_tp = fc2.async_tp = async_tp
+        fc1, fc2 = layers[async_tp]
         x = x0.clone().requires_grad_()
         for p in (*fc1.parameters(), *fc2.parameters()):
             p.grad = None
@@ -253,6 +258,7 @@ def test_async_tp_layers_match_the_plain_sp_layers_at_tp2():
 
 
 def _gpt_variants_agree(variants):
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_model
     from tpframe.models.compile import compile_model
     from tpframe.models.config import ModelConfig
@@ -280,8 +286,7 @@ def _gpt_variants_agree(variants):
             rng_tracker=tracker,
             dtype=torch.bfloat16,
             seed=4,
-            fused_kernels=fused,
-            async_tp=async_tp,
+            mode=LayerMode(fused_kernels=fused, async_tp=async_tp),
         )
         model = build_model(cfg, ctx)
         if compiled:

@@ -43,7 +43,12 @@ class Communicator:
     """all_reduce / all_gather / reduce_scatter / barrier over `group`, by the chosen backend."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, backend: str = "auto", device: torch.device | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+        device: torch.device | None = None,
+        *,
+        overlap_sm_margin: int = 32,
     ):
         self.group = group if group is not None else dist.group.WORLD
         self.size = dist.get_world_size(self.group)
@@ -57,7 +62,7 @@ class Communicator:
             self.symm = _try_symm(self.group, self.size, self.device, self.requested)
         self.name = comm_ops.register(self)  # the key of this communicator in the compile-visible ops
         # SMs the GEMMs hiding a collective of this group leave to it (tpframe/comm/margin.py; comm.overlap_sm_margin)
-        self.overlap_sm_margin = 32
+        self.overlap_sm_margin = overlap_sm_margin
         self._exchange = _UNSET  # async TP's copy-engine transport (peer_exchange), set up at its first use
 
     def peer_exchange(self):

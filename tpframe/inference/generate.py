@@ -71,7 +71,7 @@ class Generator:
         stops = () if eos_id is None else sorted({int(eos_id)} if isinstance(eos_id, int) else set(map(int, eos_id)))
         self._stops = set(stops)
         self._stop_ids = torch.tensor(stops, dtype=torch.long, device=self.device).view(1, -1) if stops else None
-        rows = next(p.shape[0] for p in model.parameters() if getattr(p, "vocab_rows", None))  # V_padded/tp
+        rows = next(p.shape[0] for p in model.parameters() if p.vocab_rows)  # V_padded/tp
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self.sampler = VocabParallelSampler(

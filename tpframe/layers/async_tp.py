@@ -46,8 +46,8 @@ MODES = ("ring", "copy_engine")
 def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
     """Whether `mode`'s micro-pipelined GEMM+collective runs for `x` on `comm`'s group: eagerly (not traced by
     torch.compile, not captured in a CUDA graph) at tp > 1; "copy_engine" needs CUDA with the group's copy-engine
-    transport (`Communicator.peer_exchange`), and its custom ops also run in compiled blocks (set up before
-    tracing: `enable_async_tp`) and under CUDA-graph capture."""
+    transport (`Communicator.peer_exchange`), and its custom ops also run in compiled blocks (the transport is set
+    up when the layers are built, before tracing) and under CUDA-graph capture."""
     if comm.size == 1:
         return False
     if mode == "copy_engine":
@@ -58,7 +58,7 @@ def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
 
 
 def normalize_mode(value) -> str | None:
-    """A config / BuildContext value as a mode: False/None -> None (off), True -> "ring"."""
+    """A config value (parallel.async_tp) as a mode: False/None -> None (off), True -> "ring"."""
     if value is None or value is False:
         return None
     if value is True:

@@ -29,6 +29,7 @@ from tpframe.kernels.rotary import qkv_rotary
 from tpframe.layers.context import context_parallel_attention
 from tpframe.layers.documents import Documents, context_parallel_document_attention, document_attention, uses_varlen
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.norm import RMSNorm
 from tpframe.layers.sliding_window import sliding_window_attention
 from tpframe.layers.utils import InitMethod, divide
@@ -159,6 +160,7 @@ class ParallelAttention(nn.Module):
         window: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         comm = comm or default_tp_comm()
@@ -177,7 +179,7 @@ class ParallelAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.rng_tracker = rng_tracker
         q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
-        common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
+        common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device, mode=mode)
         self.qkv = ColumnParallelLinear(  # qkv_bias: this projection's biases alone (Qwen2); None: as `bias`
             hidden,
             q_size + 2 * kv_size,
@@ -187,16 +189,16 @@ class ParallelAttention(nn.Module):
         )
         self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
         if qk_norm:  # each rank normalizes only its heads: the weights' gradients are partial over TP, summed there
-            norm = dict(sequence_parallel=True, dtype=dtype, device=device)
+            norm = dict(sequence_parallel=True, dtype=dtype, device=device, mode=mode)
             self.q_norm, self.k_norm = (
                 RMSNorm(self.head_dim, norm_eps, **norm),
                 RMSNorm(self.head_dim, norm_eps, **norm),
             )
         else:
             self.q_norm = self.k_norm = None
-        self.fused_rotary = True  # the Triton split+rotary kernel on CUDA (BuildContext.fused_kernels)
-        self.fused_decode = True  # the Triton decode-attention kernel on CUDA (BuildContext.fused_kernels)
-        self.fused_window = True  # a sliding window by flex_attention's block mask on CUDA (else SDPA's dense mask)
+        # the Triton split+rotary kernel on CUDA, a sliding window by flex_attention's block mask (else SDPA's dense
+        # mask); and the Triton decode-attention kernel (else SDPA)
+        self.fused = self.fused_decode = mode.fused_kernels
 
     def forward(
         self,
@@ -228,7 +230,7 @@ class ParallelAttention(nn.Module):
             self.kv_local,
             d,
             rotary,
-            fused=self.fused_rotary,
+            fused=self.fused,
             token_major=token_major,
             qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None,
         )
@@ -257,10 +259,8 @@ class ParallelAttention(nn.Module):
             return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
             return context_parallel_attention(
-                q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa, window=self.window, flex=self.fused_window
+                q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa, window=self.window, flex=self.fused
             )
         if self.window is not None:
-            return sliding_window_attention(
-                q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa, flex=self.fused_window
-            )
+            return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa, flex=self.fused)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

@@ -11,6 +11,7 @@ from torch import nn
 from tpframe.comm import Communicator
 from tpframe.layers.linear import column_parallel_linear
 from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
 from tpframe.parallel.state import default_tp_comm
 
@@ -79,8 +80,7 @@ class VocabParallelEmbedding(nn.Module):
             dtype=dtype,
             device=device or self.comm.device,
         )
-        self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
-        self.weight.vocab_rows = num_embeddings  # rows past this are padding (not in checkpoints)
+        self.weight = tag_param(nn.Parameter(shard), tp_dim=0, vocab_rows=num_embeddings)  # then padding rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
@@ -120,6 +120,7 @@ class ParallelLMHead(nn.Module):
         init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         self.comm = comm or default_tp_comm()
@@ -135,9 +136,8 @@ class ParallelLMHead(nn.Module):
             dtype=dtype,
             device=device or self.comm.device,
         )
-        self.weight = tag_param(nn.Parameter(shard), tp_dim=0)
-        self.weight.vocab_rows = vocab_size
-        self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
+        self.weight = tag_param(nn.Parameter(shard), tp_dim=0, vocab_rows=vocab_size)
+        self.fused_decode = mode.fused_kernels  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(

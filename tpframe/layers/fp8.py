@@ -10,7 +10,7 @@ gradients in e5m2 (more range). The three GEMMs run in torch._scaled_mm with fp3
     backward  dx = (g8 @ w8)   / (sg * sw)        dw = (g8^T @ x8) / (sg * sx)        db = sum(g)
 The float8 copies of x and w are what backward keeps (half the bytes of bf16). Under TP each rank scales
 its own shards, so TP sizes agree to float8 rounding, not bit for bit. _scaled_mm wants its second operand
-column-major and every dim a multiple of 16 (train.fp8's validation and `enable_fp8` see to that).
+column-major and every dim a multiple of 16 (train.fp8's validation and `fp8_refusal` see to that).
 On CUDA it needs compute capability 8.9+ (Ada, Hopper); CPU builds of torch run it too (slowly: tests).
 """
 
@@ -69,3 +69,20 @@ class _Float8Linear(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b with the three GEMMs in float8 (see the module docstring)."""
     return _Float8Linear.apply(x, weight, bias)
+
+
+def fp8_pays(local_out: int, local_in: int) -> bool:
+    """Whether a GEMM of this per-rank weight shape [out, in] gains from float8 enough to pay for its casts: not
+    when out <= 4096 and in <= 1024 (the threshold torchao's auto-filter for tensorwise scaling takes from its H100
+    measurements; GPT-125M's blocks, all of whose layers but fc2 fall under it, ran slower in float8: RESULTS.md)."""
+    return not (local_out <= 4096 and local_in <= 1024)
+
+
+def fp8_refusal(local_out: int, local_in: int, *, small_layers: bool = False) -> str | None:
+    """Why a linear layer with this per-rank weight [out, in] keeps its GEMMs in the compute dtype under train.fp8
+    (dims the float8 GEMM cannot take; unless `small_layers`, too small to gain), or None."""
+    if local_in % 16 or local_out % 16:
+        return "not multiples of 16"
+    if not small_layers and not fp8_pays(local_out, local_in):
+        return "too small to gain"
+    return None

@@ -4,7 +4,8 @@ Column: weight [out/tp, in], rank r holds rows r*out/tp:(r+1)*out/tp; output is 
 Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial outputs are summed,
         then the full bias [out] is added once.
 
-Async TP (`async_tp="ring"` or `"copy_engine"`, with sequence parallelism; tpframe/layers/async_tp.py): each GEMM
+Each layer decides at construction from its `LayerMode` (tpframe/layers/mode.py) and its shard what it runs.
+Async TP (`mode.async_tp` "ring" or "copy_engine", with sequence parallelism; tpframe/layers/async_tp.py): each GEMM
 and its sequence collective are one autograd Function (or custom op) whose collective is micro-pipelined with the
 GEMM's blocks:
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
@@ -12,8 +13,8 @@ GEMM's blocks:
 Where it cannot run (tp = 1, no SP, CUDA-graph capture of the eager ring, "copy_engine" without the copy-engine
 transport) the same layers take the plain path below.
 
-`fp8=True`: the plain path's GEMM in float8 (tpframe/layers/fp8.py; not with async TP or deferred weight
-gradients, which the config refuses).
+`mode.fp8`: the plain path's GEMM in float8 where the shard gains (tpframe/layers/fp8.py; not with async TP or
+deferred weight gradients, which the config refuses).
 """
 
 from __future__ import annotations
@@ -23,15 +24,9 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.kernels import gemv
-from tpframe.layers.async_tp import (
-    RingAllGatherLinear,
-    RingLinearReduceScatter,
-    async_tp_available,
-    normalize_mode,
-    ring_traced,
-)
+from tpframe.layers.async_tp import RingAllGatherLinear, RingLinearReduceScatter, async_tp_available, ring_traced
 from tpframe.layers.async_tp_ce import ce_column, ce_row  # parallel.async_tp=copy_engine
-from tpframe.layers.fp8 import fp8_linear
+from tpframe.layers.fp8 import fp8_linear, fp8_refusal
 from tpframe.layers.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -40,6 +35,7 @@ from tpframe.layers.mappings import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod, divide, init_shard, normal_init, tag_param
 from tpframe.parallel.pipeline.weight_grad import linear
 from tpframe.parallel.state import default_tp_comm
@@ -84,7 +80,7 @@ def column_parallel_linear(
     sequence_parallel: bool = False,
     gather_output: bool = False,
     *,
-    async_tp: bool | str | None = None,
+    async_tp: str | None = None,
     fp8: bool = False,
     entered: bool = False,
     decode_kernel: bool = True,
@@ -95,10 +91,10 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
-    `async_tp`: None, "ring" or "copy_engine" (True = "ring"): the SP all-gather under the GEMM.
+    `async_tp`: None, "ring" or "copy_engine": the SP all-gather under the GEMM.
     `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
-    mode = normalize_mode(async_tp) if sequence_parallel and not entered else None
+    mode = async_tp if sequence_parallel and not entered else None
     if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
         y = torch.ops.tpframe.ring_column_linear(x, weight, bias, comm.name)[1]
     elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
@@ -120,7 +116,7 @@ def row_parallel_linear(
     sequence_parallel: bool = False,
     input_is_parallel: bool = True,
     *,
-    async_tp: bool | str | None = None,
+    async_tp: str | None = None,
     fp8: bool = False,
     decode_kernel: bool = True,
 ) -> torch.Tensor:
@@ -131,7 +127,7 @@ def row_parallel_linear(
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, comm)
-    mode = normalize_mode(async_tp) if sequence_parallel else None
+    mode = async_tp if sequence_parallel else None
     if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
         y = torch.ops.tpframe.ring_row_linear(x, weight, comm.name)
     elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
@@ -144,6 +140,19 @@ def row_parallel_linear(
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
         y = reduce_scatter_to_sp(y, comm) if sequence_parallel else reduce_from_tp(y, comm, donate=True)
     return y + bias if bias is not None else y
+
+
+def _decide(layer: nn.Module, mode: LayerMode) -> None:
+    """What a column/row layer runs, decided once from `mode` and its own shard [out/tp, in] or [out, in/tp]."""
+    layer.async_tp = mode.async_tp if layer.sequence_parallel else None
+    layer.fp8 = mode.uses_fp8(*layer.weight.shape)
+    layer.fused_decode = mode.fused_kernels  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
+    if layer.async_tp == "copy_engine" and layer.weight.device.type != "meta":
+        layer.comm.peer_exchange()  # the transport, set up now (a collective every rank reaches: they build alike)
+
+
+def _modes_repr(layer: nn.Module) -> str:
+    return (f", async_tp={layer.async_tp}" if layer.async_tp else "") + (", fp8=True" if layer.fp8 else "")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -167,8 +176,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         fused_parts: tuple[tuple[str, int], ...] | None = None,
-        async_tp: bool | str | None = None,
-        fp8: bool = False,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         self.comm = comm or default_tp_comm()
@@ -176,8 +184,6 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, tp, "ColumnParallelLinear out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.async_tp, self.fp8 = normalize_mode(async_tp), fp8
-        self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
         if fused_parts is not None:
             if gather_output:
                 raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with fused_parts")
@@ -185,20 +191,18 @@ class ColumnParallelLinear(nn.Module):
                 raise ValueError(f"fused_parts {fused_parts} must add up to out_features = {out_features}")
             for name, size in fused_parts:
                 divide(size, tp, f"ColumnParallelLinear part {name!r} size")
+            fused_parts = tuple(fused_parts)
         parts = fused_parts or (("weight", out_features),)
         device = device or self.comm.device
         init_method = init_method or normal_init()
         w = torch.cat([init_shard((size, in_features), 0, rank, tp, init_method, dtype, device) for _, size in parts])
-        self.weight = tag_param(nn.Parameter(w), tp_dim=0)
-        if fused_parts is not None:
-            self.weight.fused_parts = tuple(fused_parts)
+        self.weight = tag_param(nn.Parameter(w), tp_dim=0, fused_parts=fused_parts)
         if bias:
             b = torch.cat([init_shard((size,), 0, rank, tp, nn.init.zeros_, dtype, device) for _, size in parts])
-            self.bias = tag_param(nn.Parameter(b), tp_dim=0)
-            if fused_parts is not None:
-                self.bias.fused_parts = tuple(fused_parts)
+            self.bias = tag_param(nn.Parameter(b), tp_dim=0, fused_parts=fused_parts)
         else:
             self.register_parameter("bias", None)
+        _decide(self, mode)
 
     def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
         """`entered=True`: x is already `self.enter(input)` (all-gathered under SP)."""
@@ -224,8 +228,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, sp={self.sequence_parallel}"
-            + (f", async_tp={self.async_tp}" if self.async_tp else "")
-            + (", fp8=True" if self.fp8 else "")
+            + _modes_repr(self)
         )
 
 
@@ -244,8 +247,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        async_tp: bool | str | None = None,
-        fp8: bool = False,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -255,8 +257,6 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, tp, "RowParallelLinear in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.async_tp, self.fp8 = normalize_mode(async_tp), fp8
-        self.fused_decode = True  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
         device = device or self.comm.device
         init_method = init_method or normal_init()
         w = init_shard((out_features, in_features), 1, rank, tp, init_method, dtype, device)
@@ -266,6 +266,7 @@ class RowParallelLinear(nn.Module):
             self.bias = tag_param(nn.Parameter(b), tp_dim=None, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        _decide(self, mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
@@ -294,49 +295,19 @@ class RowParallelLinear(nn.Module):
         return (
             f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
             f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, sp={self.sequence_parallel}"
-            + (f", async_tp={self.async_tp}" if self.async_tp else "")
-            + (", fp8=True" if self.fp8 else "")
+            + _modes_repr(self)
         )
 
 
-def enable_async_tp(model: nn.Module, mode: bool | str | None = "ring") -> int:
-    """Set async TP's mode ("ring", "copy_engine"; True = "ring"; None/False: off) in every sequence-parallel linear
-    layer of `model`; returns how many.
-
-    Layers fall back to the plain path per call where `async_tp_available` says no (tp = 1; the eager ring
-    under CUDA-graph capture, "copy_engine" on CPU or without the group's copy-engine transport)."""
-    n, mode = 0, normalize_mode(mode)
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.sequence_parallel:
-            m.async_tp = mode
-            n += 1
-            if mode == "copy_engine":  # set up now (a collective), before any block is traced
-                m.comm.peer_exchange()
-    return n
-
-
-def fp8_pays(local_out: int, local_in: int) -> bool:
-    """Whether a GEMM of this per-rank weight shape [out, in] gains from float8 enough to pay for its casts: not
-    when out <= 4096 and in <= 1024 (the threshold torchao's auto-filter for tensorwise scaling takes from its H100
-    measurements; GPT-125M's blocks, all of whose layers but fc2 fall under it, ran 0.83x in float8 on an H200)."""
-    return not (local_out <= 4096 and local_in <= 1024)
-
-
-def enable_fp8(model: nn.Module, enabled: bool = True, *, small_layers: bool = False) -> tuple[int, list[str]]:
-    """Switch the float8 GEMMs (tpframe/layers/fp8.py) on (or off) in the column/row-parallel linear layers of
-    `model`: those whose per-rank sizes are multiples of 16 (what the float8 GEMM takes) and, unless
-    `small_layers`, big enough to gain (`fp8_pays`). The vocabulary head and the embedding are other classes and
-    stay in the compute dtype. Returns (layers switched, "name (why not)" of the others)."""
+def fp8_layers(model: nn.Module) -> tuple[int, list[str]]:
+    """What the column/row-parallel layers of a model built with `LayerMode(fp8=True)` chose: (how many run float8,
+    "name (out x in: why not)" of the others). The vocabulary head and the embedding are other classes and stay in
+    the compute dtype."""
     n, skipped = 0, []
     for name, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            local_out, local_in = m.weight.shape
-            if enabled and (local_in % 16 or local_out % 16):
-                skipped.append(f"{name} ({local_out}x{local_in}: not multiples of 16)")
-                continue
-            if enabled and not small_layers and not fp8_pays(local_out, local_in):
-                skipped.append(f"{name} ({local_out}x{local_in}: too small to gain)")
-                continue
-            m.fp8 = enabled
-            n += 1
+            n += m.fp8
+            if not m.fp8:
+                local_out, local_in = m.weight.shape
+                skipped.append(f"{name} ({local_out}x{local_in}: {fp8_refusal(local_out, local_in)})")
     return n, skipped

@@ -13,6 +13,7 @@ from torch import nn
 from tpframe.comm import Communicator
 from tpframe.kernels import gemv
 from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod
 from tpframe.parallel.recompute import RecomputedOutput
 
@@ -39,12 +40,13 @@ class ParallelMLP(nn.Module):
         output_init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
-        common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device)
+        common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device, mode=mode)
         if activation == "swiglu":
             self.fc1 = ColumnParallelLinear(
                 hidden,

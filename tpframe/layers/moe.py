@@ -55,6 +55,7 @@ from tpframe.comm import Communicator
 from tpframe.layers.linear import enter_tp_region
 from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.mlp import ParallelMLP
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
 from tpframe.parallel.recompute import RecomputedOutput
 from tpframe.parallel.state import default_tp_comm
@@ -198,6 +199,7 @@ class MoE(nn.Module):
         output_init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -229,12 +231,12 @@ class MoE(nn.Module):
         # over TP like a sequence-parallel parameter's
         self.router = nn.Linear(hidden, num_experts, bias=False, device="meta")  # [E, h]; used through F.linear
         self.router.weight = tag_param(
-            nn.Parameter(router.to(device=device, dtype=dtype)), None, sequence_parallel=True
+            nn.Parameter(router.to(device=device, dtype=dtype)), tp_dim=None, sequence_parallel=True
         )
         self.expert_bias = None
         if expert_bias:  # fp32 whatever the model's dtype: steps of 1e-3 vanish in bf16 next to a bias of ~1
             self.expert_bias = tag_param(
-                nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False), None
+                nn.Parameter(torch.zeros(num_experts, device=device), requires_grad=False), tp_dim=None
             )
             self.register_buffer(
                 "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
@@ -249,6 +251,7 @@ class MoE(nn.Module):
             output_init_method=output_init_method,
             dtype=dtype,
             device=device,
+            mode=mode,
         )
         self.shared = None
         if shared_ffn_hidden:
@@ -260,11 +263,9 @@ class MoE(nn.Module):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(base + 7919 * (e + 1))
                 experts[str(e)] = ParallelMLP(hidden, ffn_hidden, **mlp)
-        self.experts = nn.ModuleDict(experts)
-        for expert in self.experts.values():
-            expert.is_expert = True  # an FSDP unit of its own under EP (tpframe/optim/fsdp.py)
+        self.experts = nn.ModuleDict(experts)  # each an FSDP unit of its own under EP (tpframe/optim/fsdp.py)
         for p in self.experts.parameters():
-            p.expert = True  # split over EP: gradient strategies reduce it over the expert's replicas only
+            tag_param(p, expert=True)  # split over EP: gradient strategies reduce it over the expert's replicas only
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input's entry into the TP region; forward(enter(x), entered=True) == forward(x)."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tpframe.kernels.norm import norm
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import tag_param
 
 
@@ -24,17 +25,17 @@ class LayerNorm(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         self.hidden, self.eps = hidden, eps
-        self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
+        tags = dict(tp_dim=None, sequence_parallel=sequence_parallel)
+        self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), **tags)
         if bias:
-            self.bias = tag_param(
-                nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), None, sequence_parallel
-            )
+            self.bias = tag_param(nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device)), **tags)
         else:
             self.register_parameter("bias", None)
-        self.fused = True  # the Triton kernel on CUDA (tpframe/kernels/norm.py; BuildContext.fused_kernels)
+        self.fused = mode.fused_kernels  # the Triton kernel on CUDA (tpframe/kernels/norm.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm(x, self.weight, self.bias, self.eps, rms=False, fused=self.fused)
@@ -49,29 +50,22 @@ class RMSNorm(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        mode: LayerMode = DEFAULT_MODE,
     ):
         super().__init__()
         self.hidden, self.eps = hidden, eps
-        self.weight = tag_param(nn.Parameter(torch.ones(hidden, dtype=dtype, device=device)), None, sequence_parallel)
-        self.fused = True  # the Triton kernel on CUDA (tpframe/kernels/norm.py; BuildContext.fused_kernels)
+        weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.weight = tag_param(weight, tp_dim=None, sequence_parallel=sequence_parallel)
+        self.fused = mode.fused_kernels  # the Triton kernel on CUDA (tpframe/kernels/norm.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm(x, self.weight, None, self.eps, rms=True, fused=self.fused)
 
 
-def build_norm(
-    kind: str,
-    hidden: int,
-    eps: float = 1e-5,
-    *,
-    bias: bool = True,
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-) -> nn.Module:
-    """'layernorm' or 'rmsnorm'."""
+def build_norm(kind: str, hidden: int, eps: float = 1e-5, *, bias: bool = True, **kwargs) -> nn.Module:
+    """'layernorm' or 'rmsnorm' (RMSNorm has no bias); `kwargs`: sequence_parallel, dtype, device, mode."""
     if kind == "layernorm":
-        return LayerNorm(hidden, eps, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        return LayerNorm(hidden, eps, bias=bias, **kwargs)
     if kind == "rmsnorm":
-        return RMSNorm(hidden, eps, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+        return RMSNorm(hidden, eps, **kwargs)
     raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")

@@ -1,4 +1,4 @@
-"""Small helpers shared by the parallel layers: divisibility checks, shard init, param tags."""
+"""Small helpers shared by the parallel layers: divisibility checks, shard init, parameter tags."""
 
 from __future__ import annotations
 
@@ -47,13 +47,39 @@ def init_shard(
     return master.to(device=device, dtype=dtype).contiguous()
 
 
-def tag_param(param: torch.nn.Parameter, tp_dim: int | None, sequence_parallel: bool = False) -> torch.nn.Parameter:
-    """Record what checkpoints and grad sync need to know about a parameter.
+# What checkpoints, gradient sync and generation read off every parameter, with its default: declared once (Megatron-
+# Core's _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS), set by `tag_param`, read as attributes (`p.tp_dim`, `p.expert`).
+PARAM_ATTRIBUTES = {
+    "tp_dim": None,  # the dim split across TP ranks; None: replicated on every TP rank
+    # replicated, but each TP rank sees only its slice of the sequence under SP: its gradient is partial, summed
+    # over TP
+    "sequence_parallel": False,
+    "fused_parts": None,  # ((name, rows), ...): logical tensors fused along dim 0, each split over TP on its own
+    "vocab_rows": None,  # a vocabulary table's real rows; those past it are padding (not in checkpoints)
+    "pipeline_tied": False,  # held by the first and the last pipeline stage (a tied embedding): gradients summed
+    "expert": False,  # a MoE expert's, split over EP: gradients reduced over the expert's replicas only
+}
 
-    tp_dim: the dim split across TP ranks (None: replicated on every TP rank).
-    sequence_parallel: replicated, but each TP rank sees only its sequence slice under
-    sequence parallelism, so its gradient is partial and must be all-reduced over TP.
-    """
-    param.tp_dim = tp_dim
-    param.sequence_parallel = bool(sequence_parallel and tp_dim is None)
+
+def tag_param(param: torch.nn.Parameter, **tags) -> torch.nn.Parameter:
+    """Set `tags` (names of PARAM_ATTRIBUTES) on `param`, and the defaults of those it does not carry yet; returns
+    `param`. Its first tagging names `tp_dim` (None: replicated); later ones may add tags (`expert=True`)."""
+    unknown = tags.keys() - PARAM_ATTRIBUTES.keys()
+    if unknown:
+        raise TypeError(f"tag_param: unknown tags {sorted(unknown)}; the tags are {', '.join(PARAM_ATTRIBUTES)}")
+    if "tp_dim" not in tags and not hasattr(param, "tp_dim"):
+        raise TypeError("tag_param: a parameter's first tags name tp_dim (None: replicated over TP)")
+    for name, default in PARAM_ATTRIBUTES.items():
+        if name in tags or not hasattr(param, name):
+            setattr(param, name, tags.get(name, default))
+    param.sequence_parallel = bool(param.sequence_parallel and param.tp_dim is None)
     return param
+
+
+def param_tags(param: torch.Tensor) -> dict:
+    """`param`'s tags, to give a parameter that replaces it (FSDP2's) with `tag_param(new, **tags)`."""
+    return {name: getattr(param, name) for name in PARAM_ATTRIBUTES}
+
+
+def is_tagged(param: torch.Tensor) -> bool:
+    return all(hasattr(param, name) for name in PARAM_ATTRIBUTES)

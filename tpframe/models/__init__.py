@@ -5,8 +5,9 @@ it carries as attributes). Its builder `build(cfg: ModelConfig, ctx: BuildContex
 implementing the protocol's `Model`: at least
     forward(input_ids [b, s], labels [b, s]) -> per-token loss [b, s] (fp32)
     flops_per_token(seq_len) -> float         training FLOPs per token of the whole model, for TFLOP/s and MFU
-and tags every parameter with `tp_dim` (tpframe.layers.utils.tag_param; the layers do it for theirs), so
-checkpoints know how each tensor is split.
+and tags every parameter (tpframe.layers.utils.tag_param: `tp_dim`, ...; the layers do it for theirs), so
+checkpoints know how each tensor is split. It hands `ctx.mode` (tpframe/layers/mode.py: fused kernels, float8,
+async TP) to the layers it builds, which decide from it what they run.
 
 A model that supports pipeline parallelism (parallel.pp > 1) says so with `supports_pipeline=True`
 and builds only `ctx.stage` (see `Stage` and tpframe/models/gpt.py): the blocks of `stage.layers` under
@@ -14,7 +15,7 @@ their global layer index, the embedding only on the first stage, the final norm,
 the last. Its forward then takes input_ids on the first stage and hidden states [s(/tp), b, h] (in the
 compute dtype) on the others, and returns hidden states of that shape on every stage but the last
 (labels are passed to the last stage only). A weight held by both the first and the last stage (a tied
-embedding) is drawn identically on both and tagged `pipeline_tied = True`: its gradients are summed
+embedding) is drawn identically on both and tagged `pipeline_tied=True`: its gradients are summed
 over the two stages every step.
 
 A model that supports context parallelism (parallel.cp > 1) says so with `supports_context_parallel=True`: it
@@ -36,6 +37,8 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.errors import ConfigError
+from tpframe.layers.mode import DEFAULT_MODE, LayerMode
+from tpframe.layers.utils import is_tagged
 from tpframe.models.config import ModelConfig
 from tpframe.models.protocol import ModelSpec
 from tpframe.parallel.pipeline.layout import ModelChunks, local_stages, split_layers
@@ -58,7 +61,7 @@ class Stage:
 
 @dataclass
 class BuildContext:
-    """What a model builder needs from the run: the TP communicator, parallel switches, dtype, stage."""
+    """What a model builder needs from the run: the TP communicator, parallel switches, dtype, stage, layer mode."""
 
     comm: Communicator
     sequence_parallel: bool = False
@@ -71,9 +74,7 @@ class BuildContext:
     device: torch.device | None = None
     seed: int = 1234
     stage: Stage = field(default_factory=Stage)
-    async_tp: bool | str = False  # with sequence_parallel: GEMMs pipelined with their collectives, "ring" (= True)
-    # or "copy_engine" (tpframe/layers/async_tp.py)
-    fused_kernels: bool = True  # Triton rotary on GPU, chunked head + loss (tpframe/kernels); False: plain torch ops
+    mode: LayerMode = DEFAULT_MODE  # what the layers run: fused kernels, float8, async TP (tpframe/layers/mode.py)
     cp_comm: Communicator | None = None  # context parallelism (needs supports_context_parallel): the CP group
     ep_comm: Communicator | None = None  # expert parallelism (MoE models): the group that splits the experts
 
@@ -198,10 +199,10 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
                 )
                 + "; pass window=cfg.sliding_window to ParallelAttention, or leave model.sliding_window unset"
             )
-    untagged = [n for n, p in model.named_parameters() if not hasattr(p, "tp_dim")]
+    untagged = [n for n, p in model.named_parameters() if not is_tagged(p)]
     if untagged:  # an untagged TP shard would be saved as if replicated: a silent wrong resume
         raise ConfigError(
-            f"model.name={cfg.name!r}: parameters {untagged[:3]} carry no tp_dim; tag every parameter with "
+            f"model.name={cfg.name!r}: parameters {untagged[:3]} are not tagged; tag every parameter with "
             "tpframe.layers.utils.tag_param (tp_dim=None for replicated ones)"
         )
     return model

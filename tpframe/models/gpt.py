@@ -35,7 +35,6 @@ from tpframe.layers.context import gather_token_ids, local_positions
 from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
 from tpframe.layers.documents import Documents
 from tpframe.layers.embedding import padded_vocab_size
-from tpframe.layers.linear import enable_async_tp
 from tpframe.layers.moe import MoE, reset_expert_load, update_expert_biases
 from tpframe.layers.utils import normal_init, scaled_normal_init, tag_param
 from tpframe.models import BuildContext
@@ -67,7 +66,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         sp, dtype, device = ctx.sequence_parallel, ctx.dtype, ctx.device
         init, out_init = normal_init(cfg.init_std), scaled_normal_init(cfg.init_std, cfg.layers)
-        norm = dict(bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device)
+        norm = dict(bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device, mode=ctx.mode)
         self.norm1 = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
         self.norm2 = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
         common = dict(
@@ -78,6 +77,7 @@ class TransformerBlock(nn.Module):
             output_init_method=out_init,
             dtype=dtype,
             device=device,
+            mode=ctx.mode,
         )
         self.attn = ParallelAttention(
             cfg.hidden,
@@ -112,10 +112,6 @@ class TransformerBlock(nn.Module):
             )
         else:
             self.mlp = ParallelMLP(cfg.hidden, ffn_hidden_size(cfg), activation=cfg.activation, **common)
-        self.attn.fused_rotary = self.attn.fused_window = self.norm1.fused = self.norm2.fused = ctx.fused_kernels
-        for module in self.modules():  # decode kernels: attention's and the linear layers' one-row GEMM
-            if hasattr(module, "fused_decode"):
-                module.fused_decode = ctx.fused_kernels
         self.dropout = ResidualDropout(cfg.dropout, sp, ctx.rng_tracker)
         self.selective_recompute = ctx.selective_recompute
 
@@ -181,13 +177,15 @@ class GPT(nn.Module):
         if self.stage.first or (self.stage.last and cfg.tie_embeddings):
             with seeded(seed):  # the last stage's tied copy draws the same table
                 self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=sp, **vocab)
-            if cfg.tie_embeddings and not (self.stage.first and self.stage.last):
-                self.embedding.weight.pipeline_tied = True  # gradients summed over the first and last stage
+            if cfg.tie_embeddings and not (self.stage.first and self.stage.last):  # gradients summed over both
+                tag_param(self.embedding.weight, pipeline_tied=True)
         if self.stage.first and cfg.position == "learned":
             with seeded(seed + 1):
                 table = torch.empty(cfg.max_seq_len, cfg.hidden).normal_(0, cfg.init_std)
             # Replicated; under SP each rank embeds only its positions, so its gradient is partial.
-            self.position = tag_param(nn.Parameter(table.to(device=device, dtype=dtype)), None, sp)
+            self.position = tag_param(
+                nn.Parameter(table.to(device=device, dtype=dtype)), tp_dim=None, sequence_parallel=sp
+            )
         self.rotary = (
             RotaryEmbedding(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta, scaling=rope_scaling(cfg)).to(device)
             if cfg.position == "rotary"
@@ -200,18 +198,12 @@ class GPT(nn.Module):
                 blocks[str(i)] = TransformerBlock(cfg, ctx)
         self.blocks = nn.ModuleDict(blocks)
         if self.stage.last:
-            self.final_norm = build_norm(
-                cfg.norm, cfg.hidden, cfg.norm_eps, bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device
-            )
-            self.final_norm.fused = ctx.fused_kernels
+            norm = dict(bias=cfg.bias, sequence_parallel=sp, dtype=dtype, device=device, mode=ctx.mode)
+            self.final_norm = build_norm(cfg.norm, cfg.hidden, cfg.norm_eps, **norm)
             if not cfg.tie_embeddings:
                 with seeded(seed + 2):
-                    self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, **vocab)
-        self.fused_head_loss = ctx.fused_kernels
-        if self.head is not None:
-            self.head.fused_decode = ctx.fused_kernels
-        if ctx.async_tp:
-            enable_async_tp(self, ctx.async_tp)
+                    self.head = ParallelLMHead(cfg.hidden, cfg.vocab_size, sequence_parallel=sp, mode=ctx.mode, **vocab)
+        self.fused_head_loss = ctx.mode.fused_kernels  # the chunked head + loss kernel; the tied head's decode kernel
 
     # -- forward --------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

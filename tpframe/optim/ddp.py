@@ -52,7 +52,7 @@ class DDPStrategy(GradStrategy):
         self.frozen = named_frozen(model)
         self.params = [p for _, p in self.named]
         # expert parallelism: experts differ between EP ranks and are replicated over the edp group only
-        self.expert_params = [p for p in self.params if getattr(p, "expert", False)] if parallel.ep > 1 else []
+        self.expert_params = [p for p in self.params if p.expert] if parallel.ep > 1 else []
         self._expert_ids = {id(p) for p in self.expert_params}
         dense = [p for p in self.params if id(p) not in self._expert_ids]
         self.grads = GradBuffer(
@@ -96,9 +96,9 @@ class DDPStrategy(GradStrategy):
     def finish_grad_sync(self) -> None:
         for g in self.buffers:
             g.finish_sync()
-        sp = [p.main_grad for p in self.params if getattr(p, "sequence_parallel", False)]
+        sp = [p.main_grad for p in self.params if p.sequence_parallel]
         allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
-        tied = [p.main_grad for p in self.params if getattr(p, "pipeline_tied", False)]
+        tied = [p.main_grad for p in self.params if p.pipeline_tied]
         allreduce_pipeline_tied_grads(tied, self.parallel.embedding_comm)
 
     def clip_grad_norm(self, max_norm: float) -> float:

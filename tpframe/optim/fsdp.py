@@ -20,13 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpframe.layers.moe import MoE
+from tpframe.layers.utils import param_tags, tag_param
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.grad_buffer import allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
 from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
     GradStrategy,
-    ParamTags,
     adamw_step_count,
     add_chunks,
     add_frozen,
@@ -69,7 +70,7 @@ class FSDPStrategy(GradStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.parallel, self.compute_dtype, self.reduce_dtype = parallel, compute_dtype, reduce_dtype
-        tags = {n: ParamTags.of(p) for n, p in model.named_parameters()}
+        tags = {n: param_tags(p) for n, p in model.named_parameters()}
         bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
         if bad:
             raise ValueError(
@@ -90,7 +91,8 @@ class FSDPStrategy(GradStrategy):
         frozen = {p for p in model.parameters() if not p.requires_grad}  # replicated as they are (expert biases)
         for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
             for block in root.blocks.values() if hasattr(root, "blocks") else []:
-                for expert in [m for m in block.modules() if getattr(m, "is_expert", False)] if expert_mesh else []:
+                moes = [m for m in block.modules() if isinstance(m, MoE)] if expert_mesh else []
+                for expert in [e for m in moes for e in m.experts.values()]:
                     fully_shard(expert, mesh=expert_mesh, mp_policy=policy, ignored_params=frozen)
                     if parallel.edp > 1:  # summed over the replicas (gloo has no PREMUL_SUM), then / dp*cp
                         expert.set_force_sum_reduction_for_comms(True)
@@ -104,7 +106,7 @@ class FSDPStrategy(GradStrategy):
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
         for name, p in self.named:
-            tags[name].apply(p)
+            tag_param(p, **tags[name])
         params = [p for _, p in self.named]
         self.optimizer = make_adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
 

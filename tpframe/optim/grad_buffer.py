@@ -68,11 +68,7 @@ def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Com
 
 def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") -> list[torch.Tensor]:
     """The gradients (`attr`: "grad" or "main_grad") of the sequence-parallel params among `params`."""
-    return [
-        getattr(p, attr)
-        for p in params
-        if getattr(p, "sequence_parallel", False) and getattr(p, attr, None) is not None
-    ]
+    return [getattr(p, attr) for p in params if p.sequence_parallel and getattr(p, attr, None) is not None]
 
 
 @dataclass(eq=False)
@@ -146,7 +142,7 @@ class GradBuffer:
         for i, p in enumerate(self.params):
             # a pipeline-tied weight (first and last stage) gets a bucket of its own, so its reduce-scatter
             # slice is the same element range on both stages and the two can be summed slice by slice
-            tied = getattr(p, "pipeline_tied", False)
+            tied = p.pipeline_tied
             if tied and current:
                 close()
             self.offsets[p] = offset

@@ -19,7 +19,6 @@ params into a flat buffer, FSDP2 shards them).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,41 +31,12 @@ STEP_KEY = "optim/step"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-@dataclass(frozen=True)
-class ParamTags:
-    """What checkpoints and grad sync need to know about a parameter (tpframe.layers.utils.tag_param),
-    kept by name for strategies (FSDP2) that replace the parameter objects."""
-
-    tp_dim: int | None
-    sequence_parallel: bool
-    fused_parts: tuple | None
-    vocab_rows: int | None
-    pipeline_tied: bool = False
-
-    @classmethod
-    def of(cls, p: torch.Tensor) -> ParamTags:
-        return cls(
-            getattr(p, "tp_dim", None),
-            getattr(p, "sequence_parallel", False),
-            getattr(p, "fused_parts", None),
-            getattr(p, "vocab_rows", None),
-            getattr(p, "pipeline_tied", False),
-        )
-
-    def apply(self, p: torch.Tensor) -> None:
-        p.tp_dim, p.sequence_parallel, p.pipeline_tied = self.tp_dim, self.sequence_parallel, self.pipeline_tied
-        if self.fused_parts is not None:
-            p.fused_parts = self.fused_parts
-        if self.vocab_rows is not None:
-            p.vocab_rows = self.vocab_rows
-
-
 def counts_once(p: torch.Tensor, tp_rank: int, pp_rank: int = 0) -> bool:
     """Whether this rank's copy of `p` enters the global norm: TP shards always, replicated params on TP rank 0;
     a weight tied across pipeline stages (`pipeline_tied`) on the first stage only."""
-    if getattr(p, "pipeline_tied", False) and pp_rank > 0:
+    if p.pipeline_tied and pp_rank > 0:
         return False
-    return getattr(p, "tp_dim", None) is not None or tp_rank == 0
+    return p.tp_dim is not None or tp_rank == 0
 
 
 def make_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:

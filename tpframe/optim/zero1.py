@@ -96,7 +96,7 @@ class Zero1Strategy(GradStrategy):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        experts = {id(p) for p in params if getattr(p, "expert", False)} if parallel.ep > 1 else set()
+        experts = {id(p) for p in params if p.expert} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
         self.parts = [
             self._shard(
@@ -192,11 +192,11 @@ class Zero1Strategy(GradStrategy):
             part.grads.finish_sync()
         # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
         allreduce_sequence_parallel_grads(
-            [sg.grad for sg in self.segments if getattr(sg.param, "sequence_parallel", False)], self.parallel.tp_comm
+            [sg.grad for sg in self.segments if sg.param.sequence_parallel], self.parallel.tp_comm
         )
         # a tied weight has a bucket of its own: this slice is the same element range on both stages
         allreduce_pipeline_tied_grads(
-            [sg.grad for sg in self.segments if getattr(sg.param, "pipeline_tied", False)], self.parallel.embedding_comm
+            [sg.grad for sg in self.segments if sg.param.pipeline_tied], self.parallel.embedding_comm
         )
 
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -49,12 +49,12 @@ def _part_name(param_name: str, part: str) -> str:
 def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vocab: bool = True) -> list[LogicalShard]:
     """The logical pieces of one local parameter. `trim_vocab=False` keeps vocabulary padding rows
     (checkpoints store the padded table, so every rank's piece is an even chunk)."""
-    tp_dim = getattr(p, "tp_dim", None)
+    tp_dim = p.tp_dim
     full = tuple(p.shape)
     whole = tuple(slice(None) for _ in full)
     if tp_dim is None:
         return [LogicalShard(name, name, full, (0,) * len(full), None, whole)]
-    parts = getattr(p, "fused_parts", None)
+    parts = p.fused_parts
     if parts is not None:
         shards, start = [], 0
         for part, size in parts:
@@ -77,7 +77,7 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vo
     offset = [0] * len(full)
     offset[tp_dim] = tp_rank * local
     index = list(whole)
-    vocab_rows = getattr(p, "vocab_rows", None) if trim_vocab else None
+    vocab_rows = p.vocab_rows if trim_vocab else None
     if vocab_rows is not None:  # drop the padding rows from the logical tensor
         assert tp_dim == 0
         global_shape = (vocab_rows,) + full[1:]
@@ -107,7 +107,7 @@ def gather_full_tensors(model: nn.Module, comm: Communicator, source: str = "par
                 full[shard.name] = local.clone()
                 continue
             gathered = comm.all_gather(shard.view(local).contiguous(), dim=shard.tp_dim)
-            rows = getattr(p, "vocab_rows", None)
+            rows = p.vocab_rows
             full[shard.name] = gathered[:rows] if rows is not None else gathered
     return full
 

@@ -191,14 +191,15 @@ def initialize_parallel(
     *,
     cp: int = 1,
     ep: int = 1,
+    overlap_sm_margin: int = 32,
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
     `cp` is the context-parallel size (each sequence split over that many ranks); `ep` the expert-parallel
     size (MoE experts split over that many ranks of dp x cp). `backend` is the torch.distributed backend used if
     the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend` picks the TP communicator backend
-    (auto/nccl/symm). `timeout_s` bounds every collective of every group built here (and of the world, if built
-    here).
+    (auto/nccl/symm), `overlap_sm_margin` the SMs its GEMMs beside a collective leave to it (comm.overlap_sm_margin).
+    `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
     if _STATE is not None:
@@ -268,7 +269,7 @@ def initialize_parallel(
         pp_group=pp_group,
         mp_group=mp_group,
         embedding_group=embedding_group,
-        tp_comm=Communicator(tp_group, backend=comm_backend, device=device),
+        tp_comm=Communicator(tp_group, backend=comm_backend, device=device, overlap_sm_margin=overlap_sm_margin),
         dp_comm=(dp_comm := Communicator(dp_group, backend="nccl", device=device)),
         mp_comm=Communicator(mp_group, backend="nccl", device=device),
         pp_comm=Communicator(pp_group, backend="nccl", device=device),

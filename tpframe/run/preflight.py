@@ -121,7 +121,7 @@ def dry_build(cfg) -> nn.Module | None:
 def _sizes(model: nn.Module) -> tuple[int, int, int]:
     """(parameters, of which MoE experts, buffer bytes) of a model built whole."""
     params = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert", False))
+    experts = sum(p.numel() for p in model.parameters() if p.expert)
     return params, experts, sum(b.numel() * b.element_size() for b in model.buffers())
 
 

@@ -102,7 +102,7 @@ class ReplicaWeightCheck:
     def __init__(self, model: nn.Module, parallel, *, every: int):
         self.every, self.parallel = every, parallel
         named = list(model.named_parameters())  # frozen ones too (an MoE layer's expert bias): copies all the same
-        expert = lambda p: parallel.ep > 1 and getattr(p, "expert", False)  # noqa: E731
+        expert = lambda p: parallel.ep > 1 and p.expert  # noqa: E731
         self.groups = []  # (what, group, its global ranks, [(name, param)])
         dense = [(n, p) for n, p in named if not expert(p)]
         if parallel.dp_cp > 1 and dense:
@@ -110,10 +110,10 @@ class ReplicaWeightCheck:
         experts = [(n, p) for n, p in named if expert(p)]
         if experts and parallel.edp > 1:
             self.groups.append(("expert-data-parallel", parallel.edp_group, self._ranks(parallel.edp_group), experts))
-        replicated = [(n, p) for n, p in named if getattr(p, "tp_dim", None) is None]
+        replicated = [(n, p) for n, p in named if p.tp_dim is None]
         if parallel.tp > 1 and replicated:
             self.groups.append(("tensor-parallel", parallel.tp_group, self._ranks(parallel.tp_group), replicated))
-        tied = [(n, p) for n, p in named if getattr(p, "pipeline_tied", False)]  # one order on both stages
+        tied = [(n, p) for n, p in named if p.pipeline_tied]  # one order on both stages
         if tied and parallel.embedding_group is not None:
             self.groups.append(
                 ("first/last pipeline stage", parallel.embedding_group, self._ranks(parallel.embedding_group), tied)

@@ -1,6 +1,6 @@
 """The first step of every launch checks that weights replicated over TP get the same gradient on every TP rank.
 
-A weight replicated over TP (`tag_param(p, None)`) stays one weight only if every TP rank updates it alike. When
+A weight replicated over TP (`tag_param(p, tp_dim=None)`) stays one weight only if every TP rank updates it alike. When
 its layer sees different activations on each TP rank (the rank's sequence slice under sequence parallelism, or
 the rank's heads), each rank's gradient is partial, and the strategies sum it over TP only for weights tagged
 `sequence_parallel`. A plug-in model that forgets the tag (a norm built without
@@ -34,9 +34,7 @@ MAX_SPREAD = 1e-3  # largest |g_rank - g_rank0| / |g| tolerated for a replicated
 def watched(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The trainable weights replicated over TP whose gradient no strategy sums over TP."""
     return [
-        (n, p)
-        for n, p in model.named_parameters()
-        if p.requires_grad and getattr(p, "tp_dim", None) is None and not getattr(p, "sequence_parallel", False)
+        (n, p) for n, p in model.named_parameters() if p.requires_grad and p.tp_dim is None and not p.sequence_parallel
     ]
 
 
@@ -109,6 +107,6 @@ class ReplicaGradCheck:
                 f"weights replicated over TP got different gradients on the TP ranks in step 1 (relative spread): "
                 f"{names}. Their layers see rank-dependent activations (sequence parallelism, or per-rank heads), so "
                 f"the gradient must be summed over TP: build them with sequence_parallel=ctx.sequence_parallel "
-                f"(tpframe.layers norms) or tag_param(p, None, sequence_parallel=True); "
+                f"(tpframe.layers norms) or tag_param(p, tp_dim=None, sequence_parallel=True); "
                 f"train.check_replicas=false skips this check"
             )

@@ -76,13 +76,13 @@ def pipeline_numel(model: nn.Module, state) -> int:
 
     from tpframe.parallel.sharding import param_shards
 
-    held = [(n, p) for n, p in model.named_parameters() if not (getattr(p, "pipeline_tied", False) and state.pp_rank)]
+    held = [(n, p) for n, p in model.named_parameters() if not (p.pipeline_tied and state.pp_rank)]
 
     def numel(params) -> int:
         return sum(math.prod(s.global_shape) for n, p in params for s in param_shards(n, p, 0, state.tp))
 
-    mine = numel((n, p) for n, p in held if not getattr(p, "expert", False))
-    experts = numel((n, p) for n, p in held if getattr(p, "expert", False))  # this EP rank's experts only
+    mine = numel((n, p) for n, p in held if not p.expert)
+    experts = numel((n, p) for n, p in held if p.expert)  # this EP rank's experts only
     if state.ep > 1:
         experts = int(
             state.ep_comm.all_reduce(torch.tensor([experts], dtype=torch.float64, device=state.device)).item()
