@@ -1,0 +1,238 @@
+"""Which layout to run: every (tp, pp, dp, cp, strategy, recompute, micro-batch) that fits in memory, ranked.
+
+    python -m tpframe.plan --config configs/gpt_1.3b.yaml --gpus 4 [--gpu-gib 141] [--top 10] [--measure N]
+
+A layout is refused with the config's own one-line reason (a size that does not divide, a schedule that needs more
+micro-batches) or by the memory estimate the pre-flight uses (tpframe/run/memory.py). The rest are ranked by a cost
+model of one optimizer step on one GPU (every term per micro-batch, then times the step's micro-batches):
+    compute   model FLOPs (+ the recomputed forward) / (peak x efficiency), plus the launches; the efficiency falls
+              as TP narrows the GEMMs, 0.72 - 154/(h/tp) (GPT-1.3B and 7B-class rows with their TP collectives
+              free), and as the micro-batch shortens them, times rows/(rows + 512)
+    TP        sequence-parallel all-gathers and reduce-scatters, 8 per layer per micro-batch of (tp-1)/tp * s*b*h*2
+              bytes over NVLink, not overlapped; CP adds the keys' and values' all-gather
+    PP        the 1F1B bubble: compute * (pp-1)/m with m micro-batches per step
+    DP        the gradient sync, 3/4 of it exposed (the backward it runs beside slows by about that much); fsdp
+              moves one and a half times the bytes; the optimizer step reads and writes its state once
+The constants are H200/NVLink measurements (benchmarks/RESULTS.md); `--measure N` times the first N layouts with
+train.py on the GPUs at hand and prints the table beside the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpframe.errors import ArgumentParser, ConfigError
+
+PEAK_TFLOPS = 989.0  # H100/H200 SXM, dense bf16
+NVLINK_GBS = 360.0  # NCCL's all-gather/reduce-scatter bus bandwidth on 4x H200 (NV18), per GPU
+HBM_GBS = 4000.0  # the optimizer step: state read and written, per GPU
+LAUNCH_MS_PER_LAYER = 0.05  # host time a layer's forward+backward launches take, eager
+RECOMPUTE = ("none", "selective", "full")
+STRATEGIES = ("ddp", "zero1", "fsdp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    strategy: str
+    recompute: str
+    micro_batch: int
+
+    def overrides(self) -> list[str]:
+        """The train.py keys that run this layout."""
+        ckpt = {"none": "false", "selective": "selective", "full": "full"}[self.recompute]
+        return [
+            f"parallel.tp={self.tp}",
+            f"parallel.pp={self.pp}",
+            f"parallel.cp={self.cp}",
+            f"parallel.sequence_parallel={str(self.tp > 1).lower()}",
+            f"parallel.dp_strategy={self.strategy}",
+            f"parallel.activation_checkpointing={ckpt}",
+            f"train.micro_batch_size={self.micro_batch}",
+        ]
+
+    def describe(self) -> str:
+        return (
+            f"tp {self.tp} pp {self.pp} dp {self.dp} cp {self.cp} {self.strategy} recompute {self.recompute} "
+            f"mb {self.micro_batch}"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    memory_gib: float
+    step_ms: float
+    tflops: float  # model FLOPs per GPU per second, recompute not counted (MFU's numerator)
+
+
+def layouts(cfg, gpus: int) -> list[Layout]:
+    """Every combination of sizes that multiplies to `gpus`, with the micro-batches the global batch allows."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    out = []
+    for tp, pp, cp in itertools.product(divisors, divisors, divisors):
+        if gpus % (tp * pp * cp) or tp > 8:  # TP stays inside one NVLink node
+            continue
+        dp = gpus // (tp * pp * cp)
+        per_rank = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
+        for mb, strategy, recompute in itertools.product(_divisors(per_rank), STRATEGIES, RECOMPUTE):
+            if mb <= 32 and not (strategy != "ddp" and dp == 1):  # zero1/fsdp shard nothing at dp 1
+                out.append(Layout(tp, pp, dp, cp, strategy, recompute, mb))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_config(cfg, layout: Layout):
+    """`cfg` with `layout`'s keys."""
+    p = dataclasses.replace(
+        cfg.parallel,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        sequence_parallel=layout.tp > 1,
+        dp_strategy=layout.strategy,
+        activation_checkpointing={"none": False}.get(layout.recompute, layout.recompute),
+        recompute_layers=None,
+        virtual_stages=1,
+        layers_per_stage=None,
+    )
+    t = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch)
+    return dataclasses.replace(cfg, parallel=p, train=t)
+
+
+def step_ms(cfg, layout: Layout, params: float) -> float:
+    """The cost model of the module docstring: one optimizer step's milliseconds on one GPU."""
+    m, t = cfg.model, cfg.train
+    s, b, h, tp = t.seq_len // layout.cp, layout.micro_batch, m.hidden, layout.tp
+    micro = t.global_batch_size // (layout.micro_batch * layout.dp)
+    flops = _flops_per_token(m, t.seq_len) * s * b / (tp * layout.pp)  # this GPU's share of one micro-batch
+    flops *= {"none": 1.0, "selective": 1.03, "full": 4 / 3}[layout.recompute]
+    rows = s * b  # the GEMMs' M: a small micro-batch fills the GPU less, and pays the launches more often
+    efficiency = min(0.7, max(0.1, 0.72 - 154.0 / (h / tp))) * rows / (rows + 512)
+    compute = flops / (PEAK_TFLOPS * 1e12 * efficiency) + LAUNCH_MS_PER_LAYER * 1e-3 * m.layers / layout.pp
+    layers = m.layers / layout.pp
+    tp_bytes = 8 * (tp - 1) / tp * s * b * h * 2 * layers * (1.5 if layout.recompute == "full" else 1.0)
+    kv = (m.kv_heads or m.heads) * (m.head_dim or h // m.heads)
+    cp_bytes = 2 * 2 * (layout.cp - 1) * s * b * kv * 2 * layers / tp
+    comm = (tp_bytes + cp_bytes) / (NVLINK_GBS * 1e9)
+    bubble = compute * (layout.pp - 1) / micro
+    grads = 4 * params * (1.5 if layout.strategy == "fsdp" else 1.0)
+    dp_sync = 0.75 * 2 * (layout.dp - 1) / layout.dp * grads / (NVLINK_GBS * 1e9)
+    state = params * 16 / (layout.dp if layout.strategy != "ddp" else 1)
+    optimizer = 2 * state / (HBM_GBS * 1e9)
+    return 1e3 * ((compute + comm) * micro + bubble * micro + dp_sync + optimizer)
+
+
+def _flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token of a dense GPT/Llama-shaped model (the model's own formula, without building it)."""
+    h, d = m.hidden, m.head_dim or m.hidden // m.heads
+    q, kv = m.heads * d, (m.kv_heads or m.heads) * d
+    ffn = m.ffn_hidden or (4 * h if m.activation != "swiglu" else 64 * math.ceil(8 * h / 3 / 64))
+    mlp = h * (2 * ffn if m.activation == "swiglu" else ffn) + ffn * h
+    layer = 2 * (h * (q + 2 * kv) + q * h + mlp) + 4 * seq_len * q
+    return 3.0 * (m.layers * layer + 2 * h * m.vocab_size)
+
+
+def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layout, str]]]:
+    """(the layouts that fit, best first; the others with why not)."""
+    from tpframe.run.memory import GIB, estimate
+    from tpframe.training.config import validate
+
+    params = _params(cfg)
+    fits, refused = [], []
+    for layout in layouts(cfg, gpus):
+        lcfg = layout_config(cfg, layout)
+        try:
+            validate(lcfg, gpus)
+        except ConfigError as e:
+            refused.append((layout, str(e)))
+            continue
+        local = params / (layout.tp * layout.pp)
+        need = estimate(lcfg, gpus, params=int(local), device_type="cuda").total / GIB
+        if need > gpu_gib:
+            refused.append((layout, f"needs {need:.1f} GiB per GPU, more than {gpu_gib:g}"))
+            continue
+        ms = step_ms(lcfg, layout, local)
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        fits.append(Plan(layout, need, ms, _flops_per_token(cfg.model, cfg.train.seq_len) * tokens / gpus / ms / 1e9))
+    fits.sort(key=lambda p: (p.step_ms, p.memory_gib, p.layout.tp, p.layout.pp))
+    return fits, refused
+
+
+def _params(cfg) -> float:
+    """The model's parameter count, from a meta-device build at TP 1 (what the pre-flight builds)."""
+    from tpframe.run.preflight import dry_build
+
+    model = dry_build(cfg)
+    if model is None:
+        raise ConfigError(f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized")
+    return float(sum(p.numel() for p in model.parameters()))
+
+
+def measure(config: str | None, overrides: list[str], layout: Layout, *, gpus: int, steps: int) -> float | None:
+    """Median step milliseconds of `steps` train.py steps at `layout` (the first two left out), or None."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        args = ["--config", config] if config else []
+        keys = [*overrides, *layout.overrides(), f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
+        keys += [f"train.run_dir={run_dir}", "checkpoint.save_at_end=false", "logging.progress=false"]
+        cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), "train.py", *args, *keys]
+        if subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1]).returncode:
+            return None
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        times = sorted(r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train")[2:]
+        return times[len(times) // 2] if times else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tpframe.training.config import load_config
+
+    parser = ArgumentParser(prog="python -m tpframe.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config (its model, sequence and global batch are kept)")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
+    parser.add_argument("--gpu-gib", type=float, default=141.0, help="memory per GPU (default: an H200's)")
+    parser.add_argument("--top", type=int, default=10, help="layouts listed")
+    parser.add_argument("--measure", type=int, default=0, help="time the first N with train.py on these GPUs")
+    parser.add_argument("--steps", type=int, default=8, help="train.py steps per measured layout")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as train.py takes them")
+    try:
+        args = parser.parse_args(argv)
+        if args.gpus < 1 or args.top < 1 or args.measure < 0:
+            raise ConfigError("--gpus and --top must be at least 1, --measure at least 0")
+        cfg = load_config(args.config, args.overrides)
+        fits, refused = plan(cfg, args.gpus, gpu_gib=args.gpu_gib)
+    except ConfigError as e:
+        print(f"tpframe.plan: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(fits)} layouts fit on {args.gpus} GPUs of {args.gpu_gib:g} GiB, {len(refused)} do not; best first:")
+    print(f"{'#':>3}  {'layout':58} {'GiB/GPU':>8} {'step ms':>9} {'TFLOP/s':>8} {'measured ms':>12}")
+    for i, p in enumerate(fits[: args.top]):
+        timed = measure(args.config, args.overrides, p.layout, gpus=args.gpus, steps=args.steps) if i < args.measure else None
+        shown = f"{timed:12.1f}" if timed is not None else f"{'-':>12}"
+        print(f"{i + 1:>3}  {p.layout.describe():58} {p.memory_gib:8.1f} {p.step_ms:9.1f} {p.tflops:8.1f} {shown}")
+    reasons: dict[str, int] = {}
+    for _, why in refused:
+        reasons[why.split(";")[0][:110]] = reasons.get(why.split(";")[0][:110], 0) + 1
+    for why, n in sorted(reasons.items(), key=lambda x: -x[1])[:8]:
+        print(f"  not placed ({n}): {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
