@@ -4,6 +4,7 @@ into dataclasses with one clear ConfigError per mistake, and the checks every se
     data = read_yaml_file("configs/x.yaml")               # duplicate keys, not UTF-8, empty, not YAML: ConfigError
     data = apply_overrides(data, ["parallel.tp=2"])        # each key once; values as YAML reads them
     cfg = read_sections(Config, data)                      # unknown keys with a did-you-mean, wrong types named
+    cfg = load(Config, "configs/x.yaml", ["train.steps=5"])  # the three above
     m = read_section(ModelConfig, {"hidden": 64}, "model")  # one section (a checkpoint's recorded model)
     check_ranges("optim", cfg.optim, OPTIM_RANGES)         # declared ranges: "optim.eps=0 must be > 0 and < 1"
 
@@ -220,6 +221,13 @@ def read_section(cls, values: dict[str, Any], section: str):
     return cls(**fields)
 
 
+def load(cls, path: str | Path | None, overrides: list[str]):
+    """Dataclass `cls` (a mapping of sections) from a YAML file (None: the defaults) and `section.key=value`
+    overrides."""
+    data: dict[str, Any] = read_yaml_file(path) if path is not None else {}
+    return read_sections(cls, apply_overrides(data, overrides))
+
+
 def read_sections(cls, data: Any):
     """Dataclass `cls`, whose fields are the sections (dataclasses themselves), from nested dicts; a section left
     out keeps its defaults."""
@@ -273,18 +281,13 @@ def check_ranges(section: str, values, ranges) -> None:
 
 
 def check_at_least(section: str, values, names, low: int = 1, *, note: str = "") -> None:
-    """Each of `names` at least `low` (None, unset, passes): "section.key=V must be at least 1" + `note`."""
+    """Each of `names` at least `low`, None (unset) passing: "section.key=V must be at least 1" + `note` ("must not be
+    negative" for 0)."""
     for name in names:
         value = getattr(values, name)
         if value is not None and value < low:
-            raise ConfigError(f"{section}.{name}={value} must be at least {low}{note}")
-
-
-def check_not_negative(section: str, values, names, *, note: str = "") -> None:
-    """Each of `names` >= 0: "section.key=V must not be negative" + `note`."""
-    for name in names:
-        if getattr(values, name) < 0:
-            raise ConfigError(f"{section}.{name}={getattr(values, name)} must not be negative{note}")
+            bound = "not be negative" if low == 0 else f"be at least {low}"
+            raise ConfigError(f"{section}.{name}={value} must {bound}{note}")
 
 
 def check_paths_given(section: str, values, hints: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tpframe.config import check_at_least, check_not_negative, check_ranges, read_section
+from tpframe.config import check_at_least, check_ranges, read_section
 from tpframe.errors import ConfigError
 from tpframe.layers.embedding import padded_vocab_size
 from tpframe.layers.mlp import ACTIVATIONS
@@ -278,7 +278,7 @@ def _check_rotary(m: ModelConfig) -> None:
 
 def _check_moe_keys(m: ModelConfig) -> None:
     """model.moe_* (tpframe/layers/moe.py) by themselves: a dense model sets none of them."""
-    check_not_negative("model", m, ("moe_experts",), note=" (0: a dense MLP)")
+    check_at_least("model", m, ("moe_experts",), 0, note=" (0: a dense MLP)")
     if not m.moe_experts:
         for key in ("moe_shared_ffn", "moe_z_loss", "moe_expert_bias"):
             if getattr(m, key):
@@ -289,8 +289,8 @@ def _check_moe_keys(m: ModelConfig) -> None:
         return
     if not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.moe_experts={m.moe_experts}")
-    check_not_negative("model", m, ("moe_z_loss",), note=" (0: no router z-loss)")
-    check_not_negative("model", m, ("moe_aux_loss",), note=" (0: no load-balancing loss)")
+    check_at_least("model", m, ("moe_z_loss",), 0, note=" (0: no router z-loss)")
+    check_at_least("model", m, ("moe_aux_loss",), 0, note=" (0: no load-balancing loss)")
     if m.moe_expert_bias and not 0 < m.moe_expert_bias_rate < math.inf:
         raise ConfigError(
             f"model.moe_expert_bias_rate={m.moe_expert_bias_rate} must be a positive number (how far "

@@ -20,15 +20,7 @@ from typing import Any, Literal
 
 from tpframe.checkpoint.config import CheckpointConfig, check_checkpoint
 from tpframe.comm.config import CommConfig, check_comm
-from tpframe.config import (
-    apply_overrides,
-    check_at_least,
-    check_finite,
-    check_not_negative,
-    check_ranges,
-    read_sections,
-    read_yaml_file,
-)
+from tpframe.config import check_at_least, check_finite, check_ranges, load, read_sections
 from tpframe.data.config import DataConfig, check_data
 from tpframe.errors import ConfigError
 from tpframe.layers.async_tp import MODES as ASYNC_TP_MODES
@@ -158,8 +150,7 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or start from defaults when `path` is None) and apply the overrides."""
-    data: dict[str, Any] = read_yaml_file(path) if path is not None else {}
-    return from_dict(apply_overrides(data, overrides or []))
+    return load(Config, path, overrides or [])
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -206,9 +197,9 @@ def check_train(cfg: Config) -> None:
         raise ConfigError(
             f"train.seed={t.seed} must be below 2**63 (torch's seeds are 64-bit and each layer and rank adds an offset)"
         )
-    check_not_negative("train", t, ("max_skipped_steps",))
+    check_at_least("train", t, ("max_skipped_steps",), 0)
     check_at_least("train", t, ("seq_len", "micro_batch_size", "global_batch_size"))
-    check_not_negative("train", t, ("steps",))
+    check_at_least("train", t, ("steps",), 0)
     if not t.run_dir.strip():  # "" would be the current directory, filled with checkpoints/ and config.yaml
         raise ConfigError("train.run_dir is empty; give the run a directory, e.g. train.run_dir=runs/my_run")
     if t.seq_len > cfg.model.max_seq_len:
