@@ -26,8 +26,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tpframe.comm import Communicator
+from tpframe.config import check_at_least
+from tpframe.errors import ConfigError
 
 _STATE: ParallelState | None = None
+
+
+def check_layout(p, world_size: int) -> int:
+    """The `parallel:` sizes (`p`, the run's ParallelConfig) against the world, as ConfigErrors; the DP size."""
+    check_at_least("parallel", p, ("tp", "pp"))
+    check_at_least("parallel", p, ("cp",), note=" (1: no context parallelism)")
+    check_at_least("parallel", p, ("ep",), note=" (1: every rank holds every expert)")
+    if world_size % (p.tp * p.cp * p.pp):
+        what, names = (f"{p.tp}*{p.cp}*{p.pp}", "tp/cp/pp") if p.cp > 1 else (f"{p.tp}*{p.pp}", "tp/pp")
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.{names.replace('/', '*parallel.')} = {what}; "
+            f"launch a multiple of {p.tp * p.cp * p.pp} processes (python -m tpframe.launch --nproc-per-node N) or "
+            f"change parallel.{names}"
+        )
+    return world_size // (p.tp * p.cp * p.pp)
 
 
 def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
