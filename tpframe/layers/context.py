@@ -180,41 +180,22 @@ def attend_local_chunks(
     block mask on CUDA, where `flex`, else the dense band mask)."""
     c = _check(q.shape[-2], size)
     fused = fused and dropout_p == 0 and (c >= MERGE_MIN_CHUNK or not q.is_cuda) and _backend(q) is not None
+    sdpa = dict(dropout_p=dropout_p, enable_gqa=enable_gqa)
     outs = []
     for chunk, start in ((0, rank * c), (1, (2 * size - 1 - rank) * c)):  # the chunk's first global position
         qc, end = q[..., chunk * c : (chunk + 1) * c, :], start + c
         if window is not None:
             first = max(0, start - window + 1)
             outs.append(
-                sliding_window_attention(
-                    qc,
-                    k[..., first:end, :],
-                    v[..., first:end, :],
-                    window,
-                    dropout_p=dropout_p,
-                    enable_gqa=enable_gqa,
-                    flex=flex,
-                )
+                sliding_window_attention(qc, k[..., first:end, :], v[..., first:end, :], window, **sdpa, flex=flex)
             )
         elif start == 0:  # the sequence's first chunk: a square causal mask
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qc, k[..., :c, :], v[..., :c, :], dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa
-                )
-            )
+            outs.append(F.scaled_dot_product_attention(qc, k[..., :c, :], v[..., :c, :], is_causal=True, **sdpa))
         elif fused:
             outs.append(_ChunkAttention.apply(qc, k[..., :end, :], v[..., :end, :], start))
         else:
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qc,
-                    k[..., :end, :],
-                    v[..., :end, :],
-                    attn_mask=causal_lower_right(c, end),
-                    dropout_p=dropout_p,
-                    enable_gqa=enable_gqa,
-                )
-            )
+            mask = causal_lower_right(c, end)
+            outs.append(F.scaled_dot_product_attention(qc, k[..., :end, :], v[..., :end, :], attn_mask=mask, **sdpa))
     return torch.cat(outs, dim=-2)
 
 

@@ -212,10 +212,9 @@ def initialize_parallel(
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
-    `cp` is the context-parallel size (each sequence split over that many ranks); `ep` the expert-parallel
-    size (MoE experts split over that many ranks of dp x cp). `backend` is the torch.distributed backend used if
-    the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend` picks the TP communicator backend
-    (auto/nccl/symm), `overlap_sm_margin` the SMs its GEMMs beside a collective leave to it (comm.overlap_sm_margin).
+    `cp`: ranks each sequence is split over; `ep`: ranks of dp x cp the MoE experts are split over. `backend`: the
+    torch.distributed backend if the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend`: the TP
+    communicator's (auto/nccl/symm), `overlap_sm_margin`: SMs its GEMMs beside a collective leave to it.
     `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
