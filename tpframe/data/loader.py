@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tpframe.data.config import DataConfig
+from tpframe.data.config import SOURCES, DataConfig
 from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus
 from tpframe.data.tokenizer import open_token_file
 from tpframe.errors import ConfigError
@@ -356,7 +356,7 @@ def load_streams(cfg: DataConfig, seq_len: int) -> tuple[list[TokenStream], list
         train, valid = split_stream(stdlib_corpus(), cfg.valid_fraction, seq_len, "lower train.seq_len")
         return [train], [valid]
     if cfg.source != "tokens":
-        raise ConfigError(f"data.source={cfg.source!r} is not allowed; choose 'synthetic', 'stdlib' or 'tokens'")
+        raise ConfigError(f"data.source={cfg.source!r} is not allowed; choose one of {', '.join(map(repr, SOURCES))}")
     if not cfg.paths:
         raise ConfigError("data.source=tokens needs data.path (a token file made by tools/prepare_data.py)")
     files = [(cfg.path_key(i), p) for i, p in enumerate(cfg.paths)]

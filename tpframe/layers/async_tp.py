@@ -39,8 +39,9 @@ import torch
 
 from tpframe.comm import Communicator
 from tpframe.comm import ops as comm_ops
+from tpframe.errors import ConfigError
 
-MODES = ("ring", "copy_engine")
+MODES = ("ring", "copy_engine")  # parallel.async_tp's choices besides true (= ring) and false
 
 
 def async_tp_available(comm: Communicator, x: torch.Tensor, mode: str) -> bool:
@@ -66,6 +67,14 @@ def normalize_mode(value) -> str | None:
     if value not in MODES:
         raise ValueError(f"async_tp={value!r}: choose false, true (= ring), {' or '.join(map(repr, MODES))}")
     return value
+
+
+def check_async_tp(p) -> None:
+    """parallel.async_tp (`p`: the run's ParallelConfig) overlaps the sequence-parallel collectives."""
+    if p.async_tp and not p.sequence_parallel:
+        raise ConfigError(
+            "parallel.async_tp overlaps the sequence-parallel collectives; set parallel.sequence_parallel=true"
+        )
 
 
 def _rows(x: torch.Tensor, blocks: int) -> torch.Tensor:

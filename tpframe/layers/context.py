@@ -24,18 +24,44 @@ which with each rank's loss a mean over its own tokens gives the mean over the w
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from tpframe.comm import Communicator
+from tpframe.errors import ConfigError
 from tpframe.layers.mappings import gather_from_sp
 from tpframe.layers.sliding_window import sliding_window_attention
 
 # Below this many queries per chunk the merged kernels lose to one lower-right-masked call (three kernels and a
 # merge for little work); measured on one H200 (benchmarks/cp_attention.py, benchmarks/RESULTS.md).
 MERGE_MIN_CHUNK = 2048
+
+
+def check_sequence_split(cfg) -> None:
+    """train.seq_len split over parallel.cp (2*cp equal chunks, two per CP rank) and, with
+    parallel.sequence_parallel, each CP rank's tokens over parallel.tp (`cfg`: the run's Config)."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        if p.sequence_parallel and t.seq_len % p.tp:
+            raise ConfigError(
+                f"parallel.sequence_parallel needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}"
+            )
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"parallel.cp={p.cp} cuts each sequence into 2*cp = {2 * p.cp} equal chunks; "
+            f"train.seq_len={t.seq_len} is not divisible by {2 * p.cp}"
+        )
+    if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel splits each CP rank's train.seq_len/parallel.cp = "
+            f"{t.seq_len // p.cp} tokens over parallel.tp={p.tp}; make train.seq_len a multiple of "
+            f"{p.cp * p.tp * 2 // math.gcd(2, p.tp)}"
+        )
 
 
 def _check(seq_len: int, size: int) -> int:
@@ -154,41 +180,22 @@ def attend_local_chunks(
     block mask on CUDA, where `flex`, else the dense band mask)."""
     c = _check(q.shape[-2], size)
     fused = fused and dropout_p == 0 and (c >= MERGE_MIN_CHUNK or not q.is_cuda) and _backend(q) is not None
+    sdpa = dict(dropout_p=dropout_p, enable_gqa=enable_gqa)
     outs = []
     for chunk, start in ((0, rank * c), (1, (2 * size - 1 - rank) * c)):  # the chunk's first global position
         qc, end = q[..., chunk * c : (chunk + 1) * c, :], start + c
         if window is not None:
             first = max(0, start - window + 1)
             outs.append(
-                sliding_window_attention(
-                    qc,
-                    k[..., first:end, :],
-                    v[..., first:end, :],
-                    window,
-                    dropout_p=dropout_p,
-                    enable_gqa=enable_gqa,
-                    flex=flex,
-                )
+                sliding_window_attention(qc, k[..., first:end, :], v[..., first:end, :], window, **sdpa, flex=flex)
             )
         elif start == 0:  # the sequence's first chunk: a square causal mask
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qc, k[..., :c, :], v[..., :c, :], dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa
-                )
-            )
+            outs.append(F.scaled_dot_product_attention(qc, k[..., :c, :], v[..., :c, :], is_causal=True, **sdpa))
         elif fused:
             outs.append(_ChunkAttention.apply(qc, k[..., :end, :], v[..., :end, :], start))
         else:
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qc,
-                    k[..., :end, :],
-                    v[..., :end, :],
-                    attn_mask=causal_lower_right(c, end),
-                    dropout_p=dropout_p,
-                    enable_gqa=enable_gqa,
-                )
-            )
+            mask = causal_lower_right(c, end)
+            outs.append(F.scaled_dot_product_attention(qc, k[..., :end, :], v[..., :end, :], attn_mask=mask, **sdpa))
     return torch.cat(outs, dim=-2)
 
 

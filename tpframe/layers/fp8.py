@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from tpframe.errors import ConfigError
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 
@@ -86,3 +88,32 @@ def fp8_refusal(local_out: int, local_in: int, *, small_layers: bool = False) ->
     if not small_layers and not fp8_pays(local_out, local_in):
         return "too small to gain"
     return None
+
+
+def check_fp8(cfg, widths) -> None:
+    """train.fp8 (`cfg`: the run's Config): bf16 activations, the plain GEMM path, every GEMM dim a multiple of 16.
+    `widths`: (what, width) of each model dimension the GEMMs split over TP (tpframe.models.config.gemm_widths)."""
+    p, t = cfg.parallel, cfg.train
+    if t.dtype != "bfloat16":
+        raise ConfigError(
+            f"train.fp8 computes in float8 with bf16 inputs and outputs; set train.dtype=bfloat16 (got {t.dtype})"
+        )
+    if p.async_tp:
+        raise ConfigError(
+            "train.fp8 and parallel.async_tp cannot be combined (the overlapped GEMMs are bf16); turn one off"
+        )
+    if p.pp > 1 and p.pp_schedule == "zb_h1":
+        raise ConfigError(
+            "train.fp8 cannot defer weight gradients (parallel.pp_schedule=zb_h1); use 1f1b, afab or interleaved_1f1b"
+        )
+    tokens = t.micro_batch_size * t.seq_len
+    if tokens % 16:
+        raise ConfigError(
+            f"train.fp8 needs train.micro_batch_size*train.seq_len = {tokens} to be a multiple of 16 (float8 GEMM dims)"
+        )
+    for key, value in widths:
+        if value % (16 * p.tp):
+            raise ConfigError(
+                f"train.fp8 needs {key} = {value} divisible by 16*parallel.tp = {16 * p.tp} "
+                "(each rank's float8 GEMM dims are multiples of 16)"
+            )

@@ -225,6 +225,23 @@ class MoE(nn.Module):
         # decided here, not per call: torch.compile traces `_grouped` without asking the driver
         self._hopper = grouped_gemms_available(device)
         init_method = init_method or normal_init()
+        self._build_router(init_method, expert_bias=expert_bias, dtype=dtype, device=device)
+        mlp = dict(
+            activation=activation,
+            bias=False,
+            sequence_parallel=sequence_parallel,
+            comm=self.comm,
+            init_method=init_method,
+            output_init_method=output_init_method,
+            dtype=dtype,
+            device=device,
+            mode=mode,
+        )
+        self._build_experts(ffn_hidden, shared_ffn_hidden, mlp)
+
+    def _build_router(self, init_method: InitMethod, *, expert_bias: bool, dtype: torch.dtype, device) -> None:
+        """The router [E, h] (and DeepSeek-V3's expert bias with its load counts)."""
+        num_experts, hidden = self.num_experts, self.hidden
         router = torch.empty(num_experts, hidden, dtype=torch.float32)
         init_method(router)
         # replicated over TP, but each TP rank's gradient is partial (it weighs partial expert outputs): summed
@@ -241,28 +258,20 @@ class MoE(nn.Module):
             self.register_buffer(
                 "expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
             )  # routed slots of this step's micro-batches (this rank's tokens)
+
+    def _build_experts(self, ffn_hidden: int, shared_ffn_hidden: int, mlp: dict) -> None:
+        """This EP rank's experts (and the shared one), each drawn from its own seed: the same at any EP size."""
         base = torch.initial_seed()
-        mlp = dict(
-            activation=activation,
-            bias=False,
-            sequence_parallel=sequence_parallel,
-            comm=self.comm,
-            init_method=init_method,
-            output_init_method=output_init_method,
-            dtype=dtype,
-            device=device,
-            mode=mode,
-        )
         self.shared = None
         if shared_ffn_hidden:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(base + 7919 * (num_experts + 1))
-                self.shared = ParallelMLP(hidden, shared_ffn_hidden, **mlp)
+                torch.manual_seed(base + 7919 * (self.num_experts + 1))
+                self.shared = ParallelMLP(self.hidden, shared_ffn_hidden, **mlp)
         experts = {}
         for e in range(self.first_expert, self.first_expert + self.local_experts):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(base + 7919 * (e + 1))
-                experts[str(e)] = ParallelMLP(hidden, ffn_hidden, **mlp)
+                experts[str(e)] = ParallelMLP(self.hidden, ffn_hidden, **mlp)
         self.experts = nn.ModuleDict(experts)  # each an FSDP unit of its own under EP (tpframe/optim/fsdp.py)
         for p in self.experts.parameters():
             tag_param(p, expert=True)  # split over EP: gradient strategies reduce it over the expert's replicas only

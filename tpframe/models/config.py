@@ -1,15 +1,16 @@
-"""A model's shape and options (the `model:` section of a run config), beside the models that read it."""
+"""A model's shape and options (the `model:` section of a run config) and their checks, beside the models that
+read them."""
 
 from __future__ import annotations
 
-import contextlib
-import types
-import typing
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tpframe.errors import ConfigError, shown
+from tpframe.config import check_at_least, check_ranges, read_section
+from tpframe.errors import ConfigError
 from tpframe.layers.embedding import padded_vocab_size
+from tpframe.layers.mlp import ACTIVATIONS
 
 
 @dataclass
@@ -44,7 +45,7 @@ class ModelConfig:
     # sliding_window-1 tokens before it (within its document with attention_mask=document); null: every earlier one
     sliding_window: int | None = None
     eod_id: int | None = None  # the token that ends a document (attention_mask=document); None: the data's
-    activation: Literal["gelu", "swiglu", "relu"] = "gelu"  # MLP: gelu (tanh approximation), swiglu (gated), relu
+    activation: Literal[ACTIVATIONS] = "gelu"  # MLP: gelu (tanh approximation), swiglu (gated), relu
     bias: bool = True  # biases in the linear layers and LayerNorm
     # biases on the query/key/value projection alone; None: as model.bias. bias=false with qkv_bias=true is Qwen2's
     # attention (Megatron-LM's --add-qkv-bias)
@@ -209,34 +210,144 @@ def padded_vocab(m: ModelConfig, tp: int) -> int:
 
 def read_model_config(section: dict[str, Any]) -> ModelConfig:
     """A recorded `model:` section (a checkpoint's meta.json, an export's header) as a ModelConfig, each value checked
-    as a run's config is: ConfigError naming the key. (A small copy of training/config.py's parser, for what loads
-    weights without the training package.)"""
-    hints = typing.get_type_hints(ModelConfig)
-    return ModelConfig(**{key: _typed(value, hints.get(key), f"model.{key}") for key, value in section.items()})
+    as a run's config is: ConfigError naming the key."""
+    return read_section(ModelConfig, section, "model")
 
 
-def _typed(value: Any, annotation: Any, key: str) -> Any:
-    if annotation is None:
-        raise ConfigError(f"unknown config key {key!r}")
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None
-        (option,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return None if value is None else _typed(value, option, key)
-    if typing.get_origin(annotation) is Literal:
-        if value not in typing.get_args(annotation):
-            choices = ", ".join(map(repr, typing.get_args(annotation)))
-            raise ConfigError(f"{key}={shown(value)} is not allowed; choose one of {choices}")
-        return value
-    if annotation in (int, float):
-        number = value
-        if isinstance(value, str):  # YAML reads 1e10 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                number = float(value)
-        if isinstance(number, (int, float)) and not isinstance(number, bool):
-            if annotation is float:
-                return float(number)
-            if isinstance(number, int) or number.is_integer():
-                return int(number)
-        raise ConfigError(f"{key}={shown(value)} must be {'an integer' if annotation is int else 'a number'}")
-    if not isinstance(value, annotation):  # bool, str
-        raise ConfigError(f"{key}={shown(value)} must be {'true or false' if annotation is bool else 'a string'}")
-    return value
+# -- checks: the model alone, then against the layout -------------------------------------------------
+
+# (key, lowest, highest, lowest included); every float is finite already (tpframe.config.check_finite)
+RANGES = (
+    ("norm_eps", 0.0, 1.0, False),
+    ("init_std", 0.0, None, False),
+    ("rope_theta", 0.0, None, False),
+    ("rope_scaling_factor", 0.0, None, False),
+    ("rope_low_freq_factor", 0.0, None, False),
+    ("rope_high_freq_factor", 0.0, None, False),
+)
+
+
+def check_model(m: ModelConfig) -> None:
+    """The `model:` section alone: sizes, heads, rotary positions, attention, dropout, the MoE keys."""
+    check_ranges("model", m, RANGES)
+    check_at_least("model", m, ("vocab_size", "hidden", "layers", "heads", "max_seq_len", "vocab_multiple"))
+    check_at_least("model", m, ("ffn_hidden", "moe_ffn_hidden"), note=" (null: sized from model.hidden)")
+    check_at_least("model", m, ("head_dim",), note=" (or null: model.hidden/model.heads)")
+    if m.head_dim is None and m.hidden % m.heads:
+        raise ConfigError(
+            f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}; give each head's width "
+            "as model.head_dim, or pick heads that divide it"
+        )
+    kv = m.kv_heads if m.kv_heads is not None else m.heads
+    if kv < 1 or m.heads % kv:
+        raise ConfigError(f"model.kv_heads={kv} must divide model.heads={m.heads}")
+    _check_rotary(m)
+    if m.sliding_window is not None and (isinstance(m.sliding_window, bool) or m.sliding_window < 1):
+        raise ConfigError(
+            f"model.sliding_window={m.sliding_window} must be a number of tokens >= 1 (or null: full causal attention)"
+        )
+    if m.eod_id is not None and not 0 <= m.eod_id < m.vocab_size:
+        raise ConfigError(
+            f"model.eod_id={m.eod_id} is not a token id of model.vocab_size={m.vocab_size}; give the "
+            "token that ends a document, or null for the data's own"
+        )
+    for key, value in (("model.dropout", m.dropout), ("model.attention_dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}={value} must be in [0, 1)")
+    _check_moe_keys(m)
+
+
+def _check_rotary(m: ModelConfig) -> None:
+    if m.position == "rotary" and head_dim(m) % 2:
+        where = "hidden/model.heads" if m.head_dim is None else "head_dim"
+        raise ConfigError(f"rotary positions need an even head dim; model.{where} = {head_dim(m)}")
+    if m.rope_scaling_factor is None:
+        return
+    if m.position != "rotary":
+        raise ConfigError(
+            f"model.rope_scaling_factor={m.rope_scaling_factor} scales rotary positions; set "
+            "model.position=rotary or leave model.rope_scaling_factor unset"
+        )
+    if not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1's are 4 and 1)"
+        )
+    check_at_least("model", m, ("rope_original_max_seq_len",), note=" (Llama 3.1's is 8192)")
+
+
+def _check_moe_keys(m: ModelConfig) -> None:
+    """model.moe_* (tpframe/layers/moe.py) by themselves: a dense model sets none of them."""
+    check_at_least("model", m, ("moe_experts",), 0, note=" (0: a dense MLP)")
+    if not m.moe_experts:
+        for key in ("moe_shared_ffn", "moe_z_loss", "moe_expert_bias"):
+            if getattr(m, key):
+                raise ConfigError(
+                    f"model.{key}={getattr(m, key)} belongs to a mixture-of-experts model; set "
+                    f"model.moe_experts (e.g. 8) or model.{key}=0"
+                )
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.moe_experts={m.moe_experts}")
+    check_at_least("model", m, ("moe_z_loss",), 0, note=" (0: no router z-loss)")
+    check_at_least("model", m, ("moe_aux_loss",), 0, note=" (0: no load-balancing loss)")
+    if m.moe_expert_bias and not 0 < m.moe_expert_bias_rate < math.inf:
+        raise ConfigError(
+            f"model.moe_expert_bias_rate={m.moe_expert_bias_rate} must be a positive number (how far "
+            "each expert's bias moves per step; e.g. 0.001)"
+        )
+
+
+def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """parallel.tp splits the heads and the widths: it must divide each."""
+    for key, value in (
+        ("model.heads", m.heads),
+        ("model.kv_heads", m.kv_heads or m.heads),  # not 0: check_model
+        ("model.hidden", m.hidden),
+        ("model.ffn_hidden", ffn_hidden_size(m)),
+    ):
+        if value % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide {key}={value}; pick a tp that divides it")
+
+
+def check_experts(cfg, dp: int) -> None:
+    """A mixture-of-experts model (model.moe_experts) against the layout: parallel.tp splits each expert,
+    parallel.ep the experts (over ranks holding different data). `cfg` is the run's Config."""
+    m, p = cfg.model, cfg.parallel
+    if not m.moe_experts:
+        if p.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={p.ep} splits the experts of a mixture-of-experts model; set "
+                "model.moe_experts (e.g. 8) or parallel.ep=1"
+            )
+        return
+    ffn = moe_ffn_hidden_size(m)
+    if ffn < 1 or ffn % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide each expert's hidden size model.moe_ffn_hidden={ffn}")
+    if m.moe_shared_ffn < 0 or m.moe_shared_ffn % p.tp:
+        raise ConfigError(
+            f"model.moe_shared_ffn={m.moe_shared_ffn} (the shared expert's hidden size; 0: none) must "
+            f"be a non-negative multiple of parallel.tp={p.tp}"
+        )
+    if (dp * p.cp) % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp} (experts are split over "
+            "ranks holding different data); change parallel.ep or the number of processes"
+        )
+    if m.moe_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts}")
+    if cfg.train.compile and p.ep > 1:
+        raise ConfigError(
+            "train.compile is not supported with parallel.ep > 1 yet (the all-to-all is sized on "
+            "the host, every layer); set train.compile=false or parallel.ep=1"
+        )
+
+
+def gemm_widths(m: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """(what, width) of each dimension the blocks' GEMMs split over TP (float8 checks them: layers/fp8.py)."""
+    return (
+        ("model.hidden", m.hidden),
+        ("the ffn width", ffn_hidden_size(m)),
+        ("model.heads * head dim", m.heads * head_dim(m)),
+        ("model.kv_heads * head dim", (m.kv_heads or m.heads) * head_dim(m)),
+    )

@@ -283,15 +283,7 @@ class GPT(nn.Module):
             if x.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
             x = self.embed(x, positions)
-        if self.rotary is None:
-            rotary = None
-        elif positions is not None:
-            rotary = self.rotary.at(positions, x.dtype)
-        elif self.cp > 1:
-            local = self._local_positions(x.shape[0] * (self.comm.size if self.sequence_parallel else 1))
-            rotary = self.rotary.at(local[None], x.dtype)  # one row of positions, shared by the batch
-        else:
-            rotary = self.rotary(x.shape[0] * (self.comm.size if self.sequence_parallel else 1), x.dtype)
+        rotary = self._rotary(x, positions)
         for n, (i, block) in enumerate(self.blocks.items()):
             if cache is not None:
                 x = block(x, rotary, cache.layer(i))
@@ -303,28 +295,39 @@ class GPT(nn.Module):
             return x
         if cache is not None:
             return self.logits(x[-1:])[0]  # [b, V/tp]
+        return self._loss(x, labels)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor | None):
+        """The rotary tables of these tokens: at `positions` [b, s] (documents, generation), at this CP rank's
+        positions, or 0..s-1; None with learned positions."""
+        if self.rotary is None:
+            return None
+        if positions is not None:
+            return self.rotary.at(positions, x.dtype)
+        s = x.shape[0] * (self.comm.size if self.sequence_parallel else 1)
+        if self.cp > 1:
+            return self.rotary.at(self._local_positions(s)[None], x.dtype)  # one row of positions, shared by the batch
+        return self.rotary(s, x.dtype)
+
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's end: the per-token loss [b, s] with `labels`, else local logits [b, s, V/tp]. The loss is
+        not a view (FSDP2 warns on each rank when a module returns one)."""
         if labels is not None and self.fused_head_loss:  # head + loss without the fp32 logits
             weight = self.head.weight if self.head is not None else self.embedding.weight
-            return (
-                vocab_parallel_head_cross_entropy(
-                    self.final_norm(x),
-                    weight,
-                    labels.t(),
-                    comm=self.comm,
-                    sequence_parallel=self.sequence_parallel,
-                    vocab_size=self.cfg.vocab_size,
-                )
-                .t()
-                .contiguous()
-            )  # [b, s]; not a view: FSDP2 warns on each rank when a module returns one
+            loss = vocab_parallel_head_cross_entropy(
+                self.final_norm(x),
+                weight,
+                labels.t(),
+                comm=self.comm,
+                sequence_parallel=self.sequence_parallel,
+                vocab_size=self.cfg.vocab_size,
+            )
+            return loss.t().contiguous()
         logits = self.logits(x)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        return (
-            vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm, vocab_size=self.cfg.vocab_size)
-            .t()
-            .contiguous()
-        )
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), comm=self.comm, vocab_size=self.cfg.vocab_size)
+        return loss.t().contiguous()
 
     # -- accounting -----------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:

@@ -33,9 +33,12 @@ from urllib.parse import urlparse
 
 import yaml
 
+from tpframe.config import check_at_least, check_ranges
+from tpframe.errors import ConfigError
 from tpframe.paths import not_a_file
 
 _RESERVED = ("step", "kind", "time")
+TIMER_MODES = ("auto", "sync", "none")  # logging.timers: how tpframe/observe/timers.py times the phases
 _BAR_WIDTH = 20
 _RATE_WINDOW = 10  # ETA: steps/s over the last this-many log calls
 
@@ -50,10 +53,21 @@ class LoggingConfig:
     wandb_name: str | None = None  # wandb run name; None: wandb picks one
     peak_tflops: float | None = None  # per-device peak for MFU; None: a table by device name
     tensorboard: bool = False  # also write every metric to <run_dir>/tensorboard (pip install tensorboard)
-    timers: Literal["auto", "sync", "none"] = "auto"  # phase times per step: CUDA events or CPU clock; sync; none
+    timers: Literal[TIMER_MODES] = "auto"  # phase times per step: CUDA events or CPU clock; sync; none
     # several ranks: at each log step, name a rank whose forward+backward takes more than this many times the median
     # of its pipeline stage's ranks (tpframe/observe/stragglers.py); 0: no line (fwd_bwd_max_ms, slowest_rank logged)
     straggler_ratio: float = 1.1
+
+
+def check_logging(lg: LoggingConfig) -> None:
+    """The `logging:` section: a log interval, a peak for MFU, a straggler ratio that can name a slow rank."""
+    check_at_least("logging", lg, ("interval",))
+    check_ranges("logging", lg, (("peak_tflops", 0.0, None, False),))
+    if lg.straggler_ratio and lg.straggler_ratio < 1:
+        raise ConfigError(
+            f"logging.straggler_ratio={lg.straggler_ratio} must be 0 (off) or at least 1: a "
+            "rank slower than this many times its stage's median is named, e.g. 1.1"
+        )
 
 
 class MetricsLogger:

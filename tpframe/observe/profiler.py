@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from tpframe.errors import ConfigError, shown
+
 
 @dataclass
 class ProfileConfig:
@@ -32,6 +34,27 @@ class ProfileConfig:
     memory: bool = False  # CUDA: also record the allocator's history over those steps (pytorch.org/memory_viz)
     record_shapes: bool = False  # op input shapes in the trace and the table (some overhead)
     with_stack: bool = False  # Python stacks in the trace (much overhead: for finding who launched a kernel)
+
+
+def check_profile(cfg, world_size: int) -> None:
+    """The `profile:` section of the run's Config `cfg`: a window inside the run, ranks that exist."""
+    pr = cfg.profile
+    if pr.start_step < 0 or pr.steps < 1:
+        raise ConfigError(
+            f"profile.start_step={pr.start_step} and profile.steps={pr.steps} need start_step >= 0 "
+            "(0: no profiling) and steps >= 1"
+        )
+    if pr.start_step > cfg.train.steps:
+        raise ConfigError(
+            f"profile.start_step={pr.start_step} is after the last step (train.steps={cfg.train.steps}): "
+            "nothing would be profiled; lower it, or set 0 to profile nothing"
+        )
+    bad = [r for r in pr.ranks if not 0 <= r < world_size]
+    if bad or not pr.ranks:
+        raise ConfigError(
+            f"profile.ranks={shown(pr.ranks)} must name at least one rank, each in 0..{world_size - 1} "
+            f"(world size {world_size})"
+        )
 
 
 class StepProfiler:

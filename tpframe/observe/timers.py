@@ -29,14 +29,15 @@ import time
 
 import torch
 
+from tpframe.observe.logger import TIMER_MODES
+
 PHASES = ("data", "fwd_bwd", "grad_sync", "optim", "ckpt")
-MODES = ("auto", "sync", "none")
 
 
 class PhaseTimers:
     def __init__(self, device: torch.device, mode: str = "auto"):
-        if mode not in MODES:
-            raise ValueError(f"timer mode must be one of {MODES}, got {mode!r}")
+        if mode not in TIMER_MODES:
+            raise ValueError(f"timer mode must be one of {TIMER_MODES}, got {mode!r}")
         self.enabled = mode != "none"
         self.cuda = torch.device(device).type == "cuda"
         self.events = self.cuda and mode == "auto"

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpframe.errors import ConfigError
 from tpframe.optim.config import OptimConfig
 from tpframe.optim.lr import lr_at
 from tpframe.optim.strategy import GradStrategy
 
-STRATEGIES = ("ddp", "zero1", "fsdp")
+STRATEGIES = ("ddp", "zero1", "fsdp")  # parallel.dp_strategy's choices (tpframe/training/config.py)
 
 
 def build_strategy(
@@ -64,4 +65,12 @@ def build_strategy(
     raise ValueError(f"parallel.dp_strategy={name!r} is not a strategy; choose one of {', '.join(STRATEGIES)}")
 
 
-__all__ = ["STRATEGIES", "GradStrategy", "OptimConfig", "build_strategy", "lr_at"]
+def check_data_parallel(p) -> None:
+    """The `parallel:` keys the strategies read (`p` is the run's ParallelConfig)."""
+    if not p.grad_bucket_mb > 0:
+        raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
+    if p.overlap_param_gather and p.dp_strategy != "zero1":
+        raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
+
+
+__all__ = ["STRATEGIES", "GradStrategy", "OptimConfig", "build_strategy", "check_data_parallel", "lr_at"]

@@ -127,30 +127,7 @@ class GradBuffer:
         self._avg_in_collective = (
             dp_size > 1 and self.average_over == dp_size and dist.get_backend(dp_group) == dist.Backend.NCCL
         )
-        self.offsets: dict[nn.Parameter, int] = {}
-        self.buckets: list[Bucket] = []
-        offset, current = 0, []
-        limit = max(1, bucket_bytes // 4)
-
-        def close() -> None:
-            nonlocal offset, current
-            start = self.buckets[-1].stop if self.buckets else 0
-            stop = start + -(-(offset - start) // dp_size) * dp_size  # pad: even reduce-scatter slices
-            self.buckets.append(Bucket(len(self.buckets), start, stop, current, members=set(map(id, current))))
-            offset, current = stop, []
-
-        for i, p in enumerate(self.params):
-            # a pipeline-tied weight (first and last stage) gets a bucket of its own, so its reduce-scatter
-            # slice is the same element range on both stages and the two can be summed slice by slice
-            tied = p.pipeline_tied
-            if tied and current:
-                close()
-            self.offsets[p] = offset
-            offset += p.numel()
-            current.append(p)
-            start = self.buckets[-1].stop if self.buckets else 0
-            if offset - start >= limit or i == len(self.params) - 1 or tied:
-                close()
+        self.offsets, self.buckets = self._layout(bucket_bytes)
         self.numel = self.buckets[-1].stop
         # padding stays zero
         self.buffer = torch.zeros(self.numel, dtype=torch.float32, device=self.params[0].device)
@@ -161,6 +138,33 @@ class GradBuffer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in self.params]
         self.syncing = False
         self.events: list[tuple[str, int]] | None = None  # set to [] to record ("grad", i) / ("launch", b)
+
+    def _layout(self, bucket_bytes: int) -> tuple[dict[nn.Parameter, int], list[Bucket]]:
+        """Each parameter's offset in the flat buffer and the buckets over it: about `bucket_bytes` of fp32 each, in
+        backward's order, each padded to a multiple of dp_size (even reduce-scatter slices)."""
+        offsets: dict[nn.Parameter, int] = {}
+        buckets: list[Bucket] = []
+        offset, current, limit = 0, [], max(1, bucket_bytes // 4)
+
+        def close() -> None:
+            nonlocal offset, current
+            start = buckets[-1].stop if buckets else 0
+            stop = start + -(-(offset - start) // self.dp_size) * self.dp_size
+            buckets.append(Bucket(len(buckets), start, stop, current, members=set(map(id, current))))
+            offset, current = stop, []
+
+        for i, p in enumerate(self.params):
+            # a pipeline-tied weight (first and last stage) gets a bucket of its own, so its reduce-scatter
+            # slice is the same element range on both stages and the two can be summed slice by slice
+            if p.pipeline_tied and current:
+                close()
+            offsets[p] = offset
+            offset += p.numel()
+            current.append(p)
+            start = buckets[-1].stop if buckets else 0
+            if offset - start >= limit or i == len(self.params) - 1 or p.pipeline_tied:
+                close()
+        return offsets, buckets
 
     # -- the per-step protocol ---------------------------------------------------------------------
     def zero(self) -> None:

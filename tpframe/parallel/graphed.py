@@ -39,6 +39,57 @@ from tpframe.errors import ConfigError
 from tpframe.parallel.schedules import forward_backward_no_pipelining
 
 
+def cuda_graph_obstacle(cfg) -> str | None:
+    """Why train.cuda_graph cannot replay the step of the run's Config `cfg` (a fixed, non-random forward+backward),
+    as the line a ConfigError says for `true`; None if nothing in the config stands in the way (the device is
+    checked at start-up: tpframe.run.preflight.check_device)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.pp > 1:
+        return "train.cuda_graph graphs the non-pipelined step; set parallel.pp=1 or train.cuda_graph=false"
+    if p.dp_strategy == "fsdp":
+        return (
+            "train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or zero1, "
+            "or set train.cuda_graph=false"
+        )
+    if p.overlap_param_gather:
+        return (
+            "train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
+            "set parallel.overlap_param_gather=false or train.cuda_graph=false"
+        )
+    if m.dropout > 0 or m.attention_dropout > 0:
+        return (
+            f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "
+            f"model.attention_dropout=0 (got {m.dropout:g} and {m.attention_dropout:g})"
+        )
+    if cfg.data.eod_mask_loss:
+        return (
+            "train.cuda_graph replays a fixed loss scale, and data.eod_mask_loss scales each step by its count of "
+            "tokens that carry a loss; set train.cuda_graph=false or data.eod_mask_loss=false"
+        )
+    if m.attention_mask == "document":
+        return (
+            "train.cuda_graph cannot replay model.attention_mask=document: the documents' boundaries, read on the "
+            "host, change every batch; set train.cuda_graph=false or model.attention_mask=causal"
+        )
+    if p.cp > 1:  # train.compile works: CP attention runs eager between the compiled parts of a block
+        return (
+            "train.cuda_graph is not supported with parallel.cp > 1 yet (context-parallel attention's all-gather "
+            "and chunk kernels are not verified under capture); set train.cuda_graph=false or parallel.cp=1"
+        )
+    if m.moe_experts and p.ep > 1:
+        return (
+            "train.cuda_graph is not supported with parallel.ep > 1 yet (the all-to-all is sized on the host, "
+            "every layer); set train.cuda_graph=false or parallel.ep=1"
+        )
+    if m.moe_experts and (t.dtype != "bfloat16" or t.fp8):
+        return (
+            "train.cuda_graph captures MoE experts only as grouped GEMMs, which need train.dtype=bfloat16 and "
+            "train.fp8=false (otherwise each expert's GEMM is sized on the host); change those or set "
+            "train.cuda_graph=false"
+        )
+    return None
+
+
 class GraphedForwardBackward:
     """A schedule function (same signature as `forward_backward_no_pipelining`) that replays CUDA graphs
     after `warmup_steps` eager calls. `grad_sync` must be a strategy with a GradBuffer `grads` (ddp, zero1)."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from tpframe.errors import ConfigError
 from tpframe.parallel.rng import RNGStatesTracker
 from tpframe.parallel.state import get_parallel_state, is_initialized
 
@@ -199,3 +200,30 @@ def selective_checkpoint(fn: Callable[..., Any], *args):
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_sac_contexts
     )
+
+
+def check_recompute(cfg) -> None:
+    """parallel.activation_checkpointing and parallel.recompute_layers (`cfg`: the run's Config)."""
+    p = cfg.parallel
+    if p.recompute_layers is not None:
+        if p.recompute != "full":
+            raise ConfigError(
+                f"parallel.recompute_layers={p.recompute_layers} picks which blocks recompute whole; it "
+                f"needs parallel.activation_checkpointing=full (got {p.activation_checkpointing!r})"
+            )
+        if not 1 <= p.recompute_layers <= cfg.model.layers:
+            raise ConfigError(
+                f"parallel.recompute_layers={p.recompute_layers} must be in 1..model.layers="
+                f"{cfg.model.layers} (null: every block)"
+            )
+    if p.recompute == "selective" and p.async_tp:
+        raise ConfigError(
+            "parallel.activation_checkpointing=selective re-gathers the norm outputs itself, which "
+            "parallel.async_tp would overlap with the GEMM; turn one off"
+        )
+    if p.recompute == "selective" and cfg.train.fp8:
+        raise ConfigError(
+            "train.fp8 already keeps float8 copies of the GEMM inputs instead of the norm and "
+            "activation outputs, so parallel.activation_checkpointing=selective would only add "
+            "compute; use full or false"
+        )

@@ -26,8 +26,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tpframe.comm import Communicator
+from tpframe.config import check_at_least
+from tpframe.errors import ConfigError
 
 _STATE: ParallelState | None = None
+
+
+def check_layout(p, world_size: int) -> int:
+    """The `parallel:` sizes (`p`, the run's ParallelConfig) against the world, as ConfigErrors; the DP size."""
+    check_at_least("parallel", p, ("tp", "pp"))
+    check_at_least("parallel", p, ("cp",), note=" (1: no context parallelism)")
+    check_at_least("parallel", p, ("ep",), note=" (1: every rank holds every expert)")
+    if world_size % (p.tp * p.cp * p.pp):
+        what, names = (f"{p.tp}*{p.cp}*{p.pp}", "tp/cp/pp") if p.cp > 1 else (f"{p.tp}*{p.pp}", "tp/pp")
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.{names.replace('/', '*parallel.')} = {what}; "
+            f"launch a multiple of {p.tp * p.cp * p.pp} processes (python -m tpframe.launch --nproc-per-node N) or "
+            f"change parallel.{names}"
+        )
+    return world_size // (p.tp * p.cp * p.pp)
 
 
 def rank_layout(world_size: int, tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
@@ -195,113 +212,81 @@ def initialize_parallel(
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
-    `cp` is the context-parallel size (each sequence split over that many ranks); `ep` the expert-parallel
-    size (MoE experts split over that many ranks of dp x cp). `backend` is the torch.distributed backend used if
-    the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend` picks the TP communicator backend
-    (auto/nccl/symm), `overlap_sm_margin` the SMs its GEMMs beside a collective leave to it (comm.overlap_sm_margin).
+    `cp`: ranks each sequence is split over; `ep`: ranks of dp x cp the MoE experts are split over. `backend`: the
+    torch.distributed backend if the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend`: the TP
+    communicator's (auto/nccl/symm), `overlap_sm_margin`: SMs its GEMMs beside a collective leave to it.
     `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
     if _STATE is not None:
         raise RuntimeError("initialize_parallel() was already called; call destroy_parallel() first")
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
-    owns_world = False
-    if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        _init_world_from_env(backend, timeout)
-        owns_world = True
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        _init_world_from_env(backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world, tp, pp, cp=cp, ep=ep)  # ValueError: a world tp*cp*pp does not divide, a bad ep
     dp = world // (tp * cp * pp)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mesh, groups, created = _build_groups(layout, rank, device, timeout, sizes=(pp, dp, cp, tp), ep=ep)
+    nccl = lambda kind: None if groups[kind] is None else Communicator(groups[kind], backend="nccl", device=device)  # noqa: E731
+    mine = {kind: next(ranks for ranks in layout[kind] if rank in ranks) for kind in ("tp", "dp", "pp", "cp", "ep")}
     tp_rank, dp_rank, pp_rank = coords_of(rank, world, tp, pp, cp=cp)
-
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-
-    # The mesh builds the tp, cp, dp and pp groups (every rank takes part in building every group); torch's
-    # rank order for it, the last dim fastest, is ours: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)).
-    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-    tp_group, dp_group, pp_group = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp")
-    cp_group, dp_cp_group, dp_cp_mesh = mesh.get_group("cp"), dp_group, mesh["dp"]
-    if cp > 1:  # the gradient replicas: dp x cp, flattened in the mesh (rank in it: dp_rank * cp + cp_rank)
-        dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-        dp_cp_group = dp_cp_mesh.get_group()
-    created = []
-
-    def own_groups(kinds: tuple[str, ...]) -> dict[str, dist.ProcessGroup]:
-        """Build every group of `kinds` (every rank builds every group, in the same order); this rank's, by kind."""
-        mine = {}
-        for kind in kinds:
-            for ranks in layout[kind]:
-                group = dist.new_group(ranks, timeout=timeout)
-                created.append(group)
-                if rank in ranks:
-                    mine[kind] = group
-        return mine
-
-    mp_group, embedding_group = tp_group, None
-    ep_group, edp_group = None, dp_cp_group
-    if ep > 1:  # experts split over ep ranks of dp x cp, replicated over the rest
-        ep_group, edp_group = own_groups(("ep", "edp")).values()
-    if pp > 1:  # one model replica spans the pipeline; tied embeddings link the first and last stage
-        groups = own_groups(("mp", "embedding"))
-        mp_group, embedding_group = groups["mp"], groups.get("embedding")
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if timeout is not None and set_timeout is not None:  # the mesh builds its groups with torch's default timeout
-        for group in {tp_group, dp_group, pp_group, cp_group, dp_cp_group} - {dist.group.WORLD, None}:
-            set_timeout(timeout, group)
-    find = lambda kind: next(g for g in layout[kind] if rank in g)  # noqa: E731
+    dp_comm = nccl("dp")
     state = ParallelState(
-        world_size=world,
-        rank=rank,
-        tp=tp,
-        dp=dp,
-        pp=pp,
-        tp_rank=tp_rank,
-        dp_rank=dp_rank,
-        pp_rank=pp_rank,
+        **dict(world_size=world, rank=rank, tp=tp, dp=dp, pp=pp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank),
+        **{f"{kind}_group": groups[kind] for kind in ("tp", "dp", "pp", "mp", "embedding", "cp", "dp_cp", "edp")},
+        **{f"{kind}_ranks": ranks for kind, ranks in mine.items()},
         device=device,
         mesh=mesh,
-        tp_group=tp_group,
-        dp_group=dp_group,
-        pp_group=pp_group,
-        mp_group=mp_group,
-        embedding_group=embedding_group,
-        tp_comm=Communicator(tp_group, backend=comm_backend, device=device, overlap_sm_margin=overlap_sm_margin),
-        dp_comm=(dp_comm := Communicator(dp_group, backend="nccl", device=device)),
-        mp_comm=Communicator(mp_group, backend="nccl", device=device),
-        pp_comm=Communicator(pp_group, backend="nccl", device=device),
-        embedding_comm=Communicator(embedding_group, backend="nccl", device=device) if embedding_group else None,
-        tp_ranks=find("tp"),
-        dp_ranks=find("dp"),
-        pp_ranks=find("pp"),
+        tp_comm=Communicator(groups["tp"], backend=comm_backend, device=device, overlap_sm_margin=overlap_sm_margin),
+        dp_comm=dp_comm,
+        mp_comm=nccl("mp"),
+        pp_comm=nccl("pp"),
+        embedding_comm=nccl("embedding"),
         cp=cp,
         cp_rank=cp_of(rank, tp, cp),
-        cp_group=cp_group,
         # the all-gather of keys and values: NCCL's (the symm kernels are tuned for TP's sizes)
-        cp_comm=Communicator(cp_group, backend="nccl", device=device) if cp > 1 else None,
-        cp_ranks=find("cp"),
-        dp_cp_group=dp_cp_group,
-        dp_cp_comm=Communicator(dp_cp_group, backend="nccl", device=device) if cp > 1 else dp_comm,
-        dp_cp_mesh=dp_cp_mesh,
+        cp_comm=nccl("cp") if cp > 1 else None,
+        dp_cp_comm=nccl("dp_cp") if cp > 1 else dp_comm,
+        dp_cp_mesh=groups["dp_cp_mesh"],
         ep=ep,
         ep_rank=(dp_rank * cp + cp_of(rank, tp, cp)) % ep,
-        ep_comm=Communicator(ep_group, backend="nccl", device=device) if ep > 1 else None,
-        ep_ranks=find("ep"),
-        edp_group=edp_group,
+        ep_comm=nccl("ep") if ep > 1 else None,
         owns_world=owns_world,
-        _groups=created
-        + [
-            g
-            for g in {tp_group, dp_group, pp_group, cp_group, dp_cp_group}
-            if g is not None and g is not dist.group.WORLD
-        ],
+        _groups=created,
     )
-    state.edp_comm = Communicator(edp_group, backend="nccl", device=device) if ep > 1 else state.dp_cp_comm
+    state.edp_comm = nccl("edp") if ep > 1 else state.dp_cp_comm
     _STATE = state
     return state
+
+
+def _build_groups(layout, rank: int, device, timeout, *, sizes: tuple[int, int, int, int], ep: int):
+    """(the (pp, dp, cp, tp) DeviceMesh, this rank's group of each kind, every group built here to destroy later).
+
+    The mesh builds the tp, cp, dp and pp groups (every rank takes part in building every group); torch's rank order
+    for it, the last dim fastest, is ours: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))."""
+    pp, dp, cp, tp = sizes
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=("pp", "dp", "cp", "tp"))
+    groups = {kind: mesh.get_group(kind) for kind in ("tp", "dp", "pp", "cp")}
+    groups.update(dp_cp=groups["dp"], dp_cp_mesh=mesh["dp"], mp=groups["tp"], embedding=None, ep=None)
+    if cp > 1:  # the gradient replicas: dp x cp, flattened in the mesh (rank in it: dp_rank * cp + cp_rank)
+        groups["dp_cp_mesh"] = mesh["dp", "cp"]._flatten("dp_cp")
+        groups["dp_cp"] = groups["dp_cp_mesh"].get_group()
+    groups["edp"] = groups["dp_cp"]
+    meshed = {groups[k] for k in ("tp", "dp", "pp", "cp", "dp_cp")} - {dist.group.WORLD, None}
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    for group in meshed if timeout is not None and set_timeout is not None else ():  # the mesh used torch's default
+        set_timeout(timeout, group)
+    created = list(meshed)
+    # experts split over ep ranks of dp x cp, replicated over the rest; a model replica spans the pipeline, and tied
+    # embeddings link its first and last stage
+    for kind in (("ep", "edp") if ep > 1 else ()) + (("mp", "embedding") if pp > 1 else ()):
+        for ranks in layout[kind]:  # every rank builds every group, in the same order
+            group = dist.new_group(ranks, timeout=timeout)
+            created.append(group)
+            groups[kind] = group if rank in ranks else groups[kind]
+    return mesh, groups, created
 
 
 def get_parallel_state() -> ParallelState:

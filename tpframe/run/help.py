@@ -14,8 +14,10 @@ import inspect
 import io
 import textwrap
 import tokenize
+import types
 import typing
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -35,13 +37,16 @@ def _comments(source: str) -> dict[int, str]:
     return out
 
 
-def _type_name(node: ast.expr, source: str) -> str:
-    text = ast.get_source_segment(source, node) or ""
-    if text.startswith("Literal["):
-        return "|".join(str(v) for v in ast.literal_eval(text[len("Literal") :]))
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):  # e.g. bool | Literal["full", "selective"]
-        return "|".join(_type_name(side, source) for side in (node.left, node.right))
-    return text
+def _type_name(hint) -> str:
+    """A field's type as --help shows it: `int`, `float|None`, `ddp|zero1|fsdp` (a Literal's choices, which may come
+    from a registry: `Literal[STRATEGIES]`), `bool|full|selective`."""
+    if typing.get_origin(hint) is Literal:
+        return "|".join(str(v) for v in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return "|".join(_type_name(option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"list[{_type_name(typing.get_args(hint)[0])}]"
+    return "None" if hint is type(None) else hint.__name__
 
 
 def _default(field: dataclasses.Field) -> str:
@@ -65,6 +70,7 @@ def section_keys(section: str, cls) -> list[ConfigKey]:
     comments = _comments(source)
     lines = source.splitlines()
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     out = []
     for node in ast.parse(source).body[0].body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)) or node.target.id not in fields:
@@ -77,7 +83,7 @@ def section_keys(section: str, cls) -> list[ConfigKey]:
                 line -= 1
             text = " ".join(above)
         name = node.target.id
-        out.append(ConfigKey(f"{section}.{name}", _type_name(node.annotation, source), _default(fields[name]), text))
+        out.append(ConfigKey(f"{section}.{name}", _type_name(hints[name]), _default(fields[name]), text))
     return out
 
 

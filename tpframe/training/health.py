@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tpframe.errors import ConfigError
+from tpframe.errors import ConfigError, env_int
 
 FAULT_NAN_ENV = "TPFRAME_FAULT_NAN"
 FAULT_MODES = ("once", "step", "always")
@@ -57,6 +57,14 @@ def parse_fault_spec(spec: str | None) -> tuple[int, str, int] | None:
             f"env var {FAULT_NAN_ENV}={spec!r} must be <step>:<{'|'.join(FAULT_MODES)}>[:<micro-batch>]"
         ) from None
     return step, mode, micro
+
+
+def check_fault_env() -> None:
+    """The test hooks' env vars (this module's TPFRAME_FAULT_NAN and TPFRAME_FAULT_RANK, the checkpointer's
+    TPFRAME_FAULT_KILL_DURING_SAVE), checked with the config: a malformed one is a ConfigError."""
+    parse_fault_spec(os.environ.get(FAULT_NAN_ENV))
+    for name in ("TPFRAME_FAULT_KILL_DURING_SAVE", "TPFRAME_FAULT_RANK"):
+        env_int(name, None, 0)
 
 
 class MicroBatchWatch:

@@ -84,29 +84,23 @@ class Trainer:
         self.stop_requested = False  # set when the checkpointer saw a preemption signal
         self.timers = PhaseTimers(parallel.device, cfg.logging.timers)
         self.energy = EnergyMeter.open(parallel.device, logger.info)  # None on CPU: no energy fields
-        # the launch's first step compares TP-replicated weights' gradients over TP (then dropped)
-        self.replica_check = (
-            ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
-            if cfg.train.check_replicas and parallel.tp > 1
-            else None
-        )
-        # several ranks: at each log step, whose forward+backward was slow (the DP replicas wait for it)
-        self.stragglers = (
-            StragglerReport(
+        self._open_checks(cfg, parallel, model)
+
+    def _open_checks(self, cfg: Config, parallel: ParallelState, model: nn.Module) -> None:
+        """The checks the config asks for: TP replicas' gradients in the launch's first step, slow ranks at each log
+        step, every train.compare_replicas_every steps the copies of each weight."""
+        self.replica_check = self.stragglers = self.weight_check = None
+        if cfg.train.check_replicas and parallel.tp > 1:
+            self.replica_check = ReplicaGradCheck(model, parallel.tp_comm, device=parallel.device)
+        if parallel.world_size > 1 and cfg.logging.timers != "none":  # the DP replicas wait for a slow rank
+            self.stragglers = StragglerReport(
                 pp_rank=parallel.pp_rank,
                 world=parallel.world_size,
                 ratio=cfg.logging.straggler_ratio,
                 device=parallel.device,
             )
-            if parallel.world_size > 1 and cfg.logging.timers != "none"
-            else None
-        )
-        # every train.compare_replicas_every steps: the copies of each weight still bit-identical over the ranks
-        self.weight_check = (
-            ReplicaWeightCheck(model, parallel, every=cfg.train.compare_replicas_every)
-            if cfg.train.compare_replicas_every
-            else None
-        )
+        if cfg.train.compare_replicas_every:
+            self.weight_check = ReplicaWeightCheck(model, parallel, every=cfg.train.compare_replicas_every)
 
     # -- checkpointed counters (the Stateful protocol) -------------------------------------------
     def state_dict(self) -> dict[str, int]:
