@@ -19,7 +19,6 @@ train.py on the GPUs at hand and prints the table beside the prediction.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -199,6 +198,21 @@ def measure(config: str | None, overrides: list[str], layout: Layout, *, gpus: i
         return times[len(times) // 2] if times else None
 
 
+def _grouped(refused: list[tuple[Layout, str]]) -> list[tuple[str, list[Layout]]]:
+    """The refusals by reason, most common first; the memory ones as one reason with the least memory asked."""
+    groups: dict[str, list[Layout]] = {}
+    memory = [(float(why.split()[1]), layout) for layout, why in refused if why.startswith("needs ")]
+    for layout, why in refused:
+        if not why.startswith("needs "):
+            groups.setdefault(why.split("; ")[0], []).append(layout)
+    if memory:
+        least = min(need for need, _ in memory)
+        groups[f"more memory than a GPU has (the least of them needs {least:.1f} GiB)"] = [
+            layout for _, layout in memory
+        ]
+    return sorted(groups.items(), key=lambda item: -len(item[1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     from tpframe.training.config import load_config
 
@@ -222,14 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(fits)} layouts fit on {args.gpus} GPUs of {args.gpu_gib:g} GiB, {len(refused)} do not; best first:")
     print(f"{'#':>3}  {'layout':58} {'GiB/GPU':>8} {'step ms':>9} {'TFLOP/s':>8} {'measured ms':>12}")
     for i, p in enumerate(fits[: args.top]):
-        timed = measure(args.config, args.overrides, p.layout, gpus=args.gpus, steps=args.steps) if i < args.measure else None
+        timed = (
+            measure(args.config, args.overrides, p.layout, gpus=args.gpus, steps=args.steps)
+            if i < args.measure
+            else None
+        )
         shown = f"{timed:12.1f}" if timed is not None else f"{'-':>12}"
         print(f"{i + 1:>3}  {p.layout.describe():58} {p.memory_gib:8.1f} {p.step_ms:9.1f} {p.tflops:8.1f} {shown}")
-    reasons: dict[str, int] = {}
-    for _, why in refused:
-        reasons[why.split(";")[0][:110]] = reasons.get(why.split(";")[0][:110], 0) + 1
-    for why, n in sorted(reasons.items(), key=lambda x: -x[1])[:8]:
-        print(f"  not placed ({n}): {why}")
+    for why, layouts_ in _grouped(refused):
+        print(f"  not placed ({len(layouts_)}): {why}; e.g. {layouts_[0].describe()}")
     return 0
 
 
