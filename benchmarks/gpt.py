@@ -4,7 +4,8 @@
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8 SM_MARGIN
                                                       #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
-    python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--budget-s 420] [--peers .peers]
+    python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--tp 2] [--budget-s 420] [--peers .peers]
+    python benchmarks/gpt.py --compare --shapes 7b --tp 4      # the shapes TP is for: 7b, 13b, llama3-8b
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
@@ -36,7 +37,9 @@ attention). DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row a
 (each job is a subprocess with its own timeout; single-GPU jobs run two at a time, one per GPU): plain torch
 eager and torch.compile at TP=1 (bench_torch_gpt.py), DTensor + compile with and without async TP at TP=2
 (bench_dtensor_gpt.py, torchtitan's way), Megatron-Core local at TP=2 (bench_mcore_gpt.py; its wheel is
-installed to /tmp/site), and tpframe at TP=1 and TP=2 + SP, eager and compiled. The ../shared peers model only
+installed to /tmp/site), and tpframe at TP=1 and TP=2 + SP, eager and compiled, with the ceiling: one TP rank's
+work with its collectives free (EMULATE_TP, its 'of ceiling' column). For the 7b, 13b and llama3-8b shapes the TP
+rows run first (VOCAB and FFN env vars size the vocabulary and the MLP). The ../shared peers model only
 the GPT shapes (their env has no RMSNorm/SwiGLU/GQA): the Llama shape's plain-torch and DTensor rows come from
 benchmarks/peer_llama.py (torchtitan's llama3 model and TP plan), and it has no Megatron row. Prints the table with
 ratios against the strongest peer at the same TP and appends it, with the command and device, to RESULTS.md.
@@ -61,7 +64,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-V = 50304
+V = int(os.environ.get("VOCAB", 50304))
 
 
 def env(name: str, default: int) -> int:
@@ -147,6 +150,7 @@ def run_one() -> None:
         layers=L,
         heads=NH,
         kv_heads=env("KV_HEADS", 0) or None,
+        ffn_hidden=env("FFN", 0) or None,
         max_seq_len=S,
         position="rotary",
         vocab_multiple=128,
@@ -330,8 +334,27 @@ SHAPES = {
         SEQ=2048,
         MB=8,
     ),
+    # the shapes TP is for (issue 46): TP=4 (and 8) rows, their TP=1 rows only where one GPU holds them
+    "7b": dict(name="7B-class GPT", LAYERS=32, HIDDEN=4096, HEADS=32, SEQ=2048, MB=4),
+    "13b": dict(name="13B-class GPT", LAYERS=40, HIDDEN=5120, HEADS=40, SEQ=2048, MB=2),
+    "llama3-8b": dict(
+        name="Llama-3-8B (RMSNorm, SwiGLU 14336, GQA 8 kv heads, V=128256, no bias)",
+        LAYERS=32,
+        HIDDEN=4096,
+        HEADS=32,
+        KV_HEADS=8,
+        FFN=14336,
+        VOCAB=128256,
+        NORM="rmsnorm",
+        ACT="swiglu",
+        BIAS=0,
+        SEQ=2048,
+        MB=4,
+    ),
     "tiny": dict(name="tiny (a CPU smoke test of the driver)", LAYERS=2, HIDDEN=64, HEADS=4, SEQ=32, MB=2),
 }
+LLAMA_SHAPES = ("llama", "llama3-8b")  # their peers are benchmarks/peer_llama.py
+TP_SHAPES = ("7b", "13b", "llama3-8b")
 RESULT = re.compile(r"step ([\d.]+) ms, (\d+) tok/s.*?, ([\d.]+) TFLOP/s.*?mem ([\d.]+) GiB, loss ([\d.na]+)")
 
 
@@ -366,7 +389,7 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         out.append(dict(label=label, script=script, gpus=gpus, env={"STEPS": "10", "ROPE": "1", **extra}))
 
     ours = str(ROOT / "benchmarks" / "gpt.py")
-    if shape == "llama":
+    if shape in LLAMA_SHAPES:
         plain = dtensor = str(ROOT / "benchmarks" / "peer_llama.py")
     else:
         plain, dtensor = (
@@ -386,6 +409,15 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add("tpframe TP=1, fp8, compile", ours, 1, TP="1", FP8="1", COMPILE="1")
     if tp == 1:  # one GPU: the single-GPU rows only
         return out
+    # the ceiling: one TP rank's work with its collectives free (the most overlap could give)
+    add(
+        f"tpframe TP={tp} + SP, collectives free (EMULATE_TP={tp}, one GPU): ceiling",
+        ours,
+        1,
+        TP="1",
+        SP="1",
+        EMULATE_TP=str(tp),
+    )
     if dtensor:
         add(f"DTensor TP={tp} + SP, compile", dtensor, tp, TP=str(tp), SP="1", COMPILE="1")
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
@@ -425,8 +457,10 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         )
         if torch.cuda.get_device_capability() >= (8, 9):
             add(f"tpframe TP={tp} + SP, fp8, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1", FP8="1")
-    if shape != "llama" and peers and (Path("/tmp/site") / "megatron").exists():
+    if shape not in LLAMA_SHAPES and peers and (Path("/tmp/site") / "megatron").exists():
         add(f"Megatron-Core local, TP={tp}", str(peers / "bench_mcore_gpt.py"), tp, TP=str(tp))
+    if shape in TP_SHAPES:  # the TP rows first (the ceiling with them), the single-GPU ones after
+        out.sort(key=lambda job: job["gpus"] == 1 and "EMULATE_TP" not in job["env"])
     return out
 
 
@@ -602,10 +636,12 @@ def report(args, rows: dict, tp: int) -> None:
         "step time / tp. 'vs peer' = our TFLOP/s per GPU over the best torch-native peer's at the same TP "
         "(plain torch + compile at TP=1; DTensor + compile (+ async TP) at TP=2; the Llama shape's peers are "
         "benchmarks/peer_llama.py). Peak GiB = "
-        "torch.cuda.max_memory_allocated on rank 0.",
+        "torch.cuda.max_memory_allocated on rank 0. 'of ceiling' = a multi-GPU row's TFLOP/s per GPU over the "
+        "ceiling row's: one TP rank's same work with its collectives free (EMULATE_TP), how much of the TP cost "
+        "is left.",
         "",
-        "| shape | run | step ms | tokens/s per TP group | TFLOP/s per GPU | peak GiB | loss | vs peer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | run | step ms | tokens/s per TP group | TFLOP/s per GPU | peak GiB | loss | vs peer | of ceiling |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, shape_rows in rows.items():
         name = SHAPES[key]["name"]
@@ -613,21 +649,23 @@ def report(args, rows: dict, tp: int) -> None:
         dims_text = (
             f"{name}: L={dims['LAYERS']} H={dims['HIDDEN']} heads={dims['HEADS']} S={dims['SEQ']} MB={dims['MB']}"
         )
-        best = {}
+        at_tp = lambda r: tp if r["gpus"] > 1 or "EMULATE_TP" in r["env"] else 1  # noqa: E731
+        best, ceiling = {}, None
         for r in shape_rows:
             if "tflops" in r and not r["label"].startswith(("tpframe", "Megatron")):
-                tp_of = 1 if r["gpus"] == 1 else tp
-                best[tp_of] = max(best.get(tp_of, 0.0), r["tflops"])
+                best[at_tp(r)] = max(best.get(at_tp(r), 0.0), r["tflops"])
+            if "tflops" in r and "EMULATE_TP" in r["env"]:
+                ceiling = r["tflops"]
         for r in shape_rows:
-            tp_of = 1 if r["gpus"] == 1 else tp
-            if "tflops" in r:
-                ratio = f"{r['tflops'] / best[tp_of]:.2f}x" if best.get(tp_of) else "-"
-                lines.append(
-                    f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | "
-                    f"{r['tflops']:.1f} | {r['mem']:.1f} | {r['loss']} | {ratio} |"
-                )
-            else:
-                lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | | |")
+            if "tflops" not in r:
+                lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | | | |")
+                continue
+            ratio = f"{r['tflops'] / best[at_tp(r)]:.2f}x" if best.get(at_tp(r)) else "-"
+            of_ceiling = f"{r['tflops'] / ceiling:.2f}" if ceiling and r["gpus"] > 1 else "-"
+            lines.append(
+                f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tokens']:,} | "
+                f"{r['tflops']:.1f} | {r['mem']:.1f} | {r['loss']} | {ratio} | {of_ceiling} |"
+            )
     text = "\n".join(lines)
     print(text, flush=True)
     if args.results:

@@ -40,8 +40,8 @@ from torch.distributed.tensor.parallel import (
 e = lambda k, d: int(os.environ.get(k, d))  # noqa: E731
 H, L, NH, S, MB, STEPS = e("HIDDEN", 4096), e("LAYERS", 8), e("HEADS", 32), e("SEQ", 2048), e("MB", 8), e("STEPS", 10)
 NKV = e("KV_HEADS", 4) or NH
-V, HD = 50304, H // NH
-FFN = 64 * -(-int(8 * H / 3) // 64)
+V, HD = e("VOCAB", 50304), H // NH
+FFN = e("FFN", 0) or 64 * -(-int(8 * H / 3) // 64)
 SP, COMPILE, ASYNC_TP = e("SP", 1) == 1, e("COMPILE", 0) == 1, e("ASYNC_TP", 0) == 1
 cuda = torch.cuda.is_available()
 dist.init_process_group("nccl" if cuda else "gloo")
