@@ -268,11 +268,10 @@ def document_ends(n: int, mean: int, seed: int = 0) -> torch.Tensor:
 
 
 def graphed_step(model, inp, labels):
-    """The forward+backward captured in one CUDA graph (tpframe/inference/graph.py: warm-up on a side stream, then
-    the capture); calling the result replays it and returns its (static) loss. Gradients are allocated inside the
-    capture, so each replay rewrites them in place."""
-    from tpframe.inference.graph import CapturedStep
-
+    """The forward+backward captured in one CUDA graph, as train.py's train.cuda_graph captures it
+    (tpframe/parallel/graphed.py): two eager steps on the current stream first (kernels compiled, the copy-engine
+    slots sized, communicators set up), then the capture, thread-local; calling the result replays it and returns
+    its (static) loss. Gradients are allocated inside the capture, so each replay rewrites them in place."""
     losses = []
 
     def fwd_bwd():
@@ -281,10 +280,15 @@ def graphed_step(model, inp, labels):
         losses[:] = [model(inp, labels).mean()]
         losses[0].backward()
 
-    graph = CapturedStep(fwd_bwd)
+    for _ in range(2):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fwd_bwd()
 
     def replay():
-        graph()
+        graph.replay()
         return losses[0]
 
     return replay
