@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="?",
         const="default",
         choices=("default", "max-autotune-no-cudagraphs"),
-        help="torch.compile each block first (costs compile time up front, ~1 min for 1.3B): fewer, "
+        help="torch.compile each block first (costs compile time up front, more for larger models): fewer, "
         "fused kernels per token; max-autotune-no-cudagraphs also tunes the small-batch matmuls",
     )
     p.add_argument("--comm", choices=("auto", "nccl", "symm"), default="auto", help="TP communication backend")

@@ -52,8 +52,8 @@ def check_data(d: DataConfig) -> None:
         n = d.synthetic_tokens
         raise ConfigError(
             f"data.synthetic_tokens={f'{n:,}' if n < 10**15 else f'{n:.3g}'} is more than the synthetic corpus takes "
-            f"({SYNTHETIC_TOKENS_MAX:,} at most: every rank generates it before training, about a minute and 2.5 GiB "
-            "of memory for that many); for more data use data.source=tokens (tools/prepare_data.py)"
+            f"({SYNTHETIC_TOKENS_MAX:,} at most: every rank generates it in memory before training, a minute and "
+            "gigabytes for that many); for more data use data.source=tokens (tools/prepare_data.py)"
         )
     check_paths_given("data", d, PATH_KEYS)
     if d.source == "tokens" and not d.paths:

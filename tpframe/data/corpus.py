@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 BYTE_VOCAB = 256
-# data.synthetic_tokens' ceiling: every rank generates the corpus in its pre-flight, ~8M tokens/s on one core with
-# ~5 bytes per token at the peak (the lines, then their text), so 500M tokens take about a minute and 2.5 GiB
+# data.synthetic_tokens' ceiling: every rank generates the corpus in memory in its pre-flight (the lines, then their
+# text), a minute and gigabytes at this size (benchmarks/RESULTS.md, 'Numbers moved out of code comments')
 SYNTHETIC_TOKENS_MAX = 500_000_000
 EOD_BYTE = 0  # end of document in byte-level streams
 STDLIB_MAX_BYTES = 4_000_000  # cap of the stdlib corpus: enough text, and it loads in well under a second
@@ -151,7 +151,7 @@ def _generate(num_tokens: int, seed: int) -> tuple[np.ndarray, float]:
 
 
 def synthetic_corpus(num_tokens: int, seed: int) -> TokenStream:
-    """`num_tokens` bytes of generated lines, deterministic in `seed` (about 1 s for 2M tokens).
+    """`num_tokens` bytes of generated lines, deterministic in `seed`.
 
     Line kinds, easy to hard: `count 17 18 19 20` (deterministic after the start), sentences from a
     small grammar with number agreement (`some tall cats chase a dog and they hear the duck.`), a copy

@@ -2,14 +2,15 @@
 
     q [b, nq, s, d], k and v [b, nkv, L, d] (the cache), mask [b, 1, s, L] additive (0 or -inf)  ->  [b, nq, s, d]
 
-SDPA's kernels are built for long queries: for one query row per head (decode) cuDNN's takes ~8 us per layer
-on an H200 at L=256, d=128, where reading the cache takes under 1 us: 11% of a 1.3B decode step. Here one
-program handles one (row, query head, query token) over a contiguous split of the cache slots (flash-decoding:
-online softmax in fp32); with several splits a second kernel merges their partial results. Grouped-query
-attention (query head h reads kv head h // (nq / nkv), as SDPA's `enable_gqa`) has its own kernel: a first
-version let each query head re-read its kv head, 2x slower than SDPA at 8 query heads per kv head (measured);
-now one program serves a kv head's whole query group (two small tl.dot per tile, each slot read once): 0.72-0.81x
-of SDPA's time on an H200 (benchmarks/RESULTS.md), so decode steps of grouped heads run it too.
+SDPA's kernels are built for long queries: for one query row per head (decode) cuDNN's takes many times longer
+than reading a short cache does, a visible share of a small model's decode step (benchmarks/RESULTS.md, 'Decode at
+TP=1: where the step's time goes, compiled blocks, and a decode-attention kernel'). Here one program handles one
+(row, query head, query token) over a contiguous split of the cache slots (flash-decoding: online softmax in fp32);
+with several splits a second kernel merges their partial results. Grouped-query attention (query head h reads kv
+head h // (nq / nkv), as SDPA's `enable_gqa`) has its own kernel: a first version let each query head re-read its kv
+head and lost to SDPA; now one program serves a kv head's whole query group (two small tl.dot per tile, each slot
+read once) and beats SDPA at every shape measured (benchmarks/RESULTS.md, 'Decode attention: tpframe's kernel vs
+SDPA'), so decode steps of grouped heads run it too.
 Scale 1/sqrt(d), as SDPA's default.
 Inference only (no backward). Under torch.compile it runs as the custom op tpframe::decode_attention.
 """
@@ -22,15 +23,14 @@ import torch
 
 from tpframe.kernels import HAVE_TRITON
 
-# Measured on an H200 (d=128, bf16, the kernel alone in a CUDA graph; benchmarks/RESULTS.md): many small programs
-# win. L=256: 4.4 us at 16 heads x 1 row (SDPA 7.6), 6.2 us at 16 x 8 rows (SDPA 8.5); L=2048: 7.6 us (SDPA 9.9).
+# The best of `benchmarks/decode_attention.py --sweep` (the kernel alone in a CUDA graph): many small programs win
+# (benchmarks/RESULTS.md, 'Decode at TP=1: where the step's time goes, compiled blocks, and a decode-attention kernel').
 BLOCK_L = 16  # cache slots per loop iteration
 NUM_WARPS = 1
 PROGRAMS = 1024  # (row, head, token) programs times splits to aim for
 MAX_SPLITS = 64
-# Grouped-query heads (_decode_attn_group): tl.dot tiles, so at least 16 slots and 16 (padded) query rows. Best of
-# the --sweep on an H200 (L=1024): 5.5 us at 32 heads over 8 kv heads x 1 row (SDPA 7.4), 5.2 us at 16/4 (SDPA 7.2),
-# 8.4 us at 32/4 x 8 rows (SDPA 10.3).
+# Grouped-query heads (_decode_attn_group): tl.dot tiles, so at least 16 slots and 16 (padded) query rows. The best
+# of the --sweep (benchmarks/RESULTS.md, 'Decode attention: tpframe's kernel vs SDPA').
 GROUP_BLOCK_L = 64
 GROUP_NUM_WARPS = 2
 GROUP_PROGRAMS = 264

@@ -1,10 +1,11 @@
 """One token's linear layer, y = x W^T + b for x of one row: the batch-1 decode step's GEMMs, streaming the weight.
 
-At one row a linear layer is a matrix-vector product bound by reading W once. cuBLAS's kernels for it reach ~60-70%
-of HBM bandwidth at the decode shapes of a 1.3B model; here each program reads BLOCK_N whole weight rows in
+At one row a linear layer is a matrix-vector product bound by reading W once. cuBLAS's kernels for it leave much of
+the HBM bandwidth unused at the decode shapes of a 1.3B model; here each program reads BLOCK_N whole weight rows in
 [BLOCK_N, BLOCK_K] tiles along K (coalesced), multiplies with x on CUDA cores and sums in fp32, so thousands of
-small programs keep the memory system busy. Measured on an H100 inside CUDA graphs (benchmarks/RESULTS.md,
-"One-row linear layers"): 0.67-0.89x of cuBLAS's time per layer; at 8 rows cuBLAS wins, so only one row takes it.
+small programs keep the memory system busy. Inside CUDA graphs it takes less time than cuBLAS at every layer shape
+measured; at 8 rows cuBLAS wins, so only one row takes it (benchmarks/RESULTS.md, 'One-row linear layers: tpframe's
+kernel vs cuBLAS').
 
 It runs only while a CUDA graph is being captured (the decode step's graph): an eager Triton launch costs more host
 time than cuBLAS's, and an eager decode step is host-bound. For an MLP's first layer it also applies the activation

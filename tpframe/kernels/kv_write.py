@@ -5,8 +5,9 @@
 
 `index` [s] is a device tensor (the cache's write slots), so a CUDA graph of the step writes the right slots at
 every position. One program per (row, head, token) copies its d values of k and of v. It runs only while a CUDA graph
-is being captured (the decode step's graph), where it saves a launch per layer (~2.4 us of GPU time each on an H100);
-eagerly a Triton launch costs more host time than torch's two. Plain-torch twin: two index_copy_.
+is being captured (the decode step's graph), where it saves a launch per layer (benchmarks/RESULTS.md, 'Decode with
+the KV-cache write kernel'); eagerly a Triton launch costs more host time than torch's two. Plain-torch twin: two
+index_copy_.
 """
 
 from __future__ import annotations

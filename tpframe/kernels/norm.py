@@ -4,10 +4,11 @@ summed in the same pass as the input gradient.
     y = (x - mean) * rstd * w + b      (RMSNorm: mean = 0, no b; rstd = 1 / sqrt(mean(x^2) + eps))
 
 Eager torch runs the backward as two kernels, the input gradient and a weight/bias reduction
-(`GammaBetaBackward`) that re-reads x and dy: on an H200, [16384, 2048] bf16, 61 + 82 us against ~42 us of memory
-traffic for the whole backward. Here one program per row computes the forward (statistics in fp32); in the
-backward each of a few hundred programs walks a stride of rows, writes dx, and keeps running fp32 sums of
-dy * xhat and dy for its rows, and a tiny torch sum over the programs finishes the weight and bias gradients.
+(`GammaBetaBackward`) that re-reads x and dy: together several times the backward's memory traffic
+(benchmarks/RESULTS.md, 'Numbers moved out of code comments'). Here one program per row computes the forward
+(statistics in fp32); in the backward each of a few hundred programs walks a stride of rows, writes dx, and keeps
+running fp32 sums of dy * xhat and dy for its rows, and a tiny torch sum over the programs finishes the weight and
+bias gradients.
 Plain-torch twin: F.layer_norm / F.rms_norm (the CPU path, compiled blocks, and the tests' oracle).
 """
 
@@ -19,11 +20,11 @@ from tpframe.kernels import HAVE_TRITON, use_triton
 
 MAX_HIDDEN = 16384  # one row in registers
 BWD_PROGRAMS = 528  # programs of the backward (4 per SM of an H100/H200); each walks rows with this stride
-# Below this many input elements eager calls take torch's ops: the kernel saves ~30 us of GPU time per forward+
-# backward at [16384, 2048] and less below, while its Python side (the autograd Function, the Triton launches, the
-# partial sums) costs ~150 us of host time more than torch's. With few tokens per step the host is what paces the
-# step: GPT-1.3B at micro-batch 1 (2048 x 2048) ran 57.7 ms per forward+backward with the kernel and 42.3 without
-# on an H100 (benchmarks/RESULTS.md). Inside a CUDA graph the host cost is gone and the kernel always runs.
+# Below this many input elements eager calls take torch's ops: the GPU time the kernel saves shrinks with the size,
+# while its Python side (the autograd Function, the Triton launches, the partial sums) costs more host time than
+# torch's, and with few tokens per step the host is what paces the step (GPT-1.3B at micro-batch 1 ran slower with
+# the kernel than without: benchmarks/RESULTS.md, 'The kernel norms at small sizes: where their host cost paced the
+# step, and a size policy'). Inside a CUDA graph the host cost is gone and the kernel always runs.
 FUSED_MIN_NUMEL = 8 << 20
 
 if HAVE_TRITON:

@@ -303,8 +303,9 @@ def _rotary_bwd(gq, gk, gv, cos, sin, nq: int, nkv: int, d: int, qkv=None, qw=No
 class _QKVRotary(torch.autograd.Function):
     """The eager path: no op dispatch on the way to the kernels. Its outputs are views of seq-major [s, b, n, d]
     memory (but token-major ones), so SDPA returns its output in that order and attention's [s, b, h] output is a
-    view of it, not a copy: 1.5 GiB less held for the backward at GPT-1.3B micro-batch 8, one copy fewer per layer
-    (compiled the same, through the op below). With the norms, v is the view of qkv and its gradient comes back here,
+    view of it, not a copy: one [s, b, h] tensor less held for the backward and one copy fewer per layer
+    (benchmarks/RESULTS.md, 'Qwen3's q/k norms in the rotary kernel; the kernel's outputs in seq-major memory';
+    compiled the same, through the op below). With the norms, v is the view of qkv and its gradient comes back here,
     into the same buffer."""
 
     @staticmethod
@@ -325,7 +326,8 @@ class _QKVRotary(torch.autograd.Function):
 
 
 # Under torch.compile the same kernels run as custom ops: opaque to Inductor, which would otherwise generate the
-# split + rotation + layout change itself, with a backward whose transposed stores cost ~10x the kernel's.
+# split + rotation + layout change itself, with a backward whose transposed stores cost many times the kernel's
+# (benchmarks/RESULTS.md, 'Numbers moved out of code comments').
 # Its outputs are [s, b, n, d] tensors, contiguous (token-major: [b, n, s, d] views of [b, s, n, d] memory), which
 # qkv_rotary permutes: Inductor keeps a custom op's contiguous outputs as they are, where it assumed permuted ones
 # contiguous against their fake's strides

@@ -115,8 +115,8 @@ def row_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, comm
 
 class _EagerColumn(torch.autograd.Function):
     """The column layer outside torch.compile: the same bodies as the custom ops without their dispatch, which
-    costs more host time than the copies' own calls (0.15-0.3 ms per layer, forward and backward, on an H100 host:
-    benchmarks/async_tp_host.py)."""
+    costs more host time than the copies' own calls (benchmarks/RESULTS.md, 'Async TP by copy engines: host cost per
+    layer call, and the step with transfers free')."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):

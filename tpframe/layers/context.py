@@ -37,7 +37,8 @@ from tpframe.layers.mappings import gather_from_sp
 from tpframe.layers.sliding_window import sliding_window_attention
 
 # Below this many queries per chunk the merged kernels lose to one lower-right-masked call (three kernels and a
-# merge for little work); measured on one H200 (benchmarks/cp_attention.py, benchmarks/RESULTS.md).
+# merge for little work): benchmarks/cp_attention.py, benchmarks/RESULTS.md, 'Context-parallel attention, one rank's
+# share'.
 MERGE_MIN_CHUNK = 2048
 
 
@@ -201,8 +202,9 @@ def attend_local_chunks(
 
 def _backend(q: torch.Tensor):
     """The fused SDPA ops that return the softmax's log-sum-exp (for `_ChunkAttention`): cuDNN's on Hopper and
-    later (SDPA's own first choice there; 1.7x FlashAttention-2's speed at these shapes, benchmarks/RESULTS.md),
-    else FlashAttention's on CUDA, the CPU kernel on CPU; None where they do not apply."""
+    later (SDPA's own first choice there, and faster than FlashAttention-2 at these shapes: benchmarks/RESULTS.md,
+    'Context-parallel attention, one rank's share'), else FlashAttention's on CUDA, the CPU kernel on CPU; None where
+    they do not apply."""
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64) or q.shape[-1] > 128:
         return None
     if q.is_cuda:

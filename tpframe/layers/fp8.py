@@ -76,7 +76,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def fp8_pays(local_out: int, local_in: int) -> bool:
     """Whether a GEMM of this per-rank weight shape [out, in] gains from float8 enough to pay for its casts: not
     when out <= 4096 and in <= 1024 (the threshold torchao's auto-filter for tensorwise scaling takes from its H100
-    measurements; GPT-125M's blocks, all of whose layers but fc2 fall under it, ran slower in float8: RESULTS.md)."""
+    measurements; GPT-125M's blocks, all of whose layers but fc2 fall under it, ran slower in float8:
+    benchmarks/RESULTS.md, 'Float8 GEMMs (train.fp8)')."""
     return not (local_out <= 4096 and local_in <= 1024)
 
 

@@ -33,8 +33,7 @@ the step can be a CUDA graph, and at those sizes reading the experts' weights is
 
 On Hopper GPUs in bf16 the experts run as two grouped GEMMs (torch._grouped_mm) over their stacked weights,
 with the group boundaries on the device: no host synchronization per layer, which at small widths costs
-more than the GEMMs (GPT-125M-sized, 8 experts top-2 on an H200: 139 ms per step with a per-expert loop,
-76 ms grouped, against 45 ms for a dense MLP of the same active width).
+more than the GEMMs (benchmarks/RESULTS.md, 'train.py with MoE against dense, GPT-125M width').
 Elsewhere (CPU, fp32, older GPUs, float8, expert parallelism) one GEMM pair per expert, sized on the host.
 So the grouped path is also the one torch.compile traces whole and a training CUDA graph can hold
 (train.compile, train.cuda_graph); under torch.compile the per-expert loop runs with a graph break at its
@@ -93,8 +92,8 @@ class _AllToAll(torch.autograd.Function):
 class _Gather(torch.autograd.Function):
     """x.index_select(0, index) whose backward gathers too: `inverse` maps each row of x's `copies`
     consecutive slots to where they went, and the slots are summed. A permutation both ways, so no
-    scatter-add (and no atomics): at 16k tokens of width 2048 dispatch + combine take 1.3x less time
-    than index_select + index_add (8 experts, top-2; 1.6x at 64 experts, top-8; one H100)."""
+    scatter-add (and no atomics): dispatch + combine take less time than index_select + index_add, the more so
+    with more experts (benchmarks/RESULTS.md, 'Numbers moved out of code comments')."""
 
     @staticmethod
     def forward(ctx, x, index, inverse, copies):

@@ -4,12 +4,12 @@
     joules = meter.joules_since_last()       # this GPU, since the previous call (or open)
     total = sum_over_ranks(joules, device)   # every rank's GPU (one all-reduce of one number), None if any lacks it
 
-`nvmlDeviceGetTotalEnergyConsumption` counts millijoules since the driver loaded (Volta and newer),
-the whole board: whatever else runs on the GPU is counted too. The trainer reads it when it logs
-(a ~10 us call) and reports joules per step and per token over windows of at least MIN_WINDOW_S: the
-counter moves in increments tens of milliseconds apart, so a log every few short steps could read 0 J and
-then twice the truth; shorter windows add up until they are long enough (their records have no energy
-fields). CPU runs report nothing (the fields are absent, not zero).
+`nvmlDeviceGetTotalEnergyConsumption` counts millijoules since the driver loaded (Volta and newer), the whole
+board: whatever else runs on the GPU is counted too. The trainer reads it when it logs (a cheap call:
+benchmarks/RESULTS.md, 'Numbers moved out of code comments') and reports joules per step and per token over windows
+of at least MIN_WINDOW_S: the counter moves in increments tens of milliseconds apart, so a log every few short steps
+could read 0 J and then twice the truth; shorter windows add up until they are long enough (their records have no
+energy fields). CPU runs report nothing (the fields are absent, not zero).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Modes (logging.timers):
         it logs (and synchronizes anyway). The times are the GPU's timeline: a phase costs what it adds
         to the step on the GPU, so data loading that overlaps queued kernels shows as ~0 ms, and a
         checkpoint write or a gradient sync the GPU waits for shows in full. The phases add up to the
-        step time; recording an event adds no synchronization (benchmarks/timers.py measures the cost
-        of each mode against `none` and how much of the step the phases cover).
+        step time; recording an event adds no synchronization (the cost of each mode against `none` and
+        how much of the step the phases cover: benchmarks/RESULTS.md, 'Phase timers').
   sync  torch.cuda.synchronize() at every mark, then the host clock: host-side attribution of each
         phase, at the price of a device sync per phase per step (it stalls the CPU's run-ahead, so
         the step itself gets slower; use it to debug, not to measure throughput).

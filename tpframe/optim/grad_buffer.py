@@ -7,8 +7,8 @@ about `bucket_bytes`. A post-accumulate hook adds each backward's `param.grad` i
 
 Zeroing is lazy: `zero()` writes nothing; a parameter's first gradient of the step is *copied* into
 its `main_grad` (a vectorized bf16->fp32 copy), later ones added. That saves a pass over the whole
-fp32 buffer per step and, with one micro-batch, the mixed-dtype add (torch's bf16+fp32 add is not
-vectorized: 6 ms against 2 ms for the copy at 1.3B parameters on an H200). A parameter that received
+fp32 buffer per step and, with one micro-batch, the mixed-dtype add (torch's bf16+fp32 add is not vectorized, the
+copy is: benchmarks/RESULTS.md, 'The full optimizer step against forward+backward'). A parameter that received
 no gradient in the step is zeroed when its bucket is synced.
 
 Only after `start_sync()` (the schedule calls it before the last micro-batch's backward) does a
@@ -23,7 +23,8 @@ result is written back into the fp32 buffer: micro-batches still accumulate in f
 rounded (Megatron-LM's --grad-reduce-in-bf16 accumulates in bf16 as well). On CUDA the rounding, the collective and
 the write-back are queued at the bucket's launch on a stream of their own (one bucket's bf16 copy alive at a time), so
 the backward's stream does none of that work; `finish_sync` makes the compute stream wait for it. The rounding is
-memory-bound: ~1.3% of a GPT-1.3B step on an H100 wherever it runs (benchmarks/RESULTS.md).
+memory-bound and costs about the same on either stream (benchmarks/RESULTS.md, 'What parallel.grad_reduce_dtype=bfloat16
+costs a rank's own GPU').
 
 Sequence-parallel params (norm weights, row-parallel biases) see only this rank's [s/tp] slice,
 so their gradients are partial over TP: `allreduce_sequence_parallel_grads` sums them.
@@ -123,7 +124,8 @@ class GradBuffer:
         # whose losses are averaged (expert parallelism: experts replicated over dp*cp/ep ranks only)
         self.average_over = average_over or dp_size
         # NCCL averages inside the collective (ReduceOp.AVG), saving a pass over the whole fp32 buffer on the
-        # compute stream before each launch (2 ms per step at 1.3B parameters on an H200); gloo has no AVG
+        # compute stream before each launch (benchmarks/RESULTS.md, 'Numbers moved out of code comments'); gloo has
+        # no AVG
         self._avg_in_collective = (
             dp_size > 1 and self.average_over == dp_size and dist.get_backend(dp_group) == dist.Backend.NCCL
         )

@@ -1,6 +1,7 @@
 """The non-pipelined schedule with every micro-batch's forward+backward replayed from a CUDA graph
 (`train.cuda_graph`): one launch per micro-batch instead of thousands, which pays where kernels are
-short (small models, small micro-batches) and costs nothing measurable at GPT-1.3B (benchmarks/RESULTS.md).
+short (small models, small micro-batches) and costs nothing measurable at GPT-1.3B (benchmarks/RESULTS.md,
+'train.cuda_graph=auto: what it measured and chose').
 
 The first `warmup_steps` optimizer steps run eagerly (compilation, cuBLAS and NCCL set-up, the
 Communicator's plans). The next step captures up to two graphs into one memory pool, reading static

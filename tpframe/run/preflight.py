@@ -74,7 +74,7 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.fp8 and not t.compile:
         raise ConfigError(
             "train.fp8 on GPUs needs train.compile=true: uncompiled, the float8 casts are separate "
-            "passes and the step is slower than bf16 (GPT-1.3B on an H200: 0.80x); set train.compile=true"
+            "passes over each GEMM's inputs, which cost more than the float8 GEMMs save; set train.compile=true"
         )
     gpus = torch.cuda.device_count()
     if max(local_world, local_rank + 1) > gpus:
@@ -151,7 +151,8 @@ def check_memory(
     )
 
 
-# A meta-device build takes ~3 ms a layer (100000 layers: minutes of silence before the estimate could run)
+# A meta-device build's time grows with the layers (a very deep model: minutes of silence before the estimate could
+# run; benchmarks/RESULTS.md, 'Numbers moved out of code comments'): above this many, builds of 1 and 2 layers
 EXTRAPOLATE_ABOVE_LAYERS = 16
 
 

@@ -48,9 +48,9 @@ class ParallelConfig:
     # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
     ep: int = 1
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
-    # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory,
-    # ~1/4 more time); "selective" (norms and activation functions only: ~1/3 less memory, +3-4% time eager,
-    # about none with train.compile)
+    # recompute in backward (README: activation recompute): false; true or "full" (whole blocks: least memory, for
+    # a second forward); "selective" (only norms and activation functions, cheap to redo: a few percent more time
+    # eager, about none with train.compile; benchmarks/RESULTS.md, 'Activation recompute modes')
     activation_checkpointing: bool | Literal["full", "selective"] = False
     recompute_layers: int | None = None  # with full: only the first N blocks of each pipeline chunk; None: all
     dp_strategy: Literal[STRATEGIES] = "ddp"  # gradients + optimizer over DP (README: data parallelism)
@@ -66,7 +66,8 @@ class ParallelConfig:
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
     # with sequence_parallel: each GEMM overlaps its TP collective (tpframe/layers/async_tp.py): "ring" (= true;
-    # NCCL send/receive pipelined under the GEMM's blocks; 1.02x at GPT-1.3B TP=2 + SP on 2x H200) or
+    # NCCL send/receive pipelined under the GEMM's blocks; a small gain at GPT-1.3B TP=2 + SP: benchmarks/RESULTS.md,
+    # 'Async TP over the NCCL ring, the SM margin, and the DTensor peer') or
     # "copy_engine" (blocks pushed into the peers' memory by DMA, no SM held: tpframe/layers/async_tp_ce.py; one
     # host's GPUs)
     async_tp: bool | Literal[ASYNC_TP_MODES] = False

@@ -1,8 +1,8 @@
 """A minimal C launcher for the symm data kernels: one cuLaunchKernel, arguments by vectorcall.
 
 Triton's generic launcher parses ~27 Python arguments, checks the CUDA context and handles hooks,
-scratch buffers, clusters and PDL on every call: about 4 us of host time per launch on the H200
-machines (measured by benchmarks/comm.py), most of a small collective's eager cost. The data kernels
+scratch buffers, clusters and PDL on every call: most of a small collective's eager cost (benchmarks/comm.py;
+benchmarks/RESULTS.md, 'Numbers moved out of code comments'). The data kernels
 share one signature (int64 x4, int32 x3, then Triton's two scratch pointers, unused here: 0), so
 this launcher takes exactly those values. It is compiled on first use with Triton's own build helper
 (the way Triton builds its launchers); if that is not possible, launch.py keeps Triton's launcher.

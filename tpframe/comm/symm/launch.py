@@ -1,8 +1,8 @@
 """Compile a Triton kernel once per variant and launch it with as little Python as possible.
 
 `triton.JITFunction.__getitem__(grid)(...)` binds and specializes every argument on every call
-(~10 us of Python per launch, measured on H200). A collective is one launch, so that overhead would
-dominate small messages. Here each variant (one set of constexprs) is compiled once with
+(benchmarks/RESULTS.md, 'Numbers moved out of code comments'). A collective is one launch, so that Python
+would dominate small messages. Here each variant (one set of constexprs) is compiled once with
 `warmup`, and a call goes straight to a C entry point with plain ints: fastlaunch.py's minimal
 cuLaunchKernel for the data kernels, else the compiled kernel's own Triton launcher.
 TPFRAME_SYMM_TRITON_LAUNCHER=1 forces Triton's launcher. Under TRITON_INTERPRET=1 (the CPU
