@@ -281,6 +281,7 @@ def _train(cfg, trainer, checkpointer, logger) -> None:
 
     try:
         trainer.train(checkpointer)
+        trainer.guard.check_ended_healthy(trainer.step)  # ended inside a streak of skipped steps: exit code 3
         checkpointer.finish(trainer.step, trainer.stop_requested)
         if trainer.history:
             last = trainer.history[-1]

@@ -99,10 +99,10 @@ def test_divergence_skips_then_stops_and_the_healthy_checkpoint_survives_and_loa
     line = err.strip()
     assert len(err.strip().splitlines()) == 1 and line.startswith("tpframe: training stopped: step 7:"), err
     assert "3 non-finite steps in a row exceed train.max_skipped_steps=2" in line and f"{root}/step_00000004" in line
-    # keep_last=1 keeps the newest (step 6, saved while skipping: finite but unhealthy) and the last healthy one
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]
+    # nothing is saved inside the streak (step 6): keep_last=1 keeps step 4, the last healthy one, as `latest`
+    assert "step 6: inside a streak of 2 skipped non-finite steps: no checkpoint is written" in out
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004"]
     assert json.loads((root / "step_00000004/meta.json").read_text())["healthy"] is True
-    assert json.loads((root / "step_00000006/meta.json").read_text())["healthy"] is False
     resumed = run_distributed(
         _losses, 2, [f"checkpoint.load={root}/step_00000004", f"train.run_dir={tmp_path}/resumed"]
     )[0]
@@ -120,6 +120,32 @@ def test_a_non_finite_state_is_never_published(tmp_path):
     ) in out
     assert "train.max_skipped_steps=0: training stopped" in err and f"{root}/step_00000002" in err
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+
+
+def test_weights_blown_up_then_skipped_to_the_last_step_exit_3_and_latest_stays_healthy(tmp_path, monkeypatch):
+    """The learning rate blows the weights up in step 5 (finite, ~1e30), steps 6-10 are skipped as non-finite and
+    train.steps=10 is reached (checkpoints every 2 steps, keep_last=2): no checkpoint is written inside the streak, so
+    `latest` stays step 4 with its sane weights, and the run exits 3 naming it (it used to exit 0, `latest` the 1e30
+    weights of step 10)."""
+    from tpframe.checkpoint.export import read_model_tensors
+    from tpframe.training import trainer
+
+    lr_at = trainer.lr_at
+    monkeypatch.setattr(trainer, "lr_at", lambda step, *a: 1e30 if step == 4 else lr_at(step, *a))  # step 5's update
+    _one_process_world(monkeypatch)
+    args = ["train.steps=10", "checkpoint.interval=2", "checkpoint.keep_last=2", "checkpoint.save_at_end=true"]
+    code, err, out = _main(merge_overrides(ARGS, [f"train.run_dir={tmp_path}", *args]))
+    root, lines = tmp_path / "checkpoints", [line for line in err.splitlines() if line.strip()]
+    assert code == 3 and len(lines) == 1, err
+    assert "update skipped (5 in a row" in out and "step 8: inside a streak of 3 skipped non-finite steps" in out
+    assert lines[0] == (
+        "tpframe: training stopped: training ended at step 10 inside a streak of 5 skipped non-finite steps (steps "
+        "6-10): its weights are not trusted and no checkpoint was written during the streak; the last healthy "
+        f"checkpoint is {root}/step_00000004 (checkpoint.load={root}/step_00000004)"
+    ), lines[0]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert (root / "latest").read_text() == "step_00000004"
+    assert max(float(t.abs().max()) for t in read_model_tensors(root / "step_00000004").values()) < 100
 
 
 def _fail_one_save(root, phase):

@@ -130,9 +130,16 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, step: int, blocking: bool = True) -> Path | None:
-        """Write step `step` (None when its state is not finite on some rank: never published)."""
+        """Write step `step` (None inside a streak of skipped steps, or when its state is not finite on some rank:
+        never published, so `latest` stays the last checkpoint a resume can trust)."""
         if self.pending is not None:  # one write in flight at a time
             self._finish_async()
+        if self.health is not None and self.health.consecutive_skips:  # every rank alike: the step's verdict is agreed
+            self.log(
+                f"step {step}: inside a streak of {self.health.consecutive_skips} skipped non-finite steps: no "
+                f"checkpoint is written; the last healthy one is {last_healthy(self.root) or 'none'}"
+            )
+            return None
         state = self.tensors.state_dict()
         if not all_finite(state, self.group):
             self.log(

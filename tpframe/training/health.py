@@ -12,7 +12,9 @@ one does. Training stops by raising `TrainingAborted` (train.py exits with code 
 
 `all_finite` checks a strategy's state before a checkpoint is published; `healthy_since` tells the
 checkpointer whether a step may be called healthy (no skipped step and no loss spike since the last
-save). Loss spikes are flagged by a robust z-score (median and MAD of the recent window).
+save). Inside a streak of skipped steps nothing is saved (a finite but blown-up state must never become
+`latest`), and a run that ends inside one stops (`check_ended_healthy`, exit code 3). Loss spikes are
+flagged by a robust z-score (median and MAD of the recent window).
 
 Test hook: TPFRAME_FAULT_NAN=<step>:<mode>[:<micro-batch>] turns the loss of that micro-batch into NaN
 on rank TPFRAME_FAULT_RANK (default 0): mode `once` (the first try of that step only: transient),
@@ -253,6 +255,16 @@ class StepGuard:
         else:
             text += " (every micro-batch's loss was finite: the backward overflowed)"
         return text
+
+    def check_ended_healthy(self, step: int) -> None:
+        """Training ended (its last step, a stop): inside a streak of skipped steps its weights are not trusted and
+        no checkpoint was published during it (the checkpointer's rule), so the run stops with TrainingAborted."""
+        if self.consecutive_skips:
+            first = step - self.consecutive_skips + 1
+            raise TrainingAborted(
+                f"training ended at step {step} inside a streak of {self.consecutive_skips} skipped non-finite steps "
+                f"(steps {first}-{step}): its weights are not trusted and no checkpoint was written during the streak"
+            )
 
     def healthy_since(self, step: int) -> bool:
         """No skipped step and no loss spike after `step` (the previous save): a checkpoint now is healthy."""
