@@ -244,7 +244,8 @@ def _describe(cfg, state, *, num_params: int, strategy, trainer) -> list[str]:
         + f" | {cfg.train.dtype} on {state.device.type} | "
         f"seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} ({trainer.accum} micro-batches of "
         f"{cfg.train.micro_batch_size} per rank)",
-        f"gradients and optimizer: {strategy.describe()}; optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank",
+        f"gradients and optimizer: {strategy.describe()}; "
+        f"optimizer state {strategy.state_bytes() / 2**20:.2f} MiB per rank",
     ]
     if p.recompute != "none":
         what = {
@@ -289,7 +290,7 @@ def _train(cfg, trainer, checkpointer, logger) -> None:
                 f"done at step {trainer.step}: loss {last['loss']:.4f}"
                 + (f", eval loss {last['eval_loss']:.4f}" if "eval_loss" in last else "")
                 + (
-                    f"; checkpoint {checkpointer.root / ('step_%08d' % checkpointer.last_saved_step)}"
+                    f"; checkpoint {checkpointer.root / f'step_{checkpointer.last_saved_step:08d}'}"
                     if checkpointer.last_saved_step >= 0
                     else ""
                 )

@@ -143,7 +143,7 @@ def run_distributed(
                     if dead:
                         raise DistributedFailure(
                             f"{fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                        )
+                        ) from None
                     continue
                 if status == "error":
                     raise DistributedFailure(_describe_failure(fn, {rank: payload}, results, procs))

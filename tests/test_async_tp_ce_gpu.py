@@ -1,4 +1,5 @@
-"""Async TP by copy engines (parallel.async_tp=copy_engine; tpframe/layers/async_tp_ce.py, tpframe/comm/peer_exchange.py).
+"""Async TP by copy engines (parallel.async_tp=copy_engine; tpframe/layers/async_tp_ce.py,
+tpframe/comm/peer_exchange.py).
 
 On one GPU, two processes share their slots by CUDA IPC, so pushes, flags, slot reuse and the waits for a late
 peer run for real. A column + row layer pair at TP=2 with SP must give a single process's full-weight computation:

@@ -162,7 +162,7 @@ def test_packaged_thresholds_are_well_formed():
                         assert lo >= 0 and (hi is None or hi >= lo)
                     starts = [lo for lo, _ in ranges]
                     assert starts == sorted(starts)
-    for world, by_dtype in table.get("all_reduce_algos", {}).get("all_reduce", {}).items():
+    for by_dtype in table.get("all_reduce_algos", {}).get("all_reduce", {}).values():
         for by_mode in by_dtype.values():
             for bounds in by_mode.values():
                 assert bounds[-1][0] is None and all(a in select.ALL_REDUCE_ALGORITHMS for _, a in bounds)

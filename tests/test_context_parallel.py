@@ -163,7 +163,7 @@ def test_train_py_context_parallel_layouts_equal_one_process_and_resume_across_c
     ref = {r["step"]: r for r in ref_history}
     assert len(ref) == 10
     assert_layouts_follow(ref_history, results, grad_norm_rel=TOL_GRAD_NORM)
-    for name, (history, weights) in results.items():
+    for name, (_history, weights) in results.items():
         if weights is not None:
             for n, value in ref_weights.items():
                 error = ((weights[n] - value).norm() / value.norm()).item()

@@ -1,4 +1,5 @@
-"""Data-parallel strategies (ddp, zero1, fsdp) against one process: losses, final weights, overlap, memory, resharding."""
+"""Data-parallel strategies (ddp, zero1, fsdp) against one process: losses, final weights, overlap, memory,
+resharding."""
 
 from __future__ import annotations
 
@@ -263,7 +264,8 @@ def test_checkpoint_moves_between_strategies_and_dp_sizes(tmp_path):
 
 def test_gpus_without_peer_access_are_named():
     """copy_engine_available (and the symm backend) refuse a group whose GPUs cannot reach each other: the reports
-    each rank gathers name the first pair without peer-to-peer access; a GPU a rank cannot see is not held against it."""
+    each rank gathers name the first pair without peer-to-peer access; a GPU a rank cannot see is not held against
+    it."""
     from tpframe.comm.topology import p2p_problem
 
     def rep(uuid, **peers):
@@ -371,9 +373,9 @@ def test_bf16_gradient_reduce_trains_like_fp32_for_every_strategy(tmp_path):
 
 def _bf16_wire_stream_order():
     """One GPU, a NCCL group of one standing in for DP=2 (AVG over one rank: the identity, so the result is each
-    gradient rounded to bf16): each gradient reaches the buffer only after a long chain of matmuls queued before it on the
-    compute stream, so a wire stream that did not wait for the compute stream would round stale values, and a compute
-    stream that did not wait for the wire stream would read unrounded ones."""
+    gradient rounded to bf16): each gradient reaches the buffer only after a long chain of matmuls queued before it on
+    the compute stream, so a wire stream that did not wait for the compute stream would round stale values, and a
+    compute stream that did not wait for the wire stream would read unrounded ones."""
     import torch.distributed as dist
     from torch import nn
 
@@ -403,7 +405,7 @@ def _bf16_wire_stream_order():
         reduce_dtype=torch.bfloat16,
     )
     out = []
-    for step in range(3):
+    for _step in range(3):
         draws = [torch.randn(p.shape, device="cuda") for p in params]
         buf.zero()
         buf.start_sync()

@@ -139,7 +139,8 @@ def _same(a, b, what, rel=1e-5):
 
 def test_document_masking_trains_the_same_at_every_layout(tmp_path):
     """train.py with each line of the synthetic corpus one document (eod_id=10, '\\n'), rotary positions: TP=2 + SP,
-    PP=2, CP=2 (with TP=2 + SP too) and DP=2 follow one process, and causal attention does not (the option reaches the model)."""
+    PP=2, CP=2 (with TP=2 + SP too) and DP=2 follow one process, and causal attention does not (the option reaches the
+    model)."""
     rotary = ["model.position=rotary", "optim.grad_clip=0.5"]
     ref, ref_norms = run_distributed(_layout_losses, 1, [*rotary, f"train.run_dir={tmp_path}/ref"])[0]
     for i, (name, nproc, extra) in enumerate(

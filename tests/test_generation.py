@@ -134,7 +134,7 @@ def _cache_and_batch_checks(arch: dict):
     worst = 0.0
     with torch.no_grad():
         step_input = ids
-        for step in range(6):
+        for _step in range(6):
             cache.begin(step_input.shape[1])
             cached = model(step_input, cache=cache)  # [b, V/tp]
             cache.advance(step_input.shape[1])
@@ -276,7 +276,7 @@ def _export_with_header(tmp_path, tensors=None, **header) -> str:
                 (["--top-k", "inf"], "argument --top-k: invalid int value: 'inf'"),
                 (
                     ["--temperature", "0.5", "--temp", "0.8"],  # argparse kept the last one (--temp: its abbreviation)
-                    "argument --temperature: given twice (--temperature 0.5 and --temperature 0.8); give it once (see generate.py "
+                    "argument --temperature: given twice (--temperature 0.5 and --temperature 0.8); give it once (see generate.py "  # noqa: E501
                     "--help)",
                 ),
                 (

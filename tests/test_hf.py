@@ -731,7 +731,7 @@ def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, caps
     (dirs["gpt2"] / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
     assert cli.main(["--checkpoint", str(dirs["gpt2"]), "--prompt", "a"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"tpframe: error: --checkpoint {str(dirs['gpt2'])!r}: no tensor 'transformer.h.2.ln_1.weight' in its safetensors "
+        f"tpframe: error: --checkpoint {str(dirs['gpt2'])!r}: no tensor 'transformer.h.2.ln_1.weight' in its safetensors "  # noqa: E501
         "(12 missing); it does not hold the model its config.json describes"
     ]
 

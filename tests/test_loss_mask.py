@@ -1,5 +1,6 @@
 """data.eod_mask_loss: no loss after an end-of-document token, and the loss a mean over the global batch's tokens
-that carry one, the same on every layout (the absolute value against plain PyTorch: tests/test_reference_training.py)."""
+that carry one, the same on every layout (the absolute value against plain PyTorch:
+tests/test_reference_training.py)."""
 
 import math
 

@@ -372,7 +372,7 @@ def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path)
     for a, b in zip(init_ep, init_dp, strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
     assert_layouts_follow(ref_history, results, grad_norm_rel=1e-4)
-    for name, (history, weights) in results.items():
+    for name, (_history, weights) in results.items():
         if weights is not None:
             assert any(".experts." in n for n in weights)
             for n, value in weights.items():

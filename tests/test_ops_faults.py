@@ -286,7 +286,7 @@ def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_pa
     assert code == 6 and len(lines) == 1, err
     assert lines[0] == (
         "tpframe: out of memory: rank 0 ran out of cpu memory in step 2 (forward_backward): CUDA out of memory. Tried "
-        "to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is free; to fit, try a smaller "
+        "to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is free; to fit, try a smaller "  # noqa: E501
         "train.micro_batch_size (the global batch stays: more accumulation) or model, a larger parallel.tp with "
         "parallel.sequence_parallel=true, parallel.activation_checkpointing=selective or full"
     ), lines[0]

@@ -222,7 +222,7 @@ CASES = [
     (
         "alias-bomb",
         lambda t, s: (["--config", _file(t, "c.yaml", ALIAS_BOMB)], {}),
-        "model.bias=[['x', 'x', 'x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], [...], [...], ...], [[...], [...], ",
+        "model.bias=[['x', 'x', 'x', 'x', 'x', 'x', ...], [[...], [...], [...], [...], [...], [...], ...], [[...], [...], ",  # noqa: E501
     ),
     (
         "alias-bomb-key",
@@ -670,7 +670,7 @@ CASES = [
     (
         "run-dir-metrics-not-ours",
         lambda t, s: (["train.run_dir=" + _run_dir_holding(t, "metrics.jsonl", "hello world\n")], {}),
-        "holds a metrics.jsonl that tpframe did not write (its first line is not a tpframe metrics record: 'hello world')",
+        "holds a metrics.jsonl that tpframe did not write (its first line is not a tpframe metrics record: 'hello world')",  # noqa: E501
     ),
     (
         "run-dir-config-section-not-mapping",
@@ -681,13 +681,13 @@ CASES = [
     (
         "run-dir-dangling-link",
         lambda t, s: ([f"train.run_dir={_dangling(t)}"], {}),
-        "train.run_dir='{tmp}/dangling' is a symbolic link to '/nonexistent/deeper', which does not exist: create it or "
+        "train.run_dir='{tmp}/dangling' is a symbolic link to '/nonexistent/deeper', which does not exist: create it or "  # noqa: E501
         "remove the link",
     ),
     (
         "run-dir-under-dangling-link",
         lambda t, s: ([f"train.run_dir={_dangling(t)}/run"], {}),
-        "train.run_dir='{tmp}/dangling/run' cannot be created: '{tmp}/dangling' is a symbolic link to '/nonexistent/deeper'",
+        "train.run_dir='{tmp}/dangling/run' cannot be created: '{tmp}/dangling' is a symbolic link to '/nonexistent/deeper'",  # noqa: E501
     ),
     (
         "ckpt-dir-dangling-link",
@@ -726,7 +726,7 @@ CASES = [
         "ckpt-dir-of-another-run",
         lambda t, s: ([f"checkpoint.dir={s}/checkpoints", "model.hidden=64", "checkpoint.interval=1"], {}),
         "/checkpoints' already holds checkpoints (newest step_00000002) that this run does not resume from "
-        "(checkpoint.auto_resume=false); its saves would replace them: resume from them (checkpoint.auto_resume=true), or "
+        "(checkpoint.auto_resume=false); its saves would replace them: resume from them (checkpoint.auto_resume=true), or "  # noqa: E501
         "pick an empty checkpoint.dir",
     ),
     (
@@ -738,7 +738,7 @@ CASES = [
     (
         "ckpt-dir-loading-another",
         lambda t, s: ([f"checkpoint.dir={_checkpoints_copy(s, t)}", f"checkpoint.load={s}/checkpoints"], {}),
-        "checkpoint.dir='{tmp}/ckpts' already holds checkpoints (newest step_00000002) that this run does not resume from "
+        "checkpoint.dir='{tmp}/ckpts' already holds checkpoints (newest step_00000002) that this run does not resume from "  # noqa: E501
         "(it loads checkpoint.load=",
     ),
     (
@@ -802,7 +802,7 @@ CASES = [
     (
         "rng-corrupt-size-verified",
         lambda t, s: ([f"checkpoint.load={_flipped(s, t, 'rng_0.pt')}", "checkpoint.verify=size"], {}),
-        "checkpoint file {tmp}/step_00000002/rng_0.pt cannot be read (UnpicklingError: invalid load key, '\\xaf'.): it is "
+        "checkpoint file {tmp}/step_00000002/rng_0.pt cannot be read (UnpicklingError: invalid load key, '\\xaf'.): it is "  # noqa: E501
         "corrupt; no older checkpoint is beside it to resume from instead; checkpoint.verify=crc (the default) finds",
     ),
     (
@@ -1168,7 +1168,7 @@ TOOL_CASES = [
     (
         "prepare_data",
         ["{file}", "--out", "{tmp}/a.bin", "--out", "{tmp}/b.bin"],
-        "argument --out: given twice (--out {tmp}/a.bin and --out {tmp}/b.bin); give it once (see prepare_data.py --help)",
+        "argument --out: given twice (--out {tmp}/a.bin and --out {tmp}/b.bin); give it once (see prepare_data.py --help)",  # noqa: E501
     ),
     (
         "checkpoint",

@@ -343,7 +343,8 @@ def test_gemm_sm_margin_keeps_the_product_and_restores_the_blas_settings():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_kernels_match_torch_on_cuda(dtype):
     """LayerNorm (with and without bias) and RMSNorm, forward and all gradients, against fp64 torch: no worse than
-    torch's own kernels in the same dtype, at training shapes (rows past the backward's program count) and odd widths."""
+    torch's own kernels in the same dtype, at training shapes (rows past the backward's program count) and odd
+    widths."""
     import torch.nn.functional as F
 
     from tpframe.kernels.norm import _Norm, fused_norm_applies
@@ -386,8 +387,8 @@ def test_norm_kernels_match_torch_on_cuda(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_linear_kernel_matches_cublas_and_runs_only_in_decode_graphs(dtype):
     """The one-row kernel against fp64 (no worse than cuBLAS in the same dtype) at decode shapes, with the MLP's
-    activation in the kernel (no worse than torch's GEMM + activation), and the layers' dispatch: a one-row input under no_grad inside a CUDA-graph capture takes it; two rows, eager calls or autograd
-    do not."""
+    activation in the kernel (no worse than torch's GEMM + activation), and the layers' dispatch: a one-row input under
+    no_grad inside a CUDA-graph capture takes it; two rows, eager calls or autograd do not."""
     from unittest import mock
 
     from tpframe.kernels import gemv

@@ -96,7 +96,7 @@ LLAMA = dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False,
 
 def _check(results, promised, case, exact):
     (ref_loss, ref_grads, ref_bytes) = results["none"]
-    for name, (loss, grads, kept) in results.items():
+    for name, (loss, grads, _kept) in results.items():
         what = f"{case} {name}"
         if exact:
             assert torch.equal(loss, ref_loss), f"{what}: loss differs"
@@ -153,7 +153,7 @@ def _user_model_case():
     results, _ = _model_case(
         dict(LLAMA, name="examples.parallel_llama:build"), True, compiled=False, modes=("none", "full", "first 1")
     )
-    (loss, grads, none), full, first = results["none"], results["full"][2], results["first 1"][2]
+    (loss, _grads, none), full, first = results["none"], results["full"][2], results["first 1"][2]
     for name in ("full", "first 1"):
         torch.testing.assert_close(results[name][0], loss, rtol=1e-6, atol=0)
     assert full < first < none, f"examples/parallel_llama.py must honour recompute_layers: {full}, {first}, {none}"

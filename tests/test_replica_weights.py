@@ -52,6 +52,7 @@ def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
     ]
     with_check = run_distributed(_main_and_dir, 4, [*args, "train.compare_replicas_every=2"], tmp_path / "on")
     without = run_distributed(_main_and_dir, 4, args, tmp_path / "off")
+    assert without[0][0] == 0, without[0][1][-2000:]
     code, err, out = with_check[0]
     assert code == 0, err[-2000:]
     assert "every 2 steps the copies of each weight are compared" in out + err

@@ -212,13 +212,16 @@ def test_flex_window_attention_on_gpu_equals_the_band_mask(dtype, nq, nkv, d):
     assert flex_usable(q.to(dtype), 0.0), "flex_attention is missing: the fast path would not run"
     gqa = nq != nkv
     mask = band(s, s, window, device="cuda")
-    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,  # noqa: E731
-        enable_gqa=gqa,
-    )
+
+    def dense(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            enable_gqa=gqa,
+        )
+
     flex = lambda q, k, v: sliding_window_attention(q, k, v, window, enable_gqa=gqa)  # noqa: E731
     want = _out_and_grads(dense, q, k, v, dout, torch.float64)
     ref = _out_and_grads(dense, q, k, v, dout, dtype)
@@ -256,13 +259,15 @@ def test_context_parallel_chunks_through_flex_on_gpu_equal_the_band_mask(size):
     b, nq, nkv, s, d, window = 2, 8, 2, 2048, 64, 300
     q, k, v, dout = _gpu_inputs(b, nq, nkv, s, d, seed=3)
     mask = band(s, s, window, device="cuda")
-    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,  # noqa: E731
-        enable_gqa=True,
-    )
+
+    def dense(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            enable_gqa=True,
+        )
 
     def chunks(q, k, v):  # every rank's rows, put back in sequence order
         out = torch.empty_like(q)
@@ -300,13 +305,16 @@ def test_window_inside_documents_on_gpu_equals_the_dense_mask():
     ids[torch.rand(b, s, generator=g, device="cuda") < 0.01] = 0  # documents of ~100 tokens
     docs = Documents.from_tokens(ids, 0)
     mask = docs.mask() & band(s, s, window, device="cuda")
-    dense = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,  # noqa: E731
-        enable_gqa=True,
-    )
+
+    def dense(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+
     want = _out_and_grads(dense, q, k, v, dout, torch.float64)
     ref = _out_and_grads(dense, q, k, v, dout, torch.bfloat16)
     got = _out_and_grads(

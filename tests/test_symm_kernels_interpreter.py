@@ -27,7 +27,8 @@ def _interpreter_unusable() -> str:
     try:
         int(np.array([1]))  # Triton 3.6's interpreter converts 1-element arrays with int(); numpy >= 2.3 refuses
     except TypeError:
-        return f"Triton {'.'.join(map(str, version))}'s interpreter needs numpy < 2.3 (found {np.__version__}); triton>=3.9 has no such limit"
+        found = f"Triton {'.'.join(map(str, version))}'s interpreter needs numpy < 2.3 (found {np.__version__})"
+        return found + "; triton>=3.9 has no such limit"
     return ""
 
 

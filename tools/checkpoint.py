@@ -32,13 +32,14 @@ def inspect(path: Path) -> str:
     from tpframe.checkpoint.dcp_io import read_index
 
     meta = verify(path, "size")
+    total = sum(f["size"] for f in meta["files"].values())
     lines = [
         f"checkpoint  {path}",
         f"step        {meta['step']}   tokens seen {meta['train']['tokens_seen']:,}",
         "layout      " + " ".join(f"{k}={v}" for k, v in meta["layout"].items()),
         f"versions    tpframe {meta['tpframe_version']}, torch {meta['torch_version']}",
         f"data        {meta['data']}",
-        f"files       {len(meta['files'])} + meta.json, {sum(f['size'] for f in meta['files'].values()) / 2**20:.1f} MiB",
+        f"files       {len(meta['files'])} + meta.json, {total / 2**20:.1f} MiB",
         "tensors:",
     ]
     index = read_index(path, verify_hint=False)  # verify checked its size only: a flipped byte shows here

@@ -10,7 +10,8 @@ UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the side
 file there is replaced, anything else only with --force. The built-in tokenizer is byte-level (vocab
 256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT token
 ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
-tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`). Bad input: one error line, exit code 2.
+tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`). Bad input:
+one error line, exit code 2.
 """
 
 from __future__ import annotations

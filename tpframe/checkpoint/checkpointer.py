@@ -324,8 +324,8 @@ class Checkpointer:
         raise self._unreadable(path, meta, "; ".join(dict.fromkeys(cause for _, cause in failed))[:400])
 
     def _unreadable(self, path: Path, meta: dict, cause: str) -> CheckpointError:
-        """The error for a checkpoint that failed to load: the file whose CRC32 is not the recorded one (each rank checks
-        a share of the files: a collective), else the cause as it is."""
+        """The error for a checkpoint that failed to load: the file whose CRC32 is not the recorded one (each rank
+        checks a share of the files: a collective), else the cause as it is."""
         rank, world = self.parallel.rank, self.parallel.world_size
         bad = None
         for name in sorted(meta["files"])[rank::world]:

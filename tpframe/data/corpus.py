@@ -78,7 +78,8 @@ class _Draws:
 
     def weighted(self, shares: tuple[float, ...]) -> int:
         u = (self._next() >> 11) * 2.0**-53
-        for i, share in enumerate(shares):
+        # the loop's last i is the pick
+        for i, share in enumerate(shares):  # noqa: B007
             u -= share
             if u < 0:
                 break

@@ -105,7 +105,8 @@ class BatchIterator:
         return self._orders[epoch]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [b, s], labels [b, s]) (this CP rank's [b, s/cp]), CPU int64; advances the global position by G."""
+        """(input_ids [b, s], labels [b, s]) (this CP rank's [b, s/cp]), CPU int64; advances the global position
+        by G."""
         b = self.micro_batch_size
         chunk = self.chunk(self.samples_consumed + self.dp_rank * b + np.arange(b, dtype=np.int64))
         self.samples_consumed += self.global_batch

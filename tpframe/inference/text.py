@@ -2,9 +2,9 @@
 
 The tokenizer follows the run's data config: `synthetic` and `stdlib` are byte-level; `tokens` names a
 token file whose sidecar records its tokenizer (byte-level, or a Hugging Face `tokenizers` JSON file with
-its sha256). An HF model directory's is its tokenizer.json. `--tokenizer FILE` overrides it; a tokenizer whose vocabulary differs from the one the data
-was made with, or exceeds the model's, is refused. A safetensors export records no data: byte-level when
-the model's vocabulary is 256, else `--tokenizer` is required.
+its sha256). An HF model directory's is its tokenizer.json. `--tokenizer FILE` overrides it; a tokenizer whose
+vocabulary differs from the one the data was made with, or exceeds the model's, is refused. A safetensors export records
+no data: byte-level when the model's vocabulary is 256, else `--tokenizer` is required.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 
 Every kernel has a plain-torch twin that computes the same function (the CPU path, and the tests' oracle);
 callers pick the kernel only for CUDA tensors; the cross-entropy and norm kernels run outside torch.compile
-tracing (the head stays eager; compiled blocks get Inductor's own norms), the rotary and decode-attention kernels also inside it, as the custom ops
-tpframe::qkv_rotary and tpframe::decode_attention.
+tracing (the head stays eager; compiled blocks get Inductor's own norms), the rotary and decode-attention kernels also
+inside it, as the custom ops tpframe::qkv_rotary and tpframe::decode_attention.
 """
 
 from __future__ import annotations

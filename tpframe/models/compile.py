@@ -17,8 +17,8 @@ def compile_model(
     """Compile every block of `model.blocks` in place; returns how many were compiled.
 
     `fullgraph=True` turns any graph break into an error (the tests use it); the default lets an unusual
-    block (a custom model's) run with breaks instead of failing. `mode`: torch.compile's (None or "default": its default).
-    A CUDA-graphing mode ("reduce-overhead") does not mix with the decode step's own graph capture."""
+    block (a custom model's) run with breaks instead of failing. `mode`: torch.compile's (None or "default": its
+    default). A CUDA-graphing mode ("reduce-overhead") does not mix with the decode step's own graph capture."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise ValueError(

@@ -5,8 +5,9 @@ A data-parallel step runs at its slowest rank's pace: the other replicas wait fo
 step (the phase timers' `fwd_bwd`: the GPU's timeline on CUDA, the host clock on CPU) is all-gathered. The ranks of
 one pipeline stage do the same work, so each is compared with its stage's median. The record gets `fwd_bwd_max_ms`
 and `slowest_rank`, and a rank above `logging.straggler_ratio` times its stage's median is named in one log line
-(Megatron-Core's `--log-straggler`; not at a launch's first logged step, whose time is each rank's warm-up). TP ranks wait for each other inside every layer, so a slow GPU slows its whole
-TP group alike: the line then names one rank of that group.
+(Megatron-Core's `--log-straggler`; not at a launch's first logged step, whose time is each rank's warm-up). TP ranks
+wait for each other inside every layer, so a slow GPU slows its whole TP group alike: the line then names one rank of
+that group.
 
     report = StragglerReport(pp_rank=state.pp_rank, world=state.world_size, ratio=1.1, device=state.device)
     metrics, line = report(fwd_bwd_ms)          # every rank, at the same steps

@@ -66,9 +66,9 @@ def recompute(fn: Callable[..., Any], *args, tracker: RNGStatesTracker | None = 
 # the cheap ops whose outputs the next GEMM would otherwise keep for its weight gradient: each norm (with
 # its entry into the TP region: the sequence all-gather under SP) and the MLP's activation function. That
 # drops 6 of a GPT block's ~16 saved [s, b, h] tensors (GELU, ffn 4h) for a few percent more time eager,
-# about none compiled (README: activation recompute; plus, under SP, one more all-gather per norm in backward). Eager blocks use `RecomputedOutput` (Megatron-Core's
-# CheckpointWithoutOutput); compiled blocks use torch's selective checkpointing with `sac_policy`,
-# which Inductor's partitioner honours.
+# about none compiled (README: activation recompute; plus, under SP, one more all-gather per norm in backward). Eager
+# blocks use `RecomputedOutput` (Megatron-Core's CheckpointWithoutOutput); compiled blocks use torch's selective
+# checkpointing with `sac_policy`, which Inductor's partitioner honours.
 
 
 class RecomputedOutput:

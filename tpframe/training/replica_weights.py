@@ -2,11 +2,11 @@
 
 Data parallelism keeps one copy of every weight per DP (and CP) rank, tensor parallelism one copy of each
 replicated weight (norms, row-parallel biases) per TP rank, expert parallelism one copy of each expert per
-expert replica, pipeline parallelism one copy of a tied embedding on its first and on its last stage. The strategies keep them equal only as long as every rank computes the same update bit for bit.
-A flipped bit in one GPU's memory, a kernel that is not deterministic across ranks, or a rank that skipped an
-update makes the copies drift apart, and training goes on silently: the gradients are then averaged over
-different models, and a checkpoint keeps one rank's copy. Megatron-Core's
-`--check-weight-hash-across-dp-replicas-interval` checks the same.
+expert replica, pipeline parallelism one copy of a tied embedding on its first and on its last stage. The strategies
+keep them equal only as long as every rank computes the same update bit for bit. A flipped bit in one GPU's memory, a
+kernel that is not deterministic across ranks, or a rank that skipped an update makes the copies drift apart, and
+training goes on silently: the gradients are then averaged over different models, and a checkpoint keeps one rank's
+copy. Megatron-Core's `--check-weight-hash-across-dp-replicas-interval` checks the same.
 
 The check hashes each weight's bytes on its own device (two sums of its 16-bit words: plain, and weighted by their
 position, modulo the prime 2^61 - 1, so a changed, swapped or moved word changes the hash), gathers the hashes

@@ -3,10 +3,10 @@
 `PipelineSchedule.forward_backward` has the signature of every schedule (tpframe.parallel.schedules):
     (model, batches, num_micro_batches, *, grad_sync, device) -> mean loss over micro-batches
 It reads all of the step's micro-batches (every stage advances the data stream alike: the first
-stage uses input_ids, the last the labels, and with packed documents every stage the ids), runs `orders.schedule_order` for this rank, and calls
-`grad_sync.start_grad_sync()` right before its last gradient-producing action (the last B, or with
-a zero-bubble schedule the last W). The loss lives on the last stage; an all-reduce over the
-pipeline group hands it to every rank, so the trainer logs the same number everywhere.
+stage uses input_ids, the last the labels, and with packed documents every stage the ids), runs `orders.schedule_order`
+for this rank, and calls `grad_sync.start_grad_sync()` right before its last gradient-producing action (the last B, or
+with a zero-bubble schedule the last W). The loss lives on the last stage; an all-reduce over the pipeline group hands
+it to every rank, so the trainer logs the same number everywhere.
 """
 
 from __future__ import annotations
