@@ -184,7 +184,9 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         device=state.device,
         seed=cfg.train.seed,
         # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
-        mode=LayerMode(fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp),
+        mode=LayerMode(
+            fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp, cp_comm=p.cp_comm
+        ),
         cp_comm=state.cp_comm,
         ep_comm=state.ep_comm,
     )

@@ -33,6 +33,7 @@ def _attention(nq: int, nkv: int):
 
     from tpframe.comm import Communicator
     from tpframe.layers.context import context_parallel_attention, shard_sequence
+    from tpframe.layers.ulysses import ulysses_attention
 
     cp, r = dist.get_world_size(), dist.get_rank()
     comm = Communicator(dist.group.WORLD, backend="nccl", device=torch.device("cpu"))
@@ -43,20 +44,29 @@ def _attention(nq: int, nkv: int):
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
     (ref * w).sum().backward()
     mine = lambda t: shard_sequence(t.detach(), dim=2, rank=r, size=cp)  # noqa: E731
-    ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(ql, kl, vl, comm, enable_gqa=nq != nkv)
-    (out * mine(w)).sum().backward()
-    errors = [(out - mine(ref)).abs().max().item()]
-    errors += [(local.grad - mine(whole.grad)).abs().max().item() for local, whole in ((ql, q), (kl, k), (vl, v))]
+    whole = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])  # noqa: E731, E501
+    errors = {}
+    for mode, attention in (
+        ("all_gather", lambda q, k, v: context_parallel_attention(q, k, v, comm, enable_gqa=nq != nkv)),
+        ("all_to_all", lambda q, k, v: ulysses_attention(q, k, v, comm, whole)),
+    ):
+        ql, kl, vl = (mine(t).requires_grad_() for t in (q, k, v))
+        out = attention(ql, kl, vl)
+        (out * mine(w)).sum().backward()
+        errors[mode] = [(out - mine(ref)).abs().max().item()]
+        errors[mode] += [(mine_.grad - mine(t.grad)).abs().max().item() for mine_, t in ((ql, q), (kl, k), (vl, v))]
     comm.close()
     return errors
 
 
-@pytest.mark.parametrize("cp,nq,nkv", [(2, 4, 2), (4, 4, 1)])
+@pytest.mark.parametrize("cp,nq,nkv", [(2, 4, 2), (4, 4, 1), (4, 8, 2)])
 def test_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention(cp, nq, nkv):
-    """Output and the gradients of q, k and v (the keys' reduce-scattered back to their owners), GQA and MQA."""
+    """Output and the gradients of q, k and v (the keys' reduce-scattered back to their owners), GQA and MQA, for
+    both cp_comm modes; all_to_all with kv heads cp does not divide (4 and 8 query heads over 1 and 2 kv heads at
+    cp=4: each kv head repeated, its gradient summed back)."""
     for rank_errors in run_distributed(_attention, cp, nq, nkv, timeout=120):
-        assert max(rank_errors) < 1e-6, rank_errors  # the CPU kernel keeps its log-sum-exp in fp32
+        for mode, errors in rank_errors.items():
+            assert max(errors) < 1e-6, (mode, errors)  # the CPU kernel keeps its log-sum-exp in fp32
 
 
 def _model(arch: dict):

@@ -6,7 +6,8 @@
 With sequence parallelism x and the output are [s/tp, b, h]: qkv all-gathers the sequence and
 proj reduce-scatters it. The fused qkv weight keeps q, k and v as separate logical tensors.
 With context parallelism (`cp_comm`, tpframe/layers/context.py) x holds this CP rank's tokens of the
-sequence and attention runs over every rank's keys and values, all-gathered over the CP group.
+sequence and attention runs over every rank's keys and values, all-gathered over the CP group, or (`mode.cp_comm`
+"all_to_all", tpframe/layers/ulysses.py) over the whole sequence of 1/cp of the heads, exchanged all-to-all.
 Generation passes a `cache` (tpframe.inference.kv_cache): this step's keys and values are appended
 to it and the queries attend over the whole cache under its mask (causal, and correct when the
 query is shorter than the keys); on CUDA a decode step's few queries use tpframe/kernels/decode_attention.py.
@@ -32,6 +33,7 @@ from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.norm import RMSNorm
 from tpframe.layers.sliding_window import sliding_window_attention
+from tpframe.layers.ulysses import ulysses_attention
 from tpframe.layers.utils import InitMethod, divide
 from tpframe.parallel.state import default_tp_comm
 
@@ -172,6 +174,11 @@ class ParallelAttention(nn.Module):
         if heads % kv_heads:
             raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
         self.heads_local = divide(heads, comm.size, "attention heads")
+        self.cp_all_to_all = self.cp_comm is not None and mode.cp_comm == "all_to_all"
+        if self.cp_all_to_all and self.heads_local % self.cp_comm.size:
+            raise ValueError(
+                f"cp_comm all_to_all: {self.heads_local} heads per TP rank do not split over cp={cp_comm.size}"
+            )
         self.kv_local = divide(kv_heads, comm.size, "attention kv_heads")
         if window is not None and window < 1:
             raise ValueError(f"a sliding window of {window} tokens: it needs at least 1 (None: full causal attention)")
@@ -234,33 +241,40 @@ class ParallelAttention(nn.Module):
             token_major=token_major,
             qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None,
         )
-        gqa = self.kv_local != self.heads_local
         if cache is not None:  # generation: attend over every cached slot the mask allows
             k, v = cache.append(k, v)
             mask = cache.mask if self.window is None else cache.window_mask(self.window)
             if s <= DECODE_TOKENS and self.fused_decode and HAVE_TRITON and q.is_cuda:  # decode step
                 out = decode_attention(q, k, v, mask)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         elif dropout > 0 and self.rng_tracker is not None:
             with self.rng_tracker.fork():  # this rank's heads: its own dropout stream
-                out = self._causal(q, k, v, dropout, gqa, documents)
+                out = self._causal(q, k, v, dropout, documents)
         else:
-            out = self._causal(q, k, v, dropout, gqa, documents)
+            out = self._causal(q, k, v, dropout, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * d)
         return self.proj(out)
 
-    def _causal(self, q, k, v, dropout: float, gqa: bool, documents: Documents | None = None) -> torch.Tensor:
+    def _causal(self, q, k, v, dropout: float, documents: Documents | None = None) -> torch.Tensor:
+        if self.cp_all_to_all:  # the whole sequence of 1/cp of the heads (`documents`: of the whole rows)
+            return ulysses_attention(q, k, v, self.cp_comm, lambda *qkv: self._whole(*qkv, dropout, documents))
+        gqa = self.kv_local != self.heads_local
         if documents is not None and self.cp_comm is not None:
             return context_parallel_document_attention(
                 q, k, v, self.cp_comm, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window
             )
-        if documents is not None:
-            return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window)
         if self.cp_comm is not None:  # this CP rank's queries over the whole sequence's keys
             return context_parallel_attention(
                 q, k, v, self.cp_comm, dropout_p=dropout, enable_gqa=gqa, window=self.window, flex=self.fused
             )
+        return self._whole(q, k, v, dropout, documents)
+
+    def _whole(self, q, k, v, dropout: float, documents: Documents | None = None) -> torch.Tensor:
+        """Causal attention of q [b, nq, s, d] over k, v [b, nkv, s, d] holding the whole sequence."""
+        gqa = k.shape[1] != q.shape[1]
+        if documents is not None:
+            return document_attention(q, k, v, documents, dropout_p=dropout, enable_gqa=gqa, window=self.window)
         if self.window is not None:
             return sliding_window_attention(q, k, v, self.window, dropout_p=dropout, enable_gqa=gqa, flex=self.fused)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)

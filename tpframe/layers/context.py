@@ -41,6 +41,10 @@ from tpframe.layers.sliding_window import sliding_window_attention
 # share'.
 MERGE_MIN_CHUNK = 2048
 
+# parallel.cp_comm, how attention meets the other CP ranks' tokens: "all_gather" (this module: every rank gathers the
+# whole sequence's keys and values) or "all_to_all" (tpframe/layers/ulysses.py: heads traded for the sequence)
+CP_COMM_MODES = ("all_gather", "all_to_all")
+
 
 def check_sequence_split(cfg) -> None:
     """train.seq_len split over parallel.cp (2*cp equal chunks, two per CP rank) and, with
@@ -62,6 +66,17 @@ def check_sequence_split(cfg) -> None:
             f"parallel.sequence_parallel splits each CP rank's train.seq_len/parallel.cp = "
             f"{t.seq_len // p.cp} tokens over parallel.tp={p.tp}; make train.seq_len a multiple of "
             f"{p.cp * p.tp * 2 // math.gcd(2, p.tp)}"
+        )
+
+
+def check_cp_comm(cfg) -> None:
+    """parallel.cp_comm=all_to_all splits each TP rank's query heads over the CP ranks (`cfg`: the run's Config)."""
+    p, heads = cfg.parallel, cfg.model.heads
+    if p.cp > 1 and p.cp_comm == "all_to_all" and (heads // p.tp) % p.cp:
+        raise ConfigError(
+            f"parallel.cp_comm=all_to_all splits each TP rank's model.heads/parallel.tp = {heads}/{p.tp} = "
+            f"{heads // p.tp} query heads over parallel.cp={p.cp}, which does not divide them; use "
+            f"parallel.cp_comm=all_gather or a parallel.cp that divides {heads // p.tp}"
         )
 
 

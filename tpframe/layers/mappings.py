@@ -11,6 +11,7 @@ Each is an autograd function whose forward and backward collectives go through t
     scatter_to_sp          keep my slice of dim 0          all-gather dim 0
     gather_from_sp   (g)   all-gather dim 0                reduce-scatter dim 0 (or slice)
     reduce_scatter_to_sp   reduce-scatter dim 0            all-gather dim 0     (g-bar)
+    all_to_all             rows sent to the ranks          the gradients' rows sent back (EP; CP's all_to_all)
 
 Sequence-parallel activations are sequence-first, [s/tp, b, h], so the split is dim 0.
 
@@ -116,6 +117,18 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return ctx.comm.all_gather(grad, dim=0), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, output_splits, input_splits):
+        ctx.comm, ctx.splits = comm, (output_splits, input_splits)
+        return comm.all_to_all(x, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return ctx.comm.all_to_all(grad.contiguous(), input_splits, output_splits), None, None, None
+
+
 def copy_to_tp(x: torch.Tensor, comm: Communicator, donate_grad: bool = False) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce the gradient.
 
@@ -172,3 +185,9 @@ def reduce_scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     if comm.size == 1:
         return x
     return _ReduceScatterToSP.apply(x, comm)
+
+
+def all_to_all(x: torch.Tensor, comm: Communicator, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """Rows of `x` (dim 0) split by `input_splits` sent to the ranks in rank order; returns the rows received,
+    `output_splits[j]` from rank j. Backward sends the gradients back the way the rows came."""
+    return _AllToAll.apply(x, comm, output_splits, input_splits)

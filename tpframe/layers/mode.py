@@ -27,6 +27,7 @@ class LayerMode:
     # "ring" or "copy_engine" (True = "ring"): the sequence-parallel linear layers pipeline their collective with
     # their GEMM (tpframe/layers/async_tp.py); None: off
     async_tp: str | bool | None = None
+    cp_comm: str = "all_gather"  # context-parallel attention: "all_gather" or "all_to_all" (layers/context.py)
 
     def __post_init__(self):
         object.__setattr__(self, "async_tp", normalize_mode(self.async_tp))

@@ -52,7 +52,7 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.layers.linear import enter_tp_region
-from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
+from tpframe.layers.mappings import all_to_all, reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.mlp import ParallelMLP
 from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
@@ -73,20 +73,6 @@ def _bincount(top_i: torch.Tensor, n: int) -> torch.Tensor:
     """Slots per expert, [n] int64, without torch.bincount's device-to-host synchronization on CUDA."""
     flat = top_i.flatten()
     return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows exchanged over the EP group; backward sends the gradients back the way the rows came."""
-
-    @staticmethod
-    def forward(ctx, x, comm, output_splits, input_splits):
-        ctx.comm, ctx.splits = comm, (output_splits, input_splits)
-        return comm.all_to_all(x, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return ctx.comm.all_to_all(grad.contiguous(), input_splits, output_splits), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -404,7 +390,7 @@ class MoE(nn.Module):
         received = self.ep_comm.all_to_all(counts, [local] * ep, [local] * ep).view(ep, local)
         send_splits = counts.view(ep, local).sum(dim=1).tolist()
         recv_splits = received.sum(dim=1).tolist()
-        x_recv = _AllToAll.apply(xs, self.ep_comm, recv_splits, send_splits)  # by source rank, then expert
+        x_recv = all_to_all(xs, self.ep_comm, recv_splits, send_splits)  # by source rank, then expert
         # regroup by expert: block (j, e) starts at starts[j, e] in x_recv and goes to the e-major position
         lengths = received.t().flatten()  # blocks in (expert, source) order
         starts = (received.flatten().cumsum(0) - received.flatten()).view(ep, local).t().flatten()
@@ -412,7 +398,7 @@ class MoE(nn.Module):
         perm = torch.arange(int(lengths.sum()), device=xs.device) + torch.repeat_interleave(starts - offsets, lengths)
         y_local = self._run_experts(x_recv.index_select(0, perm), received.sum(dim=0).tolist(), recompute_activation)
         y_recv = y_local.new_zeros(y_local.shape).index_copy(0, perm, y_local)
-        return _AllToAll.apply(y_recv, self.ep_comm, send_splits, recv_splits)
+        return all_to_all(y_recv, self.ep_comm, send_splits, recv_splits)
 
     def extra_repr(self) -> str:
         ep = self.ep_comm.size if self.ep_comm else 1

@@ -253,9 +253,10 @@ class GPT(nn.Module):
         if self.cfg.eod_id is None:
             raise ValueError("model.attention_mask=document needs model.eod_id (train.py sets it from the data)")
         if self.cp > 1:  # this rank's tokens [b, S/cp]: the documents are those of the whole rows
-            return Documents.for_cp_rank(
-                gather_token_ids(input_ids, self.ctx.cp_comm), self.cfg.eod_id, rank=self.cp_rank, size=self.cp
-            )
+            rows = gather_token_ids(input_ids, self.ctx.cp_comm)
+            if self.ctx.mode.cp_comm == "all_to_all":  # attention sees whole rows (tpframe/layers/ulysses.py)
+                return Documents.from_tokens(rows, self.cfg.eod_id)
+            return Documents.for_cp_rank(rows, self.cfg.eod_id, rank=self.cp_rank, size=self.cp)
         return Documents.from_tokens(input_ids, self.cfg.eod_id)
 
     def forward(

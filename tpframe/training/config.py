@@ -25,7 +25,7 @@ from tpframe.data.config import DataConfig, check_data
 from tpframe.errors import ConfigError
 from tpframe.layers.async_tp import MODES as ASYNC_TP_MODES
 from tpframe.layers.async_tp import check_async_tp
-from tpframe.layers.context import check_sequence_split
+from tpframe.layers.context import CP_COMM_MODES, check_cp_comm, check_sequence_split
 from tpframe.layers.fp8 import check_fp8
 from tpframe.models.config import ModelConfig, check_experts, check_model, check_tensor_parallel, gemm_widths
 from tpframe.observe.logger import LoggingConfig, check_logging
@@ -45,6 +45,9 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size: ranks that split every layer (adjacent ranks)
     pp: int = 1  # pipeline-parallel size
     cp: int = 1  # context-parallel size: ranks that split each sequence (README: context parallelism)
+    # how CP attention meets the other ranks' tokens: "all_gather" (each rank gathers every key and value) or
+    # "all_to_all" (Ulysses: heads traded for the sequence around attention; cp must divide model.heads/tp)
+    cp_comm: Literal[CP_COMM_MODES] = "all_gather"
     # expert-parallel size (MoE models): ranks of dp x cp that split the experts (README: mixture of experts)
     ep: int = 1
     sequence_parallel: bool = False  # keep activations [s/tp, b, h] between TP regions (less memory)
@@ -171,6 +174,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_tensor_parallel(cfg.model, cfg.parallel.tp)
     check_async_tp(cfg.parallel)
     check_sequence_split(cfg)
+    check_cp_comm(cfg)
     check_global_batch(cfg.train, dp)
     check_data_parallel(cfg.parallel)
     check_recompute(cfg)
