@@ -69,46 +69,76 @@ def test_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention(cp, 
             assert max(errors) < 1e-6, (mode, errors)  # the CPU kernel keeps its log-sum-exp in fp32
 
 
-def _model(arch: dict):
+def _model(archs: list[dict], tp: int):
     import torch.distributed as dist
 
     from tpframe.layers.context import shard_sequence
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_model
     from tpframe.models.config import ModelConfig
-    from tpframe.parallel import initialize_parallel
+    from tpframe.parallel import destroy_parallel, initialize_parallel
+    from tpframe.parallel.sharding import gather_full_tensors
 
-    cp = dist.get_world_size()
-    state = initialize_parallel(tp=1, cp=cp)
-    cfg = ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, max_seq_len=32, **arch)
+    def run(cfg, state, ctx, ids, labels):
+        """Per-token losses of this rank's tokens and the whole model's gradients of the sequence's mean loss."""
+        model = build_model(cfg, ctx)
+        mine = lambda t: shard_sequence(t, dim=1, rank=state.cp_rank, size=state.cp)  # noqa: E731
+        loss = model(mine(ids), mine(labels))
+        loss.mean().backward()
+        for p in model.parameters():  # each CP rank's gradient is of its own tokens' mean; SP: partial over TP
+            if state.cp > 1:
+                dist.all_reduce(p.grad, group=state.cp_group)
+                p.grad /= state.cp
+            if p.sequence_parallel and state.tp > 1:
+                dist.all_reduce(p.grad, group=state.tp_group)
+        return loss, gather_full_tensors(model, state.tp_comm, source="grad")
+
+    cp = dist.get_world_size() // tp
+    cases = [(ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, max_seq_len=64, **arch)) for arch in archs]
     g = torch.Generator().manual_seed(5)
-    ids, labels = (torch.randint(0, cfg.vocab_size, (2, 32), generator=g) for _ in range(2))
-    whole = build_model(cfg, BuildContext(state.tp_comm, seed=3))
-    ref = whole(ids, labels)
-    ref.mean().backward()
-    split = build_model(cfg, BuildContext(state.tp_comm, seed=3, cp_comm=state.cp_comm))
-    mine = lambda t: shard_sequence(t, dim=1, rank=state.cp_rank, size=cp)  # noqa: E731
-    loss = split(mine(ids), mine(labels))
-    loss.mean().backward()
-    grads = dict(split.named_parameters())
-    for p in grads.values():  # each rank's gradient is of its own tokens' mean: average over CP
-        dist.all_reduce(p.grad, group=state.cp_group)
-        p.grad /= cp
-    loss_error = (loss - mine(ref)).abs().max().item()
-    grad_error = max(
-        ((grads[n].grad - p.grad).abs().max() / p.grad.abs().max()).item() for n, p in whole.named_parameters()
-    )
-    return loss_error, grad_error
+    batches = []
+    for _ in cases:
+        ids, labels = (torch.randint(1, 64, (2, 32), generator=g) for _ in range(2))
+        ids[0, [5, 13, 20]] = ids[1, [9, 24]] = 0  # the documents' ends (model.eod_id=0 where it is set)
+        batches.append((ids, labels))
+    state = initialize_parallel(tp=1)  # the reference: the whole sequence on each process alone
+    refs = [run(cfg, state, BuildContext(state.tp_comm, seed=3), *batch) for cfg, batch in zip(cases, batches)]
+    destroy_parallel()
+    state = initialize_parallel(tp=tp, cp=cp)
+    out = []
+    for arch, cfg, batch, (ref_loss, ref_grads) in zip(archs, cases, batches, refs):
+        for mode in ("all_gather", "all_to_all"):
+            ctx = BuildContext(
+                state.tp_comm,
+                sequence_parallel=tp > 1,
+                seed=3,
+                cp_comm=state.cp_comm,
+                mode=LayerMode(cp_comm=mode),
+            )
+            loss, grads = run(cfg, state, ctx, *batch)
+            loss_error = (loss - shard_sequence(ref_loss, dim=1, rank=state.cp_rank, size=cp)).abs().max().item()
+            # the gradients within 1e-5 of each tensor's largest, and 1e-8 absolute: the key bias's is zero in exact
+            # arithmetic, rounding noise in both runs
+            grad_error = max(((grads[n] - g).abs().max() / (g.abs().max() + 1e-3)).item() for n, g in ref_grads.items())
+            out.append((arch, mode, loss_error, grad_error))
+    return out
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_gpt_per_token_losses_and_gradients_equal_the_whole_sequence(cp):
-    """Rotary with GQA, and learned positions: the model places each rank's tokens at their global positions."""
-    for arch in (
-        dict(position="rotary", kv_heads=2, norm="rmsnorm", activation="swiglu", bias=False),
-        dict(position="learned"),
-    ):
-        for loss_error, grad_error in run_distributed(_model, cp, arch, timeout=120):
-            assert loss_error < 1e-5 and grad_error < 1e-5, (arch, loss_error, grad_error)
+ARCHS = [
+    dict(position="rotary", kv_heads=2, norm="rmsnorm", activation="swiglu", bias=False),
+    dict(position="learned"),
+    dict(position="rotary", kv_heads=2, attention_mask="document", eod_id=0, sliding_window=6, bias=False),
+]
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 1), (4, 1), (2, 2)])
+def test_gpt_per_token_losses_and_gradients_equal_the_whole_sequence(cp, tp):
+    """Both cp_comm modes at CP 2 and 4 and CP=2 x TP=2 + SP: rotary with GQA, learned positions, and packed
+    documents under a sliding window (all_to_all repeats the kv heads that cp=4, or TP=2 x CP=2, does not divide);
+    the model places each rank's tokens at their global positions."""
+    for rank_results in run_distributed(_model, cp * tp, ARCHS, tp, timeout=120):
+        for arch, mode, loss_error, grad_error in rank_results:
+            assert loss_error < 1e-5 and grad_error < 1e-5, (arch, mode, loss_error, grad_error)
 
 
 # -- train.py: 10 steps on 4 processes -----------------------------------------------------------------
