@@ -147,12 +147,16 @@ def test_gpt_per_token_losses_and_gradients_equal_the_whole_sequence(cp, tp):
 # takes 8 sequences per micro-step (micro-batch x DP), so evaluation sees the same held-out samples. No biases:
 # the key bias has a zero gradient in exact arithmetic, so AdamW turns its rounding noise into updates.
 ONE_REPLICA = "train.micro_batch_size=8"
+A2A = "parallel.cp_comm=all_to_all"
+TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 LAYOUTS = {
     "cp=4": ["parallel.cp=4", ONE_REPLICA],
-    "cp=2 x tp=2 + SP": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", ONE_REPLICA],
+    "cp=4 all_to_all": ["parallel.cp=4", A2A, ONE_REPLICA],
+    "cp=2 x tp=2 + SP": ["parallel.cp=2", *TP_SP, ONE_REPLICA],
+    "cp=2 x tp=2 + SP all_to_all": ["parallel.cp=2", *TP_SP, A2A, ONE_REPLICA],
     "cp=2 x dp=2 zero1": ["parallel.cp=2", "parallel.dp_strategy=zero1"],
     "cp=2 x dp=2 fsdp": ["parallel.cp=2", "parallel.dp_strategy=fsdp"],
-    "cp=2 x pp=2 1f1b": ["parallel.cp=2", "parallel.pp=2", ONE_REPLICA],
+    "cp=2 x pp=2 1f1b all_to_all": ["parallel.cp=2", "parallel.pp=2", A2A, ONE_REPLICA],
     "cp=2 x dp=2 selective": ["parallel.cp=2", "parallel.activation_checkpointing=selective"],
 }
 COMMON = [
@@ -180,15 +184,16 @@ def _train_layouts(tmp: str):
         )
         plain = not any(k in " ".join(extra) for k in ("tp=2", "pp=2", "fsdp"))  # whole, plain parameters here
         out[name] = (trainer.history, _weights(trainer) if plain else None)
-    # the step-5 checkpoint of the CP=2 x TP=2 run resumes at CP=1 (DP=4), at CP=4, and at CP=2 x TP=2
-    saved = f"{tmp}/cp=2 x tp=2 + SP/checkpoints/step_00000005"
-    for name, extra in (
-        ("resumed at dp=4", ["train.micro_batch_size=2"]),
-        ("resumed at cp=4", LAYOUTS["cp=4"]),
-        ("resumed at cp=2 x tp=2", LAYOUTS["cp=2 x tp=2 + SP"]),
+    # step-5 checkpoints resume on other layouts and in the other cp_comm mode: CP=2 x TP=2's at CP=1 (DP=4) and at
+    # CP=4; CP=4's at CP=2 x TP=2, all_gather <-> all_to_all
+    for name, saved, extra in (
+        ("resumed at dp=4", "cp=2 x tp=2 + SP", ["train.micro_batch_size=2"]),
+        ("resumed at cp=4", "cp=2 x tp=2 + SP", LAYOUTS["cp=4"]),
+        ("resumed at cp=2 x tp=2 all_to_all", "cp=4", LAYOUTS["cp=2 x tp=2 + SP all_to_all"]),
+        ("resumed at cp=2 x tp=2", "cp=4 all_to_all", LAYOUTS["cp=2 x tp=2 + SP"]),
     ):
-        history = train_in_process([*COMMON, *extra, f"checkpoint.load={saved}", f"train.run_dir={tmp}/{name}"])
-        out[name] = (history, None)
+        load = f"checkpoint.load={tmp}/{saved}/checkpoints/step_00000005"
+        out[name] = (train_in_process([*COMMON, *extra, load, f"train.run_dir={tmp}/{name}"]), None)
     return out
 
 
@@ -198,6 +203,9 @@ TOL_GRAD_NORM = 2e-4
 
 
 def test_train_py_context_parallel_layouts_equal_one_process_and_resume_across_cp(tmp_path):
+    """Losses, eval losses and gradient norms of 10 steps in both cp_comm modes with TP+SP, DP strategies, PP and
+    recompute equal one process's; resumed runs equal its steps 6-10, so the weights, the optimizer and the data
+    position all came back."""
     results = run_distributed(_train_layouts, 4, str(tmp_path), timeout=600)[-1]  # rank 3: on the last stage
     ref_history, ref_weights = results.pop("ref")
     ref = {r["step"]: r for r in ref_history}

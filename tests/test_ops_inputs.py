@@ -1,4 +1,4 @@
-"""Every mistake is one line and exit code 2, with nothing written: 160 bad inputs through train.main in this
+"""Every mistake is one line and exit code 2, with nothing written: 162 bad inputs through train.main in this
 process, 29 through the tools, a few through the README's launcher (and torchrun) with 2 processes."""
 
 import json
@@ -533,6 +533,17 @@ CASES = [
             {"WORLD_SIZE": "8"},
         ),
         "train.seq_len/parallel.cp = 6 tokens over parallel.tp=4; make train.seq_len a multiple of 8",
+    ),
+    (
+        "cp-comm-heads",
+        lambda t, s: (["parallel.cp=4", "parallel.tp=2", "parallel.cp_comm=all_to_all"], {"WORLD_SIZE": "8"}),
+        "parallel.cp_comm=all_to_all splits each TP rank's model.heads/parallel.tp = 4/2 = 2 query heads over "
+        "parallel.cp=4, which does not divide them; use parallel.cp_comm=all_gather or a parallel.cp that divides 2",
+    ),
+    (
+        "cp-comm-unknown",
+        lambda t, s: (["parallel.cp=2", "parallel.cp_comm=ring"], {"WORLD_SIZE": "2"}),
+        "parallel.cp_comm='ring' is not allowed; choose one of 'all_gather', 'all_to_all'",
     ),
     (
         "cp-cuda-graph",
