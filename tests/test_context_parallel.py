@@ -8,6 +8,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.training_utils import assert_layouts_follow, train_in_process
+from tpframe.layers.context import CP_COMM_MODES
 
 
 def test_each_rank_holds_two_chunks_at_their_global_positions():
@@ -216,6 +217,95 @@ def test_train_py_context_parallel_layouts_equal_one_process_and_resume_across_c
             for n, value in ref_weights.items():
                 error = ((weights[n] - value).norm() / value.norm()).item()
                 assert error < 1e-5, (name, n, error)
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+MEMORY_LAYOUTS = [[]] + [[f"parallel.cp={cp}", f"parallel.cp_comm={mode}"] for cp in (2, 4) for mode in CP_COMM_MODES]
+
+
+def _kept_and_estimated(common: list[str]):
+    """(layout, bytes autograd saved in one forward, the pre-flight's activation estimate) on rank 0."""
+    import torch.distributed as dist
+
+    from tests.training_utils import REPO
+    from tpframe.layers.context import shard_sequence
+    from tpframe.layers.mode import LayerMode
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import destroy_parallel, initialize_parallel
+    from tpframe.run.memory import activation_bytes
+    from tpframe.training.config import load_config
+
+    out = []
+    for layout in MEMORY_LAYOUTS:
+        cfg = load_config(f"{REPO}/configs/tiny_cpu.yaml", [*common, *layout])
+        state = initialize_parallel(tp=1, cp=cfg.parallel.cp)
+        ctx = BuildContext(state.tp_comm, seed=3, cp_comm=state.cp_comm, mode=LayerMode(cp_comm=cfg.parallel.cp_comm))
+        model = build_model(cfg.model, ctx)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        mine = shard_sequence(ids, dim=1, rank=state.cp_rank, size=state.cp)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(mine, mine)
+        out.append((layout, sum(kept.values()), activation_bytes(cfg, "cpu")))
+        dist.barrier()
+        destroy_parallel()
+    return out
+
+
+def test_memory_estimate_follows_what_each_cp_mode_keeps_for_backward():
+    """The pre-flight's activation estimate within 8% of the bytes autograd keeps (fp32, CPU, GQA with 2 kv heads:
+    all_to_all repeats them at cp=4) at CP 1, 2 and 4 in both modes; the all-gathered keys and values are what
+    all_gather keeps more, and it must be counted (without it CP=4 all_gather is 11% under)."""
+    common = ["parallel.tp=1", "model.hidden=128", "model.heads=8", "model.kv_heads=2", "model.position=rotary"]
+    common += ["train.seq_len=128", "train.micro_batch_size=2"]
+    for layout, kept, estimated in run_distributed(_kept_and_estimated, 4, common, timeout=120)[0]:
+        assert abs(estimated / kept - 1) < 0.08, (layout, kept, estimated)
+
+
+def _largest_fp32_logits(chunk_elements: int):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpframe.kernels import cross_entropy as kernels
+    from tpframe.layers.context import shard_sequence
+    from tpframe.models import BuildContext, build_model
+    from tpframe.models.config import ModelConfig
+    from tpframe.parallel import initialize_parallel
+
+    class Largest(TorchDispatchMode):  # the most elements of any fp32 tensor an op makes with the vocabulary's width
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and t.shape[-1] == vocab:
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    kernels.DEFAULT_CHUNK_ELEMENTS = chunk_elements  # a 128k-token sequence's chunking, at this size
+    state = initialize_parallel(tp=1, cp=2)
+    vocab = 512
+    cfg = ModelConfig(vocab_size=vocab, hidden=32, layers=1, heads=4, max_seq_len=256)
+    model = build_model(cfg, BuildContext(state.tp_comm, seed=3, cp_comm=state.cp_comm, dtype=torch.bfloat16))
+    ids = shard_sequence(torch.randint(0, vocab, (2, 256)), dim=1, rank=state.cp_rank, size=2)
+    with Largest():
+        model(ids, ids).mean().backward()
+    return Largest.most, ids.numel() * vocab
+
+
+def test_fused_head_and_loss_never_hold_fp32_logits_of_the_whole_sequence():
+    """bf16 training at CP=2: the head + loss keeps its logits in bf16; fp32 appears one chunk of rows at a time
+    (kernels/cross_entropy.py's DEFAULT_CHUNK_ELEMENTS on CPU; a row at a time in the CUDA kernels), in forward
+    and backward."""
+    for most, whole in run_distributed(_largest_fp32_logits, 2, 16 * 512, timeout=120):
+        assert 0 < most <= 16 * 512 < whole, (most, whole)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------------

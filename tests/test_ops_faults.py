@@ -443,7 +443,7 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     assert act("parallel.tp=1", "train.dtype=bfloat16") < act("parallel.tp=1")
     # Korthikanti et al.: s*b*h*(10 + 24/t) per layer at 2 bytes without scores (CUDA), plus embedding and loss
     s, b, h, L, V = 128, 8, 128, 2, 256  # configs/tiny_cpu.yaml
-    layers, loss, embedding = s * b * h * (10 + 24 / 2) * L, s * b * V / 2 * (2 + 8), s * b * h * 2
+    layers, loss, embedding = s * b * h * (10 + 24 / 2) * L, s * b * V / 2 * 2, s * b * h * 2  # bf16 logits alone
     assert act("parallel.tp=2", "train.dtype=bfloat16") == layers + loss + embedding
     # selective drops the norm outputs (2 x 2 sbh, replicated) and GELU's output (8 sbh, TP-split) of each layer
     selective = s * b * h * (6 + 16 / 2) * L

@@ -15,10 +15,12 @@ Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activa
   and 2*(ffn + ffn)/h, 2*(2*ffn + ffn)/h for SwiGLU (16 at ffn 4h, and at SwiGLU's 8h/3);
   2*s*b*h (/t with SP) per layer plus one layer's worth with activation checkpointing. The 5*a*s/h term
   (attention scores) is left out where SDPA's fused kernels keep no scores (CUDA; CPU without
-  attention dropout). fp32 activations count twice. The vocabulary-parallel loss keeps
-  s*b*V/t logits in the compute dtype plus fp32 softmax and gradient. With context parallelism (CP c)
-  s is the rank's S/c tokens, and each layer also keeps the whole sequence's keys and values twice
-  (all-gathered, then in order): 8*S*b*kv_hidden/t bytes.
+  attention dropout). fp32 activations count twice. The fused head + loss keeps s*b*V/t logits in the compute
+  dtype and no fp32 copy (tpframe/layers/cross_entropy.py). With context parallelism (CP c) s is the rank's S/c
+  tokens; parallel.cp_comm=all_gather also keeps each layer's whole-sequence keys and values, 4*S*b*K/t bytes;
+  all_to_all keeps its whole-sequence share of q, k and v, as many bytes as the local ones, plus the kv heads
+  it repeats (4*(f-1)*s*b*K/t, f the copies: tpframe/layers/ulysses.py). Measured on CPU against the tensors
+  autograd saves: tests/test_context_parallel.py.
 It is an estimate meant to refuse what cannot fit (a 65536-wide model on one GPU, a micro-batch of a
 billion), not to pack a device to the last GiB: runs near the limit may still fail to allocate.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tpframe.errors import ConfigError
+from tpframe.layers.ulysses import kv_copies
 from tpframe.models.config import ffn_hidden_size, head_dim, moe_ffn_hidden_size, padded_vocab
 
 GIB = 2**30
@@ -90,8 +93,10 @@ def activation_bytes(cfg, device_type: str) -> float:
     if m.moe_experts:  # MoE: top_k expert MLPs per token instead of one, plus the dispatched tokens and outputs
         per_layer += sbh * (m.moe_top_k * (mlp(moe_ffn_hidden_size(m)) / tp + 4.0) - mlp(ffn_hidden_size(m)) / tp)
         per_layer += sbh * (mlp(m.moe_shared_ffn) / tp + 2.0 / tp) if m.moe_shared_ffn else 0.0
-    if p.cp > 1:  # attention keeps the whole sequence's keys and values (all-gathered) and their reordered copy
-        per_layer += 2 * 2 * 2 * float(t.seq_len) * b * kv_width / tp
+    if p.cp > 1 and p.cp_comm == "all_to_all":  # the kv heads repeated for the exchange
+        per_layer += 4.0 * (kv_copies((m.kv_heads or m.heads) // tp, p.cp) - 1) * s * b * kv_width / tp
+    elif p.cp > 1:  # attention keeps the whole sequence's keys and values, all-gathered
+        per_layer += 4.0 * t.seq_len * b * kv_width / tp
     if p.recompute == "full":
         whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
         layers = whole * 2 * sbh / (tp if p.sequence_parallel else 1) + (L - whole + 1) * per_layer
@@ -99,7 +104,7 @@ def activation_bytes(cfg, device_type: str) -> float:
         layers = L * per_layer
     act_bytes = 2 * scale
     vocab = padded_vocab(m, tp)
-    loss = float(s) * b * vocab / tp * (act_bytes + 8)
+    loss = float(s) * b * vocab / tp * act_bytes  # the fused head + loss: logits in the compute dtype only
     embedding = sbh * act_bytes
     return layers * scale + loss + embedding
 
