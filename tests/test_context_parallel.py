@@ -347,7 +347,13 @@ def test_cuda_chunks_attend_like_the_whole_sequence_in_bf16(nkv, fused):
 
 def _cuda_train(tmp: str):
     out = {}
-    for name, extra in (("cp=1", ["parallel.cp=1", "train.micro_batch_size=2"]), ("cp=2", ["parallel.cp=2"])):
+    for name, extra in (
+        ("cp=1", ["parallel.cp=1", "train.micro_batch_size=2"]),
+        ("cp=2", ["parallel.cp=2"]),
+        ("cp=2 all_to_all", ["parallel.cp=2", A2A]),
+        ("cp=1 documents", ["parallel.cp=1", "train.micro_batch_size=2", "model.attention_mask=document"]),
+        ("cp=2 all_to_all documents", ["parallel.cp=2", A2A, "model.attention_mask=document"]),
+    ):
         out[name] = [
             r["loss"]
             for r in train_in_process(
@@ -371,9 +377,11 @@ def _cuda_train(tmp: str):
 
 @pytest.mark.gpu(count=2)
 def test_cuda_train_py_at_cp2_follows_dp2():
-    """NCCL and FlashAttention: CP=2 against DP=2 on the same global batch, bf16."""
+    """NCCL and FlashAttention: CP=2 in both cp_comm modes against DP=2 on the same global batch, bf16; all_to_all
+    with packed documents (whole rows through the variable-length kernel) against DP=2 with them."""
     import tempfile
 
     losses = run_distributed(_cuda_train, 2, tempfile.mkdtemp(), backend="nccl", timeout=300)[0]
-    for a, b in zip(losses["cp=1"], losses["cp=2"]):
-        assert abs(a - b) < 2e-2 * abs(a), losses
+    for ref, name in (("cp=1", "cp=2"), ("cp=1", "cp=2 all_to_all"), ("cp=1 documents", "cp=2 all_to_all documents")):
+        for a, b in zip(losses[ref], losses[name]):
+            assert abs(a - b) < 2e-2 * abs(a), (name, losses)
