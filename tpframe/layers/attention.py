@@ -174,17 +174,11 @@ class ParallelAttention(nn.Module):
         if heads % kv_heads:
             raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
         self.heads_local = divide(heads, comm.size, "attention heads")
-        self.cp_all_to_all = self.cp_comm is not None and mode.cp_comm == "all_to_all"
-        if self.cp_all_to_all and self.heads_local % self.cp_comm.size:
-            raise ValueError(
-                f"cp_comm all_to_all: {self.heads_local} heads per TP rank do not split over cp={cp_comm.size}"
-            )
+        self.cp_all_to_all = self.cp_comm is not None and mode.cp_comm == "all_to_all"  # tpframe/layers/ulysses.py
         self.kv_local = divide(kv_heads, comm.size, "attention kv_heads")
         if window is not None and window < 1:
             raise ValueError(f"a sliding window of {window} tokens: it needs at least 1 (None: full causal attention)")
-        self.window = window
-        self.attention_dropout = attention_dropout
-        self.rng_tracker = rng_tracker
+        self.window, self.attention_dropout, self.rng_tracker = window, attention_dropout, rng_tracker
         q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
         common = dict(bias=bias, sequence_parallel=sequence_parallel, comm=comm, dtype=dtype, device=device, mode=mode)
         self.qkv = ColumnParallelLinear(  # qkv_bias: this projection's biases alone (Qwen2); None: as `bias`

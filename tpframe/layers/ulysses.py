@@ -45,6 +45,8 @@ def ulysses_attention(
     positions) -> [b, nq, 2c, d]: `attend(q, k, v)` runs on the whole sequence [b, n/cp, S, d] of this rank's
     share of the heads (rank j: query heads j*nq/cp ..., and the kv heads they read)."""
     cp = comm.size
+    if q.shape[1] % cp:
+        raise ValueError(f"cp_comm all_to_all: {q.shape[1]} query heads (per TP rank) do not split over cp={cp}")
     if (f := kv_copies(k.shape[1], cp)) > 1:
         k, v = (t.repeat_interleave(f, dim=1) for t in (k, v))
     nq, nkv = q.shape[1] // cp, k.shape[1] // cp
