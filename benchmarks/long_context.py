@@ -213,6 +213,9 @@ def launch(job: dict, timeout: float, log: Path) -> dict:
         row.update(step_ms=float(m[1]), tokens=float(m[2]), tflops=float(m[3]), peak=float(m[4]), line=lines[-1])
     elif "out of memory" in text.lower():
         row["status"] = "out of memory"
+    else:  # the first error line of the first rank that printed one
+        errors = [ln.split("]: ", 1)[-1] for ln in text.splitlines() if "Error" in ln and ":" in ln]
+        row["status"] += f": {errors[0][:160]}" if errors else ""
     print(f"  [{row['wall']:4.0f} s] {job['label']}: {row.get('line', row['status'])}", flush=True)
     return row
 
