@@ -311,7 +311,8 @@ def train(args) -> None:
         f"Command: `python benchmarks/long_context.py --train --shapes {args.shapes} --seqs {args.seqs} --modes "
         f"{args.modes}`. train.py, 4 GPUs, parallel.cp=4, dp_strategy=zero1, full recompute, bf16, 3 steps of one "
         "sequence; peak = metrics.jsonl's mem_gib (torch.cuda.max_memory_allocated, rank 0) after step 3; estimate "
-        "= tpframe/run/memory.py's total (what train.check_memory compares with the device). Target: within 10%.",
+        "= tpframe/run/memory.py's total (what train.check_memory compares with the device; its 'overhead', the CUDA "
+        "context and NCCL's buffers, is outside max_memory_allocated). Target: within 10%.",
         "",
         "| shape | S | cp_comm | tokens/s | TFLOP/s per GPU (train.py's count) | peak GiB | estimate GiB | "
         "estimate / peak | estimate parts |",
