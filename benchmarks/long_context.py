@@ -20,10 +20,10 @@ The RESULT line also gives the activations one forward keeps (measured once) and
 
 --compare runs each (shape, sequence) group's jobs as subprocesses in priority order until --budget-s is spent, prints
 the table and appends it to RESULTS.md: tpframe CP=4 in both modes, torch's ring attention (and its all-gather) at
-CP=4, the same at CP=2 x TP=2 + SP, and one GPU at SEQ/4 (for the CP scaling column: this row's step time over
-the CP=1 step at S/4 scaled by flops_per_token(S)/flops_per_token(S/4), the work per GPU being the same FLOPs) and
-at SEQ where it fits. --train runs train.py itself (zero1 over the 4 CP ranks, full recompute, AdamW, 3 steps on the
-synthetic corpus) and compares its measured peak (metrics.jsonl's mem_gib) with the pre-flight's estimate.
+CP=4, one GPU at SEQ/4 (the CP scaling column's baseline: a CP=4 row's step time over this step scaled by
+flops_per_token(S)/flops_per_token(S/4), the work per GPU being the same FLOPs), the same four at CP=2 x TP=2 + SP,
+and one GPU at SEQ where it fits. --train runs train.py itself (zero1 over the 4 CP ranks, full recompute, AdamW, 3
+steps on the synthetic corpus) and compares its measured peak (metrics.jsonl's mem_gib) with the pre-flight's estimate.
 Every program gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
 
@@ -174,7 +174,7 @@ def run_one() -> None:
 # -- the table (one device call) ------------------------------------------------------------------
 def jobs(shape: str, seq: int, ckpt: str) -> list[dict]:
     """One (shape, sequence) group's runs, most important first."""
-    out = []
+    out, one_gpu = [], lambda s: dict(label=f"CP=1, one GPU, S={s}", gpus=1, env=dict(CP=1, TP=1, SEQ=s))  # noqa: E731
     for cp, tp in ((4, 1), (2, 2)):
         layout = f"CP={cp}" + (f" x TP={tp} + SP" if tp > 1 else "")
         for label, extra in (
@@ -186,8 +186,9 @@ def jobs(shape: str, seq: int, ckpt: str) -> list[dict]:
             if label == "tpframe all_to_all" and SHAPES[shape]["heads"] // tp % cp:
                 continue
             out.append(dict(label=f"{layout}, {label}", gpus=4, env=dict(CP=cp, TP=tp, SEQ=seq, **extra)))
-    for s in (seq // 4, seq):  # one GPU: the scaling baseline at S/4, and the whole sequence where it fits
-        out.append(dict(label=f"CP=1, one GPU, S={s}", gpus=1, env=dict(CP=1, TP=1, SEQ=s)))
+        if cp == 4:  # one GPU at S/4: the scaling column's baseline
+            out.append(one_gpu(seq // 4))
+    out.append(one_gpu(seq))  # the whole sequence on one GPU, where it fits
     for job in out:
         job["env"].update(SHAPE=shape, CKPT=ckpt)
     return out
