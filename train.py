@@ -133,7 +133,7 @@ def prepare(
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_checkpoint_files(cfg, *resume, world_size=world, rank=rank)
-    checks.check_init_from(cfg, model, resuming=resume[0] is not None)
+    checks.check_init_from(cfg, model, resuming=resume[0] is not None and cfg.optim.lora_rank is None)
     checks.check_run_dir(cfg, resuming=resume[0] is not None, probe_lock=rank == 0)
     checks.check_checkpoint_dir(cfg, resume[0])
     return cfg, train_data, valid_data, resume
@@ -184,7 +184,9 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         device=state.device,
         seed=cfg.train.seed,
         # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
-        mode=LayerMode(fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp),
+        mode=LayerMode(
+            fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp, lora=cfg.optim.lora()
+        ),
         cp_comm=state.cp_comm,
         ep_comm=state.ep_comm,
     )
@@ -217,7 +219,8 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
 
         for chunk in chunks:
             compile_model(chunk)
-    if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
+    # weights first: the strategy copies them; a LoRA run's base, resumed or not (its checkpoints hold the adapters)
+    if cfg.checkpoint.init_from and (resume[0] is None or cfg.optim.lora_rank is not None):
         # partial: a pipeline stage holds some blocks, an EP rank some experts (the pre-flight matched the file
         # against the whole model)
         source = load_init_from(
@@ -440,7 +443,11 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         for line in _describe(cfg, state, num_params=num_params, strategy=strategy, trainer=trainer) + notes:
             logger.info(line)
         if checkpointer.loaded_from is not None:
-            ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
+            ignored = (
+                f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)"
+                if cfg.checkpoint.init_from and cfg.optim.lora_rank is None
+                else ""
+            )
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
             for line in _resume_changes(cfg, resume[1], trainer.step) if resume[1] is not None else []:
                 logger.info(line)

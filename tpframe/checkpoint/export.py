@@ -148,6 +148,8 @@ def copy_logical_tensors(
     (`partial`) takes only its own. ConfigError (one line) for a tensor missing, extra or of another shape."""
     expected, loaded = set(), 0
     for name, param in model.named_parameters():
+        if param.lora:  # LoRA's adapters are not the base's: they start afresh, or from the run's checkpoint
+            continue
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
             expected.add(shard.name)
             if shard.name not in tensors:

@@ -185,9 +185,11 @@ class ParallelAttention(nn.Module):
             q_size + 2 * kv_size,
             init_method=init_method,
             fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)),
+            lora_role="qkv",
             **{**common, "bias": bias if qkv_bias is None else qkv_bias},
         )
-        self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
+        out_init = output_init_method or init_method
+        self.proj = RowParallelLinear(q_size, hidden, init_method=out_init, lora_role="proj", **common)
         if qk_norm:  # each rank normalizes only its heads: the weights' gradients are partial over TP, summed there
             norm = dict(sequence_parallel=True, dtype=dtype, device=device, mode=mode)
             self.q_norm, self.k_norm = (

@@ -89,6 +89,8 @@ def dry_build(cfg) -> nn.Module | None:
     """TP rank 0's model built on the meta device: the builder's own checks run, shapes and parameter
     counts are known, nothing is allocated. None when the builder cannot build on meta (the checks
     that need shapes are then skipped)."""
+    from tpframe.layers.lora import check_targets
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, ShapeComm, build_model
 
     p = cfg.parallel
@@ -101,6 +103,7 @@ def dry_build(cfg) -> nn.Module | None:
         dtype=dtype,
         device=torch.device("meta"),
         seed=cfg.train.seed,
+        mode=LayerMode(lora=cfg.optim.lora()),
     )
     try:
         with torch.device("meta"):
@@ -115,6 +118,7 @@ def dry_build(cfg) -> nn.Module | None:
         return None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name={cfg.model.name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    check_targets(cfg.optim.lora(), model, cfg.model.name)
     return model
 
 
@@ -193,6 +197,11 @@ def identity(config: dict) -> dict[str, Any]:
     out = {f"model.{k}": v for k, v in arch.items()}
     out.update({f"data.{k}": data.get(k) for k in DATA_IDENTITY})
     out["train.seq_len"] = train.get("seq_len")
+    optim = config.get("optim") or {}
+    if optim.get("lora_rank") is not None:  # LoRA: the adapters' shapes and their base (checkpoints hold no base)
+        out.update({f"optim.{k}": optim.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")})
+        base = (config.get("checkpoint") or {}).get("init_from")
+        out["checkpoint.init_from"] = str(Path(base).resolve()) if base else None
     return out
 
 
@@ -442,6 +451,7 @@ def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
         want = {
             s.name: tuple(s.global_shape)
             for n, p in model.named_parameters()
+            if not p.lora  # LoRA's adapters start afresh; the file is their base
             for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)
         }
         missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
