@@ -10,8 +10,8 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.layers.linear import column_parallel_linear
-from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.lora import column_adapter, merged_weight
+from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
 from tpframe.parallel.state import default_tp_comm

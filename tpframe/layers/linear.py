@@ -288,7 +288,8 @@ class RowParallelLinear(nn.Module):
         if self.lora_a is not None:  # the adapter's term joins the partial product before the layer's one reduction
             x = x if self.input_is_parallel else scatter_to_tp(x, self.comm)
             y = local_linear(x, self.weight, fp8=self.fp8, decode_kernel=False) + row_delta(x, self)
-            y = reduce_scatter_to_sp(y, self.comm) if self.sequence_parallel else reduce_from_tp(y, self.comm, donate=True)
+            sp = self.sequence_parallel
+            y = reduce_scatter_to_sp(y, self.comm) if sp else reduce_from_tp(y, self.comm, donate=True)
             return y + self.bias if self.bias is not None else y
         return row_parallel_linear(
             x,

@@ -149,8 +149,8 @@ def check_lora(cfg) -> None:
         )
     if cfg.parallel.async_tp:
         raise ConfigError(
-            f"{key} with parallel.async_tp={cfg.parallel.async_tp}: the adapters read the layer's gathered input, "
-            "which async TP never holds; set parallel.async_tp=false"
+            f"{key} with parallel.async_tp={str(cfg.parallel.async_tp).lower()}: the adapters read the layer's "
+            "gathered input, which async TP never holds; set parallel.async_tp=false"
         )
     if cfg.model.moe_experts:
         raise ConfigError(f"{key}: tpframe has no adapters for mixture-of-experts models yet; set optim.lora_rank=null")
