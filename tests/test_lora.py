@@ -3,6 +3,8 @@ their checkpoints resume exactly, on another TP size too; bad keys are one line 
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 
 import pytest
@@ -24,10 +26,12 @@ LLAMA = [
 LORA = ["optim.lora_rank=4", "optim.lora_alpha=8", "optim.lora_targets=[qkv,proj,fc1,fc2,head]"]
 
 
-def write_base(path: str, overrides: list[str]) -> str:
-    """A seeded model of the config's `model:` section as a consolidated safetensors file (the LoRA base)."""
+def write_base(path: str, overrides: list[str], *, hf: bool = False) -> str:
+    """A seeded model of the config's `model:` section (the LoRA base) as a consolidated safetensors file, or with `hf`
+    a Hugging Face directory."""
     from safetensors.torch import save_file
 
+    from tpframe.checkpoint.hf import hf_config, to_hf
     from tpframe.models import BuildContext, ShapeComm, build_model
     from tpframe.parallel.sharding import param_shards
     from tpframe.training.config import load_config
@@ -39,7 +43,13 @@ def write_base(path: str, overrides: list[str]) -> str:
     tensors = {
         s.name: s.view(p.detach()).contiguous() for n, p in model.named_parameters() for s in param_shards(n, p, 0, 1)
     }
-    save_file(tensors, path)
+    if not hf:
+        save_file(tensors, path)
+        return path
+    os.makedirs(path)
+    save_file(to_hf(tensors, cfg.model), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config(cfg.model), f)
     return path
 
 
@@ -132,3 +142,66 @@ def test_bad_lora_keys_are_one_line_before_anything_is_written(tmp_path, overrid
         train.prepare(argv, world_size=1, rank=0)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def checkpoint_tool():
+    """tools/checkpoint.py as a module."""
+    spec = importlib.util.spec_from_file_location("tools_checkpoint", os.path.join(REPO, "tools", "checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+def _train_export_and_forward(tmp: str, base: str):
+    """Train LoRA at TP=2 + SP and export it (rank 0: merged HF directory, PEFT directory); then tpframe's TP=1
+    forward of the base with the checkpoint's adapters."""
+    import torch.distributed as dist
+
+    from tpframe.checkpoint.export import CheckpointWeights, copy_logical_tensors
+    from tpframe.checkpoint.init_from import base_weights
+    from tpframe.layers.mode import LayerMode
+    from tpframe.models import BuildContext, build_model
+    from tpframe.parallel import initialize_parallel
+    from tpframe.parallel.sharding import param_shards
+
+    common = [*LLAMA, *LORA, f"checkpoint.init_from={base}", "train.steps=3", "checkpoint.save_at_end=true"]
+    trainer = train_in_process(
+        [*common, "parallel.tp=2", "parallel.sequence_parallel=true", f"train.run_dir={tmp}/r"], True
+    )
+    step = f"{tmp}/r/checkpoints/step_00000003"
+    if dist.get_rank() == 0:
+        for fmt, extra in (("hf", ["--merge-lora"]), ("peft", [])):
+            assert checkpoint_tool().main(["export", step, "--format", fmt, *extra, "--out", f"{tmp}/{fmt}"]) == 0
+    dist.barrier()
+    cfg = trainer.cfg
+    state = initialize_parallel(tp=1)
+    model = build_model(cfg.model, BuildContext(state.tp_comm, mode=LayerMode(lora=cfg.optim.lora()))).eval()
+    copy_logical_tensors(model, base_weights(base, cfg.model), 0, 1, source=base)
+    adapters = CheckpointWeights(step)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            for shard in param_shards(name, p, 0, 1) if p.lora else ():
+                shard.view(p).copy_(adapters[shard.name])
+        return model(IDS)[..., :256]
+
+
+def test_merged_export_and_peft_adapter_give_tpframes_logits_in_transformers(tmp_path):
+    """A TP=2 LoRA checkpoint: its merged HF directory in transformers, and its PEFT directory loaded with peft onto
+    the base, give the logits of tpframe's TP=1 model with those adapters (fp32, 1e-5)."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = write_base(str(tmp_path / "base"), LLAMA, hf=True)
+    ours = run_distributed(_train_export_and_forward, 2, str(tmp_path), base, timeout=300)[0]
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+    with torch.no_grad():
+        merged = load(tmp_path / "hf")(IDS).logits
+        peft = PeftModel.from_pretrained(load(base), str(tmp_path / "peft")).eval()(IDS).logits
+        plain = load(base)(IDS).logits
+    torch.testing.assert_close(merged, ours, atol=1e-5, rtol=0)
+    torch.testing.assert_close(peft, ours, atol=1e-5, rtol=0)
+    assert (plain - ours).abs().max() > 1e-3  # the adapters trained: not the base's logits
