@@ -129,6 +129,7 @@ def prepare(
             f"set model.vocab_size={data_vocab} or more"
         )
     checks.check_token_ids(cfg, train_data, valid_data)
+    checks.resolve_loss_mask(cfg, train_data)
     checks.resolve_end_of_document(cfg, train_data)
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)

@@ -347,6 +347,24 @@ def check_token_ids(cfg, *iterators) -> None:
                 )
 
 
+def resolve_loss_mask(cfg, train_data) -> None:
+    """Instruction data (token files with a loss mask, tpframe/data/instruct.py): its examples are packed into rows,
+    so each must attend to itself alone (model.attention_mask=document), and the loss is the mean over the tokens
+    that carry one in the global batch (data.eod_mask_loss, turned on: a packed row's first label carries none)."""
+    if not train_data.loss_masked:
+        return
+    if cfg.model.attention_mask != "document":
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} holds packed instruction examples (tools/prepare_data.py --seq-len): set "
+            "model.attention_mask=document, so that no example attends to another"
+        )
+    cfg.data.eod_mask_loss = True
+    from tpframe.parallel.graphed import cuda_graph_obstacle
+
+    if cfg.train.cuda_graph is True and (why := cuda_graph_obstacle(cfg)):
+        raise ConfigError(f"instruction data: {why}")
+
+
 def resolve_end_of_document(cfg, train_data) -> None:
     """model.attention_mask=document, data.eod_mask_loss: model.eod_id, when not given, becomes the data's
     end-of-document token (the byte 0 of data.source=stdlib, a token file's `eot_id`); data without one needs it set."""
