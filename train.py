@@ -156,7 +156,6 @@ def _parallel_state(cfg):
             ep=p.ep,
             comm_backend=cfg.comm.backend,
             timeout_s=cfg.comm.timeout_s,
-            overlap_sm_margin=cfg.comm.overlap_sm_margin,
         )
     except Exception as e:
         if not is_comm_failure(e):

@@ -55,10 +55,11 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.cuda_graph is True and (why := cuda_graph_device_obstacle(cfg, device)):
         raise ConfigError(why)
     if device == "cpu":
-        if cfg.parallel.async_tp == "copy_engine" and cfg.parallel.tp > 1:
+        if cfg.parallel.async_tp and cfg.parallel.tp > 1:
+            value = str(cfg.parallel.async_tp).lower()
             raise ConfigError(
-                "parallel.async_tp=copy_engine moves data between GPUs and no CUDA device is visible; "
-                "set parallel.async_tp=ring (or false)"
+                f"parallel.async_tp={value} moves data between GPUs and no CUDA device is visible; "
+                "set parallel.async_tp=false"
             )
         if cfg.profile.memory and cfg.profile.start_step:
             raise ConfigError(

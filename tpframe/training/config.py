@@ -66,11 +66,8 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
-    # with sequence_parallel: each GEMM overlaps its TP collective (tpframe/layers/async_tp.py): "ring" (= true;
-    # NCCL send/receive pipelined under the GEMM's blocks; a small gain at GPT-1.3B TP=2 + SP: benchmarks/RESULTS.md,
-    # 'Async TP over the NCCL ring, the SM margin, and the DTensor peer') or
-    # "copy_engine" (blocks pushed into the peers' memory by DMA, no SM held: tpframe/layers/async_tp_ce.py; one
-    # host's GPUs)
+    # with sequence_parallel: each GEMM overlaps its TP collective, the blocks pushed into the peers' memory by the
+    # copy engines (true = "copy_engine"; CUDA, one host's GPUs; tpframe/layers/async_tp.py)
     async_tp: bool | Literal[ASYNC_TP_MODES] = False
 
     @property
