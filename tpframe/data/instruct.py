@@ -165,6 +165,24 @@ def chat_template(tokenizer_dir: Path | None, template_file: str | None) -> tupl
     return template, special
 
 
+def _sidecar(tok, dtype, inputs, digest, *, seq_len: int, rows: int, loss: int, skipped: list) -> dict:
+    return {
+        "format": FORMAT,
+        "num_tokens": rows * seq_len + 1,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "tokenizer": tok.info,
+        "sha256": digest.hexdigest(),
+        "sources": [str(p) for p in inputs],
+        "row_tokens": seq_len,  # packed rows: train.seq_len must equal it
+        "loss_mask": True,  # OUT.mask, a byte per token: 1 where the token is a label that carries a loss
+        "loss_tokens": loss,
+        "skipped_too_long": len(skipped),
+        "first_skipped": f"{skipped[0][0]} ({skipped[0][1]} tokens)" if skipped else None,
+    }
+
+
 def write_instruction_file(
     inputs: list[str],
     out: str | Path,
@@ -206,22 +224,8 @@ def write_instruction_file(
             g.write(b"\0")
         if rows == 0:
             raise ValueError(f"no example of {', '.join(inputs)} fits in --seq-len {seq_len} tokens")
-        meta = {
-            "format": FORMAT,
-            "num_tokens": rows * seq_len + 1,
-            "dtype": dtype.name,
-            "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id,
-            "num_documents": seen[0] - len(skipped),
-            "tokenizer": tok.info,
-            "sha256": digest.hexdigest(),
-            "sources": [str(p) for p in inputs],
-            "row_tokens": seq_len,  # packed rows: train.seq_len must equal it
-            "loss_mask": mask_path(out).name,  # a byte per token: 1 where it is a label that carries a loss
-            "loss_tokens": loss,
-            "skipped_too_long": len(skipped),
-            "first_skipped": f"{skipped[0][0]} ({skipped[0][1]} tokens)" if skipped else None,
-        }
+        meta = _sidecar(tok, dtype, inputs, digest, seq_len=seq_len, rows=rows, loss=loss, skipped=skipped)
+        meta["num_documents"] = seen[0] - len(skipped)
         tmps[2].write_text(json.dumps(meta, indent=2) + "\n")
         sidecar_path(out).unlink(missing_ok=True)  # never pair an old sidecar with new tokens
         for tmp, path in zip(tmps, files):
