@@ -190,14 +190,11 @@ class ParallelAttention(nn.Module):
         )
         out_init = output_init_method or init_method
         self.proj = RowParallelLinear(q_size, hidden, init_method=out_init, lora_role="proj", **common)
-        if qk_norm:  # each rank normalizes only its heads: the weights' gradients are partial over TP, summed there
-            norm = dict(sequence_parallel=True, dtype=dtype, device=device, mode=mode)
-            self.q_norm, self.k_norm = (
-                RMSNorm(self.head_dim, norm_eps, **norm),
-                RMSNorm(self.head_dim, norm_eps, **norm),
-            )
-        else:
-            self.q_norm = self.k_norm = None
+        # each rank normalizes only its heads: the norms' weights' gradients are partial over TP, summed there
+        norm = dict(sequence_parallel=True, dtype=dtype, device=device, mode=mode)
+        self.q_norm, self.k_norm = (
+            (RMSNorm(self.head_dim, norm_eps, **norm) for _ in range(2)) if qk_norm else (None,) * 2
+        )
         # the Triton split+rotary kernel on CUDA, a sliding window by flex_attention's block mask (else SDPA's dense
         # mask); and the Triton decode-attention kernel (else SDPA)
         self.fused = self.fused_decode = mode.fused_kernels
