@@ -171,10 +171,17 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
     """This rank's model (its pipeline stages' chunks; pp=1: the whole model) built in the layer mode of the config,
     compiled and initialized (init_from), and the lines that say what was done to it."""
     from tpframe.checkpoint.init_from import load_init_from
+    from tpframe.layers.async_tp import resolve_auto
     from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_stages
 
     p, notes = cfg.parallel, []
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    hidden, fp8 = cfg.model.hidden, cfg.train.fp8
+    async_tp = resolve_auto(p, hidden=hidden, tokens=tokens, device=state.device, fp8=fp8)
+    async_tp = async_tp if cfg.optim.lora_rank is None else None  # "auto" with LoRA: its layers take the plain path
+    if async_tp and p.async_tp == "auto":
+        notes.append(f"async TP on (parallel.async_tp=auto: measured faster at tp={p.tp}, hidden {hidden} on this GPU)")
     ctx = BuildContext(
         state.tp_comm,
         sequence_parallel=p.sequence_parallel,
@@ -185,7 +192,7 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         seed=cfg.train.seed,
         # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
         mode=LayerMode(
-            fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp, lora=cfg.optim.lora()
+            fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=async_tp, lora=cfg.optim.lora()
         ),
         cp_comm=state.cp_comm,
         ep_comm=state.ep_comm,

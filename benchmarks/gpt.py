@@ -648,6 +648,22 @@ def report(args, rows: dict, tp: int) -> None:
     if args.results:
         with open(args.results, "a") as f:
             f.write("\n" + text + "\n")
+        record_async_tp(rows, tp)
+
+
+def record_async_tp(rows: dict, tp: int) -> None:
+    """parallel.async_tp=auto's table (tpframe/layers/async_tp_auto.json): for each shape that ran both, async TP's
+    eager forward+backward speed over the plain path's at this TP on this GPU model."""
+    from tpframe.layers.async_tp import record
+
+    for key, shape_rows in rows.items():
+        speed = {r["label"]: r["tflops"] for r in shape_rows if "tflops" in r}
+        plain, overlapped = (speed.get(f"tpframe TP={tp} + SP, eager{s}") for s in ("", " + async TP (copy engines)"))
+        if tp > 1 and plain and overlapped and torch.cuda.is_available():
+            dims = SHAPES[key]
+            row = dict(gpu=torch.cuda.get_device_name(), tp=tp, hidden=int(dims["HIDDEN"]))
+            row.update(tokens=int(dims["MB"]) * int(dims["SEQ"]), speedup=round(overlapped / plain, 3))
+            record(dict(row, section=f"{dims['name']}, benchmarks/gpt.py --compare, {datetime.date.today()}"))
 
 
 def main() -> None:

@@ -79,3 +79,47 @@ def test_the_removed_ring_mode_is_one_line_naming_the_choices():
 
     with pytest.raises(ConfigError, match=r"parallel.async_tp='ring' is not allowed; choose true, false or one of 'co"):
         validate(load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.async_tp=ring"]), 2)
+
+
+def test_auto_is_on_only_where_the_table_measured_a_gain(monkeypatch, tmp_path):
+    """parallel.async_tp=auto (the default): on for a measured (GPU, TP, hidden) that was faster than off at no more
+    tokens per micro-batch, off for everything else; `record` replaces a row and keeps the others."""
+    from types import SimpleNamespace
+
+    from tpframe.layers import async_tp
+    from tpframe.training.config import load_config
+
+    assert load_config(None, []).parallel.async_tp == "auto"
+    table = tmp_path / "auto.json"
+    table.write_text("[]\n")
+    monkeypatch.setattr(async_tp, "AUTO_TABLE", table)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    async_tp.record(dict(gpu="GPU X", tp=2, hidden=256, tokens=4096, speedup=0.9, section="first"))
+    async_tp.record(dict(gpu="GPU X", tp=4, hidden=256, tokens=4096, speedup=0.8, section="tp4"))
+    async_tp.record(dict(gpu="GPU X", tp=2, hidden=256, tokens=4096, speedup=1.05, section="again"))
+    assert [r["section"] for r in __import__("json").loads(table.read_text())] == ["again", "tp4"]
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+
+    def mode(value="auto", *, tp=2, sp=True, recompute="none", hidden=256, tokens=4096, device=cuda, fp8=False):
+        p = SimpleNamespace(async_tp=value, tp=tp, sequence_parallel=sp, recompute=recompute)
+        return async_tp.resolve_auto(p, hidden=hidden, tokens=tokens, device=device, fp8=fp8)
+
+    assert mode() == "copy_engine" and mode(tokens=8192) == "copy_engine"
+    off = dict(tp=4, hidden=512, tokens=2048, sp=False, device=cpu, fp8=True, recompute="selective")
+    for key, value in off.items():
+        assert mode(**{key: value}) is None, f"auto must stay off with {key}={value}"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU Y")
+    assert mode() is None, "a GPU model the table has not measured: off"
+    assert mode(True) == mode("copy_engine") == "copy_engine" and mode(False) is None, "explicit values stay"
+
+
+def test_the_shipped_table_turns_async_tp_on_only_for_a_measured_gain():
+    import json
+
+    from tpframe.layers.async_tp import AUTO_TABLE
+
+    rows = json.loads(AUTO_TABLE.read_text())
+    assert rows and all({"gpu", "tp", "hidden", "tokens", "speedup", "section"} <= set(r) for r in rows)
+    on = {(r["tp"], r["hidden"]) for r in rows if r["speedup"] > 1.0}
+    assert (2, 2048) in on and (4, 2048) not in on and (4, 4096) not in on, on

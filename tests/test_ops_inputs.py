@@ -393,7 +393,7 @@ CASES = [
     (
         "async-tp-word",
         lambda t, s: (["parallel.async_tp=nccl"], {}),
-        "choose true, false or one of 'ring', 'copy_engine'",
+        "choose true, false or one of 'copy_engine', 'auto'",
     ),
     (
         "fp8-async-tp",

@@ -32,6 +32,9 @@ transport) the layers take the plain path.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from tpframe.comm import Communicator
@@ -39,10 +42,14 @@ from tpframe.comm import ops as comm_ops
 from tpframe.errors import ConfigError
 
 MODES = ("copy_engine",)  # parallel.async_tp's implementations (true = "copy_engine")
+CHOICES = (*MODES, "auto")  # "auto": on where AUTO_TABLE measured it faster than off
+# what benchmarks/gpt.py --compare measured: async TP's forward+backward speed over the plain path's, per GPU model,
+# TP size and hidden size, at a number of tokens per micro-batch
+AUTO_TABLE = Path(__file__).with_name("async_tp_auto.json")
 
 
 def normalize_mode(value) -> str | None:
-    """A config value (parallel.async_tp) as a mode: False/None -> None (off), True -> "copy_engine"."""
+    """A config value (parallel.async_tp, "auto" resolved) as a mode: False/None -> None, True -> "copy_engine"."""
     if value is None or value is False:
         return None
     if value is True:
@@ -52,9 +59,41 @@ def normalize_mode(value) -> str | None:
     return value
 
 
+def asked(value) -> bool:
+    """Whether parallel.async_tp asks for async TP outright (true, "copy_engine"), not "auto" and not off."""
+    return value is True or value in MODES
+
+
+def measured(gpu: str, tp: int, hidden: int) -> dict | None:
+    """AUTO_TABLE's row for this GPU model, TP size and hidden size, or None."""
+    rows = json.loads(AUTO_TABLE.read_text())
+    return next((r for r in rows if (r["gpu"], r["tp"], r["hidden"]) == (gpu, tp, hidden)), None)
+
+
+def resolve_auto(p, *, hidden: int, tokens: int, device: torch.device, fp8: bool) -> str | None:
+    """parallel.async_tp as the mode the layers run (`p`: the ParallelConfig; `tokens`: per micro-batch). "auto" is
+    on only where AUTO_TABLE holds a measurement of this GPU model, TP and hidden size at no more tokens per
+    micro-batch that was faster than off, and where nothing else rules it out (tp = 1, no SP, no CUDA, fp8,
+    selective recompute); off everywhere else, so never slower than off where it was measured."""
+    if p.async_tp != "auto":
+        return normalize_mode(p.async_tp)
+    if p.tp == 1 or not p.sequence_parallel or device.type != "cuda" or fp8 or p.recompute == "selective":
+        return None
+    row = measured(torch.cuda.get_device_name(device), p.tp, hidden)
+    return "copy_engine" if row and row["speedup"] > 1.0 and tokens >= row["tokens"] else None
+
+
+def record(row: dict) -> None:
+    """Put a measurement into AUTO_TABLE (benchmarks/gpt.py --compare), replacing the same GPU, TP and hidden."""
+    key = (row["gpu"], row["tp"], row["hidden"])
+    rows = [r for r in json.loads(AUTO_TABLE.read_text()) if (r["gpu"], r["tp"], r["hidden"]) != key]
+    rows = sorted([*rows, row], key=lambda r: (r["gpu"], r["tp"], r["hidden"]))
+    AUTO_TABLE.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+
+
 def check_async_tp(p) -> None:
     """parallel.async_tp (`p`: the run's ParallelConfig) overlaps the sequence-parallel collectives."""
-    if p.async_tp and not p.sequence_parallel:
+    if asked(p.async_tp) and not p.sequence_parallel:
         raise ConfigError(
             "parallel.async_tp overlaps the sequence-parallel collectives; set parallel.sequence_parallel=true"
         )

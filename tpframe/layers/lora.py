@@ -147,7 +147,7 @@ def check_lora(cfg) -> None:
             f"{key} trains adapters on a frozen base model, which checkpoints refer to: set checkpoint.init_from to "
             "it (a Hugging Face directory, an export or a checkpoint)"
         )
-    if cfg.parallel.async_tp:
+    if cfg.parallel.async_tp in (True, "copy_engine"):  # "auto": the adapted layers take the plain path
         raise ConfigError(
             f"{key} with parallel.async_tp={str(cfg.parallel.async_tp).lower()}: the adapters read the layer's "
             "gathered input, which async TP never holds; set parallel.async_tp=false"
