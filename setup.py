@@ -26,7 +26,8 @@ setup(
             "transformers>=4.45",
             "tensorboard",
             "accelerate",
-        ],  # accelerate: transformers' tp_plan (benchmarks/decode.py --hf-tp)
+            "peft==0.21.2",
+        ],  # accelerate: transformers' tp_plan (benchmarks/decode.py --hf-tp); peft: LoRA's --format peft test
         "wandb": ["wandb"],
     },
 )

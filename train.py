@@ -129,11 +129,12 @@ def prepare(
             f"set model.vocab_size={data_vocab} or more"
         )
     checks.check_token_ids(cfg, train_data, valid_data)
+    checks.resolve_loss_mask(cfg, train_data)
     checks.resolve_end_of_document(cfg, train_data)
     resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_checkpoint_files(cfg, *resume, world_size=world, rank=rank)
-    checks.check_init_from(cfg, model, resuming=resume[0] is not None)
+    checks.check_init_from(cfg, model, resuming=resume[0] is not None and cfg.optim.lora_rank is None)
     checks.check_run_dir(cfg, resuming=resume[0] is not None, probe_lock=rank == 0)
     checks.check_checkpoint_dir(cfg, resume[0])
     return cfg, train_data, valid_data, resume
@@ -178,6 +179,7 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
     hidden, fp8 = cfg.model.hidden, cfg.train.fp8
     async_tp = resolve_auto(p, hidden=hidden, tokens=tokens, device=state.device, fp8=fp8)
+    async_tp = async_tp if cfg.optim.lora_rank is None else None  # "auto" with LoRA: its layers take the plain path
     if async_tp and p.async_tp == "auto":
         notes.append(f"async TP on (parallel.async_tp=auto: measured faster at tp={p.tp}, hidden {hidden} on this GPU)")
     ctx = BuildContext(
@@ -190,7 +192,11 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         seed=cfg.train.seed,
         # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
         mode=LayerMode(
-            fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=async_tp, cp_comm=p.cp_comm
+            fp8=cfg.train.fp8,
+            fp8_small_layers=cfg.train.fp8_small_layers,
+            async_tp=async_tp,
+            cp_comm=p.cp_comm,
+            lora=cfg.optim.lora(),
         ),
         cp_comm=state.cp_comm,
         ep_comm=state.ep_comm,
@@ -224,7 +230,8 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
 
         for chunk in chunks:
             compile_model(chunk)
-    if cfg.checkpoint.init_from and resume[0] is None:  # weights first: the strategy copies them
+    # weights first: the strategy copies them; a LoRA run's base, resumed or not (its checkpoints hold the adapters)
+    if cfg.checkpoint.init_from and (resume[0] is None or cfg.optim.lora_rank is not None):
         # partial: a pipeline stage holds some blocks, an EP rank some experts (the pre-flight matched the file
         # against the whole model)
         source = load_init_from(
@@ -447,7 +454,11 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         for line in _describe(cfg, state, num_params=num_params, strategy=strategy, trainer=trainer) + notes:
             logger.info(line)
         if checkpointer.loaded_from is not None:
-            ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
+            ignored = (
+                f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)"
+                if cfg.checkpoint.init_from and cfg.optim.lora_rank is None
+                else ""
+            )
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
             for line in _resume_changes(cfg, resume[1], trainer.step) if resume[1] is not None else []:
                 logger.info(line)

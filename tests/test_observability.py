@@ -186,6 +186,7 @@ def test_help_lists_every_config_key_with_its_default_and_comment(capsys):
             assert line is not None, f"{key} is missing from train.py --help"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             yaml = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+            yaml = "[" + ",".join(map(str, default)) + "]" if isinstance(default, list) else yaml
             assert line.split()[1] == yaml, (key, line)
             assert ": " in line, f"{key} has no comment in its dataclass: add `# what it does` to its line"
     assert "parallel.tp                        1" in text and "train.run_dir" in text

@@ -6,6 +6,8 @@ Hugging Face model directory (GPT-2 or Llama) that transformers' from_pretrained
     python tools/checkpoint.py inspect hf_model/                     # an HF model: the model.* it needs, tensors
     python tools/checkpoint.py export runs/x/checkpoints --out model.safetensors
     python tools/checkpoint.py export runs/x/checkpoints --format hf --out hf_model/
+    python tools/checkpoint.py export runs/lora/checkpoints --format hf --merge-lora --out merged/   # a LoRA run's
+    python tools/checkpoint.py export runs/lora/checkpoints --format peft --out adapter/  # for peft, onto its base
 
 An export replaces an earlier export at --out (written beside it and renamed into place when complete); anything
 else there is kept, with one error line, unless --force.
@@ -158,8 +160,8 @@ def check_out(out: str, fmt: str, force: bool = False) -> None:
     directory (the .safetensors suffix), writable, and holding nothing but an earlier export (unless `force`);
     checked before the checkpoint is read."""
     path, is_file_name = Path(out), Path(out).suffix == ".safetensors"
-    if fmt == "hf" and path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {out!r} is a file; --format hf writes a directory")
+    if fmt in ("hf", "peft") and path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out!r} is a file; --format {fmt} writes a directory")
     if fmt == "safetensors" and (not path.name or path.is_dir()):
         raise ConfigError(f"--out {out!r} is a directory; name the file, e.g. --out {str(path / 'model.safetensors')}")
     if fmt == "safetensors" and not is_file_name:
@@ -167,25 +169,40 @@ def check_out(out: str, fmt: str, force: bool = False) -> None:
             f"--out {out!r}: a consolidated export is a .safetensors file (generate.py reads it by that "
             "name); use e.g. --out model.safetensors, or --format hf for a directory"
         )
-    if fmt == "hf" and is_file_name:
+    if fmt in ("hf", "peft") and is_file_name:
         raise ConfigError(
-            f"--out {out!r}: --format hf writes a directory (config.json + model.safetensors); "
-            "use e.g. --out hf_model, or drop --format hf for one .safetensors file"
+            f"--out {out!r}: --format {fmt} writes a directory; use e.g. --out {Path(out).stem}, or "
+            "--format safetensors for one .safetensors file"
         )
     if not force:
+        from tpframe.checkpoint.adapters import PEFT_FILES
         from tpframe.checkpoint.export import foreign_export_file
         from tpframe.checkpoint.hf_export import foreign_export_dir
 
-        if why := (foreign_export_dir if fmt == "hf" else foreign_export_file)(path):
+        why = foreign_export_dir(path, PEFT_FILES) if fmt == "peft" else None
+        why = why or (foreign_export_dir(path) if fmt == "hf" else foreign_export_file(path) if fmt != "peft" else None)
+        if why:
             refuse_existing(f"--out {out!r}", why)
-    check_creatable(f"--out {out!r}", path, directory=fmt == "hf")
+    check_creatable(f"--out {out!r}", path, directory=fmt != "safetensors")
 
 
-def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
+def export(path: Path, out: str, fmt: str, force: bool = False, merge_lora: bool = False) -> str:
+    from tpframe.checkpoint.adapters import export_peft, model_tensors
+
+    if fmt == "peft":
+        if merge_lora:
+            raise ConfigError("--merge-lora writes a whole model: use it with --format hf or safetensors, not peft")
+        info = export_peft(path, out, force=force)
+        return (
+            f"wrote a PEFT LoRA adapter (step {info['step']}: rank {info['rank']}, alpha {info['alpha']:g}, "
+            f"{info['modules']} modules, {info['params']:,} parameters) to {out}; its base: {info['base']}"
+        )
+    tensors = model_tensors(path, merge_lora=merge_lora)
     if fmt == "hf":
         from tpframe.checkpoint.hf_export import export_hf
 
-        info = export_hf(path, out, warn=lambda msg: print(f"tpframe: {msg}", file=sys.stderr), force=force)
+        warn = lambda msg: print(f"tpframe: {msg}", file=sys.stderr)  # noqa: E731
+        info = export_hf(path, out, warn=warn, force=force, tensors=tensors)
         tokenizer = {None: ", no tokenizer files", "byte-level": ", byte-level tokenizer files"}.get(
             info["tokenizer"], f", tokenizer from {info['tokenizer']}"
         )
@@ -195,7 +212,7 @@ def export(path: Path, out: str, fmt: str, force: bool = False) -> str:
         )
     from tpframe.checkpoint.export import export_consolidated
 
-    tensors = export_consolidated(path, out, force=force)
+    tensors = export_consolidated(path, out, force=force, tensors=tensors)
     return f"wrote {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()):,} parameters to {out}"
 
 
@@ -215,10 +232,16 @@ def main(argv=None) -> int:
     p_export.add_argument("--out", required=True, help="the .safetensors file, or the directory with --format hf")
     p_export.add_argument(
         "--format",
-        choices=("safetensors", "hf"),
+        choices=("safetensors", "hf", "peft"),
         default="safetensors",
         help="safetensors: tpframe's logical tensor names; hf: config.json + model.safetensors "
-        "(+ tokenizer files) for transformers' AutoModelForCausalLM",
+        "(+ tokenizer files) for transformers' AutoModelForCausalLM; peft: a LoRA run's adapters as a PEFT adapter "
+        "directory (onto its base, checkpoint.init_from)",
+    )
+    p_export.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's checkpoint: its adapters merged into its base (checkpoint.init_from), W + (alpha/r) B A",
     )
     p_export.add_argument(
         "--force",
@@ -236,7 +259,7 @@ def main(argv=None) -> int:
         else:
             path = resolve(args.checkpoint)
             verify(path, "crc")
-            print(export(path, args.out, args.format, args.force))
+            print(export(path, args.out, args.format, args.force, args.merge_lora))
     except ConfigError as e:  # CheckpointError, HFMappingError, a usage mistake
         print(f"tpframe: {e}", file=sys.stderr)
         return 2

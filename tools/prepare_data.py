@@ -4,14 +4,17 @@
     python tools/prepare_data.py notes.txt books/*.txt --out data/books.bin
     python tools/prepare_data.py corpus.jsonl --jsonl-key text --tokenizer tokenizer.json --out data/c.bin
     python tools/prepare_data.py corpus.jsonl --tokenizer hf_model/ --out data/c.bin    # an HF model's tokenizer
+    python tools/prepare_data.py chat.jsonl --tokenizer hf_model/ --seq-len 512 --out data/sft.bin   # instruction data
 
 `.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one
 UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar); an earlier token
 file there is replaced, anything else only with --force. The built-in tokenizer is byte-level (vocab
 256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT token
 ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
-tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`). Bad input:
-one error line, exit code 2.
+tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`).
+--seq-len N reads instruction records instead ({"prompt", "completion"} or {"messages": [...]}, rendered by the
+tokenizer's chat template; tpframe/data/instruct.py) and writes rows of N tokens with a loss mask (OUT.mask). Bad
+input: one error line, exit code 2.
 """
 
 from __future__ import annotations
@@ -54,6 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
     parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
     parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="instruction data: JSONL records packed into rows of this many tokens (train.seq_len), with a loss mask "
+        "on the completions and assistant turns",
+    )
+    parser.add_argument(
+        "--chat-template", help="instruction data: a Jinja chat template file (default: the tokenizer's own)"
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="overwrite OUT (and OUT.json) even if they are not a token file made by this tool "
@@ -62,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         tokenizer, eot = model_dir_tokenizer(args.tokenizer, args.eot_token)
+        if args.seq_len is not None or args.chat_template:
+            return _instruction_data(args, tokenizer, eot)
         meta = write_token_file(args.inputs, args.out, tokenizer, args.jsonl_key, eot, force=args.force)
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
@@ -73,6 +87,33 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens included), to {args.out} and {sidecar_path(args.out)}"
     )
     print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
+    return 0
+
+
+def _instruction_data(args, tokenizer: str | None, eot: str | None) -> int:
+    from tpframe.data.instruct import chat_template, write_instruction_file
+
+    if args.seq_len is None:
+        raise ValueError("--chat-template is for instruction data: give --seq-len N (train.seq_len) too")
+    directory = Path(args.tokenizer) if args.tokenizer and Path(args.tokenizer).is_dir() else None
+    template = chat_template(directory, args.chat_template)
+    meta = write_instruction_file(
+        args.inputs, args.out, tokenizer, seq_len=args.seq_len, eot_token=eot, template=template, force=args.force
+    )
+    rows = (meta["num_tokens"] - 1) // args.seq_len
+    print(
+        f"wrote {meta['num_documents']:,} example(s) in {rows:,} rows of {args.seq_len} tokens, "
+        f"{meta['loss_tokens'] / (meta['num_tokens'] - 1):.0%} of them with a loss, to {args.out} (+ .mask, .json)"
+    )
+    if meta["skipped_too_long"]:
+        print(
+            f"skipped {meta['skipped_too_long']:,} example(s) longer than --seq-len {args.seq_len} (the first: "
+            f"{meta['first_skipped']})"
+        )
+    print(
+        f"train on it with: data.source=tokens data.path={args.out} train.seq_len={args.seq_len} "
+        "model.attention_mask=document"
+    )
     return 0
 
 

@@ -111,13 +111,16 @@ def foreign_export_file(out: str | Path) -> str | None:
     return None
 
 
-def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: bool = False) -> dict[str, torch.Tensor]:
-    """Write `checkpoint`'s model tensors to `out_file`. An existing file is replaced only when it is an earlier export
-    (or with `force`); the new one is written under a temporary name beside it and renamed over it when complete."""
+def export_consolidated(
+    checkpoint: str | Path, out_file: str | Path, force: bool = False, *, tensors: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Write `checkpoint`'s model tensors (or `tensors`: a LoRA run's, merged) to `out_file`. An existing file is
+    replaced only when it is an earlier export (or with `force`); the new one is written under a temporary name beside
+    it and renamed over it when complete."""
     out = link_target(Path(out_file))
     if not force and (why := foreign_export_file(out)):
         refuse_existing(f"--out {str(out)!r}", why)
-    tensors = read_model_tensors(checkpoint)
+    tensors = read_model_tensors(checkpoint) if tensors is None else tensors
     meta = json.loads((Path(checkpoint) / "meta.json").read_text())
     header = {
         "format": "tpframe",
@@ -140,6 +143,8 @@ def copy_logical_tensors(
     (`partial`) takes only its own. ConfigError (one line) for a tensor missing, extra or of another shape."""
     expected, loaded = set(), 0
     for name, param in model.named_parameters():
+        if param.lora:  # LoRA's adapters are not the base's: they start afresh, or from the run's checkpoint
+            continue
         for shard in param_shards(name, param, tp_rank, tp, trim_vocab=True):
             expected.add(shard.name)
             if shard.name not in tensors:

@@ -72,17 +72,17 @@ def write_tokenizer(out_dir: Path, record: dict, model_max_length: int) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def foreign_export_dir(out_dir: str | Path) -> str | None:
+def foreign_export_dir(out_dir: str | Path, files: tuple[str, ...] = EXPORT_FILES) -> str | None:
     """Why an HF export to `out_dir` would replace something tpframe did not write, or None when `out_dir` is missing,
-    empty, or an earlier export: only EXPORT_FILES, MARKER among them (exports written before the marker was added
-    cannot be told from any other HF model: they need --force once)."""
+    empty, or an earlier export: only `files` (what the export writes), MARKER among them (exports written before
+    the marker was added cannot be told from any other HF model: they need --force once)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         return "is a file; --format hf writes a directory"
     if not out_dir.exists():
         return None
     names = sorted(p.name for p in out_dir.iterdir())
-    other = [n for n in names if n not in EXPORT_FILES]
+    other = [n for n in names if n not in files]
     if other:
         return (
             f"is a directory holding files a tpframe export does not write ({', '.join(map(repr, other[:3]))}"
@@ -100,14 +100,14 @@ def _is_marker(path: Path) -> bool:
         return False
 
 
-def _publish(new: Path, out: Path) -> None:
+def publish(new: Path, out: Path, files: tuple[str, ...] = EXPORT_FILES) -> None:
     """Put the finished export `new` (a folder beside `out`) at `out`. A missing or empty `out`: one rename. An earlier
     export: moved aside, the new one renamed in, the old one deleted, so `out` is never half-written (a crash between
     the renames leaves the old export beside it under a hidden name). Another directory (--force): the export's
     files replaced one by one (a name this export does not write, such as an old tokenizer, removed), the rest kept."""
     if not out.exists() or not any(out.iterdir()):
         os.replace(new, out)  # rename(2) replaces an empty directory
-    elif foreign_export_dir(out) is None:
+    elif foreign_export_dir(out, files) is None:
         old = temporary_name(out, "old")
         os.rename(out, old)
         try:
@@ -117,7 +117,7 @@ def _publish(new: Path, out: Path) -> None:
             raise
         shutil.rmtree(old)
     else:
-        for name in EXPORT_FILES:
+        for name in files:
             if (new / name).exists():
                 os.replace(new / name, out / name)
             else:
@@ -126,13 +126,19 @@ def _publish(new: Path, out: Path) -> None:
 
 
 def export_hf(
-    checkpoint: str | Path, out_dir: str | Path, warn: Callable[[str], None] = print, force: bool = False
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    warn: Callable[[str], None] = print,
+    force: bool = False,
+    *,
+    tensors: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A tpframe checkpoint (any layout) -> an HF directory `AutoModelForCausalLM.from_pretrained` loads.
 
     Refuses (HFMappingError) before writing anything when the model has no HF equivalent, and (ConfigError) a
     `out_dir` holding anything but an earlier export unless `force`. Written into a new folder beside `out_dir`
-    and moved into place when complete (`_publish`).
+    and moved into place when complete (`publish`).
+    `tensors`: the model's logical tensors, when not the checkpoint's own (a LoRA run's, merged with their base).
     Returns a summary: architecture, tensor and parameter counts, the tokenizer written (or None).
     """
     checkpoint, out_dir = Path(checkpoint), link_target(Path(out_dir))
@@ -142,7 +148,7 @@ def export_hf(
     m = read_model_config(meta["config"]["model"])
     arch = hf_architecture(m)  # refuse before reading or writing anything
     tokenizer = tokenizer_record(meta["config"], warn, meta.get("cwd"))
-    tensors = to_hf(read_model_tensors(checkpoint), m)
+    tensors = to_hf(read_model_tensors(checkpoint) if tensors is None else tensors, m)
     dtype = next(iter(tensors.values())).dtype
     config = hf_config(m, dtype=dtype, eos_token_id=tokenizer["eot_id"] if tokenizer else None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +161,7 @@ def export_hf(
             write_tokenizer(new, tokenizer, m.max_seq_len)
         mark = {"exported_by": "tpframe", "tpframe_version": meta.get("tpframe_version"), "step": meta["step"]}
         (new / MARKER).write_text(json.dumps(mark, indent=2) + "\n")
-        _publish(new, out_dir)
+        publish(new, out_dir)
     finally:
         if new.exists():
             shutil.rmtree(new)

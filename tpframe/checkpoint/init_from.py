@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from tpframe.checkpoint import hf
@@ -79,20 +81,28 @@ def check_init_from(cfg) -> None:
         _refuse_other_model(key, cfg.model, architecture(theirs), dataclasses.asdict(theirs), "file")
 
 
+def base_weights(path: str | Path, m: ModelConfig) -> Mapping[str, torch.Tensor]:
+    """The logical tensors of an init_from source (an HF directory, a checkpoint, a safetensors file), read lazily
+    where the source allows."""
+    path = Path(path)
+    if hf.is_hf_dir(path):
+        return hf.HFWeights(path, m)
+    step = tpframe_checkpoint(path)
+    if step is not None:
+        return CheckpointWeights(step)
+    return safetensors_module().load_file(str(path))
+
+
 def load_init_from(
     model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *, partial: bool = False
 ) -> str:
     """Copy this rank's shards from `path` into `model` (`partial`: a pipeline stage or an expert-parallel
     rank, which holds only some of the tensors); returns what was loaded, for the log."""
-    path = Path(path)
+    path, tensors = Path(path), base_weights(path, m)
+    source = str(tensors.path) if isinstance(tensors, CheckpointWeights) else str(path)
+    n = copy_logical_tensors(model, tensors, tp_rank, tp, source=source, partial=partial)
     if hf.is_hf_dir(path):
-        config = hf.read_config(path)
-        n = copy_logical_tensors(model, hf.HFWeights(path, m), tp_rank, tp, source=str(path), partial=partial)
-        return f"Hugging Face {config['model_type']} model {path} ({n / 1e6:.2f}M parameters)"
-    step = tpframe_checkpoint(path)
-    if step is not None:
-        n = copy_logical_tensors(model, CheckpointWeights(step), tp_rank, tp, source=str(step), partial=partial)
-        return f"the weights of checkpoint {step} ({n / 1e6:.2f}M parameters; optimizer, step and data start afresh)"
-    tensors = safetensors_module().load_file(str(path))
-    n = copy_logical_tensors(model, tensors, tp_rank, tp, source=str(path), partial=partial)
+        return f"Hugging Face {hf.read_config(path)['model_type']} model {path} ({n / 1e6:.2f}M parameters)"
+    if isinstance(tensors, CheckpointWeights):
+        return f"the weights of checkpoint {source} ({n / 1e6:.2f}M parameters; optimizer, step and data start afresh)"
     return f"consolidated weights {path} ({len(tensors)} tensors, {n / 1e6:.2f}M parameters)"

@@ -33,12 +33,16 @@ class TokenStream:
 
     `fingerprint` names the content, so a checkpoint's data position is never applied to other data.
     `eot_id` is the token that ends each document (None: the stream has no document ends).
+    Instruction data (tpframe/data/instruct.py) has `loss_mask` [n] (1: the token is a label that carries a loss) and
+    `row`, the length of its packed rows (train.seq_len).
     """
 
     tokens: np.ndarray
     vocab_size: int
     fingerprint: str
     eot_id: int | None = None
+    loss_mask: np.ndarray | None = None
+    row: int | None = None
 
 
 def content_fingerprint(kind: str, tokens: np.ndarray) -> str:

@@ -27,6 +27,7 @@ from tpframe.data.corpus import TokenStream, stdlib_corpus, synthetic_corpus
 from tpframe.data.tokenizer import open_token_file
 from tpframe.errors import ConfigError
 
+IGNORE_INDEX = -100  # a label the cross entropy skips (tpframe/training/loss_mask.py)
 STATE_FORMAT = "tpframe.data/1"
 BLEND_FORMAT = "tpframe.data.blend/1"
 _SPLIT_IDS = {"train": 0, "valid": 1}  # separate shuffles for the two splits
@@ -72,6 +73,11 @@ class BatchIterator:
             raise ValueError(f"split={split!r} must be one of {', '.join(_SPLIT_IDS)}")
         self.stream, self.seq_len, self.split, self.seed = stream, seq_len, split, seed
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        if stream.row is not None and stream.row != seq_len:
+            raise ValueError(
+                f"the {split} data is packed into rows of {stream.row} tokens (prepare_data.py --seq-len): set "
+                f"train.seq_len={stream.row}, or prepare it again with --seq-len {seq_len}"
+            )
         self.num_windows = (len(stream.tokens) - 1) // seq_len
         if self.num_windows < 1:
             raise ValueError(
@@ -85,6 +91,11 @@ class BatchIterator:
     @property
     def streams(self) -> list[TokenStream]:
         return [self.stream]
+
+    @property
+    def loss_masked(self) -> bool:
+        """Whether some labels carry no loss (instruction data: tpframe/data/instruct.py)."""
+        return any(st.loss_mask is not None for st in self.streams)
 
     @property
     def epoch(self) -> int:
@@ -119,12 +130,15 @@ class BatchIterator:
         windows = np.empty(len(sample), dtype=np.int64)
         for e in np.unique(epochs):  # a micro-batch may straddle an epoch boundary
             windows[epochs == e] = self._order(int(e))[pos[epochs == e]]
-        chunk = np.asarray(self.stream.tokens[windows[:, None] * s + np.arange(s + 1)], dtype=np.int64)
+        where = windows[:, None] * s + np.arange(s + 1)
+        chunk = np.asarray(self.stream.tokens[where], dtype=np.int64)
         if chunk.size and chunk.max() >= self.stream.vocab_size:
             raise ValueError(
                 f"the {self.split} data holds token id {int(chunk.max())} >= vocab_size {self.stream.vocab_size}: "
                 "the token file and its sidecar disagree; re-run tools/prepare_data.py"
             )
+        if self.stream.loss_mask is not None:  # a label without loss travels as ~id (negative) to `_to_batch`
+            chunk = np.where(self.stream.loss_mask[where] == 0, ~chunk, chunk)
         return chunk
 
     __next__ = next
@@ -222,6 +236,8 @@ class BlendedIterator:
     def streams(self) -> list[TokenStream]:
         return [it.stream for it in self.sources]
 
+    loss_masked = BatchIterator.loss_masked
+
     @property
     def global_batch(self) -> int:
         return self.micro_batch_size * self.dp_size
@@ -302,13 +318,15 @@ class BlendedIterator:
 
 
 def _to_batch(chunk: np.ndarray, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) from token rows [b, s+1]; this CP rank's share of each when cp_size > 1."""
+    """(inputs, labels) from token rows [b, s+1] (~id: a label without loss, IGNORE_INDEX); this CP rank's share of
+    each when cp_size > 1."""
     chunk = torch.from_numpy(chunk)
+    inputs, labels = torch.where(chunk < 0, ~chunk, chunk)[:, :-1], torch.where(chunk < 0, IGNORE_INDEX, chunk)[:, 1:]
     if cp_size > 1:
         from tpframe.layers.context import shard_sequence  # here: tools/prepare_data.py needs no torch.distributed
 
-        return tuple(shard_sequence(t, dim=1, rank=cp_rank, size=cp_size) for t in (chunk[:, :-1], chunk[:, 1:]))
-    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        return tuple(shard_sequence(t, dim=1, rank=cp_rank, size=cp_size) for t in (inputs, labels))
+    return inputs.contiguous(), labels.contiguous()
 
 
 def _check_fields(state: dict, mine: dict, checks) -> None:
@@ -337,6 +355,9 @@ def split_stream(stream: TokenStream, valid_fraction: float, seq_len: int, fix: 
     """(head, tail): the last `valid_fraction` of the tokens is held out; the two share no token."""
     n = len(stream.tokens)
     cut = n - int(round(n * valid_fraction))
+    if stream.row:  # packed rows: whole rows on each side; the head keeps the tail's first token as its last label
+        cut = cut // stream.row * stream.row
+        return _part(stream, 0, cut + 1, seq_len, fix), _part(stream, cut, n, seq_len, fix)
     if min(cut, n - cut) < seq_len + 1:
         raise ConfigError(
             f"the corpus has {n:,} tokens: too few for a training and a held-out part of at least "
@@ -345,6 +366,17 @@ def split_stream(stream: TokenStream, valid_fraction: float, seq_len: int, fix: 
     head = TokenStream(stream.tokens[:cut], stream.vocab_size, f"{stream.fingerprint}[:{cut}]", stream.eot_id)
     tail = TokenStream(stream.tokens[cut:], stream.vocab_size, f"{stream.fingerprint}[{cut}:]", stream.eot_id)
     return head, tail
+
+
+def _part(stream: TokenStream, a: int, b: int, seq_len: int, fix: str) -> TokenStream:
+    """Tokens [a, b) of packed instruction data, with their loss mask."""
+    if b - a < seq_len + 1:
+        raise ConfigError(
+            f"the instruction data has {len(stream.tokens) // seq_len} rows: too few for a training and a held-out "
+            f"part at data.valid_fraction; {fix}"
+        )
+    name = f"{stream.fingerprint}[{a}:{b}]"
+    return TokenStream(stream.tokens[a:b], stream.vocab_size, name, stream.eot_id, stream.loss_mask[a:b], stream.row)
 
 
 def load_streams(cfg: DataConfig, seq_len: int) -> tuple[list[TokenStream], list[TokenStream]]:

@@ -34,6 +34,11 @@ def sidecar_path(path: str | Path) -> Path:
     return Path(str(path) + ".json")
 
 
+def mask_path(path: str | Path) -> Path:
+    """The loss mask beside a token file of instruction data (tpframe/data/instruct.py): a byte per token."""
+    return Path(str(path) + ".mask")
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
 
@@ -50,6 +55,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8").replace(b"\0", b""), dtype=np.uint8)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, the character each token starts in)."""
+        text = text.replace("\0", "")
+        sizes = [len(c.encode("utf-8")) for c in text]
+        return self.encode(text).astype(np.int64), np.repeat(np.arange(len(text)), sizes)
 
     def decode(self, ids) -> str:
         """UTF-8 text of byte ids (an incomplete or invalid sequence becomes U+FFFD)."""
@@ -126,6 +137,11 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, the character each token starts at)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, dtype=np.int64), np.asarray([a for a, _ in enc.offsets], dtype=np.int64)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -195,7 +211,7 @@ def foreign_output(out: str | Path) -> str | None:
     return None
 
 
-def _check_paths(inputs: list[str | Path], out: Path, *, tokenizer, eot_token: str | None, force: bool) -> None:
+def check_paths(inputs: list[str | Path], out: Path, *, tokenizer, eot_token: str | None, force: bool) -> None:
     """write_token_file's refusals: inputs missing, none, or the output itself; an output that is a directory, that
     cannot be created or (without `force`) that write_token_file did not make; --eot-token without --tokenizer."""
     missing = [(str(p), why) for p in inputs if (why := not_a_file(p))]
@@ -237,7 +253,7 @@ def write_token_file(
     Written to temporary names and renamed at the end, so a failed run leaves no half file behind.
     """
     out = Path(out)
-    _check_paths(inputs, out, tokenizer=tokenizer, eot_token=eot_token, force=force)
+    check_paths(inputs, out, tokenizer=tokenizer, eot_token=eot_token, force=force)
     tok = HFTokenizer(tokenizer, eot_token) if tokenizer else ByteTokenizer()
     dtype = token_dtype(tok.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +264,7 @@ def write_token_file(
             for path in inputs:
                 for text in iter_text(path, jsonl_key):
                     ids = eot if text is None else tok.encode(text).astype(dtype)
-                    count += _write(f, digest, ids)
+                    count += write_ids(f, digest, ids)
                     docs += text is None
         if count == docs:
             raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no text")
@@ -273,7 +289,7 @@ def write_token_file(
             leftover.unlink(missing_ok=True)
 
 
-def _write(f, digest, ids: np.ndarray) -> int:
+def write_ids(f, digest, ids: np.ndarray) -> int:
     data = ids.astype(ids.dtype.newbyteorder("<"), copy=False).tobytes()
     digest.update(data)
     f.write(data)
@@ -337,4 +353,10 @@ def open_token_file(path: str | Path, key: str = "data.path") -> tuple[TokenStre
         raise ValueError(f"{key}={str(path)!r} holds no tokens; re-run tools/prepare_data.py with non-empty inputs")
     tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r", shape=(meta["num_tokens"],))
     fingerprint = f"tokens-{str(meta.get('sha256', ''))[:16] or meta['num_tokens']}"
-    return TokenStream(tokens, meta["vocab_size"], fingerprint, meta.get("eot_id")), meta
+    mask = None
+    if meta.get("loss_mask"):  # instruction data: packed rows and their loss mask
+        file = mask_path(path)
+        if not file.is_file() or file.stat().st_size != meta["num_tokens"]:
+            raise ValueError(f"{key}={str(path)!r}: its loss mask {str(file)!r} is missing or truncated; re-run it")
+        mask = np.memmap(file, dtype=np.uint8, mode="r", shape=(meta["num_tokens"],))
+    return TokenStream(tokens, meta["vocab_size"], fingerprint, meta.get("eot_id"), mask, meta.get("row_tokens")), meta

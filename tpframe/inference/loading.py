@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tpframe.checkpoint import resolve, verify
-from tpframe.checkpoint.export import read_model_tensors
+from tpframe.checkpoint.adapters import lora_of, model_tensors
 from tpframe.checkpoint.finite import check_finite_weights
 from tpframe.checkpoint.hf import HFWeights, hf_context, is_hf_dir, model_fields, read_config
 from tpframe.errors import ConfigError
@@ -148,6 +148,7 @@ def read_weights(source: ModelSource) -> dict[str, torch.Tensor]:
     else:
         with warnings.catch_warnings():  # DCP notes that it reads without a process group: that is the intent
             warnings.simplefilter("ignore", UserWarning)
-            tensors = read_model_tensors(source.path)
+            lora = lora_of(json.loads((Path(source.path) / "meta.json").read_text()))
+            tensors = model_tensors(source.path, merge_lora=lora is not None)  # a LoRA run's: merged with its base
     check_finite_weights(tensors.items(), f"--checkpoint {str(source.path)!r}")
     return tensors

@@ -186,17 +186,16 @@ class ParallelAttention(nn.Module):
             q_size + 2 * kv_size,
             init_method=init_method,
             fused_parts=(("q", q_size), ("k", kv_size), ("v", kv_size)),
+            lora_role="qkv",
             **{**common, "bias": bias if qkv_bias is None else qkv_bias},
         )
-        self.proj = RowParallelLinear(q_size, hidden, init_method=output_init_method or init_method, **common)
-        if qk_norm:  # each rank normalizes only its heads: the weights' gradients are partial over TP, summed there
-            norm = dict(sequence_parallel=True, dtype=dtype, device=device, mode=mode)
-            self.q_norm, self.k_norm = (
-                RMSNorm(self.head_dim, norm_eps, **norm),
-                RMSNorm(self.head_dim, norm_eps, **norm),
-            )
-        else:
-            self.q_norm = self.k_norm = None
+        out_init = output_init_method or init_method
+        self.proj = RowParallelLinear(q_size, hidden, init_method=out_init, lora_role="proj", **common)
+        # each rank normalizes only its heads: the norms' weights' gradients are partial over TP, summed there
+        norm = dict(sequence_parallel=True, dtype=dtype, device=device, mode=mode)
+        self.q_norm, self.k_norm = (
+            (RMSNorm(self.head_dim, norm_eps, **norm) for _ in range(2)) if qk_norm else (None,) * 2
+        )
         # the Triton split+rotary kernel on CUDA, a sliding window by flex_attention's block mask (else SDPA's dense
         # mask); and the Triton decode-attention kernel (else SDPA)
         self.fused = self.fused_decode = mode.fused_kernels

@@ -10,6 +10,7 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.layers.linear import column_parallel_linear
+from tpframe.layers.lora import column_adapter, merged_weight
 from tpframe.layers.mappings import reduce_from_tp, reduce_scatter_to_sp
 from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import InitMethod, normal_init, tag_param
@@ -137,9 +138,15 @@ class ParallelLMHead(nn.Module):
             device=device or self.comm.device,
         )
         self.weight = tag_param(nn.Parameter(shard), tp_dim=0, vocab_rows=vocab_size)
+        where = dict(in_features=hidden, tp=self.comm.size, dtype=dtype, device=device or self.comm.device)
+        column_adapter(self, mode.lora, "head", (("weight", padded),), fused=False, vocab_rows=vocab_size, **where)
         self.fused_decode = mode.fused_kernels  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
+
+    def merged_weight(self) -> torch.Tensor:
+        """The weight the head computes with: W, or W + (alpha/r) B A with an adapter (optim.lora_targets: head)."""
+        return merged_weight(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(
-            x, self.weight, None, self.comm, self.sequence_parallel, decode_kernel=self.fused_decode
+            x, self.merged_weight(), None, self.comm, self.sequence_parallel, decode_kernel=self.fused_decode
         )

@@ -24,6 +24,7 @@ from tpframe.comm import Communicator
 from tpframe.kernels import gemv
 from tpframe.layers.async_tp import async_tp_available, ce_column, ce_row
 from tpframe.layers.fp8 import fp8_linear, fp8_refusal
+from tpframe.layers.lora import column_adapter, column_delta, row_adapter, row_delta
 from tpframe.layers.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -131,7 +132,8 @@ def _decide(layer: nn.Module, mode: LayerMode) -> None:
     """What a column/row layer runs, decided once from `mode` and its own shard [out/tp, in] or [out, in/tp]."""
     layer.async_tp = mode.async_tp if layer.sequence_parallel else None
     layer.fp8 = mode.uses_fp8(*layer.weight.shape)
-    layer.fused_decode = mode.fused_kernels  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
+    # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py); not with an adapter, which it would skip
+    layer.fused_decode = mode.fused_kernels and layer.lora_a is None
     if layer.async_tp and layer.comm.size > 1 and layer.weight.device.type != "meta":
         layer.comm.peer_exchange()  # the transport, set up now (a collective every rank reaches: they build alike)
 
@@ -162,7 +164,9 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         fused_parts: tuple[tuple[str, int], ...] | None = None,
         mode: LayerMode = DEFAULT_MODE,
+        lora_role: str | None = None,
     ):
+        """`lora_role`: what the layer is to optim.lora_targets ("qkv", "fc1", ...; tpframe/layers/lora.py)."""
         super().__init__()
         self.comm = comm or default_tp_comm()
         tp, rank = self.comm.size, self.comm.rank
@@ -187,11 +191,17 @@ class ColumnParallelLinear(nn.Module):
             self.bias = tag_param(nn.Parameter(b), tp_dim=0, fused_parts=fused_parts)
         else:
             self.register_parameter("bias", None)
+        where = dict(in_features=in_features, tp=tp, dtype=dtype, device=device)
+        column_adapter(self, mode.lora, lora_role, parts, fused=fused_parts is not None, **where)
         _decide(self, mode)
 
     def forward(self, x: torch.Tensor, *, entered: bool = False) -> torch.Tensor:
         """`entered=True`: x is already `self.enter(input)` (all-gathered under SP)."""
         _check_last_dim(x, self.in_features, "ColumnParallelLinear", "in_features")
+        if self.lora_a is not None:  # the adapter reads the entered input too: no collective of its own
+            x = x if entered else self.enter(x)
+            y = local_linear(x, self.weight, self.bias, fp8=self.fp8, decode_kernel=False) + column_delta(x, self)
+            return gather_from_tp(y, self.comm) if self.gather_output else y
         return column_parallel_linear(
             x,
             self.weight,
@@ -233,7 +243,9 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         mode: LayerMode = DEFAULT_MODE,
+        lora_role: str | None = None,
     ):
+        """`lora_role`: what the layer is to optim.lora_targets ("proj", "fc2"; tpframe/layers/lora.py)."""
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
@@ -251,11 +263,19 @@ class RowParallelLinear(nn.Module):
             self.bias = tag_param(nn.Parameter(b), tp_dim=None, sequence_parallel=sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        where = dict(in_features=in_features, tp=tp, rank=rank, dtype=dtype, device=device)
+        row_adapter(self, mode.lora, lora_role, out_features, **where)
         _decide(self, mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         _check_last_dim(x, expected, "RowParallelLinear", "in_features/tp" if self.input_is_parallel else "in_features")
+        if self.lora_a is not None:  # the adapter's term joins the partial product before the layer's one reduction
+            x = x if self.input_is_parallel else scatter_to_tp(x, self.comm)
+            y = local_linear(x, self.weight, fp8=self.fp8, decode_kernel=False) + row_delta(x, self)
+            sp = self.sequence_parallel
+            y = reduce_scatter_to_sp(y, self.comm) if sp else reduce_from_tp(y, self.comm, donate=True)
+            return y + self.bias if self.bias is not None else y
         return row_parallel_linear(
             x,
             self.weight,

@@ -53,11 +53,13 @@ class ParallelMLP(nn.Module):
                 2 * ffn_hidden,
                 init_method=init_method,
                 fused_parts=(("gate", ffn_hidden), ("up", ffn_hidden)),
+                lora_role="fc1",
                 **common,
             )
         else:
-            self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, init_method=init_method, **common)
-        self.fc2 = RowParallelLinear(ffn_hidden, hidden, init_method=output_init_method or init_method, **common)
+            self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, init_method=init_method, lora_role="fc1", **common)
+        out_init = output_init_method or init_method
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, init_method=out_init, lora_role="fc2", **common)
 
     def forward(
         self, x: torch.Tensor, *, entered: bool = False, recompute_activation: bool = False, reduce: bool = True

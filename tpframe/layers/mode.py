@@ -4,7 +4,8 @@ BuildContext) and handed to every layer when it is built.
 Each layer decides from it and its own shapes what it runs, and keeps that: a linear layer computes in float8 when
 the mode asks and its shard gains (`uses_fp8`), pipelines its collective with its GEMM when the mode asks for async
 TP and the layer is sequence-parallel, runs the one-row decode kernel with `fused_kernels`; norms and attention take
-their Triton kernels with `fused_kernels`. Nothing is switched on a built model.
+their Triton kernels with `fused_kernels`; a linear layer whose role `lora` targets builds its adapter. Nothing is
+switched on a built model.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from tpframe.layers.async_tp import normalize_mode
 from tpframe.layers.fp8 import fp8_refusal
+from tpframe.layers.lora import LoRA
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class LayerMode:
     # (tpframe/layers/async_tp.py); None: off
     async_tp: str | bool | None = None
     cp_comm: str = "all_gather"  # context-parallel attention: "all_gather" or "all_to_all" (layers/context.py)
+    lora: LoRA | None = None  # low-rank adapters on the linear layers it targets (tpframe/layers/lora.py); None: none
 
     def __post_init__(self):
         object.__setattr__(self, "async_tp", normalize_mode(self.async_tp))

@@ -58,6 +58,7 @@ PARAM_ATTRIBUTES = {
     "vocab_rows": None,  # a vocabulary table's real rows; those past it are padding (not in checkpoints)
     "pipeline_tied": False,  # held by the first and the last pipeline stage (a tied embedding): gradients summed
     "expert": False,  # a MoE expert's, split over EP: gradients reduced over the expert's replicas only
+    "lora": False,  # a low-rank adapter's (optim.lora_rank): trained while the base is frozen; not in the base's files
 }
 
 

@@ -205,6 +205,9 @@ def build_model(cfg: ModelConfig, ctx: BuildContext) -> nn.Module:
             f"model.name={cfg.name!r}: parameters {untagged[:3]} are not tagged; tag every parameter with "
             "tpframe.layers.utils.tag_param (tp_dim=None for replicated ones)"
         )
+    if ctx.mode.lora is not None:  # LoRA: only the adapters train, the base stays checkpoint.init_from's
+        for p in model.parameters():
+            p.requires_grad_(p.lora)
     return model
 
 

@@ -314,7 +314,7 @@ class GPT(nn.Module):
         """The last stage's end: the per-token loss [b, s] with `labels`, else local logits [b, s, V/tp]. The loss is
         not a view (FSDP2 warns on each rank when a module returns one)."""
         if labels is not None and self.fused_head_loss:  # head + loss without the fp32 logits
-            weight = self.head.weight if self.head is not None else self.embedding.weight
+            weight = self.head.merged_weight() if self.head is not None else self.embedding.weight
             loss = vocab_parallel_head_cross_entropy(
                 self.final_norm(x),
                 weight,

@@ -1,12 +1,13 @@
-"""The `optim:` section of a run config (AdamW and its learning-rate schedule) and its checks."""
+"""The `optim:` section of a run config (AdamW, its learning-rate schedule, LoRA's adapters) and its checks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tpframe.config import check_ranges
 from tpframe.errors import ConfigError
+from tpframe.layers.lora import TARGETS, LoRA
 
 
 @dataclass
@@ -23,6 +24,19 @@ class OptimConfig:
     # warmup-stable-decay (WSD): hold lr after warmup and decay only over this last fraction of train.steps
     # (e.g. 0.2); None: decay from the end of warmup
     decay_fraction: float | None = None
+    # LoRA (docs/finetuning.md): train rank-r adapters on the layers of lora_targets, the base frozen (it stays
+    # checkpoint.init_from's); null: train every parameter
+    lora_rank: int | None = None
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank (PEFT's lora_alpha)
+    # the layers that get adapters: qkv, proj (attention), fc1, fc2 (MLP; gate, up: SwiGLU's halves of fc1; down =
+    # fc2), head (an untied output layer)
+    lora_targets: list[Literal[TARGETS]] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+    def lora(self) -> LoRA | None:
+        """The adapters the layers build (tpframe/layers/lora.py), or None without optim.lora_rank."""
+        if self.lora_rank is None:
+            return None
+        return LoRA(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
 
 
 # (key, lowest, highest, lowest included); every float is finite already (tpframe.config.check_finite)
@@ -48,3 +62,13 @@ def check_optim(o: OptimConfig) -> None:
         )
     if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
         raise ConfigError(f"optim.beta1={o.beta1} and optim.beta2={o.beta2} must be in [0, 1)")
+    if o.lora_rank is not None and o.lora_rank < 1:
+        raise ConfigError(
+            f"optim.lora_rank={o.lora_rank} must be a positive integer (the adapters' rank, e.g. 16), or null to "
+            "train every parameter"
+        )
+    if o.lora_rank is not None and (o.lora_alpha <= 0 or not o.lora_targets):
+        raise ConfigError(
+            f"optim.lora_alpha={o.lora_alpha} and optim.lora_targets={o.lora_targets} need a positive alpha and at "
+            f"least one target of {', '.join(TARGETS)}"
+        )

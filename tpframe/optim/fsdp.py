@@ -88,7 +88,8 @@ class FSDPStrategy(GradStrategy):
             from torch.distributed.device_mesh import DeviceMesh
 
             expert_mesh = DeviceMesh.from_group(parallel.edp_group, parallel.device.type)
-        frozen = {p for p in model.parameters() if not p.requires_grad}  # replicated as they are (expert biases)
+        frozen_named = named_frozen(model)  # tags read before FSDP2 replaces the parameters
+        frozen = {p for _, p in frozen_named}  # replicated as they are (expert biases); a LoRA base is sharded
         for root in getattr(model, "chunks", [model]):  # pipeline model chunks (interleaved): one root each
             for block in root.blocks.values() if hasattr(root, "blocks") else []:
                 moes = [m for m in block.modules() if isinstance(m, MoE)] if expert_mesh else []
@@ -104,8 +105,8 @@ class FSDPStrategy(GradStrategy):
             fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=frozen)
         self.model = model
         self.named = named_trainable(model)
-        self.frozen = named_frozen(model)
-        for name, p in self.named:
+        self.frozen = frozen_named
+        for name, p in model.named_parameters():  # FSDP2's parameters replace the tagged ones
             tag_param(p, **tags[name])
         params = [p for _, p in self.named]
         self.optimizer = make_adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)

@@ -220,7 +220,11 @@ def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def named_frozen(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters without gradient (an MoE router's expert bias): no optimizer state, but part of the model."""
+    """Parameters without gradient that checkpoints keep (an MoE router's expert bias): no optimizer state, but part
+    of the model. None in a LoRA model (optim.lora_rank): its frozen base is checkpoint.init_from's, and its
+    checkpoints hold the adapters only."""
+    if any(getattr(p, "lora", False) for p in model.parameters()):
+        return []
     return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
 

@@ -52,26 +52,19 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vo
     tp_dim = p.tp_dim
     full = tuple(p.shape)
     whole = tuple(slice(None) for _ in full)
-    if tp_dim is None:
-        return [LogicalShard(name, name, full, (0,) * len(full), None, whole)]
     parts = p.fused_parts
-    if parts is not None:
+    if parts is not None:  # each part row-split over TP (or, replicated, whole on every rank: a LoRA adapter's A)
         shards, start = [], 0
+        split = tp_size if tp_dim is not None else 1
         for part, size in parts:
-            rows = size // tp_size
+            rows = size // split
             index = (slice(start, start + rows),) + whole[1:]
-            shards.append(
-                LogicalShard(
-                    _part_name(name, part),
-                    name,
-                    (size,) + full[1:],
-                    (tp_rank * rows,) + (0,) * (len(full) - 1),
-                    0,
-                    index,
-                )
-            )
+            offset = ((tp_rank if tp_dim is not None else 0) * rows,) + (0,) * (len(full) - 1)
+            shards.append(LogicalShard(_part_name(name, part), name, (size,) + full[1:], offset, tp_dim, index))
             start += rows
         return shards
+    if tp_dim is None:
+        return [LogicalShard(name, name, full, (0,) * len(full), None, whole)]
     local = full[tp_dim]
     global_shape = full[:tp_dim] + (local * tp_size,) + full[tp_dim + 1 :]
     offset = [0] * len(full)

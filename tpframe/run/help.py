@@ -60,6 +60,8 @@ def _default(field: dataclasses.Field) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):  # as an override writes it: one word
+        return "[" + ",".join(map(str, value)) + "]"
     if isinstance(value, float) and value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e6):
         return f"{value:g}"
     return str(value)

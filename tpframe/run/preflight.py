@@ -91,6 +91,8 @@ def dry_build(cfg) -> nn.Module | None:
     """TP rank 0's model built on the meta device: the builder's own checks run, shapes and parameter
     counts are known, nothing is allocated. None when the builder cannot build on meta (the checks
     that need shapes are then skipped)."""
+    from tpframe.layers.lora import check_targets
+    from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, ShapeComm, build_model
 
     p = cfg.parallel
@@ -103,6 +105,7 @@ def dry_build(cfg) -> nn.Module | None:
         dtype=dtype,
         device=torch.device("meta"),
         seed=cfg.train.seed,
+        mode=LayerMode(lora=cfg.optim.lora()),
     )
     try:
         with torch.device("meta"):
@@ -117,6 +120,7 @@ def dry_build(cfg) -> nn.Module | None:
         return None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name={cfg.model.name!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    check_targets(cfg.optim.lora(), model, cfg.model.name)
     return model
 
 
@@ -195,6 +199,11 @@ def identity(config: dict) -> dict[str, Any]:
     out = {f"model.{k}": v for k, v in arch.items()}
     out.update({f"data.{k}": data.get(k) for k in DATA_IDENTITY})
     out["train.seq_len"] = train.get("seq_len")
+    optim = config.get("optim") or {}
+    if optim.get("lora_rank") is not None:  # LoRA: the adapters' shapes and their base (checkpoints hold no base)
+        out.update({f"optim.{k}": optim.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")})
+        base = (config.get("checkpoint") or {}).get("init_from")
+        out["checkpoint.init_from"] = str(Path(base).resolve()) if base else None
     return out
 
 
@@ -340,6 +349,24 @@ def check_token_ids(cfg, *iterators) -> None:
                 )
 
 
+def resolve_loss_mask(cfg, train_data) -> None:
+    """Instruction data (token files with a loss mask, tpframe/data/instruct.py): its examples are packed into rows,
+    so each must attend to itself alone (model.attention_mask=document), and the loss is the mean over the tokens
+    that carry one in the global batch (data.eod_mask_loss, turned on: a packed row's first label carries none)."""
+    if not train_data.loss_masked:
+        return
+    if cfg.model.attention_mask != "document":
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} holds packed instruction examples (tools/prepare_data.py --seq-len): set "
+            "model.attention_mask=document, so that no example attends to another"
+        )
+    cfg.data.eod_mask_loss = True
+    from tpframe.parallel.graphed import cuda_graph_obstacle
+
+    if cfg.train.cuda_graph is True and (why := cuda_graph_obstacle(cfg)):
+        raise ConfigError(f"instruction data: {why}")
+
+
 def resolve_end_of_document(cfg, train_data) -> None:
     """model.attention_mask=document, data.eod_mask_loss: model.eod_id, when not given, becomes the data's
     end-of-document token (the byte 0 of data.source=stdlib, a token file's `eot_id`); data without one needs it set."""
@@ -444,6 +471,7 @@ def check_init_from(cfg, model: nn.Module | None, resuming: bool) -> None:
         want = {
             s.name: tuple(s.global_shape)
             for n, p in model.named_parameters()
+            if not p.lora  # LoRA's adapters start afresh; the file is their base
             for s in param_shards(n, p, 0, cfg.parallel.tp, trim_vocab=True)
         }
         missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))

@@ -27,6 +27,7 @@ from tpframe.layers.async_tp import CHOICES as ASYNC_TP_CHOICES
 from tpframe.layers.async_tp import check_async_tp
 from tpframe.layers.context import CP_COMM_MODES, check_cp_comm, check_sequence_split
 from tpframe.layers.fp8 import check_fp8
+from tpframe.layers.lora import check_lora
 from tpframe.models.config import ModelConfig, check_experts, check_model, check_tensor_parallel, gemm_widths
 from tpframe.observe.logger import LoggingConfig, check_logging
 from tpframe.observe.profiler import ProfileConfig, check_profile
@@ -171,6 +172,7 @@ def validate(cfg: Config, world_size: int) -> None:
     dp = check_layout(cfg.parallel, world_size)
     check_tensor_parallel(cfg.model, cfg.parallel.tp)
     check_async_tp(cfg.parallel)
+    check_lora(cfg)
     check_sequence_split(cfg)
     check_cp_comm(cfg)
     check_global_batch(cfg.train, dp)
