@@ -22,7 +22,7 @@ import sys
 import torch
 
 from tpframe.errors import ArgumentParser
-from tpframe.launch import launch_env, single_process_env
+from tpframe.launch import launch_env, restart_attempt, single_process_env
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -130,7 +130,7 @@ def prepare(
         )
     checks.check_token_ids(cfg, train_data, valid_data)
     checks.resolve_end_of_document(cfg, train_data)
-    resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
+    resume = preflight(cfg, restarted=restart_attempt() > 0)  # checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_checkpoint_files(cfg, *resume, world_size=world, rank=rank)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None)
