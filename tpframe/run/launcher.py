@@ -104,6 +104,7 @@ def launch(args, *, local_sizes: list[int], checkpoints: Path | None) -> int:
     try:
         result = agent.run()
     except SignalException as e:
+        spec.rdzv_handler.shutdown()  # the other nodes stop too, instead of waiting for this one
         say(f"stopped by {signal.Signals(e.sigval).name}")
         return 128 + int(e.sigval)
     except RendezvousClosedError:
@@ -112,10 +113,9 @@ def launch(args, *, local_sizes: list[int], checkpoints: Path | None) -> int:
     except RendezvousError as e:
         say(f"the nodes did not meet at --rdzv-endpoint {args.rdzv_endpoint}: {str(e).splitlines()[0][:200]}")
         return 4
-    finally:
-        spec.rdzv_handler.shutdown()
     if result is None or not result.is_failed():
-        return 0
+        return 0  # every node passed the exit barrier: nothing to close
+    spec.rdzv_handler.shutdown()
     death = agent.root_cause()
     if death is not None and death.code in TPFRAME_CODES:  # the worker printed its line
         return death.code
