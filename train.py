@@ -326,16 +326,21 @@ def _evaluate_only(cfg, trainer, logger) -> None:
         logger.close()
 
 
-def _resume_changes(cfg, meta: dict, step: int) -> list[str]:
-    """The lines saying how the learning-rate schedule and the model's computation differ from the resumed
-    checkpoint's (none when nothing did)."""
+def _resume_changes(cfg, meta: dict, trainer) -> list[str]:
+    """The lines saying how the world size, the learning-rate schedule and the model's computation differ from
+    the resumed checkpoint's (none when nothing did)."""
     from tpframe.models.config import computation_change
     from tpframe.optim.lr import schedule_change
     from tpframe.training.config import from_dict
 
     saved = meta["config"]
     saved_cfg = from_dict({"optim": saved["optim"], "model": saved["model"]})
+    step, world, was = trainer.step, trainer.parallel.world_size, meta["layout"]
     lines = [
+        f"world {was['world']} -> {world} since the checkpoint: dp {was['dp']} -> {trainer.parallel.dp}, global "
+        f"batch {cfg.train.global_batch_size} as before ({trainer.accum} micro-batches per rank), the same samples"
+        if was["world"] != world
+        else "",
         schedule_change(step, cfg.optim, cfg.train.steps, saved_cfg.optim, saved["train"]["steps"]),
         computation_change(cfg.model, saved_cfg.model),
     ]
@@ -442,7 +447,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         if checkpointer.loaded_from is not None:
             ignored = f" (checkpoint.init_from={cfg.checkpoint.init_from} ignored)" if cfg.checkpoint.init_from else ""
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
-            for line in _resume_changes(cfg, resume[1], trainer.step) if resume[1] is not None else []:
+            for line in _resume_changes(cfg, resume[1], trainer) if resume[1] is not None else []:
                 logger.info(line)
         if cfg.train.eval_only:
             _evaluate_only(cfg, trainer, logger)

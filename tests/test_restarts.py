@@ -109,16 +109,16 @@ def _said(lines: list[str]) -> tuple[list[str], int]:
 
 
 @pytest.mark.slow
-def test_kill_9_of_one_of_4_workers_restarts_from_the_checkpoint_bit_for_bit(tmp_path):
-    """The restarted workers retrace the steps the killed run made after that checkpoint to the bit, lose at most
-    one checkpoint interval, and no surviving rank prints a line of its own."""
+def test_kill_9_of_rank_0_of_4_workers_restarts_from_the_checkpoint_bit_for_bit(tmp_path):
+    """Rank 0 is named in one line; the restarted workers retrace the steps the killed run made after that
+    checkpoint to the bit, lose at most one checkpoint interval, and no surviving rank prints a line of its own."""
     proc = _launch(tmp_path, "--nproc-per-node=4", "--max-restarts=2")
-    lines = _run(proc, kill_at=6, local_rank=2)
+    lines = _run(proc, kill_at=6, local_rank=0)
     assert proc.returncode == 0, lines[-30:]
     said, died = _said(lines)
     assert len(said) == 1, said
     m = re.fullmatch(
-        r"tpframe\.launch: rank 2 died of signal 9 \(SIGKILL\), last seen at step \d+ \(\w+\); "
+        r"tpframe\.launch: rank 0 died of signal 9 \(SIGKILL\), last seen at step \d+ \(\w+\); "
         r"restart 1 of 2 from step (\d+)",
         said[0],
     )
@@ -144,7 +144,9 @@ def test_elastic_run_continues_on_3_workers_with_the_same_samples_and_grows_back
     shrink = re.fullmatch(r"tpframe\.launch: rank 3 died of .*; restart 1 of 2 from step (\d+); world 4 -> 3", said[0])
     grow = re.fullmatch(r"tpframe\.launch: .*; restart from step (\d+); world 3 -> 4", said[1])
     assert shrink and grow, said
-    assert "world 3 = tp 1 x dp 3" in "\n".join(lines) and "(4 micro-batches of 2 per rank)" in "\n".join(lines)
+    out = "\n".join(lines)
+    assert "world 4 -> 3 since the checkpoint: dp 4 -> 3, global batch 24 as before (4 micro-batches per rank)" in out
+    assert "world 3 -> 4 since the checkpoint: dp 3 -> 4, global batch 24 as before (3 micro-batches per rank)" in out
     resumed = [0, int(shrink[1]), int(grow[1])]
     assert resumed[2] >= resumed[1] + INTERVAL, "grown back after a checkpoint at the smaller world"
     _check_order(_samples(tmp_path), resumed)
