@@ -161,3 +161,18 @@ def test_a_mistake_the_workers_find_is_not_retried(tmp_path):
     proc = _launch(tmp_path, "--nproc-per-node=1", "--max-restarts=2", "--no-check", extra=["optim.weight_decay=nan"])
     lines = _run(proc)
     assert proc.returncode == 2 and len(lines) == 1 and "optim.weight_decay=nan" in lines[0], lines
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_kill_9_of_rank_1_restarts_from_the_checkpoint_bit_for_bit(tmp_path):
+    """The same on 2 GPUs (NCCL, DP=2): the restarted workers build fresh NCCL communicators, and retrace the steps
+    after the checkpoint to the bit."""
+    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1", extra=["train.global_batch_size=8"])
+    lines = _run(proc, kill_at=6, local_rank=1)
+    assert proc.returncode == 0, lines[-30:]
+    said, died = _said(lines)
+    m = re.fullmatch(r"tpframe\.launch: rank 1 died of signal 9 \(SIGKILL\).*; restart 1 of 1 from step (\d+)", said[0])
+    assert len(said) == 1 and m, said
+    first, again = _attempts(tmp_path)
+    resumed = int(m[1])
+    assert {s: again[s] for s in first if s > resumed} == {s: first[s] for s in first if s > resumed}

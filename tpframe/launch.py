@@ -198,17 +198,19 @@ def check_worlds(args) -> tuple[list[int], Path | None]:
     checkpoints folder."""
     from tpframe.errors import ConfigError
 
-    nproc, rank = args.procs[-1], args.node_rank * args.procs[-1]  # node 0 probes the run directory's lock
-    prepared = preflight(args.script, args.script_args, args.nodes[-1] * nproc, rank)
+    nproc, last = args.procs[-1], args.node_rank > 0  # node 0 checks as rank 0 (it probes the run's lock)
+    prepared = preflight(
+        args.script, args.script_args, args.nodes[-1] * nproc, args.nodes[-1] * nproc - 1 if last else 0
+    )
     sizes = [nproc]
     for nodes in reversed(args.nodes[:-1]):  # every node count must train
         try:
-            preflight(args.script, args.script_args, nodes * nproc, rank)
+            preflight(args.script, args.script_args, nodes * nproc, nodes * nproc - 1 if last else 0)
         except ConfigError as e:
             raise ConfigError(f"at --nnodes {nodes} (world {nodes * nproc}): {e}") from None
     for procs in reversed(args.procs[:-1]):  # the worker counts the layout allows
         try:
-            preflight(args.script, args.script_args, procs, rank)
+            preflight(args.script, args.script_args, procs, 0)
             sizes.append(procs)
         except ConfigError:
             continue

@@ -74,6 +74,7 @@ class Agent(LocalElasticAgent):
         self.slots = visible.split(",") if visible else [str(i) for i in range(local_sizes[0])]
         self.out: set[str] = set()  # slots sitting out after their worker died
         self.deaths: list[Death] = []
+        self.killed: set[int] = set()
         self.worker_store: TCPStore | None = None
         self.stopping = False  # a forwarded SIGTERM/SIGUSR1/SIGINT: no restart, no growth
         self.attempt, self.resumed_at = 0, self._latest_step()
@@ -105,7 +106,7 @@ class Agent(LocalElasticAgent):
     def _monitor_workers(self, group: WorkerGroup):
         handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
         codes = {lr: h.proc.poll() for lr, h in handlers.items()}
-        seen = {d.local_rank for d in self.deaths}
+        seen = {d.local_rank for d in self.deaths} | self.killed
         new = [lr for lr, code in codes.items() if code not in (None, 0) and lr not in seen]
         for lr in new:
             rank = group.workers[lr].global_rank
@@ -114,6 +115,7 @@ class Agent(LocalElasticAgent):
             for lr, code in codes.items():
                 if code is None:
                     handlers[lr].proc.kill()
+                    self.killed.add(lr)
         return super()._monitor_workers(group)
 
     def root_cause(self) -> Death | None:
@@ -181,7 +183,7 @@ class Agent(LocalElasticAgent):
         if self.local_sizes[-1] < self.local_sizes[0]:  # the slots in service, in order
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([s for s in self.slots if s not in self.out][:size])
         os.environ["TPFRAME_ATTEMPT"] = str(self.attempt)  # > 0: the workers resume from the latest checkpoint
-        self.deaths = []
+        self.deaths, self.killed = [], set()  # killed: by this agent, after a death
         self._initialize_workers(group)
 
     def _stop_workers(self, group: WorkerGroup) -> None:

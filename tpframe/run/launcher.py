@@ -36,8 +36,9 @@ def _quiet_torchelastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _rendezvous(args, *, read_timeout: int = 60):
-    """The c10d rendezvous of this launch: node 0 hosts its store at --rdzv-endpoint; one node: this host alone."""
+def _rendezvous(args, *, read_timeout: int = 300):
+    """The c10d rendezvous of this launch: node 0 hosts its store at --rdzv-endpoint (the others wait for it up to
+    `read_timeout` s, its pre-flight included); one node: this host alone."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
