@@ -81,13 +81,13 @@ class Agent(LocalElasticAgent):
 
     # -- a fresh store per attempt ---------------------------------------------------------------------------
     def _rendezvous(self, group: WorkerGroup) -> None:
-        super()._rendezvous(group)
-        key = f"{_STORE_KEY}/{self.attempt}"
+        super()._rendezvous(group)  # group.store: this round's own keys
         if group.group_rank == 0:
             host = "127.0.0.1" if self.single_node else (group.spec.local_addr or socket.getfqdn())
             self.worker_store = TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-            group.store.set(key, f"{host} {self.worker_store.port}")
-        host, port = group.store.get(key).decode().split()
+            group.store.set(_STORE_KEY, f"{host} {self.worker_store.port} {self.attempt}")
+        host, port, attempt = group.store.get(_STORE_KEY).decode().split()
+        self.attempt = int(attempt)  # node 0's count: a node that joins later resumes as the others do
         if group.group_rank != 0:
             self.worker_store = TCPStore(host, int(port), is_master=False)
         group.master_addr, group.master_port = host, int(port)
@@ -182,9 +182,12 @@ class Agent(LocalElasticAgent):
         size = group.spec.local_world_size = self._size()
         if self.local_sizes[-1] < self.local_sizes[0]:  # the slots in service, in order
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([s for s in self.slots if s not in self.out][:size])
-        os.environ["TPFRAME_ATTEMPT"] = str(self.attempt)  # > 0: the workers resume from the latest checkpoint
         self.deaths, self.killed = [], set()  # killed: by this agent, after a death
         self._initialize_workers(group)
+
+    def _start_workers(self, group: WorkerGroup):
+        os.environ["TPFRAME_ATTEMPT"] = str(self.attempt)  # > 0: the workers resume from the latest checkpoint
+        return super()._start_workers(group)
 
     def _stop_workers(self, group: WorkerGroup) -> None:
         self._shutdown(timeout=self._shutdown_timeout)  # SIGTERM: live workers save and exit 0 (a planned stop)
