@@ -22,7 +22,7 @@ import sys
 import torch
 
 from tpframe.errors import ArgumentParser
-from tpframe.launch import launch_env, single_process_env
+from tpframe.launch import launch_env, restart_attempt, single_process_env
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -131,7 +131,7 @@ def prepare(
     checks.check_token_ids(cfg, train_data, valid_data)
     checks.resolve_loss_mask(cfg, train_data)
     checks.resolve_end_of_document(cfg, train_data)
-    resume = preflight(cfg)  # the checkpoint to resume from, checked before anything is built
+    resume = preflight(cfg, restarted=restart_attempt() > 0)  # checked before anything is built
     checks.check_resume(cfg, *resume, train_data)
     checks.check_checkpoint_files(cfg, *resume, world_size=world, rank=rank)
     checks.check_init_from(cfg, model, resuming=resume[0] is not None and cfg.optim.lora_rank is None)
@@ -340,16 +340,21 @@ def _evaluate_only(cfg, trainer, logger) -> None:
         logger.close()
 
 
-def _resume_changes(cfg, meta: dict, step: int) -> list[str]:
-    """The lines saying how the learning-rate schedule and the model's computation differ from the resumed
-    checkpoint's (none when nothing did)."""
+def _resume_changes(cfg, meta: dict, trainer) -> list[str]:
+    """The lines saying how the world size, the learning-rate schedule and the model's computation differ from
+    the resumed checkpoint's (none when nothing did)."""
     from tpframe.models.config import computation_change
     from tpframe.optim.lr import schedule_change
     from tpframe.training.config import from_dict
 
     saved = meta["config"]
     saved_cfg = from_dict({"optim": saved["optim"], "model": saved["model"]})
+    step, world, was = trainer.step, trainer.parallel.world_size, meta["layout"]
     lines = [
+        f"world {was['world']} -> {world} since the checkpoint: dp {was['dp']} -> {trainer.parallel.dp}, global "
+        f"batch {cfg.train.global_batch_size} as before ({trainer.accum} micro-batches per rank), the same samples"
+        if was["world"] != world
+        else "",
         schedule_change(step, cfg.optim, cfg.train.steps, saved_cfg.optim, saved["train"]["steps"]),
         computation_change(cfg.model, saved_cfg.model),
     ]
@@ -460,7 +465,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
                 else ""
             )
             logger.info(f"resumed at step {trainer.step} from {checkpointer.loaded_from}{ignored}")
-            for line in _resume_changes(cfg, resume[1], trainer.step) if resume[1] is not None else []:
+            for line in _resume_changes(cfg, resume[1], trainer) if resume[1] is not None else []:
                 logger.info(line)
         if cfg.train.eval_only:
             _evaluate_only(cfg, trainer, logger)

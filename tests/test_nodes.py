@@ -1,17 +1,20 @@
-"""Several nodes: train.py under torchrun with two "nodes" on this host trains as one node with as many processes,
-and a run folder that is not one folder for every node is refused before training writes anything."""
+"""Several nodes: two launchers on this host (python -m tpframe.launch --nnodes 2, one rendezvous on localhost) train
+as one node with as many processes and resume; a mistake on either node ends both with one line before anything
+is written; a run folder that is not one folder for every node is refused before training writes anything."""
 
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import DistributedFailure, run_distributed
 from tests.training_utils import REPO, TINY, merge_overrides
+from tpframe.observe.logger import read_metrics
 
 ARGS = [
     "train.py",
@@ -39,53 +42,79 @@ def _losses(run_dir: Path) -> list:
     return [r.get("loss") for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-@pytest.mark.slow
-def test_two_nodes_train_as_one_node_with_as_many_processes(tmp_path):
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _node(n: int, port: int, *args: str) -> subprocess.Popen:
+    """Node `n` of two on this host: one launcher with 2 workers; node 0 hosts the rendezvous on `port`."""
+    cmd = [sys.executable, "-m", "tpframe.launch", "--nnodes=2", f"--node-rank={n}", "--nproc-per-node=2"]
+    return subprocess.Popen(
+        [*cmd, f"--rdzv-endpoint=127.0.0.1:{port}", *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _two_nodes(*args: str, node1: tuple = ()) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of both nodes; node 1 starts once node 0 hosts the rendezvous."""
     port = _free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                *ARGS,
-                f"train.run_dir={tmp_path}/nodes",
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for n in (0, 1)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    first = _node(0, port, *args)
+    deadline = time.monotonic() + 120
+    while first.poll() is None and time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    nodes = [first, _node(1, port, *args, *node1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    return [(p.returncode, *out) for p, out in zip(nodes, outs)]
+
+
+@pytest.mark.slow
+def test_two_launchers_train_as_one_node_with_as_many_processes_and_resume(tmp_path):
+    nodes = _two_nodes(*ARGS, f"train.run_dir={tmp_path}/nodes")
+    assert [code for code, _, _ in nodes] == [0, 0], nodes
+    assert not nodes[0][2] and not nodes[1][2], "no line on stderr, no warning"
     one = subprocess.run(
         [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", "4", *ARGS, f"train.run_dir={tmp_path}/one"],
         cwd=REPO,
-        env=env,
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    assert "world 4 = tp 2 x dp 2" in outs[0]
+    assert "world 4 = tp 2 x dp 2" in nodes[0][1] + nodes[1][1]
     assert _losses(tmp_path / "nodes") == _losses(tmp_path / "one")
     saved = sorted(p.name for p in (tmp_path / "nodes" / "checkpoints").iterdir())
     assert saved == sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) and "step_00000003" in saved
+    latest = int((tmp_path / "nodes" / "checkpoints" / "latest").read_text().split("_")[1])
+    more = _two_nodes(
+        *merge_overrides(ARGS, [f"train.run_dir={tmp_path}/nodes", "train.steps=8", "checkpoint.auto_resume=true"])
+    )
+    assert [code for code, _, _ in more] == [0, 0], more
+    assert f"resumed at step {latest} from" in more[0][1] + more[1][1]
+    assert [r["step"] for r in read_metrics(tmp_path / "nodes" / "metrics.jsonl") if r["kind"] == "train"] == list(
+        range(1, 9)
+    )
+
+
+def test_a_bad_key_on_one_node_is_one_line_exit_2_on_both_and_nothing_written(tmp_path):
+    nodes = _two_nodes(*ARGS, f"train.run_dir={tmp_path}/run", node1=("model.hiden=64",))
+    assert [code for code, _, _ in nodes] == [2, 2], nodes
+    assert nodes[1][2].splitlines() == [
+        "tpframe: config error: unknown config key 'model.hiden' (did you mean 'model.hidden'?)"
+    ]
+    assert nodes[0][2].splitlines() == [
+        "tpframe.launch: the run was refused on another node (its launcher printed why); nothing was started here"
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 def _check(root: str, shared: bool):

@@ -1,17 +1,21 @@
-"""The launcher: check the config once, start the workers through torch.distributed's launcher API,
-forward preemption signals, and exit with the workers' code and no traceback of its own.
+"""The launcher: check the config once for every world it may run, start the workers under torchelastic's
+agent, forward preemption signals, and exit with the workers' code and no traceback of its own.
 
-    python -m tpframe.launch --nproc-per-node 2 train.py --config configs/tiny_cpu.yaml [section.key=value ...]
+    python -m tpframe.launch --nproc-per-node 8 train.py --config configs/X.yaml [section.key=value ...]
+    python -m tpframe.launch --nnodes 2 --node-rank R --rdzv-endpoint node0:29500 --nproc-per-node 8 train.py ...
+    python -m tpframe.launch --nproc-per-node 2:4 --max-restarts 3 train.py ...       # elastic, one node
 
 1. The parent runs train.py's `prepare` for the whole world (config, env vars, model shapes, memory on
-   CPU, data, run directory, checkpoint) before any worker exists: a mistake is one line, exit code 2.
-2. Workers start through `torch.distributed.launcher.api.elastic_launch` on one node (what
-   `torchrun --standalone` and `accelerate launch` use), with torchelastic's own logging silenced.
+   CPU, data, run directory, checkpoint) before any worker exists, on every node: a mistake is one line,
+   exit code 2, and a node whose pre-flight failed closes the rendezvous so the others stop too.
+2. Workers start under tpframe/run/agent.py's agent (torchelastic's LocalElasticAgent, c10d rendezvous),
+   with torchelastic's own logging silenced.
 3. SIGTERM and SIGUSR1 are forwarded to the workers, which save a checkpoint at the end of the step and
    exit 0; the launcher then exits 0. SIGINT (Ctrl-C) stops them without saving (exit 130).
 4. A worker's failure ends the launch with that worker's exit code (2 config, 3 non-finite steps,
-   4 a stopped rank or failed collective: tpframe/exits.py); the worker printed the line. Any
-   other failure adds one line naming the rank and its exit code.
+   4 a stopped rank or failed collective: tpframe/exits.py); the worker printed the line. A worker killed
+   by a signal or crashing is named in one line: rank, signal or exit code, step. With --max-restarts K
+   the workers start again from the latest checkpoint (one line per restart), except after 2, 3 and 5.
 """
 
 from __future__ import annotations
@@ -20,24 +24,11 @@ import argparse
 import ast
 import importlib.util
 import inspect
-import logging
 import os
-import signal
 import socket
 import sys
-import uuid
 from pathlib import Path
 from typing import NamedTuple
-
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
-TPFRAME_CODES = {
-    2: "config error",
-    3: "training stopped on non-finite steps",
-    4: "a rank stopped responding",
-    5: "checkpoint not saved",
-    6: "out of memory",
-}
-
 
 LAUNCH_HINT = "launch with python -m tpframe.launch --nproc-per-node N"
 
@@ -92,6 +83,14 @@ def launch_env() -> LaunchEnv:
     return LaunchEnv(world, rank, local_rank, local_world)
 
 
+def restart_attempt() -> int:
+    """Which start of this run's workers this is: 0 the first, > 0 a restart by tpframe.launch (or torchrun's
+    --max-restarts), which resumes from the run's latest checkpoint."""
+    from tpframe.errors import env_int
+
+    return max(env_int("TPFRAME_ATTEMPT", 0, 0), env_int("TORCHELASTIC_RESTART_COUNT", 0, 0))
+
+
 def single_process_env() -> None:
     """Let `python train.py` (or generate.py) run without a launcher: the env of a world of one process. A
     launched process keeps its env (checked by `launch_env`); a world of one given in part gets the rest."""
@@ -112,6 +111,18 @@ class LaunchError(Exception):
     """A mistake in the launcher's own arguments."""
 
 
+def _count_range(option: str, raw: str) -> range:
+    """`N` or `MIN:MAX` (both at least 1) as a range."""
+    low, _, high = raw.partition(":")
+    try:
+        counts = range(int(low), int(high or low) + 1)
+    except ValueError:
+        counts = range(0)
+    if not counts or counts.start < 1:
+        raise LaunchError(f"{option}={raw} must be a count N or a range MIN:MAX of counts of at least 1")
+    return counts
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from tpframe.errors import ArgumentParser  # refuses an option given twice
     from tpframe.paths import not_a_file
@@ -119,16 +130,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(
         prog="python -m tpframe.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--nproc-per-node", "--nproc_per_node", type=int, default=1, help="worker processes on this node (one per GPU)"
-    )
-    parser.add_argument("--no-check", action="store_true", help="skip the parent's pre-flight check")
-    parser.add_argument("script", help="the script: train.py, or generate.py")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    add = parser.add_argument
+    add("--nproc-per-node", "--nproc_per_node", default="1", help="workers on this node (one per GPU), or MIN:MAX")
+    add("--nnodes", default="1", help="nodes, or MIN:MAX (elastic); every node runs this launcher")
+    add("--node-rank", "--node_rank", type=int, default=0, help="this node's number; node 0 hosts the rendezvous")
+    add("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of node 0, where the nodes meet")
+    add("--max-restarts", "--max_restarts", type=int, default=0, help="start failed workers again, K times")
+    add("--no-check", action="store_true", help="skip the parent's pre-flight check")
+    add("script", help="the script: train.py, or generate.py")
+    add("script_args", nargs=argparse.REMAINDER, help="its arguments")
     parser.error = lambda message: (_ for _ in ()).throw(LaunchError(message))  # one line, not usage + error
     args = parser.parse_args(argv)
-    if args.nproc_per_node < 1:
-        raise LaunchError(f"--nproc-per-node={args.nproc_per_node} must be at least 1")
+    args.procs = _count_range("--nproc-per-node", args.nproc_per_node)
+    args.nodes = _count_range("--nnodes", args.nnodes)
+    if len(args.procs) > 1 and len(args.nodes) > 1:
+        raise LaunchError("give a range MIN:MAX to --nproc-per-node or to --nnodes, not to both")
+    if len(args.procs) > 1 and args.nodes.stop > 2:
+        raise LaunchError(f"--nproc-per-node={args.nproc_per_node} is for one node; across nodes give --nnodes MIN:MAX")
+    if (len(args.procs) > 1 or len(args.nodes) > 1) and args.max_restarts < 1:
+        raise LaunchError("an elastic run changes its world only at a restart: give --max-restarts K (K >= 1)")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={args.max_restarts} must be at least 0")
+    if not 0 <= args.node_rank < args.nodes[-1]:
+        raise LaunchError(f"--node-rank={args.node_rank} must be in 0..{args.nodes[-1] - 1} (--nnodes={args.nnodes})")
+    if args.nodes[-1] > 1 and not args.rdzv_endpoint:
+        raise LaunchError("several nodes meet at node 0: give --rdzv-endpoint HOST:PORT (the same on every node)")
     if why := not_a_file(args.script):
         raise LaunchError(f"training script {args.script!r} {why}")
     return args
@@ -143,96 +169,62 @@ def _defines_prepare(path: Path) -> bool:
     return any(isinstance(node, ast.FunctionDef) and node.name == "prepare" for node in tree.body)
 
 
-def preflight(script: str, script_args: list[str], world_size: int) -> None:
-    """The script's own pre-flight for the whole world, when it has one (train.py's or generate.py's `prepare`)."""
+def _script_prepare(script: str):
+    """The script's own pre-flight (train.py's or generate.py's `prepare`), or None."""
     path = Path(script).resolve()
     if not _defines_prepare(path):
-        return
+        return None
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("_tpframe_launched_script", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # a dataclass in the script (generate.py's Plan) looks its module up there
     spec.loader.exec_module(module)  # train.py and generate.py only define functions when not __main__
-    prepare = getattr(module, "prepare", None)
-    if prepare is not None:
-        accepted = inspect.signature(prepare).parameters  # train.py's takes all three, generate.py's world_size
-        options = dict(world_size=world_size, rank=0, device_check=False)
-        prepare(script_args, **{k: v for k, v in options.items() if k in accepted})
+    return getattr(module, "prepare", None)
 
 
-def _children() -> list[int]:
-    """Pids of this process's children (the workers): /proc/<pid>/task/*/children."""
-    pids = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return pids
+def preflight(script: str, script_args: list[str], world_size: int, rank: int = 0):
+    """The script's own pre-flight for the whole world, when it has one; what it returns (train.py: the config)."""
+    prepare = _script_prepare(script)
+    if prepare is None:
+        return None
+    accepted = inspect.signature(prepare).parameters  # train.py's takes all three, generate.py's world_size
+    options = dict(world_size=world_size, rank=rank, device_check=False)
+    return prepare(script_args, **{k: v for k, v in options.items() if k in accepted})
 
 
-def _quiet_torchelastic() -> None:
-    """torchelastic logs worker deaths and restarts at WARNING; the workers' own lines say it better."""
-    if os.environ.get("LOGLEVEL"):
-        return
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+def check_worlds(args) -> tuple[list[int], Path | None]:
+    """The pre-flight at every world the launch may run (ConfigError at the largest, or at any node count of
+    --nnodes MIN:MAX); returns the worker counts of this node the layout allows, largest first, and the run's
+    checkpoints folder."""
+    from tpframe.errors import ConfigError
 
-
-def launch(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    _quiet_torchelastic()
-
-    def forward(signum, frame) -> None:
-        for pid in _children():
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-        print(
-            f"tpframe.launch: {signal.Signals(signum).name} forwarded to the workers: they save a checkpoint and stop",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
-    if args.nproc_per_node > 1:  # as torchrun does: N processes each with every core's threads would thrash
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc_per_node,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM/SIGUSR1: forwarded above
+    nproc, last = args.procs[-1], args.node_rank > 0  # node 0 checks as rank 0 (it probes the run's lock)
+    prepared = preflight(
+        args.script, args.script_args, args.nodes[-1] * nproc, args.nodes[-1] * nproc - 1 if last else 0
     )
-    try:
-        elastic_launch(config, sys.executable)("-u", args.script, *args.script_args)
-    except ChildFailedError as e:
-        rank, first = e.get_first_failure()
-        ours = sorted((f.timestamp, f.exitcode) for f in e.failures.values() if f.exitcode in TPFRAME_CODES)
-        if ours:  # a worker printed its one line; the others' deaths (killed once it failed) are echoes
-            return ours[0][1]
-        code = first.exitcode
-        what = f"signal {-code} ({first.signal_name()})" if code < 0 else f"exit code {code}"
-        print(f"tpframe.launch: rank {rank} failed with {what}; its output is above", file=sys.stderr, flush=True)
-        return 1
-    except SignalException as e:
-        print(f"tpframe.launch: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
-    return 0
+    sizes = [nproc]
+    for nodes in reversed(args.nodes[:-1]):  # every node count must train
+        try:
+            preflight(args.script, args.script_args, nodes * nproc, nodes * nproc - 1 if last else 0)
+        except ConfigError as e:
+            raise ConfigError(f"at --nnodes {nodes} (world {nodes * nproc}): {e}") from None
+    for procs in reversed(args.procs[:-1]):  # the worker counts the layout allows
+        try:
+            preflight(args.script, args.script_args, procs, 0)
+            sizes.append(procs)
+        except ConfigError:
+            continue
+    cfg = prepared[0] if isinstance(prepared, tuple) and hasattr(prepared[0], "checkpoint") else None
+    if cfg is None:
+        return sizes, None
+    from tpframe.checkpoint.files import checkpoint_root
+
+    return sizes, checkpoint_root(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tpframe.run.launcher import close_rendezvous, launch
+
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except LaunchError as e:
@@ -241,15 +233,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    sizes, checkpoints = [n for n in reversed(args.procs)], None
     if not args.no_check:
         from tpframe.errors import ConfigError
 
         try:
-            preflight(args.script, args.script_args, args.nproc_per_node)
+            sizes, checkpoints = check_worlds(args)
         except ConfigError as e:
-            print(f"tpframe: config error: {e}", file=sys.stderr)
+            print(f"tpframe: config error: {e}", file=sys.stderr, flush=True)
+            if args.nodes[-1] > 1:
+                close_rendezvous(args)  # the other nodes stop too, instead of waiting for this one
             return 2
-    return launch(args)
+    return launch(args, local_sizes=sizes, checkpoints=checkpoints)
 
 
 if __name__ == "__main__":

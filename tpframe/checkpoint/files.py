@@ -212,12 +212,15 @@ def check_compatible(cfg, meta: dict[str, Any]) -> None:
         )
 
 
-def preflight(cfg) -> tuple[Path | None, dict | None]:
-    """The checkpoint this run will resume from (explicit load, else `latest`), checked; or (None, None)."""
-    if cfg.checkpoint.load:
+def preflight(cfg, *, restarted: bool = False) -> tuple[Path | None, dict | None]:
+    """The checkpoint this run will resume from (explicit load, else `latest`), checked; or (None, None).
+    `restarted` (a launcher started this run's workers again after a failure): the run's own `latest` first."""
+    root = checkpoint_root(cfg)
+    if restarted and (root / LATEST).exists():
+        path = resolve(root)
+    elif cfg.checkpoint.load:
         path = resolve(cfg.checkpoint.load)
     else:
-        root = checkpoint_root(cfg)
         if not (cfg.checkpoint.auto_resume and (root / LATEST).exists()):
             return None, None  # checkpoint.init_from, if any, is checked by tpframe/checkpoint/init_from.py
         path = resolve(root)

@@ -61,6 +61,8 @@ _COMM_ERRORS = (
     "peer",
 )
 
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe")  # a peer's process ended
+
 
 class CommFailure(RuntimeError):
     """A collective that could not complete; the message is the one line to print. `report`: this rank prints it."""
@@ -253,6 +255,8 @@ class Heartbeat:
                 time.sleep(10 * self.period)
             self.reported = True
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if any(s in first.lower() for s in _PEER_GONE):  # let a dead peer's heartbeat go stale, so the line calls
+            time.sleep(max(3 * self.period, 2.0) + self.period)  # it silent, not alive (a launcher kills us first)
         line, report = self.message(f"a collective failed ({first[:160]})")
         dumped = dump_flight_recorder(self.rank)
         if dumped is not None:
