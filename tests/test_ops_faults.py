@@ -6,6 +6,8 @@ import io
 import json
 import math
 import os
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -620,15 +622,60 @@ def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[l
     return lines, waited, rest
 
 
-def test_a_stopped_rank_ends_the_others_within_the_timeout_with_a_message(tmp_path):
-    timeout_s = 3
-    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"])
-    lines, waited, rest = _stop_rank_1(proc, report_timeout=60, exit_timeout=60)
+LONG = os.environ.get("TPFRAME_LONG_DRILLS") == "1"  # the drills at production-like timeouts (30 s and more)
+
+
+@pytest.mark.parametrize(
+    "timeout_s, within",
+    [(3, 7), pytest.param(30, 45, marks=pytest.mark.skipif(not LONG, reason="a 45 s drill: TPFRAME_LONG_DRILLS=1"))],
+)
+def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit_4(tmp_path, timeout_s, within):
+    """SIGSTOP rank 1: within `within` s rank 0 prints one line naming the collective it waits in (op, group,
+    sequence number, sizes, from the flight recorder) and rank 1 (from the heartbeats), dumps its flight record in
+    the run directory, exit 4; the last checkpoint stays complete and loadable."""
+    from tpframe.checkpoint import resolve, verify
+
+    args = [*SCRIPT, "train.steps=100000", "checkpoint.interval=2", f"comm.timeout_s={timeout_s}"]
+    proc = _launch([*args, f"train.run_dir={tmp_path}"])
+    lines, waited, rest = _stop_rank_1(proc, report_timeout=within + 30, exit_timeout=60)
     line = lines[-1]
-    assert waited < timeout_s + 4, f"rank 0 gave up after {waited:.1f} s"
-    assert "did not arrive: rank 1 (no heartbeat for" in line and "group [0, 1]" in line and "step " in line, line
+    assert waited < within, f"rank 0 gave up after {waited:.1f} s"
+    collective = r"in [a-z_]+ #\d+ on the (dp|world) group \[0, 1\] \((\w+\[[\d, ]*\](, )?)+\)"  # op, group, seq, sizes
+    assert re.search(rf"rank 0 waited \d+ s at step \d+ {collective}", line), line
+    assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat for \d+ s", line), line
     assert f"comm.timeout_s={timeout_s}" in line and proc.returncode == 4, (line, rest)
     assert "Traceback" not in rest and not any(x.startswith("tpframe:") for x in rest.splitlines()), rest
+    record = pickle.loads((tmp_path / "comm_trace" / "rank_0").read_bytes())  # torch's analyser reads it
+    seq = int(re.search(r" #(\d+) on", line).group(1))
+    assert any(e["collective_seq_id"] == seq for e in record["entries"]), record["entries"][-3:]
+    assert "[0, 1]" in {c["ranks"] for c in record["pg_config"].values()}, record["pg_config"]
+    assert verify(resolve(tmp_path / "checkpoints"), "crc")["step"] >= 2  # nothing lost
+
+
+def test_the_stuck_collective_names_who_never_entered_who_did_not_complete_and_who_stopped():
+    """find_stuck against counters as the heartbeats publish them: a live rank behind never entered it; a rank
+    that entered and did not complete is named so; a rank silent since before this one entered is only stopped."""
+    from tpframe.parallel.flight import find_stuck
+
+    now = time.time_ns()
+    entry = {
+        "process_group": ("3", "mesh_dp"),
+        "collective_seq_id": 12,
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[4, 8]],
+        "input_dtypes": ["Float"],
+        "time_created_ns": now - 10 * 10**9,  # waiting for 10 s
+    }
+    table = {"3": ("dp", [0, 1, 2, 3]), "0": ("world", [0, 1, 2, 3])}
+    peers = {1: ({"3": (11, 11)}, 0.5), 2: ({"3": (12, 11)}, 0.5), 3: ({"3": (11, 11)}, 25.0)}
+    stuck = find_stuck([entry], table, peers, rank=0)
+    assert stuck.describe() == "all_reduce #12 on the dp group [0, 1, 2, 3] (Float[4, 8])"
+    assert (stuck.never_entered, stuck.not_completed, stuck.stopped) == ([1], [2], [3])
+    assert 9 < stuck.waited_s < 11
+    other = {**entry, "process_group": ("9", "a group of no run's"), "time_created_ns": now - 20 * 10**9}
+    everyone = {r: ({"3": (12, 11)}, 0.5) for r in (1, 2, 3)}
+    assert find_stuck([other, entry], table, everyone, rank=0).not_completed == [1, 2, 3]
+    assert find_stuck([other], table, peers, rank=0) is None
 
 
 # -- GPU: the device's memory, and the NCCL flight recorder --------------------------------------------------
