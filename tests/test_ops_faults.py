@@ -751,3 +751,34 @@ def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
     lines, waited, _ = _stop_rank_1(proc, report_timeout=timeout_s + 60, exit_timeout=120)
     assert waited < timeout_s + 10 and "rank 1" in lines[-1] and proc.returncode == 4, (waited, lines[-5:])
     assert (tmp_path / "nccl_trace" / "rank_0").is_file(), lines[-1]
+
+
+HUNG = """
+import sys, time, torch
+from tpframe.parallel import flight, initialize_parallel
+from tpframe.parallel.heartbeat import Heartbeat, Progress
+flight.configure(sys.argv[1])
+state = initialize_parallel(timeout_s=4)
+progress = Progress()
+beat = Heartbeat.start(state, timeout_s=4, progress=progress)
+torch.distributed.all_reduce(torch.ones(3), group=state.dp_group)  # #1: both enter
+progress.mark(1, "loss")
+if state.rank == 0:
+    torch.distributed.all_reduce(torch.ones(5, 2), group=state.dp_group)  # #2: rank 1 never enters it
+time.sleep(7)  # rank 1: alive, beating, elsewhere (until the launcher stops it)
+"""
+
+
+def test_a_collective_one_rank_never_enters_is_named_while_every_rank_is_alive(tmp_path):
+    """A collective mismatch, all ranks alive: rank 0 waits in a collective rank 1 never calls. Before the group's
+    own timeout, one line names the collective and rank 1 as alive and never entered; exit 4."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    proc = _launch([str(script), str(tmp_path)])
+    out = proc.communicate(timeout=60)[0]
+    lines = [x for x in out.splitlines() if x.startswith("tpframe:")]
+    assert proc.returncode == 4 and len(lines) == 1, out
+    head = "tpframe: a collective did not complete: rank 0 waited [34] s at step 1 in all_reduce #2 on the dp group"
+    assert re.match(rf"{head} \[0, 1\] \(Float\[5, 2\]\), during the loss all-reduce; ", lines[0]), lines
+    assert "; never entered it: rank 1 (alive, at step 1, loss, last entered #1 there);" in lines[0], lines
+    assert (tmp_path / "comm_trace" / "rank_0").is_file()

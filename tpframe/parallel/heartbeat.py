@@ -178,7 +178,8 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store itself is unreachable: judged below by its age
                 pass
             silent = self.silent(SILENCE * self.timeout_s)
-            hung = self._collective_waited() > SILENCE * self.timeout_s  # all alive, a collective that never ends
+            # all alive, a collective that never ends (seen here up to a period after it began, checked each period)
+            hung = self._collective_waited() > SILENCE * self.timeout_s - 2 * self.period
             if (silent or hung) and not self._stop.is_set():
                 self._report_and_exit(silent)
 
