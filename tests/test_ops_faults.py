@@ -622,6 +622,8 @@ def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[l
     return lines, waited, rest
 
 
+COLLECTIVE = r"in [a-z_]+ #\d+ on the (dp|world) group \[0, 1\] \((\w+\[[\d, ]*\](, )?)+\)"  # op, group, seq, sizes
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LONG = os.environ.get("TPFRAME_LONG_DRILLS") == "1"  # the drills at production-like timeouts (30 s and more)
 
 
@@ -640,8 +642,7 @@ def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit
     lines, waited, rest = _stop_rank_1(proc, report_timeout=within + 30, exit_timeout=60)
     line = lines[-1]
     assert waited < within, f"rank 0 gave up after {waited:.1f} s"
-    collective = r"in [a-z_]+ #\d+ on the (dp|world) group \[0, 1\] \((\w+\[[\d, ]*\](, )?)+\)"  # op, group, seq, sizes
-    assert re.search(rf"rank 0 waited \d+ s at step \d+ {collective}", line), line
+    assert re.search(rf"rank 0 waited \d+ s at step \d+ {COLLECTIVE}", line), line
     assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat for \d+ s", line), line
     assert f"comm.timeout_s={timeout_s}" in line and proc.returncode == 4, (line, rest)
     assert "Traceback" not in rest and not any(x.startswith("tpframe:") for x in rest.splitlines()), rest
@@ -746,11 +747,12 @@ def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
     timeout_s = 20
     proc = _launch(
         [*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
-        env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"},
+        env=NCCL_ENV,
     )
     lines, waited, _ = _stop_rank_1(proc, report_timeout=timeout_s + 60, exit_timeout=120)
-    assert waited < timeout_s + 10 and "rank 1" in lines[-1] and proc.returncode == 4, (waited, lines[-5:])
-    assert (tmp_path / "nccl_trace" / "rank_0").is_file(), lines[-1]
+    assert waited < timeout_s + 10 and "rank 1 (no heartbeat" in lines[-1] and proc.returncode == 4, (waited, lines)
+    assert re.search(rf"rank 0 waited \d+ s at step \d+ {COLLECTIVE}", lines[-1]), lines[-1]
+    assert (tmp_path / "comm_trace" / "rank_0").is_file(), lines[-1]
 
 
 HUNG = """
@@ -761,20 +763,18 @@ flight.configure(sys.argv[1])
 state = initialize_parallel(timeout_s=4)
 progress = Progress()
 beat = Heartbeat.start(state, timeout_s=4, progress=progress)
-torch.distributed.all_reduce(torch.ones(3), group=state.dp_group)  # #1: both enter
+torch.distributed.all_reduce(torch.ones(3, device=state.device), group=state.dp_group)  # #1: both enter
 progress.mark(1, "loss")
 if state.rank == 0:
-    torch.distributed.all_reduce(torch.ones(5, 2), group=state.dp_group)  # #2: rank 1 never enters it
+    torch.distributed.all_reduce(torch.ones(5, 2, device=state.device), group=state.dp_group)  # #2: rank 1 never
 time.sleep(7)  # rank 1: alive, beating, elsewhere (until the launcher stops it)
 """
 
 
-def test_a_collective_one_rank_never_enters_is_named_while_every_rank_is_alive(tmp_path):
-    """A collective mismatch, all ranks alive: rank 0 waits in a collective rank 1 never calls. Before the group's
-    own timeout, one line names the collective and rank 1 as alive and never entered; exit 4."""
+def _never_entered(tmp_path, env=None):
     script = tmp_path / "hung.py"
     script.write_text(HUNG)
-    proc = _launch([str(script), str(tmp_path)])
+    proc = _launch([str(script), str(tmp_path)], env=env)
     out = proc.communicate(timeout=60)[0]
     lines = [x for x in out.splitlines() if x.startswith("tpframe:")]
     assert proc.returncode == 4 and len(lines) == 1, out
@@ -782,3 +782,15 @@ def test_a_collective_one_rank_never_enters_is_named_while_every_rank_is_alive(t
     assert re.match(rf"{head} \[0, 1\] \(Float\[5, 2\]\), during the loss all-reduce; ", lines[0]), lines
     assert "; never entered it: rank 1 (alive, at step 1, loss, last entered #1 there);" in lines[0], lines
     assert (tmp_path / "comm_trace" / "rank_0").is_file()
+
+
+def test_a_collective_one_rank_never_enters_is_named_while_every_rank_is_alive(tmp_path):
+    """A collective mismatch, all ranks alive (gloo): rank 0 waits in a collective rank 1 never calls. Before the
+    group's own timeout, one line names the collective and rank 1 as alive and never entered; exit 4."""
+    _never_entered(tmp_path)
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_a_collective_one_rank_never_enters_is_named_from_the_flight_recorder(tmp_path):
+    """The same on NCCL: the collective is enqueued and never completes; NCCL's flight recorder gives it."""
+    _never_entered(tmp_path, env=NCCL_ENV)
