@@ -5,11 +5,12 @@
     python tools/prepare_data.py corpus.jsonl --jsonl-key text --tokenizer tokenizer.json --out data/c.bin
     python tools/prepare_data.py corpus.jsonl --tokenizer hf_model/ --out data/c.bin    # an HF model's tokenizer
 
-`.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one
-UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar); an earlier token
-file there is replaced, anything else only with --force. The built-in tokenizer is byte-level (vocab
-256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT token
-ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
+`.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one UTF-8 text
+document; input that is not UTF-8 (binary, gzip, Latin-1) is refused, or with --replace-invalid tokenized with
+each invalid byte replaced by U+FFFD, counted and reported. Writes OUT (uint16/uint32 token ids) and OUT.json (the
+sidecar); an earlier token file there is replaced, anything else only with --force. The built-in tokenizer is
+byte-level (vocab 256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT
+token ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
 tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`). Bad input:
 one error line, exit code 2.
 """
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jsonl-key", default="text", help="the key holding the text in .jsonl lines")
     parser.add_argument("--eot-token", help="the tokenizer's end-of-text token (default: detected)")
     parser.add_argument(
+        "--replace-invalid",
+        action="store_true",
+        help="tokenize input that is not valid UTF-8 with each invalid byte replaced by U+FFFD, counted and reported "
+        "(without it such input is refused)",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="overwrite OUT (and OUT.json) even if they are not a token file made by this tool "
@@ -62,7 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         tokenizer, eot = model_dir_tokenizer(args.tokenizer, args.eot_token)
-        meta = write_token_file(args.inputs, args.out, tokenizer, args.jsonl_key, eot, force=args.force)
+        meta = write_token_file(
+            args.inputs,
+            args.out,
+            tokenizer,
+            args.jsonl_key,
+            eot,
+            force=args.force,
+            replace_invalid=args.replace_invalid,
+        )
     except (ValueError, OSError) as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         return 2
@@ -72,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         f"document(s) of {meta['num_tokens'] / meta['num_documents']:,.0f} tokens on average (end-of-document "
         f"tokens included), to {args.out} and {sidecar_path(args.out)}"
     )
+    for path, n in meta.get("replaced_invalid_bytes", {}).items():
+        print(f"replaced {n:,} byte(s) that were not UTF-8 in {path} by U+FFFD (--replace-invalid)")
     print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
     return 0
 

@@ -32,13 +32,15 @@ class TokenStream:
     """A 1-D token stream `tokens [n]` (ids < vocab_size; an ndarray or a read-only memmap).
 
     `fingerprint` names the content, so a checkpoint's data position is never applied to other data.
-    `eot_id` is the token that ends each document (None: the stream has no document ends).
+    `eot_id` is the token that ends each document (None: the stream has no document ends). `name`: where it comes
+    from, as the user set it (`data.path='a.bin'`), for messages.
     """
 
     tokens: np.ndarray
     vocab_size: int
     fingerprint: str
     eot_id: int | None = None
+    name: str = ""
 
 
 def content_fingerprint(kind: str, tokens: np.ndarray) -> str:
