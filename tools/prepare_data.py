@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tpframe.data.tokenizer import sidecar_path, write_token_file  # noqa: E402
 from tpframe.errors import ArgumentParser  # noqa: E402
+from tpframe.exits import DISK_FULL_OR_READ_ONLY  # noqa: E402
+from tpframe.paths import write_failure  # noqa: E402
 
 
 def model_dir_tokenizer(tokenizer: str | None, eot_token: str | None) -> tuple[str | None, str | None]:
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             replace_invalid=args.replace_invalid,
         )
     except (ValueError, OSError) as e:
-        print(f"prepare_data.py: error: {e}", file=sys.stderr)
+        full = isinstance(e, OSError) and e.errno in DISK_FULL_OR_READ_ONLY
+        print(f"prepare_data.py: error: {write_failure('--out', args.out, e) if full else e}", file=sys.stderr)
         return 2
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
