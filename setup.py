@@ -12,7 +12,7 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tpframe", "tpframe.*"]),
-    package_data={"tpframe": ["comm/symm/thresholds.json"]},
+    package_data={"tpframe": ["comm/symm/thresholds.json", "layers/async_tp_auto.json"]},
     python_requires=">=3.11",
     install_requires=["torch>=2.11", "pyyaml", "numpy", "safetensors"],  # safetensors: exports, init_from
     extras_require={

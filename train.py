@@ -154,7 +154,6 @@ def _parallel_state(cfg):
             ep=p.ep,
             comm_backend=cfg.comm.backend,
             timeout_s=cfg.comm.timeout_s,
-            overlap_sm_margin=cfg.comm.overlap_sm_margin,
         )
     except Exception as e:
         if not is_comm_failure(e):
@@ -170,10 +169,16 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
     """This rank's model (its pipeline stages' chunks; pp=1: the whole model) built in the layer mode of the config,
     compiled and initialized (init_from), and the lines that say what was done to it."""
     from tpframe.checkpoint.init_from import load_init_from
+    from tpframe.layers.async_tp import resolve_auto
     from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_stages
 
     p, notes = cfg.parallel, []
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    hidden, fp8 = cfg.model.hidden, cfg.train.fp8
+    async_tp = resolve_auto(p, hidden=hidden, tokens=tokens, device=state.device, fp8=fp8)
+    if async_tp and p.async_tp == "auto":
+        notes.append(f"async TP on (parallel.async_tp=auto: measured faster at tp={p.tp}, hidden {hidden} on this GPU)")
     ctx = BuildContext(
         state.tp_comm,
         sequence_parallel=p.sequence_parallel,
@@ -183,7 +188,7 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         device=state.device,
         seed=cfg.train.seed,
         # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
-        mode=LayerMode(fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=p.async_tp),
+        mode=LayerMode(fp8=cfg.train.fp8, fp8_small_layers=cfg.train.fp8_small_layers, async_tp=async_tp),
         cp_comm=state.cp_comm,
         ep_comm=state.ep_comm,
     )

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
-                                                      #   ACT BIAS PROFILE GRAPH FP8 SM_MARGIN
+                                                      #   ACT BIAS PROFILE GRAPH FP8
                                                       #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--tp 2] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --shapes 7b --tp 4      # the shapes TP is for: 7b, 13b, llama3-8b
@@ -11,11 +11,9 @@
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
 dropped, no optimizer: the timing of ../shared/peers/bench_*.py, so the RESULT lines compare directly.
-COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or ring) overlaps the SP collectives
-with the GEMMs by the NCCL ring of tpframe/layers/async_tp.py, ASYNC_TP=copy_engine by copy-engine pushes
-(tpframe/layers/async_tp_ce.py), FUSED=0 turns the Triton kernels off (LayerMode.fused_kernels; NORM_MIN_NUMEL=n:
-the kernel norms from n elements up), SM_MARGIN=n comm.overlap_sm_margin (the GEMMs beside a collective leave n SMs
-to it; default 32, as the config).
+COMPILE=1 compiles each block (tpframe/models/compile.py), ASYNC_TP=1 (or copy_engine) overlaps the SP
+collectives with the GEMMs by copy-engine pushes (tpframe/layers/async_tp.py), FUSED=0 turns the Triton kernels off
+(LayerMode.fused_kernels; NORM_MIN_NUMEL=n: the kernel norms from n elements up).
 PROFILE=path writes a torch.profiler table of one more step there.
 The RESULT line ends with the memory one forward holds for its backward (activations, measured once).
 GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
@@ -77,9 +75,9 @@ def flag(name: str, default: str = "0") -> bool:
 
 def async_mode() -> str | bool:
     value = os.environ.get("ASYNC_TP", "0")
-    modes = {"0": False, "1": "ring", "ring": "ring", "copy_engine": "copy_engine"}
+    modes = {"0": False, "1": "copy_engine", "copy_engine": "copy_engine"}
     if value not in modes:
-        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 (ring), ring or copy_engine")
+        raise SystemExit(f"ASYNC_TP={value!r}: use 0, 1 or copy_engine")
     return modes[value]
 
 
@@ -132,7 +130,6 @@ def run_one() -> None:
     state = initialize_parallel(
         tp=env("TP", int(os.environ.get("WORLD_SIZE", 1))),
         comm_backend=os.environ.get("COMM", "auto"),
-        overlap_sm_margin=env("SM_MARGIN", 32),  # comm.overlap_sm_margin (its default)
     )
     tp = state.tp
     if env("EMULATE_TP", 0) > 1:
@@ -227,19 +224,14 @@ def run_one() -> None:
     if os.environ.get("PROFILE"):
         profile_step(step, os.environ["PROFILE"], state.rank)
     if state.rank == 0:
-        from tpframe.layers.linear import async_tp_available
+        from tpframe.layers.async_tp import async_tp_available
 
-        # else the layers fell back (a CUDA graph captures copy_engine's pushes only, not the ring's)
-        mode = ctx.mode
-        ran_async = (
-            mode.async_tp
-            and async_tp_available(state.tp_comm, inp, mode.async_tp)
-            and (not flag("GRAPH") or mode.async_tp == "copy_engine")
-        )
+        mode = ctx.mode  # else the layers fell back to the plain path
+        ran_async = mode.async_tp and async_tp_available(state.tp_comm, inp)
         tags = (
             f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={mode.async_tp if ran_async else 0} "
-            f"fused={int(mode.fused_kernels)} fp8={int(mode.fp8)} ckpt={ckpt} "
-            f"sm_margin={state.tp_comm.overlap_sm_margin}" + (f" doc_len={doc_len}" if doc_len else "")
+            f"fused={int(mode.fused_kernels)} fp8={int(mode.fp8)} ckpt={ckpt}"
+            + (f" doc_len={doc_len}" if doc_len else "")
         )
         line = (
             f"RESULT tpframe tp={tp}{' emulated (collectives local)' if tp != state.tp else ''} sp={int(sp)} "
@@ -426,27 +418,8 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         add(f"DTensor TP={tp} + SP, compile", dtensor, tp, TP=str(tp), SP="1", COMPILE="1")
         add(f"DTensor TP={tp} + SP, compile + async TP", dtensor, tp, TP=str(tp), SP="1", COMPILE="1", ASYNC_TP="1")
     add(f"tpframe TP={tp} + SP, eager", ours, tp, TP=str(tp), SP="1")
-    add(f"tpframe TP={tp} + SP, eager + async TP (NCCL ring)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="ring")
-    add(
-        f"tpframe TP={tp} + SP, eager + async TP (NCCL ring), no SM margin",
-        ours,
-        tp,
-        TP=str(tp),
-        SP="1",
-        ASYNC_TP="ring",
-        SM_MARGIN="0",
-    )
     add(f"tpframe TP={tp} + SP, eager + async TP (copy engines)", ours, tp, TP=str(tp), SP="1", ASYNC_TP="copy_engine")
     add(f"tpframe TP={tp} + SP, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1")
-    add(
-        f"tpframe TP={tp} + SP, compile + async TP (NCCL ring as custom ops)",
-        ours,
-        tp,
-        TP=str(tp),
-        SP="1",
-        COMPILE="1",
-        ASYNC_TP="ring",
-    )
     if torch.cuda.is_available():
         add(f"tpframe TP={tp} + SP, compile, one CUDA graph", ours, tp, TP=str(tp), SP="1", COMPILE="1", GRAPH="1")
         add(
@@ -675,6 +648,22 @@ def report(args, rows: dict, tp: int) -> None:
     if args.results:
         with open(args.results, "a") as f:
             f.write("\n" + text + "\n")
+        record_async_tp(rows, tp)
+
+
+def record_async_tp(rows: dict, tp: int) -> None:
+    """parallel.async_tp=auto's table (tpframe/layers/async_tp_auto.json): for each shape that ran both, async TP's
+    eager forward+backward speed over the plain path's at this TP on this GPU model."""
+    from tpframe.layers.async_tp import record
+
+    for key, shape_rows in rows.items():
+        speed = {r["label"]: r["tflops"] for r in shape_rows if "tflops" in r}
+        plain, overlapped = (speed.get(f"tpframe TP={tp} + SP, eager{s}") for s in ("", " + async TP (copy engines)"))
+        if tp > 1 and plain and overlapped and torch.cuda.is_available():
+            dims = SHAPES[key]
+            row = dict(gpu=torch.cuda.get_device_name(), tp=tp, hidden=int(dims["HIDDEN"]))
+            row.update(tokens=int(dims["MB"]) * int(dims["SEQ"]), speedup=round(overlapped / plain, 3))
+            record(dict(row, section=f"{dims['name']}, benchmarks/gpt.py --compare, {datetime.date.today()}"))
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Async TP by copy engines (parallel.async_tp=copy_engine; tpframe/layers/async_tp_ce.py,
+"""Async TP by copy engines (parallel.async_tp; tpframe/layers/async_tp.py,
 tpframe/comm/peer_exchange.py).
 
 On one GPU, two processes share their slots by CUDA IPC, so pushes, flags, slot reuse and the waits for a late

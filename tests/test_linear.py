@@ -162,10 +162,10 @@ def test_layers_decide_what_they_run_from_the_layer_mode_when_built():
 
     comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
     mode = LayerMode(fused_kernels=False, async_tp=True)
-    assert mode.async_tp == "ring" and LayerMode().fused_kernels and LayerMode().async_tp is None
+    assert mode.async_tp == "copy_engine" and LayerMode().fused_kernels and LayerMode().async_tp is None
     sp, plain = (ColumnParallelLinear(16, 32, sequence_parallel=s, comm=comm, mode=mode) for s in (True, False))
     row = RowParallelLinear(32, 16, sequence_parallel=True, comm=comm, mode=mode)
-    assert (sp.async_tp, row.async_tp, plain.async_tp) == ("ring", "ring", None)
+    assert (sp.async_tp, row.async_tp, plain.async_tp) == ("copy_engine", "copy_engine", None)
     norm = build_norm("rmsnorm", 16, mode=mode)
     attn = ParallelAttention(16, 2, qk_norm=True, comm=comm, mode=mode)
     assert not (sp.fused_decode or norm.fused or attn.fused or attn.fused_decode or attn.q_norm.fused)

@@ -391,14 +391,9 @@ CASES = [
     ),
     ("fp8-fp32", lambda t, s: (["train.fp8=true"], {}), "train.fp8 computes in float8 with bf16"),
     (
-        "sm-margin",
-        lambda t, s: (["comm.overlap_sm_margin=-4"], {}),
-        "comm.overlap_sm_margin=-4 must be between 0 and 64",
-    ),
-    (
         "async-tp-word",
         lambda t, s: (["parallel.async_tp=nccl"], {}),
-        "choose true, false or one of 'ring', 'copy_engine'",
+        "choose true, false or one of 'copy_engine', 'auto'",
     ),
     (
         "fp8-async-tp",

@@ -38,7 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DESIGN = ROOT / "DESIGN.md"
 # options issue 45 removed: no command may name them; prose names them only where it says they were removed
-REMOVED = ("comm.overlap_backward", "parallel.dp_comm", "parallel.dp_high_priority", "async_tp=symm_mem")
+REMOVED = (
+    "comm.overlap_backward",
+    "parallel.dp_comm",
+    "parallel.dp_high_priority",
+    "async_tp=symm_mem",
+    "async_tp=ring",
+    "comm.overlap_sm_margin",
+)
 REMOVED_NOTED_IN = ("docs/performance.md", "docs/design-notes.md")
 SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
 SHORT_KEYS = re.compile(r"(?<=\s)(?:" + "|".join(re.escape(a.split("=")[0]) for a in SHORT) + r")=\S*")

@@ -140,14 +140,6 @@ def export_consolidated(checkpoint: str | Path, out_file: str | Path, force: boo
     return tensors
 
 
-def load_consolidated(model: nn.Module, file: str | Path, tp_rank: int, tp: int, partial: bool = False) -> int:
-    """Copy this rank's shard of every logical tensor in `file` into `model` (any TP layout). `partial`:
-    the model is one pipeline stage (or chunks of several), so the file may hold tensors it does not."""
-    return copy_logical_tensors(
-        model, safetensors_module().load_file(str(file)), tp_rank, tp, source=str(file), partial=partial
-    )
-
-
 @torch.no_grad()
 def copy_logical_tensors(
     model: nn.Module, tensors: Mapping[str, torch.Tensor], tp_rank: int, tp: int, *, source: str, partial: bool = False

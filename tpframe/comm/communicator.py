@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from tpframe.comm import ops as comm_ops
-from tpframe.comm.margin import gemm_sm_margin
 from tpframe.comm.nccl import REDUCE_OPS, NcclBackend
 from tpframe.comm.select import choose, message_bytes
 
@@ -47,8 +46,6 @@ class Communicator:
         group: dist.ProcessGroup | None = None,
         backend: str = "auto",
         device: torch.device | None = None,
-        *,
-        overlap_sm_margin: int = 32,
     ):
         self.group = group if group is not None else dist.group.WORLD
         self.size = dist.get_world_size(self.group)
@@ -61,8 +58,6 @@ class Communicator:
         if self.requested in ("symm", "auto") and self.size > 1:
             self.symm = _try_symm(self.group, self.size, self.device, self.requested)
         self.name = comm_ops.register(self)  # the key of this communicator in the compile-visible ops
-        # SMs the GEMMs hiding a collective of this group leave to it (tpframe/comm/margin.py; comm.overlap_sm_margin)
-        self.overlap_sm_margin = overlap_sm_margin
         self._exchange = _UNSET  # async TP's copy-engine transport (peer_exchange), set up at its first use
 
     def peer_exchange(self):
@@ -162,33 +157,6 @@ class Communicator:
             self.nccl.all_reduce_(x, op)
         return x
 
-    def reduce_scatter_async(self, x: torch.Tensor) -> Pending:
-        """Start `reduce_scatter(x, dim=0)` and return at once: the caller launches other work (a weight-gradient
-        GEMM) while it runs, then `.wait()` gives the result. Eager calls go through NCCL, which runs on its
-        own stream with few SMs beside that work; under torch.compile or CUDA-graph capture the call is the
-        ordinary one (the result is ready when returned)."""
-        if self.size == 1 or _in_order_only(x):
-            return Pending(self.reduce_scatter(x))
-        _check_split(x, 0, self.size)
-        return Pending(*self.nccl.reduce_scatter_start(x), keep=x)
-
-    def exchange_async(self, send: torch.Tensor, *, to: int, recv: torch.Tensor, source: int) -> Pending:
-        """Start sending `send` to group rank `to` while receiving `recv` (filled in place) from group rank
-        `source`, and return at once; `.wait()` gives `recv`. Every rank of a ring calls it at the same step
-        (async TP, tpframe/layers/async_tp.py). Eager only: NCCL runs the pair on its own stream; `send` is
-        kept alive until the wait."""
-        if _in_order_only(send):
-            raise RuntimeError("Communicator.exchange_async runs eagerly only (not traced or captured)")
-        if not (send.is_contiguous() and recv.is_contiguous()):
-            raise ValueError("exchange_async needs contiguous send and receive tensors")
-        return Pending(recv, self.nccl.exchange_start(send, to, recv, source), keep=send)
-
-    def beside(self, pending: Pending | None):
-        """A context for GEMMs launched while `pending` is in flight: they leave `overlap_sm_margin` SMs to it."""
-        return gemm_sm_margin(
-            self.overlap_sm_margin if pending is not None and pending.work is not None else 0, self.device
-        )
-
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim` (rank order)."""
         if self.size == 1:
@@ -245,35 +213,12 @@ class Communicator:
         return f"Communicator(size={self.size}, rank={self.rank}, requested={self.requested}, active={active})"
 
 
-def _in_order_only(x: torch.Tensor) -> bool:
-    """Whether a started collective must be the ordinary one: traced by torch.compile, or captured in a CUDA graph."""
-    return _compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def _check_split(x: torch.Tensor, dim: int, size: int) -> None:
     if x.shape[dim] % size:
         raise ValueError(
             f"reduce_scatter needs dim {dim % x.dim()} of shape {tuple(x.shape)} divisible by the group size "
             f"{size} (with sequence parallelism: make the sequence length a multiple of tp)"
         )
-
-
-class Pending:
-    """A collective in flight (`Communicator.*_async`): `wait()` orders the current stream after it (NCCL) or
-    the host after it (gloo) and returns its result. The input is kept alive until then. `work`: one work,
-    or a list of them (a point-to-point pair)."""
-
-    __slots__ = ("result", "work", "keep")
-
-    def __init__(self, result: torch.Tensor, work=None, *, keep: torch.Tensor | None = None):
-        self.result, self.work, self.keep = result, work, keep
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            for work in self.work if isinstance(self.work, list) else (self.work,):
-                work.wait()
-            self.work = self.keep = None
-        return self.result
 
 
 def _default_device() -> torch.device:

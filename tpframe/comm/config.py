@@ -19,9 +19,6 @@ TIMEOUT_MAX_S = 1e6
 class CommConfig:
     backend: Literal[BACKENDS] = "auto"  # TP collectives; env TPFRAME_COMM_BACKEND overrides
     timeout_s: float = 300.0  # every process group: a collective waiting longer ends the run (exit code 4)
-    # SMs the GEMMs that hide a TP collective (parallel.async_tp=ring) leave free for it
-    # (tpframe/comm/margin.py); 0: those GEMMs use every SM
-    overlap_sm_margin: int = 32
 
 
 def check_comm(c: CommConfig) -> None:
@@ -39,8 +36,3 @@ def check_comm(c: CommConfig) -> None:
             ok = False
         if not ok:
             raise ConfigError(f"env var TPFRAME_SYMM_BUFFER_MB={raw!r} must be a positive number of MiB")
-    if not 0 <= c.overlap_sm_margin <= 64:
-        raise ConfigError(
-            f"comm.overlap_sm_margin={c.overlap_sm_margin} must be between 0 and 64 SMs "
-            "(0: GEMMs beside a collective use every SM)"
-        )

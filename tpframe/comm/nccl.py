@@ -42,7 +42,6 @@ class NcclBackend:
         self._ag_opts = _options(_C10D.AllgatherOptions)
         self._rs_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
         # started collectives (`*_start`): NCCL runs them on its own stream, beside what the caller launches next
-        self._rs_start_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM, blocking=False)
         # torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single; 2.11 has
         # only the underscored names.
         self._ag = getattr(group, "all_gather_single", None) or group._allgather_base
@@ -69,23 +68,6 @@ class NcclBackend:
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
         _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
-
-    def reduce_scatter_start(self, x: torch.Tensor):
-        """Start a reduce-scatter on NCCL's stream; returns (result, work): `work.wait()` orders the current
-        stream after it. `x` (and the result) must stay alive until then."""
-        out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
-        return out, self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_start_opts)
-
-    def exchange_start(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int):
-        """Start sending `send` to group rank `dst` and receiving into `recv` from group rank `src`, as one
-        NCCL group (a send and a receive launched apart could each wait for the other's peer); returns the
-        works: waiting on each orders the current stream after the pair."""
-        peer = dist.get_global_rank
-        ops = [
-            dist.P2POp(dist.isend, send, peer(self.group, dst), self.group),
-            dist.P2POp(dist.irecv, recv, peer(self.group, src), self.group),
-        ]
-        return dist.batch_isend_irecv(ops)
 
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))

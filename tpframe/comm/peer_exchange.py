@@ -1,8 +1,9 @@
 """Tensors pushed into peers' memory by the copy engines, ordered by stream memory operations: the transport of
-async TP's "copy_engine" mode (tpframe/layers/async_tp_ce.py).
+async TP (tpframe/layers/async_tp.py).
 
 Why: NCCL's kernels (and tpframe's symm kernels) hold SMs while they move bytes, and cuBLAS's Hopper GEMMs are
-persistent, so a GEMM beside them either waits or slows them (tpframe/comm/margin.py). A copy between GPUs by
+persistent, so a GEMM beside them either waits or slows them (benchmarks/RESULTS.md, 'GEMMs beside
+communication: the SM contention, and the SM margin that cures it'). A copy between GPUs by
 `cudaMemcpyAsync` runs on the copy engines (DMA) and holds no SM: the GEMM beside it keeps every SM.
 
 Each rank owns, in memory every peer can write (torch's symmetric memory; CUDA IPC in the one-GPU tests), `SLOTS`

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tpframe.errors import ConfigError
+from tpframe.layers.async_tp import asked
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
@@ -99,7 +100,7 @@ def check_fp8(cfg, widths) -> None:
         raise ConfigError(
             f"train.fp8 computes in float8 with bf16 inputs and outputs; set train.dtype=bfloat16 (got {t.dtype})"
         )
-    if p.async_tp:
+    if asked(p.async_tp):
         raise ConfigError(
             "train.fp8 and parallel.async_tp cannot be combined (the overlapped GEMMs are bf16); turn one off"
         )

@@ -5,13 +5,11 @@ Row:    weight [out, in/tp], rank r holds columns r*in/tp:(r+1)*in/tp; partial o
         then the full bias [out] is added once.
 
 Each layer decides at construction from its `LayerMode` (tpframe/layers/mode.py) and its shard what it runs.
-Async TP (`mode.async_tp` "ring" or "copy_engine", with sequence parallelism; tpframe/layers/async_tp.py): each GEMM
-and its sequence collective are one autograd Function (or custom op) whose collective is micro-pipelined with the
-GEMM's blocks:
+Async TP (`mode.async_tp`, with sequence parallelism; tpframe/layers/async_tp.py): each GEMM and its sequence
+collective are one autograd Function (or custom op) whose collective is pipelined with the GEMM's blocks:
     column: forward  all-gather(x) @ W^T        backward  reduce-scatter(dy @ W), dW = dy^T all-gather(x)
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
-Where it cannot run (tp = 1, no SP, CUDA-graph capture of the eager ring, "copy_engine" without the copy-engine
-transport) the same layers take the plain path below.
+Where it cannot run (tp = 1, no SP, no copy-engine transport) the same layers take the plain path below.
 
 `mode.fp8`: the plain path's GEMM in float8 where the shard gains (tpframe/layers/fp8.py; not with async TP or
 deferred weight gradients, which the config refuses).
@@ -24,8 +22,7 @@ from torch import nn
 
 from tpframe.comm import Communicator
 from tpframe.kernels import gemv
-from tpframe.layers.async_tp import RingAllGatherLinear, RingLinearReduceScatter, async_tp_available, ring_traced
-from tpframe.layers.async_tp_ce import ce_column, ce_row  # parallel.async_tp=copy_engine
+from tpframe.layers.async_tp import async_tp_available, ce_column, ce_row
 from tpframe.layers.fp8 import fp8_linear, fp8_refusal
 from tpframe.layers.mappings import (
     copy_to_tp,
@@ -91,17 +88,11 @@ def column_parallel_linear(
     Forward: identity (or all-gather of the sequence); backward: all-reduce (or reduce-scatter).
     Returns [s, b, out/tp], or [s, b, out] with `gather_output` (all-gather of the last dim).
     `entered=True`: x has already been through `enter_tp_region` (selective recompute does that itself).
-    `async_tp`: None, "ring" or "copy_engine": the SP all-gather under the GEMM.
+    `async_tp`: None or "copy_engine": the SP all-gather under the GEMM.
     `decode_kernel`: a one-row input inside a decode step's CUDA graph runs tpframe/kernels/gemv.py.
     """
-    mode = async_tp if sequence_parallel and not entered else None
-    if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
-        y = torch.ops.tpframe.ring_column_linear(x, weight, bias, comm.name)[1]
-    elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
-        if mode == "copy_engine":
-            y = ce_column(x, weight, bias, comm)
-        else:
-            y = RingAllGatherLinear.apply(x, weight, bias, comm)
+    if async_tp and sequence_parallel and not entered and async_tp_available(comm, x):
+        y = ce_column(x, weight, bias, comm)  # computes its weight gradient itself (not deferred)
     else:
         x = x if entered else enter_tp_region(x, comm, sequence_parallel)
         y = local_linear(x, weight, bias, fp8=fp8, decode_kernel=decode_kernel)
@@ -127,14 +118,8 @@ def row_parallel_linear(
     """
     if not input_is_parallel:
         x = scatter_to_tp(x, comm)
-    mode = async_tp if sequence_parallel else None
-    if ring_traced(comm, mode):  # compiled blocks: the ring as a custom op
-        y = torch.ops.tpframe.ring_row_linear(x, weight, comm.name)
-    elif mode is not None and async_tp_available(comm, x, mode):  # computes its weight gradient itself (not deferred)
-        if mode == "copy_engine":
-            y = ce_row(x, weight, comm)
-        else:
-            y = RingLinearReduceScatter.apply(x, weight, comm)
+    if async_tp and sequence_parallel and async_tp_available(comm, x):
+        y = ce_row(x, weight, comm)  # computes its weight gradient itself (not deferred)
     else:
         y = local_linear(x, weight, fp8=fp8, decode_kernel=decode_kernel)
         # the GEMM output is fresh and not saved for backward: NCCL may reduce it in place
@@ -147,7 +132,7 @@ def _decide(layer: nn.Module, mode: LayerMode) -> None:
     layer.async_tp = mode.async_tp if layer.sequence_parallel else None
     layer.fp8 = mode.uses_fp8(*layer.weight.shape)
     layer.fused_decode = mode.fused_kernels  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)
-    if layer.async_tp == "copy_engine" and layer.weight.device.type != "meta":
+    if layer.async_tp and layer.comm.size > 1 and layer.weight.device.type != "meta":
         layer.comm.peer_exchange()  # the transport, set up now (a collective every rank reaches: they build alike)
 
 

@@ -24,8 +24,8 @@ class LayerMode:
     fused_kernels: bool = True
     fp8: bool = False  # float8 GEMMs (tpframe/layers/fp8.py) in the column/row-parallel layers whose shards gain
     fp8_small_layers: bool = False  # with fp8: also in the layers too small to gain (`fp8_pays`)
-    # "ring" or "copy_engine" (True = "ring"): the sequence-parallel linear layers pipeline their collective with
-    # their GEMM (tpframe/layers/async_tp.py); None: off
+    # "copy_engine" (True): the sequence-parallel linear layers pipeline their collective with their GEMM
+    # (tpframe/layers/async_tp.py); None: off
     async_tp: str | bool | None = None
 
     def __post_init__(self):

@@ -273,8 +273,3 @@ class GradBuffer:
     def shards(self) -> list[torch.Tensor]:
         """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
         return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -216,7 +216,7 @@ def check_recompute(cfg) -> None:
                 f"parallel.recompute_layers={p.recompute_layers} must be in 1..model.layers="
                 f"{cfg.model.layers} (null: every block)"
             )
-    if p.recompute == "selective" and p.async_tp:
+    if p.recompute == "selective" and p.async_tp not in (False, "auto"):  # "auto" stays off here
         raise ConfigError(
             "parallel.activation_checkpointing=selective re-gathers the norm outputs itself, which "
             "parallel.async_tp would overlap with the GEMM; turn one off"

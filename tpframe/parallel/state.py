@@ -208,13 +208,12 @@ def initialize_parallel(
     *,
     cp: int = 1,
     ep: int = 1,
-    overlap_sm_margin: int = 32,
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
     `cp`: ranks each sequence is split over; `ep`: ranks of dp x cp the MoE experts are split over. `backend`: the
     torch.distributed backend if the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend`: the TP
-    communicator's (auto/nccl/symm), `overlap_sm_margin`: SMs its GEMMs beside a collective leave to it.
+    communicator's (auto/nccl/symm).
     `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
@@ -239,7 +238,7 @@ def initialize_parallel(
         **{f"{kind}_ranks": ranks for kind, ranks in mine.items()},
         device=device,
         mesh=mesh,
-        tp_comm=Communicator(groups["tp"], backend=comm_backend, device=device, overlap_sm_margin=overlap_sm_margin),
+        tp_comm=Communicator(groups["tp"], backend=comm_backend, device=device),
         dp_comm=dp_comm,
         mp_comm=nccl("mp"),
         pp_comm=nccl("pp"),

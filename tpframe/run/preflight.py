@@ -25,6 +25,7 @@ import yaml
 from torch import nn
 
 from tpframe.errors import ConfigError
+from tpframe.layers.async_tp import asked
 from tpframe.models.config import ModelConfig, architecture
 from tpframe.paths import check_creatable
 from tpframe.run.run_lock import check_free, run_folders
@@ -55,10 +56,11 @@ def check_device(cfg, device: str, *, local_world: int, local_rank: int) -> None
     if t.cuda_graph is True and (why := cuda_graph_device_obstacle(cfg, device)):
         raise ConfigError(why)
     if device == "cpu":
-        if cfg.parallel.async_tp == "copy_engine" and cfg.parallel.tp > 1:
+        if asked(cfg.parallel.async_tp) and cfg.parallel.tp > 1:
+            value = str(cfg.parallel.async_tp).lower()
             raise ConfigError(
-                "parallel.async_tp=copy_engine moves data between GPUs and no CUDA device is visible; "
-                "set parallel.async_tp=ring (or false)"
+                f"parallel.async_tp={value} moves data between GPUs and no CUDA device is visible; "
+                "set parallel.async_tp=false"
             )
         if cfg.profile.memory and cfg.profile.start_step:
             raise ConfigError(

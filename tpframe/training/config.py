@@ -23,7 +23,7 @@ from tpframe.comm.config import CommConfig, check_comm
 from tpframe.config import check_at_least, check_finite, check_ranges, load, read_sections
 from tpframe.data.config import DataConfig, check_data
 from tpframe.errors import ConfigError
-from tpframe.layers.async_tp import MODES as ASYNC_TP_MODES
+from tpframe.layers.async_tp import CHOICES as ASYNC_TP_CHOICES
 from tpframe.layers.async_tp import check_async_tp
 from tpframe.layers.context import check_sequence_split
 from tpframe.layers.fp8 import check_fp8
@@ -65,12 +65,10 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2 or more)
     layers_per_stage: list[int] | None = None  # layers of each (virtual) stage in model order; None: even split
     pp_timeout_s: float = 300.0  # a stage waiting longer than this for its neighbour stops the run, naming both
-    # with sequence_parallel: each GEMM overlaps its TP collective (tpframe/layers/async_tp.py): "ring" (= true;
-    # NCCL send/receive pipelined under the GEMM's blocks; a small gain at GPT-1.3B TP=2 + SP: benchmarks/RESULTS.md,
-    # 'Async TP over the NCCL ring, the SM margin, and the DTensor peer') or
-    # "copy_engine" (blocks pushed into the peers' memory by DMA, no SM held: tpframe/layers/async_tp_ce.py; one
-    # host's GPUs)
-    async_tp: bool | Literal[ASYNC_TP_MODES] = False
+    # with sequence_parallel: each GEMM overlaps its TP collective, the blocks pushed into the peers' memory by the
+    # copy engines (true = "copy_engine"; CUDA, one host's GPUs; tpframe/layers/async_tp.py); "auto": on only where
+    # tpframe/layers/async_tp_auto.json measured it faster than off for this GPU, TP and hidden size
+    async_tp: bool | Literal[ASYNC_TP_CHOICES] = "auto"
 
     @property
     def recompute(self) -> str:

@@ -23,11 +23,6 @@ import torch.nn.functional as F
 _ACTIVE: WeightGradStore | None = None
 
 
-def deferring() -> bool:
-    """Whether linear layers' weight gradients are being queued (inside `WeightGradStore.capturing()`)."""
-    return _ACTIVE is not None
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; inside `WeightGradStore.capturing()` its weight gradient is deferred to the store."""
     store = _ACTIVE
