@@ -646,6 +646,7 @@ def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit
     assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat for \d+ s", line), line
     assert f"comm.timeout_s={timeout_s}" in line and proc.returncode == 4, (line, rest)
     assert "Traceback" not in rest and not any(x.startswith("tpframe:") for x in rest.splitlines()), rest
+    assert f"; flight records in {tmp_path / 'comm_trace'};" in line, line
     record = pickle.loads((tmp_path / "comm_trace" / "rank_0").read_bytes())  # torch's analyser reads it
     seq = int(re.search(r" #(\d+) on", line).group(1))
     assert any(e["collective_seq_id"] == seq for e in record["entries"]), record["entries"][-3:]

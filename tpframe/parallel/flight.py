@@ -22,19 +22,18 @@ import torch
 import torch.distributed as dist
 
 TRACE_PREFIX_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"  # where NCCL's own dump on a timeout goes, and ours
-_TRACE_PREFIX: str | None = None  # the prefix configure set (a user's own is kept)
+OURS_ENV = "TPFRAME_TRACE_PREFIX"  # the prefix configure set, seen by child processes too: replaced, a user's is kept
 # the state's groups, most specific first: a group that is several of them (tp = world) is named by the first
 KINDS = ("tp", "cp", "ep", "dp", "dp_cp", "edp", "pp", "embedding", "mp")
 
 
 def configure(run_dir: str | Path) -> None:
     """Turn the flight recorder on (unless the user set it) with its dumps under the run dir; before any group."""
-    global _TRACE_PREFIX
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the old name: torch 2.11+ warns on every rank for it
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if os.environ.get(TRACE_PREFIX_ENV, _TRACE_PREFIX) == _TRACE_PREFIX:  # unset, or set by an earlier run here
-        _TRACE_PREFIX = os.environ[TRACE_PREFIX_ENV] = str(Path(run_dir) / "comm_trace" / "rank_")
+    if os.environ.get(TRACE_PREFIX_ENV) in (None, os.environ.get(OURS_ENV)):  # unset, or set by an earlier run
+        os.environ[TRACE_PREFIX_ENV] = os.environ[OURS_ENV] = str(Path(run_dir) / "comm_trace" / "rank_")
 
 
 def _records(**kwargs) -> list[dict]:
