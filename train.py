@@ -142,12 +142,11 @@ def prepare(
 
 def _parallel_state(cfg):
     """The process groups of cfg.parallel (a rendezvous that times out is a CommFailure: one line, exit code 4)."""
-    from tpframe.parallel import initialize_parallel
-    from tpframe.parallel.heartbeat import CommFailure, configure_flight_recorder, is_comm_failure
+    from tpframe.parallel import flight, initialize_parallel
+    from tpframe.parallel.heartbeat import CommFailure, is_comm_failure
 
     p = cfg.parallel
-    if torch.cuda.is_available():
-        configure_flight_recorder(cfg.train.run_dir)  # before the NCCL groups exist
+    flight.configure(cfg.train.run_dir)  # before the process groups exist
     try:
         state = initialize_parallel(
             tp=p.tp,

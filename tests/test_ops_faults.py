@@ -6,6 +6,8 @@ import io
 import json
 import math
 import os
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -223,7 +225,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_line_and_
     ), line
     assert line.endswith(
         "the last one, step_00000002, is intact: free space (or set checkpoint.dir) and relaunch to resume from it"
-    ), line
+    ) and re.search(r"; [\d.]+ [KMG]?i?B free there\); the last one", line), line
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"], "the partial step 4 is gone"
     assert (root / "latest").read_text() == "step_00000002"
 
@@ -619,15 +621,62 @@ def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[l
     return lines, waited, rest
 
 
-def test_a_stopped_rank_ends_the_others_within_the_timeout_with_a_message(tmp_path):
-    timeout_s = 3
-    proc = _launch([*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"])
-    lines, waited, rest = _stop_rank_1(proc, report_timeout=60, exit_timeout=60)
+COLLECTIVE = r"in [a-z_]+ #\d+ on the (dp|world) group \[0, 1\] \((\w+\[[\d, ]*\](, )?)+\)"  # op, group, seq, sizes
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+LONG = os.environ.get("TPFRAME_LONG_DRILLS") == "1"  # the drills at production-like timeouts (30 s and more)
+
+
+@pytest.mark.parametrize(
+    "timeout_s, within",
+    [(3, 7), pytest.param(30, 45, marks=pytest.mark.skipif(not LONG, reason="a 45 s drill: TPFRAME_LONG_DRILLS=1"))],
+)
+def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit_4(tmp_path, timeout_s, within):
+    """SIGSTOP rank 1: within `within` s rank 0 prints one line naming the collective it waits in (op, group,
+    sequence number, sizes, from the flight recorder) and rank 1 (from the heartbeats), dumps its flight record in
+    the run directory, exit 4; the last checkpoint stays complete and loadable."""
+    from tpframe.checkpoint import resolve, verify
+
+    args = [*SCRIPT, "train.steps=100000", "checkpoint.interval=2", f"comm.timeout_s={timeout_s}"]
+    proc = _launch([*args, f"train.run_dir={tmp_path}"])
+    lines, waited, rest = _stop_rank_1(proc, report_timeout=within + 30, exit_timeout=60)
     line = lines[-1]
-    assert waited < timeout_s + 4, f"rank 0 gave up after {waited:.1f} s"
-    assert "did not arrive: rank 1 (no heartbeat for" in line and "group [0, 1]" in line and "step " in line, line
+    assert waited < within, f"rank 0 gave up after {waited:.1f} s"
+    assert re.search(rf"rank 0 waited \d+ s at step \d+ {COLLECTIVE}", line), line
+    assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat for \d+ s", line), line
     assert f"comm.timeout_s={timeout_s}" in line and proc.returncode == 4, (line, rest)
     assert "Traceback" not in rest and not any(x.startswith("tpframe:") for x in rest.splitlines()), rest
+    assert f"; flight records in {tmp_path / 'comm_trace'};" in line, line
+    record = pickle.loads((tmp_path / "comm_trace" / "rank_0").read_bytes())  # torch's analyser reads it
+    seq = int(re.search(r" #(\d+) on", line).group(1))
+    assert any(e["collective_seq_id"] == seq for e in record["entries"]), record["entries"][-3:]
+    assert "[0, 1]" in {c["ranks"] for c in record["pg_config"].values()}, record["pg_config"]
+    assert verify(resolve(tmp_path / "checkpoints"), "crc")["step"] >= 2  # nothing lost
+
+
+def test_the_stuck_collective_names_who_never_entered_who_did_not_complete_and_who_stopped():
+    """find_stuck against counters as the heartbeats publish them: a live rank behind never entered it; a rank
+    that entered and did not complete is named so; a rank silent since before this one entered is only stopped."""
+    from tpframe.parallel.flight import find_stuck
+
+    now = time.time_ns()
+    entry = {
+        "process_group": ("3", "mesh_dp"),
+        "collective_seq_id": 12,
+        "profiling_name": "gloo:all_reduce",
+        "input_sizes": [[4, 8]],
+        "input_dtypes": ["Float"],
+        "time_created_ns": now - 10 * 10**9,  # waiting for 10 s
+    }
+    table = {"3": ("dp", [0, 1, 2, 3]), "0": ("world", [0, 1, 2, 3])}
+    peers = {1: ({"3": (11, 11)}, 0.5), 2: ({"3": (12, 11)}, 0.5), 3: ({"3": (11, 11)}, 25.0)}
+    stuck = find_stuck([entry], table, peers, rank=0)
+    assert stuck.describe() == "all_reduce #12 on the dp group [0, 1, 2, 3] (Float[4, 8])"
+    assert (stuck.never_entered, stuck.not_completed, stuck.stopped) == ([1], [2], [3])
+    assert 9 < stuck.waited_s < 11
+    other = {**entry, "process_group": ("9", "a group of no run's"), "time_created_ns": now - 20 * 10**9}
+    everyone = {r: ({"3": (12, 11)}, 0.5) for r in (1, 2, 3)}
+    assert find_stuck([other, entry], table, everyone, rank=0).not_completed == [1, 2, 3]
+    assert find_stuck([other], table, peers, rank=0) is None
 
 
 # -- GPU: the device's memory, and the NCCL flight recorder --------------------------------------------------
@@ -698,8 +747,50 @@ def test_nccl_stopped_rank_is_reported_and_the_flight_recorder_dumped(tmp_path):
     timeout_s = 20
     proc = _launch(
         [*SCRIPT, "train.steps=100000", f"comm.timeout_s={timeout_s}", f"train.run_dir={tmp_path}"],
-        env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"},
+        env=NCCL_ENV,
     )
     lines, waited, _ = _stop_rank_1(proc, report_timeout=timeout_s + 60, exit_timeout=120)
-    assert waited < timeout_s + 10 and "rank 1" in lines[-1] and proc.returncode == 4, (waited, lines[-5:])
-    assert (tmp_path / "nccl_trace" / "rank_0").is_file(), lines[-1]
+    assert waited < timeout_s + 10 and "rank 1 (no heartbeat" in lines[-1] and proc.returncode == 4, (waited, lines)
+    assert re.search(rf"rank 0 waited \d+ s at step \d+ {COLLECTIVE}", lines[-1]), lines[-1]
+    assert (tmp_path / "comm_trace" / "rank_0").is_file(), lines[-1]
+
+
+HUNG = """
+import sys, time, torch
+from tpframe.parallel import flight, initialize_parallel
+from tpframe.parallel.heartbeat import Heartbeat, Progress
+flight.configure(sys.argv[1])
+state = initialize_parallel(timeout_s=4)
+progress = Progress()
+beat = Heartbeat.start(state, timeout_s=4, progress=progress)
+torch.distributed.all_reduce(torch.ones(3, device=state.device), group=state.dp_group)  # #1: both enter
+progress.mark(1, "loss")
+if state.rank == 0:
+    torch.distributed.all_reduce(torch.ones(5, 2, device=state.device), group=state.dp_group)  # #2: rank 1 never
+time.sleep(7)  # rank 1: alive, beating, elsewhere (until the launcher stops it)
+"""
+
+
+def _never_entered(tmp_path, env=None):
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    proc = _launch([str(script), str(tmp_path)], env=env)
+    out = proc.communicate(timeout=60)[0]
+    lines = [x for x in out.splitlines() if x.startswith("tpframe:")]
+    assert proc.returncode == 4 and len(lines) == 1, out
+    head = "tpframe: a collective did not complete: rank 0 waited [34] s at step 1 in all_reduce #2 on the dp group"
+    assert re.match(rf"{head} \[0, 1\] \(Float\[5, 2\]\), during the loss all-reduce; ", lines[0]), lines
+    assert "; never entered it: rank 1 (alive, at step 1, loss, last entered #1 there);" in lines[0], lines
+    assert (tmp_path / "comm_trace" / "rank_0").is_file()
+
+
+def test_a_collective_one_rank_never_enters_is_named_while_every_rank_is_alive(tmp_path):
+    """A collective mismatch, all ranks alive (gloo): rank 0 waits in a collective rank 1 never calls. Before the
+    group's own timeout, one line names the collective and rank 1 as alive and never entered; exit 4."""
+    _never_entered(tmp_path)
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_a_collective_one_rank_never_enters_is_named_from_the_flight_recorder(tmp_path):
+    """The same on NCCL: the collective is enqueued and never completes; NCCL's flight recorder gives it."""
+    _never_entered(tmp_path, env=NCCL_ENV)

@@ -1,6 +1,7 @@
 """Every mistake is one line and exit code 2, with nothing written: 162 bad inputs through train.main in this
 process, 29 through the tools, a few through the README's launcher (and torchrun) with 2 processes."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -37,17 +38,20 @@ def _file(tmp: Path, name: str, content) -> str:
 
 
 def _token_file(tmp: Path, bad_id: int | None = None) -> str:
-    from tpframe.data.tokenizer import write_token_file
+    from tpframe.data.tokenizer import content_record, sidecar_path, write_token_file
 
     tmp.mkdir(exist_ok=True)
     text = tmp / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     out = tmp / "tokens.bin"
     write_token_file([text], out)
-    if bad_id is not None:
+    if bad_id is not None:  # a file whose sidecar vouches for it (checksums included) but holds an id too large
         ids = bytearray(out.read_bytes())
         ids[100:102] = int(bad_id).to_bytes(2, "little")
         out.write_bytes(bytes(ids))
+        side = sidecar_path(out)
+        meta = {**json.loads(side.read_text()), **content_record(out), "sha256": hashlib.sha256(ids).hexdigest()}
+        side.write_text(json.dumps(meta))
     return str(out)
 
 
@@ -1361,7 +1365,10 @@ def test_an_export_that_fails_half_way_leaves_the_earlier_export_as_it_was(tmp_p
     for extra in ([], ["--format", "hf"]):
         out = str(tmp_path / ("hf" if extra else "m.safetensors"))
         assert ckpt.main(["export", root, *extra, "--out", out]) == 2
-        assert capsys.readouterr().err.strip() == "tpframe: [Errno 28] No space left on device"
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"tpframe: cannot write --out: {out!r} (No space left on device; ") and line.endswith(
+            " free there); free space or write elsewhere (an earlier export there is intact)"
+        ), line
     assert _snapshot(tmp_path) == before, "the earlier export was changed, or a temporary file left behind"
 
 

@@ -1,6 +1,8 @@
 """Token files made by tools/prepare_data.py: round trips (bytes, JSONL, HF tokenizers) and clear errors."""
 
+import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +197,116 @@ def test_text_files_are_read_in_chunks_and_joined_exactly(tmp_path, monkeypatch)
     meta = write_token_file([txt], tmp_path / "c.bin")
     stream, _ = open_token_file(tmp_path / "c.bin")
     assert meta["num_tokens"] == len(TEXT) + 1 and bytes(np.asarray(stream.tokens, np.uint8)) == TEXT.encode() + b"\0"
+
+
+# -- nothing silently changed: the token file under a run, and input that is not UTF-8 --------------------------
+
+
+def _train(data: Path, run_dir: Path, capsys, *extra) -> tuple[int, list[str]]:
+    """train.py in this process, one rank, on token file `data`: (exit code, its stderr lines)."""
+    import train
+
+    capsys.readouterr()
+    args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "parallel.tp=1", "model.vocab_size=256"]
+    args += ["model.hidden=32", "model.layers=1", "model.heads=4", "train.seq_len=16", "train.micro_batch_size=2"]
+    args += ["train.global_batch_size=2", "train.eval_interval=0", "checkpoint.interval=2"]
+    args += [*extra] if any(x.startswith("train.steps=") for x in extra) else [*extra, "train.steps=2"]
+    code = train.main([*args, "data.source=tokens", f"data.path={data}", f"train.run_dir={run_dir}"])
+    return code, [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+
+
+def _edit_in_place(path: Path, offset: int, keep_mtime: bool) -> None:
+    """Change one token at `offset` (bytes), the file's size unchanged; optionally its mtime too."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] = (data[offset] + 1) % 200 + 1
+    path.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_token_file_edited_in_place_is_refused_at_resume_and_at_start_naming_it(tmp_path, capsys):
+    data = tmp_path / "c.bin"
+    write_token_file([_inputs(tmp_path)[0]], data)
+    assert _train(data, tmp_path / "run", capsys)[0] == 0
+    _edit_in_place(data, 1000, keep_mtime=True)  # a small file is sampled whole: the mtime is not needed
+    for run_dir in ("run", "fresh"):  # resume, and a new run
+        code, lines = _train(data, tmp_path / run_dir, capsys, "train.steps=4")
+        assert code == 2 and len(lines) == 1, lines
+        assert (
+            f"data.path={str(data)!r} was changed after tools/prepare_data.py made it: its content no longer "
+            in (lines[0])
+            and "re-make it (python tools/prepare_data.py INPUT... --out" in lines[0]
+        ), lines
+    assert not (tmp_path / "fresh").exists() and (tmp_path / "run/checkpoints/latest").read_text() == "step_00000002"
+
+
+def test_a_large_token_file_is_checked_by_sampled_blocks_then_whole_when_its_mtime_changed(tmp_path, monkeypatch):
+    """A file larger than the sample: an edit between the sampled blocks passes while the mtime is the sidecar's,
+    and is found by hashing the whole file once the mtime differs (any ordinary edit changes it)."""
+    from tpframe.data import tokenizer
+
+    monkeypatch.setattr(tokenizer, "SAMPLE_BLOCKS", 4)
+    monkeypatch.setattr(tokenizer, "SAMPLE_BLOCK", 16)  # 64 of ~3,400 bytes sampled
+    data = tmp_path / "c.bin"
+    write_token_file([_inputs(tmp_path)[0]], data)
+    reads = []
+    monkeypatch.setattr(tokenizer.hashlib, "sha256", lambda *a, _f=tokenizer.hashlib.sha256: reads.append(1) or _f(*a))
+    open_token_file(data)
+    assert len(reads) == 1, "an unchanged file: the sampled checksum only"
+    _edit_in_place(data, 500, keep_mtime=True)  # between the sampled blocks (0, ~1100, ~2250, the last 16 bytes)
+    open_token_file(data)
+    _edit_in_place(data, data.stat().st_size - 5, keep_mtime=True)  # in the last sampled block
+    with pytest.raises(ValueError, match="was changed after tools/prepare_data.py made it: its content no longer"):
+        open_token_file(data)
+    write_token_file([_inputs(tmp_path)[0]], data)  # made again, then edited between the blocks, its mtime changed
+    _edit_in_place(data, 501, keep_mtime=False)
+    with pytest.raises(ValueError, match=r"was changed after tools/prepare_data.py made it \(modified since; the sha"):
+        open_token_file(data)
+
+
+def test_a_resume_on_re_made_data_names_the_file(tmp_path, capsys):
+    data = tmp_path / "c.bin"
+    write_token_file([_inputs(tmp_path)[0]], data)
+    assert _train(data, tmp_path / "run", capsys)[0] == 0
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT.replace("fox", "cat"))
+    write_token_file([other], data)  # re-made: same size, other tokens
+    code, lines = _train(data, tmp_path / "run", capsys, "train.steps=4")
+    assert code == 2 and len(lines) == 1, lines
+    assert (
+        f"data.path={str(data)!r} holds other tokens than the file this checkpoint was trained on (re-made"
+        in (lines[0])
+        and "tokens-" not in lines[0]
+    ), lines
+
+
+@pytest.mark.parametrize(
+    "content, kind",
+    [
+        (gzip.compress(TEXT.encode()), "gzip-compressed); decompress it first"),
+        (bytes(range(256)) * 4, "binary, not text"),
+        ("Caf\u00e9 na\u00efve \u00e0 la carte\n".encode("latin-1") * 10, "not UTF-8: Latin-1 or another"),
+    ],
+    ids=["gzip", "binary", "latin-1"],
+)
+def test_prepare_data_refuses_input_that_is_not_utf8_or_counts_it_with_replace_invalid(
+    tmp_path, content, kind, capsys, monkeypatch
+):
+    """tools/prepare_data.py's main (in this process: its process start-up is tested above)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "tools" / "prepare_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_bytes(content)
+    code, (out, err) = tool.main(["in.txt", "--out", "x.bin"]), capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and out == "", err
+    assert lines[0].startswith(f"prepare_data.py: error: input 'in.txt' is not UTF-8 text ({kind}"), lines
+    assert "--replace-invalid" in lines[0] and not list(tmp_path.glob("x.bin*"))
+    code, (out, err) = tool.main(["in.txt", "--out", "x.bin", "--replace-invalid"]), capsys.readouterr()
+    bad = len(content) - len(content.decode("utf-8", errors="ignore").encode())  # the bytes that are not UTF-8
+    assert code == 0 and f"replaced {bad:,} byte(s) that were not UTF-8 in in.txt by U+FFFD" in out, (out, err)
+    assert json.loads((tmp_path / "x.bin.json").read_text())["replaced_invalid_bytes"] == {"in.txt": bad}

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpframe.checkpoint import resolve, verify  # noqa: E402
 from tpframe.errors import ArgumentParser, ConfigError  # noqa: E402
-from tpframe.paths import check_creatable, refuse_existing  # noqa: E402
+from tpframe.exits import DISK_FULL_OR_READ_ONLY  # noqa: E402
+from tpframe.paths import check_creatable, refuse_existing, write_failure  # noqa: E402
 
 
 def inspect(path: Path) -> str:
@@ -250,6 +251,7 @@ def main(argv=None) -> int:
         "export is replaced without it); with --format hf, into a directory of other files: "
         "the export's own files there are replaced and the others kept",
     )
+    args = None
     try:
         args = parser.parse_args(argv)
         if args.command == "export":
@@ -264,7 +266,9 @@ def main(argv=None) -> int:
         print(f"tpframe: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the disk fills up, the destination vanishes ...
-        print(f"tpframe: {e}", file=sys.stderr)
+        full = args is not None and args.command == "export" and e.errno in DISK_FULL_OR_READ_ONLY
+        line = write_failure("--out", args.out, e) + " (an earlier export there is intact)" if full else str(e)
+        print(f"tpframe: {line}", file=sys.stderr)
         return 2
     return 0
 

@@ -6,11 +6,12 @@
     python tools/prepare_data.py corpus.jsonl --tokenizer hf_model/ --out data/c.bin    # an HF model's tokenizer
     python tools/prepare_data.py chat.jsonl --tokenizer hf_model/ --seq-len 512 --out data/sft.bin   # instruction data
 
-`.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one
-UTF-8 text document. Writes OUT (uint16/uint32 token ids) and OUT.json (the sidecar); an earlier token
-file there is replaced, anything else only with --force. The built-in tokenizer is byte-level (vocab
-256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT token
-ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
+`.jsonl` inputs hold one JSON object per line (the text under --jsonl-key); any other file is one UTF-8 text
+document; input that is not UTF-8 (binary, gzip, Latin-1) is refused, or with --replace-invalid tokenized with
+each invalid byte replaced by U+FFFD, counted and reported. Writes OUT (uint16/uint32 token ids) and OUT.json (the
+sidecar); an earlier token file there is replaced, anything else only with --force. The built-in tokenizer is
+byte-level (vocab 256, byte 0 ends each document); --tokenizer takes a Hugging Face `tokenizers` JSON file (its EOT
+token ends each document), or a Hugging Face model directory (its tokenizer.json, the end-of-text token its
 tokenizer_config.json or config.json names: fine-tuning data for `checkpoint.init_from=<that directory>`).
 --seq-len N reads instruction records instead ({"prompt", "completion"} or {"messages": [...]}, rendered by the
 tokenizer's chat template; tpframe/data/instruct.py) and writes rows of N tokens with a loss mask (OUT.mask). Bad
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tpframe.data.tokenizer import sidecar_path, write_token_file  # noqa: E402
 from tpframe.errors import ArgumentParser  # noqa: E402
+from tpframe.exits import DISK_FULL_OR_READ_ONLY  # noqa: E402
+from tpframe.paths import write_failure  # noqa: E402
 
 
 def model_dir_tokenizer(tokenizer: str | None, eot_token: str | None) -> tuple[str | None, str | None]:
@@ -66,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         "--chat-template", help="instruction data: a Jinja chat template file (default: the tokenizer's own)"
     )
     parser.add_argument(
+        "--replace-invalid",
+        action="store_true",
+        help="tokenize input that is not valid UTF-8 with each invalid byte replaced by U+FFFD, counted and reported "
+        "(without it such input is refused)",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="overwrite OUT (and OUT.json) even if they are not a token file made by this tool "
@@ -76,9 +85,18 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, eot = model_dir_tokenizer(args.tokenizer, args.eot_token)
         if args.seq_len is not None or args.chat_template:
             return _instruction_data(args, tokenizer, eot)
-        meta = write_token_file(args.inputs, args.out, tokenizer, args.jsonl_key, eot, force=args.force)
+        meta = write_token_file(
+            args.inputs,
+            args.out,
+            tokenizer,
+            args.jsonl_key,
+            eot,
+            force=args.force,
+            replace_invalid=args.replace_invalid,
+        )
     except (ValueError, OSError) as e:
-        print(f"prepare_data.py: error: {e}", file=sys.stderr)
+        full = isinstance(e, OSError) and e.errno in DISK_FULL_OR_READ_ONLY
+        print(f"prepare_data.py: error: {write_failure('--out', args.out, e) if full else e}", file=sys.stderr)
         return 2
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}, "
@@ -86,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         f"document(s) of {meta['num_tokens'] / meta['num_documents']:,.0f} tokens on average (end-of-document "
         f"tokens included), to {args.out} and {sidecar_path(args.out)}"
     )
+    for path, n in meta.get("replaced_invalid_bytes", {}).items():
+        print(f"replaced {n:,} byte(s) that were not UTF-8 in {path} by U+FFFD (--replace-invalid)")
     print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
     return 0
 

@@ -30,7 +30,8 @@ import sys
 import time
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_COMM, EXIT_SAVE, EXIT_OOM, EXIT_INTERRUPTED = 2, 3, 4, 5, 6, 130
-DISK_FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # OSErrors that end a run with EXIT_SAVE
+# OSErrors that end a run with EXIT_SAVE (a tool with EXIT_CONFIG): full, over quota or a file-size limit, read-only
+DISK_FULL_OR_READ_ONLY = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 RANK_ERROR_GRACE_S = 20.0
 
 

@@ -8,6 +8,7 @@ pre-flight, the token-file writer and the tools share it.
     path = link_target(path)                        # through a symbolic link: the rename replaces what it points to
     recorded_path("data/mine.bin", meta["cwd"])      # a run's relative path, from the folder the run was launched in
     why = not_a_file("data/x.bin")                    # "does not exist", "is a directory, not a file", ... or None
+    write_failure("--out 'm.safetensors'", path, e)   # a write's OSError (full disk) as one line, with the free space
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +50,25 @@ def nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def free_space(path: str | Path) -> str:
+    """'3.2 MiB free there': the free space of the filesystem that holds `path` (or would)."""
+    try:
+        free = shutil.disk_usage(nearest_existing(Path(path).absolute())).free
+    except OSError:
+        return "its free space unknown"
+    for unit in ("B", "KiB", "MiB", "GiB"):  # noqa: B007 - the unit it stops at
+        if free < 1024:
+            break
+        free /= 1024
+    return f"{free:.1f} {unit} free there"
+
+
+def write_failure(label: str, path: str | Path, error: OSError) -> str:
+    """The one line for a write that failed (a full disk, a file-size limit, a read-only folder)."""
+    why = error.strerror or str(error)
+    return f"cannot write {label}: {str(path)!r} ({why}; {free_space(path)}); free space or write elsewhere"
 
 
 def _probe(folder: Path, directory: bool) -> None:

@@ -51,6 +51,7 @@ from tpframe.checkpoint.files import (
 from tpframe.checkpoint.finite import all_finite
 from tpframe.models.config import architecture, padded_vocab
 from tpframe.parallel.heartbeat import is_comm_failure
+from tpframe.paths import free_space
 from tpframe.version import __version__
 
 FAULT_ENV = "TPFRAME_FAULT_KILL_DURING_SAVE"  # test hook: SIGKILL this rank mid-save at the given step
@@ -205,7 +206,8 @@ class Checkpointer:
         dist.barrier(group=self.group)
         intact = (self.root / LATEST).read_text().strip() if (self.root / LATEST).is_file() else None
         raise SaveFailed(
-            f"checkpoint step {step} could not be written to {str(self.root)!r} ({'; '.join(failed)[:400]}); "
+            f"checkpoint step {step} could not be written to {str(self.root)!r} ({'; '.join(failed)[:400]}; "
+            f"{free_space(self.root)}); "
             + (
                 f"the last one, {intact}, is intact: free space (or set checkpoint.dir) and relaunch to resume from it"
                 if intact

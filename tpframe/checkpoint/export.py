@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,7 +34,15 @@ def safetensors_module():
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """safetensors' `save_file`, with the permissions any other new file gets (the library creates it 0600: a
     serving process or another user could not read the export)."""
-    safetensors_module().save_file(tensors, str(path), metadata=metadata)
+    from safetensors import SafetensorError
+
+    try:
+        safetensors_module().save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:  # its I/O errors, as the OSError they are (a full disk: ENOSPC)
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

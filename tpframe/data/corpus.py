@@ -32,7 +32,8 @@ class TokenStream:
     """A 1-D token stream `tokens [n]` (ids < vocab_size; an ndarray or a read-only memmap).
 
     `fingerprint` names the content, so a checkpoint's data position is never applied to other data.
-    `eot_id` is the token that ends each document (None: the stream has no document ends).
+    `eot_id` is the token that ends each document (None: the stream has no document ends). `name`: where it comes
+    from, as the user set it (`data.path='a.bin'`), for messages.
     Instruction data (tpframe/data/instruct.py) has `loss_mask` [n] (1: the token is a label that carries a loss) and
     `row`, the length of its packed rows (train.seq_len).
     """
@@ -43,6 +44,7 @@ class TokenStream:
     eot_id: int | None = None
     loss_mask: np.ndarray | None = None
     row: int | None = None
+    name: str = ""
 
 
 def content_fingerprint(kind: str, tokens: np.ndarray) -> str:

@@ -29,6 +29,7 @@ from tpframe.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     check_paths,
+    content_record,
     mask_path,
     sidecar_path,
     token_dtype,
@@ -226,6 +227,7 @@ def write_instruction_file(
             raise ValueError(f"no example of {', '.join(inputs)} fits in --seq-len {seq_len} tokens")
         meta = _sidecar(tok, dtype, inputs, digest, seq_len=seq_len, rows=rows, loss=loss, skipped=skipped)
         meta["num_documents"] = seen[0] - len(skipped)
+        meta.update(content_record(tmps[0]))  # what a start checks the file against (tokenizer.check_content)
         tmps[2].write_text(json.dumps(meta, indent=2) + "\n")
         sidecar_path(out).unlink(missing_ok=True)  # never pair an old sidecar with new tokens
         for tmp, path in zip(tmps, files):

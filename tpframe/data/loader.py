@@ -19,6 +19,8 @@ seeded order; the position is still global, so blends resume exactly on any DP l
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -176,6 +178,7 @@ class BatchIterator:
             ),
             ("num_windows", "number of windows", "resume with the same data and train.seq_len"),
         )
+        _check_remade(state.get("corpus"), [self.stream])
         _check_fields(state, self.state_dict(), checks)
         consumed = state.get("samples_consumed")
         if not isinstance(consumed, int) or consumed < 0:
@@ -293,6 +296,7 @@ class BlendedIterator:
             ("weights", "data.weights (normalized)", "resume with the same data.weights"),  # JSON keeps floats exact
             ("num_windows", "number of windows", "resume with the same data"),
         )
+        _check_remade(state.get("corpus"), [it.stream for it in self.sources])
         _check_fields(state, self.state_dict(), checks)
         consumed, taken = state.get("samples_consumed"), state.get("taken")
         if (
@@ -339,6 +343,18 @@ def _check_fields(state: dict, mine: dict, checks) -> None:
             )
 
 
+def _check_remade(saved, streams) -> None:
+    """ValueError naming the token file whose content differs from the one the checkpoint was trained on."""
+    saved = saved if isinstance(saved, list) else [saved]
+    for old, stream in zip(saved, streams):
+        if stream.name and isinstance(old, str) and old.split("[")[0] != stream.fingerprint.split("[")[0]:
+            raise ValueError(
+                f"the checkpoint's data position does not fit this run: {stream.name} holds other tokens than the "
+                "file this checkpoint was trained on (re-made or replaced since); resume with the data it was "
+                "trained on, or start a fresh run (checkpoint.init_from for the weights)"
+            )
+
+
 def _check_format(state: dict, expected: str) -> None:
     kinds = {STATE_FORMAT: "one token stream", BLEND_FORMAT: "a blend of token files (data.path as a list)"}
     got = state.get("format") if isinstance(state, dict) else None
@@ -363,8 +379,8 @@ def split_stream(stream: TokenStream, valid_fraction: float, seq_len: int, fix: 
             f"the corpus has {n:,} tokens: too few for a training and a held-out part of at least "
             f"train.seq_len+1={seq_len + 1} tokens each at data.valid_fraction={valid_fraction}; {fix}"
         )
-    head = TokenStream(stream.tokens[:cut], stream.vocab_size, f"{stream.fingerprint}[:{cut}]", stream.eot_id)
-    tail = TokenStream(stream.tokens[cut:], stream.vocab_size, f"{stream.fingerprint}[{cut}:]", stream.eot_id)
+    head = replace(stream, tokens=stream.tokens[:cut], fingerprint=f"{stream.fingerprint}[:{cut}]")
+    tail = replace(stream, tokens=stream.tokens[cut:], fingerprint=f"{stream.fingerprint}[{cut}:]")
     return head, tail
 
 

@@ -6,13 +6,17 @@
 
 The token file is raw little-endian `uint16` (vocab <= 65535) or `uint32`; `<file>.json` holds
 format, num_tokens, dtype, vocab_size, the tokenizer, eot_id, num_documents (each ended by eot_id), sha256 of the
-tokens and the sources.
+tokens, the sources, and for a cheap check at every start (`check_content`, multi-GB files included) the file's
+mtime and the sha256 of 64 blocks of 64 KiB spread over it: a file whose blocks differ is refused; one whose mtime
+differs (edited in place, or copied without its times) is hashed whole against sha256 (about 1 s per GB) and refused
+if that differs.
 Every document ends with the end-of-text id: byte 0 (NUL) for the byte-level tokenizer, which keeps
 vocab 256 (NUL bytes inside the text are dropped), or the tokenizer's own EOT token.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -28,6 +32,7 @@ FORMAT = "tpframe.tokens/1"
 BYTE_SOURCES = ("synthetic", "stdlib")  # the data sources (data.source) that are byte-level: the embedded corpora
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 _TEXT_CHUNK = 1 << 20  # characters per text read: bounds memory on large files
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 64, 1 << 16  # the sampled checksum: 4 MiB read whatever the file's size
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -149,21 +154,49 @@ class HFTokenizer:
 # -- reading documents ------------------------------------------------------------------------
 
 
-def iter_text(path: str | Path, jsonl_key: str = "text") -> Iterator[str | None]:
+def _count_and_replace(error: UnicodeDecodeError) -> tuple[str, int]:
+    REPLACED[0] += error.end - error.start
+    return "\ufffd", error.end
+
+
+REPLACED = [0]  # bytes that were not UTF-8, replaced by iter_text(replace_invalid=True) since the last reset
+codecs.register_error("tpframe.count", _count_and_replace)
+
+
+def _not_utf8(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if head.startswith(b"\x1f\x8b"):
+        kind, fix = "gzip-compressed", "decompress it first (gunzip)"
+    elif b"\0" in head:
+        kind, fix = "binary, not text", "pass text files"
+    else:
+        kind, fix = "not UTF-8: Latin-1 or another 8-bit encoding?", "convert it (iconv -f latin1 -t utf-8)"
+    return (
+        f"input {str(path)!r} is not UTF-8 text ({kind}); {fix}, or pass --replace-invalid to tokenize it with "
+        "every invalid byte replaced by U+FFFD and counted"
+    )
+
+
+def iter_text(path: str | Path, jsonl_key: str = "text", *, replace_invalid: bool = False) -> Iterator[str | None]:
     """The text of a file as chunks, with None after each document. `.jsonl`: one JSON object per
-    line, the text under `jsonl_key`; any other file: one UTF-8 document (bad bytes replaced), read
-    in chunks of whole lines so a large file is never held in memory at once."""
+    line, the text under `jsonl_key`; any other file: one UTF-8 document, read in chunks of whole lines
+    so a large file is never held in memory at once. Bytes that are not UTF-8: ValueError, or with
+    `replace_invalid` each replaced by U+FFFD and counted in REPLACED."""
     path = Path(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        if path.suffix == ".jsonl":
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield _jsonl_text(line, jsonl_key, f"{path}:{lineno}")
-                    yield None
-        else:
-            while chunk := "".join(f.readlines(_TEXT_CHUNK)):
-                yield chunk
-            yield None
+    try:
+        with open(path, encoding="utf-8", errors="tpframe.count" if replace_invalid else "strict") as f:
+            if path.suffix == ".jsonl":
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield _jsonl_text(line, jsonl_key, f"{path}:{lineno}")
+                        yield None
+            else:
+                while chunk := "".join(f.readlines(_TEXT_CHUNK)):
+                    yield chunk
+                yield None
+    except UnicodeDecodeError:
+        raise ValueError(_not_utf8(path)) from None
 
 
 def _jsonl_text(line: str, key: str, where: str) -> str:
@@ -246,6 +279,7 @@ def write_token_file(
     jsonl_key: str = "text",
     eot_token: str | None = None,
     force: bool = False,
+    replace_invalid: bool = False,
 ) -> dict:
     """Tokenize `inputs` into `out` (+ `out.json`), streaming; returns the sidecar dict.
 
@@ -259,16 +293,21 @@ def write_token_file(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, sidecar_tmp = temporary_name(out), temporary_name(sidecar_path(out))
     digest, count, docs, eot = hashlib.sha256(), 0, 0, np.array([tok.eot_id], dtype=dtype)
+    replaced = {}  # input -> bytes that were not UTF-8 (replace_invalid)
     try:
         with open(tmp, "wb") as f:
             for path in inputs:
-                for text in iter_text(path, jsonl_key):
+                REPLACED[0] = 0
+                for text in iter_text(path, jsonl_key, replace_invalid=replace_invalid):
                     ids = eot if text is None else tok.encode(text).astype(dtype)
                     count += write_ids(f, digest, ids)
                     docs += text is None
+                if REPLACED[0]:
+                    replaced[str(path)] = REPLACED[0]
         if count == docs:
             raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no text")
         meta = {
+            **content_record(tmp),
             "format": FORMAT,
             "num_tokens": count,
             "dtype": dtype.name,
@@ -278,6 +317,7 @@ def write_token_file(
             "tokenizer": tok.info,
             "sha256": digest.hexdigest(),
             "sources": [str(p) for p in inputs],
+            **({"replaced_invalid_bytes": replaced} if replaced else {}),
         }
         sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
         sidecar_path(out).unlink(missing_ok=True)  # never pair an old sidecar with new tokens
@@ -294,6 +334,41 @@ def write_ids(f, digest, ids: np.ndarray) -> int:
     digest.update(data)
     f.write(data)
     return len(ids)
+
+
+def sampled_sha256(path: Path) -> str:
+    """sha256 of SAMPLE_BLOCKS blocks spread evenly over the file, first and last included (a small file: all)."""
+    size, digest = path.stat().st_size, hashlib.sha256()
+    last = max(size - SAMPLE_BLOCK, 0)
+    offsets = sorted({last * i // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)})
+    with open(path, "rb") as f:
+        for offset in offsets:
+            f.seek(offset)
+            digest.update(f.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
+
+
+def content_record(path: Path) -> dict:
+    """What a start checks the token file against, cheaply (`check_content`)."""
+    return {"mtime_ns": path.stat().st_mtime_ns, "sampled_sha256": sampled_sha256(path)}
+
+
+def check_content(path: str | Path, meta: dict, key: str = "data.path") -> None:
+    """ValueError if the token file's content is no longer what its sidecar records (same size, edited in place):
+    the sampled blocks always, the whole file when its mtime changed. Sidecars from before these records pass."""
+    path = Path(path)
+    changed = f"{key}={str(path)!r} was changed after tools/prepare_data.py made it"
+    fix = f"re-make it (python tools/prepare_data.py INPUT... --out {path}) or restore the file it was"
+    if "sampled_sha256" in meta and sampled_sha256(path) != meta["sampled_sha256"]:
+        raise ValueError(f"{changed}: its content no longer matches the checksum in {str(sidecar_path(path))!r}; {fix}")
+    if "sha256" not in meta or meta.get("mtime_ns", path.stat().st_mtime_ns) == path.stat().st_mtime_ns:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    if digest.hexdigest() != meta["sha256"]:
+        raise ValueError(f"{changed} (modified since; the sha256 of its tokens differs from its sidecar's); {fix}")
 
 
 def first_path(path: str | list[str] | None) -> str:
@@ -351,6 +426,7 @@ def open_token_file(path: str | Path, key: str = "data.path") -> tuple[TokenStre
     meta = read_sidecar(path, key)
     if meta["num_tokens"] == 0:
         raise ValueError(f"{key}={str(path)!r} holds no tokens; re-run tools/prepare_data.py with non-empty inputs")
+    check_content(path, meta, key)
     tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r", shape=(meta["num_tokens"],))
     fingerprint = f"tokens-{str(meta.get('sha256', ''))[:16] or meta['num_tokens']}"
     mask = None
@@ -359,4 +435,8 @@ def open_token_file(path: str | Path, key: str = "data.path") -> tuple[TokenStre
         if not file.is_file() or file.stat().st_size != meta["num_tokens"]:
             raise ValueError(f"{key}={str(path)!r}: its loss mask {str(file)!r} is missing or truncated; re-run it")
         mask = np.memmap(file, dtype=np.uint8, mode="r", shape=(meta["num_tokens"],))
-    return TokenStream(tokens, meta["vocab_size"], fingerprint, meta.get("eot_id"), mask, meta.get("row_tokens")), meta
+    name = f"{key}={str(path)!r}"
+    stream = TokenStream(
+        tokens, meta["vocab_size"], fingerprint, meta.get("eot_id"), mask, meta.get("row_tokens"), name
+    )
+    return stream, meta

@@ -3,7 +3,7 @@
 Every process group gets `comm.timeout_s` (tpframe.parallel.state); a timed-out gloo collective raises,
 NCCL's watchdog aborts the communicator. Neither says which rank is missing, so each rank also
 publishes a heartbeat in the job's store, once every `period` seconds from a thread:
-`<counter> <step> <phase>`, where (step, phase) is what its main thread is doing (`Progress`, marked
+`<counter> <step> <phase> <collectives>`, where (step, phase) is what its main thread is doing (`Progress`, marked
 by the trainer). A rank frozen by SIGSTOP or wedged in a call that holds the GIL stops beating.
 
     progress = Progress()
@@ -14,8 +14,10 @@ by the trainer). A rank frozen by SIGSTOP or wedged in a call that holds the GIL
 
 When a peer has not beaten for 0.9 x `timeout_s`, the thread reports it itself (the lowest-ranked live rank
 prints one line) and ends the process with exit code 4 (tpframe/exits.py), whether the main thread is in a
-gloo or an NCCL wait. On CUDA, PyTorch's NCCL flight recorder is on (`configure_flight_recorder`) and its
-trace is dumped to `<run_dir>/nccl_trace/rank_<r>` before the exit.
+gloo or an NCCL wait; so does a collective of this rank's that has not completed for that long, all ranks alive.
+Each beat also carries this rank's flight-recorder counters (tpframe/parallel/flight.py), so the report names the
+collective that did not complete (op, group, sequence number, sizes) and the ranks that never entered it, and the
+live ranks' records are dumped to `<run_dir>/comm_trace/rank_<r>` before the exit.
 """
 
 from __future__ import annotations
@@ -23,17 +25,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
 from tpframe import exits
+from tpframe.parallel import flight
 
-TRACE_PREFIX_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 SILENCE = 0.9  # a peer silent this share of comm.timeout_s is reported before any collective's own timeout fires
-_TRACE_PREFIX: str | None = None  # the dump prefix configure_flight_recorder set (a user's own is kept)
 
 # phase -> (the groups its collectives run on, what they are)
 PHASES = {
@@ -88,39 +87,13 @@ class Peer:
     step: int = 0
     phase: str = "init"
     changed: float = 0.0  # monotonic time its counter last changed, as seen here
+    groups: dict = field(default_factory=dict)  # its collectives per group (tpframe/parallel/flight.py), as published
 
 
 def is_comm_failure(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
     return isinstance(error, RuntimeError) and any(s in str(error).lower() for s in _COMM_ERRORS)
-
-
-def configure_flight_recorder(run_dir: str | Path) -> None:
-    """Turn PyTorch's NCCL flight recorder on (unless the user set it) with its dump under the run dir.
-    Must run before the NCCL process groups are created."""
-    global _TRACE_PREFIX
-    trace_dir = Path(run_dir) / "nccl_trace"
-    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the old name: torch 2.11+ warns on every rank for it
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    if os.environ.get(TRACE_PREFIX_ENV, _TRACE_PREFIX) == _TRACE_PREFIX:  # unset, or set by an earlier run here
-        trace_dir.mkdir(parents=True, exist_ok=True)
-        _TRACE_PREFIX = os.environ[TRACE_PREFIX_ENV] = str(trace_dir / "rank_")
-
-
-def dump_flight_recorder(rank: int) -> Path | None:
-    """Write this rank's NCCL flight-recorder trace where NCCL's own dump would go; None off CUDA."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-    prefix = os.environ.get(TRACE_PREFIX_ENV)
-    if dump is None or prefix is None or not torch.cuda.is_available():
-        return None
-    try:
-        path = Path(f"{prefix}{rank}")
-        path.write_bytes(dump())
-        return path
-    except Exception:  # noqa: BLE001 - a failed dump must not hide the report
-        return None
 
 
 def _group_ranks(state) -> dict[str, list[int]]:
@@ -140,6 +113,8 @@ class Heartbeat:
         self.timeout_s, self.progress = timeout_s, progress
         self.period = period or min(1.0, max(0.05, timeout_s / 10))
         self.groups = _group_ranks(state)
+        self.table = flight.group_table(state)  # the groups whose collectives the flight recorder counts
+        self.waiting: dict[str, tuple[int, float]] = {}  # group -> (its last completed collective, since when)
         now = time.monotonic()
         self.peers = {r: Peer(changed=now) for r in range(self.world) if r != self.rank}
         self.counter = 0
@@ -169,7 +144,23 @@ class Heartbeat:
     # -- the thread -------------------------------------------------------------------------------
     def _publish(self) -> None:
         self.counter += 1
-        self.store.set(str(self.rank), f"{self.counter} {self.progress.step} {self.progress.phase}")
+        mine = {name: counts for name, counts in flight.status().items() if name in self.table}
+        self._track(mine)
+        text = f"{self.counter} {self.progress.step} {self.progress.phase} {flight.status_text(mine)}"
+        self.store.set(str(self.rank), text)
+
+    def _track(self, mine: dict[str, tuple[int, int]]) -> None:
+        """Since when each group has had a collective entered here and not completed."""
+        now = time.monotonic()
+        for name, (entered, completed) in mine.items():
+            if entered <= completed:
+                self.waiting.pop(name, None)
+            elif self.waiting.get(name, (None,))[0] != completed:
+                self.waiting[name] = (completed, now)
+
+    def _collective_waited(self) -> float:
+        """How long this rank's oldest uncompleted collective has waited (0 without one)."""
+        return max((time.monotonic() - since for _, since in self.waiting.values()), default=0.0)
 
     def _loop(self) -> None:
         keys = [str(r) for r in self.peers]
@@ -180,15 +171,18 @@ class Heartbeat:
                     values = self.store.multi_get(keys)
                     now = time.monotonic()
                     for r, raw in zip(self.peers, values):
-                        counter, step, phase = raw.decode().split(" ", 2)
+                        counter, step, phase, groups = (raw.decode().split(" ", 3) + [""])[:4]
                         peer = self.peers[r]
                         if int(counter) != peer.counter:
                             peer.counter, peer.step, peer.phase, peer.changed = int(counter), int(step), phase, now
+                            peer.groups = flight.parse_status(groups)
                 self.store_ok_at = time.monotonic()
             except Exception:  # noqa: BLE001 - the store itself is unreachable: judged below by its age
                 pass
             silent = self.silent(SILENCE * self.timeout_s)
-            if silent and not self._stop.is_set():
+            # all alive, a collective that never ends (seen here up to a period after it began, checked each period)
+            hung = self._collective_waited() > SILENCE * self.timeout_s - 2 * self.period
+            if (silent or hung) and not self._stop.is_set():
                 self._report_and_exit(silent)
 
     # -- judging ----------------------------------------------------------------------------------
@@ -206,16 +200,46 @@ class Heartbeat:
             r for r in members if r != self.rank and (r in silent or (self.peers[r].step, self.peers[r].phase) != me)
         ]
 
-    def _describe_peer(self, r: int) -> str:
+    def _describe_peer(self, r: int, group: str | None = None) -> str:
         p, age = self.peers[r], time.monotonic() - self.peers[r].changed
         last = f"last seen at step {p.step}, {p.phase}" if p.counter >= 0 else "never seen"
+        entered = f", last entered #{p.groups.get(group, (0, 0))[0]} there" if group is not None else ""
         if age > max(3 * self.period, 2.0):
-            return f"rank {r} (no heartbeat for {age:.0f} s; {last})"
-        return f"rank {r} (alive, at step {p.step}, {p.phase})"
+            return f"rank {r} (no heartbeat for {age:.0f} s; {last}{entered})"
+        return f"rank {r} (alive, at step {p.step}, {p.phase}{entered})"
+
+    def _stuck(self, what: str) -> tuple[str, str] | None:
+        """(where this rank waits, whom for) from the flight recorder: the collective that did not complete."""
+        now = time.monotonic()
+        peers = {r: (p.groups, now - p.changed) for r, p in self.peers.items()}
+        stuck = flight.find_stuck(flight.pending(), self.table, peers, self.rank)
+        if stuck is None or not stuck.waits_for():
+            return None
+        where = (
+            f"rank {self.rank} waited {stuck.waited_s:.0f} s at step {self.progress.step} in {stuck.describe()}, "
+            f"during {what}"
+        )
+        who = "".join(
+            f"; {label}: " + ", ".join(self._describe_peer(r, stuck.group) for r in ranks)
+            for label, ranks in stuck.waits_for()
+        )
+        return where, who
 
     def message(self, head: str, silent_only: list[int] | None = None) -> tuple[str, bool]:
         """(one line, whether this rank prints it: the lowest-ranked rank that is not silent)."""
         groups, what = PHASES.get(self.progress.phase, (("world",), self.progress.phase))
+        where, who = self._stuck(what) or self._by_phase(groups, what, silent_only)
+        store_age = time.monotonic() - self.store_ok_at
+        if store_age > max(3 * self.period, 2.0):
+            who += f"; the store the heartbeats go through has not answered for {store_age:.0f} s"
+        dumped = flight.dump(self.rank, self.table)
+        if dumped is not None:
+            who += f"; flight records in {dumped.parent}"
+        live = [r for r in range(self.world) if r == self.rank or r not in self.silent(max(3 * self.period, 2.0))]
+        return f"{head}: {where}{who}; comm.timeout_s={self.timeout_s:g}", self.rank == min(live)
+
+    def _by_phase(self, groups, what: str, silent_only: list[int] | None) -> tuple[str, str]:
+        """(where, whom for) from the heartbeats alone: the members of this phase's groups not where this rank is."""
         missing = self._waiting_for(groups) if silent_only is None else silent_only
         names = " and ".join(f"{g} group {self.groups.get(g)}" for g in groups)
         where = (
@@ -227,21 +251,15 @@ class Heartbeat:
             if missing
             else "; every rank of the group was alive and at the same place (a collective mismatch?)"
         )
-        store_age = time.monotonic() - self.store_ok_at
-        if store_age > max(3 * self.period, 2.0):
-            who += f"; the store the heartbeats go through has not answered for {store_age:.0f} s"
-        live = [r for r in range(self.world) if r == self.rank or r not in self.silent(max(3 * self.period, 2.0))]
-        return f"{head}: {where}{who}; comm.timeout_s={self.timeout_s:g}", self.rank == min(live)
+        return where, who
 
     def _report_and_exit(self, silent: list[int]) -> None:
         with self.lock:
             if self.reported:
                 return
             self.reported = True
-        line, report = self.message("a rank stopped responding", silent_only=silent)
-        dumped = dump_flight_recorder(self.rank)
-        if dumped is not None:
-            line += f"; NCCL flight recorder: {dumped.parent}"
+        head = "a rank stopped responding" if silent else "a collective did not complete"
+        line, report = self.message(head, silent_only=silent)
         exits.report(line, show=report)
         os._exit(exits.EXIT_COMM)
 
@@ -258,7 +276,4 @@ class Heartbeat:
         if any(s in first.lower() for s in _PEER_GONE):  # let a dead peer's heartbeat go stale, so the line calls
             time.sleep(max(3 * self.period, 2.0) + self.period)  # it silent, not alive (a launcher kills us first)
         line, report = self.message(f"a collective failed ({first[:160]})")
-        dumped = dump_flight_recorder(self.rank)
-        if dumped is not None:
-            line += f"; NCCL flight recorder: {dumped.parent}"
         return CommFailure(line, report)
