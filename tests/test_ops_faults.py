@@ -499,6 +499,7 @@ def _launch(args, env=None):
     cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node=2", "--no-check", *merge_overrides(args)]
     full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TPFRAME_FAULT_NAN")}
     full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), full.get("PYTHONPATH"))))  # scripts outside REPO
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full)
 
 

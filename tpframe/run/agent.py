@@ -97,7 +97,7 @@ class Agent(LocalElasticAgent):
         try:
             key = _HEARTBEAT_KEY.format(rank)
             if self.worker_store is not None and self.worker_store.check([key]):
-                _, step, phase = self.worker_store.get(key).decode().split(" ", 2)
+                _, step, phase = self.worker_store.get(key).decode().split(" ")[:3]  # heartbeat.Heartbeat._publish
                 return f", last seen at step {step} ({phase})"
         except Exception:  # noqa: BLE001 - the step is a courtesy; the death is named without it
             pass
