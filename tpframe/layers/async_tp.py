@@ -64,10 +64,15 @@ def asked(value) -> bool:
     return value is True or value in MODES
 
 
+def _key(row: dict) -> tuple:
+    """What an AUTO_TABLE row was measured on: (GPU model, TP size, hidden size)."""
+    return row["gpu"], row["tp"], row["hidden"]
+
+
 def measured(gpu: str, tp: int, hidden: int) -> dict | None:
     """AUTO_TABLE's row for this GPU model, TP size and hidden size, or None."""
     rows = json.loads(AUTO_TABLE.read_text())
-    return next((r for r in rows if (r["gpu"], r["tp"], r["hidden"]) == (gpu, tp, hidden)), None)
+    return next((r for r in rows if _key(r) == (gpu, tp, hidden)), None)
 
 
 def resolve_auto(p, *, hidden: int, tokens: int, device: torch.device, fp8: bool) -> str | None:
@@ -85,9 +90,8 @@ def resolve_auto(p, *, hidden: int, tokens: int, device: torch.device, fp8: bool
 
 def record(row: dict) -> None:
     """Put a measurement into AUTO_TABLE (benchmarks/gpt.py --compare), replacing the same GPU, TP and hidden."""
-    key = (row["gpu"], row["tp"], row["hidden"])
-    rows = [r for r in json.loads(AUTO_TABLE.read_text()) if (r["gpu"], r["tp"], r["hidden"]) != key]
-    rows = sorted([*rows, row], key=lambda r: (r["gpu"], r["tp"], r["hidden"]))
+    rows = [r for r in json.loads(AUTO_TABLE.read_text()) if _key(r) != _key(row)]
+    rows = sorted([*rows, row], key=_key)
     AUTO_TABLE.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
 
 

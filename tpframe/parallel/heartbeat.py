@@ -90,6 +90,12 @@ class Peer:
     groups: dict = field(default_factory=dict)  # its collectives per group (tpframe/parallel/flight.py), as published
 
 
+def parse_beat(raw: bytes) -> tuple[str, str, str, str]:
+    """(counter, step, phase, groups' status) of a heartbeat as `Heartbeat._publish` writes it."""
+    counter, step, phase, groups = (raw.decode().split(" ", 3) + [""])[:4]
+    return counter, step, phase, groups
+
+
 def is_comm_failure(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
@@ -171,7 +177,7 @@ class Heartbeat:
                     values = self.store.multi_get(keys)
                     now = time.monotonic()
                     for r, raw in zip(self.peers, values):
-                        counter, step, phase, groups = (raw.decode().split(" ", 3) + [""])[:4]
+                        counter, step, phase, groups = parse_beat(raw)
                         peer = self.peers[r]
                         if int(counter) != peer.counter:
                             peer.counter, peer.step, peer.phase, peer.changed = int(counter), int(step), phase, now

@@ -32,6 +32,8 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from tpframe.parallel.heartbeat import parse_beat
+
 TPFRAME_CODES = {
     2: "config error",
     3: "training stopped",
@@ -97,7 +99,7 @@ class Agent(LocalElasticAgent):
         try:
             key = _HEARTBEAT_KEY.format(rank)
             if self.worker_store is not None and self.worker_store.check([key]):
-                _, step, phase = self.worker_store.get(key).decode().split(" ")[:3]  # heartbeat.Heartbeat._publish
+                _, step, phase, _ = parse_beat(self.worker_store.get(key))
                 return f", last seen at step {step} ({phase})"
         except Exception:  # noqa: BLE001 - the step is a courtesy; the death is named without it
             pass
