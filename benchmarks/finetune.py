@@ -2,12 +2,17 @@
 
     python benchmarks/finetune.py --config configs/sft_llama3_8b_lora.yaml --gpus 4       # Llama-3-8B, TP=4
     python benchmarks/finetune.py --config configs/sft_llama_cpu.yaml --gpus 2 --steps 6  # a CPU smoke test
+    python benchmarks/finetune.py --config configs/sft_llama3_8b_lora.yaml --gpus 1 --peer \
+        --set parallel.tp=1 parallel.sequence_parallel=false                               # one GPU, with the peer
 
 Writes a random base of the config's model once (--base, a consolidated safetensors file, bf16, std 0.02), then runs
 train.py twice through tpframe.launch on the synthetic corpus packed as documents (model.eod_id=10): optim.lora_rank
 as the config says, and optim.lora_rank=null (every parameter trained, AdamW state for all). Each run's rate is the
 median tokens/s of its steps after the first --warmup; its memory the largest mem_gib (torch's peak allocated on the
-rank that logs). Prints one table.
+rank that logs). --peer adds Hugging Face transformers + PEFT on one GPU (the model and step TRL's SFTTrainer runs;
+TRL itself adds no GPU work): the same Llama shape at random init, LoRA of the same rank on the same projections,
+AdamW on the adapters, SDPA attention, the same micro-batch, sequence length and global batch, random tokens; its
+tokens/s per GPU beside ours. Prints one table.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ def write_base(config: str, path: Path) -> None:
     from tpframe.training.config import load_config
 
     cfg = load_config(config, [])
-    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # an 8B model's random numbers: seconds on a GPU
+    g = torch.Generator(dev).manual_seed(0)
     tensors = {}
     for name, shape in logical_shapes(cfg.model).items():
         norm = "norm" in name and len(shape) == 1
-        t = torch.ones(shape) if norm else torch.randn(shape, generator=g) * 0.02
-        tensors[name] = t.to(torch.bfloat16)
+        t = torch.ones(shape) if norm else torch.randn(shape, generator=g, device=dev) * 0.02
+        tensors[name] = t.to(torch.bfloat16).cpu()
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
 
@@ -52,6 +58,56 @@ def run(config: str, gpus: int, run_dir: Path, overrides: list[str]) -> dict:
     return {"rows": [r for r in rows if r.get("kind") == "train"]}
 
 
+HF_TARGETS = {
+    "qkv": ["q_proj", "k_proj", "v_proj"],
+    "proj": ["o_proj"],
+    "fc1": ["gate_proj", "up_proj"],
+    "fc2": ["down_proj"],
+    "gate": ["gate_proj"],
+    "up": ["up_proj"],
+    "down": ["down_proj"],
+    "head": ["lm_head"],
+}
+
+
+def peer(cfg, *, steps: int, warmup: int) -> dict:
+    """transformers' LlamaForCausalLM + PEFT LoRA on one GPU, the shape and batch of `cfg` (see the docstring)."""
+    import time
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    hf = LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn_hidden, num_hidden_layers=m.layers,
+        num_attention_heads=m.heads, num_key_value_heads=m.kv_heads or m.heads, rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, max_position_embeddings=t.seq_len, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hf)
+    targets = sorted({n for key in o.lora_targets for n in HF_TARGETS[key]})
+    lora = LoraConfig(r=o.lora_rank, lora_alpha=o.lora_alpha, target_modules=targets, lora_dropout=0.0)
+    model = get_peft_model(model, lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, fused=True)
+    micro = t.global_batch_size // t.micro_batch_size
+    tokens = t.global_batch_size * t.seq_len
+    rates = []
+    for step in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(micro):
+            ids = torch.randint(0, m.vocab_size, (t.micro_batch_size, t.seq_len), device="cuda")
+            (model(input_ids=ids, labels=ids).loss / micro).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= warmup:
+            rates.append(tokens / (time.perf_counter() - start))
+    return {"rate": statistics.median(rates), "mem": torch.cuda.max_memory_allocated() / 2**30}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
@@ -60,6 +116,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--base", default="/tmp/finetune_base.safetensors")
     parser.add_argument("--out", default="/tmp/finetune_runs")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for both runs, KEY=VALUE")
+    parser.add_argument("--peer", action="store_true", help="add transformers + PEFT on one GPU")
     args = parser.parse_args()
     base = Path(args.base)
     if not base.exists():
@@ -75,6 +133,7 @@ def main() -> int:
         "checkpoint.interval=0",
         "logging.interval=1",
         "logging.progress=false",
+        *args.set,
     ]
     results = {}
     for label, extra in (("LoRA", []), ("full fine-tuning", ["optim.lora_rank=null"])):
@@ -86,7 +145,13 @@ def main() -> int:
             print(f"| {label} | failed: {r['error']} | |")
             continue
         rate = statistics.median(x["tokens_per_s"] for x in r["rows"][args.warmup :] or r["rows"])
-        print(f"| {label} | {rate:,.0f} | {max(x.get('mem_gib', 0.0) for x in r['rows']):.1f} |")
+        mem = max(x.get("mem_gib", 0.0) for x in r["rows"])
+        print(f"| {label} | {rate:,.0f} ({rate / args.gpus:,.0f} per GPU) | {mem:.1f} |")
+    if args.peer:
+        from tpframe.training.config import load_config
+
+        r = peer(load_config(args.config, args.set), steps=args.steps, warmup=args.warmup)
+        print(f"| transformers + PEFT LoRA, 1 GPU | {r['rate']:,.0f} per GPU | {r['mem']:.1f} |")
     return 0
 
 

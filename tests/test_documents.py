@@ -376,6 +376,10 @@ def _packed_gpt_on_gpu():
         )
 
     packed, alone_model = build(cfg), build(dataclasses.replace(cfg, attention_mask="causal"))
+    contiguous = []  # the varlen output reaches the projection laid out [s, b, h] (a strided view: slow matmuls)
+    for name, m in packed.named_modules():
+        if name.endswith(".proj") and hasattr(m, "lora_a"):
+            m.register_forward_pre_hook(lambda mod, args: contiguous.append(args[0].is_contiguous()))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 512, (4, 257), generator=g)
     ids[torch.rand(4, 257, generator=g) < 0.02] = EOD
@@ -399,16 +403,18 @@ def _packed_gpt_on_gpu():
         float((loss - alone).abs().mean()),
         float((compiled - loss).abs().max()),
         finite,
+        contiguous and all(contiguous),
     ]
 
 
 @pytest.mark.gpu(count=1)
 def test_packed_gpt_on_gpu_computes_each_document_alone_eager_and_compiled():
     """GPT in bf16 on CUDA (the varlen path): the packed rows' per-token loss (about 6.2) equals each document run
-    alone within bf16 rounding; compiled blocks (Inductor) equal eager."""
-    worst, mean, compiled, finite = run_distributed(_packed_gpt_on_gpu, 1, backend="nccl", timeout=300)[0]
+    alone within bf16 rounding; compiled blocks (Inductor) equal eager; the projections read contiguous inputs."""
+    worst, mean, compiled, finite, contiguous = run_distributed(_packed_gpt_on_gpu, 1, backend="nccl", timeout=300)[0]
     assert worst < 0.05 and mean < 5e-3, (worst, mean)
     assert compiled < 0.05 and finite, compiled
+    assert contiguous  # the attention output, written token-major by the varlen kernel, is laid out [s, b, h]
 
 
 def _bf16_losses(overrides):

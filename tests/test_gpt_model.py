@@ -68,3 +68,6 @@ def test_flops_per_token_matches_megatron_formula():
     model = GPT(cfg, BuildContext(FakeComm()))
     L, h, s, V = 3, 256, 64, 50304
     assert model.flops_per_token(s) == 72 * L * h * h + 12 * L * h * s + 6 * h * V
+    for p in model.parameters():  # frozen weights (LoRA's base): no weight-gradient GEMMs
+        p.requires_grad_(False)
+    assert model.flops_per_token(s) == 48 * L * h * h + 12 * L * h * s + 4 * h * V

@@ -354,7 +354,9 @@ def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
         activation="swiglu",
         bias=False,
     )
-    assert int(results[1][0]) == GPT.flops_per_token(SimpleNamespace(cfg=cfg, comm=SimpleNamespace(size=1)), 16)
+    assert int(results[1][0]) == GPT.flops_per_token(
+        SimpleNamespace(cfg=cfg, comm=SimpleNamespace(size=1), named_parameters=dict), 16
+    )
     assert results[2] == results[1]  # same FLOPs and the same loss (3 decimals) at TP=2 + SP
 
 

@@ -335,7 +335,8 @@ class GPT(nn.Module):
         """Training FLOPs per token of the whole model (forward + backward = 3x forward), matmuls and attention.
 
         For the standard GPT this is Megatron's 72*L*h^2 + 12*L*h*s + 6*h*V per token. A MoE model counts
-        the experts a token is routed through (top_k), not all of them.
+        the experts a token is routed through (top_k), not all of them. With the weights frozen (LoRA) their
+        weight-gradient GEMMs do not run: 2x forward for them, not 3x (the rank-r adapters are not counted).
         """
         c = self.cfg
         h, d = c.hidden, head_dim(c)
@@ -349,7 +350,9 @@ class GPT(nn.Module):
             mlp = h * c.moe_experts + c.moe_top_k * mlp_macs(moe_ffn_hidden_size(c)) + mlp_macs(c.moe_shared_ffn)
         layer = 2 * (h * (q + 2 * kv) + q * h + mlp) + 4 * seq_len * q
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
-        return 3.0 * (c.layers * layer + 2 * h * padded)
+        weights = c.layers * (layer - 4 * seq_len * q) + 2 * h * padded  # forward FLOPs of the weight GEMMs
+        frozen = not any(p.requires_grad for n, p in self.named_parameters() if n.endswith("weight") and p.dim() == 2)
+        return 3.0 * (c.layers * layer + 2 * h * padded) - (weights if frozen else 0)
 
     # -- what generation and the trainer ask of a model (tpframe/models/protocol.py) ----------------
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -34,6 +34,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from tpframe.parallel.heartbeat import parse_beat
 
+STOP_GRACE_S = 300  # how long stopped workers get to save before SIGKILL
 TPFRAME_CODES = {
     2: "config error",
     3: "training stopped",
@@ -70,7 +71,7 @@ class Death:
 
 class Agent(LocalElasticAgent):
     def __init__(self, spec, logs_specs, *, local_sizes: list[int], checkpoints: Path | None, single_node: bool):
-        super().__init__(spec, logs_specs, start_method="spawn", shutdown_timeout=300)
+        super().__init__(spec, logs_specs, start_method="spawn")
         self.local_sizes, self.checkpoints, self.single_node = local_sizes, checkpoints, single_node
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.slots = visible.split(",") if visible else [str(i) for i in range(local_sizes[0])]
@@ -192,7 +193,17 @@ class Agent(LocalElasticAgent):
         return super()._start_workers(group)
 
     def _stop_workers(self, group: WorkerGroup) -> None:
-        self._shutdown(timeout=self._shutdown_timeout)  # SIGTERM: live workers save and exit 0 (a planned stop)
+        self._shutdown()
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
+        """Stop the workers: SIGTERM (live workers save and exit 0, a planned stop), SIGKILL after STOP_GRACE_S.
+        Ours rather than torchelastic's, whose signature and grace (30 s) differ between torch versions."""
+        for name in ("_worker_watchdog", "_health_check_server"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).stop()
+                setattr(self, name, None)
+        if self._pcontext:
+            self._pcontext.close(death_sig, STOP_GRACE_S)
 
     def _restart(self, group: WorkerGroup, why: str) -> None:
         self._stop_workers(group)
