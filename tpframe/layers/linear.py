@@ -60,8 +60,8 @@ def local_linear(
     fp8: str | None = None,
     decode_kernel: bool = True,
 ) -> torch.Tensor:
-    """This rank's GEMM of a TP layer: float8 (`fp8`: the recipe); the one-row kernel inside a batch-1 decode step's CUDA
-    graph (`decode_kernel`, tpframe/kernels/gemv.py); else F.linear, whose weight gradient zero-bubble pipeline
+    """This rank's GEMM of a TP layer: float8 (`fp8`: the recipe); the one-row kernel inside a batch-1 decode step's
+    CUDA graph (`decode_kernel`, tpframe/kernels/gemv.py); else F.linear, whose weight gradient zero-bubble pipeline
     schedules may defer."""
     if fp8:
         return fp8_linear(x, weight, bias, recipe=fp8)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-
 from collections.abc import Callable
 
 import torch
@@ -80,7 +79,7 @@ class WeightGradStore:
     """Weight gradients queued by backward passes, kept per key (e.g. (chunk, micro-batch)) until flushed."""
 
     def __init__(self):
-        self.pending: list[tuple[torch.Tensor, Callable]] = []  # (param, its gradient's computation) since the last seal
+        self.pending: list[tuple[torch.Tensor, Callable]] = []  # (param, computes its gradient) since the last seal
         self.sealed: dict[object, list] = {}
 
     @contextlib.contextmanager
