@@ -210,12 +210,14 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
     )
     chunks = getattr(model, "chunks", [model])
     if cfg.train.fp8:
+        from tpframe.layers.fp8 import recipe_of
         from tpframe.layers.linear import fp8_layers
 
-        done = [fp8_layers(chunk) for chunk in chunks]
+        recipe = recipe_of(cfg.train.fp8)
+        done = [fp8_layers(chunk, recipe) for chunk in chunks]
         skipped = [name for _, names in done for name in names]
         notes.append(
-            f"float8 GEMMs in {sum(n for n, _ in done)} linear layers"
+            f"float8 GEMMs ({recipe}) in {sum(n for n, _ in done)} linear layers"
             + (
                 f"; {len(skipped)} stay in {cfg.train.dtype}: "
                 + ", ".join(skipped[:3])

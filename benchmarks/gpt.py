@@ -7,6 +7,7 @@
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--tp 2] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --shapes 7b --tp 4      # the shapes TP is for: 7b, 13b, llama3-8b
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
+    python benchmarks/gpt.py --compare --fp8 --shapes 1.3b,7b --tp 4  # bf16 beside each train.fp8 recipe
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
@@ -19,8 +20,9 @@ The RESULT line ends with the memory one forward holds for its backward (activat
 GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
 graph's static buffers) and times its replays: what a training-step CUDA graph would save over launching the same
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
-only the first N blocks, with full). FP8=1 runs the blocks' GEMMs in float8 (train.fp8; TFLOP/s still counts the
-model's FLOPs, so it compares directly with the bf16 rows). EMULATE_TP=n (one process) times one rank of TP=n
+only the first N blocks, with full). FP8=tensorwise|rowwise|blockwise runs the blocks' GEMMs in float8 with that
+recipe (train.fp8; FP8=1: tensorwise; TFLOP/s still counts the model's FLOPs, so it compares directly with bf16
+rows). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
 with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's
 own work.
@@ -71,6 +73,16 @@ def env(name: str, default: int) -> int:
 
 def flag(name: str, default: str = "0") -> bool:
     return os.environ.get(name, default) == "1"
+
+
+def fp8_recipe() -> str | None:
+    """FP8: 0 (bf16), 1 (tensorwise) or a train.fp8 recipe."""
+    from tpframe.layers.fp8 import RECIPES
+
+    value = {"0": None, "1": "tensorwise"}.get(os.environ.get("FP8", "0"), os.environ.get("FP8"))
+    if value is not None and value not in RECIPES:
+        raise SystemExit(f"FP8={value!r}: use 0, 1 or one of {RECIPES}")
+    return value
 
 
 def async_mode() -> str | bool:
@@ -175,7 +187,7 @@ def run_one() -> None:
         device=state.device,
         seed=1234,
         # FP8: the blocks' GEMMs in float8 where they gain (train.fp8)
-        mode=LayerMode(fused_kernels=flag("FUSED", "1"), fp8=flag("FP8"), async_tp=async_mode() if sp else None),
+        mode=LayerMode(fused_kernels=flag("FUSED", "1"), fp8=fp8_recipe(), async_tp=async_mode() if sp else None),
     )
     model = build_model(cfg, ctx)
     if "NORM_MIN_NUMEL" in os.environ:  # the size under which eager norms take torch's ops (0: the kernel always)
@@ -230,7 +242,7 @@ def run_one() -> None:
         ran_async = mode.async_tp and async_tp_available(state.tp_comm, inp)
         tags = (
             f"compile={int(flag('COMPILE'))} graph={int(flag('GRAPH'))} async_tp={mode.async_tp if ran_async else 0} "
-            f"fused={int(mode.fused_kernels)} fp8={int(mode.fp8)} ckpt={ckpt}"
+            f"fused={int(mode.fused_kernels)} fp8={mode.fp8 or 0} ckpt={ckpt}"
             + (f" doc_len={doc_len}" if doc_len else "")
         )
         line = (
@@ -373,6 +385,30 @@ def recompute_jobs(tp: int) -> list[dict]:
                     )
                 )
     return out
+
+
+def fp8_jobs(tp: int, emulate_tp: int) -> list[dict]:
+    """--fp8: compiled tpframe in bf16 and each train.fp8 recipe at TP=1, at one rank of TP=emulate_tp with its
+    collectives free (EMULATE_TP, one GPU), and at TP=tp + SP on a multi-GPU machine."""
+    from tpframe.layers.fp8 import RECIPES
+
+    layouts = [("TP=1", 1, {"TP": "1"})]
+    if emulate_tp > 1:
+        layouts.append(
+            (f"TP={emulate_tp} + SP emulated (EMULATE_TP)", 1, {"TP": "1", "SP": "1", "EMULATE_TP": str(emulate_tp)})
+        )
+    if tp > 1:
+        layouts.append((f"TP={tp} + SP", tp, {"TP": str(tp), "SP": "1"}))
+    return [
+        dict(
+            label=f"tpframe {name}, compile, fp8 {recipe}",
+            script=str(ROOT / "benchmarks" / "gpt.py"),
+            gpus=gpus,
+            env={"STEPS": "10", "ROPE": "1", "COMPILE": "1", "FP8": "0" if recipe == "none" else recipe, **dims},
+        )
+        for name, gpus, dims in layouts
+        for recipe in ("none", *RECIPES)
+    ]
 
 
 def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
@@ -536,7 +572,10 @@ def compare(args) -> None:
         shape = SHAPES[key]
         print(f"{shape['name']}:", flush=True)
         rows[key] = []
-        pending = recompute_jobs(tp) if args.recompute else jobs_for(key, peers, tp)
+        if args.fp8:
+            pending = fp8_jobs(tp if n_gpus > 1 else 1, args.tp)
+        else:
+            pending = recompute_jobs(tp) if args.recompute else jobs_for(key, peers, tp)
         while pending and time.time() < deadline - 20:
             left = deadline - time.time()
             job = pending.pop(0)
@@ -556,15 +595,31 @@ def compare(args) -> None:
     report(args, rows, tp)
 
 
-def recompute_report(args, rows: dict, device: str) -> list[str]:
+VARIANTS = {  # --recompute and --fp8: each row's variant after `sep` in its label, compared with the `base` one
+    "recompute": dict(
+        sep=", recompute",
+        title="Activation recompute modes",
+        note="TFLOP/s counts the model's FLOPs (recomputed work is not counted), so it falls with the recompute.",
+    ),
+    "fp8": dict(
+        sep=", fp8",
+        title="Float8 recipes (train.fp8) beside bf16",
+        note="TFLOP/s counts the model's FLOPs (bf16 GEMMs'), so the rows compare directly; norms, attention and "
+        "the head stay bf16.",
+    ),
+}
+
+
+def variants_report(args, rows: dict, device: str, kind: str) -> list[str]:
+    """The --recompute or --fp8 table: each row's time and memory against the same layout's base variant."""
+    sep, title, note = (VARIANTS[kind][k] for k in ("sep", "title", "note"))
     lines = [
-        f"## Activation recompute modes, {device}, {datetime.date.today().isoformat()}",
+        f"## {title}, {device}, {datetime.date.today().isoformat()}",
         "",
-        f"Command: `python benchmarks/gpt.py --compare --recompute --shapes {args.shapes} --tp {args.tp} "
+        f"Command: `python benchmarks/gpt.py --compare --{kind} --shapes {args.shapes} --tp {args.tp} "
         f"--budget-s {args.budget_s:.0f}` (one device call, every run a subprocess). torch {torch.__version__}, "
-        "bf16, forward+backward, 3 warm-up steps then 10 timed, random tokens. TFLOP/s counts the model's FLOPs "
-        "(recomputed work is not counted), so it falls with the recompute. Peak GiB = "
-        "torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run without recompute.",
+        f"bf16, forward+backward, 3 warm-up steps then 10 timed, random tokens. {note} Peak GiB = "
+        f"torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run's{sep} none.",
         "",
         "| shape | run | step ms | TFLOP/s per GPU | peak GiB | time | memory |",
         "|---|---|---|---|---|---|---|",
@@ -572,16 +627,12 @@ def recompute_report(args, rows: dict, device: str) -> list[str]:
     for key, shape_rows in rows.items():
         dims = SHAPES[key]
         dims_text = f"{dims['name']}: L={dims['LAYERS']} H={dims['HIDDEN']} S={dims['SEQ']} MB={dims['MB']}"
-        base = {
-            r["label"].rsplit(", recompute", 1)[0]: r
-            for r in shape_rows
-            if r["label"].endswith("recompute none") and "tflops" in r
-        }
+        base = {r["label"].rsplit(sep, 1)[0]: r for r in shape_rows if r["label"].endswith(" none") and "tflops" in r}
         for r in shape_rows:
             if "tflops" not in r:
                 lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | |")
                 continue
-            b = base.get(r["label"].rsplit(", recompute", 1)[0])
+            b = base.get(r["label"].rsplit(sep, 1)[0])
             time_ratio = f"{r['step_ms'] / b['step_ms']:.3f}x" if b else "-"
             mem_ratio = f"{r['mem'] / b['mem']:.2f}x" if b and b["mem"] else "-"
             lines.append(
@@ -593,8 +644,8 @@ def recompute_report(args, rows: dict, device: str) -> list[str]:
 
 def report(args, rows: dict, tp: int) -> None:
     device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
-    if args.recompute:
-        text = "\n".join(recompute_report(args, rows, device))
+    if args.recompute or args.fp8:
+        text = "\n".join(variants_report(args, rows, device, "fp8" if args.fp8 else "recompute"))
         print(text, flush=True)
         if args.results:
             with open(args.results, "a") as f:
@@ -675,6 +726,11 @@ def main() -> None:
         "--recompute",
         action="store_true",
         help="with --compare: tpframe's activation recompute modes (none, selective, full) instead of the peers",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="with --compare: tpframe compiled in bf16 and each train.fp8 recipe (TP=1, EMULATE_TP=--tp, TP=--tp)",
     )
     p.add_argument("--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and the Megatron wheel")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")

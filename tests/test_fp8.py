@@ -1,13 +1,19 @@
-"""Float8 linear layers (tpframe/layers/fp8.py, `train.fp8`): the GEMMs against fp64, the scaling across
-magnitudes, the TP layers, training against the bf16 run, and the config's refusals. CPU builds of torch run
-torch._scaled_mm, so all of this runs here; the speed is measured on GPUs (benchmarks/gpt.py FP8=1)."""
+"""Float8 linear layers (tpframe/layers/fp8.py, `train.fp8`): each recipe's GEMMs against fp64 and against an
+independent emulation of its scaling, the TP layers, training against the bf16 run, the compositions (TP, selective
+recompute, zero-bubble), resuming across recipes, and the config's refusals. CPU builds of torch run
+torch._scaled_mm (tensorwise, rowwise); blockwise runs its emulation here and cuBLAS's kernels in the GPU tests;
+the speed is measured on GPUs (benchmarks/gpt.py FP8=<recipe>)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
-from tpframe.layers.fp8 import E4M3, E5M2, fp8_linear, to_float8
+from tpframe.layers.fp8 import E4M3, E5M2, RECIPES, fp8_linear, to_float8
+
+GRAD_TOL = {"tensorwise": 0.08, "rowwise": 0.05, "blockwise": 0.05}  # dx, dw vs fp64 (tensorwise: e5m2 gradients)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -15,29 +21,63 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4], ids=["small", "unit", "large"])
-def test_fp8_linear_forward_and_gradients_match_fp64_within_float8_rounding(magnitude):
-    """Every output and gradient within a few percent of fp64 at any magnitude: the per-tensor scales map each
-    operand's range onto float8's (without them 1e4 overflows e4m3's 448 and 1e-4 flushes to zero)."""
+def test_fp8_linear_forward_and_gradients_match_fp64_within_float8_rounding(magnitude, recipe):
+    """Every output and gradient within a few percent of fp64 at any magnitude: the scales map each operand's range
+    onto float8's (without them 1e4 overflows e4m3's 448 and 1e-4 flushes to zero)."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 8, 64, generator=g) * magnitude).bfloat16().requires_grad_()
-    w = (torch.randn(48, 64, generator=g) * 0.05).bfloat16().requires_grad_()
-    b = (torch.randn(48, generator=g) * magnitude).bfloat16().requires_grad_()
-    dy = (torch.randn(4, 8, 48, generator=g) * magnitude).bfloat16()
-    y = fp8_linear(x, w, b)
+    x = (torch.randn(2, 128, 256, generator=g) * magnitude).bfloat16().requires_grad_()
+    w = (torch.randn(384, 256, generator=g) * 0.05).bfloat16().requires_grad_()
+    b = (torch.randn(384, generator=g) * magnitude).bfloat16().requires_grad_()
+    dy = (torch.randn(2, 128, 384, generator=g) * magnitude).bfloat16()
+    y = fp8_linear(x, w, b, recipe=recipe)
     y.backward(dy)
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     yr = torch.nn.functional.linear(xr, wr, br)
     yr.backward(dy.double())
-    assert y.dtype == torch.bfloat16 and y.shape == (4, 8, 48)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 128, 384)
     for name, got, want, tol in (
         ("y", y, yr, 0.03),
-        ("dx", x.grad, xr.grad, 0.08),
-        ("dw", w.grad, wr.grad, 0.08),
+        ("dx", x.grad, xr.grad, GRAD_TOL[recipe]),
+        ("dw", w.grad, wr.grad, GRAD_TOL[recipe]),
         ("db", b.grad, br.grad, 0.01),
     ):
         err = _rel(got, want)
         assert err < tol, f"{name}: relative error {err:.3g} at magnitude {magnitude:g}"
+
+
+def _emulate(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t through e4m3 and back, one power-of-two scale per rows x cols block (the recipes' rule, block by block)."""
+    t, out = t.float(), torch.empty(t.shape)
+    for i in range(0, t.shape[0], rows):
+        for j in range(0, t.shape[1], cols):
+            block = t[i : i + rows, j : j + cols]
+            scale = 2.0 ** torch.floor(torch.log2(448.0 / block.abs().max()))
+            out[i : i + rows, j : j + cols] = (block * scale).to(E4M3).float() / scale
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_rowwise_and_blockwise_compute_their_recipes_exactly(recipe):
+    """y = x w^T, dx = g w, dw = g^T x each equal fp32 products of operands rounded to e4m3 with one power-of-two
+    scale per row along the contraction (rowwise: torchao's), or per 1x128 tile of x and g and 128x128 block of w
+    (blockwise: DeepSeek-V3's), to bf16's output rounding: float8's own error (~4%, the test above) would fail."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 256, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(384, 256, generator=g) * 0.05).bfloat16().requires_grad_()
+    dy = torch.randn(256, 384, generator=g).bfloat16()
+    y = fp8_linear(x, w, recipe=recipe)
+    y.backward(dy)
+    along = (lambda t: _emulate(t, 1, t.shape[1])) if recipe == "rowwise" else (lambda t: _emulate(t, 1, 128))
+    blocks = along if recipe == "rowwise" else (lambda t: _emulate(t, 128, 128))
+    want = {
+        "y": along(x) @ blocks(w).t(),
+        "dx": along(dy) @ blocks(w.detach().t()).t(),
+        "dw": along(dy.t()) @ along(x.detach().t()).t(),
+    }
+    for name, got in (("y", y), ("dx", x.grad), ("dw", w.grad)):
+        assert _rel(got, want[name]) < 4e-3, (name, _rel(got, want[name]))
 
 
 def test_to_float8_uses_the_whole_range_and_inverts():
@@ -62,15 +102,18 @@ def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
 
+BLOCKWISE_TINY = ("model.hidden=128", "optim.lr=1e-3", "train.fp8=blockwise")  # every GEMM dim a multiple of 128
+
+
 @pytest.mark.parametrize(
     "layout",
     [
-        ("parallel.tp=1",),
-        ("parallel.tp=2", "parallel.sequence_parallel=true"),
-        ("parallel.tp=1", "parallel.dp_strategy=fsdp"),
-        ("parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpointing=true"),
+        ("parallel.tp=1", "train.fp8=true"),
+        ("parallel.tp=2", "parallel.sequence_parallel=true", "train.fp8=rowwise"),
+        ("parallel.tp=1", "parallel.dp_strategy=fsdp", *BLOCKWISE_TINY),
+        ("parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpointing=true", *BLOCKWISE_TINY),
     ],
-    ids=["dp2", "tp2-sp", "dp2-fsdp", "pp2-recompute"],
+    ids=["dp2-tensorwise", "tp2-sp-rowwise", "dp2-fsdp-blockwise", "pp2-recompute-blockwise"],
 )
 def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     """8 steps of the tiny GPT: the float8 run's losses stay within 0.5% of the bf16 run's (same data, same init)
@@ -78,8 +121,8 @@ def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     from tests.dist_utils import run_distributed
 
     bf16, fp8 = (
-        run_distributed(_losses, 2, [*layout, f"train.run_dir={tmp_path}/{i}", f"train.fp8={on}"])[0]
-        for i, on in enumerate(("false", "true"))
+        run_distributed(_losses, 2, [*layout, f"train.run_dir={tmp_path}/{i}", *extra])[0]
+        for i, extra in enumerate((["train.fp8=false"], []))
     )
     stages = 2 if "parallel.pp=2" in layout else 1
     assert all(fp8[1]) and len(fp8[1]) == 8 // stages and not any(bf16[1])  # qkv, proj, fc1, fc2 of both blocks
@@ -89,13 +132,85 @@ def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     assert fp8[0][-1] < fp8[0][0] - 0.5
 
 
+COMPOSE = {  # 2 ranks each
+    "tp1": ("parallel.tp=1",),
+    "tp2": ("parallel.tp=2", "parallel.sequence_parallel=true"),
+    "tp2-selective": (
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.activation_checkpointing=selective",
+    ),
+    "pp2-1f1b": ("parallel.tp=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"),
+    "pp2-zb_h1": ("parallel.tp=1", "parallel.pp=2", "parallel.pp_schedule=zb_h1"),
+}
+
+
+def _compose(recipe: str, run_dir: str) -> dict[str, list[tuple[float, float]]]:
+    """(loss, grad norm) per step of 4 steps of a GPT of hidden 256 in each COMPOSE layout, float8 `recipe`."""
+    from tests.training_utils import train_in_process
+
+    common = [
+        "model.hidden=256",
+        "optim.lr=1e-3",
+        "train.dtype=bfloat16",
+        "train.steps=4",
+        "train.fp8_small_layers=true",
+    ]
+    return {
+        name: [
+            (r["loss"], r["grad_norm"])
+            for r in train_in_process([*common, *layout, f"train.fp8={recipe}", f"train.run_dir={run_dir}/{name}"])
+        ]
+        for name, layout in COMPOSE.items()
+    }
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_composes_with_tp_selective_recompute_and_zero_bubble(tmp_path, recipe):
+    """Same recipe throughout: selective recompute gives the gradients of no recompute, and zero-bubble (zb_h1: the
+    weight gradients' float8 GEMMs deferred) those of 1f1b, to fp32 summation order; TP=2 + SP follows TP=1 within
+    float8's rounding (each rank scales its own shards: 0.5% of the loss, 5% of the gradient norm)."""
+    from tests.dist_utils import run_distributed
+
+    runs = run_distributed(_compose, 2, recipe, str(tmp_path))[0]
+    for a, b in (("tp2-selective", "tp2"), ("pp2-zb_h1", "pp2-1f1b")):
+        for step, ((la, ga), (lb, gb)) in enumerate(zip(runs[a], runs[b], strict=True), 1):
+            assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4), (a, b, step)
+    for step, ((la, ga), (lb, gb)) in enumerate(zip(runs["tp2"], runs["tp1"], strict=True), 1):
+        assert la == pytest.approx(lb, rel=5e-3) and ga == pytest.approx(gb, rel=0.05), ("tp2 vs tp1", step)
+
+
+def _resume_across(run_dir: str) -> tuple[list[dict], list[dict]]:
+    """Blockwise 6 steps (a checkpoint at step 4), then rowwise resumed from that checkpoint to step 6."""
+    from tests.training_utils import train_in_process
+
+    common = ["parallel.tp=1", "model.hidden=128", "optim.lr=1e-3", "train.dtype=bfloat16", "train.steps=6"]
+    common += ["train.fp8_small_layers=true", f"train.run_dir={run_dir}"]
+    straight = train_in_process([*common, "train.fp8=blockwise", "checkpoint.interval=4"])
+    resumed = train_in_process([*common, "train.fp8=rowwise", "checkpoint.auto_resume=true"])
+    return resumed, straight
+
+
+def test_a_checkpoint_written_under_one_recipe_resumes_under_another(tmp_path):
+    """Checkpoints hold the bf16/fp32 parameters, not float8 copies: a blockwise run's checkpoint resumes under
+    rowwise at step 5 and its losses follow the uninterrupted blockwise run's within float8's rounding."""
+    from tests.dist_utils import run_distributed
+
+    resumed, straight = run_distributed(_resume_across, 1, str(tmp_path))[0]
+    assert [r["step"] for r in resumed] == [5, 6]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(straight[r["step"] - 1]["loss"], rel=5e-3), r["step"]
+
+
 # -- GPU: run by the lead on the device ---------------------------------------------------------------------
 
 
 @pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fp8_linear_on_cuda_matches_fp64(compiled):
-    """cuBLAS's float8 GEMMs (and Inductor's fused casts when compiled) within the CPU test's tolerances."""
+def test_fp8_linear_on_cuda_matches_fp64_and_the_cpu_recipe(compiled, recipe):
+    """cuBLAS's float8 GEMMs (and Inductor's fused casts when compiled) within the CPU test's tolerances of fp64, and
+    within bf16 rounding of the same recipe on CPU (blockwise: its emulation), so the scales' layouts are right."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 GEMMs need compute capability 8.9+")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -103,23 +218,29 @@ def test_fp8_linear_on_cuda_matches_fp64(compiled):
     w = (torch.randn(768, 512, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
     b = torch.randn(768, device="cuda", generator=g).bfloat16().requires_grad_()
     dy = torch.randn(8, 256, 768, device="cuda", generator=g).bfloat16()
-    fn = torch.compile(fp8_linear, fullgraph=True) if compiled else fp8_linear
+    fn = functools.partial(fp8_linear, recipe=recipe)
+    fn = torch.compile(fn, fullgraph=True) if compiled else fn
     fn(x, w, b).backward(dy)
     y = fn(x, w, b)
+    on_cpu = [t.detach().cpu().requires_grad_() for t in (x, w, b)]
+    y_cpu = fp8_linear(*on_cpu, recipe=recipe)
+    y_cpu.backward(dy.cpu())
+    for got, want in zip((y, x.grad, w.grad), (y_cpu, *(t.grad for t in on_cpu))):
+        assert _rel(got.cpu(), want) < 0.01
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     yr = torch.nn.functional.linear(xr, wr, br)
     yr.backward(dy.double())
     for name, got, want, tol in (
         ("y", y, yr, 0.03),
-        ("dx", x.grad, xr.grad, 0.08),
-        ("dw", w.grad, wr.grad, 0.08),
+        ("dx", x.grad, xr.grad, GRAD_TOL[recipe]),
+        ("dw", w.grad, wr.grad, GRAD_TOL[recipe]),
         ("db", b.grad, br.grad, 0.01),
     ):
         err = _rel(got, want)
         assert err < tol, f"{name}: relative error {err:.3g}"
 
 
-def _gpu_losses(run_dir: str, fp8: bool) -> list[float]:
+def _gpu_losses(run_dir: str, fp8: str) -> list[float]:
     from tests.training_utils import train_in_process
 
     return [
@@ -140,24 +261,25 @@ def _gpu_losses(run_dir: str, fp8: bool) -> list[float]:
                 "optim.warmup_steps=5",
                 "train.compile=true",
                 "train.fp8_small_layers=true",
-                f"train.fp8={str(fp8).lower()}",
-                f"train.run_dir={run_dir}/{int(fp8)}",
+                f"train.fp8={fp8}",
+                f"train.run_dir={run_dir}/{fp8}",
             ]
         )
     ]
 
 
 @pytest.mark.gpu(count=1)
-def test_fp8_training_on_cuda_follows_bf16(tmp_path):
-    """Compiled blocks (train.fp8 asks for train.compile on GPUs), 30 steps: early steps move fast (a bf16 loss
-    spike of 5% is not matched step for step), so every step within 10% and the last five on average within 1%.
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_training_on_cuda_follows_bf16(tmp_path, recipe):
+    """Each recipe, compiled blocks (train.fp8 asks for train.compile on GPUs), 30 steps: early steps move fast (a bf16
+    loss spike of 5% is not matched step for step), so every step within 10% and the last five on average within 1%.
     (At lr 3e-3 this small model spikes in bf16 too, to 1.5x its loss, and float8 spikes elsewhere.)"""
     from tests.dist_utils import run_distributed
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 GEMMs need compute capability 8.9+")
     bf16, fp8 = (
-        run_distributed(_gpu_losses, 1, str(tmp_path), on, backend="nccl", timeout=300)[0] for on in (False, True)
+        run_distributed(_gpu_losses, 1, str(tmp_path), on, backend="nccl", timeout=300)[0] for on in ("false", recipe)
     )
     assert fp8[-1] < fp8[0] - 1.0
     for step, (a, b) in enumerate(zip(fp8, bf16), 1):

@@ -407,18 +407,21 @@ CASES = [
         ),
         "train.fp8 and parallel.async_tp",
     ),
+    ("fp8-recipe", lambda t, s: (["train.fp8=fast", "train.dtype=bfloat16"], {}), "'rowwise', 'blockwise'"),
     (
-        "fp8-zero-bubble",
-        lambda t, s: (
-            ["train.fp8=true", "train.dtype=bfloat16", "parallel.pp=2", "parallel.tp=1", "parallel.pp_schedule=zb_h1"],
-            {"WORLD_SIZE": "2"},
-        ),
-        "cannot defer weight",
+        "fp8-blockwise-hidden",
+        lambda t, s: (["train.fp8=blockwise", "train.dtype=bfloat16", "model.hidden=192", "model.heads=4"], {}),
+        "train.fp8=blockwise needs model.hidden = 192 divisible by 128*parallel.tp = 128",
+    ),
+    (
+        "fp8-blockwise-tokens",
+        lambda t, s: (["train.fp8=blockwise", "train.dtype=bfloat16", "train.seq_len=16", "model.hidden=128"], {}),
+        "train.fp8=blockwise needs train.micro_batch_size*train.seq_len/parallel.cp = 64 to be a multiple of 128",
     ),
     (
         "fp8-tokens",
         lambda t, s: (["train.fp8=true", "train.dtype=bfloat16", "train.seq_len=30"], {}),
-        "micro_batch_size*train.seq_len = 120 to be a multiple of 16",
+        "micro_batch_size*train.seq_len/parallel.cp = 120 to be a multiple of 16",
     ),
     (
         "fp8-hidden",
@@ -426,7 +429,7 @@ CASES = [
             ["train.fp8=true", "train.dtype=bfloat16", "model.hidden=48", "model.heads=4", "parallel.tp=2"],
             {"WORLD_SIZE": "2"},
         ),
-        "model.hidden = 48 divisible by 16*parallel.tp = 32",
+        "train.fp8=tensorwise needs model.hidden = 48 divisible by 16*parallel.tp = 32",
     ),
     (
         "recompute-word",
@@ -455,11 +458,6 @@ CASES = [
             {"WORLD_SIZE": "2"},
         ),
         "selective re-gathers the norm outputs",
-    ),
-    (
-        "selective-fp8",
-        lambda t, s: (["parallel.activation_checkpointing=selective", "train.fp8=true", "train.dtype=bfloat16"], {}),
-        "selective would only add compute",
     ),
     (
         "selective-user-model",

@@ -1,28 +1,44 @@
-"""Float8 GEMMs for linear layers: tensorwise dynamic scaling, the recipe of torchao's float8 training
-(`Float8LinearConfig` "tensorwise") and Transformer Engine's HYBRID format, in one autograd Function.
+"""Float8 GEMMs for linear layers, three recipes of dynamic scaling (each scale from its own block's absolute maximum
+just before the cast: no history, no amax all-reduce) in one autograd Function:
 
-    y = fp8_linear(x, weight, bias)    # x [..., in] bf16, weight [out, in] bf16 -> y [..., out] bf16
+    y = fp8_linear(x, weight, bias, recipe="rowwise")   # x [..., in] bf16, weight [out, in] bf16 -> [..., out] bf16
 
-Each GEMM operand is cast to float8 with one scale per tensor, computed from its own absolute maximum just
-before the cast (no history, no amax all-reduce): activations and weights in e4m3 (more mantissa), output
-gradients in e5m2 (more range). The three GEMMs run in torch._scaled_mm with fp32 accumulation and bf16 out:
-    forward   y  = (x8 @ w8^T) / (sx * sw) + b
-    backward  dx = (g8 @ w8)   / (sg * sw)        dw = (g8^T @ x8) / (sg * sx)        db = sum(g)
-The float8 copies of x and w are what backward keeps (half the bytes of bf16). Under TP each rank scales
-its own shards, so TP sizes agree to float8 rounding, not bit for bit. _scaled_mm wants its second operand
-column-major and every dim a multiple of 16 (train.fp8's validation and `fp8_refusal` see to that).
-On CUDA it needs compute capability 8.9+ (Ada, Hopper); CPU builds of torch run it too (slowly: tests).
+    tensorwise  one scale per tensor (torchao's "tensorwise", Transformer Engine's HYBRID): x and w in e4m3, the
+                output gradient in e5m2; backward keeps the float8 copies of x and w (their scales transpose)
+    rowwise     one scale per row along each GEMM's contraction dim, powers of two, e4m3 everywhere (torchao's
+                "rowwise"); backward keeps x and w in bf16 and scales them again along the other dim
+    blockwise   DeepSeek-V3's: 1x128 tiles along the contraction dim for activations and gradients, 128x128 blocks for
+                weights, powers of two, e4m3 everywhere; backward keeps x in bf16 and the weight's float8 blocks
+
+Every GEMM is a @ b^T with a [M, K] and b [N, K] both scaled along K, fp32 accumulation, bf16 out:
+    forward   y  = x w^T          backward  dx = g (w^T)^T          dw = g^T (x^T)^T          db = sum(g)
+tensorwise and rowwise run torch._scaled_mm (CUDA 8.9+ and CPU builds); blockwise runs F.scaled_mm's BlockWise1x128
+and BlockWise128x128 kernels on CUDA (Hopper) and, where torch has none (CPU), the same float8 operands dequantized
+and multiplied in fp32 (tests). Under TP each rank scales its own shards, so TP sizes agree to float8 rounding, not bit
+for bit. Dims: multiples of 16, of 128 for blockwise (train.fp8's validation and `fp8_refusal` see to that). Under a
+zero-bubble schedule the weight gradient's GEMM is deferred like the bf16 path's (parallel/pipeline/weight_grad.py).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from tpframe.errors import ConfigError
 from tpframe.layers.async_tp import asked
+from tpframe.parallel.pipeline.weight_grad import deferral
 
+RECIPES = ("tensorwise", "rowwise", "blockwise")  # train.fp8's choices (true: "tensorwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+BLOCK = 128  # blockwise's tile and block side
+
+
+def recipe_of(value) -> str | None:
+    """train.fp8 as a recipe name: false -> None, true -> "tensorwise"."""
+    return "tensorwise" if value is True else (value or None)
 
 
 def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,43 +51,104 @@ def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return t8, scale.float().reciprocal()
 
 
-def _column_major(t8: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major (what _scaled_mm takes as its second operand)."""
-    return t8.t().contiguous().t()
+def quantize(t: torch.Tensor, recipe: str, *, dtype=E4M3, weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [rows, K] (any strides) as a row-major float8 [rows, K] scaled along K, and its fp32 inverse scales: [] for
+    tensorwise, [rows, 1] rowwise, [rows, K/128] blockwise 1x128 tiles, [rows/128, K/128] with `weight` (blocks)."""
+    if recipe == "tensorwise":
+        t8, inv = to_float8(t, dtype)
+        return t8.contiguous(), inv
+    rows, k = t.shape
+    if recipe == "rowwise":
+        tiles = t.unsqueeze(1)  # [rows, 1, K]
+    elif weight:
+        tiles = t.reshape(rows // BLOCK, BLOCK, k // BLOCK, BLOCK).transpose(1, 2)  # [rows/128, K/128, 128, 128]
+    else:
+        tiles = t.reshape(rows, k // BLOCK, BLOCK)
+    amax = tiles.abs().amax(dim=(-2, -1) if weight and recipe == "blockwise" else -1, keepdim=True).float()
+    scale = torch.exp2(torch.floor(torch.log2(_MAX[dtype] / amax.clamp(min=1e-12))))  # a power of two: exact
+    t8 = (tiles * scale.to(t.dtype)).clamp_(-_MAX[dtype], _MAX[dtype]).to(dtype)
+    t8 = t8.transpose(1, 2) if weight and recipe == "blockwise" else t8
+    inv = scale.reciprocal().reshape(tiles.shape[:2] if recipe == "blockwise" else (rows, 1))
+    return t8.reshape(rows, k).contiguous(), inv
+
+
+def dequantize(t8: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """A float8 operand of `quantize` back in fp32 (each scale spread over its row, tile or block)."""
+    if inv.dim() == 2:
+        inv = inv.repeat_interleave(t8.shape[1] // inv.shape[1], 1).repeat_interleave(t8.shape[0] // inv.shape[0], 0)
+    return t8.float() * inv
+
+
+def scaled_mm(a, b, recipe: str, *, out_dtype: torch.dtype, bias=None, b_blocks: bool = False) -> torch.Tensor:
+    """a8 b8^T of two `quantize` results a = (a8 [M, K], its scales), b = (b8 [N, K], its scales); `b_blocks`: b has
+    128x128 blocks (the weight under blockwise)."""
+    (a8, sa), (b8, sb) = a, b
+    if recipe != "blockwise":
+        return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), bias=bias, out_dtype=out_dtype)
+    if a8.is_cuda:
+        # scales column-major; a 128x128 operand's K/128 padded to a multiple of 4 (torch's check of F.scaled_mm)
+        sb = F.pad(sb, (0, -sb.shape[1] % 4)).t() if b_blocks else sb.t().contiguous().t()
+        kind_b = F.ScalingType.BlockWise128x128 if b_blocks else F.ScalingType.BlockWise1x128
+        one = F.ScalingType.BlockWise1x128
+        y = F.scaled_mm(a8, b8.t(), sa.t().contiguous().t(), one, sb, kind_b, output_dtype=out_dtype)
+    else:  # no blockwise float8 GEMM in torch here: the same operands in fp32
+        y = (dequantize(a8, sa) @ dequantize(b8, sb).t()).to(out_dtype)
+    return y if bias is None else y + bias
+
+
+def _transposed(t: torch.Tensor, q: tuple, recipe: str, *, dtype=E4M3, weight: bool = False) -> tuple:
+    """The operand for t^T from t and its quantized form q: tensorwise scales and 128x128 blocks transpose with it;
+    rows and 1x128 tiles run along the other dim, so t^T is scaled afresh from t (bf16)."""
+    if recipe == "tensorwise" or (recipe == "blockwise" and weight):
+        return q[0].t().contiguous(), q[1].t()
+    return quantize(t.t(), recipe, dtype=dtype)
+
+
+def _weight_grad(g2, g8, x_kept, x_inv, recipe: str) -> torch.Tensor:
+    """dw = g^T x: g [T, out] (bf16, with its tensorwise float8 copy g8), x kept by forward (float8 or bf16)."""
+    gt = _transposed(g2, g8, recipe, dtype=g8[0].dtype)
+    xt = _transposed(x_kept, (x_kept, x_inv), recipe)
+    return scaled_mm(gt, xt, recipe, out_dtype=g2.dtype)
 
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, recipe, deferred):
         x2 = x.reshape(-1, x.shape[-1])
-        x8, x_inv = to_float8(x2, E4M3)
-        w8, w_inv = to_float8(weight, E4M3)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, bias=bias, out_dtype=x.dtype)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
-        ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+        xq, wq = quantize(x2, recipe), quantize(weight, recipe, weight=True)
+        y = scaled_mm(xq, wq, recipe, out_dtype=x.dtype, bias=bias, b_blocks=True)
+        # tensorwise keeps x's and w's float8 copies; rowwise x and w (bf16: rescaled along the other dim, and with
+        # selective recompute x is the norm output it refills); blockwise x and the weight's blocks
+        x_kept = xq[0] if recipe == "tensorwise" else x2
+        w_kept = weight if recipe == "rowwise" else wq[0]
+        ctx.save_for_backward(x_kept, xq[1], w_kept, wq[1])
+        ctx.has_bias, ctx.x_shape, ctx.recipe, ctx.deferred = bias is not None, x.shape, recipe, deferred
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        g8, g_inv = to_float8(g2, E5M2)
+        x_kept, x_inv, w_kept, w_inv = ctx.saved_tensors
+        recipe, g2 = ctx.recipe, grad.reshape(-1, grad.shape[-1])
+        g8 = quantize(g2, recipe, dtype=E5M2 if recipe == "tensorwise" else E4M3)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
-            gx = gx.view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            gw = torch._scaled_mm(
-                g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype
-            )
+            wt = _transposed(w_kept, (w_kept, w_inv), recipe, weight=True)
+            gx = scaled_mm(g8, wt, recipe, out_dtype=grad.dtype, b_blocks=True).view(ctx.x_shape)
+        dw = functools.partial(_weight_grad, g2, g8, x_kept, x_inv, recipe)
+        if ctx.deferred is not None:
+            ctx.deferred.defer(dw)  # a zero-bubble schedule's W step computes it
+        elif ctx.needs_input_grad[1]:
+            gw = dw()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
-        return gx, gw, gb
+        return gx, gw, gb, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with the three GEMMs in float8 (see the module docstring)."""
-    return _Float8Linear.apply(x, weight, bias)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, recipe: str = "tensorwise") -> torch.Tensor:
+    """x W^T + b with the three GEMMs in float8 (see the module docstring); under a zero-bubble schedule's
+    capture the weight gradient is deferred (the weight enters detached, as in weight_grad.linear)."""
+    deferred = deferral(weight)
+    return _Float8Linear.apply(x, weight if deferred is None else weight.detach(), bias, recipe, deferred)
 
 
 def fp8_pays(local_out: int, local_in: int) -> bool:
@@ -82,20 +159,26 @@ def fp8_pays(local_out: int, local_in: int) -> bool:
     return not (local_out <= 4096 and local_in <= 1024)
 
 
-def fp8_refusal(local_out: int, local_in: int, *, small_layers: bool = False) -> str | None:
+def multiple(recipe: str) -> int:
+    """What every float8 GEMM dim must be a multiple of under `recipe` (blockwise: its 128-wide tiles)."""
+    return BLOCK if recipe == "blockwise" else 16
+
+
+def fp8_refusal(local_out: int, local_in: int, recipe: str = "tensorwise", *, small_layers: bool = False) -> str | None:
     """Why a linear layer with this per-rank weight [out, in] keeps its GEMMs in the compute dtype under train.fp8
-    (dims the float8 GEMM cannot take; unless `small_layers`, too small to gain), or None."""
-    if local_in % 16 or local_out % 16:
-        return "not multiples of 16"
+    (dims the recipe's float8 GEMM cannot take; unless `small_layers`, too small to gain), or None."""
+    if local_in % multiple(recipe) or local_out % multiple(recipe):
+        return f"not multiples of {multiple(recipe)}"
     if not small_layers and not fp8_pays(local_out, local_in):
         return "too small to gain"
     return None
 
 
 def check_fp8(cfg, widths) -> None:
-    """train.fp8 (`cfg`: the run's Config): bf16 activations, the plain GEMM path, every GEMM dim a multiple of 16.
+    """train.fp8 (`cfg`: the run's Config): bf16 activations, the plain GEMM path, every GEMM dim a multiple of 16
+    (128 for blockwise, whose tiles also run along the tokens in the weight gradient's GEMM).
     `widths`: (what, width) of each model dimension the GEMMs split over TP (tpframe.models.config.gemm_widths)."""
-    p, t = cfg.parallel, cfg.train
+    p, t, recipe = cfg.parallel, cfg.train, recipe_of(cfg.train.fp8)
     if t.dtype != "bfloat16":
         raise ConfigError(
             f"train.fp8 computes in float8 with bf16 inputs and outputs; set train.dtype=bfloat16 (got {t.dtype})"
@@ -104,18 +187,19 @@ def check_fp8(cfg, widths) -> None:
         raise ConfigError(
             "train.fp8 and parallel.async_tp cannot be combined (the overlapped GEMMs are bf16); turn one off"
         )
-    if p.pp > 1 and p.pp_schedule == "zb_h1":
+    if recipe == "blockwise" and cfg.model.moe_experts:
         raise ConfigError(
-            "train.fp8 cannot defer weight gradients (parallel.pp_schedule=zb_h1); use 1f1b, afab or interleaved_1f1b"
+            "train.fp8=blockwise tiles each expert's tokens by 128, which routing does not keep; use rowwise"
         )
-    tokens = t.micro_batch_size * t.seq_len
-    if tokens % 16:
+    tokens, m = t.micro_batch_size * t.seq_len // p.cp, multiple(recipe)
+    if tokens % m:
         raise ConfigError(
-            f"train.fp8 needs train.micro_batch_size*train.seq_len = {tokens} to be a multiple of 16 (float8 GEMM dims)"
+            f"train.fp8={recipe} needs train.micro_batch_size*train.seq_len/parallel.cp = {tokens} to be a multiple "
+            f"of {m} (float8 GEMM dims)"
         )
     for key, value in widths:
-        if value % (16 * p.tp):
+        if value % (m * p.tp):
             raise ConfigError(
-                f"train.fp8 needs {key} = {value} divisible by 16*parallel.tp = {16 * p.tp} "
-                "(each rank's float8 GEMM dims are multiples of 16)"
+                f"train.fp8={recipe} needs {key} = {value} divisible by {m}*parallel.tp = {m * p.tp} "
+                f"(each rank's float8 GEMM dims are multiples of {m})"
             )

@@ -11,8 +11,8 @@ collective are one autograd Function (or custom op) whose collective is pipeline
     row:    forward  reduce-scatter(x @ W^T)    backward  all-gather(dy) @ W,     dW = all-gather(dy)^T x
 Where it cannot run (tp = 1, no SP, no copy-engine transport) the same layers take the plain path below.
 
-`mode.fp8`: the plain path's GEMM in float8 where the shard gains (tpframe/layers/fp8.py; not with async TP or
-deferred weight gradients, which the config refuses).
+`mode.fp8`: the plain path's GEMM in float8 with the mode's recipe where the shard gains (tpframe/layers/fp8.py; not
+with async TP, which the config refuses).
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ def local_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    fp8: bool = False,
+    fp8: str | None = None,
     decode_kernel: bool = True,
 ) -> torch.Tensor:
-    """This rank's GEMM of a TP layer: float8 (`fp8`); the one-row kernel inside a batch-1 decode step's CUDA
-    graph (`decode_kernel`, tpframe/kernels/gemv.py); else F.linear, whose weight gradient zero-bubble pipeline
+    """This rank's GEMM of a TP layer: float8 (`fp8`: the recipe); the one-row kernel inside a batch-1 decode step's
+    CUDA graph (`decode_kernel`, tpframe/kernels/gemv.py); else F.linear, whose weight gradient zero-bubble pipeline
     schedules may defer."""
     if fp8:
-        return fp8_linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, recipe=fp8)
     if decode_kernel and gemv.takes(x, weight):
         return gemv.row_linear(x, weight, bias)
     return linear(x, weight, bias)
@@ -79,7 +79,7 @@ def column_parallel_linear(
     gather_output: bool = False,
     *,
     async_tp: str | None = None,
-    fp8: bool = False,
+    fp8: str | None = None,
     entered: bool = False,
     decode_kernel: bool = True,
 ) -> torch.Tensor:
@@ -109,7 +109,7 @@ def row_parallel_linear(
     input_is_parallel: bool = True,
     *,
     async_tp: str | None = None,
-    fp8: bool = False,
+    fp8: str | None = None,
     decode_kernel: bool = True,
 ) -> torch.Tensor:
     """y = x W^T + b with W split by input columns.
@@ -139,7 +139,7 @@ def _decide(layer: nn.Module, mode: LayerMode) -> None:
 
 
 def _modes_repr(layer: nn.Module) -> str:
-    return (f", async_tp={layer.async_tp}" if layer.async_tp else "") + (", fp8=True" if layer.fp8 else "")
+    return (f", async_tp={layer.async_tp}" if layer.async_tp else "") + (f", fp8={layer.fp8}" if layer.fp8 else "")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -304,15 +304,16 @@ class RowParallelLinear(nn.Module):
         )
 
 
-def fp8_layers(model: nn.Module) -> tuple[int, list[str]]:
-    """What the column/row-parallel layers of a model built with `LayerMode(fp8=True)` chose: (how many run float8,
+def fp8_layers(model: nn.Module, recipe: str = "tensorwise") -> tuple[int, list[str]]:
+    """What the column/row-parallel layers of a model built with `LayerMode(fp8=recipe)` chose: (how many run float8,
     "name (out x in: why not)" of the others). The vocabulary head and the embedding are other classes and stay in
     the compute dtype."""
     n, skipped = 0, []
     for name, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            n += m.fp8
+            n += bool(m.fp8)
             if not m.fp8:
                 local_out, local_in = m.weight.shape
-                skipped.append(f"{name} ({local_out}x{local_in}: {fp8_refusal(local_out, local_in)})")
+                why = fp8_refusal(local_out, local_in, recipe)
+                skipped.append(f"{name} ({local_out}x{local_in}: {why})")
     return n, skipped

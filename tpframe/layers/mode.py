@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpframe.layers.async_tp import normalize_mode
-from tpframe.layers.fp8 import fp8_refusal
+from tpframe.layers.fp8 import fp8_refusal, recipe_of
 from tpframe.layers.lora import LoRA
 
 
@@ -24,7 +24,9 @@ class LayerMode:
     # tpframe/kernels' Triton kernels on CUDA (norms, rotary, decode attention, one-row GEMMs, head + loss) and
     # flex_attention's sliding-window mask; False: torch's ops
     fused_kernels: bool = True
-    fp8: bool = False  # float8 GEMMs (tpframe/layers/fp8.py) in the column/row-parallel layers whose shards gain
+    # float8 GEMMs (tpframe/layers/fp8.py: a recipe, True for tensorwise) in the column/row-parallel layers whose shards
+    # gain; None: the compute dtype
+    fp8: str | bool | None = None
     fp8_small_layers: bool = False  # with fp8: also in the layers too small to gain (`fp8_pays`)
     # "copy_engine" (True): the sequence-parallel linear layers pipeline their collective with their GEMM
     # (tpframe/layers/async_tp.py); None: off
@@ -34,10 +36,12 @@ class LayerMode:
 
     def __post_init__(self):
         object.__setattr__(self, "async_tp", normalize_mode(self.async_tp))
+        object.__setattr__(self, "fp8", recipe_of(self.fp8))
 
-    def uses_fp8(self, local_out: int, local_in: int) -> bool:
-        """Whether a linear layer with this per-rank weight [out, in] runs its GEMMs in float8."""
-        return self.fp8 and fp8_refusal(local_out, local_in, small_layers=self.fp8_small_layers) is None
+    def uses_fp8(self, local_out: int, local_in: int) -> str | None:
+        """The float8 recipe a linear layer with this per-rank weight [out, in] runs its GEMMs in, or None."""
+        small = self.fp8_small_layers
+        return self.fp8 if self.fp8 and fp8_refusal(local_out, local_in, self.fp8, small_layers=small) is None else None
 
 
 DEFAULT_MODE = LayerMode()  # fused kernels, GEMMs in the compute dtype, no async TP

@@ -168,6 +168,7 @@ def _saved_ops() -> frozenset:
         "addmm",
         "bmm",
         "_scaled_mm",
+        "_scaled_mm_v2",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
@@ -220,10 +221,4 @@ def check_recompute(cfg) -> None:
         raise ConfigError(
             "parallel.activation_checkpointing=selective re-gathers the norm outputs itself, which "
             "parallel.async_tp would overlap with the GEMM; turn one off"
-        )
-    if p.recompute == "selective" and cfg.train.fp8:
-        raise ConfigError(
-            "train.fp8 already keeps float8 copies of the GEMM inputs instead of the norm and "
-            "activation outputs, so parallel.activation_checkpointing=selective would only add "
-            "compute; use full or false"
         )

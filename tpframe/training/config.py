@@ -26,7 +26,7 @@ from tpframe.errors import ConfigError
 from tpframe.layers.async_tp import CHOICES as ASYNC_TP_CHOICES
 from tpframe.layers.async_tp import check_async_tp
 from tpframe.layers.context import CP_COMM_MODES, check_cp_comm, check_sequence_split
-from tpframe.layers.fp8 import check_fp8
+from tpframe.layers.fp8 import RECIPES, check_fp8
 from tpframe.layers.lora import check_lora
 from tpframe.models.config import ModelConfig, check_experts, check_model, check_tensor_parallel, gemm_widths
 from tpframe.observe.logger import LoggingConfig, check_logging
@@ -109,7 +109,9 @@ class TrainConfig:
     # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps; "auto": time 3 eager and
     # 3 replayed steps, keep the graphs only if they are faster (and run eagerly where they cannot be used)
     cuda_graph: bool | Literal["auto"] = False
-    fp8: bool = False  # float8 GEMMs in the blocks' linear layers (tensorwise scales; bf16 only; CUDA 8.9+ or CPU)
+    # float8 GEMMs in the blocks' linear layers (bf16 runs; CUDA 8.9+ or CPU): tensorwise, rowwise or blockwise
+    # (1x128/128x128) scales (true: tensorwise); norms, attention and the head stay bf16 (README: performance)
+    fp8: bool | Literal[RECIPES] = False
     fp8_small_layers: bool = False  # train.fp8 also in layers too small to gain (per rank out <= 4096 and in <= 1024)
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)

@@ -16,6 +16,8 @@ recompute re-runs forwards inside a backward, so the switch cannot be thread-loc
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +27,25 @@ _ACTIVE: WeightGradStore | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; inside `WeightGradStore.capturing()` its weight gradient is deferred to the store."""
-    store = _ACTIVE
-    if store is None or not weight.requires_grad or not torch.is_grad_enabled():
+    deferred = deferral(weight)
+    if deferred is None:
         return F.linear(x, weight, bias)
     # The weight enters detached (no autograd edge: its hooks must not fire with a missing gradient);
     # the parameter itself rides along for the deferred accumulation.
-    return _DeferredWeightLinear.apply(x, weight.detach(), bias, _Deferred(store, weight))
+    return _DeferredWeightLinear.apply(x, weight.detach(), bias, deferred)
+
+
+def deferral(weight: torch.Tensor) -> _Deferred | None:
+    """Where `weight`'s gradient goes when a zero-bubble schedule defers it (inside `capturing()`, with autograd
+    on and the weight trained), else None. A GEMM's backward hands it `defer(compute)`; the W step calls compute()."""
+    store = _ACTIVE
+    if store is None or not weight.requires_grad or not torch.is_grad_enabled():
+        return None
+    return _Deferred(store, weight)
+
+
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 
 
 class _Deferred:
@@ -38,6 +53,10 @@ class _Deferred:
 
     def __init__(self, store: WeightGradStore, param: torch.Tensor):
         self.store, self.param = store, param
+
+    def defer(self, compute) -> None:
+        """Queue `compute()` (-> the weight gradient) for the store's flush."""
+        self.store.pending.append((self.param, compute))
 
 
 class _DeferredWeightLinear(torch.autograd.Function):
@@ -52,7 +71,7 @@ class _DeferredWeightLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
-        ctx.deferred.store.pending.append((ctx.deferred.param, x, grad_out))
+        ctx.deferred.defer(functools.partial(_weight_grad, x, grad_out))
         return grad_x, None, grad_bias, None
 
 
@@ -60,7 +79,7 @@ class WeightGradStore:
     """Weight gradients queued by backward passes, kept per key (e.g. (chunk, micro-batch)) until flushed."""
 
     def __init__(self):
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, X, dY) since the last seal
+        self.pending: list[tuple[torch.Tensor, Callable]] = []  # (param, computes its gradient) since the last seal
         self.sealed: dict[object, list] = {}
 
     @contextlib.contextmanager
@@ -83,8 +102,8 @@ class WeightGradStore:
         """Compute `key`'s weight gradients and accumulate them through autograd (into .grad, with the
         parameters' post-accumulate hooks, e.g. the fp32 gradient buffer), one accumulation per parameter."""
         total: dict[int, list] = {}
-        for param, x, dy in self.sealed.pop(key):
-            dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        for param, compute in self.sealed.pop(key):
+            dw = compute()
             if id(param) in total:
                 total[id(param)][1] += dw
             else:
