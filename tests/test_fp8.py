@@ -225,8 +225,10 @@ def test_fp8_linear_on_cuda_matches_fp64_and_the_cpu_recipe(compiled, recipe):
     on_cpu = [t.detach().cpu().requires_grad_() for t in (x, w, b)]
     y_cpu = fp8_linear(*on_cpu, recipe=recipe)
     y_cpu.backward(dy.cpu())
+    # eager: the same float8 operands, so bf16 rounding apart (1%); compiled, Inductor scales in fp32 before the cast
+    # (eager rounds x*scale to bf16 first), so some float8 values differ by one step: 3% (a wrong scale layout: ~100%)
     for got, want in zip((y, x.grad, w.grad), (y_cpu, *(t.grad for t in on_cpu))):
-        assert _rel(got.cpu(), want) < 0.01
+        assert _rel(got.cpu(), want) < (0.03 if compiled else 0.01)
     xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
     yr = torch.nn.functional.linear(xr, wr, br)
     yr.backward(dy.double())

@@ -29,12 +29,12 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tpframe.comm import Communicator
 from tpframe.errors import ConfigError
 from tpframe.layers.mappings import gather_from_sp
 from tpframe.layers.sliding_window import sliding_window_attention
+from tpframe.layers.utils import eager
 
 # Below this many queries per chunk the merged kernels lose to one lower-right-masked call (three kernels and a
 # merge for little work): benchmarks/cp_attention.py, benchmarks/RESULTS.md, 'Context-parallel attention, one rank's
@@ -139,7 +139,7 @@ def order_chunks(g: torch.Tensor) -> torch.Tensor:
     return torch.cat([*first, *second], dim=-2)
 
 
-@torch.compiler.disable  # eager inside a compiled block (a graph break): torch.compile traces no lower-right mask
+@eager  # eager inside a compiled block (a graph break): torch.compile traces no lower-right mask
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -210,6 +210,8 @@ def attend_local_chunks(
         elif fused:
             outs.append(_ChunkAttention.apply(qc, k[..., :end, :], v[..., :end, :], start))
         else:
+            from torch.nn.attention.bias import causal_lower_right  # here: its import loads Dynamo (1 s)
+
             mask = causal_lower_right(c, end)
             outs.append(F.scaled_dot_product_attention(qc, k[..., :end, :], v[..., :end, :], attn_mask=mask, **sdpa))
     return torch.cat(outs, dim=-2)

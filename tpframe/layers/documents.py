@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tpframe.layers.context import gather_sequence, local_positions
 from tpframe.layers.sliding_window import band
+from tpframe.layers.utils import eager
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -124,7 +125,7 @@ def document_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=enable_gqa)
 
 
-@torch.compiler.disable  # eager inside a compiled block, as the causal CP attention (tpframe/layers/context.py)
+@eager  # eager inside a compiled block, as the causal CP attention (tpframe/layers/context.py)
 def context_parallel_document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,7 +179,7 @@ def _varlen_usable(q: torch.Tensor, dropout_p: float, head_dim: int | None = Non
     )
 
 
-@torch.compiler.disable  # eager inside a compiled block: the documents' count and longest length vary per batch
+@eager  # eager inside a compiled block: the documents' count and longest length vary per batch
 def _varlen(q, k, v, docs: Documents, enable_gqa: bool, window: int | None = None) -> torch.Tensor:
     b, nq, s, d = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [b*s, n, d]

@@ -12,11 +12,12 @@ just before the cast: no history, no amax all-reduce) in one autograd Function:
 
 Every GEMM is a @ b^T with a [M, K] and b [N, K] both scaled along K, fp32 accumulation, bf16 out:
     forward   y  = x w^T          backward  dx = g (w^T)^T          dw = g^T (x^T)^T          db = sum(g)
-tensorwise and rowwise run torch._scaled_mm (CUDA 8.9+ and CPU builds); blockwise runs F.scaled_mm's BlockWise1x128
-and BlockWise128x128 kernels on CUDA (Hopper) and, where torch has none (CPU), the same float8 operands dequantized
-and multiplied in fp32 (tests). Under TP each rank scales its own shards, so TP sizes agree to float8 rounding, not bit
-for bit. Dims: multiples of 16, of 128 for blockwise (train.fp8's validation and `fp8_refusal` see to that). Under a
-zero-bubble schedule the weight gradient's GEMM is deferred like the bf16 path's (parallel/pipeline/weight_grad.py).
+tensorwise and rowwise run torch._scaled_mm (CUDA 8.9+; tensorwise also on CPU); blockwise runs F.scaled_mm's
+BlockWise1x128 and BlockWise128x128 kernels on CUDA (Hopper); where torch has no such kernel (CPU: rowwise and
+blockwise) the same float8 operands are dequantized and multiplied in fp32 (tests). Under TP each rank scales its own
+shards, so TP sizes agree to float8 rounding, not bit for bit. Dims: multiples of 16, of 128 for blockwise (train.fp8's
+validation and `fp8_refusal` see to that). Under a zero-bubble schedule the weight gradient's GEMM is deferred like the
+bf16 path's (parallel/pipeline/weight_grad.py).
 """
 
 from __future__ import annotations
@@ -83,17 +84,33 @@ def scaled_mm(a, b, recipe: str, *, out_dtype: torch.dtype, bias=None, b_blocks:
     """a8 b8^T of two `quantize` results a = (a8 [M, K], its scales), b = (b8 [N, K], its scales); `b_blocks`: b has
     128x128 blocks (the weight under blockwise)."""
     (a8, sa), (b8, sb) = a, b
-    if recipe != "blockwise":
+    if recipe == "tensorwise" or (recipe == "rowwise" and a8.is_cuda):  # (CPU _scaled_mm: tensorwise only in 2.11)
         return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), bias=bias, out_dtype=out_dtype)
-    if a8.is_cuda:
-        # scales column-major; a 128x128 operand's K/128 padded to a multiple of 4 (torch's check of F.scaled_mm)
-        sb = F.pad(sb, (0, -sb.shape[1] % 4)).t() if b_blocks else sb.t().contiguous().t()
-        kind_b = F.ScalingType.BlockWise128x128 if b_blocks else F.ScalingType.BlockWise1x128
-        one = F.ScalingType.BlockWise1x128
-        y = F.scaled_mm(a8, b8.t(), sa.t().contiguous().t(), one, sb, kind_b, output_dtype=out_dtype)
-    else:  # no blockwise float8 GEMM in torch here: the same operands in fp32
+    if recipe == "blockwise" and a8.is_cuda:
+        y = blockwise_mm(a8, b8, sa, sb, b_blocks, out_dtype)
+    else:  # no such float8 GEMM in torch here (CPU): the same operands in fp32
         y = (dequantize(a8, sa) @ dequantize(b8, sb).t()).to(out_dtype)
     return y if bias is None else y + bias
+
+
+@torch.library.custom_op("tpframe::blockwise_mm", mutates_args=())
+def blockwise_mm(
+    a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, b_blocks: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """a8 [M, K] 1x128 tiles (sa [M, K/128]) times b8^T, b8 [N, K] in 1x128 tiles or 128x128 blocks (`b_blocks`, sb
+    [N/128, K/128]), by F.scaled_mm on CUDA (a custom op: torch 2.11's Dynamo cannot trace F.scaled_mm). The layouts
+    F.scaled_mm checks are made here: scales column-major (outer dim fastest), a 128x128 operand's K/128 padded to a
+    multiple of 4."""
+    sa = sa.t().contiguous().t()
+    sb = F.pad(sb, (0, -sb.shape[1] % 4)).contiguous().t() if b_blocks else sb.t().contiguous().t()
+    kind_b = F.ScalingType.BlockWise128x128 if b_blocks else F.ScalingType.BlockWise1x128
+    one = F.ScalingType.BlockWise1x128
+    return F.scaled_mm(a8.contiguous(), b8.contiguous().t(), sa, one, sb, kind_b, output_dtype=out_dtype)
+
+
+@blockwise_mm.register_fake
+def _(a8, b8, sa, sb, b_blocks, out_dtype):
+    return a8.new_empty(a8.shape[0], b8.shape[0], dtype=out_dtype)
 
 
 def _transposed(t: torch.Tensor, q: tuple, recipe: str, *, dtype=E4M3, weight: bool = False) -> tuple:

@@ -19,10 +19,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-try:  # torch >= 2.5
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-except ImportError:  # pragma: no cover - older torch
-    create_block_mask = flex_attention = None
+from tpframe.layers.utils import eager
+
+# flex_attention is imported where it runs: its module loads Dynamo, a second of every process's start
 
 
 def band(q_len: int, k_len: int, window: int, *, device=None) -> torch.Tensor:
@@ -37,8 +36,7 @@ def flex_usable(q: torch.Tensor, dropout_p: float) -> bool:
     """Whether `sliding_window_attention` takes flex_attention for q [b, n, s, d]."""
     d = q.shape[-1]
     return (
-        flex_attention is not None
-        and q.is_cuda
+        q.is_cuda
         and dropout_p == 0
         and 16 <= d <= 256
         and d & (d - 1) == 0
@@ -69,7 +67,7 @@ def sliding_window_attention(
     )
 
 
-@torch.compiler.disable  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
+@eager  # eager inside a compiled block (as documents' varlen call): flex runs its own compiled kernel
 def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, enable_gqa: bool) -> torch.Tensor:
     block_mask = _block_mask(q.shape[-2], k.shape[-2], window, str(q.device))
     return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
@@ -77,6 +75,8 @@ def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
 
 @functools.cache
 def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -84,6 +84,8 @@ def _compiled_flex():
 def _block_mask(sq: int, sk: int, window: int, device: str):
     """The band as flex_attention's block mask for sq queries at the last of sk positions (one per shape: every
     layer shares it)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     offset = sk - sq
 
     def in_window(b, h, q_idx, kv_idx):

@@ -25,6 +25,7 @@ import torch
 from tpframe.comm import Communicator
 from tpframe.layers.context import order_chunks
 from tpframe.layers.mappings import all_to_all
+from tpframe.layers.utils import eager
 
 
 def kv_copies(kv_heads: int, cp: int) -> int:
@@ -33,7 +34,7 @@ def kv_copies(kv_heads: int, cp: int) -> int:
     return cp // math.gcd(kv_heads, cp)
 
 
-@torch.compiler.disable  # eager inside a compiled block, as the all-gather CP attention
+@eager  # eager inside a compiled block, as the all-gather CP attention
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,

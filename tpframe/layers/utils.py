@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections.abc import Callable
 
 import torch
 
 InitMethod = Callable[[torch.Tensor], object]
+
+
+def eager(fn: Callable) -> Callable:
+    """torch.compiler.disable(fn) (inside a compiled block, a graph break and fn run eagerly) without importing Dynamo
+    when the module is: that import is a second or more of every process's start, and most runs never compile. The
+    wrapper carries the mark Dynamo reads when it traces a call; called while Dynamo is loaded it runs fn through
+    torch.compiler.disable's own wrapper (nothing inside fn is compiled); before, nothing can be compiling."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True
+    return call
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -351,7 +351,8 @@ class GPT(nn.Module):
         layer = 2 * (h * (q + 2 * kv) + q * h + mlp) + 4 * seq_len * q
         padded = padded_vocab_size(c.vocab_size, self.comm.size, c.vocab_multiple)
         weights = c.layers * (layer - 4 * seq_len * q) + 2 * h * padded  # forward FLOPs of the weight GEMMs
-        frozen = not any(p.requires_grad for n, p in self.named_parameters() if n.endswith("weight") and p.dim() == 2)
+        matrices = [p for n, p in self.named_parameters() if n.endswith("weight") and p.dim() == 2]
+        frozen = bool(matrices) and not any(p.requires_grad for p in matrices)
         return 3.0 * (c.layers * layer + 2 * h * padded) - (weights if frozen else 0)
 
     # -- what generation and the trainer ask of a model (tpframe/models/protocol.py) ----------------

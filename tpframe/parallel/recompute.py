@@ -176,7 +176,8 @@ def _saved_ops() -> frozenset:
     ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     tp = getattr(torch.ops, "tpframe", None)
-    ops.update(getattr(tp, n).default for n in ("all_reduce", "reduce_scatter", "qkv_rotary") if hasattr(tp, n))
+    names = ("all_reduce", "reduce_scatter", "qkv_rotary", "blockwise_mm")
+    ops.update(getattr(tp, n).default for n in names if hasattr(tp, n))
     return frozenset(ops)
 
 

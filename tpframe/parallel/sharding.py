@@ -13,18 +13,20 @@ pieces of named global tensors (what checkpoints store, so any TP layout can rea
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tpframe.comm import Communicator
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `t`: an FSDP2 DTensor's local shard, any other tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """This rank's part of `t`: an FSDP2 DTensor's local shard, any other tensor itself. (No DTensor exists before
+    its module is imported: importing it here would cost every process a second at start.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 @dataclass
