@@ -21,6 +21,7 @@ setup(
             "ruff==0.17.6",
             "pytest>=7",
             "pytest-timeout",
+            "pytest-xdist",  # README's test command runs the suite on two workers
             "matplotlib",
             "tokenizers",
             "transformers>=4.45",

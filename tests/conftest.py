@@ -10,7 +10,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs; skipped on CPU")
-    config.addinivalue_line("markers", "slow: a multi-process training run of several seconds")
+    config.addinivalue_line(
+        "markers", "slow: the slow tier (multi-launch drills, layout sweeps): deselected by default, `-m slow` runs it"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -540,6 +540,7 @@ def test_a_runs_relative_data_and_tokenizer_paths_resolve_from_any_folder(tmp_pa
         resolve_tokenizer(dataclasses.replace(source, cwd=None))
 
 
+@pytest.mark.slow
 def test_decode_benchmark_runs_hugging_face_at_tp1_and_with_its_tp_plan_at_tp2(tmp_path):
     """benchmarks/decode.py on CPU (gloo, fp32, tiny shapes): its transformers rows, at TP=1 and with tp_plan="auto"
     at TP=2, run on the same weights as tpframe and produce the same greedy tokens."""

@@ -357,6 +357,7 @@ def _train_layouts(tmp: str):
     return out
 
 
+@pytest.mark.slow
 def test_train_py_moe_layouts_equal_data_parallel_and_resume_across_ep(tmp_path):
     results = run_distributed(_train_layouts, 4, str(tmp_path), timeout=600)[-1]  # rank 3: on the last stage
     ref_history, ref_weights = results.pop("ref")

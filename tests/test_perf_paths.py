@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -303,6 +304,7 @@ def test_collective_waits_pairs_the_ranks_nccl_kernels(tmp_path):
     assert collective_waits([r0, trace("other.json", 0, [k(ar, 0, 1)])]) is None  # another collective count
 
 
+@pytest.mark.slow
 def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
     """benchmarks/peer_llama.py, the torch-native row of the Llama shape in `benchmarks/gpt.py --compare`: its FLOP
     count per token is tpframe's for the same architecture (so the TFLOP/s columns compare), and its DTensor TP=2 +

@@ -372,7 +372,6 @@ def _stage_waits_for_a_lost_message(timeout_s):
     return None, time.monotonic() - start
 
 
-@pytest.mark.slow
 def test_a_stage_that_never_receives_stops_with_a_message_naming_stage_micro_batch_and_peer():
     (msg0, t0), (msg1, t1) = run_distributed(_stage_waits_for_a_lost_message, 2, 1.0, timeout=60)
     assert msg1 is not None and "pipeline stage 1 (rank 1)" in msg1, msg1
@@ -456,6 +455,7 @@ def test_bad_pipeline_config_exits_2_with_one_clear_line(overrides, world, messa
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
+@pytest.mark.slow
 def test_pipeline_benchmark_runs_full_trainer_steps_on_cpu():
     """The benchmark drives the real Trainer (step guard included): a CPU dry run keeps it in step with it."""
     import subprocess

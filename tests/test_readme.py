@@ -7,7 +7,8 @@ Every ```bash and ```python block in README.md and docs/*.md has a marker on the
     <!-- readme-test: skip: <why> -->        not run (GPU only, a long run, ...): the reason is required
 A block without a marker fails the test, so a new section is either covered or deliberately excluded.
 
-The blocks run in one scratch copy of the repository, two at a time on two cores: the `run` blocks in page order
+README.md's blocks run in the default suite, every page's in the slow tier (`-m slow`). The blocks run in one scratch
+copy of the repository, two at a time on two cores: the `run` blocks in page order
 (README.md, then docs/*.md by file name; later ones use earlier ones' runs, e.g. the quick start's runs/tiny_cpu) on
 one worker, and the `independent` ones beside them on both (so each independent block writes runs of its own). They
 run with OMP_NUM_THREADS=1 and these rewrites, so that the pages take a few minutes and test what they say:
@@ -304,18 +305,32 @@ def _run_chain(blocks: list[Block], shared: deque, lock: threading.Lock, work: P
             return failure
 
 
-@pytest.mark.slow
-def test_readme_blocks_run_as_written(tmp_path):
-    pytest.importorskip("transformers", reason="docs/huggingface.md's example needs transformers (dev extras)")
+def _run_pages(tmp_path: Path, pages: tuple[str, ...] | None) -> list[str]:
+    """Run the `run` blocks of `pages` (page names; None: every page) in a scratch copy; the failures."""
     work = tmp_path / "repo"
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".wt", "*.egg-info"))
     _user_files(work)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work), PYTHONUNBUFFERED="1")
-    runs = [b for b in all_blocks() if b.action == "run"]
+    runs = [b for b in all_blocks() if b.action == "run" and (pages is None or b.page in pages)]
     # one worker runs the dependent blocks in order, then helps the other with the independent ones
     shared, lock = deque(b for b in runs if b.independent), threading.Lock()
     chains = [[b for b in runs if not b.independent], []]
     with ThreadPoolExecutor(2) as pool:
-        failures = [f for f in pool.map(lambda chain: _run_chain(chain, shared, lock, work, env), chains) if f]
+        return [f for f in pool.map(lambda chain: _run_chain(chain, shared, lock, work, env), chains) if f]
+
+
+def test_readme_blocks_run_as_written(tmp_path):
+    """README.md's own blocks (the quick start, the launch lines): the default suite."""
+    failures = _run_pages(tmp_path, ("README.md",))
     assert not failures, "\n\n".join(failures)
+    assert (tmp_path / "repo/runs/tiny_cpu/loss.png").is_file()
+
+
+@pytest.mark.slow
+def test_every_page_s_blocks_run_as_written(tmp_path):
+    """README.md's and every docs/ page's blocks (a few minutes: the slow tier)."""
+    pytest.importorskip("transformers", reason="docs/huggingface.md's example needs transformers (dev extras)")
+    failures = _run_pages(tmp_path, None)
+    assert not failures, "\n\n".join(failures)
+    work = tmp_path / "repo"
     assert (work / "runs/tiny_cpu/loss.png").is_file() and (work / "hf_model/config.json").is_file()
