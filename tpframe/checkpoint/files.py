@@ -164,7 +164,7 @@ def read_cause(e: BaseException) -> str:
         if "WeightsUnpickler error:" in line:
             text = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
             break
-    return f"{type(e).__name__}: {text[:120]}"
+    return f"{type(e).__name__}: {text[:300]}"  # room for a path
 
 
 def unreadable(
