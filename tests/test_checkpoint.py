@@ -172,6 +172,7 @@ def _checkpoint_tool():
     return module
 
 
+@pytest.mark.slow
 def test_export_then_import_gives_identical_tensors(tmp_path):
     run_distributed(
         _run,

@@ -165,7 +165,9 @@ def _compose(recipe: str, run_dir: str) -> dict[str, list[tuple[float, float]]]:
     }
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(  # blockwise (every GEMM path) in the default suite, the other two in the slow tier
+    "recipe", [pytest.param(r, marks=pytest.mark.slow) if r != "blockwise" else r for r in RECIPES]
+)
 def test_each_recipe_composes_with_tp_selective_recompute_and_zero_bubble(tmp_path, recipe):
     """Same recipe throughout: selective recompute gives the gradients of no recompute, and zero-bubble (zb_h1: the
     weight gradients' float8 GEMMs deferred) those of 1f1b, to fp32 summation order; TP=2 + SP follows TP=1 within

@@ -436,6 +436,7 @@ def test_help_keeps_its_usage_lines_and_describes_every_option(capsys):
         assert "default" in line or "default" in options.split(line, 1)[1].split("\n  --", 1)[0], (flag, options)
 
 
+@pytest.mark.slow
 def test_tpframe_launch_runs_generate_and_checks_it_first(checkpoint, tmp_path):
     """`python -m tpframe.launch --nproc-per-node 2 generate.py ...`, the launcher train.py uses: the parent runs
     generate.py's pre-flight for the whole world (a mistake is one line, exit 2, no worker), then TP=2 generates."""

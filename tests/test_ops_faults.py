@@ -546,6 +546,7 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path,
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 
+@pytest.mark.slow
 def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_path):
     """One training per run directory: while one trains, a second launch there (a job submitted twice) exits 2
     with the holder's pid, from the launcher's pre-flight, and leaves the first run's files as they were."""

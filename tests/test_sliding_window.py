@@ -143,6 +143,7 @@ def _losses(overrides):
     return [r["loss"] for r in history], [r["grad_norm"] for r in history]
 
 
+@pytest.mark.slow
 def test_train_py_trains_a_window_alike_at_tp2_sp_pp2_and_cp2_with_documents(tmp_path):
     """The key reaches every block through train.py: TP=2 + SP, PP=2, CP=2 and CP=2 x TP=2 + SP (with packed
     documents, which narrow the window further) follow one process; without the window the losses differ."""
@@ -169,6 +170,7 @@ def test_train_py_trains_a_window_alike_at_tp2_sp_pp2_and_cp2_with_documents(tmp
     assert abs(full[1] - ref[1]) > 1e-4, "the window must change the computation"
 
 
+@pytest.mark.slow
 def test_compiled_blocks_take_the_window_without_graph_breaks(tmp_path):
     """train.compile=true (aot_eager on the CPU, fullgraph): the band mask traces into each block."""
     from tests.test_perf_paths import _assert_compiled_trains_like_eager, _train_compiled_and_eager
