@@ -50,9 +50,12 @@ def _child(
     rank: int, world_size: int, init_file: str, env: dict, backend: str, fn: Callable, args, kwargs, results
 ) -> None:
     try:
+        import gc
+
         import torch
         import torch.distributed as dist
 
+        gc.freeze()  # what the forkserver preloaded lives for good: each run's full collection skips it (~0.15 s)
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), **env)
         if backend == "nccl":

@@ -102,6 +102,7 @@ def test_lora_trains_alike_at_tp_1_2_4_with_sp_pp_cp_and_every_strategy_and_resu
     assert adapted >= {"model/blocks.0.attn.qkv.k", "model/blocks.1.mlp.fc1.up", "model/blocks.1.mlp.fc2", "model/head"}
 
 
+@pytest.mark.slow
 def test_compiled_lora_blocks_train_like_eager(tmp_path):
     """train.compile=true (aot_eager on the CPU, fullgraph) with adapters on every block layer, TP=2 + SP."""
     from tests.test_perf_paths import _assert_compiled_trains_like_eager, _train_compiled_and_eager

@@ -786,6 +786,7 @@ def _never_entered(tmp_path, env=None):
     assert (tmp_path / "comm_trace" / "rank_0").is_file()
 
 
+@pytest.mark.slow
 def test_a_collective_one_rank_never_enters_is_named_while_every_rank_is_alive(tmp_path):
     """A collective mismatch, all ranks alive (gloo): rank 0 waits in a collective rank 1 never calls. Before the
     group's own timeout, one line names the collective and rank 1 as alive and never entered; exit 4."""

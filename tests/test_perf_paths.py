@@ -187,6 +187,7 @@ def test_train_compile_trains_like_eager_at_tp2_with_sp(tmp_path):
     _assert_compiled_trains_like_eager(losses, compiled_blocks)
 
 
+@pytest.mark.slow
 def test_train_compile_with_context_parallelism_trains_like_eager(tmp_path):
     """CP attention runs eager between the compiled parts of each block (one graph break each)."""
     common = ["parallel.tp=1", "parallel.cp=2", "model.position=rotary", "train.steps=3"]

@@ -145,6 +145,7 @@ def _compiled_case():
     return True
 
 
+@pytest.mark.slow
 def test_compiled_selective_recompute_keeps_what_eager_does_at_tp2_sp():
     run_distributed(_compiled_case, 2, timeout=400)
 
