@@ -175,11 +175,16 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def _train_layouts(tmp: str):
+# the default suite's layouts (both cp_comm modes, with TP + SP) and the resumes between them; the slow tier: the rest
+CORE = ("cp=4", "cp=4 all_to_all", "cp=2 x tp=2 + SP", "cp=2 x tp=2 + SP all_to_all")
+
+
+def _train_layouts(tmp: str, names: tuple[str, ...], resume: bool):
     out = {}
     ref = train_in_process([*COMMON, "train.micro_batch_size=2", f"train.run_dir={tmp}/ref"], keep_trainer=True)
     out["ref"] = (ref.history, _weights(ref))
-    for name, extra in LAYOUTS.items():
+    for name in names:
+        extra = LAYOUTS[name]
         trainer = train_in_process(
             [*COMMON, *extra, f"train.run_dir={tmp}/{name}", "checkpoint.interval=5"], keep_trainer=True
         )
@@ -188,10 +193,14 @@ def _train_layouts(tmp: str):
     # step-5 checkpoints resume on other layouts and in the other cp_comm mode: CP=2 x TP=2's at CP=1 (DP=4) and at
     # CP=4; CP=4's at CP=2 x TP=2, all_gather <-> all_to_all
     for name, saved, extra in (
-        ("resumed at dp=4", "cp=2 x tp=2 + SP", ["train.micro_batch_size=2"]),
-        ("resumed at cp=4", "cp=2 x tp=2 + SP", LAYOUTS["cp=4"]),
-        ("resumed at cp=2 x tp=2 all_to_all", "cp=4", LAYOUTS["cp=2 x tp=2 + SP all_to_all"]),
-        ("resumed at cp=2 x tp=2", "cp=4 all_to_all", LAYOUTS["cp=2 x tp=2 + SP"]),
+        ()
+        if not resume
+        else (
+            ("resumed at dp=4", "cp=2 x tp=2 + SP", ["train.micro_batch_size=2"]),
+            ("resumed at cp=4", "cp=2 x tp=2 + SP", LAYOUTS["cp=4"]),
+            ("resumed at cp=2 x tp=2 all_to_all", "cp=4", LAYOUTS["cp=2 x tp=2 + SP all_to_all"]),
+            ("resumed at cp=2 x tp=2", "cp=4 all_to_all", LAYOUTS["cp=2 x tp=2 + SP"]),
+        )
     ):
         load = f"checkpoint.load={tmp}/{saved}/checkpoints/step_00000005"
         out[name] = (train_in_process([*COMMON, *extra, load, f"train.run_dir={tmp}/{name}"]), None)
@@ -204,10 +213,19 @@ TOL_GRAD_NORM = 2e-4
 
 
 def test_train_py_context_parallel_layouts_equal_one_process_and_resume_across_cp(tmp_path):
-    """Losses, eval losses and gradient norms of 10 steps in both cp_comm modes with TP+SP, DP strategies, PP and
-    recompute equal one process's; resumed runs equal its steps 6-10, so the weights, the optimizer and the data
-    position all came back."""
-    results = run_distributed(_train_layouts, 4, str(tmp_path), timeout=600)[-1]  # rank 3: on the last stage
+    """Losses, eval losses and gradient norms of 10 steps in both cp_comm modes with TP+SP equal one process's;
+    resumed runs equal its steps 6-10, so the weights, the optimizer and the data position all came back."""
+    _assert_layouts(tmp_path, CORE, resume=True)
+
+
+@pytest.mark.slow
+def test_train_py_context_parallel_with_dp_strategies_pp_and_recompute_equals_one_process(tmp_path):
+    """The same with zero1, fsdp, PP=2 (all_to_all) and selective recompute."""
+    _assert_layouts(tmp_path, tuple(n for n in LAYOUTS if n not in CORE), resume=False)
+
+
+def _assert_layouts(tmp_path, names: tuple[str, ...], *, resume: bool) -> None:
+    results = run_distributed(_train_layouts, 4, str(tmp_path), names, resume, timeout=600)[-1]  # rank 3: last stage
     ref_history, ref_weights = results.pop("ref")
     ref = {r["step"]: r for r in ref_history}
     assert len(ref) == 10
