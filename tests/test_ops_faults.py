@@ -602,13 +602,15 @@ def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_
     }
 
 
-def _stop_rank_1(proc, *, report_timeout: float, exit_timeout: float) -> tuple[list[str], float, str]:
-    """Freeze rank 1 (SIGSTOP) of a launched run after step 3; return the output lines up to rank 0's `tpframe:`
-    report, how long that took, and the rest of the output. The launcher kills the frozen rank itself once rank 0
-    has ended (no collective of its can complete)."""
+def _stop_rank_1(
+    proc, *, report_timeout: float, exit_timeout: float, after_step: int = 3
+) -> tuple[list[str], float, str]:
+    """Freeze rank 1 (SIGSTOP) of a launched run after `after_step`; return the output lines up to rank 0's
+    `tpframe:` report, how long that took, and the rest of the output. The launcher kills the frozen rank itself once
+    rank 0 has ended (no collective of its can complete)."""
     stopped = None
     try:
-        _read_until(proc, _is_step(3))
+        _read_until(proc, _is_step(after_step))
         stopped = _workers(proc.pid)[1]
         os.kill(stopped, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -638,9 +640,11 @@ def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit
     the run directory, exit 4; the last checkpoint stays complete and loadable."""
     from tpframe.checkpoint import resolve, verify
 
-    args = [*SCRIPT, "train.steps=100000", "checkpoint.interval=2", f"comm.timeout_s={timeout_s}"]
+    # stopped after step 5, two steps from any checkpoint save (steps 4 and 8): the stop lands in a training step's
+    # collective, not in the save's (a loaded machine once froze rank 1 inside step 4's save with interval 2)
+    args = [*SCRIPT, "train.steps=100000", "checkpoint.interval=4", f"comm.timeout_s={timeout_s}"]
     proc = _launch([*args, f"train.run_dir={tmp_path}"])
-    lines, waited, rest = _stop_rank_1(proc, report_timeout=within + 30, exit_timeout=60)
+    lines, waited, rest = _stop_rank_1(proc, report_timeout=within + 30, exit_timeout=60, after_step=5)
     line = lines[-1]
     assert waited < within, f"rank 0 gave up after {waited:.1f} s"
     assert re.search(rf"rank 0 waited \d+ s at step \d+ {COLLECTIVE}", line), line
@@ -652,7 +656,7 @@ def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit
     seq = int(re.search(r" #(\d+) on", line).group(1))
     assert any(e["collective_seq_id"] == seq for e in record["entries"]), record["entries"][-3:]
     assert "[0, 1]" in {c["ranks"] for c in record["pg_config"].values()}, record["pg_config"]
-    assert verify(resolve(tmp_path / "checkpoints"), "crc")["step"] >= 2  # nothing lost
+    assert verify(resolve(tmp_path / "checkpoints"), "crc")["step"] >= 4  # nothing lost
 
 
 def test_the_stuck_collective_names_who_never_entered_who_did_not_complete_and_who_stopped():
