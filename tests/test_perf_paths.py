@@ -402,3 +402,28 @@ def test_emulated_tp_runs_one_ranks_shards_with_local_collectives():
         (out * 2 in (3 * h, 4 * h) and inp == h) or (out == h and inp * 2 in (h, 4 * h)) for out, inp in shapes.values()
     ), shapes
     assert math.isfinite(loss) and grads
+
+
+def test_eager_keeps_its_function_out_of_the_graph_and_dynamo_out_of_start_up():
+    """`tpframe.layers.utils.eager` (torch.compiler.disable applied at the first call): importing train.py does not
+    import Dynamo (a second of every process's start), and inside a compiled function the wrapped one runs eagerly
+    (a host read-back there would otherwise be traced)."""
+    import subprocess
+    import sys
+
+    from tests.training_utils import REPO
+    from tpframe.layers.utils import eager
+
+    probe = "import sys, train; print('torch._dynamo' in sys.modules, 'torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+    seen = []
+
+    @eager
+    def host_side(x):
+        seen.append(torch.compiler.is_compiling())
+        return x * float(x.sum().item() > 0)
+
+    f = torch.compile(lambda x: host_side(x + 1) * 2, backend="eager")
+    x = torch.ones(3)
+    assert torch.equal(f(x), (x + 1) * 2) and seen == [False]
