@@ -192,12 +192,10 @@ class Agent(LocalElasticAgent):
         os.environ["TPFRAME_ATTEMPT"] = str(self.attempt)  # > 0: the workers resume from the latest checkpoint
         return super()._start_workers(group)
 
-    def _stop_workers(self, group: WorkerGroup) -> None:
-        self._shutdown()
-
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
-        """Stop the workers: SIGTERM (live workers save and exit 0, a planned stop), SIGKILL after STOP_GRACE_S.
-        Ours rather than torchelastic's, whose signature and grace (30 s) differ between torch versions."""
+        """Stop the workers (torchelastic's `_stop_workers` calls this): SIGTERM (live workers save and exit 0, a
+        planned stop), SIGKILL after STOP_GRACE_S. Ours rather than torchelastic's, whose signature and grace (30 s)
+        differ between torch versions."""
         for name in ("_worker_watchdog", "_health_check_server"):
             if getattr(self, name, None) is not None:
                 getattr(self, name).stop()
