@@ -13,7 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.reference import assert_close, loss_and_full_tensors
 from tests.reference_gpt import reference_loss
-from tests.training_utils import train_in_process
+from tests.training_utils import LLAMA_SHAPE, train_in_process
 from tpframe.layers.documents import Documents
 from tpframe.models.config import ModelConfig
 
@@ -469,11 +469,7 @@ def test_a_user_model_takes_the_documents_through_the_layers(tmp_path):
     mask changes what it computes."""
     llama = [
         "model.name=examples.parallel_llama:build",
-        "model.norm=rmsnorm",
-        "model.position=rotary",
-        "model.activation=swiglu",
-        "model.bias=false",
-        "model.tie_embeddings=false",
+        *LLAMA_SHAPE,
         "model.kv_heads=2",
         "parallel.activation_checkpointing=full",
     ]

@@ -14,17 +14,10 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, torchrun_env, train_in_process
+from tests.training_utils import LLAMA_SHAPE, REPO, torchrun_env, train_in_process
 
 # A small model with every decode-relevant option on: rotary positions, GQA, SwiGLU, RMSNorm, untied head.
-ARCH = [
-    "model.position=rotary",
-    "model.kv_heads=2",
-    "model.activation=swiglu",
-    "model.norm=rmsnorm",
-    "model.tie_embeddings=false",
-    "model.bias=false",
-]
+ARCH = [*LLAMA_SHAPE, "model.kv_heads=2"]
 PROMPTS = ["1 2 3 ", "The cat", "a", "x = 17 + "]
 
 

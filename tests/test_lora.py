@@ -11,18 +11,17 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, TINY, assert_layouts_follow, merge_overrides, train_in_process
+from tests.training_utils import (
+    LLAMA_SHAPE,
+    REPO,
+    TINY,
+    assert_layouts_follow,
+    merge_overrides,
+    train_in_process,
+)
 
 # Llama's shape (fused q/k/v and gate/up, GQA, an untied head), every target adapted
-LLAMA = [
-    "model.norm=rmsnorm",
-    "model.position=rotary",
-    "model.activation=swiglu",
-    "model.bias=false",
-    "model.tie_embeddings=false",
-    "model.heads=8",
-    "model.kv_heads=4",
-]
+LLAMA = [*LLAMA_SHAPE, "model.heads=8", "model.kv_heads=4"]
 LORA = ["optim.lora_rank=4", "optim.lora_alpha=8", "optim.lora_targets=[qkv,proj,fc1,fc2,head]"]
 
 

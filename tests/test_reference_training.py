@@ -29,7 +29,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.reference_gpt import reference_loss
-from tests.training_utils import REPO, train_in_process
+from tests.training_utils import LLAMA_SHAPE, REPO, train_in_process
 
 STEPS = 8
 MICRO, GLOBAL = 2, 8  # world 1: 4 micro-batches per step; DP=2: 2 per rank
@@ -185,14 +185,7 @@ def _weights_and_moments_agree(case: str, final: dict, P: dict, opt, initial: di
         assert err <= tol, f"{case}: {key} differs from plain torch's by {err:.2e} of its {of}"
 
 
-LLAMA = [
-    "model.norm=rmsnorm",
-    "model.position=rotary",
-    "model.activation=swiglu",
-    "model.bias=false",
-    "model.tie_embeddings=false",
-    "model.kv_heads=2",
-]
+LLAMA = [*LLAMA_SHAPE, "model.kv_heads=2"]
 # name: (tp, dp, train.py overrides, optim.decay, optim.decay_fraction); world = tp * dp
 CASES = {
     "gpt-tied-1-rank-cosine": (1, 1, [], "cosine", None),

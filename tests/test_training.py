@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import REPO, torchrun_env, train_in_process
+from tests.training_utils import LLAMA_SHAPE, REPO, torchrun_env, train_in_process
 
 
 def _losses(overrides):
@@ -117,11 +117,7 @@ def test_activation_checkpointing_on_equals_off_with_dropout(tmp_path):
 def test_user_model_from_examples_trains(tmp_path):
     llama = [
         "model.name=examples.parallel_llama:build",
-        "model.norm=rmsnorm",
-        "model.position=rotary",
-        "model.activation=swiglu",
-        "model.bias=false",
-        "model.tie_embeddings=false",
+        *LLAMA_SHAPE,
         "model.kv_heads=2",
     ]
     tp1 = run_distributed(_losses, 1, [*llama, "parallel.tp=1", f"train.run_dir={tmp_path}/a"])[0]

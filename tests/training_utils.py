@@ -28,6 +28,14 @@ TINY = [
     "checkpoint.auto_resume=false",
     "checkpoint.verify=crc",
 ]
+# Llama's shape as overrides (RMSNorm, rotary positions, SwiGLU, no biases, an untied head); tests add the heads
+LLAMA_SHAPE = [
+    "model.norm=rmsnorm",
+    "model.position=rotary",
+    "model.activation=swiglu",
+    "model.bias=false",
+    "model.tie_embeddings=false",
+]
 
 
 def torchrun_env(world_size: int, rank: int = 0) -> dict[str, str]:
