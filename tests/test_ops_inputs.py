@@ -4,6 +4,7 @@ process, 29 through the tools, a few through the README's launcher (and torchrun
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1073,16 +1074,20 @@ def test_a_mistake_found_by_the_workers_is_still_one_line(tmp_path):
 
 
 def test_under_torchrun_every_rank_exits_2_and_the_line_is_printed_once(tmp_path):
-    """torchrun still prints its own failure summary (documented in README); ours is the first line, once,
-    and the summary names it for both ranks instead of a link."""
+    """torchrun still prints its own failure summary (documented in docs/operations.md); ours is the first line,
+    once, and the summary's root cause is it, not a link. The other rank either exits 2 itself or is stopped by
+    torchrun first (SIGTERM): which one is a race between the two ranks, so both are accepted."""
     out = _launch(
         ["--standalone", *SCRIPT, f"train.run_dir={tmp_path}/run", "model.hiden=64"],
         launcher=("-m", "torch.distributed.run"),
     )
     ours = [line for line in out.stderr.splitlines() if line.startswith("tpframe:")]
     assert out.returncode == 1 and len(ours) == 1 and "model.hiden" in ours[0], out.stderr
-    assert out.stderr.count("exitcode  : 2") == 2, out.stderr
-    assert out.stderr.count("traceback : tpframe: config error") == 2, out.stderr
+    codes = re.findall(r"exitcode  : (-?\d+)", out.stderr)
+    assert sorted(codes) in (["2", "2"], ["-15", "2"]), out.stderr
+    root = out.stderr.split("Root Cause")[1]
+    assert "exitcode  : 2" in root and "traceback : tpframe: config error" in root, out.stderr
+    assert out.stderr.count("traceback : tpframe: config error") == codes.count("2"), out.stderr
 
 
 @pytest.mark.parametrize(
