@@ -454,6 +454,8 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             log=logger.info,
             health=trainer.guard,
         )
+        for kind, group in checkpointer.groups.items() if beat is not None else ():
+            beat.watch(kind, group)  # a stop inside a save is named by its collective, like one in a step
         progress.mark(0, "load")
         checkpointer.load()  # model, optimizer, data position, RNG, step
         logger.open()  # config.yaml, metrics.jsonl

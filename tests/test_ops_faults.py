@@ -659,6 +659,76 @@ def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit
     assert verify(resolve(tmp_path / "checkpoints"), "crc")["step"] >= 4  # nothing lost
 
 
+STOP_IN_SAVE = """
+import os, runpy, signal, sys
+from tpframe.checkpoint import dcp_io
+write = dcp_io.save
+def save(state, path, group):  # rank 1 freezes as it reaches step 4's shard write; rank 0 goes into DCP's collectives
+    if os.environ["RANK"] == "1" and path.name.startswith("step_00000004"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return write(state, path, group)
+dcp_io.save = save
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_inside_a_checkpoint_save_is_named_with_the_save_s_collective(tmp_path):
+    """The checkpointer's collectives run on gloo groups of its own (made after the heartbeat): a rank stopped in a
+    save is named with the collective of the checkpoint group it never entered, not only with the phase; exit 4, and
+    the previous checkpoint stays the latest, complete."""
+    from tpframe.checkpoint import resolve, verify
+
+    script = tmp_path / "stop_in_save.py"
+    script.write_text(STOP_IN_SAVE)
+    args = [str(script), *SCRIPT[1:], "train.steps=8", "checkpoint.interval=2", "comm.timeout_s=3"]
+    proc = _launch([*args, f"train.run_dir={tmp_path}/run"])
+    try:
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        for pid in _workers(proc.pid).values() if proc.poll() is None else ():
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    lines = [x for x in out.splitlines() if x.startswith("tpframe: a ")]
+    assert proc.returncode == 4 and len(lines) == 1, out
+    group = r"in [a-z_]+ #\d+ on the checkpoint group \[0, 1\] \((\w+\[[\d, ]*\](, )?)+\)"
+    assert re.search(rf"rank 0 waited \d+ s at step 4 {group}, during the checkpoint step", lines[0]), lines[0]
+    assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat", lines[0]), lines[0]
+    # the collective named is the one rank 0 is blocked in: its newest on that group, not an older completed one
+    record = pickle.loads((tmp_path / "run" / "comm_trace" / "rank_0").read_bytes())
+    name = next(k for k, c in record["pg_config"].items() if c["desc"] == "checkpoint")
+    newest = max(e["collective_seq_id"] for e in record["entries"] if e["process_group"][0] == name)
+    assert f" #{newest} on the checkpoint group" in lines[0], (newest, lines[0])
+    assert verify(resolve(tmp_path / "run" / "checkpoints"), "crc")["step"] == 2  # step 4 never published
+
+
+def _counters_by_group_name():
+    import torch.distributed as dist
+
+    from tpframe.parallel import flight
+
+    for r in range(2):  # every rank names both groups, but makes a backend only for its own: ids and names part
+        dist.new_group([r], backend="gloo")
+    pair = dist.new_group([0, 1], backend="gloo")
+    for _ in range(2):
+        dist.all_reduce(torch.ones(2), group=pair)
+    ids, deadline = {}, time.monotonic() + 5
+    while (counts := flight.status(ids)).get(dist.distributed_c10d._get_process_group_name(pair), (0, 0))[1] < 2:
+        assert time.monotonic() < deadline, counts  # the recorder marks completion a moment after the call returns
+        time.sleep(0.05)
+    return dist.distributed_c10d._get_process_group_name(pair), counts, ids
+
+
+def test_the_recorder_s_counters_are_keyed_by_group_name_though_it_counts_by_backend_id():
+    """The flight recorder keys its counters by a per-process backend id; a rank that is not in every group makes
+    fewer backends than groups, so the id is not the group's name. The heartbeat publishes by name (the same on every
+    rank): the counters of the pair group are found under its name, on both ranks."""
+    for name, counts, ids in run_distributed(_counters_by_group_name, 2, env={"TORCH_FR_BUFFER_SIZE": "100"}):
+        assert counts[name] == (2, 2), (name, counts, ids)
+        assert name in ids.values() and ids.get(name) != name, ids  # the id differs from the name here
+
+
 def test_the_stuck_collective_names_who_never_entered_who_did_not_complete_and_who_stopped():
     """find_stuck against counters as the heartbeats publish them: a live rank behind never entered it; a rank
     that entered and did not complete is named so; a rank silent since before this one entered is only stopped."""

@@ -83,6 +83,7 @@ class Checkpointer:
         timeout = timedelta(seconds=cfg.comm.timeout_s)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.async_group = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
+        self.groups = {"checkpoint": self.group, "checkpoint writer": self.async_group}  # named in hang reports
         self.pending: tuple[Any, int, Path, dict] | None = None  # (future, step, partial dir, meta) of an async save
         self.signal_received: int | None = None
         self.started = time.monotonic()  # train.time_limit_minutes counts from here

@@ -49,13 +49,31 @@ def _records(**kwargs) -> list[dict]:
     return out
 
 
-def status() -> dict[str, tuple[int, int]]:
-    """group name -> (the last collective this rank entered on it, the last it completed)."""
+def status(ids: dict[str, str | None]) -> dict[str, tuple[int, int]]:
+    """group name -> (the last collective this rank entered on it, the last it completed). The recorder keys its
+    counters by a per-process backend id, which is not the group's name once a rank has skipped a group it is not in
+    (new_group names every group on every rank); `ids` (id -> name, the caller's) is learned from the entries, which
+    carry both, when an id is new."""
+    records = _records(includeCollectives=False)
+    if any(key not in ids for record in records for key in record.get("pg_status", {})):
+        learned = _names(_records(includeStackTraces=False))
+        ids.update({key: learned.get(key) for record in records for key in record.get("pg_status", {})})
     out = {}
-    for record in _records(includeCollectives=False):
-        for name, s in record.get("pg_status", {}).items():
-            out[name] = (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
+    for record in records:
+        for key, s in record.get("pg_status", {}).items():
+            if ids.get(key) is not None:
+                out[ids[key]] = (
+                    int(s.get("last_enqueued_collective", -1)),
+                    int(s.get("last_completed_collective", -1)),
+                )
     return out
+
+
+def _names(records: list[dict]) -> dict[str, str]:
+    """The recorder's group ids -> group names, from the entries (each carries both)."""
+    return {
+        str(e.get("pg_id", e["process_group"][0])): e["process_group"][0] for r in records for e in r.get("entries", [])
+    }
 
 
 def status_text(groups: dict[str, tuple[int, int]]) -> str:
@@ -75,11 +93,11 @@ def pending() -> list[dict]:
     """This rank's collectives not completed yet, oldest first."""
     entries = []
     for record in _records(includeStackTraces=False, onlyActive=True):
-        done = {name: int(s.get("last_completed_collective", -1)) for name, s in record.get("pg_status", {}).items()}
+        done = {key: int(s.get("last_completed_collective", -1)) for key, s in record.get("pg_status", {}).items()}
         entries += [
             e
             for e in record.get("entries", [])
-            if not e.get("is_p2p") and e["collective_seq_id"] > done.get(e["process_group"][0], -1)
+            if not e.get("is_p2p") and e["collective_seq_id"] > done.get(str(e.get("pg_id", e["process_group"][0])), -1)
         ]
     return sorted(entries, key=lambda e: e["time_created_ns"])
 

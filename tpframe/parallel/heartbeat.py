@@ -120,6 +120,7 @@ class Heartbeat:
         self.period = period or min(1.0, max(0.05, timeout_s / 10))
         self.groups = _group_ranks(state)
         self.table = flight.group_table(state)  # the groups whose collectives the flight recorder counts
+        self.ids: dict[str, str | None] = {}  # the recorder's group ids -> group names (flight.status)
         self.waiting: dict[str, tuple[int, float]] = {}  # group -> (its last completed collective, since when)
         now = time.monotonic()
         self.peers = {r: Peer(changed=now) for r in range(self.world) if r != self.rank}
@@ -143,6 +144,14 @@ class Heartbeat:
             return None
         return cls(store, state, timeout_s=timeout_s, progress=progress)
 
+    def watch(self, kind: str, group) -> None:
+        """Name `group`, made after the heartbeat started (the checkpointer's own), in the reports as `kind`."""
+        if group is None:
+            return
+        name, ranks = dist.distributed_c10d._get_process_group_name(group), dist.get_process_group_ranks(group)
+        self.groups = {**self.groups, kind: ranks}  # new dicts: the thread reads these while it judges
+        self.table = {**self.table, name: (kind, ranks)}
+
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(timeout=2 * self.period + 1)
@@ -150,7 +159,7 @@ class Heartbeat:
     # -- the thread -------------------------------------------------------------------------------
     def _publish(self) -> None:
         self.counter += 1
-        mine = {name: counts for name, counts in flight.status().items() if name in self.table}
+        mine = {name: counts for name, counts in flight.status(self.ids).items() if name in self.table}
         self._track(mine)
         text = f"{self.counter} {self.progress.step} {self.progress.phase} {flight.status_text(mine)}"
         self.store.set(str(self.rank), text)
