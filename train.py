@@ -106,6 +106,8 @@ def prepare(
         checks.check_memory_before_build(cfg, world, **where)
     model = checks.dry_build(cfg)  # the builder's own checks; shapes on the meta device
     checks.check_device(cfg, device, local_world=local_world, local_rank=local_rank)
+    if env is not None:  # a worker (the launcher's parent knows no restarts yet)
+        checks.check_snapshots(cfg, env)
     if device_check or device == "cpu":
         checks.check_memory(cfg, world, model, **where)
     p = cfg.parallel

@@ -11,6 +11,7 @@
 #   comm       the symm kernels' GPU tests, then every collective (tables, and the thresholds `auto` uses)
 #   decode     generation's GPU tests, bf16 all-reduce thresholds to 1 MiB, then decode.py (README's per-token numbers)
 #   dp         the training GPU tests, then benchmarks/data_parallel.py (ROWS, PHASES, ... pass through), then CKPT=1
+#   snapshot   benchmarks/snapshot.py on GPT-125M: a disk checkpoint vs a host-memory snapshot every step (GPUS=2)
 #   long_context  (nvidia-h200-x4) CP's GPU tests, then benchmarks/long_context.py --compare --shapes $SHAPES
 #              (default llama3-8b) --seqs $SEQS (default 131072): tpframe's CP modes vs torch's context_parallel
 #   long_context_train  (nvidia-h200-x4) benchmarks/long_context.py --train: train.py's peak vs the memory estimate
@@ -116,6 +117,11 @@ suite_dp() {
   CKPT=1 timeout "$(left)" python3 benchmarks/data_parallel.py 2>&1 | tee $OUT/dp_ckpt.log | grep -v "^W1" | tail -20
 }
 
+suite_snapshot() {
+  timeout "$(left)" python3 benchmarks/snapshot.py --config configs/gpt_125m.yaml --gpus ${GPUS:-2} 2>&1 \
+    | tee $OUT/snapshot.log | tail -6
+}
+
 suite_long_context() {
   timeout 200 $PYTEST tests/test_context_parallel.py -m gpu 2>&1 | tee $OUT/cp_tests.log | tail -3
   python3 benchmarks/long_context.py --compare --shapes ${SHAPES:-llama3-8b} --seqs ${SEQS:-131072} \
@@ -127,9 +133,9 @@ suite_long_context_train() {
     --job-timeout-s $(($(left) / 2 - 10)) --logs $OUT 2>&1 | tee $OUT/long_context_train.log
 }
 
-[ $# -gt 0 ] || { sed -n 2,16p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,17p "$0"; exit 2; }
 for suite in "$@"; do
-  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,16p $0"; exit 2; }
+  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,17p $0"; exit 2; }
 done
 mkdir -p $OUT
 { nvidia-smi --query-gpu=name,memory.total --format=csv

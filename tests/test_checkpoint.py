@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -465,3 +466,66 @@ def test_incompatible_layout_is_refused_before_loading(tmp_path):
             env={**os.environ, **torchrun_env(4)},
         )
         assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def _snapshot_round_trip(folder: str):
+    import torch.distributed as dist
+
+    from tpframe.checkpoint.files import SNAPSHOT_LATEST, CheckpointError
+    from tpframe.checkpoint.snapshot import Snapshots
+    from tpframe.parallel.sharding import LogicalChunks
+
+    rank = dist.get_rank()
+    flat = torch.arange(30, dtype=torch.float32) + 100 * rank
+    moments = torch.randn(5, dtype=torch.bfloat16)
+
+    def state():  # views into live storage, as a strategy hands them: a strided rectangle among them
+        rect = flat.view(5, 6)[:, 1:4]
+        return {"model/w": LogicalChunks((10, 3), [((5 * rank, 0), rect)]), "optim/m": moments, "optim/step": 7}
+
+    snaps = Snapshots(Path(folder), rank=rank, group=dist.group.WORLD, job="launch-1")
+    snaps.save(state(), {"rng": torch.tensor([rank])}, {"step": 4, "job": "launch-1"})
+    first = json.loads((Path(folder) / SNAPSHOT_LATEST).read_text())
+    saved = flat.clone(), moments.clone()
+    flat.mul_(-1)
+    moments.add_(1)
+    snaps.save(state(), {"rng": torch.tensor([rank])}, {"step": 5, "job": "launch-1"})  # the other slot
+    second = json.loads((Path(folder) / SNAPSHOT_LATEST).read_text())
+    flat.zero_()
+    target = state() | {"optim/step": None}
+    rng = Snapshots(Path(folder), rank=rank, group=dist.group.WORLD, job="launch-1").load(target, first)
+    back = (flat.view(5, 6)[:, 1:4].clone(), moments.clone(), target["optim/step"], int(rng["rng"]))
+    wrong = {"model/w": LogicalChunks((10, 4), [((0, 0), torch.zeros(5, 4))])}
+    try:
+        snaps.load(wrong, first)
+        mismatch = None
+    except CheckpointError as e:
+        mismatch = str(e)
+    original = os.posix_fallocate
+    if rank == 1:  # a full /dev/shm on one rank: every rank raises, `latest` stays the second snapshot
+        os.posix_fallocate = lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        snaps.maps.clear()
+        snaps.save(state(), {}, {"step": 6, "job": "launch-1"})
+        full = None
+    except OSError as e:
+        full = str(e)
+    finally:
+        os.posix_fallocate = original
+    after = json.loads((Path(folder) / SNAPSHOT_LATEST).read_text())
+    return first, second, saved, back, mismatch, full, after
+
+
+def test_a_snapshot_copies_each_rank_s_pieces_back_bit_for_bit_and_a_full_dev_shm_fails_on_every_rank(tmp_path):
+    """Two slots written in turn; a load copies the older one back into the live views (a strided rectangle
+    included), the non-tensor entries and the RNG state; pieces of another shape are one line; a rank that cannot
+    reserve its file makes every rank raise, and `latest` stays the last whole snapshot."""
+    for rank, out in enumerate(run_distributed(_snapshot_round_trip, 2, str(tmp_path / "snap"))):
+        first, second, (flat, moments), (rect, moments_back, step, rng), mismatch, full, after = out
+        assert (first["step"], first["slot"], second["step"], second["slot"]) == (4, 0, 5, 1)
+        assert first["snapshot"] is True and first["job"] == "launch-1"
+        assert torch.equal(rect, flat.view(5, 6)[:, 1:4]) and torch.equal(moments_back, moments)
+        assert step == 7 and rng == rank
+        assert "does not hold this run's pieces" in mismatch, mismatch
+        assert "rank 1: OSError: [Errno 28] No space left on device" in full, full
+        assert after == second

@@ -730,6 +730,26 @@ CASES = [
         lambda t, s: ([f"train.run_dir={s}", "checkpoint.auto_resume=true", "data.source=stdlib"], {}),
         "data.source is 'synthetic' in the checkpoint but 'stdlib' now",
     ),
+    # host-memory snapshots: for a restart of the launcher, on one node
+    (
+        "snapshot-negative",
+        lambda t, s: (["checkpoint.snapshot_interval=-1"], {}),
+        "checkpoint.snapshot_interval=-1 must not be negative",
+    ),
+    (
+        "snapshot-no-restarts",
+        lambda t, s: (["checkpoint.snapshot_interval=2"], {}),
+        "checkpoint.snapshot_interval=2 serves only a restart within the launch: launch with python -m "
+        "tpframe.launch --max-restarts K, or set it to 0",
+    ),
+    (
+        "snapshot-nodes",
+        lambda t, s: (
+            ["checkpoint.snapshot_interval=2", "parallel.tp=1"],
+            {**torchrun_env(2), "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1"},
+        ),
+        "checkpoint.snapshot_interval=2 keeps snapshots in each node's host memory, which the other nodes cannot",
+    ),
     # a folder the run saves into: its saves (and checkpoint.keep_last) would replace what it did not resume from
     (
         "ckpt-dir-of-another-run",

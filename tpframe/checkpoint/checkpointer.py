@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tpframe.checkpoint import dcp_io
 from tpframe.checkpoint.files import (
     FORMAT,
+    JOB_ENV,
     LATEST,
     META,
     CheckpointError,
@@ -45,10 +46,12 @@ from tpframe.checkpoint.files import (
     read_cause,
     remove_stale_partials,
     restores_rng,
+    snapshot_root,
     unreadable,
     write_atomic,
 )
 from tpframe.checkpoint.finite import all_finite
+from tpframe.checkpoint.snapshot import Snapshots
 from tpframe.models.config import architecture, padded_vocab
 from tpframe.parallel.heartbeat import is_comm_failure
 from tpframe.paths import free_space
@@ -91,6 +94,12 @@ class Checkpointer:
         if cfg.checkpoint.save_on_signal:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._on_signal)
+        self.snapshots = None  # checkpoint.snapshot_interval: this rank's copies in host memory
+        if cfg.checkpoint.snapshot_interval:
+            folder = snapshot_root(self.root)
+            self.snapshots = Snapshots(folder, rank=parallel.rank, group=self.group, job=os.environ.get(JOB_ENV))
+            if parallel.rank == 0 and not (self.resume_meta or {}).get("snapshot"):
+                shutil.rmtree(folder, ignore_errors=True)  # another launch's, or older than the disk's latest
         if parallel.rank == 0:
             remove_stale_partials(self.root)
 
@@ -118,10 +127,24 @@ class Checkpointer:
             self.log(f"{why}: saving step {step} and stopping; launch the same command again to resume")
             self.save(step, blocking=True)
             return True
-        interval = self.cfg.checkpoint.interval
+        interval, every = self.cfg.checkpoint.interval, self.cfg.checkpoint.snapshot_interval
         if interval and step % interval == 0 and step < self.cfg.train.steps:
             self.save(step, blocking=not self.cfg.checkpoint.async_save)
+        elif self.snapshots is not None and step % every == 0 and step < self.cfg.train.steps:
+            self._snapshot(step)
         return False
+
+    def _snapshot(self, step: int) -> None:
+        """A snapshot in host memory (tpframe/checkpoint/snapshot.py), never of a state a disk save would refuse; one
+        that cannot be written (/dev/shm full) turns them off and training goes on: the disk's are the durable copy."""
+        state = self.tensors.state_dict()
+        if (self.health is not None and self.health.consecutive_skips) or not all_finite(state, self.group):
+            return
+        try:
+            self.snapshots.save(state, self.rng.state_dict(), self._meta(step) | {"job": self.snapshots.job})
+        except OSError as e:
+            self.log(f"step {step}: snapshots are off for the rest of this run ({e}); disk checkpoints go on")
+            self.snapshots = None
 
     def finish(self, step: int, stopped: bool) -> None:
         """End of training: write the final checkpoint and wait for any background write."""
@@ -129,6 +152,8 @@ class Checkpointer:
             self.save(step, blocking=True)
         if self.pending is not None:
             self._finish_async()
+        if self.snapshots is not None and self.parallel.rank == 0:
+            shutil.rmtree(self.snapshots.folder, ignore_errors=True)  # the run ended: no restart will read them
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, step: int, blocking: bool = True) -> Path | None:
@@ -276,6 +301,8 @@ class Checkpointer:
         if self.resume_path is None:
             return None
         path, meta = self.resume_path, self.resume_meta
+        if meta.get("snapshot"):
+            return self._load_snapshot(path, meta)
         keys = self._read(path, meta, lambda: dcp_io.saved_keys(path))
         try:
             state = self.tensors.state_dict(available=keys)
@@ -297,6 +324,18 @@ class Checkpointer:
             )
         self.loaded_from = path
         self.last_saved_step = meta["step"]
+        dist.barrier(group=self.group)
+        return meta["step"]
+
+    def _load_snapshot(self, path: Path, meta: dict) -> int:
+        """A restart at the snapshot's layout: every piece copied back, the data position and RNG as they were."""
+        state = self.tensors.state_dict()
+        rng = self._read(path, meta, lambda: self.snapshots.load(state, meta))
+        self.tensors.load_state_dict(state)
+        for name, obj in self.meta_states.items():
+            obj.load_state_dict(meta[name])
+        self.rng.load_state_dict(rng)
+        self.loaded_from, self.last_saved_step = path.parent, meta["step"]
         dist.barrier(group=self.group)
         return meta["step"]
 
@@ -329,6 +368,11 @@ class Checkpointer:
     def _unreadable(self, path: Path, meta: dict, cause: str) -> CheckpointError:
         """The error for a checkpoint that failed to load: the file whose CRC32 is not the recorded one (each rank
         checks a share of the files: a collective), else the cause as it is."""
+        if meta.get("snapshot"):
+            return CheckpointError(
+                f"the snapshot of step {meta['step']} in {path.parent} cannot be loaded ({cause}); remove the folder "
+                "and launch again to resume from the disk's latest checkpoint"
+            )
         rank, world = self.parallel.rank, self.parallel.world_size
         bad = None
         for name in sorted(meta["files"])[rank::world]:

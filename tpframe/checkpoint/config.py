@@ -18,6 +18,10 @@ class CheckpointConfig:
     init_from: str | None = None  # a new run's weights: exported .safetensors or an HF dir (ignored when resuming)
     verify: Literal["size", "crc"] = "crc"  # how shard files are checked before loading
     async_save: bool = False  # write in a background thread while training goes on
+    # every N steps (not a disk checkpoint's), a copy in host memory (/dev/shm) that a restart of
+    # `python -m tpframe.launch --max-restarts K` resumes from when it is newer than the disk's: a restart loses at most
+    # N steps without a disk write (docs/operations.md); one node; 0: off
+    snapshot_interval: int = 0
     save_on_signal: bool = True  # SIGTERM / SIGUSR1: save and exit cleanly
     save_at_end: bool = True  # save after the last step
 
@@ -34,4 +38,5 @@ def check_checkpoint(c: CheckpointConfig) -> None:
     """The `checkpoint:` section: checkpoints to keep, paths that are not empty (checkpoint.interval: with the
     train section's step counts)."""
     check_at_least("checkpoint", c, ("keep_last",))
+    check_at_least("checkpoint", c, ("snapshot_interval",), 0)
     check_paths_given("checkpoint", c, PATH_KEYS)

@@ -13,6 +13,7 @@ checkpoint, or one of another architecture, is one clear CheckpointError.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -212,10 +213,40 @@ def check_compatible(cfg, meta: dict[str, Any]) -> None:
         )
 
 
+SNAPSHOTS = Path("/dev/shm/tpframe")  # host memory (Linux's tmpfs): checkpoint.snapshot_interval's copies
+SNAPSHOT_LATEST = "latest.json"
+JOB_ENV = "TORCHELASTIC_RUN_ID"  # one launch: a snapshot serves only the restarts of the launch that wrote it
+
+
+def snapshot_root(root: Path) -> Path:
+    """Where the host-memory snapshots of checkpoint folder `root` go: a folder of /dev/shm named by its path."""
+    return SNAPSHOTS / hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:16]
+
+
+def job_snapshot(root: Path, job: str | None, world: int) -> tuple[Path, dict] | None:
+    """(the file, its meta) of the snapshot of `root` that launch `job` wrote at world size `world`, or None: a
+    snapshot holds each rank's own pieces, so it serves only the layout it was taken at."""
+    path = snapshot_root(root) / SNAPSHOT_LATEST
+    try:
+        meta = json.loads(path.read_text()) if job is not None and path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(meta, dict) and meta.get("job") == job and meta.get("layout", {}).get("world") == world
+    return (path, meta) if ok else None
+
+
 def preflight(cfg, *, restarted: bool = False) -> tuple[Path | None, dict | None]:
     """The checkpoint this run will resume from (explicit load, else `latest`), checked; or (None, None).
-    `restarted` (a launcher started this run's workers again after a failure): the run's own `latest` first."""
+    `restarted` (a launcher started this run's workers again after a failure): the newer of the run's own `latest`
+    and this launch's snapshot in host memory, first."""
     root = checkpoint_root(cfg)
+    if restarted and cfg.checkpoint.snapshot_interval:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        snapshot = job_snapshot(root, os.environ.get(JOB_ENV), world)
+        disk = int(resolve(root).name.rsplit("_", 1)[1]) if (root / LATEST).exists() else -1
+        if snapshot is not None and snapshot[1]["step"] > disk:
+            check_compatible(cfg, snapshot[1])
+            return snapshot
     if restarted and (root / LATEST).exists():
         path = resolve(root)
     elif cfg.checkpoint.load:

@@ -21,6 +21,7 @@ tpframe's rules for what a failure does.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -32,6 +33,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from tpframe.checkpoint.files import job_snapshot, snapshot_root
 from tpframe.parallel.heartbeat import parse_beat
 
 STOP_GRACE_S = 300  # how long stopped workers get to save before SIGKILL
@@ -81,6 +83,13 @@ class Agent(LocalElasticAgent):
         self.worker_store: TCPStore | None = None
         self.stopping = False  # a forwarded SIGTERM/SIGUSR1/SIGINT: no restart, no growth
         self.attempt, self.resumed_at = 0, self._latest_step()
+
+    def run(self, role: str = DEFAULT_ROLE):
+        try:
+            return super().run(role)
+        finally:  # the launch is over: no restart will read its snapshots; their host memory back
+            if self.checkpoints is not None:
+                shutil.rmtree(snapshot_root(self.checkpoints), ignore_errors=True)
 
     # -- a fresh store per attempt ---------------------------------------------------------------------------
     def _rendezvous(self, group: WorkerGroup) -> None:
@@ -162,16 +171,24 @@ class Agent(LocalElasticAgent):
 
     def _capacity_back(self) -> bool:
         """A slot sat out and a checkpoint was saved since: try the full count again."""
-        if not self.out or self._latest_step() in (None, self.resumed_at):
+        latest = self._latest_step()  # on disk: a snapshot serves only the world it was taken at
+        if not self.out or latest is None or (self.resumed_at is not None and latest <= self.resumed_at):
             return False
         self.out.clear()
         return True
 
-    def _latest_step(self) -> int | None:
-        try:
-            return int((self.checkpoints / "latest").read_text().strip().rsplit("_", 1)[1])
-        except (OSError, ValueError, IndexError, TypeError):
+    def _latest_step(self, world: int | None = None) -> int | None:
+        """The run's `latest` step; with `world`, the step a restart at that world resumes from: `latest`, or this
+        launch's newer snapshot in host memory when it was taken at that world."""
+        if self.checkpoints is None:
             return None
+        try:
+            disk = int((self.checkpoints / "latest").read_text().strip().rsplit("_", 1)[1])
+        except (OSError, ValueError, IndexError, TypeError):
+            disk = None
+        job = self._worker_group.spec.rdzv_handler.get_run_id()
+        snapshot = job_snapshot(self.checkpoints, job, world) if world is not None else None
+        return max(snapshot[1]["step"], disk or -1) if snapshot is not None else disk
 
     def _size(self) -> int:
         """The largest allowed worker count of the slots in service (all of them when none fits)."""
@@ -207,9 +224,9 @@ class Agent(LocalElasticAgent):
         self._stop_workers(group)
         group.state = WorkerState.STOPPED
         self.attempt += 1
-        self.resumed_at = self._latest_step()
-        where = f"from step {self.resumed_at}" if self.resumed_at is not None else "from the start (no checkpoint)"
         before, after = group.spec.local_world_size, self._size()
+        self.resumed_at = self._latest_step(after if self.single_node else None)
+        where = f"from step {self.resumed_at}" if self.resumed_at is not None else "from the start (no checkpoint)"
         change = f"; world {before} -> {after}" if self.single_node and after != before else ""
         say(f"{why} {where}{change}")
         self._start(group)

@@ -16,6 +16,7 @@ run before any process group exists and before anything is written. Each failure
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +288,7 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
     `checkpoint.keep_last` would replace or delete that is not this run's: no step_* entry that is not a checkpoint
     (a user's folder), and no checkpoints unless the run resumes from one of them (`resume_path`, checkpoint.load
     inside the folder included: going back to an older step replaces the later ones, as asked)."""
-    from tpframe.checkpoint.files import LATEST, META, checkpoint_root, foreign_steps, published_steps
+    from tpframe.checkpoint.files import LATEST, META, checkpoint_root, foreign_steps, published_steps, snapshot_root
 
     ck = cfg.checkpoint
     root = checkpoint_root(cfg)
@@ -309,7 +310,8 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
             f"checkpoint (no {META}): a save of that step would replace it; move it away or pick {other}"
         )
     published = published_steps(root)
-    if not published or (resume_path is not None and Path(resume_path).resolve().parent == root.resolve()):
+    own = (root.resolve(), snapshot_root(root).resolve())  # a restart may resume from the launch's snapshot
+    if not published or (resume_path is not None and Path(resume_path).resolve().parent in own):
         return
     newest = published[-1]
     if ck.load:
@@ -326,6 +328,29 @@ def check_checkpoint_dir(cfg, resume_path: Path | None) -> None:
 
 
 # -- data -------------------------------------------------------------------------------------------
+
+
+def check_snapshots(cfg, env) -> None:
+    """checkpoint.snapshot_interval serves a restart of `python -m tpframe.launch --max-restarts K` on one node (a
+    snapshot lives in that node's host memory); in a worker, from the env torchelastic gives it."""
+    from tpframe.checkpoint.files import SNAPSHOTS
+
+    every = cfg.checkpoint.snapshot_interval
+    if not every:
+        return
+    key = f"checkpoint.snapshot_interval={every}"
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+        raise ConfigError(
+            f"{key} serves only a restart within the launch: launch with python -m tpframe.launch --max-restarts K, "
+            "or set it to 0"
+        )
+    if env.local_world_size != env.world_size:
+        raise ConfigError(
+            f"{key} keeps snapshots in each node's host memory, which the other nodes cannot read: use it on one "
+            "node, or set it to 0"
+        )
+    if not SNAPSHOTS.parent.is_dir():
+        raise ConfigError(f"{key} writes to {SNAPSHOTS.parent}, which this machine lacks: set it to 0")
 
 
 def max_token_id(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
@@ -424,7 +449,7 @@ def check_checkpoint_files(cfg, path: Path | None, meta: dict | None, *, world_s
     """checkpoint.verify=size compares sizes only, so a flipped byte reaches loading: read now what is small and read
     by every rank, DCP's index (.metadata), and on rank 0 the RNG files this layout restores. The shards are read
     when loading; a corrupt one is named there (Checkpointer.load), before the run writes anything."""
-    if path is None or cfg.checkpoint.verify == "crc":  # every file's CRC32 was checked (files.verify)
+    if path is None or cfg.checkpoint.verify == "crc" or meta.get("snapshot"):  # CRC32s checked (files.verify)
         return
     from tpframe.checkpoint.dcp_io import read_index
     from tpframe.checkpoint.files import read_cause, restores_rng, unreadable
