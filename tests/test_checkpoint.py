@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -347,32 +348,6 @@ def test_an_init_from_file_of_another_model_names_each_sides_configured_values(t
     assert "max_seq_len" not in str(e.value), "both sides have max_seq_len 128"
 
 
-def test_export_refuses_an_out_path_generate_would_not_recognise(tmp_path):
-    """A consolidated export must be named .safetensors (generate.py tells it from a directory by that), and an HF
-    export is a directory: either mistake is one line and exit code 2, checked before the checkpoint is read."""
-    for fmt, out, needle in (
-        (["--format", "safetensors"], "model.bin", "is a .safetensors file"),
-        (["--format", "hf"], "hf_model.safetensors", "writes a directory"),
-    ):
-        res = subprocess.run(
-            [
-                sys.executable,
-                "tools/checkpoint.py",
-                "export",
-                str(tmp_path / "none"),
-                *fmt,
-                "--out",
-                str(tmp_path / out),
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert res.returncode == 2 and needle in res.stderr and res.stderr.count("\n") == 1, res.stderr
-        assert not (tmp_path / out).exists()
-
-
 def _torchrun(nproc, args, env):
     cmd = [
         sys.executable,
@@ -414,58 +389,48 @@ def test_rank_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert (root / "latest").read_text() == "step_00000020" and not (root / "step_00000020.partial").exists()
 
 
-def test_truncated_shard_is_refused_with_a_clear_error(tmp_path):
+VOCAB = ["model.vocab_size=258", "model.vocab_multiple=1"]  # padded to 258 at tp=2, to 260 at tp=4
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory):
+    """A finished 2-step TP=2 run with its checkpoint (left as it is: a test that damages it copies it first)."""
+    root = tmp_path_factory.mktemp("tp2")
     run_distributed(
-        _run, 2, ["train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"]
+        _run, 2, [*VOCAB, "train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={root}"]
     )
-    step = tmp_path / "checkpoints" / "step_00000002"
+    return root
+
+
+def _preflight(monkeypatch, capsys, world: int, overrides: list[str]) -> tuple[int, str]:
+    """train.main in this process as a rank of a `world`-process launch would run it: (exit code, stderr)."""
+    import train
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("pre-flight passed a bad checkpoint"))
+    for key, value in torchrun_env(world).items():
+        monkeypatch.setenv(key, value)
+    code = train.main(merge_overrides(["--config", "configs/tiny_cpu.yaml"], TINY, VOCAB, overrides))
+    return code, capsys.readouterr().err
+
+
+def test_truncated_shard_is_refused_with_a_clear_error(tmp_path, tp2_run, monkeypatch, capsys):
+    step = tmp_path / "step_00000002"
+    shutil.copytree(tp2_run / "checkpoints" / "step_00000002", step)
     shard = sorted(step.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:-100])
-    out = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--config",
-            "configs/tiny_cpu.yaml",
-            *TINY,
-            f"checkpoint.load={step}",
-            f"train.run_dir={tmp_path}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **torchrun_env(2)},
-    )
-    assert out.returncode == 2
-    assert "truncated" in out.stderr and shard.name in out.stderr and "Traceback" not in out.stderr
+    code, err = _preflight(monkeypatch, capsys, 2, [f"checkpoint.load={step}", f"train.run_dir={tmp_path}/run"])
+    assert code == 2 and "truncated" in err and shard.name in err and "Traceback" not in err, err
 
 
-def test_incompatible_layout_is_refused_before_loading(tmp_path):
-    vocab = ["model.vocab_size=258", "model.vocab_multiple=1"]  # padded to 258 at tp=2, to 260 at tp=4
-    run_distributed(
-        _run, 2, [*vocab, "train.steps=2", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={tmp_path}"]
-    )
-    step = tmp_path / "checkpoints" / "step_00000002"
+def test_incompatible_layout_is_refused_before_loading(tp2_run, monkeypatch, capsys):
+    step = tp2_run / "checkpoints" / "step_00000002"
     for overrides, message in (
         (["model.hidden=64"], "model.hidden: checkpoint 32, config 64"),
         (["parallel.tp=4"], "the vocabulary was padded to 258 rows when saved but pads to 260 at parallel.tp=4"),
     ):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "train.py",
-                *merge_overrides(
-                    ["--config", "configs/tiny_cpu.yaml"], TINY, vocab, overrides, [f"checkpoint.load={step}"]
-                ),
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, **torchrun_env(4)},
-        )
-        assert out.returncode == 2 and message in out.stderr, out.stderr
+        code, err = _preflight(monkeypatch, capsys, 4, [*overrides, f"checkpoint.load={step}"])
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def _snapshot_round_trip(folder: str):

@@ -1173,6 +1173,18 @@ def _folder(tmp: Path, name: str, files: dict) -> str:
 # (tool, argv with {ckpt} {tmp} {file} {run} in it or a builder(tmp, saved) -> argv, expected text)
 TOOL_CASES = [
     ("checkpoint", [], "the following arguments are required: command (see checkpoint.py --help)"),
+    # an out path generate.py would not recognise: a consolidated export is a .safetensors file, an HF one a folder;
+    # refused before the (missing) checkpoint is read
+    (
+        "checkpoint",
+        ["export", "{tmp}/none", "--format", "safetensors", "--out", "{tmp}/model.bin"],
+        "is a .safetensors file",
+    ),
+    (
+        "checkpoint",
+        ["export", "{tmp}/none", "--format", "hf", "--out", "{tmp}/hf_model.safetensors"],
+        "writes a directory",
+    ),
     (
         "checkpoint",
         ["export", "{ckpt}"],
