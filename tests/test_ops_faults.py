@@ -648,6 +648,7 @@ def test_a_stopped_rank_is_named_with_the_collective_it_never_completed_and_exit
     proc = _launch([*args, f"train.run_dir={tmp_path}"])
     lines, waited, rest = _stop_rank_1(proc, report_timeout=within + 30, exit_timeout=60, after_step=5)
     line = lines[-1]
+    assert line.startswith("tpframe: a rank stopped responding: "), line  # frozen, not a mismatch of live ranks
     assert waited < within, f"rank 0 gave up after {waited:.1f} s"
     assert re.search(rf"rank 0 waited \d+ s at step \d+ {COLLECTIVE}", line), line
     assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat for \d+ s", line), line
@@ -696,6 +697,7 @@ def test_a_rank_stopped_inside_a_checkpoint_save_is_named_with_the_save_s_collec
     assert proc.returncode == 4 and len(lines) == 1, out
     group = r"in [a-z_]+ #\d+ on the checkpoint group \[0, 1\] \((\w+\[[\d, ]*\](, )?)+\)"
     assert re.search(rf"rank 0 waited \d+ s at step 4 {group}, during the checkpoint step", lines[0]), lines[0]
+    assert lines[0].startswith("tpframe: a rank stopped responding: "), lines[0]
     assert re.search(r"(never entered it|stopped before completing it): rank 1 \(no heartbeat", lines[0]), lines[0]
     # the collective named is the one rank 0 is blocked in: its newest on that group, not an older completed one
     record = pickle.loads((tmp_path / "run" / "comm_trace" / "rank_0").read_bytes())

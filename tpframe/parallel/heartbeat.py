@@ -273,7 +273,9 @@ class Heartbeat:
             if self.reported:
                 return
             self.reported = True
-        head = "a rank stopped responding" if silent else "a collective did not complete"
+        # the collective's wait can pass its limit a moment before a frozen peer's silence does: name the freeze
+        frozen = silent or self.silent(max(3 * self.period, 2.0))
+        head = "a rank stopped responding" if frozen else "a collective did not complete"
         line, report = self.message(head, silent_only=silent)
         exits.report(line, show=report)
         os._exit(exits.EXIT_COMM)
