@@ -174,7 +174,12 @@ def test_tiny_config_learns_under_torchrun(tmp_path, tp):
 # Every other bad input is checked in-process (tests/test_ops_inputs.py), and through the launchers there.
 BAD_CONFIGS = [
     (["model.hiden=64"], {}, "unknown config key 'model.hiden' (did you mean 'model.hidden'?)"),
-    (["model.vocab_size=100"], {}, "the data has token ids up to 255 but model.vocab_size=100"),
+    pytest.param(  # 14 s (the corpus is built); the same check runs in process in test_ops_inputs.py
+        ["model.vocab_size=100"],
+        {},
+        "the data has token ids up to 255 but model.vocab_size=100",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
