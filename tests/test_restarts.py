@@ -108,6 +108,18 @@ def _said(lines: list[str]) -> tuple[list[str], int]:
     return said, max(steps)
 
 
+def _killed_rank_1_restarts_once(tmp_path: Path, extra: list[str]) -> tuple[int, int]:
+    """2 workers, kill -9 of rank 1 at step 6, --max-restarts 1: the run finishes with one launcher line naming the
+    restart; (the last step the first start logged, the step the restart resumed from)."""
+    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1", extra=extra)
+    lines = _run(proc, kill_at=6, local_rank=1)
+    assert proc.returncode == 0, lines[-30:]
+    said, died = _said(lines)
+    m = re.fullmatch(r"tpframe\.launch: rank 1 died of signal 9 \(SIGKILL\).*; restart 1 of 1 from step (\d+)", said[0])
+    assert len(said) == 1 and m, said
+    return died, int(m[1])
+
+
 @pytest.mark.slow
 def test_kill_9_of_rank_0_of_4_workers_restarts_from_the_checkpoint_bit_for_bit(tmp_path):
     """Rank 0 is named in one line; the restarted workers retrace the steps the killed run made after that
@@ -163,13 +175,7 @@ def test_a_restart_resumes_from_the_snapshot_in_host_memory_newer_than_the_disk_
     disk checkpoints go on as before, and the snapshots' host memory is freed when the launch ends."""
     from tpframe.checkpoint.files import snapshot_root
 
-    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1", extra=["checkpoint.snapshot_interval=1"])
-    lines = _run(proc, kill_at=6, local_rank=1)
-    assert proc.returncode == 0, lines[-30:]
-    said, died = _said(lines)
-    m = re.fullmatch(r"tpframe\.launch: rank 1 died of signal 9 \(SIGKILL\).*; restart 1 of 1 from step (\d+)", said[0])
-    assert len(said) == 1 and m, said
-    resumed = int(m[1])
+    died, resumed = _killed_rank_1_restarts_once(tmp_path, ["checkpoint.snapshot_interval=1"])
     assert resumed % INTERVAL and died - resumed <= 1, (resumed, died)  # a snapshot's step, one step lost at most
     first, again = _attempts(tmp_path)
     assert {s: again[s] for s in first if s > resumed} == {s: first[s] for s in first if s > resumed}
@@ -190,12 +196,6 @@ def test_a_mistake_the_workers_find_is_not_retried(tmp_path):
 def test_nccl_kill_9_of_rank_1_restarts_from_the_checkpoint_bit_for_bit(tmp_path):
     """The same on 2 GPUs (NCCL, DP=2): the restarted workers build fresh NCCL communicators, and retrace the steps
     after the checkpoint to the bit."""
-    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1", extra=["train.global_batch_size=8"])
-    lines = _run(proc, kill_at=6, local_rank=1)
-    assert proc.returncode == 0, lines[-30:]
-    said, died = _said(lines)
-    m = re.fullmatch(r"tpframe\.launch: rank 1 died of signal 9 \(SIGKILL\).*; restart 1 of 1 from step (\d+)", said[0])
-    assert len(said) == 1 and m, said
+    _, resumed = _killed_rank_1_restarts_once(tmp_path, ["train.global_batch_size=8"])
     first, again = _attempts(tmp_path)
-    resumed = int(m[1])
     assert {s: again[s] for s in first if s > resumed} == {s: first[s] for s in first if s > resumed}

@@ -223,16 +223,26 @@ def snapshot_root(root: Path) -> Path:
     return SNAPSHOTS / hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:16]
 
 
-def job_snapshot(root: Path, job: str | None, world: int) -> tuple[Path, dict] | None:
-    """(the file, its meta) of the snapshot of `root` that launch `job` wrote at world size `world`, or None: a
-    snapshot holds each rank's own pieces, so it serves only the layout it was taken at."""
+def latest_step(root: Path) -> int | None:
+    """The step `root`'s `latest` names, or None (none, or unreadable: `resolve` says why when it matters)."""
+    try:
+        return int((Path(root) / LATEST).read_text().strip().rsplit("_", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def newer_snapshot(root: Path, job: str | None, world: int) -> tuple[Path, dict] | None:
+    """(the file, its meta) of the snapshot of `root` that launch `job` wrote at world size `world`, when it is newer
+    than `root`'s `latest`; else None. A snapshot holds each rank's own pieces: it serves only the world it was taken
+    at."""
     path = snapshot_root(root) / SNAPSHOT_LATEST
     try:
         meta = json.loads(path.read_text()) if job is not None and path.is_file() else None
     except (OSError, ValueError):
         return None
     ok = isinstance(meta, dict) and meta.get("job") == job and meta.get("layout", {}).get("world") == world
-    return (path, meta) if ok else None
+    disk = latest_step(root)
+    return (path, meta) if ok and meta["step"] > (-1 if disk is None else disk) else None
 
 
 def preflight(cfg, *, restarted: bool = False) -> tuple[Path | None, dict | None]:
@@ -241,10 +251,10 @@ def preflight(cfg, *, restarted: bool = False) -> tuple[Path | None, dict | None
     and this launch's snapshot in host memory, first."""
     root = checkpoint_root(cfg)
     if restarted and cfg.checkpoint.snapshot_interval:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        snapshot = job_snapshot(root, os.environ.get(JOB_ENV), world)
-        disk = int(resolve(root).name.rsplit("_", 1)[1]) if (root / LATEST).exists() else -1
-        if snapshot is not None and snapshot[1]["step"] > disk:
+        if (root / LATEST).exists():
+            resolve(root)  # a `latest` naming a missing or incomplete checkpoint is refused, snapshot or not
+        snapshot = newer_snapshot(root, os.environ.get(JOB_ENV), int(os.environ.get("WORLD_SIZE", "1")))
+        if snapshot is not None:
             check_compatible(cfg, snapshot[1])
             return snapshot
     if restarted and (root / LATEST).exists():

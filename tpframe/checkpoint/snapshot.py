@@ -47,6 +47,11 @@ def _layout(items: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, str,
     return table, end
 
 
+def _view(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `buf` at `offset` seen as a tensor of `t`'s dtype and shape."""
+    return buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
 class Snapshots:
     """This rank's side of the snapshots of one run: `save` (a collective over `group`) and `load`."""
 
@@ -77,7 +82,7 @@ class Snapshots:
         try:
             buf = self._map(self.slot, nbytes)
             for (_, _, _, offset), (_, t) in zip(table, items):
-                buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+                _view(buf, offset, t).copy_(t)
             objects = {k: v for k, v in state.items() if not isinstance(v, (LogicalChunks, torch.Tensor))}
             index = {"pieces": table, "bytes": nbytes, "objects": objects, "rng": rng}
             torch.save(index, self.folder / f"rank_{self.rank}.{self.slot}.index")
@@ -106,7 +111,7 @@ class Snapshots:
         path = self.folder / f"rank_{self.rank}.{slot}"
         buf = torch.from_file(str(path), shared=False, size=max(nbytes, 1), dtype=torch.uint8)
         for (_, _, _, offset), (_, t) in zip(table, items):
-            t.copy_(buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            t.copy_(_view(buf, offset, t))
         state.update(index["objects"])
         self.slot = 1 - slot
         return index["rng"]

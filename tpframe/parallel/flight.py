@@ -69,11 +69,14 @@ def status(ids: dict[str, str | None]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _key(entry: dict) -> str:
+    """The recorder's id of an entry's group: the key of its counters (the name on torch builds without ids)."""
+    return str(entry.get("pg_id", entry["process_group"][0]))
+
+
 def _names(records: list[dict]) -> dict[str, str]:
     """The recorder's group ids -> group names, from the entries (each carries both)."""
-    return {
-        str(e.get("pg_id", e["process_group"][0])): e["process_group"][0] for r in records for e in r.get("entries", [])
-    }
+    return {_key(e): e["process_group"][0] for r in records for e in r.get("entries", [])}
 
 
 def status_text(groups: dict[str, tuple[int, int]]) -> str:
@@ -97,7 +100,7 @@ def pending() -> list[dict]:
         entries += [
             e
             for e in record.get("entries", [])
-            if not e.get("is_p2p") and e["collective_seq_id"] > done.get(str(e.get("pg_id", e["process_group"][0])), -1)
+            if not e.get("is_p2p") and e["collective_seq_id"] > done.get(_key(e), -1)
         ]
     return sorted(entries, key=lambda e: e["time_created_ns"])
 

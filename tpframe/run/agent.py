@@ -33,7 +33,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from tpframe.checkpoint.files import job_snapshot, snapshot_root
+from tpframe.checkpoint.files import latest_step, newer_snapshot, snapshot_root
 from tpframe.parallel.heartbeat import parse_beat
 
 STOP_GRACE_S = 300  # how long stopped workers get to save before SIGKILL
@@ -182,13 +182,9 @@ class Agent(LocalElasticAgent):
         launch's newer snapshot in host memory when it was taken at that world."""
         if self.checkpoints is None:
             return None
-        try:
-            disk = int((self.checkpoints / "latest").read_text().strip().rsplit("_", 1)[1])
-        except (OSError, ValueError, IndexError, TypeError):
-            disk = None
         job = self._worker_group.spec.rdzv_handler.get_run_id()
-        snapshot = job_snapshot(self.checkpoints, job, world) if world is not None else None
-        return max(snapshot[1]["step"], disk or -1) if snapshot is not None else disk
+        snapshot = newer_snapshot(self.checkpoints, job, world) if world is not None else None
+        return snapshot[1]["step"] if snapshot is not None else latest_step(self.checkpoints)
 
     def _size(self) -> int:
         """The largest allowed worker count of the slots in service (all of them when none fits)."""
