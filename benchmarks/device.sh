@@ -12,6 +12,7 @@
 #   decode     generation's GPU tests, bf16 all-reduce thresholds to 1 MiB, then decode.py (README's per-token numbers)
 #   dp         the training GPU tests, then benchmarks/data_parallel.py (ROWS, PHASES, ... pass through), then CKPT=1
 #   snapshot   benchmarks/snapshot.py on GPT-125M: a disk checkpoint vs a host-memory snapshot every step (GPUS=2)
+#   fp8        (1 GPU) the float8 GPU tests, then benchmarks/fp8_loss.py: GPT-1.3B 1,000 steps per recipe beside bf16
 #   long_context  (nvidia-h200-x4) CP's GPU tests, then benchmarks/long_context.py --compare --shapes $SHAPES
 #              (default llama3-8b) --seqs $SEQS (default 131072): tpframe's CP modes vs torch's context_parallel
 #   long_context_train  (nvidia-h200-x4) benchmarks/long_context.py --train: train.py's peak vs the memory estimate
@@ -122,6 +123,13 @@ suite_snapshot() {
     | tee $OUT/snapshot.log | tail -6
 }
 
+suite_fp8() {
+  timeout 240 $PYTEST tests/test_fp8.py -m gpu 2>&1 | tee $OUT/fp8_tests.log | tail -3
+  timeout "$(left)" python3 benchmarks/fp8_loss.py --config configs/gpt_1.3b.yaml --steps 1000 --out $OUT/fp8_runs \
+    --set parallel.tp=1 train.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=4 optim.warmup_steps=100 \
+    2>&1 | tail -6
+}
+
 suite_long_context() {
   timeout 200 $PYTEST tests/test_context_parallel.py -m gpu 2>&1 | tee $OUT/cp_tests.log | tail -3
   python3 benchmarks/long_context.py --compare --shapes ${SHAPES:-llama3-8b} --seqs ${SEQS:-131072} \
@@ -133,9 +141,9 @@ suite_long_context_train() {
     --job-timeout-s $(($(left) / 2 - 10)) --logs $OUT 2>&1 | tee $OUT/long_context_train.log
 }
 
-[ $# -gt 0 ] || { sed -n 2,17p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
 for suite in "$@"; do
-  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,17p $0"; exit 2; }
+  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,18p $0"; exit 2; }
 done
 mkdir -p $OUT
 { nvidia-smi --query-gpu=name,memory.total --format=csv

@@ -20,7 +20,7 @@ The RESULT line ends with the memory one forward holds for its backward (activat
 GRAPH=1 (CUDA) captures the whole forward+backward in one CUDA graph after the warm-up (gradients land in the
 graph's static buffers) and times its replays: what a training-step CUDA graph would save over launching the same
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
-only the first N blocks, with full). FP8=tensorwise|rowwise|blockwise runs the blocks' GEMMs in float8 with that
+only the first N blocks, with full). FP8=tensorwise|rowwise runs the blocks' GEMMs in float8 with that
 recipe (train.fp8; FP8=1: tensorwise; TFLOP/s still counts the model's FLOPs, so it compares directly with bf16
 rows). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
@@ -144,6 +144,10 @@ def run_one() -> None:
         comm_backend=os.environ.get("COMM", "auto"),
     )
     tp = state.tp
+    if flag("GRAPH") and state.device.type == "cuda":
+        # everything on one side stream, the capture's too: autograd's gradient accumulators keep the stream they
+        # were made on, and one on the legacy stream cannot join a capture
+        torch.cuda.set_stream(torch.cuda.Stream())
     if env("EMULATE_TP", 0) > 1:
         if state.world_size != 1:
             raise SystemExit("EMULATE_TP=n runs one process")
@@ -273,22 +277,24 @@ def document_ends(n: int, mean: int, seed: int = 0) -> torch.Tensor:
 
 def graphed_step(model, inp, labels):
     """The forward+backward captured in one CUDA graph, as train.py's train.cuda_graph captures it
-    (tpframe/parallel/graphed.py): two eager steps on the current stream first (kernels compiled, the copy-engine
-    slots sized, communicators set up), then the capture, thread-local; calling the result replays it and returns
-    its (static) loss. Gradients are allocated inside the capture, so each replay rewrites them in place."""
+    (tpframe/parallel/graphed.py): two eager steps first, on the side stream run_one set (kernels compiled, the
+    copy-engine slots sized, communicators set up), then the capture on that stream, thread-local; calling the result
+    replays it and returns its (static) loss. Gradients are dropped before the capture and allocated inside it, so
+    each replay rewrites them in place."""
     losses = []
 
     def fwd_bwd():
-        for p in model.parameters():
-            p.grad = None
         losses[:] = [model(inp, labels).mean()]
         losses[0].backward()
 
     for _ in range(2):
+        model.zero_grad(set_to_none=True)
         fwd_bwd()
+    model.zero_grad(set_to_none=True)  # freed outside the capture: a block freed inside it syncs other streams
+    losses.clear()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
         fwd_bwd()
 
     def replay():

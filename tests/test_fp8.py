@@ -1,8 +1,8 @@
 """Float8 linear layers (tpframe/layers/fp8.py, `train.fp8`): each recipe's GEMMs against fp64 and against an
 independent emulation of its scaling, the TP layers, training against the bf16 run, the compositions (TP, selective
 recompute, zero-bubble), resuming across recipes, and the config's refusals. CPU builds of torch run
-torch._scaled_mm (tensorwise, rowwise); blockwise runs its emulation here and cuBLAS's kernels in the GPU tests;
-the speed is measured on GPUs (benchmarks/gpt.py FP8=<recipe>)."""
+torch._scaled_mm (tensorwise) and rowwise's dequantized fp32 reference; the GPU tests run cuBLAS's kernels; the
+speed is measured on GPUs (benchmarks/gpt.py FP8=<recipe>)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from tpframe.layers.fp8 import E4M3, E5M2, RECIPES, fp8_linear, to_float8
 
-GRAD_TOL = {"tensorwise": 0.08, "rowwise": 0.05, "blockwise": 0.05}  # dx, dw vs fp64 (tensorwise: e5m2 gradients)
+GRAD_TOL = {"tensorwise": 0.08, "rowwise": 0.05}  # dx, dw vs fp64 (tensorwise: e5m2 gradients)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,33 +47,29 @@ def test_fp8_linear_forward_and_gradients_match_fp64_within_float8_rounding(magn
         assert err < tol, f"{name}: relative error {err:.3g} at magnitude {magnitude:g}"
 
 
-def _emulate(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """t through e4m3 and back, one power-of-two scale per rows x cols block (the recipes' rule, block by block)."""
+def _rows_through_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """t through e4m3 and back, one power-of-two scale per row (the rowwise rule, written row by row)."""
     t, out = t.float(), torch.empty(t.shape)
-    for i in range(0, t.shape[0], rows):
-        for j in range(0, t.shape[1], cols):
-            block = t[i : i + rows, j : j + cols]
-            scale = 2.0 ** torch.floor(torch.log2(448.0 / block.abs().max()))
-            out[i : i + rows, j : j + cols] = (block * scale).to(E4M3).float() / scale
+    for i, row in enumerate(t):
+        scale = 2.0 ** torch.floor(torch.log2(448.0 / row.abs().max()))
+        out[i] = (row * scale).to(E4M3).float() / scale
     return out
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
-def test_rowwise_and_blockwise_compute_their_recipes_exactly(recipe):
+def test_rowwise_computes_its_recipe_exactly():
     """y = x w^T, dx = g w, dw = g^T x each equal fp32 products of operands rounded to e4m3 with one power-of-two
-    scale per row along the contraction (rowwise: torchao's), or per 1x128 tile of x and g and 128x128 block of w
-    (blockwise: DeepSeek-V3's), to bf16's output rounding: float8's own error (~4%, the test above) would fail."""
+    scale per row along the contraction (torchao's rowwise), to bf16's output rounding: float8's own error (~4%, the
+    test above) would fail."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 256, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(384, 256, generator=g) * 0.05).bfloat16().requires_grad_()
     dy = torch.randn(256, 384, generator=g).bfloat16()
-    y = fp8_linear(x, w, recipe=recipe)
+    y = fp8_linear(x, w, recipe="rowwise")
     y.backward(dy)
-    along = (lambda t: _emulate(t, 1, t.shape[1])) if recipe == "rowwise" else (lambda t: _emulate(t, 1, 128))
-    blocks = along if recipe == "rowwise" else (lambda t: _emulate(t, 128, 128))
+    along = _rows_through_e4m3
     want = {
-        "y": along(x) @ blocks(w).t(),
-        "dx": along(dy) @ blocks(w.detach().t()).t(),
+        "y": along(x) @ along(w).t(),
+        "dx": along(dy) @ along(w.detach().t()).t(),
         "dw": along(dy.t()) @ along(x.detach().t()).t(),
     }
     for name, got in (("y", y), ("dx", x.grad), ("dw", w.grad)):
@@ -102,18 +98,15 @@ def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
 
-BLOCKWISE_TINY = ("model.hidden=128", "optim.lr=1e-3", "train.fp8=blockwise")  # every GEMM dim a multiple of 128
-
-
 @pytest.mark.parametrize(
     "layout",
     [
         ("parallel.tp=1", "train.fp8=true"),
         ("parallel.tp=2", "parallel.sequence_parallel=true", "train.fp8=rowwise"),
-        ("parallel.tp=1", "parallel.dp_strategy=fsdp", *BLOCKWISE_TINY),
-        ("parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpointing=true", *BLOCKWISE_TINY),
+        ("parallel.tp=1", "parallel.dp_strategy=fsdp", "train.fp8=rowwise"),
+        ("parallel.tp=1", "parallel.pp=2", "parallel.activation_checkpointing=true", "train.fp8=tensorwise"),
     ],
-    ids=["dp2-tensorwise", "tp2-sp-rowwise", "dp2-fsdp-blockwise", "pp2-recompute-blockwise"],
+    ids=["dp2-tensorwise", "tp2-sp-rowwise", "dp2-fsdp-rowwise", "pp2-recompute-tensorwise"],
 )
 def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     """8 steps of the tiny GPT: the float8 run's losses stay within 0.5% of the bf16 run's (same data, same init)
@@ -165,8 +158,8 @@ def _compose(recipe: str, run_dir: str) -> dict[str, list[tuple[float, float]]]:
     }
 
 
-@pytest.mark.parametrize(  # blockwise (every GEMM path) in the default suite, the other two in the slow tier
-    "recipe", [pytest.param(r, marks=pytest.mark.slow) if r != "blockwise" else r for r in RECIPES]
+@pytest.mark.parametrize(  # rowwise (its operands rescaled for backward) in the default suite, tensorwise slow
+    "recipe", [pytest.param(r, marks=pytest.mark.slow) if r != "rowwise" else r for r in RECIPES]
 )
 def test_each_recipe_composes_with_tp_selective_recompute_and_zero_bubble(tmp_path, recipe):
     """Same recipe throughout: selective recompute gives the gradients of no recompute, and zero-bubble (zb_h1: the
@@ -183,19 +176,19 @@ def test_each_recipe_composes_with_tp_selective_recompute_and_zero_bubble(tmp_pa
 
 
 def _resume_across(run_dir: str) -> tuple[list[dict], list[dict]]:
-    """Blockwise 6 steps (a checkpoint at step 4), then rowwise resumed from that checkpoint to step 6."""
+    """Tensorwise 6 steps (a checkpoint at step 4), then rowwise resumed from that checkpoint to step 6."""
     from tests.training_utils import train_in_process
 
     common = ["parallel.tp=1", "model.hidden=128", "optim.lr=1e-3", "train.dtype=bfloat16", "train.steps=6"]
     common += ["train.fp8_small_layers=true", f"train.run_dir={run_dir}"]
-    straight = train_in_process([*common, "train.fp8=blockwise", "checkpoint.interval=4"])
+    straight = train_in_process([*common, "train.fp8=tensorwise", "checkpoint.interval=4"])
     resumed = train_in_process([*common, "train.fp8=rowwise", "checkpoint.auto_resume=true"])
     return resumed, straight
 
 
 def test_a_checkpoint_written_under_one_recipe_resumes_under_another(tmp_path):
-    """Checkpoints hold the bf16/fp32 parameters, not float8 copies: a blockwise run's checkpoint resumes under
-    rowwise at step 5 and its losses follow the uninterrupted blockwise run's within float8's rounding."""
+    """Checkpoints hold the bf16/fp32 parameters, not float8 copies: a tensorwise run's checkpoint resumes under
+    rowwise at step 5 and its losses follow the uninterrupted tensorwise run's within float8's rounding."""
     from tests.dist_utils import run_distributed
 
     resumed, straight = run_distributed(_resume_across, 1, str(tmp_path))[0]
@@ -212,7 +205,7 @@ def test_a_checkpoint_written_under_one_recipe_resumes_under_another(tmp_path):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fp8_linear_on_cuda_matches_fp64_and_the_cpu_recipe(compiled, recipe):
     """cuBLAS's float8 GEMMs (and Inductor's fused casts when compiled) within the CPU test's tolerances of fp64, and
-    within bf16 rounding of the same recipe on CPU (blockwise: its emulation), so the scales' layouts are right."""
+    within bf16 rounding of the same recipe on CPU (rowwise: its fp32 reference), so the scales' layouts are right."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 GEMMs need compute capability 8.9+")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -176,7 +176,7 @@ def _saved_ops() -> frozenset:
     ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     tp = getattr(torch.ops, "tpframe", None)
-    names = ("all_reduce", "reduce_scatter", "qkv_rotary", "blockwise_mm")
+    names = ("all_reduce", "reduce_scatter", "qkv_rotary")
     ops.update(getattr(tp, n).default for n in names if hasattr(tp, n))
     return frozenset(ops)
 

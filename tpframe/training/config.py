@@ -109,8 +109,8 @@ class TrainConfig:
     # CUDA: replay each micro-batch's forward+backward from a CUDA graph after 2 eager steps; "auto": time 3 eager and
     # 3 replayed steps, keep the graphs only if they are faster (and run eagerly where they cannot be used)
     cuda_graph: bool | Literal["auto"] = False
-    # float8 GEMMs in the blocks' linear layers (bf16 runs; CUDA 8.9+ or CPU): tensorwise, rowwise or blockwise
-    # (1x128/128x128) scales (true: tensorwise); norms, attention and the head stay bf16 (README: performance)
+    # float8 GEMMs in the blocks' linear layers (bf16 runs; CUDA 8.9+ or CPU): tensorwise or rowwise scales
+    # (true: tensorwise); norms, attention and the head stay bf16 (docs/performance.md)
     fp8: bool | Literal[RECIPES] = False
     fp8_small_layers: bool = False  # train.fp8 also in layers too small to gain (per rank out <= 4096 and in <= 1024)
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
