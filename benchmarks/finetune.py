@@ -18,13 +18,12 @@ tokens/s per GPU beside ours. Prints one table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_runs import ROOT, run
+
 sys.path.insert(0, str(ROOT))
 
 
@@ -46,16 +45,6 @@ def write_base(config: str, path: Path) -> None:
         tensors[name] = t.to(torch.bfloat16).cpu()
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
-
-
-def run(config: str, gpus: int, run_dir: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), str(ROOT / "train.py")]
-    cmd += ["--config", config, f"train.run_dir={run_dir}", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"rows": [r for r in rows if r.get("kind") == "train"]}
 
 
 HF_TARGETS = {
@@ -144,8 +133,9 @@ def main() -> int:
         if "error" in r:
             print(f"| {label} | failed: {r['error']} | |")
             continue
-        rate = statistics.median(x["tokens_per_s"] for x in r["rows"][args.warmup :] or r["rows"])
-        mem = max(x.get("mem_gib", 0.0) for x in r["rows"])
+        rows = [x for x in r["rows"] if x.get("kind") == "train"]
+        rate = statistics.median(x["tokens_per_s"] for x in rows[args.warmup :] or rows)
+        mem = max(x.get("mem_gib", 0.0) for x in rows)
         print(f"| {label} | {rate:,.0f} ({rate / args.gpus:,.0f} per GPU) | {mem:.1f} |")
     if args.peer:
         from tpframe.training.config import load_config

@@ -15,28 +15,24 @@ bf16's. Prints the table and appends it, with the command and device, to benchma
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import train_runs
+
+sys.path.insert(0, str(train_runs.ROOT))
 
 
 def train(args, recipe: str) -> list[dict]:
-    run_dir = Path(args.out) / recipe
-    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(args.gpus), str(ROOT / "train.py")]
-    cmd += ["--config", args.config, f"train.run_dir={run_dir}", f"train.steps={args.steps}", "data.source=stdlib"]
-    cmd += ["data.path=null", "model.vocab_size=256", f"train.eval_interval={args.steps}", "train.eval_steps=20"]
-    cmd += ["checkpoint.interval=0", "checkpoint.save_at_end=false", "logging.interval=1", "logging.progress=false"]
-    cmd += [*args.set, f"train.fp8={'false' if recipe == 'bf16' else recipe}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"fp8_loss.py: {recipe}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    overrides = [f"train.steps={args.steps}", "data.source=stdlib", "data.path=null", "model.vocab_size=256"]
+    overrides += [f"train.eval_interval={args.steps}", "train.eval_steps=20", "checkpoint.interval=0"]
+    overrides += ["checkpoint.save_at_end=false", "logging.interval=1", "logging.progress=false", *args.set]
+    overrides.append(f"train.fp8={'false' if recipe == 'bf16' else recipe}")
+    done = train_runs.run(args.config, args.gpus, Path(args.out) / recipe, overrides)
+    if "error" in done:
+        raise SystemExit(f"fp8_loss.py: {recipe}: {done['error']}")
+    return done["rows"]
 
 
 def smooth(losses: list[float], width: int) -> list[float]:
@@ -89,12 +85,7 @@ def main() -> int:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     runs = {recipe: summary(train(args, recipe), args.steps) for recipe in ("bf16", *(args.recipes or RECIPES))}
-    text = table(args, runs, device)
-    print(text)
-    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-        command = "python benchmarks/fp8_loss.py " + " ".join(sys.argv[1:])
-        f.write(f"\n### train.fp8 loss curves beside bf16, {device}, {time.strftime('%Y-%m-%d')}\n")
-        f.write(f"`{command}`\n\n{text}\n")
+    train_runs.append_results("train.fp8 loss curves beside bf16", device, table(args, runs, device))
     return 0
 
 

@@ -16,14 +16,11 @@ table and appends it, with the command and device, to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_runs import append_results, run
 
 MODES = {
     "no saves": ["checkpoint.interval=0"],
@@ -32,16 +29,13 @@ MODES = {
 }
 
 
-def run(args, run_dir: Path, extra: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(args.gpus), "--max-restarts", "1"]
-    cmd += [str(ROOT / "train.py"), "--config", args.config, f"train.run_dir={run_dir}", f"train.steps={args.steps}"]
-    cmd += ["data.source=synthetic", "data.path=null", "train.eval_interval=0", "checkpoint.save_at_end=false"]
-    cmd += ["logging.interval=1", "logging.progress=false", *args.set, *extra]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"snapshot.py: {' '.join(extra)}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == "train"][args.warmup :]
+def timed(args, run_dir: Path, extra: list[str]) -> list[dict]:
+    overrides = [f"train.steps={args.steps}", "data.source=synthetic", "data.path=null", "train.eval_interval=0"]
+    overrides += ["checkpoint.save_at_end=false", "logging.interval=1", "logging.progress=false", *args.set, *extra]
+    done = run(args.config, args.gpus, run_dir, overrides, launcher=("--max-restarts", "1"))
+    if "error" in done:
+        raise SystemExit(f"snapshot.py: {' '.join(extra)}: {done['error']}")
+    return [r for r in done["rows"] if r.get("kind") == "train"][args.warmup :]
 
 
 def size_gib(run_dir: Path) -> float:
@@ -61,7 +55,7 @@ def main() -> int:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    runs = {label: run(args, Path(args.out) / str(i), extra) for i, (label, extra) in enumerate(MODES.items())}
+    runs = {label: timed(args, Path(args.out) / str(i), extra) for i, (label, extra) in enumerate(MODES.items())}
     gib = size_gib(Path(args.out) / "1")
     lines = [
         f"| {args.config} {' '.join(args.set)}, {args.gpus} processes, {device}, a checkpoint {gib:.2f} GiB | "
@@ -72,12 +66,7 @@ def main() -> int:
         step = statistics.median(r["step_ms"] for r in rows)
         save = statistics.median(r.get("ckpt_ms", 0.0) for r in rows)
         lines.append(f"| {label} | {step:,.0f} | {save:,.0f} |")
-    table = "\n".join(lines)
-    print(table)
-    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-        command = "python benchmarks/snapshot.py " + " ".join(sys.argv[1:])
-        f.write(f"\n### Disk checkpoint vs host-memory snapshot, {device}, {time.strftime('%Y-%m-%d')}\n")
-        f.write(f"`{command}`\n\n{table}\n")
+    append_results("Disk checkpoint vs host-memory snapshot", device, "\n".join(lines))
     return 0
 
 
