@@ -250,18 +250,16 @@ def preflight(cfg, *, restarted: bool = False) -> tuple[Path | None, dict | None
     `restarted` (a launcher started this run's workers again after a failure): the newer of the run's own `latest`
     and this launch's snapshot in host memory, first."""
     root = checkpoint_root(cfg)
+    # a restart's own `latest` first: one naming a missing or incomplete checkpoint is refused, snapshot or not
+    path = resolve(root) if restarted and (root / LATEST).exists() else None
     if restarted and cfg.checkpoint.snapshot_interval:
-        if (root / LATEST).exists():
-            resolve(root)  # a `latest` naming a missing or incomplete checkpoint is refused, snapshot or not
         snapshot = newer_snapshot(root, os.environ.get(JOB_ENV), int(os.environ.get("WORLD_SIZE", "1")))
         if snapshot is not None:
             check_compatible(cfg, snapshot[1])
             return snapshot
-    if restarted and (root / LATEST).exists():
-        path = resolve(root)
-    elif cfg.checkpoint.load:
+    if path is None and cfg.checkpoint.load:
         path = resolve(cfg.checkpoint.load)
-    else:
+    elif path is None:
         if not (cfg.checkpoint.auto_resume and (root / LATEST).exists()):
             return None, None  # checkpoint.init_from, if any, is checked by tpframe/checkpoint/init_from.py
         path = resolve(root)
