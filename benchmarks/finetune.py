@@ -12,7 +12,7 @@ median tokens/s of its steps after the first --warmup; its memory the largest me
 rank that logs). --peer adds Hugging Face transformers + PEFT on one GPU (the model and step TRL's SFTTrainer runs;
 TRL itself adds no GPU work): the same Llama shape at random init, LoRA of the same rank on the same projections,
 AdamW on the adapters, SDPA attention, the same micro-batch, sequence length and global batch, random tokens; its
-tokens/s per GPU beside ours. Prints one table.
+tokens/s per GPU beside ours. Prints one table and appends it to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -20,22 +20,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
-from train_runs import ROOT, run
+from train_runs import ROOT, append_results, run
 
 sys.path.insert(0, str(ROOT))
 
 
-def write_base(config: str, path: Path) -> None:
-    """A random model of `config`'s model: section as logical tensors (norm weights 1), written once."""
+def write_base(config: str, path: Path, overrides: list[str]) -> None:
+    """A random model of `config`'s model: section (with `overrides`) as logical tensors (norm weights 1)."""
     import torch
     from safetensors.torch import save_file
 
     from tpframe.models import logical_shapes
     from tpframe.training.config import load_config
 
-    cfg = load_config(config, [])
+    cfg = load_config(config, overrides)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # an 8B model's random numbers: seconds on a GPU
     g = torch.Generator(dev).manual_seed(0)
     tensors = {}
@@ -104,13 +105,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--base", default="/tmp/finetune_base.safetensors")
-    parser.add_argument("--out", default="/tmp/finetune_runs")
+    parser.add_argument("--out", default="/tmp/finetune_runs", help="a fresh run folder per call is made in it")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for both runs, KEY=VALUE")
     parser.add_argument("--peer", action="store_true", help="add transformers + PEFT on one GPU")
     args = parser.parse_args()
     base = Path(args.base)
     if not base.exists():
-        write_base(args.config, base)
+        write_base(args.config, base, args.set)
     common = [
         f"checkpoint.init_from={base}",
         "data.source=synthetic",
@@ -124,24 +125,29 @@ def main() -> int:
         "logging.progress=false",
         *args.set,
     ]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="call-", dir=args.out))  # another call's runs (another shape) stay apart
     results = {}
     for label, extra in (("LoRA", []), ("full fine-tuning", ["optim.lora_rank=null"])):
-        results[label] = run(args.config, args.gpus, Path(args.out) / label.replace(" ", "_"), common + extra)
-    print(f"| {args.config}, {args.gpus} processes | tokens/s | peak memory per GPU (GiB) |")
-    print("|---|---|---|")
+        results[label] = run(args.config, args.gpus, out / label.replace(" ", "_"), common + extra)
+    lines = [f"| {args.config}, {args.gpus} processes | tokens/s | peak memory per GPU (GiB) |", "|---|---|---|"]
     for label, r in results.items():
         if "error" in r:
-            print(f"| {label} | failed: {r['error']} | |")
+            lines.append(f"| {label} | failed: {r['error']} | |")
             continue
         rows = [x for x in r["rows"] if x.get("kind") == "train"]
         rate = statistics.median(x["tokens_per_s"] for x in rows[args.warmup :] or rows)
         mem = max(x.get("mem_gib", 0.0) for x in rows)
-        print(f"| {label} | {rate:,.0f} ({rate / args.gpus:,.0f} per GPU) | {mem:.1f} |")
+        lines.append(f"| {label} | {rate:,.0f} ({rate / args.gpus:,.0f} per GPU) | {mem:.1f} |")
     if args.peer:
         from tpframe.training.config import load_config
 
         r = peer(load_config(args.config, args.set), steps=args.steps, warmup=args.warmup)
-        print(f"| transformers + PEFT LoRA, 1 GPU | {r['rate']:,.0f} per GPU | {r['mem']:.1f} |")
+        lines.append(f"| transformers + PEFT LoRA, 1 GPU | {r['rate']:,.0f} per GPU | {r['mem']:.1f} |")
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    append_results("LoRA against full fine-tuning", device, "\n".join(lines))
     return 0
 
 

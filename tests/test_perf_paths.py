@@ -275,36 +275,6 @@ def test_gpu_timeline_counts_the_collective_time_no_computation_hid(tmp_path):
     assert gpu_timeline(str(trace))[2:] == (0.0, 0.0)
 
 
-def test_collective_waits_pairs_the_ranks_nccl_kernels(tmp_path):
-    """profiler.collective_waits, across the ranks' traces: the i-th NCCL kernel of each rank's trace is one
-    collective; the rank that starts it earlier waits for the later one (the traces' ts are relative to
-    baseTimeNanoseconds)."""
-    import json
-
-    from tpframe.observe.profiler import collective_waits
-
-    def k(name, ts, dur):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
-
-    def trace(name, base_ns, events):
-        (tmp_path / name).write_text(json.dumps({"baseTimeNanoseconds": base_ns, "traceEvents": events}))
-        return tmp_path / name
-
-    ar = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
-    # rank 0 starts collective 1 at 100 us and collective 2 at 400; rank 1 (its clock base 50 us later) at 150
-    # (50 us late) and 380 (20 early); each transfer takes 30 us once both are in
-    r0 = trace(
-        "dp.json", 0, [k("gemm", 0, 90), k(ar, 100, 80), k("gemm", 110, 300), k(ar, 400, 30), k("adam", 440, 60)]
-    )
-    r1 = trace("dp.rank1.json", 50_000, [k("gemm", -40, 180), k(ar, 100, 30), k(ar, 330, 50), k("adam", 390, 60)])
-    waits = collective_waits([r0, r1])
-    assert waits["collectives"] == 2 and waits["moving_ms"] == 0.06
-    assert [round(w, 6) for w in waits["waited_ms"]] == [0.05, 0.02]
-    assert waits["median_skew_us"] == 35.0 and waits["start_skew_ms"] == [0.0, 0.01]
-    assert [round(x, 6) for x in waits["end_skew_ms"]] == [0.0, 0.0]  # both last events end at 500 us
-    assert collective_waits([r0, trace("other.json", 0, [k(ar, 0, 1)])]) is None  # another collective count
-
-
 @pytest.mark.slow
 def test_llama_peer_counts_tpframes_flops_and_its_tp2_plan_equals_tp1():
     """benchmarks/peer_llama.py, the torch-native row of the Llama shape in `benchmarks/gpt.py --compare`: its FLOP

@@ -15,7 +15,6 @@ the same.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -238,43 +237,6 @@ def gpu_timeline(trace: str | Path | list[dict]) -> tuple[float, float, float, f
             k += 1
     total = _length(comm)
     return (spans[-1][1] - spans[0][0]) / 1e3, _length(spans) / 1e3, total / 1e3, (total - hidden) / 1e3
-
-
-def collective_waits(traces: list[str | Path]) -> dict[str, object] | None:
-    """Across the DP ranks' traces of one step (one host: the clocks agree), how long each rank's collectives
-    waited for the others: the i-th collective kernel of every rank is the same collective, which ends when the
-    last rank has started it, so a rank that starts it `d` us earlier holds its kernel (and its SMs) `d` us longer.
-    Returns {"waited_ms": per rank, the sum over collectives of (latest start - own start); "moving_ms": the sum of
-    each collective's shortest duration (the transfer without waiting); "median_skew_us": the median of (latest
-    start - earliest start); "start_skew_ms" / "end_skew_ms": how much later each rank's first / last GPU event
-    is than the earliest one's; "collectives": their count}; None when the ranks' collective counts differ
-    (other collectives, or none)."""
-    ranks = []
-    for trace in traces:
-        data = json.loads(Path(trace).read_text())
-        base = data.get("baseTimeNanoseconds", 0) / 1e3  # ts is relative to it (us)
-        events = [e for e in data["traceEvents"] if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES]
-        comm = sorted((e["ts"] + base, e["dur"]) for e in events if _is_comm(e) and "nccl" in e.get("name", "").lower())
-        ranks.append((comm, min(e["ts"] + base for e in events), max(e["ts"] + e["dur"] + base for e in events)))
-    counts = {len(comm) for comm, _, _ in ranks}
-    if len(counts) != 1 or counts == {0}:
-        return None
-    waited, moving, skews = [0.0] * len(ranks), 0.0, []
-    for same in zip(*(comm for comm, _, _ in ranks)):
-        latest = max(start for start, _ in same)
-        for r, (start, _) in enumerate(same):
-            waited[r] += latest - start
-        moving += min(dur for _, dur in same)
-        skews.append(latest - min(start for start, _ in same))
-    first, last = min(r[1] for r in ranks), min(r[2] for r in ranks)
-    return {
-        "waited_ms": [w / 1e3 for w in waited],
-        "moving_ms": moving / 1e3,
-        "median_skew_us": statistics.median(skews),
-        "collectives": len(skews),
-        "start_skew_ms": [(r[1] - first) / 1e3 for r in ranks],
-        "end_skew_ms": [(r[2] - last) / 1e3 for r in ranks],
-    }
 
 
 def gpu_busy(trace_path: str | Path) -> tuple[float, float]:
