@@ -237,6 +237,28 @@ def test_fp8_linear_on_cuda_matches_fp64_and_the_cpu_recipe(compiled, recipe):
         assert err < tol, f"{name}: relative error {err:.3g}"
 
 
+@pytest.mark.gpu(count=1)
+def test_the_cast_transpose_kernel_writes_the_twins_bytes():
+    """tpframe/kernels/cast_transpose.py against its plain-torch twin, quantize(t.t(), "rowwise"): the same float8
+    bytes and inverse scales, eager and as the custom op inside a compiled function, on shapes off its 64-tiles, with
+    columns of zeros and of wide magnitudes (every scale exponent the twin can pick)."""
+    from tpframe.kernels.cast_transpose import usable
+    from tpframe.layers.fp8 import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k in ((8192, 4096), (3072, 1024), (100, 72), (1, 16)):
+        t = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-30, 30, k, device="cuda")
+        t[:, 0] = 0
+        t = t.bfloat16()
+        assert usable(t)
+        want8, want_inv = quantize(t.t(), "rowwise")
+        compiled = torch.compile(lambda t: torch.ops.tpframe.cast_transpose(t), fullgraph=True)
+        for got8, got_inv in (torch.ops.tpframe.cast_transpose(t), compiled(t)):
+            assert got8.shape == (k, m) and got8.is_contiguous() and got_inv.shape == (k, 1)
+            assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8)), (m, k)
+            assert torch.equal(got_inv, want_inv), (m, k)
+
+
 def _gpu_losses(run_dir: str, fp8: str) -> list[float]:
     from tests.training_utils import train_in_process
 

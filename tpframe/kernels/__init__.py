@@ -6,11 +6,12 @@
     gemv.py           one token's linear layer (batch-1 decode graphs), streaming the weight once, inference only
     kv_write.py       a decode step's keys and values into their cache slots in one launch (decode graphs)
     norm.py           LayerNorm / RMSNorm forward, and backward with the weight gradients in the same pass
+    cast_transpose.py  rowwise float8 of a tensor's transpose for train.fp8's backward (tpframe::cast_transpose)
 
 Every kernel has a plain-torch twin that computes the same function (the CPU path, and the tests' oracle);
 callers pick the kernel only for CUDA tensors; the cross-entropy and norm kernels run outside torch.compile
-tracing (the head stays eager; compiled blocks get Inductor's own norms), the rotary and decode-attention kernels also
-inside it, as the custom ops tpframe::qkv_rotary and tpframe::decode_attention.
+tracing (the head stays eager; compiled blocks get Inductor's own norms), the rotary, decode-attention and
+cast-transpose kernels also inside it, as custom ops.
 """
 
 from __future__ import annotations
