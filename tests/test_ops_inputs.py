@@ -1049,11 +1049,11 @@ def test_a_checkpoint_file_one_rank_cannot_read_stops_every_rank_alike(tmp_path,
 
 # -- the same through the README's launcher, with 2 processes ---------------------------------------------
 
+# one override and one env var: every other mistake takes the same path (the parent's pre-flight), and each has its
+# own case in this process above
 LAUNCH_CASES = [
     (["model.hiden=64"], {}, "unknown config key 'model.hiden'"),
-    (["optim.lr=nan"], {}, "optim.lr=nan must be a finite number"),
     ([], {"TPFRAME_COMM_BACKEND": "bogus"}, "env var TPFRAME_COMM_BACKEND='bogus'"),
-    (["optim.lr=1e-3", "optim.lr=2e-3"], {}, "override optim.lr is given twice"),
 ]
 
 
@@ -1067,7 +1067,7 @@ def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=full)
 
 
-@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "nan", "env", "twice"])
+@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "env"])
 def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp_path):
     out = _launch(with_overrides([*SCRIPT, f"train.run_dir={tmp_path}/run"], overrides), env)
     lines = out.stderr.strip().splitlines()
