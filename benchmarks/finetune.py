@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train_runs import ROOT, append_results, run
+from train_runs import ROOT, append_results, device, run
 
 sys.path.insert(0, str(ROOT))
 
@@ -144,10 +144,7 @@ def main() -> int:
 
         r = peer(load_config(args.config, args.set), steps=args.steps, warmup=args.warmup)
         lines.append(f"| transformers + PEFT LoRA, 1 GPU | {r['rate']:,.0f} per GPU | {r['mem']:.1f} |")
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    append_results("LoRA against full fine-tuning", device, "\n".join(lines))
+    append_results("LoRA against full fine-tuning", device(), "\n".join(lines))
     return 0
 
 

@@ -79,11 +79,9 @@ def main() -> int:
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run, KEY=VALUE")
     parser.add_argument("--recipes", nargs="*", default=None, help="some of the recipes (default: every one)")
     args = parser.parse_args()
-    import torch
-
     from tpframe.layers.fp8 import RECIPES
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    device = train_runs.device()
     runs = {recipe: summary(train(args, recipe), args.steps) for recipe in ("bf16", *(args.recipes or RECIPES))}
     train_runs.append_results("train.fp8 loss curves beside bf16", device, table(args, runs, device))
     return 0

@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from train_runs import append_results, run
+from train_runs import append_results, device, run
 
 MODES = {
     "no saves": ["checkpoint.interval=0"],
@@ -52,13 +52,11 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/snapshot_runs")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every run, KEY=VALUE")
     args = parser.parse_args()
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    machine = device()
     runs = {label: timed(args, Path(args.out) / str(i), extra) for i, (label, extra) in enumerate(MODES.items())}
     gib = size_gib(Path(args.out) / "1")
     lines = [
-        f"| {args.config} {' '.join(args.set)}, {args.gpus} processes, {device}, a checkpoint {gib:.2f} GiB | "
+        f"| {args.config} {' '.join(args.set)}, {args.gpus} processes, {machine}, a checkpoint {gib:.2f} GiB | "
         "step ms | save ms |",
         "|---|---|---|",
     ]
@@ -66,7 +64,7 @@ def main() -> int:
         step = statistics.median(r["step_ms"] for r in rows)
         save = statistics.median(r.get("ckpt_ms", 0.0) for r in rows)
         lines.append(f"| {label} | {step:,.0f} | {save:,.0f} |")
-    append_results("Disk checkpoint vs host-memory snapshot", device, "\n".join(lines))
+    append_results("Disk checkpoint vs host-memory snapshot", machine, "\n".join(lines))
     return 0
 
 

@@ -23,6 +23,13 @@ def run(config: str, gpus: int, run_dir: Path, overrides: list[str], *, launcher
     return {"rows": [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]}
 
 
+def device() -> str:
+    """This machine's GPU by name ("CPU" without one): the device column of the tables and RESULTS.md."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
 def append_results(title: str, device: str, table: str) -> None:
     """Print `table` and append it to RESULTS.md under `title`, with the command that made it and the device."""
     print(table)
