@@ -216,7 +216,7 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         from tpframe.layers.linear import fp8_layers
 
         recipe = recipe_of(cfg.train.fp8)
-        done = [fp8_layers(chunk) for chunk in chunks]
+        done = [fp8_layers(chunk, recipe) for chunk in chunks]
         skipped = [name for _, names in done for name in names]
         notes.append(
             f"float8 GEMMs ({recipe}) in {sum(n for n, _ in done)} linear layers"

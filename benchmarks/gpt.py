@@ -3,11 +3,13 @@
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8
-                                                      #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
+                                                      #   FP8_SMALL EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--tp 2] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --shapes 7b --tp 4      # the shapes TP is for: 7b, 13b, llama3-8b
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
-    python benchmarks/gpt.py --compare --fp8 --shapes 1.3b,7b --tp 4  # bf16 beside each train.fp8 recipe
+    python benchmarks/gpt.py --compare --fp8 --shapes 1.3b,7b --tp 4  # bf16 beside each train.fp8 recipe, and
+                                      # torchao's (benchmarks/peer_float8.py) where its wheel is in --peers
+    python benchmarks/gpt.py --compare --fp8 --shapes 7b --tp 4 --layers 8  # 8 of the shape's blocks
 
 One run: the GPT of tpframe.models.gpt (LayerNorm, rotary, GELU 4h, biases, tied embeddings, V=50304 unless
 the env says otherwise), bf16, 3 warm-up steps then STEPS timed forward+backward steps with the gradients
@@ -22,7 +24,7 @@ graph's static buffers) and times its replays: what a training-step CUDA graph w
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
 only the first N blocks, with full). FP8=tensorwise|rowwise runs the blocks' GEMMs in float8 with that
 recipe (train.fp8; FP8=1: tensorwise; TFLOP/s still counts the model's FLOPs, so it compares directly with bf16
-rows). EMULATE_TP=n (one process) times one rank of TP=n
+rows; FP8_SMALL=1: train.fp8_small_layers). EMULATE_TP=n (one process) times one rank of TP=n
 with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
 with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's
 own work.
@@ -191,7 +193,12 @@ def run_one() -> None:
         device=state.device,
         seed=1234,
         # FP8: the blocks' GEMMs in float8 where they gain (train.fp8)
-        mode=LayerMode(fused_kernels=flag("FUSED", "1"), fp8=fp8_recipe(), async_tp=async_mode() if sp else None),
+        mode=LayerMode(
+            fused_kernels=flag("FUSED", "1"),
+            fp8=fp8_recipe(),
+            fp8_small_layers=flag("FP8_SMALL"),
+            async_tp=async_mode() if sp else None,
+        ),
     )
     model = build_model(cfg, ctx)
     if "NORM_MIN_NUMEL" in os.environ:  # the size under which eager norms take torch's ops (0: the kernel always)
@@ -393,26 +400,30 @@ def recompute_jobs(tp: int) -> list[dict]:
     return out
 
 
-def fp8_jobs(tp: int, emulate_tp: int) -> list[dict]:
-    """--fp8: compiled tpframe in bf16 and each train.fp8 recipe at TP=1, at one rank of TP=emulate_tp with its
-    collectives free (EMULATE_TP, one GPU), and at TP=tp + SP on a multi-GPU machine."""
+def fp8_jobs(shape: str, tp: int, emulate_tp: int) -> list[dict]:
+    """--fp8: compiled tpframe in bf16 and each train.fp8 recipe at TP=1 (the shapes TP is for: one rank of
+    TP=emulate_tp with its collectives free, EMULATE_TP), and at TP=tp + SP on a multi-GPU machine; beside each
+    one-GPU layout the same recipes of torchao's float8 training on the plain GPT (benchmarks/peer_float8.py) where
+    torchao is installed in /tmp/site (its wheel in the peers folder)."""
     from tpframe.layers.fp8 import RECIPES
 
-    layouts = [("TP=1", 1, {"TP": "1"})]
-    if emulate_tp > 1:
-        layouts.append(
-            (f"TP={emulate_tp} + SP emulated (EMULATE_TP)", 1, {"TP": "1", "SP": "1", "EMULATE_TP": str(emulate_tp)})
-        )
+    if shape in TP_SHAPES and emulate_tp > 1:
+        one_gpu = (f"TP={emulate_tp} + SP emulated (EMULATE_TP)", {"TP": "1", "SP": "1", "EMULATE_TP": str(emulate_tp)})
+    else:
+        one_gpu = ("TP=1", {"TP": "1"})
+    layouts = [("tpframe", *one_gpu, 1, "gpt.py")]
+    if (Path("/tmp/site") / "torchao").exists() and shape not in LLAMA_SHAPES:
+        layouts.append(("torchao peer", *one_gpu, 1, "peer_float8.py"))
     if tp > 1:
-        layouts.append((f"TP={tp} + SP", tp, {"TP": str(tp), "SP": "1"}))
+        layouts.append(("tpframe", f"TP={tp} + SP", {"TP": str(tp), "SP": "1"}, tp, "gpt.py"))
     return [
         dict(
-            label=f"tpframe {name}, compile, fp8 {recipe}",
-            script=str(ROOT / "benchmarks" / "gpt.py"),
+            label=f"{who} {name}, compile, fp8 {recipe}",
+            script=str(ROOT / "benchmarks" / script),
             gpus=gpus,
             env={"STEPS": "10", "ROPE": "1", "COMPILE": "1", "FP8": "0" if recipe == "none" else recipe, **dims},
         )
-        for name, gpus, dims in layouts
+        for who, name, dims, gpus, script in layouts
         for recipe in ("none", *RECIPES)
     ]
 
@@ -483,7 +494,7 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
     return out
 
 
-def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Path) -> dict:
+def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Path, layers: int = 0) -> dict:
     environ = dict(
         os.environ,
         NO_APPEND="1",
@@ -493,6 +504,8 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
         NVSHMEM_DISABLE_NVLS="1",
     )
     environ.update({k: str(v) for k, v in shape.items() if k != "name"})
+    if layers:  # --layers: fewer blocks than the shape's (the table says so)
+        environ["LAYERS"] = str(layers)
     environ.update(job["env"])
     if job["gpus"] == 1:
         environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -507,7 +520,7 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
             str(port),
             job["script"],
         ]
-        if "bench_torch_gpt" in job["script"]:
+        if "bench_torch_gpt" in job["script"] or "peer_float8" in job["script"]:
             cmd = [sys.executable, job["script"]]
     else:
         cmd = [
@@ -549,24 +562,12 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
 
 def compare(args) -> None:
     peers = Path(args.peers) if args.peers and Path(args.peers).exists() else None
-    wheel = sorted(glob.glob(str(Path(args.peers) / "megatron_core-*.whl"))) if peers else []
-    if wheel and not (Path("/tmp/site") / "megatron").exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--target",
-                "/tmp/site",
-                wheel[-1],
-            ],
-            check=False,
-        )
-    if (Path("/tmp/site") / "megatron").exists():
+    for package, pattern in (("megatron", "megatron_core-*.whl"), ("torchao", "torchao-*.whl")):
+        wheel = sorted(glob.glob(str(Path(args.peers) / pattern))) if peers else []
+        if wheel and not (Path("/tmp/site") / package).exists():
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site"]
+            subprocess.run([*pip, wheel[-1]], check=False)
+    if Path("/tmp/site").exists():
         os.environ["PYTHONPATH"] = "/tmp/site:" + os.environ.get("PYTHONPATH", "")
     n_gpus = torch.cuda.device_count()
     tp = min(args.tp, n_gpus) if n_gpus else args.tp  # no GPU: a smoke test on gloo
@@ -579,7 +580,7 @@ def compare(args) -> None:
         print(f"{shape['name']}:", flush=True)
         rows[key] = []
         if args.fp8:
-            pending = fp8_jobs(tp if n_gpus > 1 else 1, args.tp)
+            pending = fp8_jobs(key, tp if n_gpus > 1 else 1, args.tp)
         else:
             pending = recompute_jobs(tp) if args.recompute else jobs_for(key, peers, tp)
         while pending and time.time() < deadline - 20:
@@ -590,12 +591,12 @@ def compare(args) -> None:
                 pending.remove(mate)
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
                     futures = [
-                        pool.submit(launch, j, shape, gpu, min(args.job_timeout_s, left), log_dir)
+                        pool.submit(launch, j, shape, gpu, min(args.job_timeout_s, left), log_dir, args.layers)
                         for gpu, j in enumerate((job, mate))
                     ]
                     rows[key].extend(f.result() for f in futures)
             else:
-                rows[key].append(launch(job, shape, 0, min(args.job_timeout_s, left), log_dir))
+                rows[key].append(launch(job, shape, 0, min(args.job_timeout_s, left), log_dir, args.layers))
         for job in pending:
             rows[key].append(dict(job, status="not run (budget spent)"))
     report(args, rows, tp)
@@ -617,23 +618,30 @@ VARIANTS = {  # --recompute and --fp8: each row's variant after `sep` in its lab
 
 
 def variants_report(args, rows: dict, device: str, kind: str) -> list[str]:
-    """The --recompute or --fp8 table: each row's time and memory against the same layout's base variant."""
+    """The --recompute or --fp8 table: each row's time and memory against the same layout's base variant (with
+    --fp8, tpframe's TFLOP/s also against the torchao peer's at the same layout and recipe)."""
     sep, title, note = (VARIANTS[kind][k] for k in ("sep", "title", "note"))
+    layers = f" --layers {args.layers}" if args.layers else ""
     lines = [
         f"## {title}, {device}, {datetime.date.today().isoformat()}",
         "",
-        f"Command: `python benchmarks/gpt.py --compare --{kind} --shapes {args.shapes} --tp {args.tp} "
+        f"Command: `python benchmarks/gpt.py --compare --{kind} --shapes {args.shapes} --tp {args.tp}{layers} "
         f"--budget-s {args.budget_s:.0f}` (one device call, every run a subprocess). torch {torch.__version__}, "
         f"bf16, forward+backward, 3 warm-up steps then 10 timed, random tokens. {note} Peak GiB = "
-        f"torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run's{sep} none.",
+        f"torch.cuda.max_memory_allocated on rank 0; 'time' and 'memory' are against the same run's{sep} none"
+        + ("; 'vs torchao' = our TFLOP/s over the torchao peer's, same layout and recipe." if kind == "fp8" else "."),
         "",
-        "| shape | run | step ms | TFLOP/s per GPU | peak GiB | time | memory |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | run | step ms | TFLOP/s per GPU | peak GiB | time | memory |"
+        + (" vs torchao |" if kind == "fp8" else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if kind == "fp8" else ""),
     ]
     for key, shape_rows in rows.items():
         dims = SHAPES[key]
-        dims_text = f"{dims['name']}: L={dims['LAYERS']} H={dims['HIDDEN']} S={dims['SEQ']} MB={dims['MB']}"
-        base = {r["label"].rsplit(sep, 1)[0]: r for r in shape_rows if r["label"].endswith(" none") and "tflops" in r}
+        dims_text = (
+            f"{dims['name']}: L={args.layers or dims['LAYERS']} H={dims['HIDDEN']} S={dims['SEQ']} MB={dims['MB']}"
+        )
+        done = {r["label"]: r for r in shape_rows if "tflops" in r}
+        base = {label.rsplit(sep, 1)[0]: r for label, r in done.items() if label.endswith(" none")}
         for r in shape_rows:
             if "tflops" not in r:
                 lines.append(f"| {dims_text} | {r['label']} | {r['status']} {r.get('error', '')} | | | | |")
@@ -641,10 +649,13 @@ def variants_report(args, rows: dict, device: str, kind: str) -> list[str]:
             b = base.get(r["label"].rsplit(sep, 1)[0])
             time_ratio = f"{r['step_ms'] / b['step_ms']:.3f}x" if b else "-"
             mem_ratio = f"{r['mem'] / b['mem']:.2f}x" if b and b["mem"] else "-"
-            lines.append(
-                f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tflops']:.1f} | {r['mem']:.1f} | "
-                f"{time_ratio} | {mem_ratio} |"
-            )
+            line = f"| {dims_text} | {r['label']} | {r['step_ms']:.1f} | {r['tflops']:.1f} | {r['mem']:.1f} | "
+            line += f"{time_ratio} | {mem_ratio} |"
+            if kind == "fp8":
+                peer = done.get(r["label"].replace("tpframe ", "torchao peer ", 1))
+                ours = peer and peer["tflops"] and r["label"].startswith("tpframe")
+                line += f" {r['tflops'] / peer['tflops']:.2f}x |" if ours else " |"
+            lines.append(line)
     return lines
 
 
@@ -738,7 +749,10 @@ def main() -> None:
         action="store_true",
         help="with --compare: tpframe compiled in bf16 and each train.fp8 recipe (TP=1, EMULATE_TP=--tp, TP=--tp)",
     )
-    p.add_argument("--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and the Megatron wheel")
+    p.add_argument(
+        "--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and wheels (Megatron-Core, torchao)"
+    )
+    p.add_argument("--layers", type=int, default=0, help="with --compare: this many blocks instead of the shape's")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout-s", type=float, default=240.0)
     p.add_argument(

@@ -335,20 +335,29 @@ def test_fp8_on_a_gpu_needs_float8_gemms_and_compiled_blocks(monkeypatch, capabi
 
 
 def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
-    """The default skips per-rank weights with out <= 4096 and in <= 1024 (GPT-125M: all but fc2); GPT-1.3B's
-    layers all qualify at TP=1; dims that are not multiples of 16 never do."""
+    """The default keeps the measured small shapes in bf16: tensorwise skips in <= 4096 with out <= 1024 (GPT-125M's
+    proj and fc2), rowwise out <= 4096 with in <= 1024 (GPT-125M's all but fc2, the 7B-class TP=4 rank's proj);
+    dims that are not multiples of 16 never run float8."""
     from types import SimpleNamespace
 
     from tpframe.layers.fp8 import fp8_pays
     from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, fp8_layers
     from tpframe.layers.mode import LayerMode
 
-    assert not fp8_pays(2304, 768) and not fp8_pays(768, 768) and not fp8_pays(3072, 768) and fp8_pays(768, 3072)
-    assert all(fp8_pays(o, i) for o, i in ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)))
+    gpt_125m, gpt_1_3b = (
+        ((2304, 768), (768, 768), (3072, 768), (768, 3072)),
+        ((6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)),
+    )
+    tp4_7b = ((3072, 4096), (4096, 1024), (4096, 4096), (4096, 4096))
+    pays = {
+        r: [[fp8_pays(o, i, r) for o, i in s] for s in (gpt_125m, gpt_1_3b, tp4_7b)] for r in ("tensorwise", "rowwise")
+    }
+    assert pays["tensorwise"] == [[True, False, True, False], [True] * 4, [True] * 4]
+    assert pays["rowwise"] == [[False, False, False, True], [True] * 4, [True, False, True, True]]
     comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
 
-    def build(**mode):
-        kw = dict(comm=comm, mode=LayerMode(fp8=True, **mode))
+    def build(recipe, **mode):
+        kw = dict(comm=comm, mode=LayerMode(fp8=recipe, **mode))
         return torch.nn.ModuleDict(
             {
                 "fc1": ColumnParallelLinear(768, 3072, **kw),
@@ -357,9 +366,15 @@ def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
             }
         )
 
-    model = build()
-    n, skipped = fp8_layers(model)
-    assert n == 1 and model["fc2"].fp8 and not model["fc1"].fp8 and not model["odd"].fp8
-    assert skipped == ["fc1 (3072x768: too small to gain)", "odd (768x3080: not multiples of 16)"]
-    model = build(fp8_small_layers=True)
-    assert fp8_layers(model) == (2, ["odd (768x3080: not multiples of 16)"]) and model["fc1"].fp8
+    model = build(True)
+    assert fp8_layers(model, "tensorwise") == (
+        1,
+        ["fc2 (768x3072: too small to gain)", "odd (768x3080: not multiples of 16)"],
+    )
+    assert model["fc1"].fp8 == "tensorwise" and not model["fc2"].fp8 and not model["odd"].fp8
+    assert fp8_layers(build("rowwise"), "rowwise") == (
+        1,
+        ["fc1 (3072x768: too small to gain)", "odd (768x3080: not multiples of 16)"],
+    )
+    model = build("tensorwise", fp8_small_layers=True)
+    assert fp8_layers(model, "tensorwise") == (2, ["odd (768x3080: not multiples of 16)"]) and model["fc2"].fp8

@@ -374,6 +374,29 @@ def test_emulated_tp_runs_one_ranks_shards_with_local_collectives():
     assert math.isfinite(loss) and grads
 
 
+def test_the_torchao_peer_emulates_the_same_tp_rank(monkeypatch, capsys):
+    """benchmarks/peer_float8.py EMULATE_TP=2 (the torchao float8 row of `gpt.py --compare --fp8`) builds the shards
+    tpframe's EMULATE_TP=2 rank builds: qkv and fc1 with half their outputs, proj and fc2 with half their inputs, a
+    half vocabulary; and its step runs (bf16 here: torchao is not a tpframe dependency)."""
+    import runpy
+    from pathlib import Path
+
+    dims = dict(LAYERS="2", HIDDEN="64", HEADS="4", SEQ="32", MB="2", STEPS="1", EMULATE_TP="2", COMPILE="0", FP8="0")
+    for key, value in dims.items():
+        monkeypatch.setenv(key, value)
+    peer = runpy.run_path(str(Path(__file__).resolve().parent.parent / "benchmarks" / "peer_float8.py"))
+    blk = peer["model"].blocks[0]
+    assert [tuple(getattr(blk, n).weight.shape) for n in ("qkv", "proj", "fc1", "fc2")] == [
+        (96, 64),
+        (64, 32),
+        (128, 64),
+        (64, 128),
+    ]
+    assert peer["model"].head.weight.shape == (50304 // 2, 64)
+    line = capsys.readouterr().out
+    assert "RESULT torchao-float8 fp8=none float8_linears=0 emulate_tp=2" in line and "loss" in line, line
+
+
 def test_eager_keeps_its_function_out_of_the_graph_and_dynamo_out_of_start_up():
     """`tpframe.layers.utils.eager` (torch.compiler.disable applied at the first call): importing train.py does not
     import Dynamo (a second of every process's start), and inside a compiled function the wrapped one runs eagerly

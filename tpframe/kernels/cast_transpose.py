@@ -7,10 +7,11 @@ Each row of t^T (a column of t) gets a power-of-two scale that maps its absolute
 as `tpframe.layers.fp8.quantize(t.t(), "rowwise")` computes it (the plain-torch twin: the CPU path and the tests'
 oracle): the same bytes. The first pass takes every column's maximum (programs over column strips and row chunks,
 combined with atomic maxima); the second reads t in tiles, scales and casts them, and writes each tile transposed,
-so both the reads and the writes are whole rows of memory. Against Inductor's own code for the same expression the
-compiled 7B-class TP=4 step ran 1.02x faster (benchmarks/RESULTS.md, "rowwise float8's transposed casts as a Triton
-kernel").
-Under torch.compile it is the custom op tpframe::cast_transpose, opaque to Inductor.
+so both the reads and the writes are whole rows of memory. It is a triton_op: under torch.compile Inductor launches
+both kernels from its own code: as a plain custom op their Python launches (two per transposed operand, three
+operands per GEMM) left the 7B-class TP=4 step host-bound and slower than Inductor's own code for the same
+expression; as a triton_op the step is faster than with Inductor's code (benchmarks/RESULTS.md, "float8 beside
+torchao's").
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ROW_CHUNKS = 32  # programs along M in the first pass: enough to fill the GPU fo
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from torch.library import wrap_triton
 
     @triton.jit
     def _column_amax(t, amax, M, K, rows_per_program, BM: tl.constexpr, BK: tl.constexpr):
@@ -57,32 +59,23 @@ if HAVE_TRITON:
         inside_t = (cols[:, None] < K) & (rows[None, :] < M)
         tl.store(out + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(q), mask=inside_t)  # along M
 
-
-def _kernel(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    t = t.contiguous()
-    m, k = t.shape
-    amax = torch.zeros(k, dtype=torch.float32, device=t.device)
-    rows_per_program = triton.cdiv(triton.cdiv(m, ROW_CHUNKS), AMAX_BLOCK_M) * AMAX_BLOCK_M
-    _column_amax[(triton.cdiv(k, BLOCK_K), triton.cdiv(m, rows_per_program))](
-        t, amax, m, k, rows_per_program, BM=AMAX_BLOCK_M, BK=BLOCK_K
-    )
-    out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=t.device)
-    inv = torch.empty(k, 1, dtype=torch.float32, device=t.device)
-    _scaled_transpose[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
-        t, amax, out, inv, m, k, LIMIT=E4M3_MAX, BM=BLOCK_M, BK=BLOCK_K
-    )
-    return out, inv
-
-
-@torch.library.custom_op("tpframe::cast_transpose", mutates_args=())
-def cast_transpose_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernel(t)
-
-
-@cast_transpose_op.register_fake
-def _(t):
-    m, k = t.shape
-    return t.new_empty(k, m, dtype=torch.float8_e4m3fn), t.new_empty(k, 1, dtype=torch.float32)
+    @torch.library.triton_op("tpframe::cast_transpose", mutates_args=())
+    def cast_transpose_op(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A triton_op, so that under torch.compile Inductor launches both kernels from its own code (a custom op's
+        Python launches, 72 pairs a step at the 7B-class TP=4 rank, made that step host-bound)."""
+        t = t.contiguous()
+        m, k = t.shape
+        amax = torch.zeros(k, dtype=torch.float32, device=t.device)
+        rows_per_program = triton.cdiv(triton.cdiv(m, ROW_CHUNKS), AMAX_BLOCK_M) * AMAX_BLOCK_M
+        wrap_triton(_column_amax)[(triton.cdiv(k, BLOCK_K), triton.cdiv(m, rows_per_program))](
+            t, amax, m, k, rows_per_program, BM=AMAX_BLOCK_M, BK=BLOCK_K
+        )
+        out = torch.empty(k, m, dtype=torch.float8_e4m3fn, device=t.device)
+        inv = torch.empty(k, 1, dtype=torch.float32, device=t.device)
+        wrap_triton(_scaled_transpose)[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
+            t, amax, out, inv, m, k, LIMIT=E4M3_MAX, BM=BLOCK_M, BK=BLOCK_K
+        )
+        return out, inv
 
 
 def usable(t: torch.Tensor) -> bool:

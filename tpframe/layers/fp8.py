@@ -128,20 +128,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, recipe: str 
     return _Float8Linear.apply(x, weight if deferred is None else weight.detach(), bias, recipe, deferred)
 
 
-def fp8_pays(local_out: int, local_in: int) -> bool:
-    """Whether a GEMM of this per-rank weight shape [out, in] gains from float8 enough to pay for its casts: not
-    when out <= 4096 and in <= 1024 (the threshold torchao's auto-filter for tensorwise scaling takes from its H100
-    measurements; GPT-125M's blocks, all of whose layers but fc2 fall under it, ran slower in float8:
-    benchmarks/RESULTS.md, 'Float8 GEMMs (train.fp8)')."""
+def fp8_pays(local_out: int, local_in: int, recipe: str) -> bool:
+    """Whether a GEMM of this per-rank weight shape [out, in] gains from float8 enough to pay for its casts.
+    tensorwise: not when in <= 4096 and out <= 1024 (torchao's auto-filter, from its H100 tables); the 7B-class TP=4
+    rank's attention projection [4096, 1024] gained converted. rowwise: not when out <= 4096 and in <= 1024; that
+    projection lost converted, and torchao's stricter rowwise filter (also out <= 2048, or out <= 4096 with
+    in <= 2048) slowed GPT-1.3B by keeping its [2048, 2048] and [2048, 8192] in bf16 (benchmarks/RESULTS.md,
+    "Where a float8 step's time goes" and "float8 beside torchao's")."""
+    if recipe == "tensorwise":
+        return not (local_in <= 4096 and local_out <= 1024)
     return not (local_out <= 4096 and local_in <= 1024)
 
 
-def fp8_refusal(local_out: int, local_in: int, *, small_layers: bool = False) -> str | None:
+def fp8_refusal(local_out: int, local_in: int, recipe: str, *, small_layers: bool = False) -> str | None:
     """Why a linear layer with this per-rank weight [out, in] keeps its GEMMs in the compute dtype under train.fp8
-    (dims the recipe's float8 GEMM cannot take; unless `small_layers`, too small to gain), or None."""
+    with `recipe` (dims a float8 GEMM cannot take; unless `small_layers`, too small to gain), or None."""
     if local_in % MULTIPLE or local_out % MULTIPLE:
         return f"not multiples of {MULTIPLE}"
-    if not small_layers and not fp8_pays(local_out, local_in):
+    if not small_layers and not fp8_pays(local_out, local_in, recipe):
         return "too small to gain"
     return None
 

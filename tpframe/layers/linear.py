@@ -304,7 +304,7 @@ class RowParallelLinear(nn.Module):
         )
 
 
-def fp8_layers(model: nn.Module) -> tuple[int, list[str]]:
+def fp8_layers(model: nn.Module, recipe: str) -> tuple[int, list[str]]:
     """What the column/row-parallel layers of a model built with `LayerMode(fp8=...)` chose: (how many run float8,
     "name (out x in: why not)" of the others). The vocabulary head and the embedding are other classes and stay in
     the compute dtype."""
@@ -314,6 +314,6 @@ def fp8_layers(model: nn.Module) -> tuple[int, list[str]]:
             n += bool(m.fp8)
             if not m.fp8:
                 local_out, local_in = m.weight.shape
-                why = fp8_refusal(local_out, local_in)
+                why = fp8_refusal(local_out, local_in, recipe)
                 skipped.append(f"{name} ({local_out}x{local_in}: {why})")
     return n, skipped

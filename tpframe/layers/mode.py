@@ -41,7 +41,7 @@ class LayerMode:
     def uses_fp8(self, local_out: int, local_in: int) -> str | None:
         """The float8 recipe a linear layer with this per-rank weight [out, in] runs its GEMMs in, or None."""
         small = self.fp8_small_layers
-        return self.fp8 if self.fp8 and fp8_refusal(local_out, local_in, small_layers=small) is None else None
+        return self.fp8 if self.fp8 and fp8_refusal(local_out, local_in, self.fp8, small_layers=small) is None else None
 
 
 DEFAULT_MODE = LayerMode()  # fused kernels, GEMMs in the compute dtype, no async TP
