@@ -403,19 +403,19 @@ def recompute_jobs(tp: int) -> list[dict]:
 def fp8_jobs(shape: str, tp: int, emulate_tp: int) -> list[dict]:
     """--fp8: compiled tpframe in bf16 and each train.fp8 recipe at TP=1 (the shapes TP is for: one rank of
     TP=emulate_tp with its collectives free, EMULATE_TP), and at TP=tp + SP on a multi-GPU machine; beside each
-    one-GPU layout the same recipes of torchao's float8 training on the plain GPT (benchmarks/peer_float8.py) where
-    torchao is installed in /tmp/site (its wheel in the peers folder)."""
+    layout the same recipes of torchao's float8 training on the plain GPT (benchmarks/peer_float8.py) where torchao
+    is installed in /tmp/site (its wheel in the peers folder)."""
     from tpframe.layers.fp8 import RECIPES
 
     if shape in TP_SHAPES and emulate_tp > 1:
         one_gpu = (f"TP={emulate_tp} + SP emulated (EMULATE_TP)", {"TP": "1", "SP": "1", "EMULATE_TP": str(emulate_tp)})
     else:
         one_gpu = ("TP=1", {"TP": "1"})
-    layouts = [("tpframe", *one_gpu, 1, "gpt.py")]
-    if (Path("/tmp/site") / "torchao").exists() and shape not in LLAMA_SHAPES:
-        layouts.append(("torchao peer", *one_gpu, 1, "peer_float8.py"))
-    if tp > 1:
-        layouts.append(("tpframe", f"TP={tp} + SP", {"TP": str(tp), "SP": "1"}, tp, "gpt.py"))
+    peer = (Path("/tmp/site") / "torchao").exists() and shape not in LLAMA_SHAPES
+    layouts = [("tpframe", *one_gpu, 1, "gpt.py")] + ([("torchao peer", *one_gpu, 1, "peer_float8.py")] if peer else [])
+    if tp > 1:  # the peer at TP > 1: torchtitan's DTensor plan, float8 all-gathers with tensorwise
+        tp_sp = (f"TP={tp} + SP", {"TP": str(tp), "SP": "1"}, tp)
+        layouts += [("tpframe", *tp_sp, "gpt.py")] + ([("torchao peer", *tp_sp, "peer_float8.py")] if peer else [])
     return [
         dict(
             label=f"{who} {name}, compile, fp8 {recipe}",
@@ -423,7 +423,7 @@ def fp8_jobs(shape: str, tp: int, emulate_tp: int) -> list[dict]:
             gpus=gpus,
             env={"STEPS": "10", "ROPE": "1", "COMPILE": "1", "FP8": "0" if recipe == "none" else recipe, **dims},
         )
-        for who, name, dims, gpus, script in layouts
+        for who, name, dims, gpus, script in sorted(layouts, key=lambda layout: layout[3] == 1)  # real TP first
         for recipe in ("none", *RECIPES)
     ]
 

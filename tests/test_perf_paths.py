@@ -397,6 +397,32 @@ def test_the_torchao_peer_emulates_the_same_tp_rank(monkeypatch, capsys):
     assert "RESULT torchao-float8 fp8=none float8_linears=0 emulate_tp=2" in line and "loss" in line, line
 
 
+@pytest.mark.slow
+def test_the_torchao_peers_tp2_plan_computes_the_tp1_loss():
+    """benchmarks/peer_float8.py under torchrun (the torchao row at TP>1 of `gpt.py --compare --fp8`): torchtitan's
+    TP + SP plan over its fused per-head qkv gives the TP=1 model's loss, so the row is a correct peer (bf16 styles
+    here: gloo cannot all-gather float8)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).resolve().parent.parent / "benchmarks" / "peer_float8.py")
+    env = dict(os.environ, LAYERS="2", HIDDEN="64", HEADS="4", SEQ="32", MB="2", STEPS="1", COMPILE="0", FP8="0")
+    env["OMP_NUM_THREADS"] = "1"
+    losses = []
+    for cmd in (
+        [sys.executable, script],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29711", script],
+    ):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+        assert proc.returncode == 0 and len(line) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        losses.append(float(re.search(r"loss ([\d.]+)", line[0])[1]))
+    assert "tp=2" in line[0] and abs(losses[0] - losses[1]) < 1e-5, losses
+
+
 def test_eager_keeps_its_function_out_of_the_graph_and_dynamo_out_of_start_up():
     """`tpframe.layers.utils.eager` (torch.compiler.disable applied at the first call): importing train.py does not
     import Dynamo (a second of every process's start), and inside a compiled function the wrapped one runs eagerly
