@@ -13,6 +13,8 @@
 #   dp         the training GPU tests, then benchmarks/data_parallel.py (ROWS, PHASES, ... pass through), then CKPT=1
 #   snapshot   benchmarks/snapshot.py on GPT-125M: a disk checkpoint vs a host-memory snapshot every step (GPUS=2)
 #   fp8        (1 GPU) the float8 GPU tests, then benchmarks/fp8_loss.py: GPT-1.3B 1,000 steps per recipe beside bf16
+#   fp8_peer   benchmarks/gpt.py --compare --fp8 --shapes ${SHAPES:-7b} --tp ${TP:-4} --layers 8: each recipe beside
+#              bf16 and torchao's (its wheel in .peers): at real TP on as many GPUs, the comm-free rank on one
 #   long_context  (nvidia-h200-x4) CP's GPU tests, then benchmarks/long_context.py --compare --shapes $SHAPES
 #              (default llama3-8b) --seqs $SEQS (default 131072): tpframe's CP modes vs torch's context_parallel
 #   long_context_train  (nvidia-h200-x4) benchmarks/long_context.py --train: train.py's peak vs the memory estimate
@@ -130,6 +132,12 @@ suite_fp8() {
     2>&1 | tail -6
 }
 
+suite_fp8_peer() {
+  python3 benchmarks/gpt.py --compare --fp8 --shapes ${SHAPES:-7b} --tp ${TP:-4} --layers 8 \
+    --budget-s $(($(left) - 30)) --logs $OUT --results $OUT/fp8_peer.md 2>&1 | tee $OUT/fp8_peer.log | grep -v "^|"
+  cat $OUT/fp8_peer.md
+}
+
 suite_long_context() {
   timeout 200 $PYTEST tests/test_context_parallel.py -m gpu 2>&1 | tee $OUT/cp_tests.log | tail -3
   python3 benchmarks/long_context.py --compare --shapes ${SHAPES:-llama3-8b} --seqs ${SEQS:-131072} \
@@ -141,9 +149,9 @@ suite_long_context_train() {
     --job-timeout-s $(($(left) / 2 - 10)) --logs $OUT 2>&1 | tee $OUT/long_context_train.log
 }
 
-[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
 for suite in "$@"; do
-  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,18p $0"; exit 2; }
+  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,20p $0"; exit 2; }
 done
 mkdir -p $OUT
 { nvidia-smi --query-gpu=name,memory.total --format=csv
