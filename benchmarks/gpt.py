@@ -520,7 +520,7 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
             str(port),
             job["script"],
         ]
-        if "bench_torch_gpt" in job["script"] or "peer_float8" in job["script"]:
+        if "bench_torch_gpt" in job["script"]:
             cmd = [sys.executable, job["script"]]
     else:
         cmd = [

@@ -97,17 +97,20 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), (labels % (V // N)).flatten())
 
 
+def is_float8(m: nn.Module) -> bool:
+    return type(m).__name__ == "Float8Linear"  # torchao's, made by convert_to_float8_training
+
+
 def tensor_parallel(model: GPT) -> None:
     """torchtitan's TP + SP plan over every process (see the module docstring)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel as Col
-    from torch.distributed.tensor.parallel import RowwiseParallel as Row
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
+    float8_col, float8_row = ColwiseParallel, RowwiseParallel  # rowwise float8: the plain styles
     if FP8 == "tensorwise":
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel as Col  # noqa: F811
-        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel as Row  # noqa: F811
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel as float8_col
+        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel as float8_row
     mesh = init_device_mesh(dev, (TP,))
     seq = Shard(1)
     parallelize_module(
@@ -120,15 +123,11 @@ def tensor_parallel(model: GPT) -> None:
         },
     )
     for blk in model.blocks:  # a layer torchao's filter left bf16 takes the plain style
-        col = {
-            n: (Col if type(getattr(blk, n)).__name__ == "Float8Linear" else ColwiseParallel) for n in ("qkv", "fc1")
-        }
-        row = {
-            n: (Row if type(getattr(blk, n)).__name__ == "Float8Linear" else RowwiseParallel) for n in ("proj", "fc2")
-        }
         plan = {"ln1": SequenceParallel(), "ln2": SequenceParallel()}
-        plan.update({n: style(input_layouts=seq) for n, style in col.items()})
-        plan.update({n: style(output_layouts=seq) for n, style in row.items()})
+        for name in ("qkv", "fc1"):
+            plan[name] = (float8_col if is_float8(getattr(blk, name)) else ColwiseParallel)(input_layouts=seq)
+        for name in ("proj", "fc2"):
+            plan[name] = (float8_row if is_float8(getattr(blk, name)) else RowwiseParallel)(output_layouts=seq)
         parallelize_module(blk, mesh, plan)
 
 
@@ -142,7 +141,7 @@ if FP8 != "none":
 
     config = Float8LinearConfig.from_recipe_name(FP8)
     convert_to_float8_training(model, config=config, module_filter_fn=_auto_filter_for_recipe(FP8, ["head"]))
-    converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    converted = sum(map(is_float8, model.modules()))
 if TP > 1:
     tensor_parallel(model)
 if COMPILE:
