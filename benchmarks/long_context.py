@@ -3,7 +3,8 @@ against PyTorch's `context_parallel` ring attention on the same model, and one G
 
     torchrun --nproc-per-node 4 benchmarks/long_context.py     # one run; env: SHAPE SEQ CP TP CP_COMM CKPT IMPL STEPS
     python benchmarks/long_context.py --compare [--shapes 1.3b,llama3-8b] [--seqs 32768,65536,131072] [--budget-s 540]
-    python benchmarks/long_context.py --train [--shapes llama3-8b] [--seqs 131072]   # train.py: peak vs estimate
+    python benchmarks/long_context.py --train [--shapes llama3-8b] [--seqs 131072] [--gpus 4] [--set KEY=VALUE ...]
+                                       # train.py: peak vs the pre-flight's estimate, CP = --gpus
 
 One run: tpframe's GPT (models/gpt.py) of SHAPE, bf16, one sequence of SEQ tokens per step (micro-batch 1) split
 over CP ranks (TP > 1: with sequence parallelism), CKPT=full|selective|none recompute, 2 warm-up steps then STEPS
@@ -22,8 +23,9 @@ The RESULT line also gives the activations one forward keeps (measured once) and
 the table and appends it to RESULTS.md: tpframe CP=4 in both modes, torch's ring attention (and its all-gather) at
 CP=4, one GPU at SEQ/4 (the CP scaling column's baseline: a CP=4 row's step time over this step scaled by
 flops_per_token(S)/flops_per_token(S/4), the work per GPU being the same FLOPs), the same four at CP=2 x TP=2 + SP,
-and one GPU at SEQ where it fits. --train runs train.py itself (zero1 over the 4 CP ranks, full recompute, AdamW, 3
-steps on the synthetic corpus) and compares its measured peak (metrics.jsonl's mem_gib) with the pre-flight's estimate.
+and one GPU at SEQ where it fits. --train runs train.py itself (CP over --gpus ranks, zero1 over them, full recompute,
+AdamW, 3 steps on the synthetic corpus; --set adds overrides, e.g. model.layers=8 to fit one GPU) and compares its
+measured peak (metrics.jsonl's mem_gib) with the pre-flight's estimate.
 Every program gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
 
@@ -300,20 +302,19 @@ def write(args, lines: list[str]) -> None:
 
 # -- train.py: measured peak against the pre-flight's estimate -------------------------------------
 def train(args) -> None:
-    """train.py at CP=4 (zero1 over the 4 CP ranks, full recompute, AdamW), 3 steps on the synthetic corpus: its
+    """train.py at CP = --gpus (zero1 over the CP ranks, full recompute, AdamW), 3 steps on the synthetic corpus: its
     peak (metrics.jsonl's mem_gib, rank 0) against tpframe/run/memory.py's estimate for the same config."""
-    from tpframe.run.memory import GIB, estimate
-    from tpframe.run.preflight import dry_build
-    from tpframe.training.config import load_config, validate
-
+    n, sets = args.gpus, " ".join(args.set)
+    modes = args.modes.split(",") if n > 1 else ["all_gather"]  # CP=1: no CP collective, one row
     lines = [
         f"## Long context: train.py's peak memory against the pre-flight's estimate, {datetime.date.today()}",
         "",
-        f"Command: `python benchmarks/long_context.py --train --shapes {args.shapes} --seqs {args.seqs} --modes "
-        f"{args.modes}`. train.py, 4 GPUs, parallel.cp=4, dp_strategy=zero1, full recompute, bf16, 3 steps of one "
-        "sequence; peak = metrics.jsonl's mem_gib (torch.cuda.max_memory_allocated, rank 0) after step 3; estimate "
-        "= tpframe/run/memory.py's total (what train.check_memory compares with the device; its 'overhead', the CUDA "
-        "context and NCCL's buffers, is outside max_memory_allocated). Target: within 10%.",
+        f"Command: `python benchmarks/long_context.py --train --gpus {n} --shapes {args.shapes} --seqs {args.seqs} "
+        f"--modes {args.modes}" + (f" --set {sets}" if sets else "") + f"`. train.py, {n} GPU(s), parallel.cp={n}, "
+        "dp_strategy=zero1, full recompute, bf16, 3 steps of one sequence; peak = metrics.jsonl's mem_gib "
+        "(torch.cuda.max_memory_allocated, rank 0) after step 3; estimate = tpframe/run/memory.py's total (what "
+        "train.check_memory compares with the device; its 'overhead', the CUDA context and NCCL's buffers, is outside "
+        "max_memory_allocated, so 'estimate / peak' leaves it out). Target: within 10%.",
         "",
         "| shape | S | cp_comm | tokens/s | TFLOP/s per GPU (train.py's count) | peak GiB | estimate GiB | "
         "estimate / peak | estimate parts |",
@@ -321,43 +322,53 @@ def train(args) -> None:
     ]
     for shape in args.shapes.split(","):
         for seq in map(int, args.seqs.split(",")):
-            for mode in args.modes.split(","):
-                extra = ["parallel.dp_strategy=zero1", "data.source=synthetic", "train.steps=3"]
-                extra += ["train.eval_interval=0", "logging.interval=1", "checkpoint.save_at_end=false"]
-                over = overrides(shape, seq, cp=4, tp=1, cp_comm=mode, ckpt="full") + extra
-                cfg = load_config(None, over)
-                validate(cfg, 4)
-                model = dry_build(cfg)
-                est = estimate(
-                    cfg,
-                    4,
-                    params=sum(p.numel() for p in model.parameters()),
-                    buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-                )
-                run_dir = tempfile.mkdtemp(prefix="long_context_train_")
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(ROOT / "train.py")]
-                cmd += [*over, f"train.run_dir={run_dir}"]
-                environ = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **NO_NVLS)
-                try:
-                    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=args.job_timeout_s)
-                    status, text = f"exit {proc.returncode}", proc.stdout + proc.stderr
-                except subprocess.TimeoutExpired:
-                    status, text = "timeout", ""
-                with open(Path(args.logs) / "long_context_logs.txt", "a") as f:
-                    f.write(f"\n===== train.py {shape} {seq} {mode} | {status}\n" + "\n".join(text.splitlines()[-60:]))
-                metrics = Path(run_dir) / "metrics.jsonl"
-                records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.exists() else []
-                last = next((r for r in reversed(records) if "mem_gib" in r), None)
-                if last is None:
-                    tail = [ln for ln in text.splitlines() if ln.strip()][-1:] or [status]
-                    lines.append(f"| {NAMES[shape]} | {seq} | {mode} | {status}: {tail[0][-120:]} | | | | | |")
-                    continue
-                lines.append(
-                    f"| {NAMES[shape]} | {seq} | {mode} | {last['tokens_per_s']:,.0f} | {last.get('tflops', 0):.1f} | "
-                    f"{last['mem_gib']:.1f} | {est.total / GIB:.1f} | {est.total / GIB / last['mem_gib']:.2f} | "
-                    f"{est.describe()} |"
-                )
+            lines += [train_row(args, shape, seq, mode) for mode in modes]
     write(args, lines)
+
+
+def train_row(args, shape: str, seq: int, mode: str) -> str:
+    """One train.py run of `shape` at `seq` tokens, CP = --gpus with cp_comm `mode`: its table row."""
+    from tpframe.run.memory import GIB, estimate
+    from tpframe.run.preflight import dry_build
+    from tpframe.training.config import load_config, validate
+
+    n = args.gpus
+    extra = ["parallel.dp_strategy=zero1", "data.source=synthetic", f"data.synthetic_tokens={64 * seq}"]
+    extra += ["train.steps=3", "train.eval_interval=0", "logging.interval=1", "checkpoint.save_at_end=false"]
+    over = overrides(shape, seq, cp=n, tp=1, cp_comm=mode, ckpt="full") + extra
+    replaced = {kv.split("=", 1)[0] for kv in args.set}  # --set wins over the shape's own keys
+    over = [kv for kv in over if kv.split("=", 1)[0] not in replaced] + args.set
+    cfg = load_config(None, over)
+    validate(cfg, n)
+    model = dry_build(cfg)
+    est = estimate(
+        cfg,
+        n,
+        params=sum(p.numel() for p in model.parameters()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+    )
+    run_dir = tempfile.mkdtemp(prefix="long_context_train_")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), str(ROOT / "train.py")]
+    cmd += [*over, f"train.run_dir={run_dir}"]
+    environ = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **NO_NVLS)
+    try:
+        proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=args.job_timeout_s)
+        status, text = f"exit {proc.returncode}", proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        status, text = "timeout", ""
+    with open(Path(args.logs) / "long_context_logs.txt", "a") as f:
+        f.write(f"\n===== train.py {shape} {seq} {mode} | {status}\n" + "\n".join(text.splitlines()[-60:]))
+    metrics = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.exists() else []
+    last = next((r for r in reversed(records) if "mem_gib" in r), None)
+    if last is None:
+        tail = [ln for ln in text.splitlines() if ln.startswith("tpframe:")][:1] or text.splitlines()[-1:] or [status]
+        return f"| {NAMES[shape]} | {seq} | {mode} | {status}: {tail[0][-120:]} | | | | | |"
+    return (
+        f"| {NAMES[shape]} | {seq} | {mode} | {last['tokens_per_s']:,.0f} | {last.get('tflops', 0):.1f} | "
+        f"{last['mem_gib']:.1f} | {est.total / GIB:.1f} | {(est.total - est.overhead) / GIB / last['mem_gib']:.2f} | "
+        f"{est.describe()} |"
+    )
 
 
 def main() -> None:
@@ -367,6 +378,8 @@ def main() -> None:
     p.add_argument("--shapes", default="1.3b,llama3-8b", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--seqs", default="32768,65536,131072", help="sequence lengths, comma list")
     p.add_argument("--modes", default="all_gather,all_to_all", help="--train: parallel.cp_comm values")
+    p.add_argument("--gpus", type=int, default=4, help="--train: GPUs, all of them CP ranks (1: no CP)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="--train: more train.py overrides")
     p.add_argument("--recompute", default="full", choices=("full", "selective", "none"))
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout-s", type=float, default=240.0)

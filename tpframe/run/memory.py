@@ -13,7 +13,9 @@ Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activa
   attention's 8 (q, k, v and the projection's input) and the MLP's 16 at GPT's shapes, in general
   4*(A + K)/h with A = heads*head_dim and K = kv_heads*head_dim (grouped-query attention, Qwen3's wide heads)
   and 2*(ffn + ffn)/h, 2*(2*ffn + ffn)/h for SwiGLU (16 at ffn 4h, and at SwiGLU's 8h/3);
-  2*s*b*h (/t with SP) per layer plus one layer's worth with activation checkpointing. The 5*a*s/h term
+  2*s*b*h (/t with SP) per layer with activation checkpointing, plus the larger of one layer's worth (being
+  recomputed) and the head's logits with their input gradient (freed before backward reaches a block: measured
+  at 32k-128k tokens, benchmarks/RESULTS.md, "train.py's peak memory at long context"). The 5*a*s/h term
   (attention scores) is left out where SDPA's fused kernels keep no scores (CUDA; CPU without
   attention dropout). fp32 activations count twice. The fused head + loss keeps s*b*V/t logits in the compute
   dtype and no fp32 copy (tpframe/layers/cross_entropy.py). With context parallelism (CP c) s is the rank's S/c
@@ -97,16 +99,18 @@ def activation_bytes(cfg, device_type: str) -> float:
         per_layer += 4.0 * (kv_copies((m.kv_heads or m.heads) // tp, p.cp) - 1) * s * b * kv_width / tp
     elif p.cp > 1:  # attention keeps the whole sequence's keys and values, all-gathered
         per_layer += 4.0 * t.seq_len * b * kv_width / tp
-    if p.recompute == "full":
-        whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
-        layers = whole * 2 * sbh / (tp if p.sequence_parallel else 1) + (L - whole + 1) * per_layer
-    else:
-        layers = L * per_layer
     act_bytes = 2 * scale
     vocab = padded_vocab(m, tp)
     loss = float(s) * b * vocab / tp * act_bytes  # the fused head + loss: logits in the compute dtype only
     embedding = sbh * act_bytes
-    return layers * scale + loss + embedding
+    if p.recompute != "full":
+        return L * per_layer * scale + loss + embedding
+    whole = L if p.recompute_layers is None else min(p.recompute_layers, L)  # blocks that keep only their input
+    kept = whole * 2 * sbh / (tp if p.sequence_parallel else 1) + (L - whole) * per_layer
+    # backward starts at the head: its logits (and the input gradient it makes from them) are freed before the
+    # first block is recomputed, so the peak holds one or the other, not both
+    head = loss + sbh * act_bytes
+    return kept * scale + embedding + (max(per_layer * scale, head) if whole else loss)
 
 
 def estimate(
