@@ -526,8 +526,12 @@ def _is_step(n):
     return lambda line: line.replace(" ", "").startswith(f"step{n}/")
 
 
-def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path, clean):
-    proc = _launch([*SCRIPT, f"train.run_dir={tmp_path}"])
+def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path):
+    """The launch trains for 100,000 steps, so it is still running when the signal lands however late this test
+    reads its output on a busy machine (an 8-step launch could finish first); after warmup its learning rate is
+    constant, so its first steps, and the resumed run's, are those of an uninterrupted 24-step run."""
+    steps, constant = 24, "optim.decay=constant"
+    proc = _launch([*SCRIPT, constant, "train.steps=100000", f"train.run_dir={tmp_path}"])
     try:
         _read_until(proc, _is_step(2))
         proc.send_signal(signal.SIGTERM)
@@ -538,8 +542,11 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path,
     assert rest.count("tpframe.launch: SIGTERM forwarded to the workers") == 1 and "Traceback" not in rest, rest
     saved = (tmp_path / "checkpoints" / "latest").read_text()
     step = int(saved.split("_")[1])
-    assert 2 <= step < STEPS and f"preemption signal received: saving step {step} and stopping" in rest, rest
-    resumed = run_distributed(_losses, 2, [f"checkpoint.load={tmp_path}/checkpoints", f"train.run_dir={tmp_path}/r"])[0]
+    assert 2 <= step < steps and f"preemption signal received: saving step {step} and stopping" in rest, rest
+    common = [constant, f"train.steps={steps}"]
+    clean = run_distributed(_losses, 2, [*common, f"train.run_dir={tmp_path}/clean"])[0]
+    load = [*common, f"checkpoint.load={tmp_path}/checkpoints", f"train.run_dir={tmp_path}/r"]
+    resumed = run_distributed(_losses, 2, load)[0]
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 
