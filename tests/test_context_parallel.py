@@ -403,3 +403,27 @@ def test_cuda_train_py_at_cp2_follows_dp2():
     for ref, name in (("cp=1", "cp=2"), ("cp=1", "cp=2 all_to_all"), ("cp=1 documents", "cp=2 all_to_all documents")):
         for a, b in zip(losses[ref], losses[name]):
             assert abs(a - b) < 2e-2 * abs(a), (name, losses)
+
+
+@pytest.mark.slow
+def test_the_long_context_benchmark_trains_each_cp_mode_and_takes_overrides(tmp_path):
+    """benchmarks/long_context.py --train (train.py's peak against the pre-flight's estimate) at CP=2 on CPU: a row
+    per cp_comm mode with a measured throughput, and --set replaces the shape's own keys (one layer, not two)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.training_utils import REPO
+
+    results = tmp_path / "results.md"
+    cmd = [sys.executable, "benchmarks/long_context.py", "--train", "--gpus", "2", "--shapes", "tiny"]
+    cmd += ["--seqs", "256", "--set", "model.layers=1", "--results", str(results), "--logs", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [ln for ln in results.read_text().splitlines() if ln.startswith("| tiny")]
+    assert [r.split(" | ")[2] for r in rows] == list(CP_COMM_MODES), rows
+    assert all(float(r.split(" | ")[3].replace(",", "")) > 0 for r in rows), rows  # tokens/s measured
+    logs = (tmp_path / "long_context_logs.txt").read_text()
+    sizes = re.findall(r"tpframe: ([\d.]+)M params \| world 2 = tp 1 x cp 2", logs)
+    assert sizes == ["0.06", "0.06"], sizes  # one layer of the tiny shape (its two layers: 0.11M)
+    assert "--set model.layers=1" in results.read_text()
