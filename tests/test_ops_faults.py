@@ -455,11 +455,11 @@ def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     # full recompute of one of the two layers: its input (2 sbh), the other layer, and the larger of one layer being
     # recomputed and the head's logits with their input gradient (backward frees the one before it makes the other)
     full = ("parallel.tp=2", "train.dtype=bfloat16", "parallel.activation_checkpointing=full")
-    one, head = s * b * h * 2 + 2 * s * b * h * (10 + 24 / 2), loss + s * b * h * 2
-    assert act(*full, "parallel.recompute_layers=1") == one + embedding  # the layer is larger here
-    wide = s * b * 8192 / 2 * 2 + s * b * h * 2  # a vocabulary of 8192: the head is larger
+    layer, head = s * b * h * (10 + 24 / 2), loss + s * b * h * 2
+    assert head < layer and act(*full, "parallel.recompute_layers=1") == s * b * h * 2 + 2 * layer + embedding
+    wide = s * b * 8192 / 2 * 2 + s * b * h * 2  # a vocabulary of 8192: the head is larger than a layer
     cfg = _cfg("train.micro_batch_size=8", "model.vocab_size=8192", *full)
-    assert activation_bytes(cfg, "cuda") == 2 * s * b * h * 2 + wide + embedding > head
+    assert wide > layer and activation_bytes(cfg, "cuda") == 2 * s * b * h * 2 + wide + embedding
     assert (
         act("parallel.tp=2", "parallel.activation_checkpointing=true")
         < act("parallel.tp=2", "parallel.activation_checkpointing=selective")
