@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+SITE = Path("/tmp/site")  # where --compare installs the peers' wheels (Megatron-Core, torchao)
 sys.path.insert(0, str(ROOT))
 
 V = int(os.environ.get("VOCAB", 50304))
@@ -411,7 +412,7 @@ def fp8_jobs(shape: str, tp: int, emulate_tp: int) -> list[dict]:
         one_gpu = (f"TP={emulate_tp} + SP emulated (EMULATE_TP)", {"TP": "1", "SP": "1", "EMULATE_TP": str(emulate_tp)})
     else:
         one_gpu = ("TP=1", {"TP": "1"})
-    peer = (Path("/tmp/site") / "torchao").exists() and shape not in LLAMA_SHAPES
+    peer = (SITE / "torchao").exists() and shape not in LLAMA_SHAPES
     layouts = [("tpframe", *one_gpu, 1, "gpt.py")] + ([("torchao peer", *one_gpu, 1, "peer_float8.py")] if peer else [])
     if tp > 1:  # the peer at TP > 1: torchtitan's DTensor plan, float8 all-gathers with tensorwise
         tp_sp = (f"TP={tp} + SP", {"TP": str(tp), "SP": "1"}, tp)
@@ -487,7 +488,7 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
         )
         if torch.cuda.get_device_capability() >= (8, 9):
             add(f"tpframe TP={tp} + SP, fp8, compile", ours, tp, TP=str(tp), SP="1", COMPILE="1", FP8="1")
-    if shape not in LLAMA_SHAPES and peers and (Path("/tmp/site") / "megatron").exists():
+    if shape not in LLAMA_SHAPES and peers and (SITE / "megatron").exists():
         add(f"Megatron-Core local, TP={tp}", str(peers / "bench_mcore_gpt.py"), tp, TP=str(tp))
     if shape in TP_SHAPES:  # the TP rows first (the ceiling with them), the single-GPU ones after
         out.sort(key=lambda job: job["gpus"] == 1 and "EMULATE_TP" not in job["env"])
@@ -564,11 +565,11 @@ def compare(args) -> None:
     peers = Path(args.peers) if args.peers and Path(args.peers).exists() else None
     for package, pattern in (("megatron", "megatron_core-*.whl"), ("torchao", "torchao-*.whl")):
         wheel = sorted(glob.glob(str(Path(args.peers) / pattern))) if peers else []
-        if wheel and not (Path("/tmp/site") / package).exists():
-            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site"]
+        if wheel and not (SITE / package).exists():
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(SITE)]
             subprocess.run([*pip, wheel[-1]], check=False)
-    if Path("/tmp/site").exists():
-        os.environ["PYTHONPATH"] = "/tmp/site:" + os.environ.get("PYTHONPATH", "")
+    if SITE.exists():
+        os.environ["PYTHONPATH"] = f"{SITE}:" + os.environ.get("PYTHONPATH", "")
     n_gpus = torch.cuda.device_count()
     tp = min(args.tp, n_gpus) if n_gpus else args.tp  # no GPU: a smoke test on gloo
     log_dir = Path(args.logs)
