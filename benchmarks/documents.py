@@ -24,7 +24,6 @@ import argparse
 import datetime
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from comm import report  # noqa: E402
 from cp_attention import timed  # noqa: E402
 from gpt import document_ends  # noqa: E402
+from train_runs import run_job  # noqa: E402
 
 from tpframe.layers.documents import Documents, document_attention, uses_varlen  # noqa: E402
 
@@ -142,10 +142,13 @@ def model_rows(doc_len: int) -> list[str]:
                 "1",
                 str(ROOT / "benchmarks" / "gpt.py"),
             ]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
+            code, output = run_job(cmd, env=env, timeout=400)
+            line = next((ln for ln in output.splitlines() if ln.startswith("RESULT")), None)
             if line is None:
-                raise SystemExit(f"benchmarks/gpt.py failed (COMPILE={compile_} DOC_LEN={docs}):\n{out.stderr[-2000:]}")
+                what = "no result within 400 s" if code is None else f"exit {code}"
+                raise SystemExit(
+                    f"benchmarks/gpt.py failed (COMPILE={compile_} DOC_LEN={docs}, {what}):\n{output[-2000:]}"
+                )
             step = float(re.search(r"step ([\d.]+) ms", line).group(1))
             tok = float(re.search(r"([\d.]+) tok/s", line).group(1))
             mem = float(re.search(r"mem ([\d.]+) GiB", line).group(1))

@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 import torch
+from train_runs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path("/tmp/site")  # where --compare installs the peers' wheels (Megatron-Core, torchao)
@@ -535,13 +536,8 @@ def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Pat
             job["script"],
         ]
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
-        text = proc.stdout + proc.stderr
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status = f"timeout after {timeout:.0f} s"
+    code, text = run_job(cmd, env=environ, timeout=timeout)
+    status = f"timeout after {timeout:.0f} s" if code is None else "ok" if code == 0 else f"exit {code}"
     with open(log_dir / "compare_logs.txt", "a") as f:  # one file: the device returns few files
         f.write(f"\n===== {shape['name']} | {job['label']} | {status} | {' '.join(cmd)} | env {job['env']}\n")
         f.write("\n".join(text.splitlines()[-120:]) + "\n")

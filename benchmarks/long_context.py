@@ -36,13 +36,13 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from train_runs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -202,11 +202,8 @@ def launch(job: dict, timeout: float, log: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(job["gpus"])]
     cmd += [str(Path(__file__).resolve())]
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
-        text, status = proc.stdout + proc.stderr, "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired as exc:
-        text, status = (exc.stdout or b"").decode(errors="replace"), f"timeout after {timeout:.0f} s"
+    code, text = run_job(cmd, env=environ, timeout=timeout)
+    status = f"timeout after {timeout:.0f} s" if code is None else "ok" if code == 0 else f"exit {code}"
     with open(log, "a") as f:
         f.write(f"\n===== {job['label']} | {status} | env {job['env']}\n" + "\n".join(text.splitlines()[-80:]) + "\n")
     lines = [ln for ln in text.splitlines() if ln.startswith("RESULT")]
@@ -351,11 +348,8 @@ def train_row(args, shape: str, seq: int, mode: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), str(ROOT / "train.py")]
     cmd += [*over, f"train.run_dir={run_dir}"]
     environ = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **NO_NVLS)
-    try:
-        proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=args.job_timeout_s)
-        status, text = f"exit {proc.returncode}", proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        status, text = "timeout", ""
+    code, text = run_job(cmd, env=environ, timeout=args.job_timeout_s)
+    status = "timeout" if code is None else f"exit {code}"
     with open(Path(args.logs) / "long_context_logs.txt", "a") as f:
         f.write(f"\n===== train.py {shape} {seq} {mode} | {status}\n" + "\n".join(text.splitlines()[-60:]))
     metrics = Path(run_dir) / "metrics.jsonl"

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train_runs import run_job  # noqa: E402
 
 from tpframe.errors import ConfigError  # noqa: E402
 from tpframe.models import BuildContext, build_stages  # noqa: E402
@@ -385,13 +385,12 @@ def main(argv: list[str]) -> None:
             f"layouts={name}",
         ]
         env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=o["row_timeout"], env=env)
-        except subprocess.TimeoutExpired:
+        code, output = run_job(cmd, env=env, timeout=o["row_timeout"])
+        if code is None:
             notes.append(f"{name}: no result within row_timeout={o['row_timeout']}s")
             print(notes[-1], flush=True)
             continue
-        lines = out.stdout.splitlines()
+        lines = output.splitlines()
         result = [line[len("RESULT ") :] for line in lines if line.startswith("RESULT ")]
         skipped = [line[len("SKIPPED ") :] for line in lines if line.startswith("SKIPPED ")]
         if result:
@@ -405,9 +404,9 @@ def main(argv: list[str]) -> None:
             notes.append(
                 f"{name}: skipped ({skipped[0]})"
                 if skipped
-                else f"{name}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}"
+                else f"{name}: failed (exit {code}): {output.strip().splitlines()[-1:]}"
             )
-            print(notes[-1] + ("" if skipped else "\n" + out.stderr[-3000:]), flush=True)
+            print(notes[-1] + ("" if skipped else "\n" + output[-3000:]), flush=True)
     device = f"{rows[0]['device'] if rows else '?'} x{world}"
     text = table(rows, o, device) if rows else "no layout ran"
     text += "".join(f"\n\n{n}" for n in notes)

@@ -1,5 +1,6 @@
-"""What the benchmarks that run train.py itself share (finetune.py, snapshot.py, fp8_loss.py): one run through
-`tpframe.launch` and its metrics.jsonl, and a table appended to RESULTS.md with the command and device."""
+"""What the benchmarks share: a job run with a timeout that ends all it started (`run_job`: gpt.py, long_context.py,
+pipeline.py, documents.py); for those that run train.py itself (finetune.py, snapshot.py, fp8_loss.py), one run
+through `tpframe.launch` and its metrics.jsonl, and a table appended to RESULTS.md with the command and device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,32 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+STOP_GRACE_S = 30.0  # run_job: how long a timed-out job has to end on SIGTERM
+
+
+def run_job(cmd: list[str], *, env: dict | None = None, timeout: float | None = None) -> tuple[int | None, str]:
+    """`cmd`'s exit code (None: stopped after `timeout` s) and its stdout + stderr. A timed-out job gets SIGTERM
+    first and SIGKILL only after STOP_GRACE_S: torchrun passes SIGTERM on to its workers and waits for them, while a
+    killed torchrun leaves them running (each in a session of its own) on the GPU the next job is timed on, holding
+    the output pipes, so that the wait for its output hangs too."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        pass
+    for stop in (proc.terminate, proc.kill):
+        stop()
+        try:
+            out, err = proc.communicate(timeout=STOP_GRACE_S)
+            return None, out + err
+        except subprocess.TimeoutExpired as e:
+            partial = e
+    return None, _text(partial.stdout) + _text(partial.stderr)  # a pipe still held open by a stray process
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else b or ""
 
 
 def run(config: str, gpus: int, run_dir: Path, overrides: list[str], *, launcher: tuple[str, ...] = ()) -> dict:

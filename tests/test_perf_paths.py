@@ -446,3 +446,29 @@ def test_eager_keeps_its_function_out_of_the_graph_and_dynamo_out_of_start_up():
     f = torch.compile(lambda x: host_side(x + 1) * 2, backend="eager")
     x = torch.ones(3)
     assert torch.equal(f(x), (x + 1) * 2) and seen == [False]
+
+
+def test_a_benchmark_job_past_its_timeout_is_ended_with_everything_it_started(tmp_path):
+    """benchmarks/train_runs.py run_job, how the benchmarks run a job under torchrun: past the timeout the worker
+    ends too (torchrun starts its workers in sessions of their own, so killing torchrun alone left them running,
+    on the GPU the next job was timed on); a job that ends gives its exit code and output."""
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from train_runs import run_job
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, time\nprint('worker', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    t0 = time.monotonic()
+    code, output = run_job(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(worker)], timeout=12
+    )
+    pids = [int(line.split()[-1]) for line in output.splitlines() if line.startswith("worker")]
+    assert code is None and len(pids) == 1 and time.monotonic() - t0 < 60, output
+    time.sleep(0.5)
+    state = Path(f"/proc/{pids[0]}/stat")
+    assert not state.exists() or state.read_text().split()[2] == "Z", "torchrun's worker outlived the timeout"
+    assert run_job([sys.executable, "-c", "print('done'); raise SystemExit(3)"], env=dict(os.environ)) == (3, "done\n")
