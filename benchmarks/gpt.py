@@ -62,7 +62,6 @@ import time
 from pathlib import Path
 
 import torch
-from train_runs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = Path("/tmp/site")  # where --compare installs the peers' wheels (Megatron-Core, torchao)
@@ -497,6 +496,8 @@ def jobs_for(shape: str, peers: Path | None, tp: int) -> list[dict]:
 
 
 def launch(job: dict, shape: dict, gpu: int | None, timeout: float, log_dir: Path, layers: int = 0) -> dict:
+    from train_runs import run_job  # --compare only: tests load this file's run_one by path, without benchmarks/
+
     environ = dict(
         os.environ,
         NO_APPEND="1",
