@@ -485,16 +485,17 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         _train(cfg, trainer, checkpointer, logger)
         trainer.checkpointer = checkpointer
         return trainer
-    except torch.OutOfMemoryError as e:  # this rank alone: its line goes out now, before the teardown below
-        from tpframe import exits
-        from tpframe.run.memory import out_of_memory
-
-        failure = out_of_memory(
-            e, cfg, rank=state.rank, dp=state.dp_cp, step=progress.step, phase=progress.phase, device=state.device
-        )
-        exits.report(f"out of memory: {failure}", show=True)
-        raise failure from None
     except Exception as e:
+        from tpframe.run.memory import is_out_of_memory, out_of_memory
+
+        if is_out_of_memory(e):  # this rank alone: its line goes out now, before the teardown below
+            from tpframe import exits
+
+            failure = out_of_memory(
+                e, cfg, rank=state.rank, dp=state.dp_cp, step=progress.step, phase=progress.phase, device=state.device
+            )
+            exits.report(f"out of memory: {failure}", show=True)
+            raise failure from None
         failure = beat.explain(e) if beat is not None else e  # a communication failure, explained in one line
         if failure is e:
             raise

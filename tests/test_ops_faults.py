@@ -262,11 +262,37 @@ def test_a_full_disk_at_the_runs_config_is_one_line_and_exit_5(tmp_path, monkeyp
     ), lines[0]
 
 
-def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_path, monkeypatch):
-    """A layout the estimate let start runs out of device memory in step 2: one line (where, how much, what to
-    change), exit code 6, not a traceback (torch's allocator text cut at its first sentences)."""
-    import torch
+CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is "
+    "free. Including non-PyTorch memory, this process has 77.9 GiB memory in use. Of the allocated memory 70 GiB is "
+    "allocated by PyTorch\nSee documentation for Memory Management"
+)
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "1024000000000 bytes. Error code 12 (Cannot allocate memory)"
+)
 
+
+@pytest.mark.parametrize(
+    "error,said",
+    [
+        (
+            lambda: torch.OutOfMemoryError(CUDA_OOM),
+            "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 "
+            "GiB is free",
+        ),
+        (
+            lambda: RuntimeError(CPU_OOM),
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024000000000 bytes. Error code 12 "
+            "(Cannot allocate memory)",
+        ),
+    ],
+    ids=["cuda", "cpu-allocator"],
+)
+def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_path, monkeypatch, error, said):
+    """A layout the estimate let start runs out of memory in step 2 (a GPU's, or the host's: the CPU allocator's
+    RuntimeError): one line (where, how much, what to change), exit code 6, not a traceback (the allocator's text
+    cut at its first sentences)."""
     from tpframe.models.gpt import GPT
 
     original, calls = GPT.forward, []
@@ -274,11 +300,7 @@ def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_pa
     def forward(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 5:  # step 2's first micro-batch (4 per step here)
-            raise torch.OutOfMemoryError(
-                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-                "1.20 GiB is free. Including non-PyTorch memory, this process has 77.9 GiB memory in use. Of the "
-                "allocated memory 70 GiB is allocated by PyTorch\nSee documentation for Memory Management"
-            )
+            raise error()
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(GPT, "forward", forward)
@@ -287,10 +309,9 @@ def test_out_of_memory_mid_run_is_one_line_with_what_to_change_and_exit_6(tmp_pa
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 6 and len(lines) == 1, err
     assert lines[0] == (
-        "tpframe: out of memory: rank 0 ran out of cpu memory in step 2 (forward_backward): CUDA out of memory. Tried "
-        "to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is free; to fit, try a smaller "  # noqa: E501
-        "train.micro_batch_size (the global batch stays: more accumulation) or model, a larger parallel.tp with "
-        "parallel.sequence_parallel=true, parallel.activation_checkpointing=selective or full"
+        f"tpframe: out of memory: rank 0 ran out of cpu memory in step 2 (forward_backward): {said}; to fit, try a "
+        "smaller train.micro_batch_size (the global batch stays: more accumulation) or model, a larger parallel.tp "
+        "with parallel.sequence_parallel=true, parallel.activation_checkpointing=selective or full"
     ), lines[0]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000001"  # step 1's save stays
 

@@ -229,11 +229,20 @@ class OutOfMemory(Exception):
     """The device ran out of memory during the run (the estimate let it start): exit code 6, one line."""
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: torch.OutOfMemoryError (CUDA), or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    )
+
+
 def out_of_memory(
     error: BaseException, cfg, *, rank: int, dp: int, step: int, phase: str, device: torch.device
 ) -> OutOfMemory:
-    """`error` (torch.OutOfMemoryError) as the one line a user acts on: where, how much, and what to change."""
+    """`error` (`is_out_of_memory`) as the one line a user acts on: where, how much, and what to change."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first.split("err == 0. ")[-1]  # the CPU allocator's "[enforce fail at alloc_cpu.cpp:N] err == 0. "
     first = first.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0][:240].rstrip(".")
     peak = f"; tpframe's peak so far {gib(torch.cuda.max_memory_allocated(device))}" if device.type == "cuda" else ""
     return OutOfMemory(

@@ -117,7 +117,14 @@ def dry_build(cfg) -> nn.Module | None:
         raise ConfigError(
             f"model.name={cfg.model.name!r}: building the model failed: {type(e).__name__}: {e}"
         ) from None
-    except Exception:  # noqa: BLE001 - a builder that needs real tensors: checked when the run builds it
+    except RuntimeError as e:
+        if "overflow" in str(e):  # a shape whose bytes pass 2^63 (model.hidden=1e9): it fits in no memory at all
+            raise ConfigError(
+                f"model.* makes a tensor too large for any memory ({str(e).strip().splitlines()[0][:120]}); "
+                "choose smaller model dimensions"
+            ) from None
+        return None  # a builder that needs real tensors: checked when the run builds it
+    except Exception:  # noqa: BLE001 - as above
         return None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name={cfg.model.name!r} returned a {type(model).__name__}, not a torch.nn.Module")
