@@ -157,6 +157,10 @@ def test_bad_jsonl_names_the_line(tmp_path):
     bad.write_text('{"text": "ok"}\n\n{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:3: no key 'text' \(keys: 'body'\); pass --jsonl-key"):
         write_token_file([bad], tmp_path / "x.bin")
+    for record in ('{"messages": []}', '{"prompt": "a", "completion": "b"}'):  # chat data without --seq-len
+        bad.write_text(record + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl:1: no key 'text' .*; instruction data: pass --seq-len N"):
+            write_token_file([bad], tmp_path / "x.bin")
     assert not (tmp_path / "x.bin").exists() and not list(tmp_path.glob("*.tmp*"))
 
 

@@ -210,7 +210,11 @@ def _jsonl_text(line: str, key: str, where: str) -> str:
         raise ValueError(f"{where}: expected a JSON object with a {key!r} key, got {type(obj).__name__}")
     if key not in obj:
         keys = ", ".join(map(repr, list(obj)[:8])) or "none"
-        raise ValueError(f"{where}: no key {key!r} (keys: {keys}); pass --jsonl-key NAME")
+        chat = (
+            "messages" in obj or {"prompt", "completion"} <= obj.keys()
+        )  # instruction data (tpframe/data/instruct.py)
+        hint = "instruction data: pass --seq-len N (train.seq_len) to pack it with a loss mask" if chat else ""
+        raise ValueError(f"{where}: no key {key!r} (keys: {keys}); {hint or 'pass --jsonl-key NAME'}")
     if not isinstance(obj[key], str):
         raise ValueError(f"{where}: {key!r} holds {type(obj[key]).__name__}, expected a string")
     return obj[key]
