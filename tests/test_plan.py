@@ -42,6 +42,16 @@ def test_a_layout_the_config_refuses_is_named_with_the_configs_own_line():
     assert tp8 and all("parallel.tp=8 does not divide model.heads=12" in why for why in tp8)
 
 
+def test_a_data_parallel_size_that_cannot_divide_the_global_batch_is_named_too():
+    """3 GPUs and a global batch of 16: DP=3 has no micro-batch at all, and is named with the config's own line
+    instead of missing from the table."""
+    cfg = load_config(f"{REPO}/configs/tiny_cpu.yaml")
+    fits, refused = plan(cfg, 3, gpu_gib=141)
+    dp3 = [why for layout, why in refused if layout.dp == 3]
+    assert not fits and len(dp3) == 1
+    assert dp3[0].startswith("train.global_batch_size=16 is not divisible by train.micro_batch_size*dp = 1*3 = 3")
+
+
 def test_layouts_multiply_to_the_gpus_and_divide_the_global_batch():
     cfg = load_config(GPT13)
     for layout in layouts(cfg, 8):

@@ -78,19 +78,32 @@ class Plan:
     tflops: float  # model FLOPs per GPU per second, recompute not counted (MFU's numerator)
 
 
+def _sizes(gpus: int) -> list[tuple[int, int, int, int]]:
+    """Every (tp, pp, cp, dp) that multiplies to `gpus`, TP inside one NVLink node (at most 8)."""
+    divisors = _divisors(gpus)
+    return [
+        (tp, pp, cp, gpus // (tp * pp * cp))
+        for tp, pp, cp in itertools.product(divisors, divisors, divisors)
+        if gpus % (tp * pp * cp) == 0 and tp <= 8
+    ]
+
+
 def layouts(cfg, gpus: int) -> list[Layout]:
     """Every combination of sizes that multiplies to `gpus`, with the micro-batches the global batch allows."""
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     out = []
-    for tp, pp, cp in itertools.product(divisors, divisors, divisors):
-        if gpus % (tp * pp * cp) or tp > 8:  # TP stays inside one NVLink node
-            continue
-        dp = gpus // (tp * pp * cp)
+    for tp, pp, cp, dp in _sizes(gpus):
         per_rank = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
         for mb, strategy, recompute in itertools.product(_divisors(per_rank), STRATEGIES, RECOMPUTE):
             if mb <= 32 and not (strategy != "ddp" and dp == 1):  # zero1/fsdp shard nothing at dp 1
                 out.append(Layout(tp, pp, dp, cp, strategy, recompute, mb))
     return out
+
+
+def unbatched(cfg, gpus: int) -> list[Layout]:
+    """One layout (micro-batch 1) for each size whose DP does not divide the global batch: no micro-batch can, so
+    `layouts` has none of them, and `plan` names them with the config's own line."""
+    gb = cfg.train.global_batch_size
+    return [Layout(tp, pp, dp, cp, "ddp", "none", 1) for tp, pp, cp, dp in _sizes(gpus) if gb % dp]
 
 
 def _divisors(n: int) -> list[int]:
@@ -155,7 +168,7 @@ def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layo
 
     params = _params(cfg)
     fits, refused = [], []
-    for layout in layouts(cfg, gpus):
+    for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
         try:
             validate(lcfg, gpus)
