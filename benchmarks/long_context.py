@@ -325,8 +325,8 @@ def train(args) -> None:
 
 def train_row(args, shape: str, seq: int, mode: str) -> str:
     """One train.py run of `shape` at `seq` tokens, CP = --gpus with cp_comm `mode`: its table row."""
-    from tpframe.run.memory import GIB, estimate
-    from tpframe.run.preflight import dry_build
+    from tpframe.run.memory import GIB
+    from tpframe.run.preflight import dry_build, estimate_for
     from tpframe.training.config import load_config, validate
 
     n = args.gpus
@@ -337,13 +337,7 @@ def train_row(args, shape: str, seq: int, mode: str) -> str:
     over = [kv for kv in over if kv.split("=", 1)[0] not in replaced] + args.set
     cfg = load_config(None, over)
     validate(cfg, n)
-    model = dry_build(cfg)
-    est = estimate(
-        cfg,
-        n,
-        params=sum(p.numel() for p in model.parameters()),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-    )
+    est = estimate_for(cfg, n, dry_build(cfg), device_type="cuda")
     run_dir = tempfile.mkdtemp(prefix="long_context_train_")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), str(ROOT / "train.py")]
     cmd += [*over, f"train.run_dir={run_dir}"]

@@ -210,9 +210,8 @@ def _jsonl_text(line: str, key: str, where: str) -> str:
         raise ValueError(f"{where}: expected a JSON object with a {key!r} key, got {type(obj).__name__}")
     if key not in obj:
         keys = ", ".join(map(repr, list(obj)[:8])) or "none"
-        chat = (
-            "messages" in obj or {"prompt", "completion"} <= obj.keys()
-        )  # instruction data (tpframe/data/instruct.py)
+        # instruction data (tpframe/data/instruct.py reads it, with --seq-len)
+        chat = "messages" in obj or {"prompt", "completion"} <= obj.keys()
         hint = "instruction data: pass --seq-len N (train.seq_len) to pack it with a loss mask" if chat else ""
         raise ValueError(f"{where}: no key {key!r} (keys: {keys}); {hint or 'pass --jsonl-key NAME'}")
     if not isinstance(obj[key], str):

@@ -139,20 +139,27 @@ def _sizes(model: nn.Module) -> tuple[int, int, int]:
     return params, experts, sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int], **device) -> None:
-    from tpframe.run.memory import check_fits, estimate
+def estimate_for(cfg, world_size: int, sizes: tuple[int, int, int] | nn.Module, *, device_type: str):
+    """The memory estimate check_memory compares with the device, from `sizes` ((parameters, of which MoE experts,
+    buffer bytes) of the model built whole) or the model itself (`dry_build`'s)."""
+    from tpframe.run.memory import estimate
 
-    params, experts, buffers = sizes
+    params, experts, buffers = _sizes(sizes) if isinstance(sizes, nn.Module) else sizes
     params -= experts - experts // cfg.parallel.ep  # built whole here; a rank holds 1/ep of the experts
-    est = estimate(
+    return estimate(
         cfg,
         world_size,
         params=params,
         expert_params=experts // cfg.parallel.ep,
         buffer_bytes=buffers,
-        device_type=device["device_type"],
+        device_type=device_type,
     )
-    check_fits(cfg, est, **device)
+
+
+def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int], **device) -> None:
+    from tpframe.run.memory import check_fits
+
+    check_fits(cfg, estimate_for(cfg, world_size, sizes, device_type=device["device_type"]), **device)
 
 
 def check_memory(
