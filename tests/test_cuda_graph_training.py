@@ -118,8 +118,12 @@ def test_graphed_training_equals_eager_on_one_gpu(tmp_path, extra):
 
 
 @pytest.mark.gpu(count=1)
-def test_graphed_training_of_compiled_bf16_blocks_equals_eager(tmp_path):
-    common = ["parallel.tp=1", "train.steps=8", "train.dtype=bfloat16", "train.compile=true"]
+@pytest.mark.parametrize("fp8", ["false", "tensorwise", "rowwise"])
+def test_graphed_training_of_compiled_bf16_blocks_equals_eager(tmp_path, fp8):
+    """Compiled bf16 blocks, and the same with their GEMMs in float8 (fp8_small_layers: the tiny layers too),
+    replayed from CUDA graphs train as the eager (ungraphed) step does."""
+    common = ["parallel.tp=1", "train.steps=8", "train.dtype=bfloat16", "train.compile=true", f"train.fp8={fp8}"]
+    common += ["train.fp8_small_layers=true"] if fp8 != "false" else []
     out = run_distributed(_eager_and_graphed, 1, common, str(tmp_path), backend="nccl")[0]
     _assert_same_training(out, rtol=2e-2, steps=8)
 
