@@ -23,7 +23,8 @@ import sys
 import torch
 
 from tpframe.errors import ArgumentParser
-from tpframe.launch import LAUNCHER_PID_ENV, launch_env, restart_attempt, single_process_env
+from tpframe.launch import launch_env, restart_attempt, single_process_env
+from tpframe.run import LAUNCHER_PID_ENV
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 LAUNCH_HINT = "launch with python -m tpframe.launch --nproc-per-node N"
-LAUNCHER_PID_ENV = "TPFRAME_LAUNCHER_PID"  # set for the workers: they stop when that process dies (train.py)
 
 
 class LaunchEnv(NamedTuple):

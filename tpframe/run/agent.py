@@ -35,8 +35,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from tpframe.checkpoint.files import CHECKPOINTS_KEY, latest_step, newer_snapshot, snapshot_root
-from tpframe.launch import LAUNCHER_PID_ENV
 from tpframe.parallel.heartbeat import parse_beat
+from tpframe.run import LAUNCHER_PID_ENV
 
 STOP_GRACE_S = 300  # how long stopped workers get to save before SIGKILL
 TPFRAME_CODES = {
