@@ -185,7 +185,8 @@ def test_a_restart_resumes_from_the_snapshot_in_host_memory_newer_than_the_disk_
     assert not snapshot_root(checkpoints).exists()
 
 
-@pytest.mark.parametrize("options", [pytest.param((), marks=pytest.mark.slow), ("--no-check",)])
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [(), ("--no-check",)])
 def test_the_restart_line_names_the_loaded_checkpoint_the_workers_resume_from(tmp_path, options):
     """checkpoint.load of another run's step 4 and nothing saved yet in this one: the restart resumes from step 4, as
     the line says (--no-check: from what rank 0's checkpointer published, with no pre-flight in the launcher)."""
@@ -202,7 +203,7 @@ def _started(launcher_pid: int) -> bool:
     return any((task / "children").read_text().split() for task in Path(f"/proc/{launcher_pid}/task").iterdir())
 
 
-@pytest.mark.parametrize("when", ["start-up", "restart"])
+@pytest.mark.parametrize("when", ["start-up", pytest.param("restart", marks=pytest.mark.slow)])
 def test_sigterm_while_the_workers_start_stops_them_cleanly_and_exits_0(tmp_path, when):
     """SIGTERM to the launcher as its workers start, the first time or after a restart: train.py records it from its
     first line (the agent signals workers spawned after it too), so they save at the end of their first step or
