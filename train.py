@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
 
 from tpframe.errors import ArgumentParser
 from tpframe.launch import launch_env, restart_attempt, single_process_env
+from tpframe.run import LAUNCHER_PID_ENV
 from tpframe.training.config import ConfigError, cuda_graph_obstacle, load_config, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -364,8 +366,9 @@ def _resume_changes(cfg, meta: dict, trainer) -> list[str]:
     return [line for line in lines if line]
 
 
-def run(cfg, train_data, valid_data, resume=(None, None)):
-    """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
+def run(cfg, train_data, valid_data, resume=(None, None), *, signals: list[int] | None = None):
+    """Build the parallel state, model, strategy, trainer and checkpointer, then train (`signals`: SIGTERM/SIGUSR1
+    received so far, `_record_signals`'s). Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
     from tpframe.observe.flops import peak_tflops
     from tpframe.observe.logger import MetricsLogger
@@ -455,6 +458,7 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             resume=resume,
             log=logger.info,
             health=trainer.guard,
+            signals=signals,
         )
         for kind, group in checkpointer.groups.items() if beat is not None else ():
             beat.watch(kind, group)  # a stop inside a save is named by its collective, like one in a step
@@ -506,6 +510,23 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
         destroy_parallel()
 
 
+def _record_signals() -> list[int]:
+    """SIGTERM/SIGUSR1 recorded from the start, not fatal before the checkpointer takes them over (it saves at the
+    first step's end after one); under tpframe.launch, SIGTERM when the launcher dies (Linux's parent-death signal):
+    an orphan saves and stops instead of training on and holding the run's lock."""
+    received: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != int(launcher):  # it died before the prctl
+            received.append(signal.SIGTERM)
+    return received
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train; the exit code (0, 2, 3, 4, 5, 6) and the one line each failure prints are tpframe/exits.py's."""
     from tpframe import exits
@@ -515,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpframe.run.run_lock import locks_of
     from tpframe.training.health import TrainingAborted
 
+    signals = _record_signals()
     try:
         rank = launch_env().rank
     except ConfigError:  # prepare says what is wrong with it, as rank 0
@@ -533,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
         return exits.config_error(str(e), rank)
     try:
-        run(*prepared)
+        run(*prepared, signals=signals)
     except ConfigError as e:  # found once the process groups exist (e.g. a model that builds only for real)
         exits.report(f"config error: {e}", show=rank == 0)
         return exits.EXIT_CONFIG

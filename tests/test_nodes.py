@@ -4,6 +4,7 @@ is written; a run folder that is not one folder for every node is refused before
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,9 +49,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _node(n: int, port: int, *args: str) -> subprocess.Popen:
-    """Node `n` of two on this host: one launcher with 2 workers; node 0 hosts the rendezvous on `port`."""
-    cmd = [sys.executable, "-m", "tpframe.launch", "--nnodes=2", f"--node-rank={n}", "--nproc-per-node=2"]
+def _node(n: int, port: int, *args: str, nproc: int = 2) -> subprocess.Popen:
+    """Node `n` of two on this host: one launcher with `nproc` workers; node 0 hosts the rendezvous on `port`."""
+    cmd = [sys.executable, "-m", "tpframe.launch", "--nnodes=2", f"--node-rank={n}", f"--nproc-per-node={nproc}"]
     return subprocess.Popen(
         [*cmd, f"--rdzv-endpoint=127.0.0.1:{port}", *args],
         cwd=REPO,
@@ -61,17 +62,20 @@ def _node(n: int, port: int, *args: str) -> subprocess.Popen:
     )
 
 
-def _two_nodes(*args: str, node1: tuple = ()) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of both nodes; node 1 starts once node 0 hosts the rendezvous."""
+def _two_nodes(*args: str, node1: tuple = (), nproc: int = 2, during=None) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of both nodes; node 1 starts once node 0 hosts the rendezvous; `during(nodes)`
+    runs once both are started (what it reads of node 0's stdout is not returned)."""
     port = _free_port()
-    first = _node(0, port, *args)
+    first = _node(0, port, *args, nproc=nproc)
     deadline = time.monotonic() + 120
     while first.poll() is None and time.monotonic() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         time.sleep(0.2)
-    nodes = [first, _node(1, port, *args, *node1)]
+    nodes = [first, _node(1, port, *args, *node1, nproc=nproc)]
+    if during is not None:
+        during(nodes)
     outs = [p.communicate(timeout=300) for p in nodes]
     return [(p.returncode, *out) for p, out in zip(nodes, outs)]
 
@@ -115,6 +119,39 @@ def test_a_bad_key_on_one_node_is_one_line_exit_2_on_both_and_nothing_written(tm
         "tpframe.launch: the run was refused on another node (its launcher printed why); nothing was started here"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_rendezvous_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        node = _node(0, port, "--no-check", *ARGS, f"train.run_dir={tmp_path}/run", nproc=1)
+        _, err = node.communicate(timeout=120)
+    assert node.returncode == 4 and err.splitlines() == [
+        f"tpframe.launch: the nodes did not meet at --rdzv-endpoint 127.0.0.1:{port}: The server socket has failed to "
+        f"listen on any local network address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+        "address already in use"
+    ], err
+
+
+def _kill_node_0_s_worker_at_step_2(nodes) -> None:
+    for line in nodes[0].stdout:
+        if line.replace(" ", "").startswith("step2/"):
+            worker = Path(f"/proc/{nodes[0].pid}/task/{nodes[0].pid}/children").read_text().split()[0]
+            os.kill(int(worker), signal.SIGKILL)
+            return
+
+
+def test_a_node_whose_worker_is_killed_ends_the_other_with_its_worker_s_line_not_the_rendezvous(tmp_path):
+    """kill -9 of node 0's only worker, no restarts: node 0 names it (exit 1); node 1's worker sees its peer gone and
+    prints its own line (exit 4), and node 1's launcher adds nothing, though node 0's store is gone with it."""
+    args = merge_overrides(ARGS, ["parallel.tp=1", "train.steps=100000", f"train.run_dir={tmp_path}/run"])
+    nodes = _two_nodes(*args, nproc=1, during=_kill_node_0_s_worker_at_step_2)
+    assert [code for code, _, _ in nodes] == [1, 4], nodes
+    assert nodes[0][2].splitlines()[-1].startswith("tpframe.launch: rank 0 died of signal 9 (SIGKILL)"), nodes[0][2]
+    said = [line for line in nodes[1][2].splitlines() if line.startswith("tpframe")]  # beside c10d's C++ warnings
+    assert len(said) == 1 and said[0].startswith("tpframe: a collective failed"), said
 
 
 def _check(root: str, shared: bool):

@@ -571,6 +571,34 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path)
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_of_a_killed_launcher_save_stop_and_free_the_run_dir(tmp_path):
+    """kill -9 of the launcher: its workers get SIGTERM (Linux's parent-death signal), save and stop, and the run's
+    lock is free for the next launch, instead of orphans training on to the end."""
+    from tpframe.run.run_lock import check_free
+
+    proc, workers = _launch([*SCRIPT, "train.steps=100000", f"train.run_dir={tmp_path}"]), []
+    try:
+        _read_until(proc, _is_step(2))
+        workers = list(_workers(proc.pid).values())
+        proc.kill()
+        deadline = time.monotonic() + 60
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, workers)), "the orphans stopped"
+    finally:
+        for pid in filter(_alive, workers):
+            os.kill(pid, signal.SIGKILL)
+    check_free(tmp_path)
+    assert int((tmp_path / "checkpoints" / "latest").read_text().split("_")[1]) >= 2
+
+
 @pytest.mark.slow
 def test_a_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_path):
     """One training per run directory: while one trains, a second launch there (a job submitted twice) exits 2

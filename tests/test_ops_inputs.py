@@ -1447,6 +1447,38 @@ def test_the_launcher_refuses_an_option_given_twice(capsys):
     ]
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--nproc-per-node", "2:"], "--nproc-per-node=2: must be a count N or a range MIN:MAX of counts of at least"),
+        (["--nnodes", "2:", "--max-restarts", "1"], "--nnodes=2: must be a count N or a range MIN:MAX"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:notaport"], "--rdzv-endpoint=127.0.0.1:notaport must be"),
+        (["--nnodes", "2", "--rdzv-endpoint", ":99999"], "--rdzv-endpoint=:99999 must be HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "[::1"], "--rdzv-endpoint=[::1 must be HOST:PORT: node 0's host name"),
+    ],
+)
+def test_the_launcher_refuses_a_malformed_count_or_endpoint_in_one_line(argv, said, capsys):
+    from tpframe.launch import main
+
+    assert main([*argv, "train.py"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tpframe.launch: {said}"), err
+
+
+def test_ctrl_c_in_the_launchers_pre_flight_is_one_line_and_exit_130(monkeypatch, capsys):
+    import tpframe.launch
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(tpframe.launch, "check_worlds", interrupted)
+    assert tpframe.launch.main(["--nproc-per-node", "1", "train.py"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "tpframe.launch: stopped by SIGINT (Ctrl-C) before the workers started"
+    ]
+
+
 def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkeypatch):
     """generate.py's `prepare` takes only world_size: the parent's pre-flight crashed importing it (its Plan
     dataclass, an unregistered module) and now runs it, as it runs train.py's."""

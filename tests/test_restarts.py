@@ -108,10 +108,10 @@ def _said(lines: list[str]) -> tuple[list[str], int]:
     return said, max(steps)
 
 
-def _killed_rank_1_restarts_once(tmp_path: Path, extra: list[str]) -> tuple[int, int]:
+def _killed_rank_1_restarts_once(tmp_path: Path, extra: list[str], options=()) -> tuple[int, int]:
     """2 workers, kill -9 of rank 1 at step 6, --max-restarts 1: the run finishes with one launcher line naming the
     restart; (the last step the first start logged, the step the restart resumed from)."""
-    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1", extra=extra)
+    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1", *options, extra=extra)
     lines = _run(proc, kill_at=6, local_rank=1)
     assert proc.returncode == 0, lines[-30:]
     said, died = _said(lines)
@@ -183,6 +183,48 @@ def test_a_restart_resumes_from_the_snapshot_in_host_memory_newer_than_the_disk_
     checkpoints = tmp_path / "run" / "checkpoints"
     assert [p.name for p in sorted(checkpoints.glob("step_*"))] == [f"step_{s:08d}" for s in (4, 8, 12)]
     assert not snapshot_root(checkpoints).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [(), ("--no-check",)])
+def test_the_restart_line_names_the_loaded_checkpoint_the_workers_resume_from(tmp_path, options):
+    """checkpoint.load of another run's step 4 and nothing saved yet in this one: the restart resumes from step 4, as
+    the line says (--no-check: from what rank 0's checkpointer published, with no pre-flight in the launcher)."""
+    source = tmp_path / "source"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    args = merge_overrides(["train.py", *ARGS[1:]], ["train.steps=4", "checkpoint.save_at_end=true"])
+    args.append(f"train.run_dir={source}")
+    subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, check=True, timeout=120)
+    died, resumed = _killed_rank_1_restarts_once(tmp_path, [f"checkpoint.load={source}/checkpoints"], options)
+    assert resumed == 4 and died < 2 * INTERVAL, (resumed, died)
+
+
+def _started(launcher_pid: int) -> bool:
+    return any((task / "children").read_text().split() for task in Path(f"/proc/{launcher_pid}/task").iterdir())
+
+
+@pytest.mark.parametrize("when", ["start-up", pytest.param("restart", marks=pytest.mark.slow)])
+def test_sigterm_while_the_workers_start_stops_them_cleanly_and_exits_0(tmp_path, when):
+    """SIGTERM to the launcher as its workers start, the first time or after a restart: train.py records it from its
+    first line (the agent signals workers spawned after it too), so they save at the end of their first step or
+    stop; none is named dead of it, and the launch exits 0."""
+    proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1")
+    lines, deadline = [], time.monotonic() + 120
+    try:
+        for line in proc.stdout if when == "restart" else ():
+            lines.append(line.rstrip("\n"))
+            if lines[-1].replace(" ", "").startswith("step2/"):
+                os.kill(_worker(proc.pid, 1), signal.SIGKILL)
+            if lines[-1].startswith("tpframe.launch: rank 1 died of signal 9"):
+                break
+        while not _started(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.communicate(timeout=120)[0].splitlines()
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "signal 15" not in "\n".join(lines) and "Traceback" not in "\n".join(lines), lines
+    assert sum(line.startswith("tpframe.launch: SIGTERM forwarded") for line in lines) == 1, lines
 
 
 def test_a_mistake_the_workers_find_is_not_retried(tmp_path):

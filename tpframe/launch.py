@@ -113,14 +113,29 @@ class LaunchError(Exception):
 
 def _count_range(option: str, raw: str) -> range:
     """`N` or `MIN:MAX` (both at least 1) as a range."""
-    low, _, high = raw.partition(":")
+    low, colon, high = raw.partition(":")
     try:
-        counts = range(int(low), int(high or low) + 1)
+        counts = range(int(low), int(high if colon else low) + 1)
     except ValueError:
         counts = range(0)
     if not counts or counts.start < 1:
         raise LaunchError(f"{option}={raw} must be a count N or a range MIN:MAX of counts of at least 1")
     return counts
+
+
+def _check_endpoint(raw: str) -> None:
+    """--rdzv-endpoint is HOST:PORT (c10d reads a missing port as 29400): refused here, not after the pre-flight."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        port = parse_rendezvous_endpoint(raw, default_port=29400)[1]
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise LaunchError(
+            f"--rdzv-endpoint={raw} must be HOST:PORT: node 0's host name or address and a TCP port in 1..65535 "
+            "(an IPv6 address in brackets: [::1]:29500)"
+        )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -155,6 +170,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise LaunchError(f"--node-rank={args.node_rank} must be in 0..{args.nodes[-1] - 1} (--nnodes={args.nnodes})")
     if args.nodes[-1] > 1 and not args.rdzv_endpoint:
         raise LaunchError("several nodes meet at node 0: give --rdzv-endpoint HOST:PORT (the same on every node)")
+    if args.rdzv_endpoint:
+        _check_endpoint(args.rdzv_endpoint)
     if why := not_a_file(args.script):
         raise LaunchError(f"training script {args.script!r} {why}")
     return args
@@ -192,10 +209,10 @@ def preflight(script: str, script_args: list[str], world_size: int, rank: int = 
     return prepare(script_args, **{k: v for k, v in options.items() if k in accepted})
 
 
-def check_worlds(args) -> tuple[list[int], Path | None]:
+def check_worlds(args) -> tuple[list[int], Path | None, int | None]:
     """The pre-flight at every world the launch may run (ConfigError at the largest, or at any node count of
-    --nnodes MIN:MAX); returns the worker counts of this node the layout allows, largest first, and the run's
-    checkpoints folder."""
+    --nnodes MIN:MAX); returns the worker counts of this node the layout allows, largest first, the run's
+    checkpoints folder and the step the workers resume from."""
     from tpframe.errors import ConfigError
 
     nproc, last = args.procs[-1], args.node_rank > 0  # node 0 checks as rank 0 (it probes the run's lock)
@@ -216,10 +233,11 @@ def check_worlds(args) -> tuple[list[int], Path | None]:
             continue
     cfg = prepared[0] if isinstance(prepared, tuple) and hasattr(prepared[0], "checkpoint") else None
     if cfg is None:
-        return sizes, None
+        return sizes, None, None
     from tpframe.checkpoint.files import checkpoint_root
 
-    return sizes, checkpoint_root(cfg)
+    meta = prepared[-1][1]  # train.py's `prepare` ends with (checkpoint, its meta) or (None, None)
+    return sizes, checkpoint_root(cfg), meta["train"]["step"] if meta else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,18 +251,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    sizes, checkpoints = [n for n in reversed(args.procs)], None
-    if not args.no_check:
-        from tpframe.errors import ConfigError
+    sizes, checkpoints, start = [n for n in reversed(args.procs)], None, None
+    from tpframe.errors import ConfigError
 
-        try:
-            sizes, checkpoints = check_worlds(args)
-        except ConfigError as e:
-            print(f"tpframe: config error: {e}", file=sys.stderr, flush=True)
-            if args.nodes[-1] > 1:
-                close_rendezvous(args)  # the other nodes stop too, instead of waiting for this one
-            return 2
-    return launch(args, local_sizes=sizes, checkpoints=checkpoints)
+    try:
+        if not args.no_check:
+            sizes, checkpoints, start = check_worlds(args)
+        return launch(args, local_sizes=sizes, checkpoints=checkpoints, start=start)
+    except ConfigError as e:
+        print(f"tpframe: config error: {e}", file=sys.stderr, flush=True)
+        if args.nodes[-1] > 1:
+            close_rendezvous(args)  # the other nodes stop too, instead of waiting for this one
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the workers start (then torchelastic's handler takes SIGINT)
+        print("tpframe.launch: stopped by SIGINT (Ctrl-C) before the workers started", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -216,6 +216,7 @@ def check_compatible(cfg, meta: dict[str, Any]) -> None:
 SNAPSHOTS = Path("/dev/shm/tpframe")  # host memory (Linux's tmpfs): checkpoint.snapshot_interval's copies
 SNAPSHOT_LATEST = "latest.json"
 JOB_ENV = "TORCHELASTIC_RUN_ID"  # one launch: a snapshot serves only the restarts of the launch that wrote it
+CHECKPOINTS_KEY = "tpframe/checkpoints"  # the job store's "<step resumed from, or -1> <folder>", for the launcher
 
 
 def snapshot_root(root: Path) -> Path:

@@ -61,6 +61,7 @@ _COMM_ERRORS = (
 )
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe")  # a peer's process ended
+_STORE_GONE = (*_PEER_GONE, "connection was likely closed")  # the store's host ended
 
 
 class CommFailure(RuntimeError):
@@ -125,7 +126,7 @@ class Heartbeat:
         now = time.monotonic()
         self.peers = {r: Peer(changed=now) for r in range(self.world) if r != self.rank}
         self.counter = 0
-        self.store_ok_at = now
+        self.store_ok_at, self.store_gone = now, False
         self.lock = threading.Lock()
         self.reported = False
         self._stop = threading.Event()
@@ -177,23 +178,29 @@ class Heartbeat:
         """How long this rank's oldest uncompleted collective has waited (0 without one)."""
         return max((time.monotonic() - since for _, since in self.waiting.values()), default=0.0)
 
+    def _exchange(self, keys: list[str]) -> None:
+        """Publish this rank's beat and read the peers'. A store whose host has ended is not asked again (each try
+        logs C++ frames): the peers' silence is judged by its age."""
+        try:
+            self._publish()
+            if keys and self.store.check(keys):
+                values = self.store.multi_get(keys)
+                now = time.monotonic()
+                for r, raw in zip(self.peers, values):
+                    counter, step, phase, groups = parse_beat(raw)
+                    peer = self.peers[r]
+                    if int(counter) != peer.counter:
+                        peer.counter, peer.step, peer.phase, peer.changed = int(counter), int(step), phase, now
+                        peer.groups = flight.parse_status(groups)
+            self.store_ok_at = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - the store itself is unreachable: judged by its age
+            self.store_gone = any(s in str(e).lower() for s in _STORE_GONE)
+
     def _loop(self) -> None:
         keys = [str(r) for r in self.peers]
         while not self._stop.wait(self.period):
-            try:
-                self._publish()
-                if keys and self.store.check(keys):
-                    values = self.store.multi_get(keys)
-                    now = time.monotonic()
-                    for r, raw in zip(self.peers, values):
-                        counter, step, phase, groups = parse_beat(raw)
-                        peer = self.peers[r]
-                        if int(counter) != peer.counter:
-                            peer.counter, peer.step, peer.phase, peer.changed = int(counter), int(step), phase, now
-                            peer.groups = flight.parse_status(groups)
-                self.store_ok_at = time.monotonic()
-            except Exception:  # noqa: BLE001 - the store itself is unreachable: judged below by its age
-                pass
+            if not self.store_gone:
+                self._exchange(keys)
             silent = self.silent(SILENCE * self.timeout_s)
             # all alive, a collective that never ends (seen here up to a period after it began, checked each period)
             hung = self._collective_waited() > SILENCE * self.timeout_s - 2 * self.period

@@ -32,9 +32,11 @@ from pathlib import Path
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from tpframe.checkpoint.files import latest_step, newer_snapshot, snapshot_root
+from tpframe.checkpoint.files import CHECKPOINTS_KEY, latest_step, newer_snapshot, snapshot_root
 from tpframe.parallel.heartbeat import parse_beat
+from tpframe.run import LAUNCHER_PID_ENV
 
 STOP_GRACE_S = 300  # how long stopped workers get to save before SIGKILL
 TPFRAME_CODES = {
@@ -48,6 +50,7 @@ NOT_RETRIED = (2, 3, 5)  # a restart would repeat them
 _STORE_KEY = "tpframe/worker_store"
 # tpframe.parallel.heartbeat's key in the workers' store, under torch's prefixes of the default group's store
 _HEARTBEAT_KEY = "default_pg/0//tpframe/heartbeat//{}"
+_CHECKPOINTS_KEY = "default_pg/0//" + CHECKPOINTS_KEY  # rank 0's checkpointer: "<step resumed from, or -1> <folder>"
 
 
 def say(line: str) -> None:
@@ -72,23 +75,27 @@ class Death:
 
 
 class Agent(LocalElasticAgent):
-    def __init__(self, spec, logs_specs, *, local_sizes: list[int], checkpoints: Path | None, single_node: bool):
+    def __init__(
+        self, spec, logs_specs, *, local_sizes: list[int], checkpoints: Path | None, start: int | None, single_node
+    ):
+        """`checkpoints`: the run's checkpoint folder (None: learnt from the workers); `start`: the step the first start
+        resumes from (checkpoint.load or `latest`), where a restart resumes too while the run has saved nothing."""
         super().__init__(spec, logs_specs, start_method="spawn")
-        self.local_sizes, self.checkpoints, self.single_node = local_sizes, checkpoints, single_node
+        self.local_sizes, self.checkpoints, self.start, self.single_node = local_sizes, checkpoints, start, single_node
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.slots = visible.split(",") if visible else [str(i) for i in range(local_sizes[0])]
         self.out: set[str] = set()  # slots sitting out after their worker died
         self.deaths: list[Death] = []
         self.killed: set[int] = set()
         self.worker_store: TCPStore | None = None
-        self.stopping = False  # a forwarded SIGTERM/SIGUSR1/SIGINT: no restart, no growth
-        self.attempt, self.resumed_at = 0, self._latest_step()
+        self.stopping = False  # a forwarded SIGTERM/SIGUSR1/SIGINT, or node 0 gone: no restart, no growth
+        self.attempt, self.resumed_at = 0, start
 
     def run(self, role: str = DEFAULT_ROLE):
         try:
             return super().run(role)
-        finally:  # the launch is over: no restart will read its snapshots; their host memory back
-            if self.checkpoints is not None:
+        finally:  # the launch is over: no restart will read its snapshots (one node only); their host memory back
+            if self.single_node and self._learn_checkpoints() is not None:
                 shutil.rmtree(snapshot_root(self.checkpoints), ignore_errors=True)
 
     # -- a fresh store per attempt ---------------------------------------------------------------------------
@@ -120,9 +127,9 @@ class Agent(LocalElasticAgent):
         codes = {lr: h.proc.poll() for lr, h in handlers.items()}
         seen = {d.local_rank for d in self.deaths} | self.killed
         new = [lr for lr, code in codes.items() if code not in (None, 0) and lr not in seen]
-        for lr in new:
+        for lr in new:  # tpframe's own exit printed its step (and the store may have gone with a peer's node)
             rank = group.workers[lr].global_rank
-            self.deaths.append(Death(rank, lr, codes[lr], self._step_of(rank)))
+            self.deaths.append(Death(rank, lr, codes[lr], "" if codes[lr] in TPFRAME_CODES else self._step_of(rank)))
         if new:  # the rest cannot finish a collective without it
             for lr, code in codes.items():
                 if code is None:
@@ -161,18 +168,29 @@ class Agent(LocalElasticAgent):
                     group,
                     f"{death.describe() if death else 'a worker failed'}; restart {n} of {group.spec.max_restarts}",
                 )
-            elif not self.stopping and group.spec.rdzv_handler.num_nodes_waiting() > 0:
-                self._restart(group, "a node joined: the workers saved and stopped; restart")
+            elif not self.stopping and self._nodes_waiting(group):
+                self._restart(group, "a node joined (or restarted its workers)", planned=True)
             elif not self.stopping and self._capacity_back():
-                self._restart(group, "the slots are back: the workers saved and stopped; restart")
+                self._restart(group, "the slots are back", planned=True)
+
+    def _nodes_waiting(self, group: WorkerGroup) -> bool:
+        """Whether a node waits to join. Node 0's store unreachable (it has gone): no restart can meet, so none is
+        tried; the workers here end on their own, with their own line."""
+        try:
+            return group.spec.rdzv_handler.num_nodes_waiting() > 0
+        except RendezvousError:
+            self.stopping = True
+            return False
 
     def _current_slots(self) -> list[str]:
         return [s for s in self.slots if s not in self.out][: self._worker_group.spec.local_world_size]
 
     def _capacity_back(self) -> bool:
         """A slot sat out and a checkpoint was saved since: try the full count again."""
+        if not self.out:
+            return False
         latest = self._latest_step()  # on disk: a snapshot serves only the world it was taken at
-        if not self.out or latest is None or (self.resumed_at is not None and latest <= self.resumed_at):
+        if latest is None or (self.resumed_at is not None and latest <= self.resumed_at):
             return False
         self.out.clear()
         return True
@@ -180,11 +198,25 @@ class Agent(LocalElasticAgent):
     def _latest_step(self, world: int | None = None) -> int | None:
         """The run's `latest` step; with `world`, the step a restart at that world resumes from: `latest`, or this
         launch's newer snapshot in host memory when it was taken at that world."""
-        if self.checkpoints is None:
-            return None
+        root = self._learn_checkpoints()
+        if root is None:
+            return self.start
         job = self._worker_group.spec.rdzv_handler.get_run_id()
-        snapshot = newer_snapshot(self.checkpoints, job, world) if world is not None else None
-        return snapshot[1]["step"] if snapshot is not None else latest_step(self.checkpoints)
+        snapshot = newer_snapshot(root, job, world) if world is not None else None
+        step = snapshot[1]["step"] if snapshot is not None else latest_step(root)
+        return self.start if step is None else step
+
+    def _learn_checkpoints(self) -> Path | None:
+        """The run's checkpoint folder; under --no-check (no pre-flight), as rank 0's checkpointer published it, with
+        the step it resumed from."""
+        if self.checkpoints is None and self.worker_store is not None:
+            try:
+                if self.worker_store.check([_CHECKPOINTS_KEY]):
+                    step, root = self.worker_store.get(_CHECKPOINTS_KEY).decode().split(" ", 1)
+                    self.checkpoints, self.start = Path(root), (int(step) if int(step) >= 0 else None)
+            except Exception:  # noqa: BLE001 - not published (another script, a worker that died first): unknown
+                pass
+        return self.checkpoints
 
     def _size(self) -> int:
         """The largest allowed worker count of the slots in service (all of them when none fits)."""
@@ -203,7 +235,12 @@ class Agent(LocalElasticAgent):
 
     def _start_workers(self, group: WorkerGroup):
         os.environ["TPFRAME_ATTEMPT"] = str(self.attempt)  # > 0: the workers resume from the latest checkpoint
-        return super()._start_workers(group)
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        pids = super()._start_workers(group)
+        if self.stopping:  # a stop asked for while they were starting (the rendezvous, the spawn): theirs too
+            for pid in pids.values():
+                os.kill(pid, signal.SIGTERM)
+        return pids
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
         """Stop the workers (torchelastic's `_stop_workers` calls this): SIGTERM (live workers save and exit 0, a
@@ -216,9 +253,17 @@ class Agent(LocalElasticAgent):
         if self._pcontext:
             self._pcontext.close(death_sig, STOP_GRACE_S)
 
-    def _restart(self, group: WorkerGroup, why: str) -> None:
+    def _restart(self, group: WorkerGroup, why: str, *, planned: bool = False) -> None:
+        """Stop the workers and start them again; `planned`: asked to save and stop (SIGTERM), the line says whether
+        they did. A stop asked for meanwhile: no new workers; the loop then ends with how the stopped ones ended."""
         self._stop_workers(group)
         group.state = WorkerState.STOPPED
+        if self.stopping:
+            return
+        if planned:
+            handlers = getattr(self._pcontext, "subprocess_handlers", {}) or {}
+            saved = all(h.proc.poll() == 0 for h in handlers.values())
+            why += f": the workers {'saved and stopped' if saved else 'stopped without saving'}; restart"
         self.attempt += 1
         before, after = group.spec.local_world_size, self._size()
         self.resumed_at = self._latest_step(after if self.single_node else None)

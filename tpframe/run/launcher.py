@@ -78,7 +78,7 @@ def _forward(agent: Agent):
     return forward
 
 
-def launch(args, *, local_sizes: list[int], checkpoints: Path | None) -> int:
+def launch(args, *, local_sizes: list[int], checkpoints: Path | None, start: int | None = None) -> int:
     """Run the workers to their end; the exit code (0, a worker's tpframe code, 1, 128 + a signal)."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -89,20 +89,22 @@ def launch(args, *, local_sizes: list[int], checkpoints: Path | None) -> int:
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM/SIGUSR1: forwarded
     if args.nodes[-1] * local_sizes[0] > 1:  # as torchrun does: N processes with every core's threads would thrash
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spec = WorkerSpec(
-        role="default",
-        local_world_size=local_sizes[0],
-        entrypoint=sys.executable,
-        args=("-u", args.script, *args.script_args),
-        rdzv_handler=_rendezvous(args),
-        max_restarts=args.max_restarts,
-        monitor_interval=0.1,
-    )
-    single = args.nodes[-1] == 1
-    agent = Agent(spec, DefaultLogsSpecs(), local_sizes=local_sizes, checkpoints=checkpoints, single_node=single)
-    for sig in FORWARDED:
-        signal.signal(sig, _forward(agent))
+    single, agent = args.nodes[-1] == 1, None
     try:
+        spec = WorkerSpec(
+            role="default",
+            local_world_size=local_sizes[0],
+            entrypoint=sys.executable,
+            args=("-u", args.script, *args.script_args),
+            rdzv_handler=_rendezvous(args),
+            max_restarts=args.max_restarts,
+            monitor_interval=0.1,
+        )
+        agent = Agent(
+            spec, DefaultLogsSpecs(), local_sizes=local_sizes, checkpoints=checkpoints, start=start, single_node=single
+        )
+        for sig in FORWARDED:
+            signal.signal(sig, _forward(agent))
         result = agent.run()
     except SignalException as e:
         spec.rdzv_handler.shutdown()  # the other nodes stop too, instead of waiting for this one
@@ -112,7 +114,11 @@ def launch(args, *, local_sizes: list[int], checkpoints: Path | None) -> int:
         say("the run was refused on another node (its launcher printed why); nothing was started here")
         return 2
     except RendezvousError as e:
-        say(f"the nodes did not meet at --rdzv-endpoint {args.rdzv_endpoint}: {str(e).splitlines()[0][:200]}")
+        cause = str(e.__cause__ or e).strip().splitlines()[0][:200]
+        if getattr(agent, "_pcontext", None) is None:  # no worker started
+            say(f"the nodes did not meet at --rdzv-endpoint {args.rdzv_endpoint}: {cause}")
+        else:
+            say(f"node 0's rendezvous at {args.rdzv_endpoint} is gone ({cause}): no restart; see the workers' lines")
         return 4
     if result is None or not result.is_failed():
         return 0  # every node passed the exit barrier: nothing to close
@@ -120,5 +126,8 @@ def launch(args, *, local_sizes: list[int], checkpoints: Path | None) -> int:
     death = agent.root_cause()
     if death is not None and death.code in TPFRAME_CODES:  # the worker printed its line
         return death.code
+    if agent.stopping and death is not None and -death.code in FORWARDED:  # it landed before train.py could take it
+        say(f"the workers ended on the forwarded {signal.Signals(-death.code).name} before they could save")
+        return 0
     say(f"{death.describe() if death else 'a worker failed'}; its output is above")
     return 1
