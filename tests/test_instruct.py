@@ -239,6 +239,26 @@ def test_long_examples_are_skipped_and_counted_and_the_end_token_may_not_appear_
     assert out.returncode == 2 and "in.jsonl:1 holds the end-of-document token 256 inside the example" in out.stderr
 
 
+def test_a_model_eod_id_other_than_the_end_of_document_token_of_the_data_is_refused(tmp_path):
+    """model.eod_id=10 on instruction data ended by byte 0 would pack no example apart from the next: refused in one
+    line before anything is written; the data's own token given explicitly is kept."""
+    import train
+    from tests.training_utils import TINY, merge_overrides
+    from tpframe.errors import ConfigError
+
+    records = [{"prompt": f"what is {i} + {i}? ", "completion": f"{2 * i}"} for i in range(40)]
+    assert _prepare(tmp_path, records, "--seq-len", "32").returncode == 0
+    base = merge_overrides(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")], TINY, ["parallel.tp=1",
+                           "data.source=tokens", f"data.path={tmp_path}/sft.bin", "model.attention_mask=document",
+                           f"train.run_dir={tmp_path}/run"])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        train.prepare(merge_overrides(base, ["model.eod_id=10"]), world_size=1, rank=0)
+    message = f"model.eod_id=10, but data.path='{tmp_path}/sft.bin' ends each packed example with token 0"
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "run").exists()
+    assert train.prepare(merge_overrides(base, ["model.eod_id=0"]), world_size=1, rank=0)[0].model.eod_id == 0
+
+
 def _step_loss_and_reference(tmp: str, data: str):
     """train.py's first loss on the instruction data, and a plain per-token cross entropy of the same initial model
     on the same micro-batches with every true next token as label, averaged over the tokens the mask keeps or over

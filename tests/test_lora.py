@@ -124,6 +124,8 @@ BAD_KEYS = [
     (["optim.lora_rank=4", "checkpoint.init_from="], "trains adapters on a frozen base model"),
     (["optim.lora_rank=4", "parallel.sequence_parallel=true", "parallel.async_tp=true"], "parallel.async_tp=true:"),
     (["optim.lora_rank=4", "model.moe_experts=4"], "no adapters for mixture-of-experts models"),
+    (["optim.lora_targets=[qkv]"], "optim.lora_targets set LoRA's adapters, but optim.lora_rank is null"),
+    (["optim.lora_alpha=32"], "optim.lora_alpha set LoRA's adapters, but optim.lora_rank is null"),
 ]
 
 

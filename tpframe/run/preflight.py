@@ -399,6 +399,13 @@ def resolve_loss_mask(cfg, train_data) -> None:
             f"data.path={cfg.data.path!r} holds packed instruction examples (tools/prepare_data.py --seq-len): set "
             "model.attention_mask=document, so that no example attends to another"
         )
+    eot = train_data.streams[0].eot_id
+    if cfg.model.eod_id is not None and cfg.model.eod_id != eot:
+        raise ConfigError(
+            f"model.eod_id={cfg.model.eod_id}, but data.path={cfg.data.path!r} ends each packed example with token "
+            f"{eot} (its sidecar's eot_id): the examples would not be told apart; leave model.eod_id out (it is taken "
+            "from the data)"
+        )
     cfg.data.eod_mask_loss = True
     from tpframe.parallel.graphed import cuda_graph_obstacle
 
