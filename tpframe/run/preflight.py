@@ -445,6 +445,7 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
     if meta is None:
         return
     from tpframe.checkpoint.files import CheckpointError, check_compatible
+    from tpframe.checkpoint.init_from import check_base
 
     try:
         check_compatible(cfg, meta)
@@ -460,6 +461,8 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
             "the same settings, or start a new run (a new train.run_dir; checkpoint.init_from "
             "for the weights)"
         )
+    if cfg.optim.lora_rank is not None and cfg.checkpoint.init_from:  # the adapters' base is loaded again
+        check_base(cfg.checkpoint.init_from, meta.get("lora_base"), f"checkpoint {str(path)!r}")
     try:
         train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
     except ValueError as e:
