@@ -250,6 +250,23 @@ def _sidecar(tok, dtype, inputs, digest, *, seq_len: int, rows: int, loss: int, 
     }
 
 
+def _write_rows(tmps: list[Path], packed, digest, *, eot_id: int, dtype) -> tuple[int, int, list]:
+    """Write `pack`'s rows to the token and mask files `tmps`; returns (rows, tokens with a loss, skipped examples:
+    (where, tokens))."""
+    rows, loss, skipped = 0, 0, []
+    with open(tmps[0], "wb") as f, open(tmps[1], "wb") as g:
+        for where, ids, mask in packed:
+            if mask is None:
+                skipped.append((where, len(ids)))
+                continue
+            rows, loss = rows + 1, loss + int(mask.sum())
+            write_ids(f, digest, ids)
+            g.write(mask.tobytes())
+        write_ids(f, digest, np.array([eot_id], dtype=dtype))  # the last row's last label
+        g.write(b"\0")
+    return rows, loss, skipped
+
+
 def write_instruction_file(
     inputs: list[str],
     out: str | Path,
@@ -274,7 +291,7 @@ def write_instruction_file(
     render = chat_renderer(source, {**tok.special, **special}, name=name) if source else None
     dtype, files = token_dtype(tok.vocab_size), (out, mask_path(out), sidecar_path(out))
     tmps = [temporary_name(p) for p in files]
-    digest, rows, loss, skipped, seen = hashlib.sha256(), 0, 0, [], [0]
+    digest, seen = hashlib.sha256(), [0]
     replaced = {} if replace_invalid else None
 
     def counted(items):
@@ -284,18 +301,8 @@ def write_instruction_file(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(tmps[0], "wb") as f, open(tmps[1], "wb") as g:
-            for where, ids, mask in pack(
-                counted(examples(inputs, tok, render, replaced=replaced)), seq_len, tok.eot_id, dtype
-            ):
-                if mask is None:
-                    skipped.append((where, len(ids)))
-                    continue
-                rows, loss = rows + 1, loss + int(mask.sum())
-                write_ids(f, digest, ids)
-                g.write(mask.tobytes())
-            write_ids(f, digest, np.array([tok.eot_id], dtype=dtype))  # the last row's last label
-            g.write(b"\0")
+        packed = pack(counted(examples(inputs, tok, render, replaced=replaced)), seq_len, tok.eot_id, dtype)
+        rows, loss, skipped = _write_rows(tmps, packed, digest, eot_id=tok.eot_id, dtype=dtype)
         if rows == 0:
             raise ValueError(f"no example of {', '.join(inputs)} fits in --seq-len {seq_len} tokens")
         meta = _sidecar(tok, dtype, inputs, digest, seq_len=seq_len, rows=rows, loss=loss, skipped=skipped)
