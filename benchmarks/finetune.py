@@ -128,7 +128,12 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(tempfile.mkdtemp(prefix="call-", dir=args.out))  # another call's runs (another shape) stay apart
     results = {}
-    for label, extra in (("LoRA", []), ("full fine-tuning", ["optim.lora_rank=null"])):
+    full = [
+        "optim.lora_rank=null",
+        "optim.lora_alpha=16",
+        "optim.lora_targets=[qkv,proj,fc1,fc2]",
+    ]  # LoRA keys: default
+    for label, extra in (("LoRA", []), ("full fine-tuning", full)):
         results[label] = run(args.config, args.gpus, out / label.replace(" ", "_"), common + extra)
     lines = [f"| {args.config}, {args.gpus} processes | tokens/s | peak memory per GPU (GiB) |", "|---|---|---|"]
     for label, r in results.items():

@@ -124,6 +124,8 @@ BAD_KEYS = [
     (["optim.lora_rank=4", "checkpoint.init_from="], "trains adapters on a frozen base model"),
     (["optim.lora_rank=4", "parallel.sequence_parallel=true", "parallel.async_tp=true"], "parallel.async_tp=true:"),
     (["optim.lora_rank=4", "model.moe_experts=4"], "no adapters for mixture-of-experts models"),
+    (["optim.lora_targets=[qkv]"], "optim.lora_targets set LoRA's adapters, but optim.lora_rank is null"),
+    (["optim.lora_alpha=32"], "optim.lora_alpha set LoRA's adapters, but optim.lora_rank is null"),
 ]
 
 
@@ -205,3 +207,42 @@ def test_merged_export_and_peft_adapter_give_tpframes_logits_in_transformers(tmp
     torch.testing.assert_close(merged, ours, atol=1e-5, rtol=0)
     torch.testing.assert_close(peft, ours, atol=1e-5, rtol=0)
     assert (plain - ours).abs().max() > 1e-3  # the adapters trained: not the base's logits
+
+
+def _train_lora(tmp: str, base: str) -> None:
+    train_in_process([*LLAMA, *LORA, f"checkpoint.init_from={base}", "parallel.tp=1", "train.steps=2",
+                      "checkpoint.save_at_end=true", f"train.run_dir={tmp}/r"])  # fmt: skip
+
+
+def test_a_lora_checkpoint_refuses_a_base_that_is_not_the_one_it_was_trained_on(tmp_path, capsys):
+    """The base's fingerprint is in the checkpoint: export (merged or PEFT) and resume refuse, in one line, a base
+    directory whose weights changed since (here one weight, same shapes and file size)."""
+    from safetensors.torch import load_file, save_file
+
+    import train
+    from tpframe.errors import ConfigError
+
+    base = write_base(str(tmp_path / "base"), LLAMA, hf=True)
+    run_distributed(_train_lora, 1, str(tmp_path), base, timeout=300)
+    step, tool = f"{tmp_path}/r/checkpoints/step_00000002", checkpoint_tool()
+    assert tool.main(["export", step, "--format", "peft", "--out", f"{tmp_path}/peft"]) == 0  # its own base
+    file = os.path.join(base, "model.safetensors")
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.01
+    size = os.path.getsize(file)
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert os.path.getsize(file) == size
+    capsys.readouterr()
+    message = f"the LoRA base '{base}' is not the one checkpoint '{step}' was trained on: model.safetensors has other"
+    for fmt, extra in (("hf", ["--merge-lora"]), ("peft", [])):
+        assert tool.main(["export", step, "--format", fmt, *extra, "--out", f"{tmp_path}/{fmt}2"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not os.path.exists(f"{tmp_path}/{fmt}2")
+    resume = [*LLAMA, *LORA, f"checkpoint.init_from={base}", "parallel.tp=1", "train.steps=4"]
+    resume += ["checkpoint.auto_resume=true", f"train.run_dir={tmp_path}/r"]
+    argv = merge_overrides(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")], TINY, resume)
+    with pytest.raises(ConfigError) as e:
+        train.prepare(argv, world_size=1, rank=0)
+    assert message.replace(f"'{step}'", f"'{tmp_path}/r/checkpoints/step_00000002'") in str(e.value), str(e.value)

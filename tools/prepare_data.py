@@ -104,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         f"document(s) of {meta['num_tokens'] / meta['num_documents']:,.0f} tokens on average (end-of-document "
         f"tokens included), to {args.out} and {sidecar_path(args.out)}"
     )
-    for path, n in meta.get("replaced_invalid_bytes", {}).items():
-        print(f"replaced {n:,} byte(s) that were not UTF-8 in {path} by U+FFFD (--replace-invalid)")
+    _print_replaced(meta)
     print(f"train on it with: data.source=tokens data.path={args.out} model.vocab_size={meta['vocab_size']}")
     return 0
+
+
+def _print_replaced(meta: dict) -> None:
+    for path, n in meta.get("replaced_invalid_bytes", {}).items():
+        print(f"replaced {n:,} byte(s) that were not UTF-8 in {path} by U+FFFD (--replace-invalid)")
 
 
 def _instruction_data(args, tokenizer: str | None, eot: str | None) -> int:
@@ -118,7 +122,14 @@ def _instruction_data(args, tokenizer: str | None, eot: str | None) -> int:
     directory = Path(args.tokenizer) if args.tokenizer and Path(args.tokenizer).is_dir() else None
     template = chat_template(directory, args.chat_template)
     meta = write_instruction_file(
-        args.inputs, args.out, tokenizer, seq_len=args.seq_len, eot_token=eot, template=template, force=args.force
+        args.inputs,
+        args.out,
+        tokenizer,
+        seq_len=args.seq_len,
+        eot_token=eot,
+        template=template,
+        force=args.force,
+        replace_invalid=args.replace_invalid,
     )
     rows = (meta["num_tokens"] - 1) // args.seq_len
     print(
@@ -130,6 +141,7 @@ def _instruction_data(args, tokenizer: str | None, eot: str | None) -> int:
             f"skipped {meta['skipped_too_long']:,} example(s) longer than --seq-len {args.seq_len} (the first: "
             f"{meta['first_skipped']})"
         )
+    _print_replaced(meta)
     print(
         f"train on it with: data.source=tokens data.path={args.out} train.seq_len={args.seq_len} "
         "model.attention_mask=document"

@@ -21,7 +21,7 @@ import torch
 from tpframe.checkpoint.export import CheckpointWeights, write_safetensors
 from tpframe.checkpoint.hf import rules
 from tpframe.checkpoint.hf_export import MARKER, foreign_export_dir, publish
-from tpframe.checkpoint.init_from import base_weights
+from tpframe.checkpoint.init_from import base_weights, check_base
 from tpframe.errors import ConfigError
 from tpframe.models.config import read_model_config
 from tpframe.paths import link_target, recorded_path, refuse_existing, temporary_name
@@ -38,6 +38,14 @@ def lora_of(meta: dict) -> dict | None:
     return {"rank": optim["lora_rank"], "alpha": optim["lora_alpha"], "targets": optim["lora_targets"], "base": base}
 
 
+def checked_lora(step_dir: Path, meta: dict) -> dict | None:
+    """lora_of(meta), its base checked to hold the weights the adapters were trained on (CheckpointError if not)."""
+    lora = lora_of(meta)
+    if lora is not None:
+        check_base(lora["base"], meta.get("lora_base"), f"checkpoint {str(step_dir)!r}")
+    return lora
+
+
 def _adapted(adapters: dict[str, torch.Tensor]) -> list[str]:
     """The base weights the adapters adapt: `<module>.weight` of each `<module>.lora_a`."""
     return sorted(name.removesuffix("lora_a") + "weight" for name in adapters if name.endswith(".lora_a"))
@@ -49,7 +57,7 @@ def model_tensors(step_dir: str | Path, *, merge_lora: bool = False) -> dict[str
     and for `merge_lora` on another."""
     weights = CheckpointWeights(step_dir)
     meta = json.loads((Path(step_dir) / "meta.json").read_text())
-    lora = lora_of(meta)
+    lora = checked_lora(step_dir, meta) if merge_lora else lora_of(meta)
     if lora is None and merge_lora:
         raise ConfigError(f"--merge-lora: checkpoint {str(step_dir)!r} has no LoRA adapters (optim.lora_rank unset)")
     if lora is None:
@@ -98,7 +106,7 @@ def export_peft(step_dir: str | Path, out_dir: str | Path, force: bool = False) 
     if not force and (why := foreign_export_dir(out_dir, PEFT_FILES)):
         refuse_existing(f"--out {str(out_dir)!r}", why)
     meta = json.loads((step_dir / "meta.json").read_text())
-    lora = lora_of(meta)
+    lora = checked_lora(step_dir, meta)
     if lora is None:
         raise ConfigError(f"--format peft: checkpoint {str(step_dir)!r} has no LoRA adapters (optim.lora_rank unset)")
     tensors, modules = peft_tensors(CheckpointWeights(step_dir).read_all(), read_model_config(meta["config"]["model"]))

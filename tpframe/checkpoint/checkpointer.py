@@ -82,6 +82,11 @@ class Checkpointer:
         self.health = health  # a StepGuard (tpframe/training/health.py): whether a step may be called healthy
         self.root = checkpoint_root(cfg)
         self.resume_path, self.resume_meta = resume
+        self.lora_base = None  # what a LoRA run's base held at its start (init_from.check_base compares it)
+        if cfg.optim.lora_rank is not None and cfg.checkpoint.init_from:
+            from tpframe.checkpoint.init_from import base_fingerprint
+
+            self.lora_base = base_fingerprint(cfg.checkpoint.init_from)
         self.loaded_from: Path | None = None
         # Bookkeeping runs over gloo groups of its own: object collectives need no GPU, and the
         # background writer of an async save must not share a group with the main thread.
@@ -280,6 +285,7 @@ class Checkpointer:
             "config": cfg.to_dict(),
             "cwd": os.getcwd(),  # what the config's relative paths are relative to (tpframe.paths.recorded_path)
             "healthy": self.health.healthy_since(self.last_saved_step) if self.health is not None else True,
+            **({"lora_base": self.lora_base} if self.lora_base is not None else {}),
         }
 
     def layout(self) -> dict[str, Any]:

@@ -93,6 +93,40 @@ def base_weights(path: str | Path, m: ModelConfig) -> Mapping[str, torch.Tensor]
     return safetensors_module().load_file(str(path))
 
 
+def base_fingerprint(path: str | Path) -> dict[str, list]:
+    """A cheap record of the weights an init_from source holds (a LoRA run's base): [size, sha256 of 64 blocks spread
+    over it (tpframe.data.tokenizer.sampled_sha256: 4 MiB read)] of each weight file, by its path under `path`."""
+    from tpframe.data.tokenizer import sampled_sha256
+
+    path = Path(path)
+    root = tpframe_checkpoint(path) or path
+    weights = (".safetensors", ".bin", ".distcp", ".index.json", "config.json", ".metadata")
+    files = [f for f in sorted(root.iterdir()) if f.is_file() and f.name.endswith(weights)] if root.is_dir() else []
+    files = [root] if root.is_file() else files
+    return {str(f.relative_to(path)) if f != path else f.name: [f.stat().st_size, sampled_sha256(f)] for f in files}
+
+
+def check_base(path: str | Path, recorded: dict | None, trained: str) -> None:
+    """CheckpointError naming what changed when the init_from source at `path` no longer holds the weights that
+    `recorded` (base_fingerprint; None: a checkpoint from before the record) says `trained` was trained on."""
+    if recorded is None:
+        return
+    now = base_fingerprint(path)
+    for name in sorted(recorded.keys() | now.keys()):
+        was, new = recorded.get(name), now.get(name)
+        if was != new:
+            what = (
+                "is missing" if new is None
+                else "is new" if was is None
+                else f"was {was[0]} bytes, is {new[0]}" if was[0] != new[0]
+                else "has other content (sampled sha256)"
+            )  # fmt: skip
+            raise CheckpointError(
+                f"the LoRA base {str(path)!r} is not the one {trained} was trained on: {name} {what}; restore that "
+                "base, or train new adapters on this one"
+            )
+
+
 def load_init_from(
     model: nn.Module, m: ModelConfig, path: str | Path, tp_rank: int, tp: int, *, partial: bool = False
 ) -> str:

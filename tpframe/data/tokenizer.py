@@ -31,6 +31,7 @@ from tpframe.paths import check_creatable, not_a_file, refuse_existing, temporar
 FORMAT = "tpframe.tokens/1"
 BYTE_SOURCES = ("synthetic", "stdlib")  # the data sources (data.source) that are byte-level: the embedded corpora
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<｜begin▁of▁sentence｜>")
 _TEXT_CHUNK = 1 << 20  # characters per text read: bounds memory on large files
 SAMPLE_BLOCKS, SAMPLE_BLOCK = 64, 1 << 16  # the sampled checksum: 4 MiB read whatever the file's size
 
@@ -57,15 +58,15 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB
     eot_id = EOD_BYTE
     info = {"kind": "bytes"}
+    special = {}  # a chat template's eos_token, bos_token: none
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8").replace(b"\0", b""), dtype=np.uint8)
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, the character each token starts in)."""
-        text = text.replace("\0", "")
-        sizes = [len(c.encode("utf-8")) for c in text]
-        return self.encode(text).astype(np.int64), np.repeat(np.arange(len(text)), sizes)
+        """(ids, [starts, ends]: the characters of `text` each token spans, its bytes' character; NULs: none)."""
+        starts = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) if c != "\0" else 0 for c in text])
+        return self.encode(text).astype(np.int64), np.array([starts, starts + 1])
 
     def decode(self, ids) -> str:
         """UTF-8 text of byte ids (an incomplete or invalid sequence becomes U+FFFD)."""
@@ -138,14 +139,18 @@ class HFTokenizer:
         eot_name, self.eot_id = found[0]
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         self.info = {"kind": "huggingface", "file": str(path), "sha256": digest, "eot_token": eot_name}
+        own = [
+            next((n for n in c if self._tok.token_to_id(n) is not None), None) for c in (EOT_CANDIDATES, BOS_CANDIDATES)
+        ]
+        self.special = {k: n for k, n in zip(("eos_token", "bos_token"), own) if n}  # what a chat template reads
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, the character each token starts at)."""
+        """(ids, [starts, ends]: the characters of `text` each token spans)."""
         enc = self._tok.encode(text, add_special_tokens=False)
-        return np.asarray(enc.ids, dtype=np.int64), np.asarray([a for a, _ in enc.offsets], dtype=np.int64)
+        return np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2).T
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -163,7 +168,7 @@ REPLACED = [0]  # bytes that were not UTF-8, replaced by iter_text(replace_inval
 codecs.register_error("tpframe.count", _count_and_replace)
 
 
-def _not_utf8(path: Path) -> str:
+def not_utf8(path: Path) -> str:
     with open(path, "rb") as f:
         head = f.read(8192)
     if head.startswith(b"\x1f\x8b"):
@@ -196,7 +201,7 @@ def iter_text(path: str | Path, jsonl_key: str = "text", *, replace_invalid: boo
                     yield chunk
                 yield None
     except UnicodeDecodeError:
-        raise ValueError(_not_utf8(path)) from None
+        raise ValueError(not_utf8(path)) from None
 
 
 def _jsonl_text(line: str, key: str, where: str) -> str:

@@ -67,6 +67,12 @@ def check_optim(o: OptimConfig) -> None:
             f"optim.lora_rank={o.lora_rank} must be a positive integer (the adapters' rank, e.g. 16), or null to "
             "train every parameter"
         )
+    given = [f"optim.{k}" for k in ("lora_alpha", "lora_targets") if getattr(o, k) != getattr(OptimConfig(), k)]
+    if o.lora_rank is None and given:
+        raise ConfigError(
+            f"{' and '.join(given)} set LoRA's adapters, but optim.lora_rank is null, which trains every parameter: "
+            "set optim.lora_rank (e.g. 16), or leave those keys out for a full fine-tune"
+        )
     if o.lora_rank is not None and (o.lora_alpha <= 0 or not o.lora_targets):
         raise ConfigError(
             f"optim.lora_alpha={o.lora_alpha} and optim.lora_targets={o.lora_targets} need a positive alpha and at "

@@ -399,6 +399,13 @@ def resolve_loss_mask(cfg, train_data) -> None:
             f"data.path={cfg.data.path!r} holds packed instruction examples (tools/prepare_data.py --seq-len): set "
             "model.attention_mask=document, so that no example attends to another"
         )
+    eot = train_data.streams[0].eot_id
+    if cfg.model.eod_id is not None and cfg.model.eod_id != eot:
+        raise ConfigError(
+            f"model.eod_id={cfg.model.eod_id}, but data.path={cfg.data.path!r} ends each packed example with token "
+            f"{eot} (its sidecar's eot_id): the examples would not be told apart; leave model.eod_id out (it is taken "
+            "from the data)"
+        )
     cfg.data.eod_mask_loss = True
     from tpframe.parallel.graphed import cuda_graph_obstacle
 
@@ -438,6 +445,7 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
     if meta is None:
         return
     from tpframe.checkpoint.files import CheckpointError, check_compatible
+    from tpframe.checkpoint.init_from import check_base
 
     try:
         check_compatible(cfg, meta)
@@ -453,6 +461,8 @@ def check_resume(cfg, path: Path | None, meta: dict | None, train_data) -> None:
             "the same settings, or start a new run (a new train.run_dir; checkpoint.init_from "
             "for the weights)"
         )
+    if cfg.optim.lora_rank is not None and cfg.checkpoint.init_from:  # the adapters' base is loaded again
+        check_base(cfg.checkpoint.init_from, meta.get("lora_base"), f"checkpoint {str(path)!r}")
     try:
         train_data.load_state_dict(meta["data"])  # the position is loaded again with the rest; this checks it
     except ValueError as e:
