@@ -143,6 +143,7 @@ def _kill_node_0_s_worker_at_step_2(nodes) -> None:
             return
 
 
+@pytest.mark.slow
 def test_a_node_whose_worker_is_killed_ends_the_other_with_its_worker_s_line_not_the_rendezvous(tmp_path):
     """kill -9 of node 0's only worker, no restarts: node 0 names it (exit 1); node 1's worker sees its peer gone and
     prints its own line (exit 4), and node 1's launcher adds nothing, though node 0's store is gone with it."""
