@@ -189,6 +189,19 @@ def test_the_loss_starts_where_the_turn_departs_from_the_generation_prompt(tmp_p
     assert bytes(_masked(tmp_path)[1]).decode() == "The answer is 4.<|eos|>"
 
 
+def test_a_template_reads_todays_date_as_transformers_gives_it(tmp_path):
+    """strftime_now: Llama 3.1's templates write the day's date into the system header (their fallback is a fixed
+    date, which would make the data disagree with transformers' apply_chat_template)."""
+    from datetime import datetime
+
+    (tmp_path / "t.jinja").write_text("{{ 'Today ' + strftime_now('%d %b %Y') + '.' }}" + R1)
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    out = _prepare(tmp_path, [{"messages": chat}], "--chat-template", str(tmp_path / "t.jinja"), "--seq-len", "64")
+    assert out.returncode == 0, out.stderr
+    today = f"Today {datetime.now().strftime('%d %b %Y')}."
+    assert bytes(_masked(tmp_path)[0][: len(today)]).decode() == today
+
+
 def test_a_chat_template_jinja_beside_the_tokenizer_is_its_template(tmp_path):
     d = _hf_dir(tmp_path, LLAMA3)
     config = json.loads((d / "tokenizer_config.json").read_text())

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,7 @@ def chat_renderer(template: str, special: dict[str, str], *, name: str = "the ch
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _Generation])
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.1's date line, as transformers
     try:
         compiled = env.from_string(template)
     except TemplateSyntaxError as e:
