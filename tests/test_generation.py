@@ -181,7 +181,24 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, caps
         "no prompts": ["--checkpoint", root],
         "--prompts": ["--checkpoint", root, "--prompts", str(tmp_path / "missing.txt")],
         "not a .safetensors export": ["--checkpoint", str(checkpoint / "checkpoints" / "latest"), "--prompt", "hi"],
+        # a run directory, a folder of step directories without `latest`: which path to pass instead
+        f"(no 'latest'); pass its checkpoints folder, {str(checkpoint / 'checkpoints')!r}": [
+            "--checkpoint",
+            str(checkpoint),
+            "--prompt",
+            "hi",
+        ],
+        f"(no 'latest'); pass one of its step directories, e.g. {str(tmp_path / 'steps' / 'step_00000009')!r}": [
+            "--checkpoint",
+            str(tmp_path / "steps"),
+            "--prompt",
+            "hi",
+        ],
     }
+    for step in ("step_00000002", "step_00000009"):
+        (tmp_path / "steps" / step).mkdir(parents=True)
+        (tmp_path / "steps" / step / "meta.json").write_text("{}")
+    (tmp_path / "steps" / "step_00000010").mkdir()  # no meta.json: an unfinished save
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers
 
