@@ -388,6 +388,17 @@ def test_a_bad_launch_environment_is_one_line_with_exit_code_2(env, needle, monk
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: ") and needle in err, err
 
 
+@pytest.mark.parametrize(
+    "name,body", [("p.txt", "The\r\n1 2 3 \r\n"), ("p.jsonl", '{"prompt": "The"}\n"1 2 3 "\n')], ids=["txt", "jsonl"]
+)
+def test_a_prompt_file_saved_with_a_byte_order_mark_reads_as_without(name, body, tmp_path):
+    """Notepad's UTF-8 BOM went into the first prompt as 3 bytes of U+FEFF (a .jsonl file: 'not valid JSON')."""
+    from tpframe.inference.text import read_prompts
+
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert read_prompts([], str(tmp_path / name)) == ["The", "1 2 3 "]
+
+
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1 2 3 "}\n"The cat"\n\n{"text": ""}\n')
