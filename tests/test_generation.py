@@ -181,7 +181,24 @@ def test_bad_input_is_one_clear_line_with_exit_code_2(checkpoint, tmp_path, caps
         "no prompts": ["--checkpoint", root],
         "--prompts": ["--checkpoint", root, "--prompts", str(tmp_path / "missing.txt")],
         "not a .safetensors export": ["--checkpoint", str(checkpoint / "checkpoints" / "latest"), "--prompt", "hi"],
+        # a run directory, a folder of step directories without `latest`: which path to pass instead
+        f"(no 'latest'); pass its checkpoints folder, {str(checkpoint / 'checkpoints')!r}": [
+            "--checkpoint",
+            str(checkpoint),
+            "--prompt",
+            "hi",
+        ],
+        f"(no 'latest'); pass one of its step directories, e.g. {str(tmp_path / 'steps' / 'step_00000009')!r}": [
+            "--checkpoint",
+            str(tmp_path / "steps"),
+            "--prompt",
+            "hi",
+        ],
     }
+    for step in ("step_00000002", "step_00000009"):
+        (tmp_path / "steps" / step).mkdir(parents=True)
+        (tmp_path / "steps" / step / "meta.json").write_text("{}")
+    (tmp_path / "steps" / "step_00000010").mkdir()  # no meta.json: an unfinished save
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers
 
@@ -369,6 +386,17 @@ def test_a_bad_launch_environment_is_one_line_with_exit_code_2(env, needle, monk
         monkeypatch.setenv(key, value)
     code, err = _cli(["--checkpoint", "x", "--prompt", "hi"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("tpframe: error: ") and needle in err, err
+
+
+@pytest.mark.parametrize(
+    "name,body", [("p.txt", "The\r\n1 2 3 \r\n"), ("p.jsonl", '{"prompt": "The"}\n"1 2 3 "\n')], ids=["txt", "jsonl"]
+)
+def test_a_prompt_file_saved_with_a_byte_order_mark_reads_as_without(name, body, tmp_path):
+    """Notepad's UTF-8 BOM went into the first prompt as 3 bytes of U+FEFF (a .jsonl file: 'not valid JSON')."""
+    from tpframe.inference.text import read_prompts
+
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert read_prompts([], str(tmp_path / name)) == ["The", "1 2 3 "]
 
 
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):

@@ -841,14 +841,19 @@ def _write(name, text):
     return edit
 
 
+SHARD = "model-00001-of-00001.safetensors"
+
+
 def _index(weight_map=None, text=None):
-    """model.safetensors.index.json: `text`, or a weight_map naming model.safetensors (or `weight_map(names)`)."""
+    """model.safetensors.index.json: `text`, or a weight_map naming the shard model.safetensors becomes (or
+    `weight_map(names)`)."""
 
     def edit(d: Path):
         from safetensors import safe_open
 
         with safe_open(str(d / "model.safetensors"), framework="pt") as f:
             names = list(f.keys())
+        (d / "model.safetensors").rename(d / SHARD)
         body = text if text is not None else json.dumps({"weight_map": weight_map(names)})
         (d / "model.safetensors.index.json").write_text(body)
 
@@ -950,8 +955,8 @@ BROKEN = {  # name: (directory, mutation, what the one line says)
     "index_no_weight_map": ("gpt2", _index(text="[]"), 'has no "weight_map" object'),
     "index_wrong_file": (
         "gpt2",
-        _index(lambda names: dict.fromkeys([*names, "x"], "model.safetensors")),
-        "puts 'x' in model.safetensors, which does not hold it",
+        _index(lambda names: dict.fromkeys([*names, "x"], SHARD)),
+        f"puts 'x' in {SHARD}, which does not hold it",
     ),
     "weights_truncated": (
         "gpt2",
@@ -1004,6 +1009,26 @@ def test_a_broken_hugging_face_directory_is_one_line_for_generate_and_inspect(ca
     assert _tool().main(["inspect", str(d)]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("tpframe: ") and says in err[0], err
+
+
+def test_model_safetensors_wins_over_a_stale_index_beside_it_as_in_transformers(hf_dirs, tmp_path):
+    """export --format hf --force onto a sharded model keeps its index and shards: generate.py and inspect read those
+    stale weights while transformers reads the new model.safetensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tpframe.checkpoint.hf import weight_files
+
+    d = tmp_path / "gpt2"
+    shutil.copytree(hf_dirs["gpt2"], d)
+    stale = {k: v * 2 for k, v in load_file(str(d / "model.safetensors")).items()}
+    save_file(stale, str(d / SHARD))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(stale, SHARD)}))
+    assert set(weight_files(d).values()) == {d / "model.safetensors"}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(d))
+    fresh = load_file(str(d / "model.safetensors"))
+    assert all(torch.equal(v, fresh[k]) for k, v in model.state_dict().items() if k in fresh)
 
 
 def test_what_generate_takes_from_an_unusual_hugging_face_directory(hf_dirs, tmp_path):

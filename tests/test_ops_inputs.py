@@ -1183,6 +1183,17 @@ TOOL_CASES = [
         "the following arguments are required: --out (see checkpoint.py export --help)",
     ),
     ("checkpoint", ["export", "{ckpt}", "--out", "{tmp}"], "is a directory; name the file"),
+    # an export or an HF directory as the input: what it is, not "neither a checkpoint (no meta.json) nor ..."
+    (
+        "checkpoint",
+        lambda t, s: ["export", _foreign_safetensors(t), "--out", f"{t}/o.safetensors"],
+        "theirs.safetensors' is a .safetensors file, not a training checkpoint: export reads a step directory",
+    ),
+    (
+        "checkpoint",
+        lambda t, s: ["export", _folder(t, "hf", {"config.json": "{}"}), "--format", "hf", "--out", f"{t}/o"],
+        "hf' is a Hugging Face model directory, not a training checkpoint",
+    ),
     ("checkpoint", ["export", "{ckpt}", "--out", ""], "is a directory; name the file"),
     ("checkpoint", ["export", "{ckpt}", "--out", "{file}/model.safetensors"], "cannot be created: '{file}' is a file"),
     (

@@ -156,6 +156,20 @@ def inspected(target: str) -> str:
     return inspect(resolve(path))
 
 
+def training_checkpoint(target: str) -> Path:
+    """export's input, a training checkpoint's step directory; an export or an HF directory is named as what it is."""
+    from tpframe.checkpoint.hf import is_hf_dir
+
+    path = Path(target)
+    if (path.is_file() and path.suffix == ".safetensors") or is_hf_dir(path):
+        kind = "a .safetensors file" if path.is_file() else "a Hugging Face model directory"
+        raise ConfigError(
+            f"{target!r} is {kind}, not a training checkpoint: export reads a step directory or a checkpoints root "
+            "(generate.py and checkpoint.init_from read it as it is)"
+        )
+    return resolve(path)
+
+
 def check_out(out: str, fmt: str, force: bool = False) -> None:
     """The export's destination: named as generate.py and checkpoint.init_from tell a consolidated file from an HF
     directory (the .safetensors suffix), writable, and holding nothing but an earlier export (unless `force`);
@@ -259,7 +273,7 @@ def main(argv=None) -> int:
         if args.command == "inspect":
             print(inspected(args.checkpoint))
         else:
-            path = resolve(args.checkpoint)
+            path = training_checkpoint(args.checkpoint)
             verify(path, "crc")
             print(export(path, args.out, args.format, args.force, args.merge_lora))
     except ConfigError as e:  # CheckpointError, HFMappingError, a usage mistake

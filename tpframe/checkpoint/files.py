@@ -76,8 +76,16 @@ def resolve(path: str | Path) -> Path:
         return path
     marker = path / LATEST
     if not marker.exists():
+        steps = sorted(p.name for p in path.glob("step_*") if (p / META).is_file())
+        hint = (
+            f"; pass one of its step directories, e.g. {str(path / steps[-1])!r}"
+            if steps
+            else f"; pass its checkpoints folder, {str(path / 'checkpoints')!r}"
+            if (path / "checkpoints").is_dir()
+            else ""
+        )
         raise CheckpointError(
-            f"{str(path)!r} is neither a checkpoint (no {META}) nor a checkpoint root (no '{LATEST}')"
+            f"{str(path)!r} is neither a checkpoint (no {META}) nor a checkpoint root (no '{LATEST}'){hint}"
         )
     try:
         name = marker.read_text(encoding="utf-8").strip()

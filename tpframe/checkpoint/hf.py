@@ -164,9 +164,10 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def weight_files(path: Path) -> dict[str, Path]:
     """{HF tensor name: the safetensors file holding it} of an HF directory (one file or an index), every file's
-    header read: HFMappingError naming the file that is missing, unreadable or not holding what the index says."""
+    header read: HFMappingError naming the file that is missing, unreadable or not holding what the index says.
+    model.safetensors wins over an index beside it, as in transformers (an export --force onto a sharded model)."""
     index = path / WEIGHTS_INDEX
-    if index.is_file():
+    if index.is_file() and not (path / WEIGHTS).is_file():
         files = _index_files(index)
         for file in sorted(set(files.values())):
             with safetensors_file(file) as f:

@@ -195,7 +195,7 @@ def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
         if not path.is_file():
             raise ConfigError(f"--prompts {file!r} " + ("is not a file" if path.exists() else "does not exist"))
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Notepad's) is not part of the text
         except UnicodeDecodeError as e:
             raise ConfigError(
                 f"--prompts {file!r} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})"
