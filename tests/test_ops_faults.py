@@ -578,6 +578,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_workers_of_a_killed_launcher_save_stop_and_free_the_run_dir(tmp_path):
     """kill -9 of the launcher: its workers get SIGTERM (Linux's parent-death signal), save and stop, and the run's
     lock is free for the next launch, instead of orphans training on to the end."""
