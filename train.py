@@ -366,9 +366,8 @@ def _resume_changes(cfg, meta: dict, trainer) -> list[str]:
     return [line for line in lines if line]
 
 
-def run(cfg, train_data, valid_data, resume=(None, None), *, signals: list[int] | None = None):
-    """Build the parallel state, model, strategy, trainer and checkpointer, then train (`signals`: SIGTERM/SIGUSR1
-    received so far, `_record_signals`'s). Returns the trainer."""
+def run(cfg, train_data, valid_data, resume=(None, None)):
+    """Build the parallel state, model, strategy, trainer and checkpointer, then train. Returns the trainer."""
     from tpframe.checkpoint.checkpointer import Checkpointer
     from tpframe.observe.flops import peak_tflops
     from tpframe.observe.logger import MetricsLogger
@@ -458,7 +457,6 @@ def run(cfg, train_data, valid_data, resume=(None, None), *, signals: list[int] 
             resume=resume,
             log=logger.info,
             health=trainer.guard,
-            signals=signals,
         )
         for kind, group in checkpointer.groups.items() if beat is not None else ():
             beat.watch(kind, group)  # a stop inside a save is named by its collective, like one in a step
@@ -510,21 +508,16 @@ def run(cfg, train_data, valid_data, resume=(None, None), *, signals: list[int] 
         destroy_parallel()
 
 
-def _record_signals() -> list[int]:
-    """SIGTERM/SIGUSR1 recorded from the start, not fatal before the checkpointer takes them over (it saves at the
-    first step's end after one); under tpframe.launch, SIGTERM when the launcher dies (Linux's parent-death signal):
-    an orphan saves and stops instead of training on and holding the run's lock."""
-    received: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: received.append(signum))
+def _stop_with_the_launcher() -> None:
+    """Under tpframe.launch, SIGTERM when the launcher dies (Linux's parent-death signal): an orphan saves and stops
+    (the checkpointer's handler) instead of training on and holding the run's lock; one already orphaned stops now."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher and sys.platform == "linux":
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
         if os.getppid() != int(launcher):  # it died before the prctl
-            received.append(signal.SIGTERM)
-    return received
+            signal.raise_signal(signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -536,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpframe.run.run_lock import locks_of
     from tpframe.training.health import TrainingAborted
 
-    signals = _record_signals()
+    _stop_with_the_launcher()
     try:
         rank = launch_env().rank
     except ConfigError:  # prepare says what is wrong with it, as rank 0
@@ -555,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             lock.release()
         return exits.config_error(str(e), rank)
     try:
-        run(*prepared, signals=signals)
+        run(*prepared)
     except ConfigError as e:  # found once the process groups exist (e.g. a model that builds only for real)
         exits.report(f"config error: {e}", show=rank == 0)
         return exits.EXIT_CONFIG

@@ -205,9 +205,9 @@ def _started(launcher_pid: int) -> bool:
 
 @pytest.mark.parametrize("when", ["start-up", pytest.param("restart", marks=pytest.mark.slow)])
 def test_sigterm_while_the_workers_start_stops_them_cleanly_and_exits_0(tmp_path, when):
-    """SIGTERM to the launcher as its workers start, the first time or after a restart: train.py records it from its
-    first line (the agent signals workers spawned after it too), so they save at the end of their first step or
-    stop; none is named dead of it, and the launch exits 0."""
+    """SIGTERM to the launcher as its workers start, the first time or after a restart: they stop (the agent signals
+    workers spawned after it too; before a step there is nothing to save); none is named dead of it, and the launch
+    exits 0."""
     proc = _launch(tmp_path, "--nproc-per-node=2", "--max-restarts=1")
     lines, deadline = [], time.monotonic() + 120
     try:

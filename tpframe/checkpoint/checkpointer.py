@@ -74,7 +74,6 @@ class Checkpointer:
         resume: tuple = (None, None),
         log: Callable[[str], None] = print,
         health=None,
-        signals: list[int] | None = None,
     ):
         self.cfg, self.parallel, self.log = cfg, parallel, log
         self.vocab_tensors = vocab_tensors  # logical names of the padded vocabulary tables (export trims them)
@@ -98,7 +97,9 @@ class Checkpointer:
         self.signal_received: int | None = None
         self.started = time.monotonic()  # train.time_limit_minutes counts from here
         self.last_saved_step = -1
-        self._take_signals(signals)
+        if cfg.checkpoint.save_on_signal:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._on_signal)
         self.snapshots = None  # checkpoint.snapshot_interval: this rank's copies in host memory
         if cfg.checkpoint.snapshot_interval:
             folder = snapshot_root(self.root)
@@ -109,19 +110,6 @@ class Checkpointer:
             remove_stale_partials(self.root)
             resumed = (self.resume_meta or {}).get("train", {}).get("step", -1)  # for the launcher's restart lines
             dist.distributed_c10d._get_default_store().set(CHECKPOINTS_KEY, f"{resumed} {self.root}")
-
-    def _take_signals(self, signals: list[int] | None) -> None:
-        """SIGTERM/SIGUSR1 save at the end of the step (checkpoint.save_on_signal), one received before this existed
-        (`signals`, which train.py's main records from its start) at the first step's; else they end the process."""
-        save = self.cfg.checkpoint.save_on_signal
-        if save or signals is not None:  # train.py's recorder replaced: the signals' default again
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._on_signal if save else signal.SIG_DFL)
-        for sig in signals or ():
-            if save:
-                self._on_signal(sig, None)
-            else:
-                signal.raise_signal(sig)
 
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = signum
