@@ -413,7 +413,6 @@ def run(cfg, train_data, valid_data, resume=(None, None)):
             state,
             bucket_mb=p.grad_bucket_mb,
             overlap_grad_sync=p.overlap_grad_sync,
-            overlap_param_gather=p.overlap_param_gather,
             compute_dtype=dtype,
             reduce_dtype=getattr(torch, p.grad_reduce_dtype),
         )

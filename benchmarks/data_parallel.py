@@ -52,7 +52,6 @@ ROWS = [  # (name, strategy, overlap_grad_sync, nproc: "1" = DP=1 baseline, "N" 
     ("ddp, overlap on, bf16 reduce", "ddp", True, "N", "bfloat16"),
     ("zero1", "zero1", True, "N", "float32"),
     ("zero1, bf16 reduce", "zero1", True, "N", "bfloat16"),
-    ("zero1, param all-gather overlapped (parallel.overlap_param_gather)", "zero1+gather", True, "N", "float32"),
     ("fsdp", "fsdp", True, "N", "float32"),
     ("fsdp, bf16 reduce", "fsdp", True, "N", "bfloat16"),
     # PyTorch's own DP on the same model (benchmarks/peer_dp.py), each divided by its own DP=1 row
@@ -78,8 +77,6 @@ def worker(strategy: str, overlap: bool, reduce_dtype: str = "float32") -> None:
 
     state = initialize_parallel(tp=1)
     cuda = state.device.type == "cuda"
-    gather_overlapped = strategy == "zero1+gather"  # zero1, its param all-gather waited for in the next forward
-    strategy = "zero1" if gather_overlapped else strategy
     H, L, NH, S, MB, ACCUM, STEPS = (
         env("HIDDEN", 2048),
         env("LAYERS", 24),
@@ -112,7 +109,6 @@ def worker(strategy: str, overlap: bool, reduce_dtype: str = "float32") -> None:
         overlap_grad_sync=overlap,
         compute_dtype=dtype,
         reduce_dtype=getattr(torch, reduce_dtype),
-        overlap_param_gather=gather_overlapped,
     )
 
     class RandomBatches:  # random tokens, a fresh batch every micro-step
@@ -187,7 +183,7 @@ def worker(strategy: str, overlap: bool, reduce_dtype: str = "float32") -> None:
     T = MB * ACCUM * S
     flops = 72 * L * H * H * T + 12 * L * H * S * T + 6 * H * V * T
     bf16 = "-bf16" * (reduce_dtype != "float32")
-    name = f"{strategy}{'-gather' * gather_overlapped}-overlap{int(overlap)}{bf16}-dp{state.dp}"
+    name = f"{strategy}-overlap{int(overlap)}{bf16}-dp{state.dp}"
     profiled = profile_step(step, os.environ.get("PROFILE"), name, state.rank, cuda, sync)
     if state.rank == 0:
         print(
@@ -252,7 +248,7 @@ def main() -> None:
     for name, strategy, overlap, n, reduce_dtype in ROWS:
         if only and name not in only:
             continue
-        if env("GRAPH", 0) == 1 and (strategy in ("fsdp", "zero1+gather") or strategy.startswith("peer:")):
+        if env("GRAPH", 0) == 1 and (strategy == "fsdp" or strategy.startswith("peer:")):
             print(f"{name}: skipped (GRAPH=1 graphs tpframe's ddp and zero1 steps only)", flush=True)
             continue
         procs = 1 if n.startswith("1") else nproc

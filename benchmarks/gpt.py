@@ -581,6 +581,7 @@ def compare(args) -> None:
             pending = fp8_jobs(key, tp if n_gpus > 1 else 1, args.tp)
         else:
             pending = recompute_jobs(tp) if args.recompute else jobs_for(key, peers, tp)
+        pending = [job for job in pending if re.search(args.only, job["label"])]
         while pending and time.time() < deadline - 20:
             left = deadline - time.time()
             job = pending.pop(0)
@@ -666,12 +667,13 @@ def report(args, rows: dict, tp: int) -> None:
             with open(args.results, "a") as f:
                 f.write("\n" + text + "\n")
         return
+    only = f"--only {args.only!r} " if args.only else ""
     lines = [
         f"## GPT throughput, tpframe vs the torch-native peers and Megatron-Core, {device}, "
         f"{datetime.date.today().isoformat()}",
         "",
         f"Command: `python benchmarks/gpt.py --compare --shapes {args.shapes} --tp {args.tp} "
-        f"--budget-s {args.budget_s:.0f}` (one device call; every job a subprocess on the same machine; single-GPU "
+        f"{only}--budget-s {args.budget_s:.0f}` (one device call; every job a subprocess on one machine; single-GPU "
         f"jobs two at a time, one per GPU). torch {torch.__version__}, bf16, forward+backward only (no optimizer), "
         "3 warm-up steps then 10 timed, random tokens, rotary positions everywhere. FLOPs per step = 72*L*H^2*T + "
         "12*L*H*S*T + 6*H*V*T (GPT shapes; the "
@@ -751,6 +753,7 @@ def main() -> None:
         "--peers", default=str(ROOT / ".peers"), help="folder with the peer scripts and wheels (Megatron-Core, torchao)"
     )
     p.add_argument("--layers", type=int, default=0, help="with --compare: this many blocks instead of the shape's")
+    p.add_argument("--only", default="", help="with --compare: the runs whose label matches this regex (e.g. TP=2)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout-s", type=float, default=240.0)
     p.add_argument(

@@ -363,14 +363,17 @@ def test_cuda_chunks_attend_like_the_whole_sequence_in_bf16(nkv, fused):
         assert (dk_sum - dk.float()).abs().max().item() < 0.25 and (dv_sum - dv.float()).abs().max().item() < 0.25, cp
 
 
+DOCS = ["model.attention_mask=document", "model.eod_id=10"]  # each line of the synthetic corpus a document
+
+
 def _cuda_train(tmp: str):
     out = {}
     for name, extra in (
         ("cp=1", ["parallel.cp=1", "train.micro_batch_size=2"]),
         ("cp=2", ["parallel.cp=2"]),
         ("cp=2 all_to_all", ["parallel.cp=2", A2A]),
-        ("cp=1 documents", ["parallel.cp=1", "train.micro_batch_size=2", "model.attention_mask=document"]),
-        ("cp=2 all_to_all documents", ["parallel.cp=2", A2A, "model.attention_mask=document"]),
+        ("cp=1 documents", ["parallel.cp=1", "train.micro_batch_size=2", *DOCS]),
+        ("cp=2 all_to_all documents", ["parallel.cp=2", A2A, *DOCS]),
     ):
         out[name] = [
             r["loss"]

@@ -184,10 +184,6 @@ BAD = [
     (["parallel.grad_bucket_mb=0"], "parallel.grad_bucket_mb=0.0 must be a positive number of MiB"),
     (["parallel.grad_bucket_mb=-3"], "parallel.grad_bucket_mb=-3.0 must be a positive number of MiB"),
     (
-        ["parallel.dp_strategy=fsdp", "parallel.overlap_param_gather=true"],
-        "parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got fsdp)",
-    ),
-    (
         ["parallel.grad_reduce_dtype=float16"],
         "parallel.grad_reduce_dtype='float16' is not allowed; choose one of 'float32', 'bfloat16'",
     ),
@@ -209,19 +205,18 @@ def test_bad_data_parallel_keys_are_one_line_and_exit_2(overrides, message, caps
     assert not (tmp_path / "run").exists()
 
 
-def test_zero1_overlapped_param_gather_equals_the_blocking_one(tmp_path):
+def test_zero1_overlapped_gradient_sync_equals_the_blocking_one(tmp_path):
     common = ["parallel.tp=1", "parallel.dp_strategy=zero1", "train.micro_batch_size=2"]
     losses = run_distributed(
         _runs,
         2,
         [
-            ("blocking", common),
-            ("overlap", [*common, "parallel.overlap_param_gather=true"]),
+            ("overlap", common),
             ("no-overlap", [*common, "parallel.overlap_grad_sync=false"]),
         ],
         str(tmp_path),
     )[0]
-    assert losses["overlap"] == losses["blocking"] == losses["no-overlap"]
+    assert losses["overlap"] == losses["no-overlap"]
 
 
 def test_checkpoint_moves_between_strategies_and_dp_sizes(tmp_path):

@@ -267,12 +267,11 @@ LAYOUTS = {
     "pp=2 x ep=2": ["parallel.pp=2", "parallel.ep=2", DP2, "train.compare_replicas_every=3"],
     "ep=2 full recompute": ["parallel.ep=2", "parallel.activation_checkpointing=full"],
     "ep=2 selective": ["parallel.ep=2", "parallel.activation_checkpointing=selective"],
-    # experts sharded over their 2 replicas, the rest over 4; small buckets, gathers overlapped with the forward
+    # experts sharded over their 2 replicas, the rest over 4; small buckets
     "ep=2 zero1": [
         "parallel.ep=2",
         "parallel.dp_strategy=zero1",
         "parallel.grad_bucket_mb=0.01",
-        "parallel.overlap_param_gather=true",
         "train.compare_replicas_every=3",
     ],
     "ep=2 fsdp": ["parallel.ep=2", "parallel.dp_strategy=fsdp"],  # each expert an FSDP unit over its 2 replicas

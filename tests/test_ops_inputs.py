@@ -382,14 +382,6 @@ CASES = [
         "train.cuda_graph cannot capture FSDP",
     ),
     (
-        "cuda-graph-param-gather",
-        lambda t, s: (
-            ["train.cuda_graph=true", "parallel.dp_strategy=zero1", "parallel.overlap_param_gather=true"],
-            {},
-        ),
-        "set parallel.overlap_param_gather=false",
-    ),
-    (
         "cuda-graph-pipeline",
         lambda t, s: (["train.cuda_graph=true", "parallel.pp=2"], {"WORLD_SIZE": "2"}),
         "train.cuda_graph graphs the non-pipelined step",

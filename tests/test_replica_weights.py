@@ -41,13 +41,12 @@ def _main_and_dir(args, tmp):
 
 
 def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
-    """TP=2 x DP=2, zero1 with the all-gather overlapped: compared every 2 steps, the same losses as without."""
+    """TP=2 x DP=2, zero1: compared every 2 steps, the same losses as without."""
     args = [
         *ARGS,
         "parallel.tp=2",
         "parallel.sequence_parallel=true",
         "parallel.dp_strategy=zero1",
-        "parallel.overlap_param_gather=true",
         "train.global_batch_size=8",
     ]
     with_check = run_distributed(_main_and_dir, 4, [*args, "train.compare_replicas_every=2"], tmp_path / "on")

@@ -38,7 +38,8 @@ def _launch(tmp_path: Path, *options: str, extra=()) -> subprocess.Popen:
     samples.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TPFRAME_TEST_SAMPLES=str(samples))
-    cmd = [sys.executable, "-m", "tpframe.launch", *options, *ARGS, f"train.run_dir={tmp_path}/run", *extra]
+    args = merge_overrides(ARGS, [f"train.run_dir={tmp_path}/run"], list(extra))  # a test's extra replaces a default
+    cmd = [sys.executable, "-m", "tpframe.launch", *options, *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -29,7 +29,6 @@ def build_strategy(
     *,
     bucket_mb: float = 40.0,
     overlap_grad_sync: bool = True,
-    overlap_param_gather: bool = False,
     compute_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> GradStrategy:
@@ -55,7 +54,6 @@ def build_strategy(
             parallel,
             bucket_bytes=bucket_bytes,
             overlap=overlap_grad_sync,
-            overlap_param_gather=overlap_param_gather,
             reduce_dtype=reduce_dtype,
         )
     if name == "fsdp":
@@ -69,8 +67,6 @@ def check_data_parallel(p) -> None:
     """The `parallel:` keys the strategies read (`p` is the run's ParallelConfig)."""
     if not p.grad_bucket_mb > 0:
         raise ConfigError(f"parallel.grad_bucket_mb={p.grad_bucket_mb} must be a positive number of MiB")
-    if p.overlap_param_gather and p.dp_strategy != "zero1":
-        raise ConfigError(f"parallel.overlap_param_gather=true needs parallel.dp_strategy=zero1 (got {p.dp_strategy})")
 
 
 __all__ = ["STRATEGIES", "GradStrategy", "OptimConfig", "build_strategy", "check_data_parallel", "lr_at"]

@@ -4,8 +4,7 @@ Params live in one flat buffer laid out like the fp32 gradient buffer (reverse o
 to a multiple of dp). Each bucket's gradients are reduce-scattered (fp32, averaged), so DP rank d
 gets slice d of every bucket; it keeps masters and moments for exactly that slice (a "segment" of
 each param the slice touches), updates them, writes the result into its slice of the param buffer
-and all-gathers the buckets over DP. With `overlap_param_gather` the all-gathers run in the
-background and each module waits for its bucket in a forward pre-hook (the next step's forward).
+and all-gathers the buckets over DP.
 
 With expert parallelism (parallel.ep > 1) the experts are a second, separate set of buffers sharded over
 their replicas (the `edp` group, dp*cp/ep ranks) instead of all of DP x CP: each rank of DP x CP still
@@ -86,7 +85,6 @@ class Zero1Strategy(GradStrategy):
         *,
         bucket_bytes: int = 40 * 2**20,
         overlap: bool = True,
-        overlap_param_gather: bool = False,
         reduce_dtype: torch.dtype = torch.float32,
     ):
         self.parallel = parallel
@@ -127,11 +125,6 @@ class Zero1Strategy(GradStrategy):
         decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
         no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
         self.optimizer = make_adamw(decay, no_decay, cfg) if self.segments else None
-        self.overlap_param_gather = overlap_param_gather
-        self._gathers: dict[tuple[int, int], object] = {}  # (part, bucket) -> in-flight all-gather
-        self._hooks = []
-        if overlap_param_gather and parallel.dp_cp > 1:
-            self._install_wait_hooks(model)
 
     def _shard(
         self,
@@ -220,45 +213,21 @@ class Zero1Strategy(GradStrategy):
                 sg.master.grad = None
             if low:  # one multi-tensor launch, not one copy per segment
                 torch._foreach_copy_([sg.flat for sg in low], [sg.master for sg in low])
-        self.gather_params(background=self.overlap_param_gather)
+        self.gather_params()
 
-    def gather_params(self, background: bool = False) -> None:
+    def gather_params(self) -> None:
         """All-gather every bucket of the param buffers over DP (each rank contributes its updated slice)."""
-        for k, part in enumerate(self.parts):
+        for part in self.parts:
             if part.size == 1:
                 continue
-            for i, b in enumerate(part.grads.buckets):
+            for b in part.grads.buckets:
                 lo, hi = part.grads.shard_range(b)
                 # In place: this rank's slice of the output is its input (NCCL skips the self-copy; gloo
                 # gathers into a scratch buffer and copies out), so no clone of the shard is needed.
-                work = _all_gather(
-                    part.params[b.start : b.stop], part.params[lo:hi], group=part.group, async_op=background
-                )
-                if background:
-                    self._gathers[(k, i)] = work
-
-    def wait_params(self, buckets: list[tuple[int, int]] | None = None) -> None:
-        """Wait for background all-gathers (all, or those of `buckets`: (part, bucket) pairs)."""
-        for key in list(self._gathers) if buckets is None else buckets:
-            work = self._gathers.pop(key, None)
-            if work is not None:
-                work.wait()
-
-    def _install_wait_hooks(self, model: nn.Module) -> None:
-        index = {
-            id(p): (k, i)
-            for k, part in enumerate(self.parts)
-            for i, b in enumerate(part.grads.buckets)
-            for p in b.params
-        }
-        for module in model.modules():
-            mine = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
-            if mine:
-                self._hooks.append(module.register_forward_pre_hook(lambda m, args, mine=mine: self.wait_params(mine)))
+                _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.group)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self, available: set[str] | None = None) -> dict:
-        self.wait_params()
         tp_rank, tp = self.parallel.tp_rank, self.parallel.tp
         out: dict = {}
         fp32 = self.param_buffer.dtype == torch.float32
@@ -306,7 +275,6 @@ class Zero1Strategy(GradStrategy):
         return masters + sum(sg.master.numel() * 4 * len(MOMENTS) for sg in self.segments)
 
     def describe(self) -> str:
-        gather = ", param all-gather overlapped with the next forward" if self.overlap_param_gather else ""
         reduced = ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
         n = sum(len(part.grads.buckets) for part in self.parts)
         experts = (
@@ -316,5 +284,5 @@ class Zero1Strategy(GradStrategy):
         )
         return (
             f"zero1 (optimizer state sharded over {replicas_label(self.parallel)}{experts}, "
-            f"{n} gradient bucket{'s' * (n != 1)}{reduced}{gather})"
+            f"{n} gradient bucket{'s' * (n != 1)}{reduced})"
         )

@@ -52,11 +52,6 @@ def cuda_graph_obstacle(cfg) -> str | None:
             "train.cuda_graph cannot capture FSDP's per-layer gathers; use parallel.dp_strategy=ddp or zero1, "
             "or set train.cuda_graph=false"
         )
-    if p.overlap_param_gather:
-        return (
-            "train.cuda_graph cannot wait for zero1's background param all-gather inside the graph; "
-            "set parallel.overlap_param_gather=false or train.cuda_graph=false"
-        )
     if m.dropout > 0 or m.attention_dropout > 0:
         return (
             f"train.cuda_graph replays fixed random numbers, so it needs model.dropout=0 and "

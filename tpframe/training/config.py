@@ -60,7 +60,6 @@ class ParallelConfig:
     dp_strategy: Literal[STRATEGIES] = "ddp"  # gradients + optimizer over DP (README: data parallelism)
     grad_bucket_mb: float = 40.0  # ddp/zero1: gradients are synced in buckets of about this many MiB (fp32)
     overlap_grad_sync: bool = True  # ddp/zero1: launch each bucket's collective during the last backward
-    overlap_param_gather: bool = False  # zero1: all-gather updated params in the background, waited for in forward
     # the dtype the DP gradient sync moves: float32, or bfloat16 (half the bytes; micro-batches still accumulate in
     # fp32 and only the sum over DP is rounded). Megatron-LM's --grad-reduce-in-bf16, torchtitan's
     # mixed_precision_reduce

@@ -128,9 +128,6 @@ class Trainer:
         self.step += 1
         if self.weight_check is not None and self.weight_check.due(self.step):
             self.progress.mark(self.step, "compare_replicas")
-            wait = getattr(self.strategy, "wait_params", None)  # zero1's all-gathers of the updated weights
-            if wait is not None:
-                wait()
             self.weight_check.verify(self.step)  # ReplicasDiverged (exit code 3) on every rank, or nothing
         self.tokens_seen += self.tokens_per_step
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, **self._aux_losses(), **finished}
