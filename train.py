@@ -196,7 +196,6 @@ def _build_model(cfg, state, tracker, resume) -> tuple[torch.nn.Module, list[str
         # the blocks' linear layers in float8 where they gain; the head and embedding stay bf16 (torchtitan's choice)
         mode=LayerMode(
             fp8=cfg.train.fp8,
-            fp8_small_layers=cfg.train.fp8_small_layers,
             async_tp=async_tp,
             cp_comm=p.cp_comm,
             lora=cfg.optim.lora(),

@@ -23,6 +23,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -322,7 +323,7 @@ def thresholds_for(results: dict, world: int) -> dict:
                 op,
                 dkey,
                 mode,
-                select.ranges_from_winners(sizes, [o < t[(s, "nccl", mode)] for o, s in zip(ours, sizes)]),
+                ranges_from_winners(sizes, [o < t[(s, "nccl", mode)] for o, s in zip(ours, sizes)]),
             )
         if op == "all_reduce":  # the kernel choice by GPU time (graph replay), ties (< 3%) to the steadier pick
             picks = []
@@ -330,8 +331,40 @@ def thresholds_for(results: dict, world: int) -> dict:
                 best = min(t[(s, OUR_ALGOS[a], "graph")] for a in usable[s]) if usable[s] else None
                 near = [a for a in ALGO_PREFERENCE if a in usable[s] and t[(s, OUR_ALGOS[a], "graph")] <= 1.03 * best]
                 picks.append(near[0] if near else "two_shot")
-            put("all_reduce_algos", op, dkey, "graph", select.algos_from_winners(sizes, picks))
+            put("all_reduce_algos", op, dkey, "graph", algos_from_winners(sizes, picks))
     return table
+
+
+def ranges_from_winners(sizes: list[int], symm_wins: list[bool]) -> list[list[int | None]]:
+    """Byte ranges where symm won, each ending halfway (geometric mean) to the nearest measured loss.
+
+    sizes ascending. [4K: win, 8K: win, 16K: loss] -> [[0, ~11585]]; a win at the largest size
+    leaves the range open (None)."""
+    if len(sizes) != len(symm_wins) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"sizes must be ascending and match the winners: {sizes} / {symm_wins}")
+    ranges, start = [], None
+    for i, (size, win) in enumerate(zip(sizes, symm_wins)):
+        if win and start is None:
+            start = 0 if i == 0 else math.ceil(math.sqrt(sizes[i - 1] * size))
+        if not win and start is not None:
+            ranges.append([start, math.floor(math.sqrt(sizes[i - 1] * size))])
+            start = None
+    if start is not None:
+        ranges.append([start, None])
+    return ranges
+
+
+def algos_from_winners(sizes: list[int], winners: list[str]) -> list[list]:
+    """[[up_to_bytes, algo], ...] from the fastest algorithm at each measured size (ascending); each
+    bound lies halfway (geometric mean) to the next measured size, the last is None."""
+    if not sizes or len(sizes) != len(winners) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"sizes must be ascending and match the winners: {sizes} / {winners}")
+    bounds = []
+    for i, algo in enumerate(winners):
+        last = i == len(winners) - 1
+        if last or winners[i + 1] != algo:
+            bounds.append([None if last else math.floor(math.sqrt(sizes[i] * sizes[i + 1])), algo])
+    return bounds
 
 
 ALGO_PREFERENCE = ("push", "one_shot", "two_shot", "lamport")  # ties (< 3%) go to the earlier

@@ -209,7 +209,7 @@ def hf_model(model, cfg: ModelConfig, device):
     """transformers' LlamaForCausalLM holding `model`'s weights (a TP=1 tpframe GPT)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tpframe.parallel.sharding import gather_full_tensors
+    from tests.reference import gather_full_tensors  # the repository root is on sys.path (above)
 
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size,

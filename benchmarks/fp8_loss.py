@@ -2,8 +2,8 @@
 
     python benchmarks/fp8_loss.py --config configs/gpt_1.3b.yaml --steps 1000 --set parallel.tp=1 \
         train.seq_len=1024 train.micro_batch_size=4 train.global_batch_size=4 optim.warmup_steps=100  # GPU-only
-    python benchmarks/fp8_loss.py --config configs/tiny_cpu.yaml --steps 20 --set parallel.tp=1 train.dtype=bfloat16 \
-        train.fp8_small_layers=true   # CPU smoke (tiny layers: float8 only when asked)
+    python benchmarks/fp8_loss.py --config configs/tiny_cpu.yaml --steps 20 --set parallel.tp=1 \
+        train.dtype=bfloat16   # CPU smoke of the script (layers this small stay bf16: fp8_pays)
 
 Runs train.py once in bf16 and once per recipe (tpframe.layers.fp8.RECIPES) on the Python standard library's source
 (data.source=stdlib: real text that needs no download, as bytes, vocabulary 256), the same seed and sample order,

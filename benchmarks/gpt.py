@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/gpt.py     # one run; env: TP SP MB SEQ LAYERS HIDDEN HEADS STEPS COMM
                                                       #   CKPT CKPT_LAYERS COMPILE ASYNC_TP FUSED KV_HEADS NORM
                                                       #   ACT BIAS PROFILE GRAPH FP8
-                                                      #   FP8_SMALL EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
+                                                      #   EMULATE_TP DOC_LEN HEAD_DIM QK_NORM WINDOW
     python benchmarks/gpt.py --compare [--shapes 1.3b,125m,llama] [--tp 2] [--budget-s 420] [--peers .peers]
     python benchmarks/gpt.py --compare --shapes 7b --tp 4      # the shapes TP is for: 7b, 13b, llama3-8b
     python benchmarks/gpt.py --compare --recompute [--shapes 1.3b]   # activation recompute modes, tpframe alone
@@ -24,10 +24,9 @@ graph's static buffers) and times its replays: what a training-step CUDA graph w
 kernels one by one. CKPT=full|selective recomputes in backward (parallel.activation_checkpointing; CKPT_LAYERS=N:
 only the first N blocks, with full). FP8=tensorwise|rowwise runs the blocks' GEMMs in float8 with that
 recipe (train.fp8; FP8=1: tensorwise; TFLOP/s still counts the model's FLOPs, so it compares directly with bf16
-rows; FP8_SMALL=1: train.fp8_small_layers). EMULATE_TP=n (one process) times one rank of TP=n
-with its collectives local and free (`emulate_tp`): the step async TP could reach if it hid all TP communication;
-with ASYNC_TP=copy_engine the pushes go into local stand-ins (copy engines, every flag wait passing): that path's
-own work.
+rows). EMULATE_TP=n (one process) times one rank of TP=n with its collectives local and free (`emulate_tp`): the
+step async TP could reach if it hid all TP communication; with ASYNC_TP=copy_engine the pushes go into local
+stand-ins (copy engines, every flag wait passing): that path's own work.
 HEAD_DIM=n gives the heads their own width (model.head_dim), QK_NORM=1 adds Qwen3's per-head query/key norms
 (model.qk_norm), WINDOW=n sliding-window attention (model.sliding_window; TFLOP/s still counts whole-row causal
 attention). DOC_LEN=n packs documents of 1..2n-1 tokens (mean n) into each row and attends within each
@@ -197,7 +196,6 @@ def run_one() -> None:
         mode=LayerMode(
             fused_kernels=flag("FUSED", "1"),
             fp8=fp8_recipe(),
-            fp8_small_layers=flag("FP8_SMALL"),
             async_tp=async_mode() if sp else None,
         ),
     )

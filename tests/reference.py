@@ -1,8 +1,11 @@
-"""Comparison helpers for parallel-vs-reference tests."""
+"""Comparison helpers for parallel-vs-reference tests: errors against a reference, a TP model's full tensors, and
+the sequence-parallel slicing of an input."""
 
 from __future__ import annotations
 
 import torch
+
+from tpframe.parallel.sharding import param_shards
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2  # bf16 keeps 8 bits of mantissa; partial sums are rounded before the reduce
@@ -40,10 +43,48 @@ def leaf(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def loss_and_full_tensors(model, ids: torch.Tensor, labels: torch.Tensor, comm):
     """A TP model's per-token loss on (ids, labels), after its backward of the mean, with its full logical weights and
     gradients (sequence-parallel gradients summed over TP first): what a plain single-process model is checked by."""
-    from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
-    from tpframe.parallel.sharding import gather_full_tensors
+    from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads
 
     loss = model(ids, labels)
     loss.mean().backward()
     allreduce_sequence_parallel_grads(sequence_parallel_grads(model.parameters()), comm)
     return loss, gather_full_tensors(model, comm), gather_full_tensors(model, comm, source="grad")
+
+
+def sequence_parallel_grads(params) -> list[torch.Tensor]:
+    """The gradients of the sequence-parallel params among `params` (partial over TP until summed)."""
+    return [p.grad for p in params if p.sequence_parallel and p.grad is not None]
+
+
+@torch.no_grad()
+def gather_full_tensors(model, comm, source: str = "param") -> dict[str, torch.Tensor]:
+    """Every logical tensor of a TP model in full on every TP rank; `source`: "param" (the weights) or "grad"."""
+    full: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        local = p.detach() if source == "param" else getattr(p, source)
+        # untrimmed pieces are equal-sized on every rank; the vocabulary padding is cut after the gather
+        for shard in param_shards(name, p, comm.rank, comm.size, trim_vocab=False):
+            if shard.tp_dim is None:
+                full[shard.name] = local.clone()
+                continue
+            gathered = comm.all_gather(shard.view(local).contiguous(), dim=shard.tp_dim)
+            rows = p.vocab_rows
+            full[shard.name] = gathered[:rows] if rows is not None else gathered
+    return full
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.chunk(comm.size, dim=0)[comm.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, dim=0), None
+
+
+def scatter_to_sp(x: torch.Tensor, comm) -> torch.Tensor:
+    """[s, ...] -> [s/tp, ...]: this rank's sequence slice (a sequence-parallel layer's input); all-gather the
+    gradient."""
+    return x if comm.size == 1 else _ScatterToSP.apply(x, comm)

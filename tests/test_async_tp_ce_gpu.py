@@ -13,6 +13,29 @@ import pytest
 from tests.dist_utils import run_distributed
 
 
+def _ipc_peer_memory(group, *, nbytes: int, flags: int, device):
+    """`PeerMemory` shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU, where
+    torch's symmetric memory (`symmetric_peer_memory`, production's) needs one GPU per rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from tpframe.comm.peer_memory import PeerMemory
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    local = (
+        torch.zeros(nbytes, dtype=torch.uint8, device=device),
+        torch.zeros(flags, dtype=torch.int32, device=device),
+    )
+    shared = [None] * size
+    dist.all_gather_object(shared, [reduce_tensor(t) for t in local], group=group)
+    views = [list(local) if r == rank else [fn(*args) for fn, args in shared[r]] for r in range(size)]
+    assert all(v.device == device for row in views for v in row), "CUDA IPC shares buffers on one GPU only"
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    return PeerMemory(rank, size, [v[0] for v in views], [v[1] for v in views], views)
+
+
 def _ce_pair(dtype):
     """Two ranks' copy-engine exchange over CUDA IPC on one GPU and a column + row layer pair (h=64, f=256, SP,
     async_tp=copy_engine, random biases); returns (rank, n, device, exchange, fc1, fc2, gathered), `gathered(t, dim)`
@@ -24,7 +47,6 @@ def _ce_pair(dtype):
 
     from tpframe.comm import Communicator
     from tpframe.comm.peer_exchange import PeerExchange
-    from tpframe.comm.peer_memory import ipc_peer_memory
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
     from tpframe.layers.mode import LayerMode
 
@@ -33,7 +55,7 @@ def _ce_pair(dtype):
     torch.cuda.set_device(device)
     comm = Communicator(dist.group.WORLD, backend="nccl", device=device)
     exchange = PeerExchange(
-        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device),
+        functools.partial(_ipc_peer_memory, dist.group.WORLD, device=device),
         rank=rank,
         size=n,
         device=device,
@@ -148,13 +170,12 @@ def _pushes_ahead_of_slow_reads():
     import torch.distributed as dist
 
     from tpframe.comm.peer_exchange import PeerExchange
-    from tpframe.comm.peer_memory import ipc_peer_memory
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     torch.cuda.set_device(device)
     ex = PeerExchange(
-        functools.partial(ipc_peer_memory, dist.group.WORLD, device=device),
+        functools.partial(_ipc_peer_memory, dist.group.WORLD, device=device),
         rank=rank,
         size=2,
         device=device,

@@ -22,7 +22,7 @@ def _run(overrides):
 
 
 def _final_weights(overrides):
-    from tpframe.parallel.sharding import gather_full_tensors
+    from tests.reference import gather_full_tensors
 
     trainer = train_in_process(overrides, keep_trainer=True)
     return [r["loss"] for r in trainer.history], {
@@ -81,7 +81,7 @@ def test_auto_resume_from_latest(tmp_path):
 
 def _loss_and_next_step(overrides):
     """Loss of the loaded model on a fixed batch, then one training step; full weights after it."""
-    from tpframe.parallel.sharding import gather_full_tensors
+    from tests.reference import gather_full_tensors
 
     trainer = train_in_process([*overrides, "train.steps=11"], keep_trainer=True)
     batch_loss = trainer.history[0]["loss"]

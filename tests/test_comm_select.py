@@ -103,28 +103,6 @@ def test_all_reduce_algorithm_defaults_without_a_measurement():
     assert select.all_reduce_algorithm(default // 4 + 1, torch.float32, 8, table={}) == "two_shot"
 
 
-def test_ranges_from_winners_end_halfway_between_measurements():
-    sizes = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB]
-    assert select.ranges_from_winners(sizes, [True, True, False, False]) == [[0, 32 * KIB]]
-    assert select.ranges_from_winners(sizes, [False, True, True, True]) == [[8 * KIB, None]]
-    assert select.ranges_from_winners(sizes, [True, False, True, False]) == [[0, 8 * KIB], [32 * KIB, 128 * KIB]]
-    assert select.ranges_from_winners(sizes, [False] * 4) == []
-    with pytest.raises(ValueError, match="ascending"):
-        select.ranges_from_winners([2, 1], [True, True])
-
-
-def test_algos_from_winners_merge_runs_and_split_halfway():
-    sizes = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB]
-    assert select.algos_from_winners(sizes, ["one_shot", "one_shot", "push", "two_shot"]) == [
-        [32 * KIB, "one_shot"],
-        [128 * KIB, "push"],
-        [None, "two_shot"],
-    ]
-    assert select.algos_from_winners(sizes, ["push"] * 4) == [[None, "push"]]
-    with pytest.raises(ValueError, match="ascending"):
-        select.algos_from_winners([4, 4], ["push", "push"])
-
-
 def test_message_bytes_is_the_largest_tensor_of_the_collective():
     x = torch.empty(10, 3, dtype=torch.bfloat16)
     assert select.message_bytes("all_reduce", x, 4) == 60

@@ -73,12 +73,12 @@ def test_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention(cp, 
 def _model(archs: list[dict], tp: int):
     import torch.distributed as dist
 
+    from tests.reference import gather_full_tensors
     from tpframe.layers.context import shard_sequence
     from tpframe.layers.mode import LayerMode
     from tpframe.models import BuildContext, build_model
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import destroy_parallel, initialize_parallel
-    from tpframe.parallel.sharding import gather_full_tensors
 
     def run(cfg, state, ctx, ids, labels):
         """Per-token losses of this rank's tokens and the whole model's gradients of the sequence's mean loss."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from tests.training_utils import train_in_process
+from tests.training_utils import fp8_in_small_layers, train_in_process
 
 
 def test_recompute_without_rng_state_saves_none_and_gives_the_same_gradients(monkeypatch):
@@ -70,7 +70,9 @@ def test_gradient_buffer_bookkeeping_can_be_read_and_restored():
         buf.set_host_state((after[0][:-1], *after[1:]))
 
 
-def _eager_and_graphed(overrides: list[str], root: str) -> dict:
+def _eager_and_graphed(overrides: list[str], root: str, fp8_everywhere: bool = False) -> dict:
+    if fp8_everywhere:
+        fp8_in_small_layers()
     out = {}
     for graph in (False, True):
         trainer = train_in_process(
@@ -120,11 +122,10 @@ def test_graphed_training_equals_eager_on_one_gpu(tmp_path, extra):
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("fp8", ["false", "tensorwise", "rowwise"])
 def test_graphed_training_of_compiled_bf16_blocks_equals_eager(tmp_path, fp8):
-    """Compiled bf16 blocks, and the same with their GEMMs in float8 (fp8_small_layers: the tiny layers too),
+    """Compiled bf16 blocks, and the same with their GEMMs in float8 (the tiny layers too: fp8_in_small_layers),
     replayed from CUDA graphs train as the eager (ungraphed) step does."""
     common = ["parallel.tp=1", "train.steps=8", "train.dtype=bfloat16", "train.compile=true", f"train.fp8={fp8}"]
-    common += ["train.fp8_small_layers=true"] if fp8 != "false" else []
-    out = run_distributed(_eager_and_graphed, 1, common, str(tmp_path), backend="nccl")[0]
+    out = run_distributed(_eager_and_graphed, 1, common, str(tmp_path), fp8 != "false", backend="nccl")[0]
     _assert_same_training(out, rtol=2e-2, steps=8)
 
 

@@ -88,12 +88,11 @@ def test_to_float8_uses_the_whole_range_and_inverts():
 
 def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     """Per-step losses, and for each column/row-parallel layer of the model whether it ran float8."""
-    from tests.training_utils import train_in_process
+    from tests.training_utils import fp8_in_small_layers, train_in_process
     from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    trainer = train_in_process(
-        ["train.dtype=bfloat16", "train.steps=8", "train.fp8_small_layers=true", *overrides], keep_trainer=True
-    )
+    fp8_in_small_layers()
+    trainer = train_in_process(["train.dtype=bfloat16", "train.steps=8", *overrides], keep_trainer=True)
     layers = [m for m in trainer.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
@@ -140,15 +139,10 @@ COMPOSE = {  # 2 ranks each
 
 def _compose(recipe: str, run_dir: str) -> dict[str, list[tuple[float, float]]]:
     """(loss, grad norm) per step of 4 steps of a GPT of hidden 256 in each COMPOSE layout, float8 `recipe`."""
-    from tests.training_utils import train_in_process
+    from tests.training_utils import fp8_in_small_layers, train_in_process
 
-    common = [
-        "model.hidden=256",
-        "optim.lr=1e-3",
-        "train.dtype=bfloat16",
-        "train.steps=4",
-        "train.fp8_small_layers=true",
-    ]
+    fp8_in_small_layers()
+    common = ["model.hidden=256", "optim.lr=1e-3", "train.dtype=bfloat16", "train.steps=4"]
     return {
         name: [
             (r["loss"], r["grad_norm"])
@@ -177,10 +171,11 @@ def test_each_recipe_composes_with_tp_selective_recompute_and_zero_bubble(tmp_pa
 
 def _resume_across(run_dir: str) -> tuple[list[dict], list[dict]]:
     """Tensorwise 6 steps (a checkpoint at step 4), then rowwise resumed from that checkpoint to step 6."""
-    from tests.training_utils import train_in_process
+    from tests.training_utils import fp8_in_small_layers, train_in_process
 
+    fp8_in_small_layers()
     common = ["parallel.tp=1", "model.hidden=128", "optim.lr=1e-3", "train.dtype=bfloat16", "train.steps=6"]
-    common += ["train.fp8_small_layers=true", f"train.run_dir={run_dir}"]
+    common += [f"train.run_dir={run_dir}"]
     straight = train_in_process([*common, "train.fp8=tensorwise", "checkpoint.interval=4"])
     resumed = train_in_process([*common, "train.fp8=rowwise", "checkpoint.auto_resume=true"])
     return resumed, straight
@@ -260,8 +255,9 @@ def test_the_cast_transpose_kernel_writes_the_twins_bytes():
 
 
 def _gpu_losses(run_dir: str, fp8: str) -> list[float]:
-    from tests.training_utils import train_in_process
+    from tests.training_utils import fp8_in_small_layers, train_in_process
 
+    fp8_in_small_layers()
     return [
         r["loss"]
         for r in train_in_process(
@@ -279,7 +275,6 @@ def _gpu_losses(run_dir: str, fp8: str) -> list[float]:
                 "optim.lr=6e-4",
                 "optim.warmup_steps=5",
                 "train.compile=true",
-                "train.fp8_small_layers=true",
                 f"train.fp8={fp8}",
                 f"train.run_dir={run_dir}/{fp8}",
             ]
@@ -334,12 +329,13 @@ def test_fp8_on_a_gpu_needs_float8_gemms_and_compiled_blocks(monkeypatch, capabi
         train.prepare(argv, world_size=1, rank=0)
 
 
-def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
-    """The default keeps the measured small shapes in bf16: tensorwise skips in <= 4096 with out <= 1024 (GPT-125M's
-    proj and fc2), rowwise out <= 4096 with in <= 1024 (GPT-125M's all but fc2, the 7B-class TP=4 rank's proj);
-    dims that are not multiples of 16 never run float8."""
+def test_layers_too_small_to_gain_stay_bf16(monkeypatch):
+    """The measured small shapes stay bf16: tensorwise skips in <= 4096 with out <= 1024 (GPT-125M's proj and fc2),
+    rowwise out <= 4096 with in <= 1024 (GPT-125M's all but fc2, the 7B-class TP=4 rank's proj); dims that are not
+    multiples of 16 never run float8, even where every size gains."""
     from types import SimpleNamespace
 
+    from tpframe.layers import fp8
     from tpframe.layers.fp8 import fp8_pays
     from tpframe.layers.linear import ColumnParallelLinear, RowParallelLinear, fp8_layers
     from tpframe.layers.mode import LayerMode
@@ -356,8 +352,8 @@ def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
     assert pays["rowwise"] == [[False, False, False, True], [True] * 4, [True, False, True, True]]
     comm = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
 
-    def build(recipe, **mode):
-        kw = dict(comm=comm, mode=LayerMode(fp8=recipe, **mode))
+    def build(recipe):
+        kw = dict(comm=comm, mode=LayerMode(fp8=recipe))
         return torch.nn.ModuleDict(
             {
                 "fc1": ColumnParallelLinear(768, 3072, **kw),
@@ -376,5 +372,6 @@ def test_layers_too_small_to_gain_stay_bf16_unless_asked(capsys):
         1,
         ["fc1 (3072x768: too small to gain)", "odd (768x3080: not multiples of 16)"],
     )
-    model = build("tensorwise", fp8_small_layers=True)
+    monkeypatch.setattr(fp8, "fp8_pays", lambda local_out, local_in, recipe: True)
+    model = build("tensorwise")
     assert fp8_layers(model, "tensorwise") == (2, ["odd (768x3080: not multiples of 16)"]) and model["fc2"].fp8

@@ -1,6 +1,7 @@
 """The GPT built from tpframe.layers against a plain batch-first torch GPT, at TP 1/2/4, SP on/off."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ B, S = 2, 8
 def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     from tpframe.models import BuildContext, build_model
     from tpframe.parallel import initialize_parallel, seed_parallel_rng
-    from tpframe.parallel.sharding import logical_numel
+    from tpframe.parallel.sharding import param_shards
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())
     tracker = seed_parallel_rng(0)
@@ -37,7 +38,11 @@ def _parallel_vs_reference(cfg: ModelConfig, sp: bool):
     labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     case = f"{cfg.norm}/{cfg.position}/{cfg.activation} tp={state.tp} sp={sp}"
     _, weights = assert_matches_reference(cfg, model, ids, labels, state.tp_comm, case)
-    return {k: v for k, v in weights.items()}, logical_numel(model, state.tp), model.flops_per_token(S)
+    # the parameters of the TP-unsplit model, from the shapes of the global tensors (vocabulary padding excluded)
+    n_params = sum(
+        math.prod(s.global_shape) for n, p in model.named_parameters() for s in param_shards(n, p, 0, state.tp)
+    )
+    return {k: v for k, v in weights.items()}, n_params, model.flops_per_token(S)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

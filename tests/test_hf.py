@@ -164,11 +164,11 @@ def _round_trip(tmp: str):
     random variants; import each HF directory at TP=2 (first loss); an unmappable model's checkpoint."""
     import torch.distributed as dist
 
+    from tests.reference import gather_full_tensors
     from tpframe.checkpoint import hf
     from tpframe.checkpoint.export import read_model_tensors
     from tpframe.models.config import ModelConfig
     from tpframe.parallel import destroy_parallel, initialize_parallel
-    from tpframe.parallel.sharding import gather_full_tensors
 
     rank, out = dist.get_rank(), {"logits": {}, "first_loss": {}}
     for arch, (config, overrides) in ARCHS.items():

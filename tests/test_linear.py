@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.reference import assert_close, leaf, tol_for
-from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
+from tests.reference import assert_close, leaf, sequence_parallel_grads, tol_for
+from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads
 
 S, B, H_IN, H_OUT = 8, 3, 16, 24
 DTYPES = (torch.float32, torch.bfloat16)

@@ -39,8 +39,9 @@ def _batch(step: int):
 
 
 def _train_parallel_mlp(activation: str, sp: bool, seed: int = 3):
+    from tests.reference import sequence_parallel_grads
     from tpframe.layers import ParallelMLP
-    from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads, sequence_parallel_grads
+    from tpframe.optim.grad_buffer import allreduce_sequence_parallel_grads
     from tpframe.parallel import initialize_parallel
 
     comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm

@@ -163,10 +163,9 @@ def _bias_worker():
 def _split_worker(tp: int, ep: int, sp: bool):
     import torch.distributed as dist
 
-    from tpframe.layers.mappings import scatter_to_sp
+    from tests.reference import gather_full_tensors, scatter_to_sp
     from tpframe.layers.moe import MoE
     from tpframe.parallel import destroy_parallel, initialize_parallel
-    from tpframe.parallel.sharding import gather_full_tensors
 
     solo = _solo_comm()
     state = initialize_parallel(tp=tp, ep=ep)

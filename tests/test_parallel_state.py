@@ -61,8 +61,7 @@ def _groups_of_every_layout():
             "embedding": dist.get_process_group_ranks(state.embedding_group) if state.embedding_group else None,
             "coords": (state.tp_rank, state.dp_rank, state.pp_rank),
             "sizes": (state.tp, state.dp, state.pp),
-            "stage": (state.is_first_stage, state.is_last_stage),
-            "tp_src": state.tp_src_rank,
+            "tp_ranks": state.tp_ranks,
             "tp_comm": (state.tp_comm.size, state.tp_comm.rank),
             "mesh": tuple(state.mesh.shape),
         }
@@ -91,8 +90,7 @@ def test_process_groups_match_layout_at_world_8():
             assert got["embedding"] == (sorted({pp_group[0], pp_group[-1]}) if on_ends else None)
             assert got["mesh"] == (pp, dp, cp, tp)
             assert got["coords"] == (t, d, p) and got["sizes"] == (tp, dp, pp)
-            assert got["stage"] == (p == 0, p == pp - 1)
-            assert got["tp_src"] == rank - t
+            assert got["tp_ranks"] == got["tp"] and got["tp_ranks"][0] == rank - t
             assert got["tp_comm"] == (tp, t)
             assert got["tp_sum"] == sum(rank - t + i for i in range(tp))
 

@@ -207,10 +207,10 @@ def test_triton_cross_entropy_kernels_match_the_torch_path():
 
 
 def _async_tp_layers_match_plain():
+    from tests.reference import scatter_to_sp
     from tpframe.comm import Communicator
     from tpframe.layers import ColumnParallelLinear, RowParallelLinear
     from tpframe.layers.async_tp import async_tp_available
-    from tpframe.layers.mappings import scatter_to_sp
     from tpframe.layers.mode import LayerMode
 
     comm = Communicator(backend="auto")

@@ -84,9 +84,9 @@ def test_compiled_blocks_match_eager_with_no_graph_breaks_at_tp2():
 
 
 def _head_loss_matches_unfused(sp: bool, chunk: int):
+    from tests.reference import scatter_to_sp
     from tpframe.layers import ParallelLMHead, vocab_parallel_cross_entropy
     from tpframe.layers.cross_entropy import vocab_parallel_head_cross_entropy
-    from tpframe.layers.mappings import scatter_to_sp
     from tpframe.parallel import initialize_parallel
 
     state = initialize_parallel(tp=torch.distributed.get_world_size())

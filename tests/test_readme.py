@@ -38,7 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DESIGN = ROOT / "DESIGN.md"
-# options issue 45 removed: no command may name them; prose names them only where it says they were removed
+# removed options: no command may name them; prose names them only where it says they were removed
 REMOVED = (
     "comm.overlap_backward",
     "parallel.dp_comm",
@@ -46,6 +46,7 @@ REMOVED = (
     "async_tp=symm_mem",
     "async_tp=ring",
     "comm.overlap_sm_margin",
+    "train.fp8_small_layers",
 )
 REMOVED_NOTED_IN = ("docs/performance.md", "docs/design-notes.md")
 SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
@@ -182,7 +183,7 @@ def _config_class():
 
 def test_every_config_key_the_readme_names_exists():
     """A `section.key` in backticks anywhere in README.md or docs/ (the Megatron-LM table, the prose) is a real config
-    key, or one issue 45 removed, named where the pages say so."""
+    key, or a removed one (REMOVED), named where the pages say so."""
     import dataclasses
 
     Config = _config_class()
@@ -203,7 +204,7 @@ def test_every_config_key_the_readme_names_exists():
 
 
 def test_no_page_offers_a_removed_option():
-    """Options issue 45 removed appear in no command, and in prose only where the pages say they were removed."""
+    """Removed options appear in no command, and in prose only where the pages say they were removed."""
     commands = [f"{b.page}:{b.line}" for b in all_blocks() for name in REMOVED if name in b.code]
     assert not commands, f"blocks naming a removed option: {commands}"
     prose = [

@@ -64,7 +64,8 @@ def _tpframe_run(overrides: list[str]) -> dict:
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     import train
-    from tpframe.parallel.sharding import LogicalChunks, gather_full_tensors
+    from tests.reference import gather_full_tensors
+    from tpframe.parallel.sharding import LogicalChunks
 
     rec: dict = {"batches": []}
     build = train._build_model

@@ -15,9 +15,9 @@ from tests.dist_utils import run_distributed
 def _block_spreads(tp: int, sequence_parallel: bool, tag_norm: bool) -> list[tuple[str, float]]:
     """A norm -> column -> row block (the norm built with or without its SP tag), two micro-batches through the
     check; the (name, spread) list, after verify's error or None."""
+    from tests.reference import scatter_to_sp
     from tpframe.errors import ConfigError
     from tpframe.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
-    from tpframe.layers.mappings import scatter_to_sp
     from tpframe.parallel import initialize_parallel
     from tpframe.training.replicas import ReplicaGradCheck
 

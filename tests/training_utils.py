@@ -78,6 +78,14 @@ def merge_overrides(*groups: list[str]) -> list[str]:
     return out
 
 
+def fp8_in_small_layers() -> None:
+    """train.fp8 also in the linear layers too small to gain (every layer of a tiny test model): `fp8_pays` says yes
+    to every shape, in this process (a run_distributed worker, before it builds the model)."""
+    from tpframe.layers import fp8
+
+    fp8.fp8_pays = lambda local_out, local_in, recipe: True
+
+
 def train_in_process(overrides: list[str], keep_trainer: bool = False, config: str = "tiny_cpu.yaml"):
     """train.py's prepare + run in this (already distributed) process, from configs/<config> made TINY (`overrides`
     replace TINY's values, later ones earlier ones); returns per-step records."""

@@ -6,9 +6,8 @@ across GPUs is done by 32-bit flags written and waited on by the GPU's front end
 cuStreamWriteValue32 / cuStreamWaitValue32: no SM either). The calls go to the driver through ctypes, on raw
 stream handles and addresses, at a fraction of torch's host cost per operation.
 
-The memory: `symmetric_peer_memory` (torch's symmetric memory: one host, peer access, CUDA) in production;
-`ipc_peer_memory` (CUDA IPC handles) lets several processes share one GPU, which is how the transport is tested on a
-one-GPU machine.
+The memory: `symmetric_peer_memory` (torch's symmetric memory: one host, peer access, CUDA); the one-GPU tests share
+`PeerMemory` between processes by CUDA IPC handles instead (tests/test_async_tp_ce_gpu.py).
 """
 
 from __future__ import annotations
@@ -163,26 +162,6 @@ def symmetric_peer_memory(group, *, nbytes: int, flags: int, device: torch.devic
     torch.cuda.synchronize(device)
     dist.barrier(group)  # every rank's zeros are in place before anyone signals
     return PeerMemory(rank, size, out["buffers"], out["flags"], handles)
-
-
-def ipc_peer_memory(group, *, nbytes: int, flags: int, device: torch.device) -> PeerMemory:
-    """Buffers shared by CUDA IPC handles exchanged over `group` (a collective): for ranks sharing one GPU
-    (the one-GPU tests). Ranks on different GPUs use `symmetric_peer_memory`."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    local = (
-        torch.zeros(nbytes, dtype=torch.uint8, device=device),
-        torch.zeros(flags, dtype=torch.int32, device=device),
-    )
-    shared = [None] * size
-    dist.all_gather_object(shared, [reduce_tensor(t) for t in local], group=group)
-    views = [list(local) if r == rank else [fn(*args) for fn, args in shared[r]] for r in range(size)]
-    if any(v.device != device for row in views for v in row):
-        raise RuntimeError("ipc_peer_memory shares buffers between ranks on one GPU only")
-    torch.cuda.synchronize(device)
-    dist.barrier(group)
-    return PeerMemory(rank, size, [v[0] for v in views], [v[1] for v in views], views)
 
 
 def copy_engine_available(group, device: torch.device) -> tuple[bool, str]:

@@ -21,7 +21,6 @@ borrows a measured dtype of the same element size; otherwise the answer is nccl.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -138,35 +137,3 @@ def all_reduce_algorithm(nbytes: int, dtype, world_size: int, table: dict | None
         if upper is None or nbytes <= upper * scale:
             return algo
     return bounds[-1][1]
-
-
-def ranges_from_winners(sizes: list[int], symm_wins: list[bool]) -> list[list[int | None]]:
-    """Byte ranges where symm won, each ending halfway (geometric mean) to the nearest measured loss.
-
-    sizes ascending. [4K: win, 8K: win, 16K: loss] -> [[0, ~11585]]; a win at the largest size
-    leaves the range open (None)."""
-    if len(sizes) != len(symm_wins) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"sizes must be ascending and match the winners: {sizes} / {symm_wins}")
-    ranges, start = [], None
-    for i, (size, win) in enumerate(zip(sizes, symm_wins)):
-        if win and start is None:
-            start = 0 if i == 0 else math.ceil(math.sqrt(sizes[i - 1] * size))
-        if not win and start is not None:
-            ranges.append([start, math.floor(math.sqrt(sizes[i - 1] * size))])
-            start = None
-    if start is not None:
-        ranges.append([start, None])
-    return ranges
-
-
-def algos_from_winners(sizes: list[int], winners: list[str]) -> list[list]:
-    """[[up_to_bytes, algo], ...] from the fastest algorithm at each measured size (ascending); each
-    bound lies halfway (geometric mean) to the next measured size, the last is None."""
-    if not sizes or len(sizes) != len(winners) or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"sizes must be ascending and match the winners: {sizes} / {winners}")
-    bounds = []
-    for i, algo in enumerate(winners):
-        last = i == len(winners) - 1
-        if last or winners[i + 1] != algo:
-            bounds.append([None if last else math.floor(math.sqrt(sizes[i] * sizes[i + 1])), algo])
-    return bounds

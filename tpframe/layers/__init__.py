@@ -14,7 +14,6 @@ from tpframe.layers.mappings import (
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
-    scatter_to_sp,
     scatter_to_tp,
 )
 from tpframe.layers.mlp import ParallelMLP
@@ -37,7 +36,6 @@ __all__ = [
     "reduce_from_tp",
     "reduce_scatter_to_sp",
     "row_parallel_linear",
-    "scatter_to_sp",
     "scatter_to_tp",
     "vocab_parallel_cross_entropy",
 ]

@@ -140,12 +140,12 @@ def fp8_pays(local_out: int, local_in: int, recipe: str) -> bool:
     return not (local_out <= 4096 and local_in <= 1024)
 
 
-def fp8_refusal(local_out: int, local_in: int, recipe: str, *, small_layers: bool = False) -> str | None:
+def fp8_refusal(local_out: int, local_in: int, recipe: str) -> str | None:
     """Why a linear layer with this per-rank weight [out, in] keeps its GEMMs in the compute dtype under train.fp8
-    with `recipe` (dims a float8 GEMM cannot take; unless `small_layers`, too small to gain), or None."""
+    with `recipe` (dims a float8 GEMM cannot take, or too small to gain), or None."""
     if local_in % MULTIPLE or local_out % MULTIPLE:
         return f"not multiples of {MULTIPLE}"
-    if not small_layers and not fp8_pays(local_out, local_in, recipe):
+    if not fp8_pays(local_out, local_in, recipe):
         return "too small to gain"
     return None
 

@@ -8,7 +8,6 @@ Each is an autograd function whose forward and backward collectives go through t
     reduce_from_tp   (g)   all-reduce                      identity
     scatter_to_tp          keep my slice of the last dim   all-gather last dim
     gather_from_tp         all-gather last dim             keep my slice of the last dim
-    scatter_to_sp          keep my slice of dim 0          all-gather dim 0
     gather_from_sp   (g)   all-gather dim 0                reduce-scatter dim 0 (or slice)
     reduce_scatter_to_sp   reduce-scatter dim 0            all-gather dim 0     (g-bar)
     all_to_all             rows sent to the ranks          the gradients' rows sent back (EP; CP's all_to_all)
@@ -82,17 +81,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _slice(grad, ctx.comm, -1), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _slice(x, comm, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, dim=0), None
-
-
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, reduce_grad):
@@ -160,13 +148,6 @@ def gather_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     if comm.size == 1:
         return x
     return _GatherFromTP.apply(x, comm)
-
-
-def scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """[s, ...] -> [s/tp, ...]: this rank's sequence slice; all-gather the gradient."""
-    if comm.size == 1:
-        return x
-    return _ScatterToSP.apply(x, comm)
 
 
 def gather_from_sp(x: torch.Tensor, comm: Communicator, reduce_grad: bool = True) -> torch.Tensor:

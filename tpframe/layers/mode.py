@@ -27,7 +27,6 @@ class LayerMode:
     # float8 GEMMs (tpframe/layers/fp8.py: a recipe, True for tensorwise) in the column/row-parallel layers whose shards
     # gain; None: the compute dtype
     fp8: str | bool | None = None
-    fp8_small_layers: bool = False  # with fp8: also in the layers too small to gain (`fp8_pays`)
     # "copy_engine" (True): the sequence-parallel linear layers pipeline their collective with their GEMM
     # (tpframe/layers/async_tp.py); None: off
     async_tp: str | bool | None = None
@@ -40,8 +39,7 @@ class LayerMode:
 
     def uses_fp8(self, local_out: int, local_in: int) -> str | None:
         """The float8 recipe a linear layer with this per-rank weight [out, in] runs its GEMMs in, or None."""
-        small = self.fp8_small_layers
-        return self.fp8 if self.fp8 and fp8_refusal(local_out, local_in, self.fp8, small_layers=small) is None else None
+        return self.fp8 if self.fp8 and fp8_refusal(local_out, local_in, self.fp8) is None else None
 
 
 DEFAULT_MODE = LayerMode()  # fused kernels, GEMMs in the compute dtype, no async TP

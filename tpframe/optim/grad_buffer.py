@@ -67,11 +67,6 @@ def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Com
         allreduce_sequence_parallel_grads(grads, embedding_comm)  # the same in-place sum, over another group
 
 
-def sequence_parallel_grads(params: Iterable[nn.Parameter], attr: str = "grad") -> list[torch.Tensor]:
-    """The gradients (`attr`: "grad" or "main_grad") of the sequence-parallel params among `params`."""
-    return [getattr(p, attr) for p in params if p.sequence_parallel and getattr(p, attr, None) is not None]
-
-
 @dataclass(eq=False)
 class Bucket:
     index: int

@@ -12,14 +12,10 @@ pieces of named global tensors (what checkpoints store, so any TP layout can rea
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
-from tpframe.comm import Communicator
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -80,31 +76,6 @@ def param_shards(name: str, p: torch.Tensor, tp_rank: int, tp_size: int, trim_vo
         index[0] = slice(0, keep)
         offset[0] = min(tp_rank * local, vocab_rows)
     return [LogicalShard(name, name, global_shape, tuple(offset), tp_dim, tuple(index))]
-
-
-def logical_numel(model: nn.Module, tp_size: int) -> int:
-    """Parameters of the TP-unsplit model that `model` is one TP shard of (vocabulary padding excluded)."""
-    return sum(math.prod(s.global_shape) for n, p in model.named_parameters() for s in param_shards(n, p, 0, tp_size))
-
-
-@torch.no_grad()
-def gather_full_tensors(model: nn.Module, comm: Communicator, source: str = "param") -> dict[str, torch.Tensor]:
-    """Assemble every logical tensor in full on every TP rank (for tests, export and debugging).
-
-    `source` is "param" (the weights) or "main_grad"/"grad" (the gradients).
-    """
-    full: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        local = p.detach() if source == "param" else getattr(p, source)
-        # untrimmed pieces are equal-sized on every rank; the vocabulary padding is cut after the gather
-        for shard in param_shards(name, p, comm.rank, comm.size, trim_vocab=False):
-            if shard.tp_dim is None:
-                full[shard.name] = local.clone()
-                continue
-            gathered = comm.all_gather(shard.view(local).contiguous(), dim=shard.tp_dim)
-            rows = p.vocab_rows
-            full[shard.name] = gathered[:rows] if rows is not None else gathered
-    return full
 
 
 # -- pieces of global tensors, as DCP stores them ---------------------------------------------

@@ -172,19 +172,6 @@ class ParallelState:
         """Replicas of each expert: dp * cp / ep."""
         return self.dp_cp // self.ep
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def tp_src_rank(self) -> int:
-        """Global rank of TP rank 0 in this rank's TP group (the source for TP broadcasts)."""
-        return self.tp_ranks[0]
-
 
 def _init_world_from_env(backend: str, timeout: timedelta | None) -> None:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -202,7 +189,6 @@ def _init_world_from_env(backend: str, timeout: timedelta | None) -> None:
 def initialize_parallel(
     tp: int = 1,
     pp: int = 1,
-    backend: str | None = None,
     comm_backend: str = "auto",
     timeout_s: float | None = None,
     *,
@@ -211,9 +197,8 @@ def initialize_parallel(
 ) -> ParallelState:
     """Build every process group from the world and return the one `ParallelState`.
 
-    `cp`: ranks each sequence is split over; `ep`: ranks of dp x cp the MoE experts are split over. `backend`: the
-    torch.distributed backend if the world is not up yet (default: nccl with CUDA, else gloo). `comm_backend`: the TP
-    communicator's (auto/nccl/symm).
+    `cp`: ranks each sequence is split over; `ep`: ranks of dp x cp the MoE experts are split over. A world not up yet
+    is started from torchrun's env (nccl with CUDA, else gloo). `comm_backend`: the TP communicator's (auto/nccl/symm).
     `timeout_s` bounds every collective of every group built here (and of the world, if built here).
     """
     global _STATE
@@ -222,7 +207,7 @@ def initialize_parallel(
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     owns_world = not dist.is_initialized()
     if owns_world:
-        _init_world_from_env(backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout)
+        _init_world_from_env("nccl" if torch.cuda.is_available() else "gloo", timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = rank_layout(world, tp, pp, cp=cp, ep=ep)  # ValueError: a world tp*cp*pp does not divide, a bad ep
     dp = world // (tp * cp * pp)

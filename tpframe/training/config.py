@@ -111,7 +111,6 @@ class TrainConfig:
     # float8 GEMMs in the blocks' linear layers (bf16 runs; CUDA 8.9+ or CPU): tensorwise or rowwise scales
     # (true: tensorwise); norms, attention and the head stay bf16 (docs/performance.md)
     fp8: bool | Literal[RECIPES] = False
-    fp8_small_layers: bool = False  # train.fp8 also in layers too small to gain (layers/fp8.py: fp8_pays)
     on_nonfinite: Literal["skip", "abort"] = "skip"  # a step whose loss/grad norm stays non-finite when re-run
     max_skipped_steps: int = 5  # consecutive skipped steps tolerated before training stops (exit code 3)
     loss_spike_z: float = 6.0  # log a loss above the recent median by this many robust deviations; 0: off
