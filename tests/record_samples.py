@@ -27,9 +27,9 @@ def _record() -> None:
         if self.split == "train":
             b = self.micro_batch_size
             positions = self.samples_consumed + self.dp_rank * b + np.arange(b)
-            epochs, pos = np.divmod(positions, self.num_windows)
+            epochs, pos = np.divmod(positions, self.sources[0].num_windows)
             for p, e, w in zip(positions, epochs, pos):
-                out.write(f"{attempt} {p} {self._order(int(e))[w]}\n")
+                out.write(f"{attempt} {p} {self.sources[0].order(int(e))[w]}\n")
             out.flush()
         return plain(self)
 

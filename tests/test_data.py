@@ -23,8 +23,10 @@ def _batches(it, n):
 
 def _windows_of(it, n_steps):
     """The global-window ids an iterator hands out, read back through its tokens."""
-    tokens = np.asarray(it.stream.tokens, dtype=np.int64)
-    table = {tuple(tokens[w * it.seq_len : w * it.seq_len + it.seq_len + 1]): w for w in range(it.num_windows)}
+    tokens = np.asarray(it.streams[0].tokens, dtype=np.int64)
+    table = {
+        tuple(tokens[w * it.seq_len : w * it.seq_len + it.seq_len + 1]): w for w in range(it.sources[0].num_windows)
+    }
     out = []
     for _ in range(n_steps):
         x, y = it.next()
@@ -106,10 +108,10 @@ def test_held_out_split_is_the_disjoint_tail():
     full = synthetic_corpus(SMALL.synthetic_tokens, SMALL.seed).tokens
     train, valid, _ = build_data(SMALL, SEQ, 4, 0, 1)
     n_valid = round(len(full) * SMALL.valid_fraction)
-    assert len(valid.stream.tokens) == n_valid and len(train.stream.tokens) == len(full) - n_valid
-    assert np.array_equal(np.concatenate([train.stream.tokens, valid.stream.tokens]), full)
+    assert len(valid.streams[0].tokens) == n_valid and len(train.streams[0].tokens) == len(full) - n_valid
+    assert np.array_equal(np.concatenate([train.streams[0].tokens, valid.streams[0].tokens]), full)
     # windows never reach past their split: the largest training window ends inside the head
-    assert (train.num_windows * SEQ + 1) <= len(train.stream.tokens)
+    assert (train.sources[0].num_windows * SEQ + 1) <= len(train.streams[0].tokens)
     x, y = valid.next()
     assert x.shape == (4, SEQ)
     valid.next()

@@ -10,7 +10,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.training_utils import train_in_process
 from tpframe.data.corpus import TokenStream
-from tpframe.data.loader import BatchIterator, BlendedIterator, build_data
+from tpframe.data.loader import BatchIterator, build_data
 from tpframe.data.tokenizer import write_token_file
 from tpframe.errors import ConfigError
 from tpframe.training.config import DataConfig
@@ -22,7 +22,7 @@ B = TokenStream(128 + np.arange(5 * SEQ + 1, dtype=np.int64), 256, "B")  # 5 win
 
 
 def _blend(mb=2, rank=0, dp=1, weights=(3.0, 1.0), streams=(A, B), **kw):
-    return BlendedIterator(list(streams), list(weights), SEQ, mb, rank, dp, seed=5, **kw)
+    return BatchIterator(list(streams), SEQ, mb, rank, dp, seed=5, weights=list(weights), **kw)
 
 
 def _first_tokens(it, steps):
@@ -36,17 +36,16 @@ def test_every_prefix_keeps_the_weights_and_each_file_keeps_its_own_order():
         assert abs(sum(from_a[:n]) - 0.75 * n) < 1 and abs(n - sum(from_a[:n]) - 0.25 * n) < 1, n
     # a file's samples are its own seeded order, epoch by epoch, whatever the blend does around them
     for stream, index, mine in ((A, 0, [t for t in firsts if t < 128]), (B, 1, [t for t in firsts if t >= 128])):
-        alone = BatchIterator(stream, SEQ, 1, seed=5, source=index)
-        assert mine == _first_tokens(alone, len(mine))
+        alone = _blend().sources[index]  # the file's windows in its own order, read alone
+        assert mine == [int(t) for t in alone.chunk(np.arange(len(mine)))[:, 0]]
         windows = (len(stream.tokens) - 1) // SEQ
         assert (
             sorted(mine[:windows]) == sorted(mine[windows : 2 * windows])
             and mine[:windows] != mine[windows : 2 * windows]
         )
     # the files are shuffled independently of each other and of an unblended run's order
-    assert _first_tokens(BatchIterator(A, SEQ, 1, seed=5, source=0), 7) != _first_tokens(
-        BatchIterator(A, SEQ, 1, seed=5), 7
-    )
+    blended_a = [int(t) for t in _blend().sources[0].chunk(np.arange(7))[:, 0]]
+    assert blended_a != _first_tokens(BatchIterator(A, SEQ, 1, seed=5), 7)
 
 
 @pytest.mark.parametrize("dp_new, mb_new", [(1, 4), (4, 1)])
@@ -99,7 +98,7 @@ def _token_files(tmp_path, texts):
 def test_token_files_blend_by_size_with_blended_held_out_tails(tmp_path):
     a, b = _token_files(tmp_path, ["a" * 3000, "b" * 1000])
     train, valid, vocab = build_data(DataConfig(source="tokens", path=[a, b], valid_fraction=0.1), SEQ, 4, 0, 1)
-    assert vocab == 256 and isinstance(train, BlendedIterator) and isinstance(valid, BlendedIterator)
+    assert vocab == 256 and len(train.streams) == len(valid.streams) == 2
     assert [round(w, 3) for w in train.weights] == [0.75, 0.25]  # no data.weights: in proportion to the tokens
     assert [len(s.tokens) for s in valid.streams] == [300, 100]  # each file's tail is held out
     letters = [chr(int(x[0, 0])) for x in (train.next()[0] for _ in range(4))]

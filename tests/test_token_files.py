@@ -42,7 +42,7 @@ def test_byte_level_round_trip_of_txt_and_jsonl(tmp_path):
     x, y = train.next()
     assert vocab == 256 and x.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])
     assert bytes(x[0].to(torch.uint8).numpy()) in expected
-    assert len(train.stream.tokens) + len(valid.stream.tokens) == len(expected)
+    assert len(train.streams[0].tokens) + len(valid.streams[0].tokens) == len(expected)
 
 
 def test_separate_validation_file(tmp_path):
@@ -51,7 +51,7 @@ def test_separate_validation_file(tmp_path):
     write_token_file([txt], tmp_path / "valid.bin")
     cfg = DataConfig(source="tokens", path=str(tmp_path / "train.bin"), valid_path=str(tmp_path / "valid.bin"))
     train, valid, _ = build_data(cfg, 32, 2, 0, 1)
-    assert len(train.stream.tokens) == len(valid.stream.tokens) == len(TEXT) + 1
+    assert len(train.streams[0].tokens) == len(valid.streams[0].tokens) == len(TEXT) + 1
     write_token_file([jsonl], tmp_path / "short.bin")
     with pytest.raises(ConfigError, match=r"data.valid_path=.*short.bin.*fewer than one window"):
         build_data(DataConfig(source="tokens", path=cfg.path, valid_path=str(tmp_path / "short.bin")), 32, 2, 0, 1)

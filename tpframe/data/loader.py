@@ -12,7 +12,7 @@ number, the global samples consumed: a checkpoint resumes exactly on any DP layo
 With context parallelism (cp_size > 1) the CP ranks of a DP rank share its samples and each keeps its
 tokens of them, [b, s/cp] (tpframe/layers/context.py: shard_sequence).
 
-Several token files (data.path as a list) are blended by `BlendedIterator`: global sample i comes from
+Several token files (data.path as a list) are blended by the same `BatchIterator`: global sample i comes from
 one file, chosen by a fixed rule from i and the weights, and is that file's next sample in its own
 seeded order; the position is still global, so blends resume exactly on any DP layout too.
 """
@@ -39,14 +39,84 @@ _RUN_FIELDS = (
     ("seed", "data.seed", "set data.seed={0} to resume this run"),
     ("seq_len", "train.seq_len", "set train.seq_len={0} to resume this run"),
 )
+_STREAM_FIELDS = (  # and those of one stream
+    (
+        "corpus",
+        "data stream",
+        "resume with the same data.source/data.path/data.synthetic_tokens/data.valid_fraction, or start a fresh run",
+    ),
+    ("num_windows", "number of windows", "resume with the same data and train.seq_len"),
+)
+_BLEND_FIELDS = (  # and those of a blend
+    ("corpus", "the blend's files", "resume with the same data.path files, in the same order"),
+    ("weights", "data.weights (normalized)", "resume with the same data.weights"),  # JSON keeps floats exact
+    ("num_windows", "number of windows", "resume with the same data"),
+)
+
+
+class _Windows:
+    """One token stream cut into W windows of seq_len+1 tokens, read in a seeded order epoch after epoch: an
+    unblended run's stream, or one file of a blend (`source`: its index, mixed into the seed)."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, split: str, source: int | None):
+        if stream.row is not None and stream.row != seq_len:
+            raise ValueError(
+                f"the {split} data is packed into rows of {stream.row} tokens (prepare_data.py --seq-len): set "
+                f"train.seq_len={stream.row}, or prepare it again with --seq-len {seq_len}"
+            )
+        self.num_windows = (len(stream.tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(
+                f"the {split} stream has {len(stream.tokens)} tokens, fewer than one window of "
+                f"seq_len+1={seq_len + 1}; use more data or a shorter train.seq_len"
+            )
+        self.stream, self.seq_len, self.split = stream, seq_len, split
+        self._seed, self._source = [seed, _SPLIT_IDS[split]], [] if source is None else [source + 1]
+        self._orders: dict[int, np.ndarray] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        """perm_e: argsort of seeded raw 64-bit draws (our own reduction, so the order does not depend
+        on numpy's sampling algorithms, which may change between versions)."""
+        if epoch not in self._orders:
+            gen = np.random.PCG64(np.random.SeedSequence([*self._seed, epoch, *self._source]))
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep the previous
+            self._orders[epoch] = np.argsort(gen.random_raw(self.num_windows), kind="stable")
+        return self._orders[epoch]
+
+    def chunk(self, sample: np.ndarray) -> np.ndarray:
+        """Tokens [n, s+1] (int64) of the samples at positions `sample` of this stream's epoch-by-epoch order."""
+        s = self.seq_len
+        epochs, pos = np.divmod(sample, self.num_windows)
+        windows = np.empty(len(sample), dtype=np.int64)
+        for e in np.unique(epochs):  # a micro-batch may straddle an epoch boundary
+            windows[epochs == e] = self.order(int(e))[pos[epochs == e]]
+        where = windows[:, None] * s + np.arange(s + 1)
+        chunk = np.asarray(self.stream.tokens[where], dtype=np.int64)
+        if chunk.size and chunk.max() >= self.stream.vocab_size:
+            raise ValueError(
+                f"the {self.split} data holds token id {int(chunk.max())} >= vocab_size {self.stream.vocab_size}: "
+                "the token file and its sidecar disagree; re-run tools/prepare_data.py"
+            )
+        if self.stream.loss_mask is not None:  # a label without loss travels as ~id (negative) to `_to_batch`
+            chunk = np.where(self.stream.loss_mask[where] == 0, ~chunk, chunk)
+        return chunk
 
 
 class BatchIterator:
-    """This DP rank's micro-batches from `stream`, forever (wrapping into re-shuffled epochs)."""
+    """This DP rank's micro-batches from one token stream, or from a blend of several in fixed shares (data.path as
+    a list), forever (wrapping into re-shuffled epochs).
+
+    In a blend, global sample i comes from the stream whose count so far falls furthest below its share of i+1
+    samples (Megatron-Core's blending rule; ties go to the earlier stream), so every prefix of the global order holds
+    each stream within one sample of its weight; within a stream, samples follow its own seeded window order and
+    epochs. The position is global, samples consumed and how many each stream has given (`taken`), so a blend
+    resumes exactly on any DP layout; each rank runs the rule over the whole micro-step (G samples) and keeps its
+    slice. One stream is the blend of one: its sample i is global sample i (its state keeps the one-stream format).
+    """
 
     def __init__(
         self,
-        stream: TokenStream,
+        streams: TokenStream | list[TokenStream],
         seq_len: int,
         micro_batch_size: int,
         dp_rank: int = 0,
@@ -54,10 +124,16 @@ class BatchIterator:
         seed: int = 0,
         split: str = "train",
         *,
+        weights: list[float] | None = None,
         cp_rank: int = 0,
         cp_size: int = 1,
-        source: int | None = None,
     ):
+        streams = [streams] if isinstance(streams, TokenStream) else list(streams)
+        weights = [1.0] * len(streams) if weights is None else weights
+        if len(streams) != len(weights) or not streams or not all(0 < w < float("inf") for w in weights):
+            raise ValueError(
+                f"BatchIterator needs one positive weight per stream; got {len(streams)} streams and weights {weights}"
+            )
         if seq_len < 1 or micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(
                 f"BatchIterator needs seq_len >= 1, micro_batch_size >= 1 and 0 <= dp_rank < dp_size; got "
@@ -70,164 +146,10 @@ class BatchIterator:
                 f"BatchIterator needs 0 <= cp_rank < cp_size and seq_len divisible by 2*cp_size; got "
                 f"cp_rank={cp_rank}, cp_size={cp_size}, seq_len={seq_len}"
             )
-        self.cp_rank, self.cp_size = cp_rank, cp_size
         if split not in _SPLIT_IDS:
             raise ValueError(f"split={split!r} must be one of {', '.join(_SPLIT_IDS)}")
-        self.stream, self.seq_len, self.split, self.seed = stream, seq_len, split, seed
-        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        if stream.row is not None and stream.row != seq_len:
-            raise ValueError(
-                f"the {split} data is packed into rows of {stream.row} tokens (prepare_data.py --seq-len): set "
-                f"train.seq_len={stream.row}, or prepare it again with --seq-len {seq_len}"
-            )
-        self.num_windows = (len(stream.tokens) - 1) // seq_len
-        if self.num_windows < 1:
-            raise ValueError(
-                f"the {split} stream has {len(stream.tokens)} tokens, fewer than one window of "
-                f"seq_len+1={seq_len + 1}; use more data or a shorter train.seq_len"
-            )
-        self.samples_consumed = 0  # global samples (all DP ranks) handed out so far
-        self._orders: dict[int, np.ndarray] = {}
-        self._source = [] if source is None else [source + 1]  # in a blend: each file its own order
-
-    @property
-    def streams(self) -> list[TokenStream]:
-        return [self.stream]
-
-    @property
-    def loss_masked(self) -> bool:
-        """Whether some labels carry no loss (instruction data: tpframe/data/instruct.py)."""
-        return any(st.loss_mask is not None for st in self.streams)
-
-    @property
-    def epoch(self) -> int:
-        return self.samples_consumed // self.num_windows
-
-    @property
-    def global_batch(self) -> int:
-        """G: samples per micro-step over all DP ranks."""
-        return self.micro_batch_size * self.dp_size
-
-    def _order(self, epoch: int) -> np.ndarray:
-        """perm_e: argsort of seeded raw 64-bit draws (our own reduction, so the order does not depend
-        on numpy's sampling algorithms, which may change between versions)."""
-        if epoch not in self._orders:
-            gen = np.random.PCG64(np.random.SeedSequence([self.seed, _SPLIT_IDS[self.split], epoch, *self._source]))
-            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep the previous
-            self._orders[epoch] = np.argsort(gen.random_raw(self.num_windows), kind="stable")
-        return self._orders[epoch]
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [b, s], labels [b, s]) (this CP rank's [b, s/cp]), CPU int64; advances the global position
-        by G."""
-        b = self.micro_batch_size
-        chunk = self.chunk(self.samples_consumed + self.dp_rank * b + np.arange(b, dtype=np.int64))
-        self.samples_consumed += self.global_batch
-        return _to_batch(chunk, self.cp_rank, self.cp_size)
-
-    def chunk(self, sample: np.ndarray) -> np.ndarray:
-        """Tokens [n, s+1] (int64) of the samples at positions `sample` of this stream's epoch-by-epoch order."""
-        s = self.seq_len
-        epochs, pos = np.divmod(sample, self.num_windows)
-        windows = np.empty(len(sample), dtype=np.int64)
-        for e in np.unique(epochs):  # a micro-batch may straddle an epoch boundary
-            windows[epochs == e] = self._order(int(e))[pos[epochs == e]]
-        where = windows[:, None] * s + np.arange(s + 1)
-        chunk = np.asarray(self.stream.tokens[where], dtype=np.int64)
-        if chunk.size and chunk.max() >= self.stream.vocab_size:
-            raise ValueError(
-                f"the {self.split} data holds token id {int(chunk.max())} >= vocab_size {self.stream.vocab_size}: "
-                "the token file and its sidecar disagree; re-run tools/prepare_data.py"
-            )
-        if self.stream.loss_mask is not None:  # a label without loss travels as ~id (negative) to `_to_batch`
-            chunk = np.where(self.stream.loss_mask[where] == 0, ~chunk, chunk)
-        return chunk
-
-    __next__ = next
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def reset(self) -> None:
-        """Back to the first sample: evaluate on the same held-out samples every time."""
-        self.samples_consumed = 0
-
-    def state_dict(self) -> dict:
-        """The position in the stream, independent of the DP layout (JSON-able)."""
-        return {
-            "format": STATE_FORMAT,
-            "split": self.split,
-            "seed": self.seed,
-            "corpus": self.stream.fingerprint,
-            "seq_len": self.seq_len,
-            "num_windows": self.num_windows,
-            "samples_consumed": self.samples_consumed,
-            "epoch": self.epoch,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for other data."""
-        _check_format(state, STATE_FORMAT)
-        checks = (
-            *_RUN_FIELDS,
-            (
-                "corpus",
-                "data stream",
-                "resume with the same data.source/data.path/data.synthetic_tokens/"
-                "data.valid_fraction, or start a fresh run",
-            ),
-            ("num_windows", "number of windows", "resume with the same data and train.seq_len"),
-        )
-        _check_remade(state.get("corpus"), [self.stream])
-        _check_fields(state, self.state_dict(), checks)
-        consumed = state.get("samples_consumed")
-        if not isinstance(consumed, int) or consumed < 0:
-            raise ValueError(f"data state has samples_consumed={consumed!r}; expected an integer >= 0")
-        self.samples_consumed = consumed
-
-    def describe(self) -> str:
-        return (
-            f"{self.split}: {len(self.stream.tokens):,} tokens, {self.num_windows:,} windows of "
-            f"{self.seq_len}+1, epoch {self.epoch}, {self.samples_consumed:,} samples consumed"
-        )
-
-
-class BlendedIterator:
-    """This DP rank's micro-batches drawn from several token streams in fixed shares (data.path as a list).
-
-    Global sample i comes from the stream whose count so far falls furthest below its share of i+1 samples
-    (Megatron-Core's blending rule; ties go to the earlier stream), so every prefix of the global order holds
-    each stream within one sample of its weight. Within a stream, samples follow its own seeded window order
-    and epochs (a BatchIterator over it). The position is global, samples consumed and how many each stream
-    has given, so a blend resumes exactly on any DP layout; each rank runs the rule over the whole micro-step
-    (G samples) and keeps its slice.
-    """
-
-    def __init__(
-        self,
-        streams: list[TokenStream],
-        weights: list[float],
-        seq_len: int,
-        micro_batch_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        seed: int = 0,
-        split: str = "train",
-        *,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-    ):
-        if len(streams) != len(weights) or not streams or not all(0 < w < float("inf") for w in weights):
-            raise ValueError(
-                f"BlendedIterator needs one positive weight per stream; got {len(streams)} streams "
-                f"and weights {weights}"
-            )
-        self.sources = [
-            BatchIterator(
-                st, seq_len, micro_batch_size, dp_rank, dp_size, seed, split, cp_rank=cp_rank, cp_size=cp_size, source=i
-            )
-            for i, st in enumerate(streams)
-        ]
+        blended = len(streams) > 1  # each file its own order
+        self.sources = [_Windows(st, seq_len, seed, split, i if blended else None) for i, st in enumerate(streams)]
         total = float(sum(weights))
         self.weights = [w / total for w in weights]
         self.seq_len, self.split, self.seed = seq_len, split, seed
@@ -237,30 +159,36 @@ class BlendedIterator:
 
     @property
     def streams(self) -> list[TokenStream]:
-        return [it.stream for it in self.sources]
+        return [src.stream for src in self.sources]
 
-    loss_masked = BatchIterator.loss_masked
+    @property
+    def loss_masked(self) -> bool:
+        """Whether some labels carry no loss (instruction data: tpframe/data/instruct.py)."""
+        return any(st.loss_mask is not None for st in self.streams)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of an unblended stream."""
+        return self.samples_consumed // self.sources[0].num_windows
 
     @property
     def global_batch(self) -> int:
+        """G: samples per micro-step over all DP ranks."""
         return self.micro_batch_size * self.dp_size
 
     def reset(self) -> None:
-        self.samples_consumed = 0
+        """Back to the first sample: evaluate on the same held-out samples every time."""
+        self.samples_consumed = 0  # global samples (all DP ranks) handed out so far
         self.taken = [0] * len(self.sources)  # samples each stream has given; sums to samples_consumed
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [b, s], labels [b, s]) as BatchIterator.next, each sample from the stream the rule picks."""
-        which, local = [], []
-        taken, weights = list(self.taken), self.weights
-        for i in range(self.samples_consumed, self.samples_consumed + self.global_batch):
-            d = max(range(len(weights)), key=lambda j: (weights[j] * (i + 1) - taken[j], -j))
-            which.append(d)
-            local.append(taken[d])
-            taken[d] += 1
-        mine = slice(self.dp_rank * self.micro_batch_size, (self.dp_rank + 1) * self.micro_batch_size)
+        """(input_ids [b, s], labels [b, s]) (this CP rank's [b, s/cp]), CPU int64; advances the global position
+        by G."""
+        b = self.micro_batch_size
+        which, local, taken = _pick_sources(self.weights, self.taken, self.samples_consumed, self.global_batch)
+        mine = slice(self.dp_rank * b, (self.dp_rank + 1) * b)
         which, local = np.array(which[mine]), np.array(local[mine], dtype=np.int64)
-        chunk = np.empty((self.micro_batch_size, self.seq_len + 1), dtype=np.int64)
+        chunk = np.empty((b, self.seq_len + 1), dtype=np.int64)
         for d in np.unique(which):
             chunk[which == d] = self.sources[d].chunk(local[which == d])
         self.samples_consumed += self.global_batch
@@ -269,36 +197,42 @@ class BlendedIterator:
 
     __next__ = next
 
-    def __iter__(self) -> BlendedIterator:
+    def __iter__(self) -> BatchIterator:
         return self
 
     def state_dict(self) -> dict:
-        """The position in the blend, independent of the DP layout (JSON-able)."""
+        """The position in the stream or blend, independent of the DP layout (JSON-able)."""
+        run = {"split": self.split, "seed": self.seed}
+        if len(self.sources) == 1:
+            return {
+                "format": STATE_FORMAT,
+                **run,
+                "corpus": self.sources[0].stream.fingerprint,
+                "seq_len": self.seq_len,
+                "num_windows": self.sources[0].num_windows,
+                "samples_consumed": self.samples_consumed,
+                "epoch": self.epoch,
+            }
         return {
             "format": BLEND_FORMAT,
-            "split": self.split,
-            "seed": self.seed,
+            **run,
             "seq_len": self.seq_len,
-            "corpus": [it.stream.fingerprint for it in self.sources],
+            "corpus": [src.stream.fingerprint for src in self.sources],
             "weights": self.weights,
-            "num_windows": [it.num_windows for it in self.sources],
+            "num_windows": [src.num_windows for src in self.sources],
             "samples_consumed": self.samples_consumed,
             "taken": list(self.taken),
-            "epochs": [t // it.num_windows for t, it in zip(self.taken, self.sources)],
+            "epochs": [t // src.num_windows for t, src in zip(self.taken, self.sources)],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for another blend."""
-        _check_format(state, BLEND_FORMAT)
-        checks = (
-            *_RUN_FIELDS,
-            ("corpus", "the blend's files", "resume with the same data.path files, in the same order"),
-            ("weights", "data.weights (normalized)", "resume with the same data.weights"),  # JSON keeps floats exact
-            ("num_windows", "number of windows", "resume with the same data"),
-        )
-        _check_remade(state.get("corpus"), [it.stream for it in self.sources])
-        _check_fields(state, self.state_dict(), checks)
-        consumed, taken = state.get("samples_consumed"), state.get("taken")
+        """Continue exactly where `state` was taken, at any DP layout; ValueError if it is for other data."""
+        blended = len(self.sources) > 1
+        _check_format(state, BLEND_FORMAT if blended else STATE_FORMAT)
+        _check_remade(state.get("corpus"), self.streams)
+        _check_fields(state, self.state_dict(), _RUN_FIELDS + (_BLEND_FIELDS if blended else _STREAM_FIELDS))
+        consumed = state.get("samples_consumed")
+        taken = state.get("taken") if blended else [consumed]
         if (
             not isinstance(consumed, int)
             or consumed < 0
@@ -308,17 +242,39 @@ class BlendedIterator:
             or sum(taken) != consumed
         ):
             raise ValueError(
-                f"data state has samples_consumed={consumed!r} and taken={taken!r}; expected integers "
-                ">= 0, one per file, that sum to samples_consumed"
+                f"data state has samples_consumed={consumed!r} and taken={taken!r}; expected integers >= 0, one per "
+                "file, that sum to samples_consumed"
+                if blended
+                else f"data state has samples_consumed={consumed!r}; expected an integer >= 0"
             )
         self.samples_consumed, self.taken = consumed, list(taken)
 
     def describe(self) -> str:
+        if len(self.sources) == 1:
+            src = self.sources[0]
+            return (
+                f"{self.split}: {len(src.stream.tokens):,} tokens, {src.num_windows:,} windows of "
+                f"{self.seq_len}+1, epoch {self.epoch}, {self.samples_consumed:,} samples consumed"
+            )
         parts = [
-            f"{w:.1%} of {len(it.stream.tokens):,} tokens ({it.num_windows:,} windows, epoch {t // it.num_windows})"
-            for w, t, it in zip(self.weights, self.taken, self.sources)
+            f"{w:.1%} of {len(src.stream.tokens):,} tokens ({src.num_windows:,} windows, epoch {t // src.num_windows})"
+            for w, t, src in zip(self.weights, self.taken, self.sources)
         ]
         return f"{self.split}: a blend of {'; '.join(parts)}; {self.samples_consumed:,} samples consumed"
+
+
+def _pick_sources(weights: list[float], taken: list[int], start: int, n: int) -> tuple[list[int], list[int], list[int]]:
+    """(stream, index among that stream's samples) of each of the global samples start..start+n-1 by the blending
+    rule, and `taken` after them."""
+    if len(weights) == 1:  # one stream: global sample i is its sample i
+        return [0] * n, list(range(start, start + n)), [start + n]
+    which, local, taken = [], [], list(taken)
+    for i in range(start, start + n):
+        d = max(range(len(weights)), key=lambda j: (weights[j] * (i + 1) - taken[j], -j))
+        which.append(d)
+        local.append(taken[d])
+        taken[d] += 1
+    return which, local, taken
 
 
 def _to_batch(chunk: np.ndarray, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,40 +405,19 @@ def build_data(
     *,
     cp_rank: int = 0,
     cp_size: int = 1,
-) -> tuple[BatchIterator | BlendedIterator, BatchIterator | BlendedIterator, int]:
+) -> tuple[BatchIterator, BatchIterator, int]:
     """(train iterator, validation iterator, vocab_size of the token stream) for this DP (and CP) rank.
 
-    A blend (several files in data.path) gives BlendedIterators: data.weights, or the files' token counts, set
-    each file's share of the samples; the held-out tails are blended in the same shares. TP ranks with the same
-    dp_rank and cp_rank get identical batches (everything here is deterministic).
+    A blend (several files in data.path): data.weights, or the files' token counts, set each file's share of the
+    samples; the held-out tails are blended in the same shares. TP ranks with the same dp_rank and cp_rank get
+    identical batches (everything here is deterministic).
     """
     train, valid = load_streams(cfg, seq_len)
     weights = cfg.weights or [float(len(st.tokens)) for st in train]
+    args = (seq_len, micro_batch_size, dp_rank, dp_size, cfg.seed)
 
-    def iterator(streams: list[TokenStream], split: str):
-        if len(streams) == 1:
-            return BatchIterator(
-                streams[0],
-                seq_len,
-                micro_batch_size,
-                dp_rank,
-                dp_size,
-                cfg.seed,
-                split,
-                cp_rank=cp_rank,
-                cp_size=cp_size,
-            )
-        return BlendedIterator(
-            streams,
-            weights,
-            seq_len,
-            micro_batch_size,
-            dp_rank,
-            dp_size,
-            cfg.seed,
-            split,
-            cp_rank=cp_rank,
-            cp_size=cp_size,
-        )
+    def iterator(streams: list[TokenStream], split: str) -> BatchIterator:
+        blend = weights if len(streams) > 1 else None  # None: one stream (data.valid_path's held-out one too)
+        return BatchIterator(streams, *args, split, weights=blend, cp_rank=cp_rank, cp_size=cp_size)
 
     return iterator(train, "train"), iterator(valid, "valid"), train[0].vocab_size
