@@ -47,6 +47,7 @@ REMOVED = (
     "async_tp=ring",
     "comm.overlap_sm_margin",
     "train.fp8_small_layers",
+    "parallel.overlap_param_gather",
 )
 REMOVED_NOTED_IN = ("docs/performance.md", "docs/design-notes.md")
 SHORT = ["train.steps=1", "train.eval_interval=0", "data.synthetic_tokens=50000", "logging.progress=false"]
