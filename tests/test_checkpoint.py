@@ -30,14 +30,22 @@ def _final_weights(overrides):
     }
 
 
+def _final_weights_after_run(overrides, then):
+    """_final_weights(overrides), then _run(then) in the same world."""
+    out = _final_weights(overrides)
+    _run(then)
+    return out
+
+
 def test_resume_continues_bit_for_bit_at_tp2(tmp_path):
+    # the straight run, and the same run checkpointing every 10 steps (one world); then a new job resumes from step
+    # 10 and finishes
     straight, w_straight = run_distributed(
-        _final_weights, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", f"train.run_dir={tmp_path}/a"]
+        _final_weights_after_run,
+        2,
+        [*STEPS, "parallel.tp=2", "model.dropout=0.1", f"train.run_dir={tmp_path}/a"],
+        [*STEPS, "parallel.tp=2", "model.dropout=0.1", "checkpoint.interval=10", f"train.run_dir={tmp_path}/b"],
     )[0]
-    # the same run, checkpointing every 10 steps; then a new job resumes from step 10 and finishes
-    run_distributed(
-        _run, 2, [*STEPS, "parallel.tp=2", "model.dropout=0.1", "checkpoint.interval=10", f"train.run_dir={tmp_path}/b"]
-    )
     step10 = tmp_path / "b" / "checkpoints" / "step_00000010"
     assert step10.exists()
     resumed, w_resumed = run_distributed(
@@ -88,6 +96,23 @@ def _loss_and_next_step(overrides):
     return batch_loss, gather_full_tensors(trainer.model, trainer.parallel.tp_comm)
 
 
+@pytest.fixture(scope="module")
+def tp2_checkpoint(tmp_path_factory):
+    """A TP=2 run's step-10 checkpoint, and the loss and weights of one more step loaded from it at TP=2 (in a new
+    world, as a later job would): what every layout of test_reshard_tp2_checkpoint_to_another_layout must give.
+    Built once for the module; the tests only read the checkpoint."""
+    root = tmp_path_factory.mktemp("reshard")
+    saved = root / "saved"
+    run_distributed(
+        _run, 2, ["train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={saved}"]
+    )
+    ckpt = saved / "checkpoints" / "step_00000010"
+    reference = run_distributed(
+        _loss_and_next_step, 2, ["parallel.tp=2", f"checkpoint.load={ckpt}", f"train.run_dir={root}/r"]
+    )[0]
+    return ckpt, reference
+
+
 @pytest.mark.parametrize(
     "world,layout",
     [
@@ -97,15 +122,8 @@ def _loss_and_next_step(overrides):
     ],
     ids=["tp1", "tp4", "tp2-dp2"],
 )
-def test_reshard_tp2_checkpoint_to_another_layout(tmp_path, world, layout):
-    saved = tmp_path / "saved"
-    run_distributed(
-        _run, 2, ["train.steps=10", "parallel.tp=2", "checkpoint.save_at_end=true", f"train.run_dir={saved}"]
-    )
-    ckpt = saved / "checkpoints" / "step_00000010"
-    reference = run_distributed(
-        _loss_and_next_step, 2, ["parallel.tp=2", f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/r"]
-    )[0]
+def test_reshard_tp2_checkpoint_to_another_layout(tmp_path, tp2_checkpoint, world, layout):
+    ckpt, reference = tp2_checkpoint
     moved = run_distributed(
         _loss_and_next_step, world, [*layout, f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path}/m"]
     )[0]

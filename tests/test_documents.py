@@ -137,35 +137,43 @@ def _same(a, b, what, rel=1e-5):
         assert math.isclose(x, y, rel_tol=rel, abs_tol=1e-7), f"{what}: step {i + 1}: {x!r} vs {y!r}"
 
 
+def _layouts_losses(runs: list[list[str]]):
+    """_layout_losses of each of `runs` in turn, in one world."""
+    return [_layout_losses(overrides) for overrides in runs]
+
+
 def test_document_masking_trains_the_same_at_every_layout(tmp_path):
     """train.py with each line of the synthetic corpus one document (eod_id=10, '\\n'), rotary positions: TP=2 + SP,
     PP=2, CP=2 (with TP=2 + SP too) and DP=2 follow one process, and causal attention does not (the option reaches the
-    model)."""
+    model). The runs of one world size share its processes."""
     rotary = ["model.position=rotary", "optim.grad_clip=0.5"]
-    ref, ref_norms = run_distributed(_layout_losses, 1, [*rotary, f"train.run_dir={tmp_path}/ref"])[0]
-    for i, (name, nproc, extra) in enumerate(
-        (
-            ("TP=2+SP", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-            ("PP=2", 2, ["parallel.pp=2"]),
-            ("CP=2", 2, ["parallel.cp=2"]),
-            ("CP=2 x TP=2 + SP", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-            (
-                "DP=2 zero1, selective recompute",
-                2,
-                [
-                    "train.micro_batch_size=2",
-                    "parallel.dp_strategy=zero1",
-                    "parallel.activation_checkpointing=selective",
-                ],
-            ),
-        )
-    ):
-        losses, norms = run_distributed(_layout_losses, nproc, [*rotary, *extra, f"train.run_dir={tmp_path}/{i}"])[0]
-        _same(losses, ref, name)
-        _same(norms, ref_norms, f"{name} grad norm", rel=1e-4)
-    causal, _ = run_distributed(
-        _layout_losses, 1, [*rotary, "model.attention_mask=causal", f"train.run_dir={tmp_path}/c"]
+    (ref, ref_norms), (causal, _) = run_distributed(
+        _layouts_losses,
+        1,
+        [
+            [*rotary, f"train.run_dir={tmp_path}/ref"],
+            [*rotary, "model.attention_mask=causal", f"train.run_dir={tmp_path}/c"],
+        ],
     )[0]
+    layouts = {
+        2: {
+            "TP=2+SP": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+            "PP=2": ["parallel.pp=2"],
+            "CP=2": ["parallel.cp=2"],
+            "DP=2 zero1, selective recompute": [
+                "train.micro_batch_size=2",
+                "parallel.dp_strategy=zero1",
+                "parallel.activation_checkpointing=selective",
+            ],
+        },
+        4: {"CP=2 x TP=2 + SP": ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]},
+    }
+    for nproc, named in layouts.items():
+        runs = [[*rotary, *extra, f"train.run_dir={tmp_path}/{nproc}-{i}"] for i, extra in enumerate(named.values())]
+        results = run_distributed(_layouts_losses, nproc, runs, timeout=300)[0]
+        for name, (losses, norms) in zip(named, results):
+            _same(losses, ref, name)
+            _same(norms, ref_norms, f"{name} grad norm", rel=1e-4)
     assert abs(causal[0] - ref[0]) > 1e-4
 
 

@@ -97,6 +97,11 @@ def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
 
+def _losses_of_runs(runs: list[list[str]]) -> list[tuple[list[float], list[bool]]]:
+    """_losses of each of `runs` (overrides) in turn, in one world."""
+    return [_losses(overrides) for overrides in runs]
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -112,10 +117,11 @@ def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     and differ from them (the float8 GEMMs really ran), in every linear layer of the blocks."""
     from tests.dist_utils import run_distributed
 
-    bf16, fp8 = (
-        run_distributed(_losses, 2, [*layout, f"train.run_dir={tmp_path}/{i}", *extra])[0]
-        for i, extra in enumerate((["train.fp8=false"], []))
-    )
+    bf16, fp8 = run_distributed(
+        _losses_of_runs,
+        2,
+        [[*layout, f"train.run_dir={tmp_path}/{i}", *extra] for i, extra in enumerate((["train.fp8=false"], []))],
+    )[0]
     stages = 2 if "parallel.pp=2" in layout else 1
     assert all(fp8[1]) and len(fp8[1]) == 8 // stages and not any(bf16[1])  # qkv, proj, fc1, fc2 of both blocks
     assert fp8[0] != bf16[0], "float8 GEMMs round differently from bf16 ones"

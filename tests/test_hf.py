@@ -684,10 +684,10 @@ def _generate_from_hf_dirs(dirs: dict, prompts: dict):
     return out
 
 
-def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
+def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(hf_dirs):
     """generate.py --checkpoint <HF dir>: the greedy tokens transformers' own generate gives, at TP 1 and 2, with the
     directory's tokenizer (tpframe's byte-level tokenizer.json is the built-in one; another names its EOT)."""
-    dirs = _hf_models(tmp_path)
+    dirs = hf_dirs
     prompts = {
         "gpt2": "héllo wörld",
         "llama": "w5 w17 w200 w3",
@@ -715,11 +715,11 @@ def test_generate_reads_a_hugging_face_model_directory_at_tp1_and_tp2(tmp_path):
     )
 
 
-def test_a_hugging_face_directory_generate_cannot_use_is_one_line(tmp_path, capsys):
+def test_a_hugging_face_directory_generate_cannot_use_is_one_line(hf_dirs, tmp_path, capsys):
     sys.path.insert(0, REPO)
     import generate as cli
 
-    dirs = _hf_models(tmp_path)
+    dirs = _hf_copies(hf_dirs, tmp_path)
     (dirs["llama"] / "tokenizer.json").unlink()
     capsys.readouterr()  # transformers' save_pretrained progress bars
     assert cli.main(["--checkpoint", str(dirs["llama"]), "--prompt", "w1"]) == 2
@@ -757,10 +757,10 @@ def _init_from_inspected(dirs: dict, tmp: str):
     return out
 
 
-def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
+def test_inspect_names_the_model_an_hf_directory_needs(hf_dirs, tmp_path):
     """`tools/checkpoint.py inspect <HF dir>`: the model.* overrides (pasted, they start a run from it), the context a
     rotary model may use, the tokenizer, every tensor."""
-    dirs = _hf_models(tmp_path)
+    dirs = hf_dirs
     text = {name: _tool().inspected(str(path)).splitlines() for name, path in dirs.items()}
     assert text["gpt2"][1] == (
         "model       model.vocab_size=256 model.hidden=32 model.layers=2 model.heads=4 "
@@ -800,7 +800,18 @@ def test_inspect_names_the_model_an_hf_directory_needs(tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
+    """_hf_models built once for the module: tests that only read them take these; a test that changes one works on
+    its own copy (_hf_copies)."""
     return _hf_models(tmp_path_factory.mktemp("hf"))
+
+
+def _hf_copies(hf_dirs: dict, tmp: Path) -> dict[str, Path]:
+    """The module's HF directories copied under `tmp`, for a test to change."""
+    import shutil
+
+    for name, path in hf_dirs.items():
+        shutil.copytree(path, tmp / name)
+    return {name: tmp / name for name in hf_dirs}
 
 
 def _config(**changes):
@@ -1037,7 +1048,6 @@ def test_what_generate_takes_from_an_unusual_hugging_face_directory(hf_dirs, tmp
     expert's FFN; --eot-token names a --tokenizer's end-of-text; a file of the directory names the directory; NULs
     dropped by the byte-level tokenizer.json too."""
     import dataclasses
-    import shutil
 
     from tokenizers import Tokenizer, models
 
@@ -1047,9 +1057,7 @@ def test_what_generate_takes_from_an_unusual_hugging_face_directory(hf_dirs, tmp
     from tpframe.data.tokenizer import ByteTokenizer
     from tpframe.errors import ConfigError
 
-    for name in hf_dirs:
-        shutil.copytree(hf_dirs[name], tmp_path / name)
-    d = {name: tmp_path / name for name in hf_dirs}
+    d = _hf_copies(hf_dirs, tmp_path)
     _config(max_position_embeddings=10**9, eos_token_id=[1, 0])(d["llama"])
     (d["llama"] / "tokenizer_config.json").unlink()
     plan = cli.prepare(["--checkpoint", str(d["llama"]), "--prompt", "w1 w2", "--max-new-tokens", "4"], world_size=1)
@@ -1082,10 +1090,10 @@ def _greedy(path: str, *extra):
     return plan.stop_ids, cli.run(plan)[0]["token_ids"]
 
 
-def test_generation_stops_at_any_of_config_jsons_eos_ids(tmp_path):
+def test_generation_stops_at_any_of_config_jsons_eos_ids(hf_dirs, tmp_path):
     """Llama 3 names several end tokens (config.json's eos_token_id list): generation stops at the first of any, as
     transformers' does; the output ends before it."""
-    path = _hf_models(tmp_path)["llama"]
+    path = _hf_copies(hf_dirs, tmp_path)["llama"]
     _, free = run_distributed(_greedy, 1, str(path), "--ignore-eos", timeout=60)[0]
     stop = free[3]  # a token greedy decoding reaches at the 4th step
     config = json.loads((path / "config.json").read_text())
@@ -1094,13 +1102,13 @@ def test_generation_stops_at_any_of_config_jsons_eos_ids(tmp_path):
     assert stops == sorted({1, stop}) and tokens == free[: free.index(stop)]
 
 
-def test_prepare_data_takes_an_hf_model_directorys_tokenizer(tmp_path, capsys):
+def test_prepare_data_takes_an_hf_model_directorys_tokenizer(hf_dirs, tmp_path, capsys):
     """tools/prepare_data.py --tokenizer <HF dir>: its tokenizer.json and end-of-text token (tpframe's byte-level
     tokenizer.json is the built-in one); a directory without one is one line, exit 2."""
     spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "tools", "prepare_data.py"))
     prepare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare)
-    dirs = _hf_models(tmp_path)
+    dirs = hf_dirs
     (tmp_path / "c.txt").write_text("w5 w17 w200 w3")
     assert (
         prepare.main([str(tmp_path / "c.txt"), "--tokenizer", str(dirs["llama"]), "--out", str(tmp_path / "l.bin")])
@@ -1125,7 +1133,7 @@ def test_prepare_data_takes_an_hf_model_directorys_tokenizer(tmp_path, capsys):
     assert not (tmp_path / "m.bin").exists()
 
 
-def test_eot_token_overrides_what_an_hf_directory_says(tmp_path, capsys):
+def test_eot_token_overrides_what_an_hf_directory_says(hf_dirs, tmp_path, capsys):
     """--tokenizer with --eot-token replaces an HF directory's own end-of-text detection (generate.py and
     prepare_data.py): a tokenizer.json whose end token has an unusual name, and config.json's eos_token_id outside
     the vocabulary, do not stand in the way of a user who names the token; a name that is not a token is one line."""
@@ -1135,7 +1143,7 @@ def test_eot_token_overrides_what_an_hf_directory_says(tmp_path, capsys):
     import generate as cli
     from tpframe.errors import ConfigError
 
-    path = _hf_models(tmp_path)["llama"]
+    path = _hf_copies(hf_dirs, tmp_path)["llama"]
     words = {"<unk>": 0, "<END>": 1, **{f"w{i}": i + 2 for i in range(298)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -59,30 +59,37 @@ def _same(a, b, what):
         assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7), f"{what}: value {i}: {x!r} vs {y!r}"
 
 
+def _losses_of_runs(runs):
+    """_losses of each of `runs` (overrides) in turn, in one world."""
+    return [_losses(overrides) for overrides in runs]
+
+
 def test_every_layout_averages_over_the_same_tokens(tmp_path):
     """One micro-batch of 8 per step against: 4 of 2 (accumulation), DP=2 (ddp and zero1), TP=2 + SP, PP=2, CP=2;
-    each micro-batch holds a different count of tokens that carry a loss."""
+    each micro-batch holds a different count of tokens that carry a loss. The runs of one world size share its
+    processes."""
     one = ["train.micro_batch_size=8", "train.eval_steps=2"]  # evaluation: 16 held-out samples in every layout
-    ref = run_distributed(_losses, 1, [*one, f"train.run_dir={tmp_path}/ref"])[0]
-    plain = run_distributed(_losses, 1, [*one, "data.eod_mask_loss=false", f"train.run_dir={tmp_path}/plain"])[0]
+    doc = "model.attention_mask=document"  # CP=2's case: the same mask with packed documents on both sides
+    ref, plain, accum, ref_docs = run_distributed(
+        _losses_of_runs,
+        1,
+        [
+            [*one, f"train.run_dir={tmp_path}/ref"],
+            [*one, "data.eod_mask_loss=false", f"train.run_dir={tmp_path}/plain"],
+            ["train.micro_batch_size=2", "train.eval_steps=8", f"train.run_dir={tmp_path}/accum"],
+            [*one, doc, f"train.run_dir={tmp_path}/refdoc"],
+        ],
+    )[0]
     assert abs(plain[0] - ref[0]) > 1e-4, "the mask must change the loss"
-    for i, (name, nproc, extra) in enumerate(
-        (
-            ("4 micro-batches of 2", 1, ["train.micro_batch_size=2", "train.eval_steps=8"]),
-            ("DP=2, 2 micro-batches of 2 each", 2, ["train.micro_batch_size=2", "train.eval_steps=4"]),
-            ("DP=2 zero1", 2, ["train.micro_batch_size=4", "train.eval_steps=2", "parallel.dp_strategy=zero1"]),
-            ("TP=2 + SP", 2, [*one, "parallel.tp=2", "parallel.sequence_parallel=true"]),
-            ("PP=2, 2 micro-batches", 2, ["train.micro_batch_size=4", "train.eval_steps=4", "parallel.pp=2"]),
-            ("CP=2 with document attention", 2, [*one, "parallel.cp=2"]),
-        )
-    ):
-        if "document" in name:  # the same mask with packed documents on both sides
-            ref_docs = run_distributed(
-                _losses, 1, [*one, "model.attention_mask=document", f"train.run_dir={tmp_path}/refdoc"]
-            )[0]
-            got = run_distributed(
-                _losses, nproc, [*extra, "model.attention_mask=document", f"train.run_dir={tmp_path}/{i}"]
-            )[0]
-            _same(got, ref_docs, name)
-        else:
-            _same(run_distributed(_losses, nproc, [*extra, f"train.run_dir={tmp_path}/{i}"])[0], ref, name)
+    _same(accum, ref, "4 micro-batches of 2")
+    layouts = (
+        ("DP=2, 2 micro-batches of 2 each", ["train.micro_batch_size=2", "train.eval_steps=4"]),
+        ("DP=2 zero1", ["train.micro_batch_size=4", "train.eval_steps=2", "parallel.dp_strategy=zero1"]),
+        ("TP=2 + SP", [*one, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("PP=2, 2 micro-batches", ["train.micro_batch_size=4", "train.eval_steps=4", "parallel.pp=2"]),
+        ("CP=2 with document attention", [*one, "parallel.cp=2", doc]),
+    )
+    runs = [[*extra, f"train.run_dir={tmp_path}/{i}"] for i, (_, extra) in enumerate(layouts)]
+    got = run_distributed(_losses_of_runs, 2, runs, timeout=300)[0]
+    for (name, extra), losses in zip(layouts, got):
+        _same(losses, ref_docs if doc in extra else ref, name)

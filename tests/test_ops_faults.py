@@ -31,6 +31,11 @@ def _losses(overrides):
     return [r["loss"] for r in train_in_process([*COMMON, *overrides])]
 
 
+def _losses_of_runs(runs):
+    """_losses of each of `runs` in turn, in one world."""
+    return [_losses(overrides) for overrides in runs]
+
+
 def _main(args):
     """train.main in this (already distributed) process: (exit code, stderr, stdout)."""
     if REPO not in sys.path:
@@ -565,9 +570,9 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path)
     step = int(saved.split("_")[1])
     assert 2 <= step < steps and f"preemption signal received: saving step {step} and stopping" in rest, rest
     common = [constant, f"train.steps={steps}"]
-    clean = run_distributed(_losses, 2, [*common, f"train.run_dir={tmp_path}/clean"])[0]
     load = [*common, f"checkpoint.load={tmp_path}/checkpoints", f"train.run_dir={tmp_path}/r"]
-    resumed = run_distributed(_losses, 2, load)[0]
+    # one world: the resumed run first (a fresh process, as a new job), then the uninterrupted one
+    resumed, clean = run_distributed(_losses_of_runs, 2, [load, [*common, f"train.run_dir={tmp_path}/clean"]])[0]
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 

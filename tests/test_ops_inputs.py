@@ -1044,10 +1044,11 @@ def test_a_checkpoint_file_one_rank_cannot_read_stops_every_rank_alike(tmp_path,
 # -- the same through the README's launcher, with 2 processes ---------------------------------------------
 
 # one override and one env var: every other mistake takes the same path (the parent's pre-flight), and each has its
-# own case in this process above
+# own case in this process above. The first through a real launcher process (its exit code and streams), the second
+# through the launcher's main in this process (the same pre-flight, without another interpreter's start-up).
 LAUNCH_CASES = [
-    (["model.hiden=64"], {}, "unknown config key 'model.hiden'"),
-    ([], {"TPFRAME_COMM_BACKEND": "bogus"}, "env var TPFRAME_COMM_BACKEND='bogus'"),
+    (["model.hiden=64"], {}, "unknown config key 'model.hiden'", True),
+    ([], {"TPFRAME_COMM_BACKEND": "bogus"}, "env var TPFRAME_COMM_BACKEND='bogus'", False),
 ]
 
 
@@ -1061,9 +1062,27 @@ def _launch(args, env=None, nproc=2, launcher=("-m", "tpframe.launch")):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=full)
 
 
-@pytest.mark.parametrize("overrides,env,expected", LAUNCH_CASES, ids=["key", "env"])
-def test_launcher_reports_a_bad_config_in_one_line(overrides, env, expected, tmp_path):
-    out = _launch(with_overrides([*SCRIPT, f"train.run_dir={tmp_path}/run"], overrides), env)
+def _launch_in_process(args, env, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """tpframe.launch's main(args) in this process, with _launch's environment: its exit code and streams."""
+    from tpframe import launch
+
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"OMP_NUM_THREADS": "1", **env}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    code = launch.main(["--nproc-per-node=2", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+@pytest.mark.parametrize("overrides,env,expected,real_process", LAUNCH_CASES, ids=["key", "env"])
+def test_launcher_reports_a_bad_config_in_one_line(
+    overrides, env, expected, real_process, tmp_path, monkeypatch, capsys
+):
+    args = with_overrides([*SCRIPT, f"train.run_dir={tmp_path}/run"], overrides)
+    out = _launch(args, env) if real_process else _launch_in_process(args, env, monkeypatch, capsys)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr
     assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "run").exists()

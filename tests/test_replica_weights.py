@@ -36,8 +36,9 @@ def test_the_hash_sees_every_flipped_bit_and_every_swap_and_nothing_else(dtype):
 
 
 # -- in training ------------------------------------------------------------------------------------
-def _main_and_dir(args, tmp):
-    return _main([*args, f"train.run_dir={tmp}"])
+def _main_in_dirs(runs):
+    """_main of each (args, run directory) of `runs` in turn, in one world."""
+    return [_main([*args, f"train.run_dir={tmp}"]) for args, tmp in runs]
 
 
 def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
@@ -49,10 +50,11 @@ def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
         "parallel.dp_strategy=zero1",
         "train.global_batch_size=8",
     ]
-    with_check = run_distributed(_main_and_dir, 4, [*args, "train.compare_replicas_every=2"], tmp_path / "on")
-    without = run_distributed(_main_and_dir, 4, args, tmp_path / "off")
-    assert without[0][0] == 0, without[0][1][-2000:]
-    code, err, out = with_check[0]
+    with_check, without = run_distributed(
+        _main_in_dirs, 4, [([*args, "train.compare_replicas_every=2"], tmp_path / "on"), (args, tmp_path / "off")]
+    )[0]
+    assert without[0] == 0, without[1][-2000:]
+    code, err, out = with_check
     assert code == 0, err[-2000:]
     assert "every 2 steps the copies of each weight are compared" in out + err
     assert "over data-parallel (2 copies)" in out + err and "over tensor-parallel (2 copies)" in out + err

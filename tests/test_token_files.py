@@ -174,21 +174,40 @@ def _cli(*args, cwd):
     )
 
 
-def test_prepare_data_cli_writes_a_file_or_exits_2_with_one_line(tmp_path):
+def _tool_main(argv, capsys) -> tuple[int, str, str]:
+    """tools/prepare_data.py's main(argv) in this process: (exit code, stdout, stderr)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "tools" / "prepare_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    capsys.readouterr()
+    code = tool.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_prepare_data_cli_writes_a_file_or_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     txt, jsonl = _inputs(tmp_path)
-    ok = _cli(txt, jsonl, "--out", "out/c.bin", cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr
-    assert "data.source=tokens data.path=out/c.bin" in ok.stdout and (tmp_path / "out/c.bin.json").is_file()
+    monkeypatch.chdir(tmp_path)  # relative paths, as the real process below is given them
+    code, out, err = _tool_main([txt, jsonl, "--out", "out/c.bin"], capsys)
+    assert code == 0, err
+    assert "data.source=tokens data.path=out/c.bin" in out and (tmp_path / "out/c.bin.json").is_file()
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
-    for args, message in (
-        (["bad.jsonl", "--out", "x.bin"], "bad.jsonl:2: not valid JSON"),
-        (["nope.txt", "--out", "x.bin"], "input file 'nope.txt' does not exist"),
-        (["a.txt", "--out", "x.bin", "--tokenizer", "nope.json"], "tokenizer file 'nope.json' does not exist"),
+    for args, message, real_process in (
+        (["bad.jsonl", "--out", "x.bin"], "bad.jsonl:2: not valid JSON", True),
+        (["nope.txt", "--out", "x.bin"], "input file 'nope.txt' does not exist", False),
+        (["a.txt", "--out", "x.bin", "--tokenizer", "nope.json"], "tokenizer file 'nope.json' does not exist", False),
     ):
-        result = _cli(*args, cwd=tmp_path)
-        assert result.returncode == 2 and result.stdout == ""
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"prepare_data.py: error: {message}"), result.stderr
+        if real_process:  # one through the script itself: its exit code and streams as a shell sees them
+            result = _cli(*args, cwd=tmp_path)
+            code, out, err = result.returncode, result.stdout, result.stderr
+        else:
+            code, out, err = _tool_main(args, capsys)
+        assert code == 2 and out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"prepare_data.py: error: {message}"), err
+    assert not (tmp_path / "x.bin").exists()
 
 
 def test_text_files_are_read_in_chunks_and_joined_exactly(tmp_path, monkeypatch):

@@ -14,6 +14,11 @@ def _losses(overrides):
     return [r["loss"] for r in train_in_process(overrides)]
 
 
+def _losses_of_runs(runs):
+    """_losses of each of `runs` (overrides) in turn, in one world."""
+    return [_losses(overrides) for overrides in runs]
+
+
 def _losses_and_grad_norms(overrides):
     history = train_in_process(overrides)
     return [r["loss"] for r in history], [r["grad_norm"] for r in history]
@@ -92,24 +97,38 @@ def test_dp2_with_half_micro_batch_equals_dp1(tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
-    big = run_distributed(_losses, 1, ["parallel.tp=1", "train.micro_batch_size=8", f"train.run_dir={tmp_path}/a"])[0]
-    accum = run_distributed(_losses, 1, ["parallel.tp=1", "train.micro_batch_size=2", f"train.run_dir={tmp_path}/b"])[0]
+    big, accum = run_distributed(
+        _losses_of_runs,
+        1,
+        [
+            ["parallel.tp=1", "train.micro_batch_size=8", f"train.run_dir={tmp_path}/a"],
+            ["parallel.tp=1", "train.micro_batch_size=2", f"train.run_dir={tmp_path}/b"],
+        ],
+    )[0]
     _assert_same_losses(accum, big, 1e-5, "4 micro-batches of 2 vs 1 of 8")
 
 
 def test_sequence_parallel_on_equals_off(tmp_path):
-    off = run_distributed(_losses, 2, ["parallel.tp=2", f"train.run_dir={tmp_path}/a"])[0]
-    on = run_distributed(
-        _losses, 2, ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"]
+    off, on = run_distributed(
+        _losses_of_runs,
+        2,
+        [
+            ["parallel.tp=2", f"train.run_dir={tmp_path}/a"],
+            ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"],
+        ],
     )[0]
     _assert_same_losses(on, off, 1e-5, "SP on vs off")
 
 
 def test_activation_checkpointing_on_equals_off_with_dropout(tmp_path):
     common = ["parallel.tp=2", "model.dropout=0.1", "model.attention_dropout=0.1"]
-    off = run_distributed(_losses, 2, [*common, f"train.run_dir={tmp_path}/a"])[0]
-    on = run_distributed(
-        _losses, 2, [*common, "parallel.activation_checkpointing=true", f"train.run_dir={tmp_path}/b"]
+    off, on = run_distributed(
+        _losses_of_runs,
+        2,
+        [
+            [*common, f"train.run_dir={tmp_path}/a"],
+            [*common, "parallel.activation_checkpointing=true", f"train.run_dir={tmp_path}/b"],
+        ],
     )[0]
     assert on == off, "activation checkpointing must not change a single bit"
 
