@@ -4,8 +4,9 @@
     python benchmarks/snapshot.py --config configs/tiny_cpu.yaml --gpus 2 --steps 6 --warmup 1 --set parallel.tp=1 \
         model.hidden=512 model.layers=8 model.heads=8 train.micro_batch_size=8   # CPU, about two minutes
 
-Runs train.py three times through `tpframe.launch --max-restarts 1` on synthetic data: saving nothing, a disk
-checkpoint after every step (checkpoint.interval=1: DCP's files fsynced into the run directory), and a snapshot after
+Runs train.py four times through `tpframe.launch --max-restarts 1` on synthetic data: saving nothing, a disk
+checkpoint after every step (checkpoint.interval=1: DCP's files fsynced into the run directory), the same written by a
+background thread (checkpoint.async_save: the step waits only for the copy to host memory), and a snapshot after
 every step (checkpoint.snapshot_interval=1: the same files in /dev/shm). Each row: the median step time and the median
 time of the save (`ckpt_ms`) over the steps after --warmup; the header gives a disk checkpoint's size (a snapshot
 holds each rank's own pieces: with ddp, every rank's copy of the replicated state).
@@ -25,6 +26,11 @@ from train_runs import append_results, device, run
 MODES = {
     "no saves": ["checkpoint.interval=0"],
     "disk checkpoint every step": ["checkpoint.interval=1", "checkpoint.keep_last=2"],
+    "disk checkpoint every step, written in the background": [
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=2",
+        "checkpoint.async_save=true",
+    ],
     "snapshot in host memory every step": ["checkpoint.interval=0", "checkpoint.snapshot_interval=1"],
 }
 
