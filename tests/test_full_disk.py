@@ -86,3 +86,18 @@ def test_prepare_data_on_a_full_disk_is_one_line_exit_2_and_the_earlier_file_sta
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"prepare_data.py: error: cannot write --out: {out!r} (File too large; "), lines
     assert _files(tmp_path) == before
+
+
+def test_plot_loss_on_a_full_disk_is_one_line_exit_2_and_the_earlier_plot_stays(tmp_path, checkpoint, capsys):
+    pytest.importorskip("matplotlib", reason="plot_loss.py draws with matplotlib (dev extras)")
+    main, out = _tool("plot_loss"), tmp_path / "loss.png"
+    assert main([str(checkpoint.parent), "--out", str(out)]) == 0
+    before, _ = _files(tmp_path), capsys.readouterr()
+    with _full_disk():
+        code = main([str(checkpoint.parent), "--out", str(out)])
+    got = capsys.readouterr()
+    lines = got.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and got.out == "", got
+    assert lines[0].startswith(f"plot_loss.py: error: cannot write --out: {str(out)!r} (File too large; "), lines
+    assert lines[0].endswith("free space or write elsewhere (an earlier plot there is intact)"), lines
+    assert _files(tmp_path) == before, "the earlier plot is intact, and nothing else was left there"

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tpframe.errors import ArgumentParser  # noqa: E402
 from tpframe.observe.logger import read_metrics  # noqa: E402
-from tpframe.paths import check_creatable, refuse_existing, replacing  # noqa: E402
+from tpframe.paths import check_creatable, refuse_existing, replacing, write_failure  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -96,6 +96,8 @@ def plot_loss(run_dirs: str | Path | list, out: str | Path | None = None, force:
     try:
         with replacing(out) as tmp:  # through a symbolic --out, to what it points at
             fig.savefig(tmp, dpi=120, bbox_inches="tight", format=out.suffix[1:].lower())
+    except OSError as e:  # a full disk: the earlier plot stays
+        raise ValueError(f"{write_failure('--out', out, e)} (an earlier plot there is intact)") from None
     finally:
         plt.close(fig)
     return out
