@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import each, run_distributed
 from tests.reference import assert_close, loss_and_full_tensors
 from tests.reference_gpt import reference_loss
 from tests.training_utils import LLAMA_SHAPE, train_in_process
@@ -137,19 +137,15 @@ def _same(a, b, what, rel=1e-5):
         assert math.isclose(x, y, rel_tol=rel, abs_tol=1e-7), f"{what}: step {i + 1}: {x!r} vs {y!r}"
 
 
-def _layouts_losses(runs: list[list[str]]):
-    """_layout_losses of each of `runs` in turn, in one world."""
-    return [_layout_losses(overrides) for overrides in runs]
-
-
 def test_document_masking_trains_the_same_at_every_layout(tmp_path):
     """train.py with each line of the synthetic corpus one document (eod_id=10, '\\n'), rotary positions: TP=2 + SP,
     PP=2, CP=2 (with TP=2 + SP too) and DP=2 follow one process, and causal attention does not (the option reaches the
     model). The runs of one world size share its processes."""
     rotary = ["model.position=rotary", "optim.grad_clip=0.5"]
     (ref, ref_norms), (causal, _) = run_distributed(
-        _layouts_losses,
+        each,
         1,
+        _layout_losses,
         [
             [*rotary, f"train.run_dir={tmp_path}/ref"],
             [*rotary, "model.attention_mask=causal", f"train.run_dir={tmp_path}/c"],
@@ -170,7 +166,7 @@ def test_document_masking_trains_the_same_at_every_layout(tmp_path):
     }
     for nproc, named in layouts.items():
         runs = [[*rotary, *extra, f"train.run_dir={tmp_path}/{nproc}-{i}"] for i, extra in enumerate(named.values())]
-        results = run_distributed(_layouts_losses, nproc, runs, timeout=300)[0]
+        results = run_distributed(each, nproc, _layout_losses, runs, timeout=300)[0]
         for name, (losses, norms) in zip(named, results):
             _same(losses, ref, name)
             _same(norms, ref_norms, f"{name} grad norm", rel=1e-4)

@@ -97,11 +97,6 @@ def _losses(overrides: list[str]) -> tuple[list[float], list[bool]]:
     return [r["loss"] for r in trainer.history], [m.fp8 for m in layers]  # (under PP: this stage's layers)
 
 
-def _losses_of_runs(runs: list[list[str]]) -> list[tuple[list[float], list[bool]]]:
-    """_losses of each of `runs` (overrides) in turn, in one world."""
-    return [_losses(overrides) for overrides in runs]
-
-
 @pytest.mark.parametrize(
     "layout",
     [
@@ -115,11 +110,12 @@ def _losses_of_runs(runs: list[list[str]]) -> list[tuple[list[float], list[bool]
 def test_fp8_training_follows_the_bf16_run(tmp_path, layout):
     """8 steps of the tiny GPT: the float8 run's losses stay within 0.5% of the bf16 run's (same data, same init)
     and differ from them (the float8 GEMMs really ran), in every linear layer of the blocks."""
-    from tests.dist_utils import run_distributed
+    from tests.dist_utils import each, run_distributed
 
     bf16, fp8 = run_distributed(
-        _losses_of_runs,
+        each,
         2,
+        _losses,
         [[*layout, f"train.run_dir={tmp_path}/{i}", *extra] for i, extra in enumerate((["train.fp8=false"], []))],
     )[0]
     stages = 2 if "parallel.pp=2" in layout else 1

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import each, run_distributed
 from tests.training_utils import train_in_process
 from tpframe.training.loss_mask import IGNORE_INDEX, StepBatches, mask_after_end_of_document
 
@@ -59,11 +59,6 @@ def _same(a, b, what):
         assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7), f"{what}: value {i}: {x!r} vs {y!r}"
 
 
-def _losses_of_runs(runs):
-    """_losses of each of `runs` (overrides) in turn, in one world."""
-    return [_losses(overrides) for overrides in runs]
-
-
 def test_every_layout_averages_over_the_same_tokens(tmp_path):
     """One micro-batch of 8 per step against: 4 of 2 (accumulation), DP=2 (ddp and zero1), TP=2 + SP, PP=2, CP=2;
     each micro-batch holds a different count of tokens that carry a loss. The runs of one world size share its
@@ -71,8 +66,9 @@ def test_every_layout_averages_over_the_same_tokens(tmp_path):
     one = ["train.micro_batch_size=8", "train.eval_steps=2"]  # evaluation: 16 held-out samples in every layout
     doc = "model.attention_mask=document"  # CP=2's case: the same mask with packed documents on both sides
     ref, plain, accum, ref_docs = run_distributed(
-        _losses_of_runs,
+        each,
         1,
+        _losses,
         [
             [*one, f"train.run_dir={tmp_path}/ref"],
             [*one, "data.eod_mask_loss=false", f"train.run_dir={tmp_path}/plain"],
@@ -90,6 +86,6 @@ def test_every_layout_averages_over_the_same_tokens(tmp_path):
         ("CP=2 with document attention", [*one, "parallel.cp=2", doc]),
     )
     runs = [[*extra, f"train.run_dir={tmp_path}/{i}"] for i, (_, extra) in enumerate(layouts)]
-    got = run_distributed(_losses_of_runs, 2, runs, timeout=300)[0]
+    got = run_distributed(each, 2, _losses, runs, timeout=300)[0]
     for (name, extra), losses in zip(layouts, got):
         _same(losses, ref_docs if doc in extra else ref, name)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import each, run_distributed
 from tests.training_utils import REPO, TINY, merge_overrides, train_in_process
 
 STEPS = 8
@@ -29,11 +29,6 @@ ARGS = merge_overrides(["--config", os.path.join(REPO, "configs/tiny_cpu.yaml")]
 
 def _losses(overrides):
     return [r["loss"] for r in train_in_process([*COMMON, *overrides])]
-
-
-def _losses_of_runs(runs):
-    """_losses of each of `runs` in turn, in one world."""
-    return [_losses(overrides) for overrides in runs]
 
 
 def _main(args):
@@ -572,7 +567,7 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path)
     common = [constant, f"train.steps={steps}"]
     load = [*common, f"checkpoint.load={tmp_path}/checkpoints", f"train.run_dir={tmp_path}/r"]
     # one world: the resumed run first (a fresh process, as a new job), then the uninterrupted one
-    resumed, clean = run_distributed(_losses_of_runs, 2, [load, [*common, f"train.run_dir={tmp_path}/clean"]])[0]
+    resumed, clean = run_distributed(each, 2, _losses, [load, [*common, f"train.run_dir={tmp_path}/clean"]])[0]
     assert resumed == clean[step:], "the resumed run continues the uninterrupted one to the bit"
 
 

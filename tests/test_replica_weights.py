@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import each, run_distributed
 from tests.test_ops_faults import _main
 from tests.training_utils import REPO, TINY, merge_overrides
 from tpframe.training.replica_weights import FAULT_FLIP_ENV, weight_hash
@@ -36,11 +36,6 @@ def test_the_hash_sees_every_flipped_bit_and_every_swap_and_nothing_else(dtype):
 
 
 # -- in training ------------------------------------------------------------------------------------
-def _main_in_dirs(runs):
-    """_main of each (args, run directory) of `runs` in turn, in one world."""
-    return [_main([*args, f"train.run_dir={tmp}"]) for args, tmp in runs]
-
-
 def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
     """TP=2 x DP=2, zero1: compared every 2 steps, the same losses as without."""
     args = [
@@ -51,7 +46,13 @@ def test_equal_copies_pass_and_change_nothing_at_tp2_x_dp2_zero1(tmp_path):
         "train.global_batch_size=8",
     ]
     with_check, without = run_distributed(
-        _main_in_dirs, 4, [([*args, "train.compare_replicas_every=2"], tmp_path / "on"), (args, tmp_path / "off")]
+        each,
+        4,
+        _main,
+        [
+            [*args, "train.compare_replicas_every=2", f"train.run_dir={tmp_path}/on"],
+            [*args, f"train.run_dir={tmp_path}/off"],
+        ],
     )[0]
     assert without[0] == 0, without[1][-2000:]
     code, err, out = with_check

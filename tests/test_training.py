@@ -6,17 +6,12 @@ import sys
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import each, run_distributed
 from tests.training_utils import LLAMA_SHAPE, REPO, torchrun_env, train_in_process
 
 
 def _losses(overrides):
     return [r["loss"] for r in train_in_process(overrides)]
-
-
-def _losses_of_runs(runs):
-    """_losses of each of `runs` (overrides) in turn, in one world."""
-    return [_losses(overrides) for overrides in runs]
 
 
 def _losses_and_grad_norms(overrides):
@@ -98,8 +93,9 @@ def test_dp2_with_half_micro_batch_equals_dp1(tmp_path):
 
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
     big, accum = run_distributed(
-        _losses_of_runs,
+        each,
         1,
+        _losses,
         [
             ["parallel.tp=1", "train.micro_batch_size=8", f"train.run_dir={tmp_path}/a"],
             ["parallel.tp=1", "train.micro_batch_size=2", f"train.run_dir={tmp_path}/b"],
@@ -110,8 +106,9 @@ def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path):
 
 def test_sequence_parallel_on_equals_off(tmp_path):
     off, on = run_distributed(
-        _losses_of_runs,
+        each,
         2,
+        _losses,
         [
             ["parallel.tp=2", f"train.run_dir={tmp_path}/a"],
             ["parallel.tp=2", "parallel.sequence_parallel=true", f"train.run_dir={tmp_path}/b"],
@@ -123,8 +120,9 @@ def test_sequence_parallel_on_equals_off(tmp_path):
 def test_activation_checkpointing_on_equals_off_with_dropout(tmp_path):
     common = ["parallel.tp=2", "model.dropout=0.1", "model.attention_dropout=0.1"]
     off, on = run_distributed(
-        _losses_of_runs,
+        each,
         2,
+        _losses,
         [
             [*common, f"train.run_dir={tmp_path}/a"],
             [*common, "parallel.activation_checkpointing=true", f"train.run_dir={tmp_path}/b"],
