@@ -85,7 +85,9 @@ class Checkpointer:
         if cfg.optim.lora_rank is not None and cfg.checkpoint.init_from:
             from tpframe.checkpoint.init_from import base_fingerprint
 
-            self.lora_base = base_fingerprint(cfg.checkpoint.init_from)
+            # resuming: the record the pre-flight's check_resume just found the base still matches, not read again
+            recorded = (self.resume_meta or {}).get("lora_base")
+            self.lora_base = recorded if recorded is not None else base_fingerprint(cfg.checkpoint.init_from)
         self.loaded_from: Path | None = None
         # Bookkeeping runs over gloo groups of its own: object collectives need no GPU, and the
         # background writer of an async save must not share a group with the main thread.
