@@ -3,10 +3,10 @@
 `triton.JITFunction.__getitem__(grid)(...)` binds and specializes every argument on every call
 (benchmarks/RESULTS.md, 'Numbers moved out of code comments'). A collective is one launch, so that Python
 would dominate small messages. Here each variant (one set of constexprs) is compiled once with
-`warmup`, and a call goes straight to a C entry point with plain ints: fastlaunch.py's minimal
-cuLaunchKernel for the data kernels, else the compiled kernel's own Triton launcher.
-TPFRAME_SYMM_TRITON_LAUNCHER=1 forces Triton's launcher. Under TRITON_INTERPRET=1 (the CPU
-interpreter, used by the kernel tests) the normal JIT call is used.
+`warmup`, and a call goes straight to the compiled kernel's own launcher with plain ints. (A smaller C
+launcher of our own saved a few more microseconds per launch but nothing measurable in a step: removed, see
+benchmarks/RESULTS.md, 'The symm kernels' own C launcher: no gain in a step, removed'.) Under TRITON_INTERPRET=1
+(the CPU interpreter) the normal JIT call is used.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ class KernelLauncher:
         self.constexprs = dict(constexprs)
         self.num_warps = num_warps
         self.device = device
-        # The C launcher takes every argument in signature order, constexprs included (and ignored).
+        # Triton's launcher takes every argument in signature order, constexprs included (and ignored).
         self._const_values = tuple(constexprs[a] for a in names if a in constexprs)
-        self._minimal = None
         self._fast = None if interpreting() else self._compile()
 
     def _compile(self):
@@ -52,24 +51,7 @@ class KernelLauncher:
         raw = getattr(runner, "launch", None)
         if raw is None or scratch or not hasattr(runner, "launch_pdl"):
             return None  # not the launcher layout this fast path knows
-        self._minimal = self._minimal_launcher(compiled, runner)
         return raw, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, compiled.packed_metadata
-
-    def _minimal_launcher(self, compiled, runner):
-        """(launch, function, threads, shared bytes) for fastlaunch's C launcher, or None where this kernel
-        is not the data-kernel signature it hard-codes (or it cannot be built here)."""
-        if os.environ.get("TPFRAME_SYMM_TRITON_LAUNCHER") == "1":
-            return None
-        if runner.launch_cooperative_grid or runner.launch_pdl or getattr(compiled.metadata, "num_ctas", 1) != 1:
-            return None
-        try:
-            from tpframe.comm.symm import fastlaunch
-
-            if fastlaunch.ptx_params(compiled.asm["ptx"]) != fastlaunch.PTX_PARAMS:
-                return None
-            return fastlaunch.module().launch, compiled.function, 32 * self.num_warps, compiled.metadata.shared
-        except Exception:  # noqa: BLE001 - no compiler or headers here: Triton's launcher still works
-            return None
 
     def bind(self, grid: int, *tail):
         """A closure run(*head): one launch on the current stream with runtime args (*head, *tail)."""
@@ -82,14 +64,6 @@ class KernelLauncher:
 
             return run_jit
         stream_of, index = torch._C._cuda_getCurrentRawStream, self.device.index
-        if self._minimal is not None and len(tail) == 5:
-            launch, function, threads, shared = self._minimal
-            buf, pad, n, chunk, rank = tail
-
-            def run_minimal(x_addr, out_addr):
-                launch(function, grid, threads, shared, stream_of(index), x_addr, out_addr, buf, pad, n, chunk, rank)
-
-            return run_minimal
         raw, function, coop, pdl, meta = self._fast
 
         def run(*head):
