@@ -44,7 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tp", type=int, default=None, help="tensor-parallel size (default and only choice: the world size)"
     )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts", help="a file of prompts: one per line, or .jsonl ('prompt' or 'text' key, or strings)")
+    p.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="a file of prompts: one per line, or .jsonl ('prompt' or 'text' key, or strings); '-' reads standard "
+        "input, plain text, one prompt per line (one process, no launcher)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature, top-k, top-p)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
@@ -123,6 +128,11 @@ def prepare(argv: list[str] | None, *, world_size: int | None = None) -> Plan:
         raise ConfigError(
             f"--tp {tp} but {world} process(es): generate.py runs one tensor-parallel group; "
             f"launch with python -m tpframe.launch --nproc-per-node {tp}"
+        )
+    if args.prompts == "-" and (world > 1 or world_size is not None):  # world_size: tpframe.launch's pre-flight
+        raise ConfigError(
+            "--prompts - reads standard input, which only one process run directly (python generate.py ...) can "
+            f"read, not {world} process(es) of a launcher; write the prompts to a file and pass --prompts FILE"
         )
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -5,6 +5,7 @@ input to generate.py is one clear line with exit code 2."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -397,6 +398,81 @@ def test_a_prompt_file_saved_with_a_byte_order_mark_reads_as_without(name, body,
 
     (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
     assert read_prompts([], str(tmp_path / name)) == ["The", "1 2 3 "]
+
+
+def _stdin(data: bytes, *, tty: bool = False) -> io.TextIOWrapper:
+    """A standard input holding `data` (a pipe's), or a terminal's (`tty`, which must not be read)."""
+    stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    if tty:
+        stdin.isatty = lambda: True
+        stdin.buffer.read = lambda *a: pytest.fail("a terminal on stdin was read")
+    return stdin
+
+
+# a JSON line from stdin is a prompt as written; a BOM and CRLF line ends are dropped, blank lines skipped
+STDIN_PROMPTS = b'\xef\xbb\xbf1 2 3 \r\n\n{"prompt": "The"}\r\nThe cat\n'
+
+
+def test_prompts_piped_on_stdin_generate_what_the_same_file_does(checkpoint, tmp_path, capsys, monkeypatch):
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    (tmp_path / "p.txt").write_bytes(STDIN_PROMPTS)
+    args = ["--checkpoint", str(checkpoint / "checkpoints"), "--max-new-tokens", "4", "--greedy", "--ignore-eos"]
+    capsys.readouterr()
+    assert cli.main([*args, "--prompts", str(tmp_path / "p.txt")]) == 0
+    from_file = capsys.readouterr().out
+    assert from_file.startswith("=== prompt 1/3: '1 2 3 '\n") and '=== prompt 2/3: \'{"prompt": "The"}\'' in from_file
+    monkeypatch.setattr(sys, "stdin", _stdin(STDIN_PROMPTS))
+    assert cli.main([*args, "--prompts", "-"]) == 0
+    assert capsys.readouterr().out == from_file
+    # and through a real pipe
+    out = subprocess.run(
+        [sys.executable, "generate.py", *args, "--prompts", "-"],
+        cwd=REPO,
+        input=STDIN_PROMPTS,
+        capture_output=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.decode() == from_file, out.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "data,tty,env,needle",
+    [
+        (b"", False, {}, "--prompts - (standard input) held no prompts: pipe in one prompt per line"),
+        (b"\n  \r\n", False, {}, "--prompts - (standard input) held no prompts"),
+        (b"The\n\xe9t\xe9\n", False, {}, "--prompts - (standard input) is not UTF-8 text (byte 4 is 0xe9)"),
+        (b"", True, {}, "which is a terminal; pipe the prompts in (e.g. cat prompts.txt | python generate.py"),
+        (b"", True, torchrun_env(2), "not 2 process(es) of a launcher; write the prompts to a file and pass"),
+    ],
+    ids=["empty", "blank-lines", "not-utf8", "terminal", "two-processes"],
+)
+def test_bad_stdin_is_one_line_with_exit_code_2_and_no_output(data, tty, env, needle, checkpoint, capsys, monkeypatch):
+    """`--prompts -`: what a pipe (or its absence) can get wrong; a terminal and the ranks of a launch are not read."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "stdin", _stdin(data, tty=tty))
+    sys.path.insert(0, REPO)
+    import generate as cli
+
+    capsys.readouterr()
+    code = cli.main(["--checkpoint", str(checkpoint / "checkpoints"), "--prompt", "a", "--prompts", "-"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (code, out, err)
+    assert err.startswith("tpframe: error: ") and needle in err, err
+
+
+def test_tpframe_launch_refuses_prompts_from_stdin_before_reading_it():
+    """Its pre-flight would consume the pipe, leaving the worker none: refused at any process count."""
+    sys.path.insert(0, REPO)
+    import generate as cli
+    from tpframe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"not 1 process\(es\) of a launcher"):
+        cli.prepare(["--checkpoint", "x", "--prompts", "-"], world_size=1)
 
 
 def test_cli_prints_one_json_object_per_prompt(checkpoint, tmp_path):

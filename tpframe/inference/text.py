@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 from tpframe.data.tokenizer import BYTE_SOURCES, EOT_CANDIDATES, ByteTokenizer, HFTokenizer, first_path, read_sidecar
@@ -188,25 +189,53 @@ def _json_object(path: Path) -> dict:
 
 def read_prompts(prompts: list[str] | None, file: str | None) -> list[str]:
     """--prompt values, then those of --prompts FILE: one per line, or JSONL (`.jsonl`: per line an object
-    with a "prompt" or "text" key, or a JSON string). Blank lines are skipped."""
+    with a "prompt" or "text" key, or a JSON string). Blank lines are skipped. FILE `-` is standard input,
+    always plain text, one prompt per line (a line of JSON is a prompt as written; for JSONL, use a .jsonl
+    file); stdin that is a terminal, not UTF-8 or holds no prompt is refused. A file named `-`: pass `./-`."""
     out = list(prompts or [])
-    if file:
+    if file == "-":
+        lines = [line for line in _read_stdin().splitlines() if line.strip()]
+        if not lines:
+            raise ConfigError("--prompts - (standard input) held no prompts: pipe in one prompt per line")
+        out.extend(lines)
+    elif file:
         path = Path(file)
-        if not path.is_file():
-            raise ConfigError(f"--prompts {file!r} " + ("is not a file" if path.exists() else "does not exist"))
-        try:
-            text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Notepad's) is not part of the text
-        except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"--prompts {file!r} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})"
-            ) from None
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(_read_prompt_file(path, file).splitlines(), 1):
             if not line.strip():
                 continue
             out.append(_jsonl_prompt(line, f"{file}:{lineno}") if path.suffix == ".jsonl" else line)
     if not out:
         raise ConfigError("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE")
     return out
+
+
+def _utf8(data: bytes, name: str) -> str:
+    try:
+        # a byte-order mark (Notepad's) is not part of the text; decoded with it, so that `byte` counts from 0
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompts {name} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
+
+
+def _read_prompt_file(path: Path, file: str) -> str:
+    if not path.is_file():
+        raise ConfigError(f"--prompts {file!r} " + ("is not a file" if path.exists() else "does not exist"))
+    return _utf8(path.read_bytes(), repr(file))
+
+
+def _read_stdin() -> str:
+    """Standard input's text, for --prompts -: refused when it is a terminal (it would wait for typing) or closed."""
+    stdin = sys.stdin
+    if stdin is None or stdin.closed:
+        raise ConfigError(
+            "--prompts - reads standard input, which is closed; pipe the prompts in or pass --prompt TEXT"
+        )
+    if stdin.isatty():
+        raise ConfigError(
+            "--prompts - reads standard input, which is a terminal; pipe the prompts in "
+            "(e.g. cat prompts.txt | python generate.py ... --prompts -) or pass --prompt TEXT"
+        )
+    return _utf8(stdin.buffer.read(), "- (standard input)")
 
 
 def _jsonl_prompt(line: str, where: str) -> str:
