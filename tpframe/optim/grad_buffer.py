@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpframe.comm import Communicator
+from tpframe.parallel.state import ParallelState
 
 # torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,11 +61,13 @@ def allreduce_sequence_parallel_grads(grads: list[torch.Tensor], tp_comm: Commun
             offset += g.numel()
 
 
-def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Communicator | None) -> None:
-    """Sum over the embedding group (first and last pipeline stage), in place, the gradients (or equal
-    gradient slices) of weights both stages hold: tied input embedding and output head."""
-    if embedding_comm is not None:
-        allreduce_sequence_parallel_grads(grads, embedding_comm)  # the same in-place sum, over another group
+def allreduce_shared_grads(grads: list[tuple[nn.Parameter, torch.Tensor]], parallel: ParallelState) -> None:
+    """Sum in place the gradients (or equal gradient slices), paired with their params, that several ranks hold
+    parts of: sequence-parallel params' over TP, and over the embedding group (first and last pipeline stage)
+    those of weights both stages hold (tied input embedding and output head)."""
+    allreduce_sequence_parallel_grads([g for p, g in grads if p.sequence_parallel], parallel.tp_comm)
+    if parallel.embedding_comm is not None:  # the same in-place sum, over another group
+        allreduce_sequence_parallel_grads([g for p, g in grads if p.pipeline_tied], parallel.embedding_comm)
 
 
 @dataclass(eq=False)

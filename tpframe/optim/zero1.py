@@ -23,25 +23,26 @@ import torch.distributed as dist
 from torch import nn
 
 from tpframe.optim.config import OptimConfig
-from tpframe.optim.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
+from tpframe.optim.grad_buffer import GradBuffer, allreduce_shared_grads
 from tpframe.optim.strategy import (
-    MOMENTS,
     STEP_KEY,
     GradStrategy,
-    adamw_step,
     adamw_step_count,
     add_chunks,
     add_frozen,
+    add_master_chunks,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
     make_adamw,
+    master_state_bytes,
     named_frozen,
     named_trainable,
     needed_keys,
     replicas_label,
-    set_adamw_lr,
+    restore_masters,
     set_adamw_step_count,
+    step_masters,
     weights_key,
 )
 from tpframe.parallel.state import ParallelState
@@ -122,9 +123,9 @@ class Zero1Strategy(GradStrategy):
             )
         self.grads = self.parts[0].grads
         self.param_buffer = self.parts[0].params
-        decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
-        no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
-        self.optimizer = make_adamw(decay, no_decay, cfg) if self.segments else None
+        # each segment's fp32 master and the param-buffer elements it rounds to
+        self.masters, self.flats = [sg.master for sg in self.segments], [sg.flat for sg in self.segments]
+        self.optimizer = make_adamw(self.masters, [sg.param for sg in self.segments], cfg) if self.segments else None
 
     def _shard(
         self,
@@ -183,14 +184,9 @@ class Zero1Strategy(GradStrategy):
     def finish_grad_sync(self) -> None:
         for part in self.parts:
             part.grads.finish_sync()
-        # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
-        allreduce_sequence_parallel_grads(
-            [sg.grad for sg in self.segments if sg.param.sequence_parallel], self.parallel.tp_comm
-        )
+        # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP;
         # a tied weight has a bucket of its own: this slice is the same element range on both stages
-        allreduce_pipeline_tied_grads(
-            [sg.grad for sg in self.segments if sg.param.pipeline_tied], self.parallel.embedding_comm
-        )
+        allreduce_shared_grads([(sg.param, sg.grad) for sg in self.segments], self.parallel)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
@@ -204,15 +200,7 @@ class Zero1Strategy(GradStrategy):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         if self.optimizer is not None:
-            set_adamw_lr(self.optimizer, lr)
-            for sg in self.segments:
-                sg.master.grad = sg.grad
-            adamw_step(self.optimizer)
-            low = [sg for sg in self.segments if sg.master is not sg.flat]
-            for sg in self.segments:
-                sg.master.grad = None
-            if low:  # one multi-tensor launch, not one copy per segment
-                torch._foreach_copy_([sg.flat for sg in low], [sg.master for sg in low])
+            step_masters(self.optimizer, lr, self.masters, [sg.grad for sg in self.segments], self.flats)
         self.gather_params()
 
     def gather_params(self) -> None:
@@ -236,19 +224,10 @@ class Zero1Strategy(GradStrategy):
         if self.optimizer is not None:
             ensure_adamw_state(self.optimizer)
             for sg in self.segments:
-                if sg.master is not sg.flat:
-                    add_chunks(out, "optim/{}/master", sg.name, sg.param, tp_rank, tp, sg.master, sg.start)
-                for key in MOMENTS:
-                    add_chunks(
-                        out,
-                        "optim/{}/" + key,
-                        sg.name,
-                        sg.param,
-                        tp_rank,
-                        tp,
-                        self.optimizer.state[sg.master][key],
-                        sg.start,
-                    )
+                own = sg.master is sg.flat
+                add_master_chunks(
+                    out, self.optimizer, sg.name, sg.param, sg.master, tp_rank, tp, start=sg.start, own=own
+                )
             out[STEP_KEY] = adamw_step_count(self.optimizer)
         add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
         return needed_keys(out, available)
@@ -257,13 +236,7 @@ class Zero1Strategy(GradStrategy):
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None and STEP_KEY in state:
             set_adamw_step_count(self.optimizer, state[STEP_KEY])
-        loaded_masters = any(k.endswith("/master") for k in state)
-        for sg in self.segments:
-            if sg.master is not sg.flat:
-                if loaded_masters:
-                    sg.flat.copy_(sg.master)
-                else:
-                    sg.master.copy_(sg.flat)
+        restore_masters(self.masters, self.flats, state)
         self.gather_params()
         self.zero_grad()
 
@@ -271,8 +244,7 @@ class Zero1Strategy(GradStrategy):
         if self.optimizer is None:
             return 0
         ensure_adamw_state(self.optimizer)
-        masters = sum(sg.master.numel() * 4 for sg in self.segments if sg.master is not sg.flat)
-        return masters + sum(sg.master.numel() * 4 * len(MOMENTS) for sg in self.segments)
+        return master_state_bytes(self.masters, self.flats)
 
     def describe(self) -> str:
         reduced = ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
