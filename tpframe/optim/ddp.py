@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tpframe.optim.config import OptimConfig
-from tpframe.optim.grad_buffer import GradBuffer, allreduce_shared_grads
+from tpframe.optim.grad_buffer import allreduce_shared_grads, replica_grad_buffers
 from tpframe.optim.strategy import (
     STEP_KEY,
     GradStrategy,
@@ -52,32 +52,19 @@ class DDPStrategy(GradStrategy):
         self.named = named_trainable(model)
         self.frozen = named_frozen(model)
         self.params = [p for _, p in self.named]
-        # expert parallelism: experts differ between EP ranks and are replicated over the edp group only
-        self.expert_params = [p for p in self.params if p.expert] if parallel.ep > 1 else []
-        self._expert_ids = {id(p) for p in self.expert_params}
-        dense = [p for p in self.params if id(p) not in self._expert_ids]
-        self.grads = GradBuffer(
-            dense,
-            parallel.dp_cp_group,
-            dp_size=parallel.dp_cp,
+        self.buffers = replica_grad_buffers(
+            self.params,
+            parallel,
+            mode="all_reduce",
             bucket_bytes=bucket_bytes,
             overlap=overlap,
-            mode="all_reduce",
             reduce_dtype=reduce_dtype,
         )
-        self.expert_grads = None
-        if self.expert_params:  # summed over the expert's replicas, averaged over every rank's loss
-            self.expert_grads = GradBuffer(
-                self.expert_params,
-                parallel.edp_group,
-                dp_size=parallel.edp,
-                bucket_bytes=bucket_bytes,
-                overlap=overlap,
-                mode="all_reduce",
-                average_over=parallel.dp_cp,
-                reduce_dtype=reduce_dtype,
-            )
-        self.buffers = [g for g in (self.grads, self.expert_grads) if g is not None]
+        self.grads = self.buffers[0]
+        self.expert_grads = self.buffers[1] if len(self.buffers) > 1 else None
+        # expert parallelism: experts differ between EP ranks and are replicated over the edp group only
+        self.expert_params = [p for p in self.params if p.expert] if self.expert_grads else []
+        self._expert_ids = {id(p) for p in self.expert_params}
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self.optimizer = make_adamw(self.masters, self.params, cfg)
 

@@ -271,3 +271,33 @@ class GradBuffer:
     def shards(self) -> list[torch.Tensor]:
         """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
         return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
+
+
+def replica_grad_buffers(
+    params: list[nn.Parameter],
+    parallel: ParallelState,
+    *,
+    mode: str,
+    bucket_bytes: int,
+    overlap: bool,
+    reduce_dtype: torch.dtype,
+) -> list[GradBuffer]:
+    """The gradient buffers of `params` over their replicas: the dense params' over DP x CP and, with expert
+    parallelism, the experts' (they differ between EP ranks) over the edp group, summed there and averaged over
+    every rank's loss."""
+    expert = {id(p) for p in params if p.expert} if parallel.ep > 1 else set()
+    common = dict(bucket_bytes=bucket_bytes, overlap=overlap, mode=mode, reduce_dtype=reduce_dtype)
+    dense = [p for p in params if id(p) not in expert]
+    out = [GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, dp_rank=parallel.dp_cp_rank, **common)]
+    if expert:
+        out.append(
+            GradBuffer(
+                [p for p in params if id(p) in expert],
+                parallel.edp_group,
+                dp_size=parallel.edp,
+                dp_rank=parallel.edp_comm.rank,
+                average_over=parallel.dp_cp,
+                **common,
+            )
+        )
+    return out

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpframe.optim.config import OptimConfig
-from tpframe.optim.grad_buffer import GradBuffer, allreduce_shared_grads
+from tpframe.optim.grad_buffer import GradBuffer, allreduce_shared_grads, replica_grad_buffers
 from tpframe.optim.strategy import (
     STEP_KEY,
     GradStrategy,
@@ -71,8 +71,6 @@ class Sharded:
 
     grads: GradBuffer
     params: torch.Tensor
-    group: dist.ProcessGroup | None
-    size: int  # ranks in `group`
 
 
 class Zero1Strategy(GradStrategy):
@@ -95,62 +93,26 @@ class Zero1Strategy(GradStrategy):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        experts = {id(p) for p in params if p.expert} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
-        self.parts = [
-            self._shard(
-                [p for p in params if id(p) not in experts],
-                parallel.dp_cp_group,
-                parallel.dp_cp,
-                parallel.dp_cp_rank,
-                bucket_bytes=bucket_bytes,
-                overlap=overlap,
-                reduce_dtype=reduce_dtype,
-            )
-        ]
-        if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
-            self.parts.append(
-                self._shard(
-                    [p for p in params if id(p) in experts],
-                    parallel.edp_group,
-                    parallel.edp,
-                    parallel.edp_comm.rank,
-                    bucket_bytes=bucket_bytes,
-                    overlap=overlap,
-                    average_over=parallel.dp_cp,
-                    reduce_dtype=reduce_dtype,
-                )
-            )
+        # the experts (expert parallelism) sharded over their replicas only (as in ddp)
+        buffers = replica_grad_buffers(
+            params,
+            parallel,
+            mode="reduce_scatter",
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            reduce_dtype=reduce_dtype,
+        )
+        self.parts = [self._shard(grads) for grads in buffers]
         self.grads = self.parts[0].grads
         self.param_buffer = self.parts[0].params
         # each segment's fp32 master and the param-buffer elements it rounds to
         self.masters, self.flats = [sg.master for sg in self.segments], [sg.flat for sg in self.segments]
         self.optimizer = make_adamw(self.masters, [sg.param for sg in self.segments], cfg) if self.segments else None
 
-    def _shard(
-        self,
-        params: list[nn.Parameter],
-        group,
-        size: int,
-        rank: int,
-        *,
-        bucket_bytes: int,
-        overlap: bool,
-        average_over: int | None = None,
-        reduce_dtype: torch.dtype = torch.float32,
-    ) -> Sharded:
-        """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
-        grads = GradBuffer(
-            params,
-            group,
-            dp_size=size,
-            dp_rank=rank,
-            bucket_bytes=bucket_bytes,
-            overlap=overlap,
-            mode="reduce_scatter",
-            average_over=average_over,
-            reduce_dtype=reduce_dtype,
-        )
+    def _shard(self, grads: GradBuffer) -> Sharded:
+        """Move the params of `grads` into a flat param buffer laid out like it; add this rank's segments of them."""
+        params = grads.params
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p in params:
@@ -170,7 +132,7 @@ class Zero1Strategy(GradStrategy):
                 master = flat if flat.dtype == torch.float32 else flat.float().clone()
                 grad = grads.buffer[s:e]  # reduce-scattered in place
                 self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
-        return Sharded(grads, buffer, group, size)
+        return Sharded(grads, buffer)
 
     # -- gradients -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -206,13 +168,13 @@ class Zero1Strategy(GradStrategy):
     def gather_params(self) -> None:
         """All-gather every bucket of the param buffers over DP (each rank contributes its updated slice)."""
         for part in self.parts:
-            if part.size == 1:
+            if part.grads.dp_size == 1:
                 continue
             for b in part.grads.buckets:
                 lo, hi = part.grads.shard_range(b)
                 # In place: this rank's slice of the output is its input (NCCL skips the self-copy; gloo
                 # gathers into a scratch buffer and copies out), so no clone of the shard is needed.
-                _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.group)
+                _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.grads.dp_group)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self, available: set[str] | None = None) -> dict:
