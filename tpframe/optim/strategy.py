@@ -139,12 +139,6 @@ def clip_factor(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def adamw_step(optimizer: torch.optim.AdamW) -> None:
-    """One AdamW update, consuming a clip factor `clip_by_global_norm` folded into it."""
-    optimizer.step()
-    optimizer.grad_scale = None  # type: ignore[attr-defined]
-
-
 @torch.no_grad()
 def step_masters(
     optimizer: torch.optim.AdamW,
@@ -158,7 +152,8 @@ def step_masters(
     set_adamw_lr(optimizer, lr)
     for m, g in zip(masters, grads):
         m.grad = g
-    adamw_step(optimizer)
+    optimizer.step()  # consumes the clip factor clip_by_global_norm may have folded into it
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
     for m in masters:
         m.grad = None
     low = [(p, m) for p, m in zip(params, masters) if m is not p]
