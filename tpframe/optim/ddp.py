@@ -15,18 +15,16 @@ from tpframe.optim.grad_buffer import allreduce_shared_grads, replica_grad_buffe
 from tpframe.optim.strategy import (
     STEP_KEY,
     GradStrategy,
-    adamw_step_count,
     add_chunks,
-    add_frozen,
     add_master_chunks,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
+    finish_state,
     make_adamw,
     master_state_bytes,
     named_frozen,
     named_trainable,
-    needed_keys,
     restore_masters,
     set_adamw_step_count,
     step_masters,
@@ -111,9 +109,7 @@ class DDPStrategy(GradStrategy):
                 out, "model/{}" if m is not p else weights_key(available), name, p, tp_rank, tp, p.detach().view(-1)
             )
             add_master_chunks(out, self.optimizer, name, p, m, tp_rank, tp, own=m is p)
-        out[STEP_KEY] = adamw_step_count(self.optimizer)
-        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
-        return needed_keys(out, available)
+        return finish_state(out, available, optimizer=self.optimizer, frozen=self.frozen, parallel=self.parallel)
 
     def load_state_dict(self, state: dict) -> None:
         set_adamw_step_count(self.optimizer, state[STEP_KEY])

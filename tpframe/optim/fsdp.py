@@ -28,16 +28,14 @@ from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
     GradStrategy,
-    adamw_step_count,
     add_chunks,
-    add_frozen,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
+    finish_state,
     make_adamw,
     named_frozen,
     named_trainable,
-    needed_keys,
     replicas_label,
     set_adamw_lr,
     set_adamw_step_count,
@@ -155,9 +153,7 @@ class FSDPStrategy(GradStrategy):
                 self._pieces(out, weights_key(available), name, p, p.detach())
             for key in MOMENTS:
                 self._pieces(out, "optim/{}/" + key, name, p, self.optimizer.state[p][key])
-        out[STEP_KEY] = adamw_step_count(self.optimizer)
-        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
-        return needed_keys(out, available)
+        return finish_state(out, available, optimizer=self.optimizer, frozen=self.frozen, parallel=self.parallel)
 
     def load_state_dict(self, state: dict) -> None:
         set_adamw_step_count(self.optimizer, state[STEP_KEY])

@@ -287,7 +287,19 @@ def named_frozen(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
 
-def add_frozen(out: dict, frozen: list[tuple[str, nn.Parameter]], tp_rank: int, tp: int) -> None:
-    """The frozen parameters under model/<name>, as they are (saved from and loaded into the tensors themselves)."""
+def finish_state(
+    out: dict,
+    available: set[str] | None,
+    *,
+    optimizer: torch.optim.AdamW | None,
+    frozen: list[tuple[str, nn.Parameter]],
+    parallel,
+) -> dict:
+    """A strategy's `state_dict` from its model and optimizer pieces `out`: the step count added (where this
+    rank has an optimizer), and the frozen parameters under model/<name> as they are (saved from and loaded
+    into the tensors themselves); then `needed_keys`."""
+    if optimizer is not None:
+        out[STEP_KEY] = adamw_step_count(optimizer)
     for name, p in frozen:
-        add_chunks(out, "model/{}", name, p, tp_rank, tp, p.detach().view(-1))
+        add_chunks(out, "model/{}", name, p, parallel.tp_rank, parallel.tp, p.detach().view(-1))
+    return needed_keys(out, available)

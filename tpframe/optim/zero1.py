@@ -27,18 +27,16 @@ from tpframe.optim.grad_buffer import GradBuffer, allreduce_shared_grads, replic
 from tpframe.optim.strategy import (
     STEP_KEY,
     GradStrategy,
-    adamw_step_count,
     add_chunks,
-    add_frozen,
     add_master_chunks,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
+    finish_state,
     make_adamw,
     master_state_bytes,
     named_frozen,
     named_trainable,
-    needed_keys,
     replicas_label,
     restore_masters,
     set_adamw_step_count,
@@ -190,9 +188,7 @@ class Zero1Strategy(GradStrategy):
                 add_master_chunks(
                     out, self.optimizer, sg.name, sg.param, sg.master, tp_rank, tp, start=sg.start, own=own
                 )
-            out[STEP_KEY] = adamw_step_count(self.optimizer)
-        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
-        return needed_keys(out, available)
+        return finish_state(out, available, optimizer=self.optimizer, frozen=self.frozen, parallel=self.parallel)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
