@@ -51,12 +51,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass
 class Segment:
-    """The part [start, stop) of param `name` (offsets within the param, flattened) this DP rank owns."""
+    """The part of param `name` this DP rank owns: `flat.numel()` elements from `start` (of the flattened param)."""
 
     name: str
     param: nn.Parameter
     start: int
-    stop: int
     flat: torch.Tensor  # the param buffer's elements for this segment
     master: torch.Tensor  # fp32: `flat` itself for fp32 params, else a copy
     grad: torch.Tensor  # fp32 view into the gradient buffer, where the reduce-scatter leaves this rank's sum
@@ -103,7 +102,6 @@ class Zero1Strategy(GradStrategy):
         )
         self.parts = [self._shard(grads) for grads in buffers]
         self.grads = self.parts[0].grads
-        self.param_buffer = self.parts[0].params
         # each segment's fp32 master and the param-buffer elements it rounds to
         self.masters, self.flats = [sg.master for sg in self.segments], [sg.flat for sg in self.segments]
         self.optimizer = make_adamw(self.masters, [sg.param for sg in self.segments], cfg) if self.segments else None
@@ -129,7 +127,7 @@ class Zero1Strategy(GradStrategy):
                 flat = buffer[s:e]
                 master = flat if flat.dtype == torch.float32 else flat.float().clone()
                 grad = grads.buffer[s:e]  # reduce-scattered in place
-                self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
+                self.segments.append(Segment(name_of[p], p, s - off, flat, master, grad))
         return Sharded(grads, buffer)
 
     # -- gradients -------------------------------------------------------------------------------
@@ -178,7 +176,7 @@ class Zero1Strategy(GradStrategy):
     def state_dict(self, available: set[str] | None = None) -> dict:
         tp_rank, tp = self.parallel.tp_rank, self.parallel.tp
         out: dict = {}
-        fp32 = self.param_buffer.dtype == torch.float32
+        fp32 = self.parts[0].params.dtype == torch.float32
         for name, p in self.named:  # the whole (TP-local) model on every DP rank
             add_chunks(out, weights_key(available) if fp32 else "model/{}", name, p, tp_rank, tp, p.detach().view(-1))
         if self.optimizer is not None:
