@@ -29,18 +29,27 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-def init_vocab_shard(
-    vocab_size: int, hidden: int, *, padded: int, rank: int, tp: int, init_method: InitMethod, dtype, device
-) -> torch.Tensor:
-    """This rank's rows [padded/tp, hidden] of a vocabulary table.
+def vocab_parameter(
+    vocab_size: int,
+    hidden: int,
+    *,
+    padded: int,
+    comm: Communicator,
+    init_method: InitMethod | None,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> nn.Parameter:
+    """This rank's rows [padded/tp, hidden] of a vocabulary table, tagged as split by rows over TP.
 
     The master covers the real vocabulary only (the same draws at any padding), padded with zeros.
     """
     master = torch.empty(vocab_size, hidden, dtype=torch.float32)
-    init_method(master)
+    init = init_method or normal_init()
+    init(master)
     master = F.pad(master, (0, 0, 0, padded - vocab_size))
-    rows = padded // tp
-    return master[rank * rows : (rank + 1) * rows].to(device=device, dtype=dtype).contiguous()
+    rows = padded // comm.size
+    shard = master[comm.rank * rows : (comm.rank + 1) * rows].to(device=device or comm.device, dtype=dtype)
+    return tag_param(nn.Parameter(shard.contiguous()), tp_dim=0, vocab_rows=vocab_size)  # then padding rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -71,17 +80,15 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = self.padded_num_embeddings // tp
         self.vocab_start = rank * self.rows_per_rank
         self.sequence_parallel = sequence_parallel
-        shard = init_vocab_shard(
+        self.weight = vocab_parameter(
             num_embeddings,
             embedding_dim,
             padded=self.padded_num_embeddings,
-            rank=rank,
-            tp=tp,
-            init_method=init_method or normal_init(),
+            comm=self.comm,
+            init_method=init_method,
             dtype=dtype,
-            device=device or self.comm.device,
+            device=device,
         )
-        self.weight = tag_param(nn.Parameter(shard), tp_dim=0, vocab_rows=num_embeddings)  # then padding rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
@@ -127,17 +134,9 @@ class ParallelLMHead(nn.Module):
         self.comm = comm or default_tp_comm()
         self.vocab_size, self.sequence_parallel = vocab_size, sequence_parallel
         padded = padded_vocab_size(vocab_size, self.comm.size, pad_to_multiple_of)
-        shard = init_vocab_shard(
-            vocab_size,
-            hidden,
-            padded=padded,
-            rank=self.comm.rank,
-            tp=self.comm.size,
-            init_method=init_method or normal_init(),
-            dtype=dtype,
-            device=device or self.comm.device,
+        self.weight = vocab_parameter(
+            vocab_size, hidden, padded=padded, comm=self.comm, init_method=init_method, dtype=dtype, device=device
         )
-        self.weight = tag_param(nn.Parameter(shard), tp_dim=0, vocab_rows=vocab_size)
         where = dict(in_features=hidden, tp=self.comm.size, dtype=dtype, device=device or self.comm.device)
         column_adapter(self, mode.lora, "head", (("weight", padded),), fused=False, vocab_rows=vocab_size, **where)
         self.fused_decode = mode.fused_kernels  # the one-row kernel in batch-1 decode graphs (tpframe/kernels/gemv.py)

@@ -117,37 +117,36 @@ class _AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(grad.contiguous(), input_splits, output_splits), None, None, None
 
 
+def _apply(mapping: type[torch.autograd.Function], x: torch.Tensor, comm: Communicator, *args) -> torch.Tensor:
+    """`mapping` applied to `x` over `comm`; over one rank every mapping is the identity."""
+    if comm.size == 1:
+        return x
+    return mapping.apply(x, comm, *args)
+
+
 def copy_to_tp(x: torch.Tensor, comm: Communicator, donate_grad: bool = False) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity forward, all-reduce the gradient.
 
     `donate_grad`: the output feeds exactly one GEMM, so its incoming gradient is a fresh tensor that
     may be reduced in place."""
-    if comm.size == 1:
-        return x
-    return _CopyToTP.apply(x, comm, donate_grad)
+    return _apply(_CopyToTP, x, comm, donate_grad)
 
 
 def reduce_from_tp(x: torch.Tensor, comm: Communicator, donate: bool = False) -> torch.Tensor:
     """Leave a TP region by summing partial results: all-reduce forward, identity backward.
 
     `donate`: `x` is a fresh tensor nobody else reads (not saved for backward): reduce it in place."""
-    if comm.size == 1:
-        return x
-    return _ReduceFromTP.apply(x, comm, donate)
+    return _apply(_ReduceFromTP, x, comm, donate)
 
 
 def scatter_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[..., h] -> [..., h/tp]: this rank's slice of the last dim; all-gather the gradient."""
-    if comm.size == 1:
-        return x
-    return _ScatterToTP.apply(x, comm)
+    return _apply(_ScatterToTP, x, comm)
 
 
 def gather_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[..., h/tp] -> [..., h]: all-gather the last dim; slice the gradient."""
-    if comm.size == 1:
-        return x
-    return _GatherFromTP.apply(x, comm)
+    return _apply(_GatherFromTP, x, comm)
 
 
 def gather_from_sp(x: torch.Tensor, comm: Communicator, reduce_grad: bool = True) -> torch.Tensor:
@@ -156,16 +155,12 @@ def gather_from_sp(x: torch.Tensor, comm: Communicator, reduce_grad: bool = True
     Backward reduce-scatters when the gathered tensor fed TP-split work (each rank holds a
     partial gradient of the full sequence); with `reduce_grad=False` it only slices.
     """
-    if comm.size == 1:
-        return x
-    return _GatherFromSP.apply(x, comm, reduce_grad)
+    return _apply(_GatherFromSP, x, comm, reduce_grad)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """[s, ...] partial sums -> [s/tp, ...] summed: reduce-scatter; all-gather the gradient."""
-    if comm.size == 1:
-        return x
-    return _ReduceScatterToSP.apply(x, comm)
+    return _apply(_ReduceScatterToSP, x, comm)
 
 
 def all_to_all(x: torch.Tensor, comm: Communicator, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:

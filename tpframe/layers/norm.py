@@ -15,7 +15,11 @@ from tpframe.layers.mode import DEFAULT_MODE, LayerMode
 from tpframe.layers.utils import tag_param
 
 
-class LayerNorm(nn.Module):
+class _Norm(nn.Module):
+    """LayerNorm's and RMSNorm's weight (and LayerNorm's optional bias), replicated over TP, and their forward."""
+
+    rms = False
+
     def __init__(
         self,
         hidden: int,
@@ -38,28 +42,21 @@ class LayerNorm(nn.Module):
         self.fused = mode.fused_kernels  # the Triton kernel on CUDA (tpframe/kernels/norm.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm(x, self.weight, self.bias, self.eps, rms=False, fused=self.fused)
+        return norm(x, self.weight, self.bias, self.eps, rms=self.rms, fused=self.fused)
 
 
-class RMSNorm(nn.Module):
-    def __init__(
-        self,
-        hidden: int,
-        eps: float = 1e-5,
-        *,
-        sequence_parallel: bool = False,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        mode: LayerMode = DEFAULT_MODE,
-    ):
-        super().__init__()
-        self.hidden, self.eps = hidden, eps
-        weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        self.weight = tag_param(weight, tp_dim=None, sequence_parallel=sequence_parallel)
-        self.fused = mode.fused_kernels  # the Triton kernel on CUDA (tpframe/kernels/norm.py)
+class LayerNorm(_Norm):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias), over the last dimension."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm(x, self.weight, None, self.eps, rms=True, fused=self.fused)
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension; no bias."""
+
+    rms = True
+
+    def __init__(self, hidden: int, eps: float = 1e-5, **kwargs):
+        """`kwargs`: sequence_parallel, dtype, device, mode (as LayerNorm's)."""
+        super().__init__(hidden, eps, bias=False, **kwargs)
 
 
 def build_norm(kind: str, hidden: int, eps: float = 1e-5, *, bias: bool = True, **kwargs) -> nn.Module:

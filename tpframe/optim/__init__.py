@@ -34,21 +34,12 @@ def build_strategy(
 ) -> GradStrategy:
     """The strategy `name` over `model` (built already; fsdp shards it in place)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
-    if name == "ddp":
+    if name in ("ddp", "zero1"):
         from tpframe.optim.ddp import DDPStrategy
-
-        return DDPStrategy(
-            model,
-            cfg,
-            parallel,
-            bucket_bytes=bucket_bytes,
-            overlap=overlap_grad_sync,
-            reduce_dtype=reduce_dtype,
-        )
-    if name == "zero1":
         from tpframe.optim.zero1 import Zero1Strategy
 
-        return Zero1Strategy(
+        strategy = DDPStrategy if name == "ddp" else Zero1Strategy
+        return strategy(
             model,
             cfg,
             parallel,

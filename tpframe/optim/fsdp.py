@@ -23,21 +23,19 @@ from torch import nn
 from tpframe.layers.moe import MoE
 from tpframe.layers.utils import param_tags, tag_param
 from tpframe.optim.config import OptimConfig
-from tpframe.optim.grad_buffer import allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
+from tpframe.optim.grad_buffer import allreduce_shared_grads
 from tpframe.optim.strategy import (
     MOMENTS,
     STEP_KEY,
     GradStrategy,
-    adamw_step_count,
     add_chunks,
-    add_frozen,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
+    finish_state,
     make_adamw,
     named_frozen,
     named_trainable,
-    needed_keys,
     replicas_label,
     set_adamw_lr,
     set_adamw_step_count,
@@ -109,19 +107,17 @@ class FSDPStrategy(GradStrategy):
         for name, p in model.named_parameters():  # FSDP2's parameters replace the tagged ones
             tag_param(p, **tags[name])
         params = [p for _, p in self.named]
-        self.optimizer = make_adamw([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], cfg)
+        self.optimizer = make_adamw(params, params, cfg)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish_grad_sync(self) -> None:
         # FSDP2 reduce-scattered every micro-batch; DP ranks shard every TP rank's param the same way,
-        # so the partial sequence-parallel shards line up across TP
-        sp = [local_tensor(p.grad) for _, p in self.named if p.grad is not None and p.sequence_parallel]
-        allreduce_sequence_parallel_grads(sp, self.parallel.tp_comm)
-        # FSDP2 shards each param on its own: a tied weight's rows split alike on the first and last stage
-        tied = [local_tensor(p.grad) for _, p in self.named if p.grad is not None and p.pipeline_tied]
-        allreduce_pipeline_tied_grads(tied, self.parallel.embedding_comm)
+        # so the partial sequence-parallel shards line up across TP; FSDP2 shards each param on its own:
+        # a tied weight's rows split alike on the first and last stage
+        grads = [(p, local_tensor(p.grad)) for _, p in self.named if p.grad is not None]
+        allreduce_shared_grads(grads, self.parallel)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         grads = [local_tensor(p.grad) for _, p in self.named if p.grad is not None]
@@ -157,9 +153,7 @@ class FSDPStrategy(GradStrategy):
                 self._pieces(out, weights_key(available), name, p, p.detach())
             for key in MOMENTS:
                 self._pieces(out, "optim/{}/" + key, name, p, self.optimizer.state[p][key])
-        out[STEP_KEY] = adamw_step_count(self.optimizer)
-        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
-        return needed_keys(out, available)
+        return finish_state(out, available, optimizer=self.optimizer, frozen=self.frozen, parallel=self.parallel)
 
     def load_state_dict(self, state: dict) -> None:
         set_adamw_step_count(self.optimizer, state[STEP_KEY])

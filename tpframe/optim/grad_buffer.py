@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpframe.comm import Communicator
+from tpframe.parallel.state import ParallelState
 
 # torch 2.13 renamed the tensor collectives; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,11 +61,13 @@ def allreduce_sequence_parallel_grads(grads: list[torch.Tensor], tp_comm: Commun
             offset += g.numel()
 
 
-def allreduce_pipeline_tied_grads(grads: list[torch.Tensor], embedding_comm: Communicator | None) -> None:
-    """Sum over the embedding group (first and last pipeline stage), in place, the gradients (or equal
-    gradient slices) of weights both stages hold: tied input embedding and output head."""
-    if embedding_comm is not None:
-        allreduce_sequence_parallel_grads(grads, embedding_comm)  # the same in-place sum, over another group
+def allreduce_shared_grads(grads: list[tuple[nn.Parameter, torch.Tensor]], parallel: ParallelState) -> None:
+    """Sum in place the gradients (or equal gradient slices), paired with their params, that several ranks hold
+    parts of: sequence-parallel params' over TP, and over the embedding group (first and last pipeline stage)
+    those of weights both stages hold (tied input embedding and output head)."""
+    allreduce_sequence_parallel_grads([g for p, g in grads if p.sequence_parallel], parallel.tp_comm)
+    if parallel.embedding_comm is not None:  # the same in-place sum, over another group
+        allreduce_sequence_parallel_grads([g for p, g in grads if p.pipeline_tied], parallel.embedding_comm)
 
 
 @dataclass(eq=False)
@@ -268,3 +271,33 @@ class GradBuffer:
     def shards(self) -> list[torch.Tensor]:
         """This rank's reduced slice of every bucket (valid after `finish_sync` in reduce-scatter mode)."""
         return [self.buffer[slice(*self.shard_range(b))] for b in self.buckets]
+
+
+def replica_grad_buffers(
+    params: list[nn.Parameter],
+    parallel: ParallelState,
+    *,
+    mode: str,
+    bucket_bytes: int,
+    overlap: bool,
+    reduce_dtype: torch.dtype,
+) -> list[GradBuffer]:
+    """The gradient buffers of `params` over their replicas: the dense params' over DP x CP and, with expert
+    parallelism, the experts' (they differ between EP ranks) over the edp group, summed there and averaged over
+    every rank's loss."""
+    expert = {id(p) for p in params if p.expert} if parallel.ep > 1 else set()
+    common = dict(bucket_bytes=bucket_bytes, overlap=overlap, mode=mode, reduce_dtype=reduce_dtype)
+    dense = [p for p in params if id(p) not in expert]
+    out = [GradBuffer(dense, parallel.dp_cp_group, dp_size=parallel.dp_cp, dp_rank=parallel.dp_cp_rank, **common)]
+    if expert:
+        out.append(
+            GradBuffer(
+                [p for p in params if id(p) in expert],
+                parallel.edp_group,
+                dp_size=parallel.edp,
+                dp_rank=parallel.edp_comm.rank,
+                average_over=parallel.dp_cp,
+                **common,
+            )
+        )
+    return out

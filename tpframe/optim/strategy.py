@@ -39,8 +39,11 @@ def counts_once(p: torch.Tensor, tp_rank: int, pp_rank: int = 0) -> bool:
     return p.tp_dim is not None or tp_rank == 0
 
 
-def make_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
-    """torch's AdamW over fp32 tensors: weight decay on matrices, none on biases and norm weights."""
+def make_adamw(masters: list[torch.Tensor], params: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch's AdamW over fp32 `masters` (of `params`, pairwise): weight decay where the param is a matrix,
+    none on biases and norm weights."""
+    decay = [m for m, p in zip(masters, params) if p.dim() >= 2]
+    no_decay = [m for m, p in zip(masters, params) if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     first = (decay or no_decay)[0]
     on_cuda = first.device.type == "cuda"
@@ -136,10 +139,46 @@ def clip_factor(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def adamw_step(optimizer: torch.optim.AdamW) -> None:
-    """One AdamW update, consuming a clip factor `clip_by_global_norm` folded into it."""
-    optimizer.step()
+@torch.no_grad()
+def step_masters(
+    optimizer: torch.optim.AdamW,
+    lr: float,
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    params: list[torch.Tensor],
+) -> None:
+    """One AdamW update of the fp32 `masters` from `grads`, then each param whose master is a copy (a
+    low-precision one) set to its master, rounded."""
+    set_adamw_lr(optimizer, lr)
+    for m, g in zip(masters, grads):
+        m.grad = g
+    optimizer.step()  # consumes the clip factor clip_by_global_norm may have folded into it
     optimizer.grad_scale = None  # type: ignore[attr-defined]
+    for m in masters:
+        m.grad = None
+    low = [(p, m) for p, m in zip(params, masters) if m is not p]
+    if low:  # one multi-tensor launch, not one copy per parameter
+        torch._foreach_copy_([p for p, _ in low], [m for _, m in low])
+
+
+@torch.no_grad()
+def restore_masters(masters: list[torch.Tensor], params: list[torch.Tensor], state: dict) -> None:
+    """After a checkpoint load into `state`, pair each copied master with its param: the param takes the
+    weights the loaded fp32 master rounds to, or, without masters in the checkpoint (an fp32 checkpoint
+    into a bf16 run, or weights only), the master takes the loaded weights."""
+    loaded_masters = any(k.endswith("/master") for k in state)
+    for p, m in zip(params, masters):
+        if m is not p:
+            if loaded_masters:
+                p.copy_(m)
+            else:
+                m.copy_(p)
+
+
+def master_state_bytes(masters: list[torch.Tensor], params: list[torch.Tensor]) -> int:
+    """Bytes of fp32 masters held apart from their params, and of both AdamW moments of every master."""
+    apart = sum(m.numel() for m, p in zip(masters, params) if m is not p)
+    return 4 * (apart + len(MOMENTS) * sum(m.numel() for m in masters))
 
 
 def add_chunks(
@@ -152,6 +191,26 @@ def add_chunks(
             out[key] = LogicalChunks(shape, out[key].pieces + rects)
         else:
             out[key] = LogicalChunks(shape, rects)
+
+
+def add_master_chunks(
+    out: dict,
+    optimizer: torch.optim.AdamW,
+    name: str,
+    param: torch.Tensor,
+    master: torch.Tensor,
+    tp_rank: int,
+    tp: int,
+    *,
+    start: int = 0,
+    own: bool = False,
+) -> None:
+    """Add the optimizer state of `master` (elements [start, start+numel) of `param`, flattened): both moments,
+    and the master itself unless it is the param's own storage (`own`)."""
+    if not own:
+        add_chunks(out, "optim/{}/master", name, param, tp_rank, tp, master.view(-1), start)
+    for key in MOMENTS:
+        add_chunks(out, "optim/{}/" + key, name, param, tp_rank, tp, optimizer.state[master][key].view(-1), start)
 
 
 def weights_key(available: set[str] | None) -> str:
@@ -228,7 +287,19 @@ def named_frozen(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
 
 
-def add_frozen(out: dict, frozen: list[tuple[str, nn.Parameter]], tp_rank: int, tp: int) -> None:
-    """The frozen parameters under model/<name>, as they are (saved from and loaded into the tensors themselves)."""
+def finish_state(
+    out: dict,
+    available: set[str] | None,
+    *,
+    optimizer: torch.optim.AdamW | None,
+    frozen: list[tuple[str, nn.Parameter]],
+    parallel,
+) -> dict:
+    """A strategy's `state_dict` from its model and optimizer pieces `out`: the step count added (where this
+    rank has an optimizer), and the frozen parameters under model/<name> as they are (saved from and loaded
+    into the tensors themselves); then `needed_keys`."""
+    if optimizer is not None:
+        out[STEP_KEY] = adamw_step_count(optimizer)
     for name, p in frozen:
-        add_chunks(out, "model/{}", name, p, tp_rank, tp, p.detach().view(-1))
+        add_chunks(out, "model/{}", name, p, parallel.tp_rank, parallel.tp, p.detach().view(-1))
+    return needed_keys(out, available)

@@ -23,25 +23,24 @@ import torch.distributed as dist
 from torch import nn
 
 from tpframe.optim.config import OptimConfig
-from tpframe.optim.grad_buffer import GradBuffer, allreduce_pipeline_tied_grads, allreduce_sequence_parallel_grads
+from tpframe.optim.grad_buffer import GradBuffer, allreduce_shared_grads, replica_grad_buffers
 from tpframe.optim.strategy import (
-    MOMENTS,
     STEP_KEY,
     GradStrategy,
-    adamw_step,
-    adamw_step_count,
     add_chunks,
-    add_frozen,
+    add_master_chunks,
     clip_by_global_norm,
     counts_once,
     ensure_adamw_state,
+    finish_state,
     make_adamw,
+    master_state_bytes,
     named_frozen,
     named_trainable,
-    needed_keys,
     replicas_label,
-    set_adamw_lr,
+    restore_masters,
     set_adamw_step_count,
+    step_masters,
     weights_key,
 )
 from tpframe.parallel.state import ParallelState
@@ -52,12 +51,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass
 class Segment:
-    """The part [start, stop) of param `name` (offsets within the param, flattened) this DP rank owns."""
+    """The part of param `name` this DP rank owns: `flat.numel()` elements from `start` (of the flattened param)."""
 
     name: str
     param: nn.Parameter
     start: int
-    stop: int
     flat: torch.Tensor  # the param buffer's elements for this segment
     master: torch.Tensor  # fp32: `flat` itself for fp32 params, else a copy
     grad: torch.Tensor  # fp32 view into the gradient buffer, where the reduce-scatter leaves this rank's sum
@@ -70,8 +68,6 @@ class Sharded:
 
     grads: GradBuffer
     params: torch.Tensor
-    group: dist.ProcessGroup | None
-    size: int  # ranks in `group`
 
 
 class Zero1Strategy(GradStrategy):
@@ -94,62 +90,25 @@ class Zero1Strategy(GradStrategy):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"zero1 needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        experts = {id(p) for p in params if p.expert} if parallel.ep > 1 else set()
         self.segments: list[Segment] = []
-        self.parts = [
-            self._shard(
-                [p for p in params if id(p) not in experts],
-                parallel.dp_cp_group,
-                parallel.dp_cp,
-                parallel.dp_cp_rank,
-                bucket_bytes=bucket_bytes,
-                overlap=overlap,
-                reduce_dtype=reduce_dtype,
-            )
-        ]
-        if experts:  # summed over the expert's replicas, averaged over every rank's loss (as in ddp)
-            self.parts.append(
-                self._shard(
-                    [p for p in params if id(p) in experts],
-                    parallel.edp_group,
-                    parallel.edp,
-                    parallel.edp_comm.rank,
-                    bucket_bytes=bucket_bytes,
-                    overlap=overlap,
-                    average_over=parallel.dp_cp,
-                    reduce_dtype=reduce_dtype,
-                )
-            )
-        self.grads = self.parts[0].grads
-        self.param_buffer = self.parts[0].params
-        decay = [sg.master for sg in self.segments if sg.param.dim() >= 2]
-        no_decay = [sg.master for sg in self.segments if sg.param.dim() < 2]
-        self.optimizer = make_adamw(decay, no_decay, cfg) if self.segments else None
-
-    def _shard(
-        self,
-        params: list[nn.Parameter],
-        group,
-        size: int,
-        rank: int,
-        *,
-        bucket_bytes: int,
-        overlap: bool,
-        average_over: int | None = None,
-        reduce_dtype: torch.dtype = torch.float32,
-    ) -> Sharded:
-        """Move `params` into a flat buffer sharded over `group`; add this rank's segments of them."""
-        grads = GradBuffer(
+        # the experts (expert parallelism) sharded over their replicas only (as in ddp)
+        buffers = replica_grad_buffers(
             params,
-            group,
-            dp_size=size,
-            dp_rank=rank,
+            parallel,
+            mode="reduce_scatter",
             bucket_bytes=bucket_bytes,
             overlap=overlap,
-            mode="reduce_scatter",
-            average_over=average_over,
             reduce_dtype=reduce_dtype,
         )
+        self.parts = [self._shard(grads) for grads in buffers]
+        self.grads = self.parts[0].grads
+        # each segment's fp32 master and the param-buffer elements it rounds to
+        self.masters, self.flats = [sg.master for sg in self.segments], [sg.flat for sg in self.segments]
+        self.optimizer = make_adamw(self.masters, [sg.param for sg in self.segments], cfg) if self.segments else None
+
+    def _shard(self, grads: GradBuffer) -> Sharded:
+        """Move the params of `grads` into a flat param buffer laid out like it; add this rank's segments of them."""
+        params = grads.params
         buffer = torch.zeros(grads.numel, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p in params:
@@ -168,8 +127,8 @@ class Zero1Strategy(GradStrategy):
                 flat = buffer[s:e]
                 master = flat if flat.dtype == torch.float32 else flat.float().clone()
                 grad = grads.buffer[s:e]  # reduce-scattered in place
-                self.segments.append(Segment(name_of[p], p, s - off, e - off, flat, master, grad))
-        return Sharded(grads, buffer, group, size)
+                self.segments.append(Segment(name_of[p], p, s - off, flat, master, grad))
+        return Sharded(grads, buffer)
 
     # -- gradients -------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -183,14 +142,9 @@ class Zero1Strategy(GradStrategy):
     def finish_grad_sync(self) -> None:
         for part in self.parts:
             part.grads.finish_sync()
-        # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP
-        allreduce_sequence_parallel_grads(
-            [sg.grad for sg in self.segments if sg.param.sequence_parallel], self.parallel.tp_comm
-        )
+        # every TP rank has the same layout, so the same segments: sum the sequence-parallel ones over TP;
         # a tied weight has a bucket of its own: this slice is the same element range on both stages
-        allreduce_pipeline_tied_grads(
-            [sg.grad for sg in self.segments if sg.param.pipeline_tied], self.parallel.embedding_comm
-        )
+        allreduce_shared_grads([(sg.param, sg.grad) for sg in self.segments], self.parallel)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         tp_rank, pp_rank = self.parallel.tp_rank, self.parallel.pp_rank
@@ -204,66 +158,41 @@ class Zero1Strategy(GradStrategy):
     @torch.no_grad()
     def step(self, lr: float) -> None:
         if self.optimizer is not None:
-            set_adamw_lr(self.optimizer, lr)
-            for sg in self.segments:
-                sg.master.grad = sg.grad
-            adamw_step(self.optimizer)
-            low = [sg for sg in self.segments if sg.master is not sg.flat]
-            for sg in self.segments:
-                sg.master.grad = None
-            if low:  # one multi-tensor launch, not one copy per segment
-                torch._foreach_copy_([sg.flat for sg in low], [sg.master for sg in low])
+            step_masters(self.optimizer, lr, self.masters, [sg.grad for sg in self.segments], self.flats)
         self.gather_params()
 
     def gather_params(self) -> None:
         """All-gather every bucket of the param buffers over DP (each rank contributes its updated slice)."""
         for part in self.parts:
-            if part.size == 1:
+            if part.grads.dp_size == 1:
                 continue
             for b in part.grads.buckets:
                 lo, hi = part.grads.shard_range(b)
                 # In place: this rank's slice of the output is its input (NCCL skips the self-copy; gloo
                 # gathers into a scratch buffer and copies out), so no clone of the shard is needed.
-                _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.group)
+                _all_gather(part.params[b.start : b.stop], part.params[lo:hi], group=part.grads.dp_group)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self, available: set[str] | None = None) -> dict:
         tp_rank, tp = self.parallel.tp_rank, self.parallel.tp
         out: dict = {}
-        fp32 = self.param_buffer.dtype == torch.float32
+        fp32 = self.parts[0].params.dtype == torch.float32
         for name, p in self.named:  # the whole (TP-local) model on every DP rank
             add_chunks(out, weights_key(available) if fp32 else "model/{}", name, p, tp_rank, tp, p.detach().view(-1))
         if self.optimizer is not None:
             ensure_adamw_state(self.optimizer)
             for sg in self.segments:
-                if sg.master is not sg.flat:
-                    add_chunks(out, "optim/{}/master", sg.name, sg.param, tp_rank, tp, sg.master, sg.start)
-                for key in MOMENTS:
-                    add_chunks(
-                        out,
-                        "optim/{}/" + key,
-                        sg.name,
-                        sg.param,
-                        tp_rank,
-                        tp,
-                        self.optimizer.state[sg.master][key],
-                        sg.start,
-                    )
-            out[STEP_KEY] = adamw_step_count(self.optimizer)
-        add_frozen(out, self.frozen, self.parallel.tp_rank, self.parallel.tp)
-        return needed_keys(out, available)
+                own = sg.master is sg.flat
+                add_master_chunks(
+                    out, self.optimizer, sg.name, sg.param, sg.master, tp_rank, tp, start=sg.start, own=own
+                )
+        return finish_state(out, available, optimizer=self.optimizer, frozen=self.frozen, parallel=self.parallel)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None and STEP_KEY in state:
             set_adamw_step_count(self.optimizer, state[STEP_KEY])
-        loaded_masters = any(k.endswith("/master") for k in state)
-        for sg in self.segments:
-            if sg.master is not sg.flat:
-                if loaded_masters:
-                    sg.flat.copy_(sg.master)
-                else:
-                    sg.master.copy_(sg.flat)
+        restore_masters(self.masters, self.flats, state)
         self.gather_params()
         self.zero_grad()
 
@@ -271,8 +200,7 @@ class Zero1Strategy(GradStrategy):
         if self.optimizer is None:
             return 0
         ensure_adamw_state(self.optimizer)
-        masters = sum(sg.master.numel() * 4 for sg in self.segments if sg.master is not sg.flat)
-        return masters + sum(sg.master.numel() * 4 * len(MOMENTS) for sg in self.segments)
+        return master_state_bytes(self.masters, self.flats)
 
     def describe(self) -> str:
         reduced = ", reduced in bf16" if self.grads.reduce_dtype == torch.bfloat16 else ""
