@@ -91,3 +91,19 @@ def test_measure_times_the_first_layouts_with_train_py():
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert float(rows[0][-1]) > 0 and rows[1][-1] == "-"
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe_experts=4", "parallel.ep=2"]])
+def test_each_layout_needs_the_memory_the_pre_flight_estimates_for_it(extra):
+    """tiny_cpu.yaml sets parallel.tp=2: a layout at TP 1 holds the whole model, not the half that config's TP rank
+    holds; a MoE rank holds 1/ep of the experts. The planner's number is the pre-flight's (train.py refuses by it)."""
+    from tpframe.plan import layout_config
+    from tpframe.run.memory import GIB
+    from tpframe.run.preflight import dry_build, estimate_for
+
+    cfg = load_config(f"{REPO}/configs/tiny_cpu.yaml", extra)
+    fits, _ = plan(cfg, 4, gpu_gib=141)
+    for tp in (1, 2):
+        p = next(p for p in fits if p.layout.tp == tp)
+        lcfg = layout_config(cfg, p.layout)
+        assert p.memory_gib == pytest.approx(estimate_for(lcfg, 4, dry_build(lcfg), device_type="cuda").total / GIB)

@@ -163,38 +163,43 @@ def _flops_per_token(m, seq_len: int) -> float:
 
 def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layout, str]]]:
     """(the layouts that fit, best first; the others with why not)."""
-    from tpframe.run.memory import GIB, estimate
+    from tpframe.run.memory import GIB
+    from tpframe.run.preflight import estimate_for
     from tpframe.training.config import validate
 
-    params = _params(cfg)
+    sizes: dict[int, tuple[int, int, int] | None] = {}  # by tp: TP rank 0's model, as the pre-flight sizes it
     fits, refused = [], []
     for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
         try:
             validate(lcfg, gpus)
+            if layout.tp not in sizes:
+                sizes[layout.tp] = _model_sizes(lcfg)
         except ConfigError as e:
             refused.append((layout, str(e)))
             continue
-        local = params / (layout.tp * layout.pp)
-        need = estimate(lcfg, gpus, params=int(local), device_type="cuda").total / GIB
+        if sizes[layout.tp] is None:
+            raise ConfigError(
+                f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized"
+            )
+        need = estimate_for(lcfg, gpus, sizes[layout.tp], device_type="cuda").total / GIB
         if need > gpu_gib:
             refused.append((layout, f"needs {need:.1f} GiB per GPU, more than {gpu_gib:g}"))
             continue
-        ms = step_ms(lcfg, layout, local)
+        ms = step_ms(lcfg, layout, sizes[layout.tp][0] / layout.pp)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         fits.append(Plan(layout, need, ms, _flops_per_token(cfg.model, cfg.train.seq_len) * tokens / gpus / ms / 1e9))
     fits.sort(key=lambda p: (p.step_ms, p.memory_gib, p.layout.tp, p.layout.pp))
     return fits, refused
 
 
-def _params(cfg) -> float:
-    """The model's parameter count, from a meta-device build at TP 1 (what the pre-flight builds)."""
-    from tpframe.run.preflight import dry_build
+def _model_sizes(cfg) -> tuple[int, int, int] | None:
+    """(parameters, of which MoE experts, buffer bytes) of TP rank 0's model at cfg's tp, built on the meta device as
+    the pre-flight builds it; None where the builder cannot build there."""
+    from tpframe.run import preflight
 
-    model = dry_build(cfg)
-    if model is None:
-        raise ConfigError(f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized")
-    return float(sum(p.numel() for p in model.parameters()))
+    model = preflight.dry_build(cfg)
+    return None if model is None else preflight._sizes(model)
 
 
 def measure(config: str | None, overrides: list[str], layout: Layout, *, gpus: int, steps: int) -> float | None:
