@@ -107,3 +107,15 @@ def test_each_layout_needs_the_memory_the_pre_flight_estimates_for_it(extra):
         p = next(p for p in fits if p.layout.tp == tp)
         lcfg = layout_config(cfg, p.layout)
         assert p.memory_gib == pytest.approx(estimate_for(lcfg, 4, dry_build(lcfg), device_type="cuda").total / GIB)
+
+
+def test_a_model_without_pipeline_context_parallel_or_selective_recompute_gets_no_such_layout():
+    """examples.parallel_llama builds no pipeline stages, takes no CP chunks and has no selective recompute: train.py
+    refuses those layouts, so the planner names them with its lines instead of ranking them."""
+    cfg = load_config(f"{REPO}/configs/tiny_llama_cpu.yaml")
+    fits, refused = plan(cfg, 4, gpu_gib=141)
+    assert fits and all(p.layout.pp == p.layout.cp == 1 and p.layout.recompute != "selective" for p in fits)
+    whys = {why.split(";")[0] for _, why in refused}
+    assert any("does not implement context parallelism" in why for why in whys)
+    assert any("does not build pipeline stages" in why for why in whys)
+    assert any("does not implement selective recompute" in why for why in whys)

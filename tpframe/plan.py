@@ -165,14 +165,13 @@ def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layo
     """(the layouts that fit, best first; the others with why not)."""
     from tpframe.run.memory import GIB
     from tpframe.run.preflight import estimate_for
-    from tpframe.training.config import validate
 
     sizes: dict[int, tuple[int, int, int] | None] = {}  # by tp: TP rank 0's model, as the pre-flight sizes it
     fits, refused = [], []
     for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
         try:
-            validate(lcfg, gpus)
+            check(lcfg, gpus)
             if layout.tp not in sizes:
                 sizes[layout.tp] = _model_sizes(lcfg)
         except ConfigError as e:
@@ -191,6 +190,27 @@ def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layo
         fits.append(Plan(layout, need, ms, _flops_per_token(cfg.model, cfg.train.seq_len) * tokens / gpus / ms / 1e9))
     fits.sort(key=lambda p: (p.step_ms, p.memory_gib, p.layout.tp, p.layout.pp))
     return fits, refused
+
+
+def check(cfg, gpus: int) -> None:
+    """What train.py's pre-flight checks of a layout before building it: the config, and that the model's builder
+    supports its pipeline, context parallelism, document mask and recompute (train.py's `prepare`)."""
+    from tpframe.models import (
+        check_context_parallel_support,
+        check_document_mask_support,
+        check_pipeline_support,
+        check_recompute_support,
+        resolve_builder,
+    )
+    from tpframe.training.config import validate
+
+    validate(cfg, gpus)
+    name, p = cfg.model.name, cfg.parallel
+    builder = resolve_builder(name)
+    check_pipeline_support(name, builder, p.pp)
+    check_context_parallel_support(name, builder, p.cp)
+    check_document_mask_support(name, builder, cfg.model.attention_mask)
+    check_recompute_support(name, builder, selective=p.recompute == "selective", layers=p.recompute_layers)
 
 
 def _model_sizes(cfg) -> tuple[int, int, int] | None:
