@@ -8,10 +8,11 @@ import sys
 import pytest
 
 from tests.training_utils import REPO
-from tpframe.plan import Layout, layouts, main, plan, step_ms
+from tpframe.plan import Layout, layout_config, layouts, main, plan, run_overrides, step_ms
 from tpframe.training.config import load_config
 
 GPT13 = f"{REPO}/configs/gpt_1.3b.yaml"
+GPT125 = f"{REPO}/configs/gpt_125m.yaml"
 
 
 def test_gpt_1_3b_on_four_h200s_ranks_data_parallel_over_tensor_parallel():
@@ -119,3 +120,20 @@ def test_a_model_without_pipeline_context_parallel_or_selective_recompute_gets_n
     assert any("does not implement context parallelism" in why for why in whys)
     assert any("does not build pipeline stages" in why for why in whys)
     assert any("does not implement selective recompute" in why for why in whys)
+
+
+def test_an_interleaved_pipeline_keeps_its_virtual_stages_and_the_overrides_run_each_layout_as_planned():
+    """A config with pp_schedule=interleaved_1f1b and virtual_stages=2: its pipelines keep the two chunks per rank
+    (planned at virtual_stages=1, every one was refused for a reason the planner made), and train.py's overrides of a
+    layout without a pipeline reset what that layout dropped (virtual_stages, recompute_layers)."""
+    extra = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.virtual_stages=2"]
+    extra += ["parallel.activation_checkpointing=full", "parallel.recompute_layers=6", "train.global_batch_size=64"]
+    cfg = load_config(GPT125, extra)
+    fits, refused = plan(cfg, 4, gpu_gib=141)
+    assert not any("needs parallel.virtual_stages >= 2" in why for _, why in refused)
+    assert any(p.layout.pp == 2 for p in fits) and any(p.layout.pp == 1 for p in fits)
+    for p in fits[:3] + [next(p for p in fits if p.layout.pp == 2)]:
+        keys = run_overrides(cfg, p.layout)
+        ran = load_config(GPT125, [o for o in extra if o.split("=")[0] not in {k.split("=")[0] for k in keys}] + keys)
+        assert ran.parallel == layout_config(cfg, p.layout).parallel
+        assert ran.train == layout_config(cfg, p.layout).train

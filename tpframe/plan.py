@@ -121,11 +121,25 @@ def layout_config(cfg, layout: Layout):
         dp_strategy=layout.strategy,
         activation_checkpointing={"none": False}.get(layout.recompute, layout.recompute),
         recompute_layers=None,
-        virtual_stages=1,
-        layers_per_stage=None,
+        virtual_stages=cfg.parallel.virtual_stages if layout.pp > 1 else 1,  # the config's schedule, where it applies
+        layers_per_stage=cfg.parallel.layers_per_stage if layout.pp == cfg.parallel.pp else None,
     )
     t = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch)
     return dataclasses.replace(cfg, parallel=p, train=t)
+
+
+def run_overrides(cfg, layout: Layout) -> list[str]:
+    """The train.py keys that run `layout` on `cfg`: the layout's own, and those of `cfg`'s pipeline and recompute keys
+    that `layout_config` changed."""
+    planned, given = layout_config(cfg, layout).parallel, cfg.parallel
+    changed = [
+        k
+        for k in ("virtual_stages", "layers_per_stage", "recompute_layers")
+        if getattr(planned, k) != getattr(given, k)
+    ]
+    return layout.overrides() + [
+        f"parallel.{k}={'null' if getattr(planned, k) is None else getattr(planned, k)}" for k in changed
+    ]
 
 
 def step_ms(cfg, layout: Layout, params: float) -> float:
@@ -222,11 +236,12 @@ def _model_sizes(cfg) -> tuple[int, int, int] | None:
     return None if model is None else preflight._sizes(model)
 
 
-def measure(config: str | None, overrides: list[str], layout: Layout, *, gpus: int, steps: int) -> float | None:
-    """Median step milliseconds of `steps` train.py steps at `layout` (the first two left out), or None."""
+def measure(config: str | None, overrides: list[str], layout_keys: list[str], *, gpus: int, steps: int) -> float | None:
+    """Median step milliseconds of `steps` train.py steps at a layout (`run_overrides`; the first two left out), or
+    None."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = ["--config", config] if config else []
-        keys = [*overrides, *layout.overrides(), f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
+        keys = [*overrides, *layout_keys, f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
         keys += [f"train.run_dir={run_dir}", "checkpoint.save_at_end=false", "logging.progress=false"]
         cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), "train.py", *args, *keys]
         if subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1]).returncode:
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'#':>3}  {'layout':58} {'GiB/GPU':>8} {'step ms':>9} {'TFLOP/s':>8} {'measured ms':>12}")
     for i, p in enumerate(fits[: args.top]):
         timed = (
-            measure(args.config, args.overrides, p.layout, gpus=args.gpus, steps=args.steps)
+            measure(args.config, args.overrides, run_overrides(cfg, p.layout), gpus=args.gpus, steps=args.steps)
             if i < args.measure
             else None
         )
