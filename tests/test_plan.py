@@ -137,3 +137,17 @@ def test_an_interleaved_pipeline_keeps_its_virtual_stages_and_the_overrides_run_
         ran = load_config(GPT125, [o for o in extra if o.split("=")[0] not in {k.split("=")[0] for k in keys}] + keys)
         assert ran.parallel == layout_config(cfg, p.layout).parallel
         assert ran.train == layout_config(cfg, p.layout).train
+
+
+def test_context_parallel_ranks_are_gradient_replicas_too():
+    """The gradients are reduced, and zero1/fsdp shard, over dp x cp (tpframe/optim): at dp 1 and cp 2 zero1 and fsdp
+    still halve the optimizer state, and the step pays the same gradient sync as at dp 2."""
+    cfg = load_config(GPT125)
+    assert {"zero1", "fsdp"} <= {x.strategy for x in layouts(cfg, 2) if (x.dp, x.cp) == (1, 2)}
+
+    def per_param(layout: Layout) -> float:  # the milliseconds the parameters add: gradient sync, optimizer step
+        return step_ms(cfg, layout, 1e9) - step_ms(cfg, layout, 0)
+
+    for strategy in ("ddp", "zero1"):
+        cp2 = per_param(Layout(1, 1, 1, 2, strategy, "none", 8))
+        assert cp2 == pytest.approx(per_param(Layout(1, 1, 2, 1, strategy, "none", 8)))

@@ -11,8 +11,8 @@ model of one optimizer step on one GPU (every term per micro-batch, then times t
     TP        sequence-parallel all-gathers and reduce-scatters, 8 per layer per micro-batch of (tp-1)/tp * s*b*h*2
               bytes over NVLink, not overlapped; CP adds the keys' and values' all-gather
     PP        the 1F1B bubble: compute * (pp-1)/m with m micro-batches per step
-    DP        the gradient sync, 3/4 of it exposed (the backward it runs beside slows by about that much); fsdp
-              moves one and a half times the bytes; the optimizer step reads and writes its state once
+    DP        the gradient sync over dp x cp, 3/4 of it exposed (the backward it runs beside slows by about that
+              much); fsdp moves one and a half times the bytes; the optimizer step reads and writes its state once
 The constants are H200/NVLink measurements (benchmarks/RESULTS.md); `--measure N` times the first N layouts with
 train.py on the GPUs at hand and prints the table beside the prediction.
 """
@@ -94,7 +94,7 @@ def layouts(cfg, gpus: int) -> list[Layout]:
     for tp, pp, cp, dp in _sizes(gpus):
         per_rank = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
         for mb, strategy, recompute in itertools.product(_divisors(per_rank), STRATEGIES, RECOMPUTE):
-            if mb <= 32 and not (strategy != "ddp" and dp == 1):  # zero1/fsdp shard nothing at dp 1
+            if mb <= 32 and not (strategy != "ddp" and dp * cp == 1):  # zero1/fsdp shard over dp x cp: nothing at 1
                 out.append(Layout(tp, pp, dp, cp, strategy, recompute, mb))
     return out
 
@@ -158,9 +158,10 @@ def step_ms(cfg, layout: Layout, params: float) -> float:
     cp_bytes = 2 * 2 * (layout.cp - 1) * s * b * kv * 2 * layers / tp
     comm = (tp_bytes + cp_bytes) / (NVLINK_GBS * 1e9)
     bubble = compute * (layout.pp - 1) / micro
+    replicas = layout.dp * layout.cp  # the gradients' all-reduce (zero1, fsdp: their shards) spans dp x cp
     grads = 4 * params * (1.5 if layout.strategy == "fsdp" else 1.0)
-    dp_sync = 0.75 * 2 * (layout.dp - 1) / layout.dp * grads / (NVLINK_GBS * 1e9)
-    state = params * 16 / (layout.dp if layout.strategy != "ddp" else 1)
+    dp_sync = 0.75 * 2 * (replicas - 1) / replicas * grads / (NVLINK_GBS * 1e9)
+    state = params * 16 / (replicas if layout.strategy != "ddp" else 1)
     optimizer = 2 * state / (HBM_GBS * 1e9)
     return 1e3 * ((compute + comm) * micro + bubble * micro + dp_sync + optimizer)
 
