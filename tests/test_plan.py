@@ -151,3 +151,11 @@ def test_context_parallel_ranks_are_gradient_replicas_too():
     for strategy in ("ddp", "zero1"):
         cp2 = per_param(Layout(1, 1, 1, 2, strategy, "none", 8))
         assert cp2 == pytest.approx(per_param(Layout(1, 1, 2, 1, strategy, "none", 8)))
+
+
+def test_a_refusal_is_printed_with_the_whole_reason(capsys):
+    """The config's line for cp=3 is 'parallel.cp=3 cuts each sequence into 2*cp = 6 equal chunks; train.seq_len=1024
+    is not divisible by 6': its first clause alone does not say what is wrong."""
+    assert main(["--config", GPT125, "--gpus", "3"]) == 0
+    cp3 = [line for line in capsys.readouterr().out.splitlines() if "parallel.cp=3" in line]
+    assert len(cp3) == 1 and "train.seq_len=1024 is not divisible by 6" in cp3[0]

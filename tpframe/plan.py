@@ -258,7 +258,7 @@ def _grouped(refused: list[tuple[Layout, str]]) -> list[tuple[str, list[Layout]]
     memory = [(float(why.split()[1]), layout) for layout, why in refused if why.startswith("needs ")]
     for layout, why in refused:
         if not why.startswith("needs "):
-            groups.setdefault(why.split("; ")[0], []).append(layout)
+            groups.setdefault(why, []).append(layout)
     if memory:
         least = min(need for need, _ in memory)
         groups[f"more memory than a GPU has (the least of them needs {least:.1f} GiB)"] = [
