@@ -159,3 +159,17 @@ def test_a_refusal_is_printed_with_the_whole_reason(capsys):
     assert main(["--config", GPT125, "--gpus", "3"]) == 0
     cp3 = [line for line in capsys.readouterr().out.splitlines() if "parallel.cp=3" in line]
     assert len(cp3) == 1 and "train.seq_len=1024 is not divisible by 6" in cp3[0]
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [(["--gpu-gib", "nan"], "--gpu-gib"), (["--gpu-gib", "0"], "--gpu-gib"), (["--gpu-gib", "-8"], "--gpu-gib")]
+    + [(["--gpu-gib", "inf"], "--gpu-gib"), (["--steps", "2"], "--steps"), (["--steps", "-1"], "--steps")],
+)
+def test_a_memory_or_step_count_that_means_nothing_is_one_line_and_exit_2(capsys, bad, named):
+    """--gpu-gib nan fitted every layout (no number is more than nan), 0 or less fitted none; --measure leaves the
+    first two steps out, so --steps 2 or less timed nothing."""
+    assert main(["--config", f"{REPO}/configs/tiny_cpu.yaml", "--gpus", "2", *bad]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert not out.out and len(err) == 1 and named in err[0]

@@ -282,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.gpus < 1 or args.top < 1 or args.measure < 0:
             raise ConfigError("--gpus and --top must be at least 1, --measure at least 0")
+        if not 0 < args.gpu_gib < math.inf:
+            raise ConfigError(f"--gpu-gib={args.gpu_gib:g} must be a GPU's memory in GiB, e.g. 80 or 141")
+        if args.steps < 3:
+            raise ConfigError(
+                f"--steps={args.steps} must be at least 3 (the first two steps are left out of the timing)"
+            )
         cfg = load_config(args.config, args.overrides)
         fits, refused = plan(cfg, args.gpus, gpu_gib=args.gpu_gib)
     except ConfigError as e:
