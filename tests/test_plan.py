@@ -173,3 +173,20 @@ def test_a_memory_or_step_count_that_means_nothing_is_one_line_and_exit_2(capsys
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert not out.out and len(err) == 1 and named in err[0]
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--gpus", "3"], "45 of 76 layouts because parallel.cp=3 cuts each sequence"),
+        (["--gpus", "2", "model.hidden=0"], "no layout fits on 2 GPUs of 141 GiB: model.hidden=0 must be at least 1"),
+        (["--gpus", "2", "--gpu-gib", "1"], "more memory than a GPU has (the least of them needs 1.5 GiB)"),
+    ],
+)
+def test_a_config_no_layout_fits_is_one_line_and_exit_2(capsys, args, said):
+    """Nothing to rank (a global batch of 16 on 3 GPUs, a config mistake every layout shares, too little memory): one
+    line on stderr with the most common reason, exit code 2, instead of an empty table and exit code 0."""
+    assert main(["--config", f"{REPO}/configs/tiny_cpu.yaml", *args]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert not out.out and len(err) == 1 and said in err[0], err

@@ -267,6 +267,20 @@ def _grouped(refused: list[tuple[Layout, str]]) -> list[tuple[str, list[Layout]]
     return sorted(groups.items(), key=lambda item: -len(item[1]))
 
 
+def _nowhere(gpus: int, gpu_gib: float, refused: list[tuple[Layout, str]]) -> str:
+    """The line for a config that no layout fits: the most common reason (alone when every layout shares it: a
+    mistake in the config), and how many layouts other reasons refused."""
+    (why, most), *others = _grouped(refused)
+    where = f"no layout fits on {gpus} GPUs of {gpu_gib:g} GiB"
+    if not others:
+        return f"{where}: {why}"
+    rest = len(refused) - len(most)
+    return (
+        f"{where}: {len(most)} of {len(refused)} layouts because {why}, the other {rest} for {len(others)} other "
+        "reason(s); another --gpus, a larger --gpu-gib or a smaller model may fit"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from tpframe.training.config import load_config
 
@@ -290,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         cfg = load_config(args.config, args.overrides)
         fits, refused = plan(cfg, args.gpus, gpu_gib=args.gpu_gib)
+        if not fits:
+            raise ConfigError(_nowhere(args.gpus, args.gpu_gib, refused))
     except ConfigError as e:
         print(f"tpframe.plan: {e}", file=sys.stderr)
         return 2
