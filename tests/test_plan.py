@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.training_utils import REPO
-from tpframe.plan import Layout, layout_config, layouts, main, plan, run_overrides, step_ms
+from tpframe.plan import Layout, layout_config, layouts, main, measure, plan, run_overrides, step_ms
 from tpframe.training.config import load_config
 
 GPT13 = f"{REPO}/configs/gpt_1.3b.yaml"
@@ -190,3 +192,28 @@ def test_a_config_no_layout_fits_is_one_line_and_exit_2(capsys, args, said):
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert not out.out and len(err) == 1 and said in err[0], err
+
+
+def _fake_train(monkeypatch, step_ms=(50.0, 40.0, 10.0, 12.0, 11.0), returncode=0, stderr=""):
+    """subprocess.run standing in for the launch --measure makes: the commands it was given; each run writes
+    `step_ms` as train records to its train.run_dir's metrics.jsonl (none: no file)."""
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        run_dir = Path(next(k.split("=", 1)[1] for k in cmd if k.startswith("train.run_dir=")))
+        if step_ms is not None:
+            rows = [json.dumps({"step": i + 1, "kind": "train", "step_ms": ms}) for i, ms in enumerate(step_ms)]
+            (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+        return subprocess.CompletedProcess(cmd, returncode, "", stderr)
+
+    monkeypatch.setattr("tpframe.plan.subprocess.run", run)
+    return calls
+
+
+def test_measure_leaves_out_the_first_two_steps_not_the_two_fastest(monkeypatch):
+    """Steps 1 and 2 (compiling, warming up) took 50 and 40 ms, the rest 10-12: the median of steps 3-5 is 11 (the
+    times were sorted before two were left out, which kept the warm-up and reported 40)."""
+    _fake_train(monkeypatch)
+    keys = Layout(1, 1, 1, 1, "ddp", "none", 16).overrides()
+    assert measure(f"{REPO}/configs/tiny_cpu.yaml", [], keys, gpus=1, steps=5) == 11.0

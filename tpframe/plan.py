@@ -248,7 +248,7 @@ def measure(config: str | None, overrides: list[str], layout_keys: list[str], *,
         if subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1]).returncode:
             return None
         lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        times = sorted(r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train")[2:]
+        times = sorted([r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train"][2:])
         return times[len(times) // 2] if times else None
 
 
