@@ -217,3 +217,17 @@ def test_measure_leaves_out_the_first_two_steps_not_the_two_fastest(monkeypatch)
     _fake_train(monkeypatch)
     keys = Layout(1, 1, 1, 1, "ddp", "none", 16).overrides()
     assert measure(f"{REPO}/configs/tiny_cpu.yaml", [], keys, gpus=1, steps=5) == 11.0
+
+
+def test_measure_gives_train_py_each_key_once(monkeypatch):
+    """Overrides given to the planner that the layout or the measurement sets too (parallel.tp, train.steps) were
+    passed twice, which train.py refuses: every such layout showed '-' as if never measured."""
+    calls = _fake_train(monkeypatch)
+    cfg = load_config(f"{REPO}/configs/tiny_cpu.yaml", ["parallel.tp=1", "train.steps=50", "optim.lr=0.01"])
+    keys = run_overrides(cfg, Layout(1, 1, 2, 1, "zero1", "none", 8))
+    config = f"{REPO}/configs/tiny_cpu.yaml"
+    assert measure(config, ["parallel.tp=1", "train.steps=50", "optim.lr=0.01"], keys, gpus=2, steps=5) == 11.0
+    given = calls[0][0][calls[0][0].index(config) + 1 :]
+    assert len({k.split("=")[0] for k in given}) == len(given) and "optim.lr=0.01" in given
+    ran = load_config(config, given)
+    assert (ran.parallel.tp, ran.train.steps, ran.train.micro_batch_size, ran.optim.lr) == (1, 5, 8, 0.01)

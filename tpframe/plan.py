@@ -242,8 +242,10 @@ def measure(config: str | None, overrides: list[str], layout_keys: list[str], *,
     None."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = ["--config", config] if config else []
-        keys = [*overrides, *layout_keys, f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
+        keys = [*layout_keys, f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
         keys += [f"train.run_dir={run_dir}", "checkpoint.save_at_end=false", "logging.progress=false"]
+        set_here = {key.split("=", 1)[0] for key in keys}
+        keys = [o for o in overrides if o.split("=", 1)[0].strip() not in set_here] + keys  # train.py: each key once
         cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), "train.py", *args, *keys]
         if subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1]).returncode:
             return None
