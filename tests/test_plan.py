@@ -231,3 +231,16 @@ def test_measure_gives_train_py_each_key_once(monkeypatch):
     assert len({k.split("=")[0] for k in given}) == len(given) and "optim.lr=0.01" in given
     ran = load_config(config, given)
     assert (ran.parallel.tp, ran.train.steps, ran.train.micro_batch_size, ran.optim.lr) == (1, 5, 8, 0.01)
+
+
+def test_measure_runs_train_py_where_the_planner_runs(monkeypatch, tmp_path):
+    """A relative --config (and data paths) name files from the directory the planner runs in: train.py ran in the
+    repository's, where they are not."""
+    calls = _fake_train(monkeypatch)
+    (tmp_path / "my.yaml").write_text(Path(f"{REPO}/configs/tiny_cpu.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    measure("my.yaml", [], Layout(1, 1, 1, 1, "ddp", "none", 16).overrides(), gpus=1, steps=5)
+    cmd, kwargs = calls[0]
+    where = Path(kwargs.get("cwd") or Path.cwd())
+    assert (where / cmd[cmd.index("--config") + 1]).is_file()
+    assert (where / cmd[cmd.index("--config") - 1]).resolve() == Path(f"{REPO}/train.py").resolve()

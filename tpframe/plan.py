@@ -246,8 +246,9 @@ def measure(config: str | None, overrides: list[str], layout_keys: list[str], *,
         keys += [f"train.run_dir={run_dir}", "checkpoint.save_at_end=false", "logging.progress=false"]
         set_here = {key.split("=", 1)[0] for key in keys}
         keys = [o for o in overrides if o.split("=", 1)[0].strip() not in set_here] + keys  # train.py: each key once
-        cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), "train.py", *args, *keys]
-        if subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1]).returncode:
+        train = str(Path(__file__).resolve().parents[1] / "train.py")  # run here: relative paths name files from here
+        cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), train, *args, *keys]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode:
             return None
         lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
         times = sorted([r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train"][2:])
