@@ -244,3 +244,14 @@ def test_measure_runs_train_py_where_the_planner_runs(monkeypatch, tmp_path):
     where = Path(kwargs.get("cwd") or Path.cwd())
     assert (where / cmd[cmd.index("--config") + 1]).is_file()
     assert (where / cmd[cmd.index("--config") - 1]).resolve() == Path(f"{REPO}/train.py").resolve()
+
+
+def test_measure_is_a_fresh_run_that_logs_its_steps_and_touches_no_checkpoint(monkeypatch):
+    """A config's logging.jsonl=false left no metrics.jsonl (a traceback ended the table); its checkpoint.dir or
+    checkpoint.load made the measurement resume from that run's checkpoints, and checkpoint.interval save among them."""
+    calls = _fake_train(monkeypatch, step_ms=None)
+    config = f"{REPO}/configs/tiny_cpu.yaml"
+    user = ["logging.jsonl=false", "checkpoint.dir=/data/ckpt", "checkpoint.load=/data/ckpt/step_100"]
+    assert measure(config, user, Layout(1, 1, 1, 1, "ddp", "none", 16).overrides(), gpus=1, steps=5) is None
+    ran = load_config(config, calls[0][0][calls[0][0].index(config) + 1 :])
+    assert ran.logging.jsonl and (ran.checkpoint.dir, ran.checkpoint.load, ran.checkpoint.interval) == (None, None, 0)

@@ -237,20 +237,33 @@ def _model_sizes(cfg) -> tuple[int, int, int] | None:
     return None if model is None else preflight._sizes(model)
 
 
+# a fresh run in a temporary train.run_dir that logs each step's time and neither resumes nor saves a checkpoint
+MEASURED_RUN = (
+    "train.eval_interval=0",
+    "logging.interval=1",
+    "logging.jsonl=true",
+    "logging.progress=false",
+    "checkpoint.dir=null",
+    "checkpoint.load=null",
+    "checkpoint.interval=0",
+    "checkpoint.save_at_end=false",
+)
+
+
 def measure(config: str | None, overrides: list[str], layout_keys: list[str], *, gpus: int, steps: int) -> float | None:
     """Median step milliseconds of `steps` train.py steps at a layout (`run_overrides`; the first two left out), or
     None."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = ["--config", config] if config else []
-        keys = [*layout_keys, f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
-        keys += [f"train.run_dir={run_dir}", "checkpoint.save_at_end=false", "logging.progress=false"]
+        keys = [*layout_keys, f"train.steps={steps}", f"train.run_dir={run_dir}", *MEASURED_RUN]
         set_here = {key.split("=", 1)[0] for key in keys}
         keys = [o for o in overrides if o.split("=", 1)[0].strip() not in set_here] + keys  # train.py: each key once
         train = str(Path(__file__).resolve().parents[1] / "train.py")  # run here: relative paths name files from here
         cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), train, *args, *keys]
         if subprocess.run(cmd, capture_output=True, text=True).returncode:
             return None
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        metrics = Path(run_dir) / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
         times = sorted([r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train"][2:])
         return times[len(times) // 2] if times else None
 
