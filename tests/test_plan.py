@@ -252,6 +252,17 @@ def test_measure_is_a_fresh_run_that_logs_its_steps_and_touches_no_checkpoint(mo
     calls = _fake_train(monkeypatch, step_ms=None)
     config = f"{REPO}/configs/tiny_cpu.yaml"
     user = ["logging.jsonl=false", "checkpoint.dir=/data/ckpt", "checkpoint.load=/data/ckpt/step_100"]
-    assert measure(config, user, Layout(1, 1, 1, 1, "ddp", "none", 16).overrides(), gpus=1, steps=5) is None
+    assert "no step" in measure(config, user, Layout(1, 1, 1, 1, "ddp", "none", 16).overrides(), gpus=1, steps=5)
     ran = load_config(config, calls[0][0][calls[0][0].index(config) + 1 :])
     assert ran.logging.jsonl and (ran.checkpoint.dir, ran.checkpoint.load, ran.checkpoint.interval) == (None, None, 0)
+
+
+def test_a_layout_that_fails_to_run_is_marked_failed_with_train_pys_reason(monkeypatch, capsys):
+    """A measured layout whose train.py exits non-zero showed '-', as the ones never measured; now 'failed', its
+    last error line on stderr, and the table goes on."""
+    _fake_train(monkeypatch, step_ms=None, returncode=2, stderr="launching\ntpframe: config error: no such data\n")
+    assert main(["--config", f"{REPO}/configs/tiny_cpu.yaml", "--gpus", "1", "--top", "2", "--measure", "1"]) == 0
+    out = capsys.readouterr()
+    rows = [line.split() for line in out.out.splitlines() if line.strip().startswith(("1 ", "2 "))]
+    assert [row[-1] for row in rows] == ["failed", "-"]
+    assert out.err.count("\n") == 1 and "#1" in out.err and "tpframe: config error: no such data" in out.err

@@ -250,9 +250,9 @@ MEASURED_RUN = (
 )
 
 
-def measure(config: str | None, overrides: list[str], layout_keys: list[str], *, gpus: int, steps: int) -> float | None:
+def measure(config: str | None, overrides: list[str], layout_keys: list[str], *, gpus: int, steps: int) -> float | str:
     """Median step milliseconds of `steps` train.py steps at a layout (`run_overrides`; the first two left out), or
-    None."""
+    why there are none."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = ["--config", config] if config else []
         keys = [*layout_keys, f"train.steps={steps}", f"train.run_dir={run_dir}", *MEASURED_RUN]
@@ -260,12 +260,14 @@ def measure(config: str | None, overrides: list[str], layout_keys: list[str], *,
         keys = [o for o in overrides if o.split("=", 1)[0].strip() not in set_here] + keys  # train.py: each key once
         train = str(Path(__file__).resolve().parents[1] / "train.py")  # run here: relative paths name files from here
         cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), train, *args, *keys]
-        if subprocess.run(cmd, capture_output=True, text=True).returncode:
-            return None
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            said = [line for line in run.stderr.splitlines() if line.strip()]
+            return f"train.py exited with code {run.returncode}: {said[-1] if said else 'no message'}"
         metrics = Path(run_dir) / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
         times = sorted([r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train"][2:])
-        return times[len(times) // 2] if times else None
+        return times[len(times) // 2] if times else "train.py logged no step past the first two"
 
 
 def _grouped(refused: list[tuple[Layout, str]]) -> list[tuple[str, list[Layout]]]:
@@ -333,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             if i < args.measure
             else None
         )
-        shown = f"{timed:12.1f}" if timed is not None else f"{'-':>12}"
+        if isinstance(timed, str):  # the table goes on; why this one did not run, beside it
+            print(f"tpframe.plan: #{i + 1} ({p.layout.describe()}) could not be measured: {timed}", file=sys.stderr)
+        shown = f"{'-' if timed is None else 'failed' if isinstance(timed, str) else f'{timed:.1f}':>12}"
         print(f"{i + 1:>3}  {p.layout.describe():58} {p.memory_gib:8.1f} {p.step_ms:9.1f} {p.tflops:8.1f} {shown}")
     for why, layouts_ in _grouped(refused):
         print(f"  not placed ({len(layouts_)}): {why}; e.g. {layouts_[0].describe()}")
