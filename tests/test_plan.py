@@ -266,3 +266,17 @@ def test_a_layout_that_fails_to_run_is_marked_failed_with_train_pys_reason(monke
     rows = [line.split() for line in out.out.splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert [row[-1] for row in rows] == ["failed", "-"]
     assert out.err.count("\n") == 1 and "#1" in out.err and "tpframe: config error: no such data" in out.err
+
+
+def test_measure_on_fewer_gpus_than_the_plan_is_one_line_and_exit_2(monkeypatch, capsys):
+    """--gpus 8 --measure 2 on a machine with 2 GPUs: every launch failed (train.py refuses more ranks than GPUs) after
+    the planner had run; now refused at once. (Without CUDA, --measure runs its ranks on the CPU: gloo.)"""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    calls = _fake_train(monkeypatch)
+    assert main(["--config", f"{REPO}/configs/tiny_cpu.yaml", "--gpus", "8", "--measure", "2"]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert not calls and not out.out and len(err) == 1 and "--measure" in err[0] and "2 GPUs" in err[0]

@@ -299,6 +299,23 @@ def _nowhere(gpus: int, gpu_gib: float, refused: list[tuple[Layout, str]]) -> st
     )
 
 
+def _check_args(args) -> None:
+    """The numbers main was given, and GPUs enough for --measure (one node; on a machine without CUDA, CPU ranks)."""
+    import torch
+
+    if args.gpus < 1 or args.top < 1 or args.measure < 0:
+        raise ConfigError("--gpus and --top must be at least 1, --measure at least 0")
+    if not 0 < args.gpu_gib < math.inf:
+        raise ConfigError(f"--gpu-gib={args.gpu_gib:g} must be a GPU's memory in GiB, e.g. 80 or 141")
+    if args.steps < 3:
+        raise ConfigError(f"--steps={args.steps} must be at least 3 (the first two steps are left out of the timing)")
+    if args.measure and torch.cuda.is_available() and torch.cuda.device_count() < args.gpus:
+        raise ConfigError(
+            f"--measure runs train.py on {args.gpus} GPUs of this machine, which has {torch.cuda.device_count()} "
+            "GPUs; measure on a node with that many, or leave --measure out"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     from tpframe.training.config import load_config
 
@@ -312,14 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, as train.py takes them")
     try:
         args = parser.parse_args(argv)
-        if args.gpus < 1 or args.top < 1 or args.measure < 0:
-            raise ConfigError("--gpus and --top must be at least 1, --measure at least 0")
-        if not 0 < args.gpu_gib < math.inf:
-            raise ConfigError(f"--gpu-gib={args.gpu_gib:g} must be a GPU's memory in GiB, e.g. 80 or 141")
-        if args.steps < 3:
-            raise ConfigError(
-                f"--steps={args.steps} must be at least 3 (the first two steps are left out of the timing)"
-            )
+        _check_args(args)
         cfg = load_config(args.config, args.overrides)
         fits, refused = plan(cfg, args.gpus, gpu_gib=args.gpu_gib)
         if not fits:
