@@ -252,9 +252,11 @@ def test_measure_is_a_fresh_run_that_logs_its_steps_and_touches_no_checkpoint(mo
     calls = _fake_train(monkeypatch, step_ms=None)
     config = f"{REPO}/configs/tiny_cpu.yaml"
     user = ["logging.jsonl=false", "checkpoint.dir=/data/ckpt", "checkpoint.load=/data/ckpt/step_100"]
+    user += ["checkpoint.snapshot_interval=10"]  # host-memory snapshots: train.py refuses them without --max-restarts
     assert "no step" in measure(config, user, Layout(1, 1, 1, 1, "ddp", "none", 16).overrides(), gpus=1, steps=5)
     ran = load_config(config, calls[0][0][calls[0][0].index(config) + 1 :])
     assert ran.logging.jsonl and (ran.checkpoint.dir, ran.checkpoint.load, ran.checkpoint.interval) == (None, None, 0)
+    assert ran.checkpoint.snapshot_interval == 0
 
 
 def test_a_layout_that_fails_to_run_is_marked_failed_with_train_pys_reason(monkeypatch, capsys):

@@ -247,6 +247,7 @@ MEASURED_RUN = (
     "checkpoint.load=null",
     "checkpoint.interval=0",
     "checkpoint.save_at_end=false",
+    "checkpoint.snapshot_interval=0",
 )
 
 
