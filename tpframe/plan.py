@@ -11,8 +11,8 @@ model of one optimizer step on one GPU (every term per micro-batch, then times t
     TP        sequence-parallel all-gathers and reduce-scatters, 8 per layer per micro-batch of (tp-1)/tp * s*b*h*2
               bytes over NVLink, not overlapped; CP adds the keys' and values' all-gather
     PP        the 1F1B bubble: compute * (pp-1)/m with m micro-batches per step
-    DP        the gradient sync, 3/4 of it exposed (the backward it runs beside slows by about that much); fsdp
-              moves one and a half times the bytes; the optimizer step reads and writes its state once
+    DP        the gradient sync over dp x cp, 3/4 of it exposed (the backward it runs beside slows by about that
+              much); fsdp moves one and a half times the bytes; the optimizer step reads and writes its state once
 The constants are H200/NVLink measurements (benchmarks/RESULTS.md); `--measure N` times the first N layouts with
 train.py on the GPUs at hand and prints the table beside the prediction.
 """
@@ -94,7 +94,7 @@ def layouts(cfg, gpus: int) -> list[Layout]:
     for tp, pp, cp, dp in _sizes(gpus):
         per_rank = cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0
         for mb, strategy, recompute in itertools.product(_divisors(per_rank), STRATEGIES, RECOMPUTE):
-            if mb <= 32 and not (strategy != "ddp" and dp == 1):  # zero1/fsdp shard nothing at dp 1
+            if mb <= 32 and not (strategy != "ddp" and dp * cp == 1):  # zero1/fsdp shard over dp x cp: nothing at 1
                 out.append(Layout(tp, pp, dp, cp, strategy, recompute, mb))
     return out
 
@@ -121,11 +121,25 @@ def layout_config(cfg, layout: Layout):
         dp_strategy=layout.strategy,
         activation_checkpointing={"none": False}.get(layout.recompute, layout.recompute),
         recompute_layers=None,
-        virtual_stages=1,
-        layers_per_stage=None,
+        virtual_stages=cfg.parallel.virtual_stages if layout.pp > 1 else 1,  # the config's schedule, where it applies
+        layers_per_stage=cfg.parallel.layers_per_stage if layout.pp == cfg.parallel.pp else None,
     )
     t = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch)
     return dataclasses.replace(cfg, parallel=p, train=t)
+
+
+def run_overrides(cfg, layout: Layout) -> list[str]:
+    """The train.py keys that run `layout` on `cfg`: the layout's own, and those of `cfg`'s pipeline and recompute keys
+    that `layout_config` changed."""
+    planned, given = layout_config(cfg, layout).parallel, cfg.parallel
+    changed = [
+        k
+        for k in ("virtual_stages", "layers_per_stage", "recompute_layers")
+        if getattr(planned, k) != getattr(given, k)
+    ]
+    return layout.overrides() + [
+        f"parallel.{k}={'null' if getattr(planned, k) is None else getattr(planned, k)}" for k in changed
+    ]
 
 
 def step_ms(cfg, layout: Layout, params: float) -> float:
@@ -144,9 +158,10 @@ def step_ms(cfg, layout: Layout, params: float) -> float:
     cp_bytes = 2 * 2 * (layout.cp - 1) * s * b * kv * 2 * layers / tp
     comm = (tp_bytes + cp_bytes) / (NVLINK_GBS * 1e9)
     bubble = compute * (layout.pp - 1) / micro
+    replicas = layout.dp * layout.cp  # the gradients' all-reduce (zero1, fsdp: their shards) spans dp x cp
     grads = 4 * params * (1.5 if layout.strategy == "fsdp" else 1.0)
-    dp_sync = 0.75 * 2 * (layout.dp - 1) / layout.dp * grads / (NVLINK_GBS * 1e9)
-    state = params * 16 / (layout.dp if layout.strategy != "ddp" else 1)
+    dp_sync = 0.75 * 2 * (replicas - 1) / replicas * grads / (NVLINK_GBS * 1e9)
+    state = params * 16 / (replicas if layout.strategy != "ddp" else 1)
     optimizer = 2 * state / (HBM_GBS * 1e9)
     return 1e3 * ((compute + comm) * micro + bubble * micro + dp_sync + optimizer)
 
@@ -163,52 +178,97 @@ def _flops_per_token(m, seq_len: int) -> float:
 
 def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layout, str]]]:
     """(the layouts that fit, best first; the others with why not)."""
-    from tpframe.run.memory import GIB, estimate
-    from tpframe.training.config import validate
+    from tpframe.run.memory import GIB
+    from tpframe.run.preflight import estimate_for
 
-    params = _params(cfg)
+    sizes: dict[int, tuple[int, int, int] | None] = {}  # by tp: TP rank 0's model, as the pre-flight sizes it
     fits, refused = [], []
     for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
         try:
-            validate(lcfg, gpus)
+            check(lcfg, gpus)
+            if layout.tp not in sizes:
+                sizes[layout.tp] = _model_sizes(lcfg)
         except ConfigError as e:
             refused.append((layout, str(e)))
             continue
-        local = params / (layout.tp * layout.pp)
-        need = estimate(lcfg, gpus, params=int(local), device_type="cuda").total / GIB
+        if sizes[layout.tp] is None:
+            raise ConfigError(
+                f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized"
+            )
+        need = estimate_for(lcfg, gpus, sizes[layout.tp], device_type="cuda").total / GIB
         if need > gpu_gib:
             refused.append((layout, f"needs {need:.1f} GiB per GPU, more than {gpu_gib:g}"))
             continue
-        ms = step_ms(lcfg, layout, local)
+        ms = step_ms(lcfg, layout, sizes[layout.tp][0] / layout.pp)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         fits.append(Plan(layout, need, ms, _flops_per_token(cfg.model, cfg.train.seq_len) * tokens / gpus / ms / 1e9))
     fits.sort(key=lambda p: (p.step_ms, p.memory_gib, p.layout.tp, p.layout.pp))
     return fits, refused
 
 
-def _params(cfg) -> float:
-    """The model's parameter count, from a meta-device build at TP 1 (what the pre-flight builds)."""
-    from tpframe.run.preflight import dry_build
+def check(cfg, gpus: int) -> None:
+    """What train.py's pre-flight checks of a layout before building it: the config, and that the model's builder
+    supports its pipeline, context parallelism, document mask and recompute (train.py's `prepare`)."""
+    from tpframe.models import (
+        check_context_parallel_support,
+        check_document_mask_support,
+        check_pipeline_support,
+        check_recompute_support,
+        resolve_builder,
+    )
+    from tpframe.training.config import validate
 
-    model = dry_build(cfg)
-    if model is None:
-        raise ConfigError(f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized")
-    return float(sum(p.numel() for p in model.parameters()))
+    validate(cfg, gpus)
+    name, p = cfg.model.name, cfg.parallel
+    builder = resolve_builder(name)
+    check_pipeline_support(name, builder, p.pp)
+    check_context_parallel_support(name, builder, p.cp)
+    check_document_mask_support(name, builder, cfg.model.attention_mask)
+    check_recompute_support(name, builder, selective=p.recompute == "selective", layers=p.recompute_layers)
 
 
-def measure(config: str | None, overrides: list[str], layout: Layout, *, gpus: int, steps: int) -> float | None:
-    """Median step milliseconds of `steps` train.py steps at `layout` (the first two left out), or None."""
+def _model_sizes(cfg) -> tuple[int, int, int] | None:
+    """(parameters, of which MoE experts, buffer bytes) of TP rank 0's model at cfg's tp, built on the meta device as
+    the pre-flight builds it; None where the builder cannot build there."""
+    from tpframe.run import preflight
+
+    model = preflight.dry_build(cfg)
+    return None if model is None else preflight._sizes(model)
+
+
+# a fresh run in a temporary train.run_dir that logs each step's time and neither resumes nor saves a checkpoint
+MEASURED_RUN = (
+    "train.eval_interval=0",
+    "logging.interval=1",
+    "logging.jsonl=true",
+    "logging.progress=false",
+    "checkpoint.dir=null",
+    "checkpoint.load=null",
+    "checkpoint.interval=0",
+    "checkpoint.save_at_end=false",
+    "checkpoint.snapshot_interval=0",
+)
+
+
+def measure(config: str | None, overrides: list[str], layout_keys: list[str], *, gpus: int, steps: int) -> float | str:
+    """Median step milliseconds of `steps` train.py steps at a layout (`run_overrides`; the first two left out), or
+    why there are none."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = ["--config", config] if config else []
-        keys = [*overrides, *layout.overrides(), f"train.steps={steps}", "train.eval_interval=0", "logging.interval=1"]
-        keys += [f"train.run_dir={run_dir}", "checkpoint.save_at_end=false", "logging.progress=false"]
-        cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), "train.py", *args, *keys]
-        if subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1]).returncode:
-            return None
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        times = sorted(r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train")[2:]
-        return times[len(times) // 2] if times else None
+        keys = [*layout_keys, f"train.steps={steps}", f"train.run_dir={run_dir}", *MEASURED_RUN]
+        set_here = {key.split("=", 1)[0] for key in keys}
+        keys = [o for o in overrides if o.split("=", 1)[0].strip() not in set_here] + keys  # train.py: each key once
+        train = str(Path(__file__).resolve().parents[1] / "train.py")  # run here: relative paths name files from here
+        cmd = [sys.executable, "-m", "tpframe.launch", "--nproc-per-node", str(gpus), train, *args, *keys]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode:
+            said = [line for line in run.stderr.splitlines() if line.strip()]
+            return f"train.py exited with code {run.returncode}: {said[-1] if said else 'no message'}"
+        metrics = Path(run_dir) / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        times = sorted([r["step_ms"] for r in map(json.loads, lines) if r.get("kind") == "train"][2:])
+        return times[len(times) // 2] if times else "train.py logged no step past the first two"
 
 
 def _grouped(refused: list[tuple[Layout, str]]) -> list[tuple[str, list[Layout]]]:
@@ -217,13 +277,44 @@ def _grouped(refused: list[tuple[Layout, str]]) -> list[tuple[str, list[Layout]]
     memory = [(float(why.split()[1]), layout) for layout, why in refused if why.startswith("needs ")]
     for layout, why in refused:
         if not why.startswith("needs "):
-            groups.setdefault(why.split("; ")[0], []).append(layout)
+            groups.setdefault(why, []).append(layout)
     if memory:
         least = min(need for need, _ in memory)
         groups[f"more memory than a GPU has (the least of them needs {least:.1f} GiB)"] = [
             layout for _, layout in memory
         ]
     return sorted(groups.items(), key=lambda item: -len(item[1]))
+
+
+def _nowhere(gpus: int, gpu_gib: float, refused: list[tuple[Layout, str]]) -> str:
+    """The line for a config that no layout fits: the most common reason (alone when every layout shares it: a
+    mistake in the config), and how many layouts other reasons refused."""
+    (why, most), *others = _grouped(refused)
+    where = f"no layout fits on {gpus} GPUs of {gpu_gib:g} GiB"
+    if not others:
+        return f"{where}: {why}"
+    rest = len(refused) - len(most)
+    return (
+        f"{where}: {len(most)} of {len(refused)} layouts because {why}, the other {rest} for {len(others)} other "
+        "reason(s); another --gpus, a larger --gpu-gib or a smaller model may fit"
+    )
+
+
+def _check_args(args) -> None:
+    """The numbers main was given, and GPUs enough for --measure (one node; on a machine without CUDA, CPU ranks)."""
+    import torch
+
+    if args.gpus < 1 or args.top < 1 or args.measure < 0:
+        raise ConfigError("--gpus and --top must be at least 1, --measure at least 0")
+    if not 0 < args.gpu_gib < math.inf:
+        raise ConfigError(f"--gpu-gib={args.gpu_gib:g} must be a GPU's memory in GiB, e.g. 80 or 141")
+    if args.steps < 3:
+        raise ConfigError(f"--steps={args.steps} must be at least 3 (the first two steps are left out of the timing)")
+    if args.measure and torch.cuda.is_available() and torch.cuda.device_count() < args.gpus:
+        raise ConfigError(
+            f"--measure runs train.py on {args.gpus} GPUs of this machine, which has {torch.cuda.device_count()} "
+            "GPUs; measure on a node with that many, or leave --measure out"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,10 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value, as train.py takes them")
     try:
         args = parser.parse_args(argv)
-        if args.gpus < 1 or args.top < 1 or args.measure < 0:
-            raise ConfigError("--gpus and --top must be at least 1, --measure at least 0")
+        _check_args(args)
         cfg = load_config(args.config, args.overrides)
         fits, refused = plan(cfg, args.gpus, gpu_gib=args.gpu_gib)
+        if not fits:
+            raise ConfigError(_nowhere(args.gpus, args.gpu_gib, refused))
     except ConfigError as e:
         print(f"tpframe.plan: {e}", file=sys.stderr)
         return 2
@@ -250,11 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'#':>3}  {'layout':58} {'GiB/GPU':>8} {'step ms':>9} {'TFLOP/s':>8} {'measured ms':>12}")
     for i, p in enumerate(fits[: args.top]):
         timed = (
-            measure(args.config, args.overrides, p.layout, gpus=args.gpus, steps=args.steps)
+            measure(args.config, args.overrides, run_overrides(cfg, p.layout), gpus=args.gpus, steps=args.steps)
             if i < args.measure
             else None
         )
-        shown = f"{timed:12.1f}" if timed is not None else f"{'-':>12}"
+        if isinstance(timed, str):  # the table goes on; why this one did not run, beside it
+            print(f"tpframe.plan: #{i + 1} ({p.layout.describe()}) could not be measured: {timed}", file=sys.stderr)
+        shown = f"{'-' if timed is None else 'failed' if isinstance(timed, str) else f'{timed:.1f}':>12}"
         print(f"{i + 1:>3}  {p.layout.describe():58} {p.memory_gib:8.1f} {p.step_ms:9.1f} {p.tflops:8.1f} {shown}")
     for why, layouts_ in _grouped(refused):
         print(f"  not placed ({len(layouts_)}): {why}; e.g. {layouts_[0].describe()}")
