@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.training_utils import REPO
-from tpframe.plan import Layout, layout_config, layouts, main, measure, plan, run_overrides, step_ms
+from tpframe.plan import Layout, _divisors, layout_config, layouts, main, measure, plan, run_overrides, step_ms
 from tpframe.training.config import load_config
 
 GPT13 = f"{REPO}/configs/gpt_1.3b.yaml"
@@ -282,3 +282,10 @@ def test_measure_on_fewer_gpus_than_the_plan_is_one_line_and_exit_2(monkeypatch,
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
     assert not calls and not out.out and len(err) == 1 and "--measure" in err[0] and "2 GPUs" in err[0]
+
+
+def test_divisors_of_a_huge_gpu_count_come_at_once():
+    """--gpus 1000000000 once walked a billion candidates before its one line; divisors come from up to sqrt(n)."""
+    assert _divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert _divisors(1) == [1] and _divisors(49) == [1, 7, 49]
+    assert len(_divisors(10**9)) == 100 and _divisors(10**9)[-1] == 10**9

@@ -107,7 +107,8 @@ def unbatched(cfg, gpus: int) -> list[Layout]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def layout_config(cfg, layout: Layout):
