@@ -121,6 +121,7 @@ BAD_KEYS = [
     (["optim.lora_rank=4", "optim.lora_targets=[qkv,mlp]"], "optim.lora_targets[1]='mlp' is not allowed"),
     (["optim.lora_rank=4", "optim.lora_targets=[gate]"], "optim.lora_targets names 'gate', which model.name='gpt'"),
     (["optim.lora_rank=4", "optim.lora_targets=[head]"], "optim.lora_targets names 'head'"),  # tied: the embedding
+    (["optim.lora_rank=4", "optim.lora_targets=[qkv,gate]"], "optim.lora_targets names 'gate'"),  # once accepted
     (["optim.lora_rank=4", "checkpoint.init_from="], "trains adapters on a frozen base model"),
     (["optim.lora_rank=4", "parallel.sequence_parallel=true", "parallel.async_tp=true"], "parallel.async_tp=true:"),
     (["optim.lora_rank=4", "model.moe_experts=4"], "no adapters for mixture-of-experts models"),

@@ -454,6 +454,26 @@ def test_memory_estimate_bytes_per_parameter_by_strategy():
     assert static(8, *deep, "parallel.dp_strategy=fsdp") < 0.5 * static(8, *deep, "parallel.dp_strategy=zero1")
 
 
+def test_memory_estimate_of_a_lora_run_gives_the_frozen_base_no_gradients_or_optimizer_state(tmp_path):
+    """The pre-flight's meta build of a LoRA model (it once failed on the adapters' draw, so the memory check and
+    the target check were silently skipped) and its estimate: grads and AdamW state for the adapters alone."""
+    from tpframe.run.memory import estimate
+    from tpframe.run.preflight import _sizes, dry_build, estimate_for
+
+    lora = ["optim.lora_rank=4", f"checkpoint.init_from={tmp_path}/base.safetensors", "train.dtype=bfloat16"]
+    for strategy in ("ddp", "zero1", "fsdp"):
+        cfg = _cfg("parallel.tp=1", f"parallel.dp_strategy={strategy}", *lora)
+        model = dry_build(cfg)
+        params, _, _, trained = _sizes(model)
+        adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+        assert 0 < trained == adapters < params / 10
+        e = estimate_for(cfg, 2, model, device_type="cuda")
+        full = estimate(cfg, 2, params=params, device_type="cuda")  # every parameter trained
+        if strategy != "fsdp":
+            assert e.grads == 4 * trained and e.optimizer == 12 * trained / (2 if strategy == "zero1" else 1)
+        assert e.params == full.params and e.grads < full.grads / 10 and e.optimizer < full.optimizer / 10
+
+
 def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     from tpframe.run.memory import activation_bytes
 

@@ -96,7 +96,10 @@ def test_measure_times_the_first_layouts_with_train_py():
     assert float(rows[0][-1]) > 0 and rows[1][-1] == "-"
 
 
-@pytest.mark.parametrize("extra", [[], ["model.moe_experts=4", "parallel.ep=2"]])
+LORA = ["optim.lora_rank=4", "checkpoint.init_from=base.safetensors", "parallel.tp=1"]  # sized on meta: no file read
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe_experts=4", "parallel.ep=2"], LORA])
 def test_each_layout_needs_the_memory_the_pre_flight_estimates_for_it(extra):
     """tiny_cpu.yaml sets parallel.tp=2: a layout at TP 1 holds the whole model, not the half that config's TP rank
     holds; a MoE rank holds 1/ep of the experts. The planner's number is the pre-flight's (train.py refuses by it)."""

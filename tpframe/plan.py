@@ -182,7 +182,7 @@ def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layo
     from tpframe.run.memory import GIB
     from tpframe.run.preflight import estimate_for
 
-    sizes: dict[int, tuple[int, int, int] | None] = {}  # by tp: TP rank 0's model, as the pre-flight sizes it
+    sizes: dict[int, tuple[int, int, int, int] | None] = {}  # by tp: TP rank 0's model, as the pre-flight sizes it
     fits, refused = [], []
     for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
@@ -229,7 +229,7 @@ def check(cfg, gpus: int) -> None:
     check_recompute_support(name, builder, selective=p.recompute == "selective", layers=p.recompute_layers)
 
 
-def _model_sizes(cfg) -> tuple[int, int, int] | None:
+def _model_sizes(cfg) -> tuple[int, int, int, int] | None:
     """(parameters, of which MoE experts, buffer bytes) of TP rank 0's model at cfg's tp, built on the meta device as
     the pre-flight builds it; None where the builder cannot build there."""
     from tpframe.run import preflight
@@ -350,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(timed, str):  # the table goes on; why this one did not run, beside it
             print(f"tpframe.plan: #{i + 1} ({p.layout.describe()}) could not be measured: {timed}", file=sys.stderr)
         shown = f"{'-' if timed is None else 'failed' if isinstance(timed, str) else f'{timed:.1f}':>12}"
-        print(f"{i + 1:>3}  {p.layout.describe():58} {p.memory_gib:8.1f} {p.step_ms:9.1f} {p.tflops:8.1f} {shown}")
+        print(
+            f"{i + 1:>3}  {p.layout.describe():58} {p.memory_gib:8.1f} {p.step_ms:9.1f} {p.tflops:8.1f} {shown}",
+            flush=True,
+        )
     for why, layouts_ in _grouped(refused):
         print(f"  not placed ({len(layouts_)}): {why}; e.g. {layouts_[0].describe()}")
     return 0

@@ -68,7 +68,7 @@ def _draw(rows: int, in_features: int) -> torch.Tensor:
     weights are drawn as without adapters, and every TP size draws the same A."""
     g = torch.Generator()
     g.set_state(torch.default_generator.get_state())
-    g = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=g)))
+    g = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=g, device="cpu")))  # under meta too
     bound = 1.0 / math.sqrt(in_features)
     return torch.empty(rows, in_features, device="cpu").uniform_(-bound, bound, generator=g)
 

@@ -8,6 +8,7 @@ Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size 
   zero1  params P*b + fp32 grads 4P + (masters + moments) / d
   fsdp   (fp32 params 4P + grads 4P + moments 8P) / d, plus a gathered layer or two in compute dtype
   (parallel.grad_reduce_dtype=bfloat16 adds a bucket's bf16 copy or two in flight: not counted)
+  LoRA (optim.lora_rank): grads, masters and moments for the adapters alone; the frozen base is params only
 Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activations, per layer):
   s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t; s*b*h*(34 + 5*a*s/h)/t with sequence parallelism; the 24 is
   attention's 8 (q, k, v and the projection's input) and the MLP's 16 at GPT's shapes, in general
@@ -114,27 +115,36 @@ def activation_bytes(cfg, device_type: str) -> float:
 
 
 def estimate(
-    cfg, world_size: int, *, params: int, expert_params: int = 0, buffer_bytes: int = 0, device_type: str = "cuda"
+    cfg,
+    world_size: int,
+    *,
+    params: int,
+    expert_params: int = 0,
+    trained_params: int | None = None,
+    buffer_bytes: int = 0,
+    device_type: str = "cuda",
 ) -> MemoryEstimate:
     """Bytes one rank needs: `params` is its parameter count (TP-sharded, before any DP sharding), of which
-    `expert_params` are MoE experts (zero1 and fsdp shard those over dp/ep replicas only)."""
+    `expert_params` are MoE experts (zero1 and fsdp shard those over dp/ep replicas only) and `trained_params`
+    get gradients and optimizer state (default: all; a LoRA run: its adapters)."""
     p = cfg.parallel
     dp = max(1, world_size // (p.tp * p.pp))
     compute = 2 if cfg.train.dtype == "bfloat16" else 4
     P = float(params)
+    trained = 1.0 if trained_params is None or P == 0 else trained_params / P  # the share of P with state
     sharded = (P - expert_params) / dp + expert_params * p.ep / dp  # experts: over their dp/ep replicas
     if p.dp_strategy == "fsdp":
         layer = P / max(1, cfg.model.layers)
         weights = 4 * sharded + 2 * layer * compute  # fp32 shards + the gathered layer (and the next, prefetched)
-        grads = 4 * sharded + layer * 4
-        optimizer = 8 * sharded
+        grads = (4 * sharded + layer * 4) * trained
+        optimizer = 8 * sharded * trained
     else:
-        weights, grads = P * compute, 4 * P
+        weights, grads = P * compute, 4 * P * trained
         per_param = (4 if compute == 2 else 0) + 8  # fp32 master (bf16 params) and two moments
         if p.dp_strategy == "zero1":
-            optimizer = per_param * sharded
+            optimizer = per_param * sharded * trained
         else:
-            optimizer = per_param * P
+            optimizer = per_param * P * trained
     return MemoryEstimate(
         weights,
         grads,

@@ -132,31 +132,35 @@ def dry_build(cfg) -> nn.Module | None:
     return model
 
 
-def _sizes(model: nn.Module) -> tuple[int, int, int]:
-    """(parameters, of which MoE experts, buffer bytes) of a model built whole."""
+def _sizes(model: nn.Module) -> tuple[int, int, int, int]:
+    """(parameters, of which MoE experts, buffer bytes, parameters trained: all but a LoRA base) of a model built
+    whole."""
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for p in model.parameters() if p.expert)
-    return params, experts, sum(b.numel() * b.element_size() for b in model.buffers())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return params, experts, sum(b.numel() * b.element_size() for b in model.buffers()), trained
 
 
-def estimate_for(cfg, world_size: int, sizes: tuple[int, int, int] | nn.Module, *, device_type: str):
-    """The memory estimate check_memory compares with the device, from `sizes` ((parameters, of which MoE experts,
-    buffer bytes) of the model built whole) or the model itself (`dry_build`'s)."""
+def estimate_for(cfg, world_size: int, sizes: tuple[int, int, int, int] | nn.Module, *, device_type: str):
+    """The memory estimate check_memory compares with the device, from `sizes` (`_sizes` of the model built whole)
+    or the model itself (`dry_build`'s)."""
     from tpframe.run.memory import estimate
 
-    params, experts, buffers = _sizes(sizes) if isinstance(sizes, nn.Module) else sizes
+    params, experts, buffers, trained = _sizes(sizes) if isinstance(sizes, nn.Module) else sizes
+    frozen = params - trained  # a LoRA base: no gradients, no optimizer state
     params -= experts - experts // cfg.parallel.ep  # built whole here; a rank holds 1/ep of the experts
     return estimate(
         cfg,
         world_size,
         params=params,
         expert_params=experts // cfg.parallel.ep,
+        trained_params=params - frozen,
         buffer_bytes=buffers,
         device_type=device_type,
     )
 
 
-def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int], **device) -> None:
+def _check_sizes(cfg, world_size: int, sizes: tuple[int, int, int, int], **device) -> None:
     from tpframe.run.memory import check_fits
 
     check_fits(cfg, estimate_for(cfg, world_size, sizes, device_type=device["device_type"]), **device)
