@@ -474,6 +474,28 @@ def test_memory_estimate_of_a_lora_run_gives_the_frozen_base_no_gradients_or_opt
         assert e.params == full.params and e.grads < full.grads / 10 and e.optimizer < full.optimizer / 10
 
 
+def test_a_pipeline_rank_is_sized_by_the_stages_it_holds_not_the_whole_model(monkeypatch):
+    """parallel.pp > 1: the pre-flight once charged every pipeline rank the whole model, so a model that fits only
+    when split (a 70B shape on 32 GPUs of 80 GiB at tp 8 x pp 4) was refused. The fullest rank's stages are built
+    instead, and the estimate before the build (a deep model, from 1 and 2 layers) counts the rank's layers."""
+    from tpframe.run import preflight
+
+    deep = ("parallel.tp=1", "model.layers=24", "model.tie_embeddings=false", "train.dtype=bfloat16")
+    whole = preflight._sizes(preflight.dry_build(_cfg(*deep)))
+    layer = whole[0] - preflight._sizes(preflight.dry_build(_cfg(*deep[:1], "model.layers=23", *deep[2:])))[0]
+    for pp, v, rank_layers in ((2, 1, 12), (4, 1, 6), (4, 2, 6), (8, 1, 3)):
+        cfg = _cfg(*deep, f"parallel.pp={pp}", f"parallel.virtual_stages={v}", "train.global_batch_size=16")
+        assert preflight._rank_layers(cfg) == rank_layers
+        params = preflight.rank_sizes(cfg, preflight.dry_build(cfg))[0]
+        assert rank_layers * layer < params < rank_layers * layer + (whole[0] - 24 * layer)  # its blocks + emb or head
+        seen = []
+        monkeypatch.setattr(preflight, "_check_sizes", lambda cfg, world, sizes, **_: seen.append(sizes))
+        preflight.check_memory_before_build(cfg, pp, device_type="cpu", local_rank=0, local_world=pp)
+        assert rank_layers * layer < seen[0][0] <= rank_layers * layer + (whole[0] - 24 * layer)
+    layouts = _cfg(*deep, "parallel.pp=4", "parallel.layers_per_stage=[3,7,7,7]", "train.global_batch_size=16")
+    assert preflight._rank_layers(layouts) == 7
+
+
 def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     from tpframe.run.memory import activation_bytes
 

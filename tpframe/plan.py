@@ -144,7 +144,8 @@ def run_overrides(cfg, layout: Layout) -> list[str]:
 
 
 def step_ms(cfg, layout: Layout, params: float) -> float:
-    """The cost model of the module docstring: one optimizer step's milliseconds on one GPU."""
+    """The cost model of the module docstring: one optimizer step's milliseconds on one GPU (`params`: the trained
+    parameters this rank holds)."""
     m, t = cfg.model, cfg.train
     s, b, h, tp = t.seq_len // layout.cp, layout.micro_batch, m.hidden, layout.tp
     micro = t.global_batch_size // (layout.micro_batch * layout.dp)
@@ -182,26 +183,28 @@ def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layo
     from tpframe.run.memory import GIB
     from tpframe.run.preflight import estimate_for
 
-    sizes: dict[int, tuple[int, int, int, int] | None] = {}  # by tp: TP rank 0's model, as the pre-flight sizes it
+    sizes: dict[
+        tuple, tuple[int, int, int, int] | None
+    ] = {}  # by (tp, pp): the fullest rank, as the pre-flight sizes it
     fits, refused = [], []
     for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
         try:
             check(lcfg, gpus)
-            if layout.tp not in sizes:
-                sizes[layout.tp] = _model_sizes(lcfg)
+            if (layout.tp, layout.pp) not in sizes:
+                sizes[layout.tp, layout.pp] = _model_sizes(lcfg)
         except ConfigError as e:
             refused.append((layout, str(e)))
             continue
-        if sizes[layout.tp] is None:
+        if sizes[layout.tp, layout.pp] is None:
             raise ConfigError(
                 f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized"
             )
-        need = estimate_for(lcfg, gpus, sizes[layout.tp], device_type="cuda").total / GIB
+        need = estimate_for(lcfg, gpus, sizes[layout.tp, layout.pp], device_type="cuda").total / GIB
         if need > gpu_gib:
             refused.append((layout, f"needs {need:.1f} GiB per GPU, more than {gpu_gib:g}"))
             continue
-        ms = step_ms(lcfg, layout, sizes[layout.tp][0] / layout.pp)
+        ms = step_ms(lcfg, layout, sizes[layout.tp, layout.pp][3])  # the trained parameters: synced and stepped
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         fits.append(Plan(layout, need, ms, _flops_per_token(cfg.model, cfg.train.seq_len) * tokens / gpus / ms / 1e9))
     fits.sort(key=lambda p: (p.step_ms, p.memory_gib, p.layout.tp, p.layout.pp))
@@ -230,12 +233,12 @@ def check(cfg, gpus: int) -> None:
 
 
 def _model_sizes(cfg) -> tuple[int, int, int, int] | None:
-    """(parameters, of which MoE experts, buffer bytes) of TP rank 0's model at cfg's tp, built on the meta device as
-    the pre-flight builds it; None where the builder cannot build there."""
+    """`rank_sizes` of the fullest rank at cfg's tp and pp, built on the meta device as the pre-flight builds it; None
+    where the builder cannot build there."""
     from tpframe.run import preflight
 
     model = preflight.dry_build(cfg)
-    return None if model is None else preflight._sizes(model)
+    return None if model is None else preflight.rank_sizes(cfg, model)
 
 
 # a fresh run in a temporary train.run_dir that logs each step's time and neither resumes nor saves a checkpoint

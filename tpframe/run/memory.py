@@ -134,7 +134,7 @@ def estimate(
     trained = 1.0 if trained_params is None or P == 0 else trained_params / P  # the share of P with state
     sharded = (P - expert_params) / dp + expert_params * p.ep / dp  # experts: over their dp/ep replicas
     if p.dp_strategy == "fsdp":
-        layer = P / max(1, cfg.model.layers)
+        layer = P * p.pp / max(1, cfg.model.layers)  # P: a pipeline rank's share of the layers
         weights = 4 * sharded + 2 * layer * compute  # fp32 shards + the gathered layer (and the next, prefetched)
         grads = (4 * sharded + layer * 4) * trained
         optimizer = 8 * sharded * trained

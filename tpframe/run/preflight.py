@@ -93,24 +93,11 @@ def dry_build(cfg) -> nn.Module | None:
     counts are known, nothing is allocated. None when the builder cannot build on meta (the checks
     that need shapes are then skipped)."""
     from tpframe.layers.lora import check_targets
-    from tpframe.layers.mode import LayerMode
-    from tpframe.models import BuildContext, ShapeComm, build_model
+    from tpframe.models import build_model
 
-    p = cfg.parallel
-    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" and p.dp_strategy != "fsdp" else torch.float32
-    ctx = BuildContext(
-        ShapeComm(p.tp),
-        sequence_parallel=p.sequence_parallel,
-        **p.recompute_context(),
-        rng_tracker=None,
-        dtype=dtype,
-        device=torch.device("meta"),
-        seed=cfg.train.seed,
-        mode=LayerMode(lora=cfg.optim.lora()),
-    )
     try:
         with torch.device("meta"):
-            model = build_model(cfg.model, ctx)
+            model = build_model(cfg.model, _meta_context(cfg))
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
@@ -132,6 +119,50 @@ def dry_build(cfg) -> nn.Module | None:
     return model
 
 
+def _meta_context(cfg):
+    """The BuildContext of TP rank 0 on the meta device."""
+    from tpframe.layers.mode import LayerMode
+    from tpframe.models import BuildContext, ShapeComm
+
+    p = cfg.parallel
+    return BuildContext(
+        ShapeComm(p.tp),
+        sequence_parallel=p.sequence_parallel,
+        **p.recompute_context(),
+        rng_tracker=None,
+        dtype=torch.bfloat16 if cfg.train.dtype == "bfloat16" and p.dp_strategy != "fsdp" else torch.float32,
+        device=torch.device("meta"),
+        seed=cfg.train.seed,
+        mode=LayerMode(lora=cfg.optim.lora()),
+    )
+
+
+def rank_sizes(cfg, model: nn.Module) -> tuple[int, int, int, int]:
+    """`_sizes` of what the fullest rank holds: `model` (dry_build's) without a pipeline; with one, each pipeline
+    rank's stages built on the meta device, the one with the most parameters."""
+    from tpframe.models import build_stages
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return _sizes(model)
+    try:
+        with torch.device("meta"):
+            ranks = [
+                build_stages(
+                    cfg.model,
+                    _meta_context(cfg),
+                    pp_rank=r,
+                    pp=p.pp,
+                    virtual_stages=p.virtual_stages,
+                    layers_per_stage=p.layers_per_stage,
+                )
+                for r in range(p.pp)
+            ]
+    except Exception:  # noqa: BLE001 - a builder whose stages need real tensors: the whole model, as an upper bound
+        return _sizes(model)
+    return max((_sizes(m) for m in ranks), key=lambda sizes: sizes[0])
+
+
 def _sizes(model: nn.Module) -> tuple[int, int, int, int]:
     """(parameters, of which MoE experts, buffer bytes, parameters trained: all but a LoRA base) of a model built
     whole."""
@@ -142,8 +173,8 @@ def _sizes(model: nn.Module) -> tuple[int, int, int, int]:
 
 
 def estimate_for(cfg, world_size: int, sizes: tuple[int, int, int, int] | nn.Module, *, device_type: str):
-    """The memory estimate check_memory compares with the device, from `sizes` (`_sizes` of the model built whole)
-    or the model itself (`dry_build`'s)."""
+    """The memory estimate check_memory compares with the device, from `sizes` (`rank_sizes`) or a model built whole
+    (`dry_build`'s, no pipeline)."""
     from tpframe.run.memory import estimate
 
     params, experts, buffers, trained = _sizes(sizes) if isinstance(sizes, nn.Module) else sizes
@@ -172,7 +203,7 @@ def check_memory(
     if not cfg.train.check_memory or model is None:
         return
     _check_sizes(
-        cfg, world_size, _sizes(model), device_type=device_type, local_rank=local_rank, local_world=local_world
+        cfg, world_size, rank_sizes(cfg, model), device_type=device_type, local_rank=local_rank, local_world=local_world
     )
 
 
@@ -192,9 +223,18 @@ def check_memory_before_build(cfg, world_size: int, *, device_type: str, local_r
         return
     if None in small:
         return
-    one, two = map(_sizes, small)
-    sizes = tuple(a + (b - a) * (cfg.model.layers - 1) for a, b in zip(one, two))
+    one, two = map(_sizes, small)  # embedding and head both counted: exact without a pipeline, above it with one
+    sizes = tuple(a + (b - a) * (_rank_layers(cfg) - 1) for a, b in zip(one, two))
     _check_sizes(cfg, world_size, sizes, device_type=device_type, local_rank=local_rank, local_world=local_world)
+
+
+def _rank_layers(cfg) -> int:
+    """The most blocks one pipeline rank holds (model.layers without a pipeline)."""
+    from tpframe.parallel.pipeline.layout import local_stages, split_layers
+
+    p = cfg.parallel
+    stages = split_layers(cfg.model.layers, p.pp * p.virtual_stages, p.layers_per_stage)
+    return max(sum(len(stages[s]) for s in local_stages(r, p.pp, p.virtual_stages)) for r in range(p.pp))
 
 
 # -- the run directory ------------------------------------------------------------------------------
