@@ -496,6 +496,23 @@ def test_a_pipeline_rank_is_sized_by_the_stages_it_holds_not_the_whole_model(mon
     assert preflight._rank_layers(layouts) == 7
 
 
+def test_a_pipeline_schedule_s_forwards_in_flight_scale_the_activations():
+    """One micro-batch's activations of the whole model is what a 1F1B rank holds (pp micro-batches of L/pp layers);
+    AFAB holds every micro-batch, interleaving Megatron's 1 + (pp-1)/(pp*v): counted from the schedules' orders."""
+    from tpframe.run.memory import estimate, pipeline_factor
+
+    def cfg(schedule, v=1):
+        pipe = [f"parallel.pp_schedule={schedule}", f"parallel.virtual_stages={v}", "model.layers=8"]
+        return _cfg("parallel.tp=1", "parallel.pp=2", "train.micro_batch_size=2", "train.global_batch_size=16", *pipe)
+
+    assert pipeline_factor(_cfg("parallel.tp=1"), 4) == 1.0
+    assert pipeline_factor(cfg("1f1b"), 2) == pipeline_factor(cfg("zb_h1"), 2) == 1.0  # 8 micro-batches, 2 in flight
+    assert pipeline_factor(cfg("afab"), 2) == 8 / 2 and pipeline_factor(cfg("afab"), 4) == 4 / 2  # dp 2: 4 each
+    assert pipeline_factor(cfg("interleaved_1f1b", v=2), 2) == 1 + (2 - 1) / (2 * 2)
+    afab, one = (estimate(cfg(s), 2, params=10**6).activations for s in ("afab", "1f1b"))
+    assert afab == 4 * one
+
+
 def test_memory_estimate_activations_shrink_with_tp_sp_and_recompute():
     from tpframe.run.memory import activation_bytes
 

@@ -9,6 +9,7 @@ Parts, per rank (P = this rank's parameters, already divided by TP; d = DP size 
   fsdp   (fp32 params 4P + grads 4P + moments 8P) / d, plus a gathered layer or two in compute dtype
   (parallel.grad_reduce_dtype=bfloat16 adds a bucket's bf16 copy or two in flight: not counted)
   LoRA (optim.lora_rank): grads, masters and moments for the adapters alone; the frozen base is params only
+  pipelines: P is the fullest rank's stages; activations times the schedule's forwards in flight (pipeline_factor)
 Activations of one micro-batch (Korthikanti et al. 2022, bytes for 2-byte activations, per layer):
   s*b*h*(10 + 24/t + 5*a*s/(h*t)) with TP t; s*b*h*(34 + 5*a*s/h)/t with sequence parallelism; the 24 is
   attention's 8 (q, k, v and the projection's input) and the MLP's 16 at GPT's shapes, in general
@@ -114,6 +115,23 @@ def activation_bytes(cfg, device_type: str) -> float:
     return kept * scale + embedding + (max(per_layer * scale, head) if whole else loss)
 
 
+def pipeline_factor(cfg, world_size: int) -> float:
+    """The activations a pipeline rank holds at its peak, over one micro-batch's of the whole model: the schedule's
+    forwards in flight times a chunk's share of the layers (1 under 1F1B; AFAB: micro-batches / pp)."""
+    from tpframe.parallel.pipeline.orders import peak_in_flight
+
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        return 1.0
+    dp = max(1, world_size // (p.tp * p.pp * p.cp))
+    micro = max(1, t.global_batch_size // (t.micro_batch_size * dp))
+    try:
+        held = peak_in_flight(p.pp_schedule, pp=p.pp, num_micro_batches=micro, virtual_stages=p.virtual_stages)
+    except ValueError:  # micro-batches the schedule cannot run: the config's own check says so
+        return 1.0
+    return held / (p.pp * p.virtual_stages)
+
+
 def estimate(
     cfg,
     world_size: int,
@@ -149,7 +167,7 @@ def estimate(
         weights,
         grads,
         optimizer,
-        activation_bytes(cfg, device_type),
+        activation_bytes(cfg, device_type) * pipeline_factor(cfg, world_size),
         float(buffer_bytes),
         OVERHEAD.get(device_type, OVERHEAD["cpu"]),
     )

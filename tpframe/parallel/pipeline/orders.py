@@ -107,6 +107,20 @@ def _interleaved(pp: int, rank: int, m: int, v: int) -> list[Action]:
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
+def peak_in_flight(schedule: str, *, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> int:
+    """The most forwards (micro-batch, chunk) whose backward has not run that any rank holds at once: the
+    activations it keeps, in chunks of model.layers / (pp * virtual_stages) layers (1F1B: pp, AFAB: all)."""
+    peak = 0
+    for rank in range(pp):
+        held = 0
+        for a in schedule_order(
+            schedule, pp=pp, rank=rank, num_micro_batches=num_micro_batches, virtual_stages=virtual_stages
+        ):
+            held += {"F": 1, "B": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+    return peak
+
+
 # -- checking and costing orders ----------------------------------------------------------------
 
 
