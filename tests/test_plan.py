@@ -292,3 +292,14 @@ def test_divisors_of_a_huge_gpu_count_come_at_once():
     assert _divisors(12) == [1, 2, 3, 4, 6, 12]
     assert _divisors(1) == [1] and _divisors(49) == [1, 7, 49]
     assert len(_divisors(10**9)) == 100 and _divisors(10**9)[-1] == 10**9
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`python -m tpframe.plan ... | head -1`: the table is larger than the pipe's buffer, so the planner writes into a
+    closed pipe; it stops quietly, exit 0, as Unix tools do."""
+    cmd = [sys.executable, "-m", "tpframe.plan", "--config", "configs/tiny_cpu.yaml", "--gpus", "64", "--top", "100000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert " layouts fit on 64 GPUs" in proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "Broken" not in err, err
