@@ -466,6 +466,11 @@ CASES = [
         "that window (blocks.0.attn, blocks.1.attn); pass window=cfg.sliding_window to ParallelAttention",
     ),
     (
+        "moe-user-model",
+        lambda t, s: (["--config", "configs/tiny_llama_cpu.yaml", "parallel.tp=1", "model.moe_experts=4"], {}),
+        "model.moe_experts=4: model.name='examples.parallel_llama:build' built no mixture-of-experts layer",
+    ),
+    (
         "document-cuda-graph",
         lambda t, s: (["model.attention_mask=document", "train.cuda_graph=true"], {}),
         "train.cuda_graph cannot replay model.attention_mask=document",

@@ -157,6 +157,19 @@ def check_recompute_support(name: str, builder: Callable, *, selective: bool, la
         )
 
 
+def check_experts_built(m: ModelConfig, model: nn.Module) -> None:
+    """A ConfigError when model.moe_experts asks for experts but the built model has no MoE layer (a builder of
+    one's own that ignores the key would train a dense model, logged as mixture-of-experts)."""
+    from tpframe.layers.moe import MoE
+
+    if m.moe_experts and not any(isinstance(layer, MoE) for layer in model.modules()):
+        raise ConfigError(
+            f"model.moe_experts={m.moe_experts}: model.name={m.name!r} built no mixture-of-experts layer, so the "
+            "setting would be ignored; set model.moe_experts=0 (and parallel.ep=1), or build the MLPs as "
+            "tpframe.layers.moe.MoE"
+        )
+
+
 def resolve_builder(name: str) -> Callable[[ModelConfig, BuildContext], nn.Module]:
     """The builder for `model.name`; a ConfigError when it cannot be imported."""
     if name in BUILTIN:

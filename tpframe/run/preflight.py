@@ -93,7 +93,7 @@ def dry_build(cfg) -> nn.Module | None:
     counts are known, nothing is allocated. None when the builder cannot build on meta (the checks
     that need shapes are then skipped)."""
     from tpframe.layers.lora import check_targets
-    from tpframe.models import build_model
+    from tpframe.models import build_model, check_experts_built
 
     try:
         with torch.device("meta"):
@@ -116,6 +116,7 @@ def dry_build(cfg) -> nn.Module | None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name={cfg.model.name!r} returned a {type(model).__name__}, not a torch.nn.Module")
     check_targets(cfg.optim.lora(), model, cfg.model.name)
+    check_experts_built(cfg.model, model)
     return model
 
 
