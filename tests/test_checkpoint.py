@@ -330,6 +330,8 @@ def test_a_model_mismatch_names_each_sides_configured_values():
         check_compatible(rotary, meta_of(learned))
     assert "model.position: checkpoint 'learned', config 'rotary'" in str(e.value)
     assert "max_seq_len" not in str(e.value), "both sides have max_seq_len 128"
+    with pytest.raises(CheckpointError, match="model.qk_norm: checkpoint false, config true"):  # YAML's words
+        check_compatible(from_dict({"model": {**learned, "qk_norm": True}}), meta_of(learned))
     with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 128, config 64$"):
         check_compatible(from_dict({"model": {"max_seq_len": 64, "position": "learned"}}), meta_of(learned))
     with pytest.raises(CheckpointError, match="model.max_seq_len: checkpoint 64, config 128;"):

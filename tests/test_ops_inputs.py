@@ -422,7 +422,7 @@ CASES = [
     (
         "recompute-layers-without-full",
         lambda t, s: (["parallel.recompute_layers=1"], {}),
-        "needs parallel.activation_checkpointing=full",
+        "needs parallel.activation_checkpointing=full (got false)",  # YAML's word, not Python's False
     ),
     (
         "recompute-layers-too-many",

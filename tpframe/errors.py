@@ -25,6 +25,13 @@ def shown(value) -> str:
     return text if len(text) <= SHOWN_MAX else text[: SHOWN_MAX - 3] + "..."
 
 
+def yaml_shown(value) -> str:
+    """A config value as its YAML is written (false, true, null), else `shown`: the key=value a message asks for."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return shown(value)
+
+
 _GIVEN = "_tpframe_options_given"  # {action: how it was given}, on the namespace while one parse runs
 _REPEATABLE = (
     argparse._AppendAction,

@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from tpframe.errors import ConfigError
+from tpframe.errors import ConfigError, yaml_shown
 from tpframe.models.config import architecture_diffs, padded_vocab
 
 FORMAT = 2  # 2: the untied head is `head.weight`, the architecture is recorded in meta.json
@@ -205,7 +205,7 @@ def restores_rng(saved_layout: dict[str, Any], layout: dict[str, Any]) -> bool:
 def check_compatible(cfg, meta: dict[str, Any]) -> None:
     """Refuse, before loading anything, a checkpoint that cannot become this run's model."""
     diffs = [
-        f"model.{k}: checkpoint {theirs!r}, config {mine!r}"
+        f"model.{k}: checkpoint {yaml_shown(theirs)}, config {yaml_shown(mine)}"
         for k, mine, theirs in architecture_diffs(
             cfg.model, meta["architecture"], meta.get("config", {}).get("model", {})
         )

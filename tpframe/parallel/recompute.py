@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from tpframe.errors import ConfigError
+from tpframe.errors import ConfigError, yaml_shown
 from tpframe.parallel.rng import RNGStatesTracker
 from tpframe.parallel.state import get_parallel_state, is_initialized
 
@@ -211,7 +211,7 @@ def check_recompute(cfg) -> None:
         if p.recompute != "full":
             raise ConfigError(
                 f"parallel.recompute_layers={p.recompute_layers} picks which blocks recompute whole; it "
-                f"needs parallel.activation_checkpointing=full (got {p.activation_checkpointing!r})"
+                f"needs parallel.activation_checkpointing=full (got {yaml_shown(p.activation_checkpointing)})"
             )
         if not 1 <= p.recompute_layers <= cfg.model.layers:
             raise ConfigError(
