@@ -180,19 +180,21 @@ def _flops_per_token(m, seq_len: int) -> float:
 
 def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layout, str]]]:
     """(the layouts that fit, best first; the others with why not)."""
+    from tpframe.run import preflight
     from tpframe.run.memory import GIB
-    from tpframe.run.preflight import estimate_for
 
-    sizes: dict[
-        tuple, tuple[int, int, int, int] | None
-    ] = {}  # by (tp, pp): the fullest rank, as the pre-flight sizes it
+    models: dict[int, object] = {}  # by tp: TP rank 0's whole model on the meta device (dry_build's; None: not there)
+    sizes: dict[tuple, tuple[int, int, int, int] | None] = {}  # by (tp, pp): the fullest rank, as the pre-flight's
     fits, refused = [], []
     for layout in layouts(cfg, gpus) + unbatched(cfg, gpus):
         lcfg = layout_config(cfg, layout)
         try:
             check(lcfg, gpus)
+            if layout.tp not in models:
+                models[layout.tp] = preflight.dry_build(lcfg)
             if (layout.tp, layout.pp) not in sizes:
-                sizes[layout.tp, layout.pp] = _model_sizes(lcfg)
+                model = models[layout.tp]
+                sizes[layout.tp, layout.pp] = None if model is None else preflight.rank_sizes(lcfg, model)
         except ConfigError as e:
             refused.append((layout, str(e)))
             continue
@@ -200,7 +202,7 @@ def plan(cfg, gpus: int, *, gpu_gib: float) -> tuple[list[Plan], list[tuple[Layo
             raise ConfigError(
                 f"model.name={cfg.model.name!r} cannot be built on the meta device, so it cannot be sized"
             )
-        need = estimate_for(lcfg, gpus, sizes[layout.tp, layout.pp], device_type="cuda").total / GIB
+        need = preflight.estimate_for(lcfg, gpus, sizes[layout.tp, layout.pp], device_type="cuda").total / GIB
         if need > gpu_gib:
             refused.append((layout, f"needs {need:.1f} GiB per GPU, more than {gpu_gib:g}"))
             continue
@@ -230,15 +232,6 @@ def check(cfg, gpus: int) -> None:
     check_context_parallel_support(name, builder, p.cp)
     check_document_mask_support(name, builder, cfg.model.attention_mask)
     check_recompute_support(name, builder, selective=p.recompute == "selective", layers=p.recompute_layers)
-
-
-def _model_sizes(cfg) -> tuple[int, int, int, int] | None:
-    """`rank_sizes` of the fullest rank at cfg's tp and pp, built on the meta device as the pre-flight builds it; None
-    where the builder cannot build there."""
-    from tpframe.run import preflight
-
-    model = preflight.dry_build(cfg)
-    return None if model is None else preflight.rank_sizes(cfg, model)
 
 
 # a fresh run in a temporary train.run_dir that logs each step's time and neither resumes nor saves a checkpoint
