@@ -3,15 +3,17 @@
     python benchmarks/cp_attention.py [--seq 16384,65536] [--cp 2,4,8] [--results benchmarks/RESULTS.md] [--no-append]
 
 With parallel.cp = c, CP rank r holds chunks r and 2c-1-r of the sequence and attends, forward and backward, over
-the keys up to each chunk's end (tpframe/layers/context.py: attend_local_chunks, two FlashAttention calls with
-a lower-right causal mask), after the keys and values are all-gathered and put in order (order_chunks). This
+the keys up to each chunk's end (tpframe/layers/context.py: attend_local_chunks over the keys and values
+all-gathered and put in order by order_chunks; the training path feeds the same blocks the gathered keys unordered,
+one copy less than timed here). This
 times, on one GPU, rank r's share for every r (the all-gather itself needs c GPUs: its bytes are stated):
   - whole: causal attention over all S tokens, forward + backward (what one GPU without CP does);
   - ideal: whole / c, a perfect split;
   - rank min / max: the fastest and slowest rank's attention (+ its reorder of the gathered keys and values);
   - balance: min / max over the ranks (1.0: every rank waits for none); efficiency: ideal / max;
-  - chunk attention: "merged blocks", the default from MERGE_MIN_CHUNK queries per chunk (each chunk over the keys
-    before it, no mask, and over its own keys, causal: two fused-kernel calls merged by their log-sum-exps; cuDNN on
+  - chunk attention: "merged blocks", the default from MERGE_MIN_CHUNK queries per chunk (_CausalBlocks: both
+    chunks over the rank's own keys, square causal mask, then over the chunks before its first and its second chunk
+    over the chunks between, no mask: at most three fused-kernel calls merged by their log-sum-exps; cuDNN on
     Hopper), or "lower-right mask" (one SDPA call per chunk with torch's lower-right causal bias: FlashAttention-2),
     the fallback.
 Random bf16 q, k, v and upstream gradient, b = 1; median of 10 timed calls after 3 warm-up calls, CUDA events.

@@ -1,7 +1,7 @@
 """Long-context training on several GPUs: tpframe's context parallelism (parallel.cp, both parallel.cp_comm modes)
 against PyTorch's `context_parallel` ring attention on the same model, and one GPU where it fits.
 
-    torchrun --nproc-per-node 4 benchmarks/long_context.py     # one run; env: SHAPE SEQ CP TP CP_COMM CKPT IMPL STEPS
+    torchrun --nproc-per-node 4 benchmarks/long_context.py  # env: SHAPE SEQ CP TP CP_COMM CKPT IMPL STEPS LAYERS
     python benchmarks/long_context.py --compare [--shapes 1.3b,llama3-8b] [--seqs 32768,65536,131072] [--budget-s 540]
     python benchmarks/long_context.py --train [--shapes llama3-8b] [--seqs 131072] [--gpus 4] [--set KEY=VALUE ...]
                                        # train.py: peak vs the pre-flight's estimate, CP = --gpus
@@ -102,7 +102,10 @@ def run_one() -> None:
     e = os.environ.get
     shape, seq, cp, tp, impl = e("SHAPE", "1.3b"), int(e("SEQ", 32768)), int(e("CP", 4)), int(e("TP", 1)), e("IMPL")
     cp_comm, ckpt, steps = e("CP_COMM", "all_gather"), e("CKPT", "full"), int(e("STEPS", 3))
-    cfg = load_config(None, overrides(shape, seq, cp=cp, tp=tp, cp_comm=cp_comm, ckpt=ckpt))
+    keys = overrides(shape, seq, cp=cp, tp=tp, cp_comm=cp_comm, ckpt=ckpt)
+    if e("LAYERS"):  # fewer of the shape's layers
+        keys = [k for k in keys if not k.startswith("model.layers=")] + [f"model.layers={e('LAYERS')}"]
+    cfg = load_config(None, keys)
     state = initialize_parallel(tp=tp, cp=cp)
     ours, cuda = impl != "torch", state.device.type == "cuda"
     sync, allocated = (torch.cuda.synchronize, torch.cuda.memory_allocated) if cuda else (lambda: None, lambda: 0)

@@ -329,6 +329,35 @@ def test_fused_head_and_loss_never_hold_fp32_logits_of_the_whole_sequence():
 # -- CUDA ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_chunks_over_gathered_keys_attend_like_the_whole_sequence_on_cpu(fused):
+    """`attend_local_chunks` over the whole sequence's keys in fp64 (the all_gather mode's blocks without a
+    communicator, and the lower-right mask path), MHA and GQA, cp 2, 3 and 4: every rank's rows and query gradient,
+    and the keys' and values' gradients summed over the ranks, equal whole-sequence attention's."""
+    import torch.nn.functional as F
+
+    from tpframe.layers.context import attend_local_chunks, shard_sequence
+
+    g = torch.Generator().manual_seed(0)
+    for nq, nkv, cp in ((4, 4, 2), (4, 2, 3), (8, 2, 4)):
+        b, s, d = 2, 8 * cp, 8
+        q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (nq, nkv, nkv))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        w = torch.randn(b, nq, s, d, generator=g, dtype=torch.float64)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nq)
+        dq, dk, dv = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        dk_sum, dv_sum = torch.zeros_like(k), torch.zeros_like(v)
+        for r in range(cp):
+            mine = lambda t: shard_sequence(t, dim=2, rank=r, size=cp)  # noqa: E731
+            ql, kf, vf = mine(q.detach()).requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()
+            out = attend_local_chunks(ql, kf, vf, rank=r, size=cp, enable_gqa=nkv != nq, fused=fused)
+            gq, gk, gv = torch.autograd.grad((out * mine(w)).sum(), (ql, kf, vf))
+            assert (out - mine(ref)).abs().max().item() < 1e-6, (nq, nkv, cp, r)
+            assert (gq - mine(dq)).abs().max().item() < 1e-6, (nq, nkv, cp, r)
+            dk_sum, dv_sum = dk_sum + gk, dv_sum + gv
+        assert (dk_sum - dk).abs().max().item() < 1e-6 and (dv_sum - dv).abs().max().item() < 1e-6, (nq, nkv, cp)
+
+
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("nkv", [16, 4])

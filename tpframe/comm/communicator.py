@@ -180,6 +180,17 @@ class Communicator:
         moved = x.movedim(dim, 0).contiguous()
         return self.reduce_scatter(moved, 0).movedim(0, dim).contiguous()
 
+    def start(self, op: str, x: torch.Tensor):
+        """Dim-0 "all_gather" or "reduce_scatter" started beside what the caller launches next (NCCL's own stream;
+        gloo's thread): returns (output, wait); call wait() before reading the output. Always torch.distributed's
+        backend: the symm kernels run on the caller's stream. Eager only."""
+        if self.size == 1:
+            return x, _no_wait
+        if op == "reduce_scatter":
+            _check_split(x, 0, self.size)
+        out, work = getattr(self.nccl, f"{op}_start")(x)
+        return out, work.wait
+
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         """Rows of `x` split by `input_splits` (one count per rank, in rank order) sent to the ranks; returns
         the rows received, `output_splits[j]` of them from rank j, in rank order (expert parallelism)."""
@@ -211,6 +222,10 @@ class Communicator:
     def __repr__(self) -> str:
         active = "symm+nccl" if self.symm is not None else "nccl"
         return f"Communicator(size={self.size}, rank={self.rank}, requested={self.requested}, active={active})"
+
+
+def _no_wait() -> None:
+    pass
 
 
 def _check_split(x: torch.Tensor, dim: int, size: int) -> None:

@@ -42,6 +42,8 @@ class NcclBackend:
         self._ag_opts = _options(_C10D.AllgatherOptions)
         self._rs_opts = _options(_C10D.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
         # started collectives (`*_start`): NCCL runs them on its own stream, beside what the caller launches next
+        self._ag_start = _options(_C10D.AllgatherOptions, blocking=False)
+        self._rs_start = _options(_C10D.ReduceScatterOptions, blocking=False, reduceOp=dist.ReduceOp.SUM)
         # torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single; 2.11 has
         # only the underscored names.
         self._ag = getattr(group, "all_gather_single", None) or group._allgather_base
@@ -68,6 +70,16 @@ class NcclBackend:
         out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
         _wait(self._rs(out, x if x.is_contiguous() else x.contiguous(), self._rs_opts))
         return out
+
+    def all_gather_start(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """`all_gather`, started: (the output, its work); read the output after `work.wait()`."""
+        out = x.new_empty((self.size * x.shape[0],) + x.shape[1:])
+        return out, self._ag(out, x.contiguous(), self._ag_start)
+
+    def reduce_scatter_start(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """`reduce_scatter`, started: (the output, its work); read the output after `work.wait()`."""
+        out = x.new_empty((x.shape[0] // self.size,) + x.shape[1:])
+        return out, self._rs(out, x.contiguous(), self._rs_start)
 
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))

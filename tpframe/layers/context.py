@@ -11,8 +11,9 @@ Everything but attention is per token, so the model runs on the local S/cp token
 learned positions at their global positions). Attention all-gathers the keys and values of the whole
 sequence over CP (after rotary; with GQA only the few kv heads travel) and each local chunk attends to the
 keys up to its own end, causally (Llama 3's all-gather CP, section 3.3.2 of its paper: simpler than ring
-attention and as fast at GQA's kv sizes). The backward of the all-gather reduce-scatters the keys' and
-values' gradients back to the ranks that own them.
+attention and as fast at GQA's kv sizes), in the blocks of `_CausalBlocks`: the first needs only the rank's
+own keys and runs while the all-gather is in flight. Backward reduce-scatters the keys' and values' gradients
+back to the ranks that own them.
 
     ids = shard_sequence(ids, dim=1, rank=r, size=cp)      # the loader: [b, S] -> [b, S/cp]
     pos = local_positions(S // cp, rank=r, size=cp)         # the model: global positions of local tokens
@@ -156,7 +157,10 @@ def context_parallel_attention(
 
     q [b, nq, 2c, d], k and v [b, nkv, 2c, d]: this rank's tokens (chunks r and 2cp-1-r, rotary applied at
     their global positions). Returns [b, nq, 2c, d], equal to those rows of causal attention over the whole
-    sequence."""
+    sequence. With the fused kernels (`_fused`) the keys' all-gather runs beside the rank's own block
+    (`_CausalBlocks`); otherwise it comes first and `attend_local_chunks` takes the gathered keys."""
+    if window is None and _fused(q, _check(q.shape[-2], comm.size), dropout_p):
+        return _CausalBlocks.apply(q, k, v, comm, comm.rank, comm.size)
     kv = gather_sequence(torch.stack([k, v]), comm)  # one all-gather for both: [2, b, nkv, S, d]
     return attend_local_chunks(
         q,
@@ -169,6 +173,12 @@ def context_parallel_attention(
         window=window,
         flex=flex,
     )
+
+
+def _fused(q: torch.Tensor, c: int, dropout_p: float) -> bool:
+    """Whether `_CausalBlocks` computes this rank's attention: no dropout, a kernel that returns the log-sum-exp
+    (`_backend`), and on CUDA at least MERGE_MIN_CHUNK queries a chunk."""
+    return dropout_p == 0 and (c >= MERGE_MIN_CHUNK or not q.is_cuda) and _backend(q) is not None
 
 
 def attend_local_chunks(
@@ -184,18 +194,17 @@ def attend_local_chunks(
     window: int | None = None,
     flex: bool = True,
 ) -> torch.Tensor:
-    """CP rank `rank`'s queries q [b, nq, 2c, d] over the whole sequence's k, v [b, nkv, S, d]: each local chunk
-    attends to the keys before it (no mask) and to its own keys (the square causal mask), merged into one softmax
-    (`_ChunkAttention`). Where the fused kernels do not apply (dropout, head dim > 128, other dtypes) or do not pay
-    (CUDA chunks under MERGE_MIN_CHUNK queries) two SDPA calls
-    with the causal mask aligned to the last key (torch's lower-right causal bias) compute the same (`fused=False`
-    forces that path). Eager only: torch.compile does not reliably trace the bias (a tensor subclass) or this
-    module's kernel calls, so `context_parallel_attention` is excluded from it (train.compile with parallel.cp > 1
-    compiles the rest of each block, around one graph break). With a sliding `window` each chunk attends to the
-    window's keys alone, from window-1 before its first query to its end (`sliding_window_attention`: flex's
-    block mask on CUDA, where `flex`, else the dense band mask)."""
+    """CP rank `rank`'s queries q [b, nq, 2c, d] over the whole sequence's k, v [b, nkv, S, d]: the fused kernels'
+    blocks merged into one softmax (`_CausalBlocks`, where `_fused`). Otherwise (dropout, head dim > 128, other
+    dtypes, CUDA chunks under MERGE_MIN_CHUNK queries, or `fused=False`) two SDPA calls, one a chunk, with the
+    causal mask aligned to the last key (torch's lower-right causal bias). Eager only: torch.compile does not
+    reliably trace the bias (a tensor subclass) or this module's kernel calls, so `context_parallel_attention` is
+    excluded from it (train.compile with parallel.cp > 1 compiles the rest of each block, around one graph break).
+    With a sliding `window` each chunk attends to the window's keys alone, from window-1 before its first query to
+    its end (`sliding_window_attention`: flex's block mask on CUDA, where `flex`, else the dense band mask)."""
     c = _check(q.shape[-2], size)
-    fused = fused and dropout_p == 0 and (c >= MERGE_MIN_CHUNK or not q.is_cuda) and _backend(q) is not None
+    if window is None and fused and _fused(q, c, dropout_p):
+        return _CausalBlocks.apply(q, k, v, None, rank, size)
     sdpa = dict(dropout_p=dropout_p, enable_gqa=enable_gqa)
     outs = []
     for chunk, start in ((0, rank * c), (1, (2 * size - 1 - rank) * c)):  # the chunk's first global position
@@ -207,8 +216,6 @@ def attend_local_chunks(
             )
         elif start == 0:  # the sequence's first chunk: a square causal mask
             outs.append(F.scaled_dot_product_attention(qc, k[..., :c, :], v[..., :c, :], is_causal=True, **sdpa))
-        elif fused:
-            outs.append(_ChunkAttention.apply(qc, k[..., :end, :], v[..., :end, :], start))
         else:
             from torch.nn.attention.bias import causal_lower_right  # here: its import loads Dynamo (1 s)
 
@@ -218,7 +225,7 @@ def attend_local_chunks(
 
 
 def _backend(q: torch.Tensor):
-    """The fused SDPA ops that return the softmax's log-sum-exp (for `_ChunkAttention`): cuDNN's on Hopper and
+    """The fused SDPA ops that return the softmax's log-sum-exp (for `_CausalBlocks`): cuDNN's on Hopper and
     later (SDPA's own first choice there, and faster than FlashAttention-2 at these shapes: benchmarks/RESULTS.md,
     'Context-parallel attention, one rank's share'), else FlashAttention's on CUDA, the CPU kernel on CPU; None where
     they do not apply."""
@@ -274,53 +281,110 @@ _CUDNN, _FLASH, _CPU = (
 )
 
 
-class _ChunkAttention(torch.autograd.Function):
-    """q [b, nq, c, d] at positions start..start+c-1 over keys k, v [b, nkv, start+c, d], causally:
+class _CausalBlocks(torch.autograd.Function):
+    """CP rank r's queries q = [chunk r; chunk s] (s = 2cp-1-r, chunks of c tokens) over the keys before them,
+    causally, in at most three kernel calls merged into one softmax (FlashAttention's rescaling, across calls):
 
-        past = attention(q, k[:start], v[:start])        no mask, and its log-sum-exp L1
-        own  = attention(q, k[start:], v[start:])        square causal mask, and L2
-        out  = past * exp(L1 - L) + own * exp(L2 - L),   L = logaddexp(L1, L2)
+        A  q x [k_r; k_s]            square causal mask: the rank's own keys, in its own order
+        B  q x k[0 : r c]            no mask: the chunks before r        (r > 0)
+        C  q_s x k[(r+1)c : s c]     no mask: the chunks between r and s (r < cp-1)
+        out = sum of each block's out * exp(its log-sum-exp - L),  L = logaddexp of the blocks' log-sum-exps
 
-    (one softmax over both key blocks: FlashAttention's rescaling, across two kernel calls). Backward runs each
-    block's backward kernel with the merged `out` and `L`, which yields that block's share of the gradient of the
-    whole softmax (torch's ring attention does the same). GQA: the kv heads are repeated for the kernels and
-    their gradients summed back."""
+    (torch's ring attention splits the same way). A needs only the rank's own keys, so with `comm` given (k, v the
+    rank's own [b, nkv, 2c, d]) the keys' and values' all-gather runs beside it; with comm None, k and v are the
+    whole sequence's [b, nkv, S, d]. Backward runs each block's kernel with the merged `out` and L (each block's
+    share of the whole softmax's gradient), B and C first, so that the reduce-scatter of the gathered keys'
+    gradients runs beside A's. GQA: the kernels take the kv heads as they are (cuDNN's, FlashAttention's and the
+    CPU kernel all accept fewer kv heads than query heads)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, start: int):
-        (fwd, _), groups = _backend(q), q.shape[1] // k.shape[1]
-        kr, vr = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
-        blocks = ((kr[..., :start, :], vr[..., :start, :], False), (kr[..., start:, :], vr[..., start:, :], True))
-        results = [fwd(q, kb.contiguous(), vb.contiguous(), causal) for kb, vb, causal in blocks]
-        (past, l1, aux1), (own, l2, aux2) = results
-        lse = torch.logaddexp(l1.float(), l2.float())
-        out = _merge(past, l1, own, l2, lse).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse.to(l1.dtype))
-        ctx.start, ctx.aux = start, (aux1, aux2)
+    def forward(ctx, q, k, v, comm, rank: int, size: int):
+        (fwd, _), c = _backend(q), q.shape[-2] // 2
+        if comm is not None:  # every rank's [k; v], gathered as they are: [size, 2, b, nkv, 2c, d]
+            gathered, wait = comm.start("all_gather", torch.stack([k, v]).unsqueeze(0))
+            own = (k, v)
+        else:
+            gathered, wait = _unorder_chunks(torch.stack([k, v]), size), (lambda: None)
+            own = tuple(gathered[rank])
+        blocks = [(0, 2 * c, None)]  # (first query row, rows, the key chunks; None: the rank's own, causal)
+        if rank > 0:
+            blocks.append((0, 2 * c, range(rank)))
+        if rank < size - 1:
+            blocks.append((c, c, range(rank + 1, 2 * size - 1 - rank)))
+        results = [fwd(q, *(t.contiguous() for t in own), True)]
+        wait()
+        for first, rows, chunks in blocks[1:]:
+            kb, vb = _chunks(gathered, chunks, size)
+            results.append(fwd(q[..., first : first + rows, :], kb, vb, False))
+        out, lse = _merge(q, [(first, o, lse) for (first, *_), (o, lse, _) in zip(blocks, results)])
+        ctx.save_for_backward(q, *own, gathered, out, lse)
+        ctx.blocks, ctx.aux, ctx.comm, ctx.rank, ctx.size = blocks, [r[2] for r in results], comm, rank, size
+        ctx.lse_shape, ctx.lse_dtype = results[0][1].shape, results[0][1].dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        (_, bwd), groups, start = _backend(q), q.shape[1] // k.shape[1], ctx.start
-        kr, vr = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = torch.empty_like(kr), torch.empty_like(vr)
-        for (lo, hi), causal, aux in (((0, start), False, ctx.aux[0]), ((start, kr.shape[-2]), True, ctx.aux[1])):
+        q, k_own, v_own, gathered, out, lse = ctx.saved_tensors
+        (_, bwd), c, size = _backend(q), q.shape[-2] // 2, ctx.size
+        dout, dq = dout.contiguous(), torch.zeros_like(q, dtype=torch.float32)
+        dkv = torch.zeros_like(gathered)  # the keys' and values' gradients, laid out as gathered
+        native = lambda t: t.reshape(*t.shape[:3], *ctx.lse_shape[3:]).to(ctx.lse_dtype).contiguous()  # noqa: E731
+        for (first, rows, chunks), aux in zip(ctx.blocks[1:], ctx.aux[1:]):
+            part = slice(first, first + rows)
+            kb, vb = _chunks(gathered, chunks, size)
             gq, gk, gv = bwd(
-                dout, q, kr[..., lo:hi, :].contiguous(), vr[..., lo:hi, :].contiguous(), out, lse, causal, aux
-            )
-            dq += gq
-            dk[..., lo:hi, :], dv[..., lo:hi, :] = gk, gv
-        if groups > 1:  # the repeated heads' gradients, summed into their kv head
-            dk, dv = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (dk, dv))
-        return dq.to(q.dtype), dk, dv, None
+                dout[..., part, :].contiguous(), q[..., part, :].contiguous(), kb, vb,
+                out[..., part, :].contiguous(), native(lse[..., part]), False, aux,
+            )  # fmt: skip
+            dq[..., part, :] += gq
+            for n, chunk in enumerate(chunks):
+                j, half = _slot(chunk, size)
+                for i, g in enumerate((gk, gv)):
+                    dkv[j, i, ..., half * c : (half + 1) * c, :] = g[..., n * c : (n + 1) * c, :]
+        if ctx.comm is not None:  # every rank's share of each key's gradient, summed at its owner
+            theirs, wait = ctx.comm.start("reduce_scatter", dkv)
+        gq, gk, gv = bwd(dout, q, k_own.contiguous(), v_own.contiguous(), out, native(lse), True, ctx.aux[0])
+        dq += gq
+        mine = torch.stack([gk, gv])
+        if ctx.comm is not None:
+            wait()
+            mine += theirs[0]
+        else:  # the whole sequence's gradients: this rank's own chunks' shares added where they sit
+            dkv[ctx.rank] += mine
+            mine = order_chunks(dkv)
+        return dq.to(q.dtype), mine[0], mine[1], None, None, None
 
 
-def _merge(past, l1, own, l2, lse):
-    """past * exp(l1 - lse) + own * exp(l2 - lse) in fp32; the log-sum-exps [b, h, c] (or [b, h, c, 1])."""
-    w1, w2 = torch.exp(l1.float() - lse), torch.exp(l2.float() - lse)
-    if w1.dim() == past.dim() - 1:
-        w1, w2 = w1.unsqueeze(-1), w2.unsqueeze(-1)
-    return past.float() * w1 + own.float() * w2
+def _slot(chunk: int, size: int) -> tuple[int, int]:
+    """(owner rank, which of its two halves) of sequence chunk `chunk` of 2*size."""
+    return (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
+
+
+def _chunks(gathered: torch.Tensor, chunks, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v of the sequence chunks `chunks` (consecutive, in order) from gathered [size, 2, b, nkv, 2c, d]."""
+    c = gathered.shape[-2] // 2
+    parts = [gathered[j, :, ..., half * c : (half + 1) * c, :] for j, half in (_slot(i, size) for i in chunks)]
+    kv = torch.cat(parts, dim=-2)
+    return kv[0], kv[1]
+
+
+def _unorder_chunks(t: torch.Tensor, size: int) -> torch.Tensor:
+    """`order_chunks` inverted: [..., S, d] in order -> [size, ..., 2c, d], rank j's chunks j and 2 size-1-j."""
+    chunks = t.chunk(2 * size, dim=-2)
+    return torch.stack([torch.cat([chunks[j], chunks[2 * size - 1 - j]], dim=-2) for j in range(size)])
+
+
+def _merge(q: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax from blocks over disjoint keys: parts = (first query row, out [b, h, n, d], its log-sum-exp
+    [b, h, n] or [b, h, n, 1]). Returns out [b, h, rows, d] in q's dtype and L [b, h, rows] (fp32); the blocks are
+    accumulated in place in fp32 (no fp32 copy of each block)."""
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+    for first, o, block_lse in parts:
+        rows = slice(first, first + o.shape[-2])
+        lse[..., rows] = torch.logaddexp(lse[..., rows], block_lse.reshape(o.shape[:-1]).float())
+    out = torch.zeros_like(q, dtype=torch.float32)
+    for first, o, block_lse in parts:
+        rows = slice(first, first + o.shape[-2])
+        weight = torch.exp(block_lse.reshape(o.shape[:-1]).float() - lse[..., rows])
+        out[..., rows, :].addcmul_(o, weight.unsqueeze(-1))
+    return out.to(q.dtype), lse
