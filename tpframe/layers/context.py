@@ -317,14 +317,14 @@ class _CausalBlocks(torch.autograd.Function):
             kb, vb = _chunks(gathered, chunks, size)
             results.append(fwd(q[..., first : first + rows, :], kb, vb, False))
         out, lse = _merge(q, [(first, o, lse) for (first, *_), (o, lse, _) in zip(blocks, results)])
-        ctx.save_for_backward(q, *own, gathered, out, lse)
+        ctx.save_for_backward(q, gathered, out, lse)  # the rank's own keys: gathered[rank]
         ctx.blocks, ctx.aux, ctx.comm, ctx.rank, ctx.size = blocks, [r[2] for r in results], comm, rank, size
         ctx.lse_shape, ctx.lse_dtype = results[0][1].shape, results[0][1].dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_own, v_own, gathered, out, lse = ctx.saved_tensors
+        q, gathered, out, lse = ctx.saved_tensors
         (_, bwd), c, size = _backend(q), q.shape[-2] // 2, ctx.size
         dout, dq = dout.contiguous(), torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros_like(gathered)  # the keys' and values' gradients, laid out as gathered
@@ -343,7 +343,7 @@ class _CausalBlocks(torch.autograd.Function):
                     dkv[j, i, ..., half * c : (half + 1) * c, :] = g[..., n * c : (n + 1) * c, :]
         if ctx.comm is not None:  # every rank's share of each key's gradient, summed at its owner
             theirs, wait = ctx.comm.start("reduce_scatter", dkv)
-        gq, gk, gv = bwd(dout, q, k_own.contiguous(), v_own.contiguous(), out, native(lse), True, ctx.aux[0])
+        gq, gk, gv = bwd(dout, q, *gathered[ctx.rank], out, native(lse), True, ctx.aux[0])
         dq += gq
         mine = torch.stack([gk, gv])
         if ctx.comm is not None:
