@@ -70,6 +70,36 @@ def test_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention(cp, 
             assert max(errors) < 1e-6, (mode, errors)  # the CPU kernel keeps its log-sum-exp in fp32
 
 
+def _started_collectives():
+    import torch.distributed as dist
+
+    from tpframe.comm import Communicator
+
+    comm, r = Communicator(dist.group.WORLD, backend="nccl", device=torch.device("cpu")), dist.get_rank()
+    x = torch.arange(6.0).view(2, 3) + 10 * r
+    gathered, wait = comm.start("all_gather", x)
+    wait()
+    same = gathered.equal(comm.all_gather(x))
+    summed, wait = comm.start("reduce_scatter", torch.arange(4.0 * comm.size).view(2 * comm.size, 2) * (r + 1))
+    wait()
+    try:
+        comm.start("reduce_scatter", torch.zeros(3, 2))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    comm.close()
+    return same, summed.tolist(), refused
+
+
+def test_started_collectives_equal_the_blocking_ones():
+    """Communicator.start (what the CP blocks overlap with attention): the all-gather as the blocking one, the
+    reduce-scatter summed over ranks in this rank's slice, a split the ranks cannot share refused by name."""
+    for r, (same, summed, refused) in enumerate(run_distributed(_started_collectives, 2, timeout=60)):
+        assert same
+        assert summed == [[(4 * r + i) * 3.0, (4 * r + i + 1) * 3.0] for i in (0, 2)]  # rows 2r, 2r+1, times 1+2
+        assert refused is not None and "divisible by the group size 2" in refused
+
+
 def _model(archs: list[dict], tp: int):
     import torch.distributed as dist
 
