@@ -17,6 +17,7 @@
 #              bf16 and torchao's (its wheel in .peers): at real TP on as many GPUs, the comm-free rank on one
 #   long_context  (nvidia-h200-x4) CP's GPU tests, then benchmarks/long_context.py --compare --shapes $SHAPES
 #              (default llama3-8b) --seqs $SEQS (default 131072): tpframe's CP modes vs torch's context_parallel
+#              (GPUS=2 on nvidia-h200-x2: the CP=2 table; LAYERS=N: N of each shape's layers)
 #   long_context_train  (nvidia-h200-x4) benchmarks/long_context.py --train: train.py's peak vs the memory estimate
 # NVLink multicast is forbidden on these machines: every program started here inherits the three exports below.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -138,8 +139,9 @@ suite_fp8_peer() {
 
 suite_long_context() {
   timeout 200 $PYTEST tests/test_context_parallel.py -m gpu 2>&1 | tee $OUT/cp_tests.log | tail -3
-  python3 benchmarks/long_context.py --compare --shapes ${SHAPES:-llama3-8b} --seqs ${SEQS:-131072} \
-    --budget-s $(($(left) - 30)) --logs $OUT 2>&1 | tee $OUT/long_context.log
+  python3 benchmarks/long_context.py --compare --gpus ${GPUS:-4} ${LAYERS:+--layers $LAYERS} \
+    --shapes ${SHAPES:-llama3-8b} --seqs ${SEQS:-131072} --budget-s $(($(left) - 30)) --logs $OUT 2>&1 \
+    | tee $OUT/long_context.log
 }
 
 suite_long_context_train() {
@@ -147,9 +149,9 @@ suite_long_context_train() {
     --job-timeout-s $(($(left) / 2 - 10)) --logs $OUT 2>&1 | tee $OUT/long_context_train.log
 }
 
-[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,22p "$0"; exit 2; }
 for suite in "$@"; do
-  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,20p $0"; exit 2; }
+  declare -F suite_$suite > /dev/null || { echo "benchmarks/device.sh: no suite '$suite'; see: sed -n 2,22p $0"; exit 2; }
 done
 mkdir -p $OUT
 { nvidia-smi --query-gpu=name,memory.total --format=csv

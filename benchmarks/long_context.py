@@ -3,6 +3,7 @@ against PyTorch's `context_parallel` ring attention on the same model, and one G
 
     torchrun --nproc-per-node 4 benchmarks/long_context.py  # env: SHAPE SEQ CP TP CP_COMM CKPT IMPL STEPS LAYERS
     python benchmarks/long_context.py --compare [--shapes 1.3b,llama3-8b] [--seqs 32768,65536,131072] [--budget-s 540]
+                                         [--gpus 4|2] [--layers N]
     python benchmarks/long_context.py --train [--shapes llama3-8b] [--seqs 131072] [--gpus 4] [--set KEY=VALUE ...]
                                        # train.py: peak vs the pre-flight's estimate, CP = --gpus
 
@@ -23,9 +24,10 @@ The RESULT line also gives the activations one forward keeps (measured once) and
 the table and appends it to RESULTS.md: tpframe CP=4 in both modes, torch's ring attention (and its all-gather) at
 CP=4, one GPU at SEQ/4 (the CP scaling column's baseline: a CP=4 row's step time over this step scaled by
 flops_per_token(S)/flops_per_token(S/4), the work per GPU being the same FLOPs), the same four at CP=2 x TP=2 + SP,
-and one GPU at SEQ where it fits. --train runs train.py itself (CP over --gpus ranks, zero1 over them, full recompute,
-AdamW, 3 steps on the synthetic corpus; --set adds overrides, e.g. model.layers=8 to fit one GPU) and compares its
-measured peak (metrics.jsonl's mem_gib) with the pre-flight's estimate.
+and one GPU at SEQ where it fits. With --gpus 2: CP=2 (both modes, both torch rows), one GPU at SEQ/2 as the scaling
+baseline, and one GPU at SEQ; --layers N runs N of each shape's layers. --train runs train.py itself (CP over --gpus
+ranks, zero1 over them, full recompute, AdamW, 3 steps on the synthetic corpus; --set adds overrides, e.g.
+model.layers=8 to fit one GPU) and compares its measured peak (metrics.jsonl's mem_gib) with the pre-flight's estimate.
 Every program gets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
 
@@ -177,10 +179,10 @@ def run_one() -> None:
 
 
 # -- the table (one device call) ------------------------------------------------------------------
-def jobs(shape: str, seq: int, ckpt: str) -> list[dict]:
-    """One (shape, sequence) group's runs, most important first."""
+def jobs(shape: str, seq: int, ckpt: str, gpus: int = 4, layers: int | None = None) -> list[dict]:
+    """One (shape, sequence) group's runs on `gpus` GPUs (4: CP=4 and CP=2 x TP=2; 2: CP=2), most important first."""
     out, one_gpu = [], lambda s: dict(label=f"CP=1, one GPU, S={s}", gpus=1, env=dict(CP=1, TP=1, SEQ=s))  # noqa: E731
-    for cp, tp in ((4, 1), (2, 2)):
+    for cp, tp in ((gpus, 1), (gpus // 2, 2)) if gpus >= 4 else ((gpus, 1),):
         layout = f"CP={cp}" + (f" x TP={tp} + SP" if tp > 1 else "")
         for label, extra in (
             ("tpframe all_gather", dict(CP_COMM="all_gather")),
@@ -190,12 +192,14 @@ def jobs(shape: str, seq: int, ckpt: str) -> list[dict]:
         ):
             if label == "tpframe all_to_all" and SHAPES[shape]["heads"] // tp % cp:
                 continue
-            out.append(dict(label=f"{layout}, {label}", gpus=4, env=dict(CP=cp, TP=tp, SEQ=seq, **extra)))
-        if cp == 4:  # one GPU at S/4: the scaling column's baseline
-            out.append(one_gpu(seq // 4))
+            if "IMPL" in extra and not torch.cuda.is_available():  # torch's context_parallel attends on CUDA only
+                continue
+            out.append(dict(label=f"{layout}, {label}", gpus=gpus, env=dict(CP=cp, TP=tp, SEQ=seq, **extra)))
+        if tp == 1:  # one GPU at S/gpus: the scaling column's baseline
+            out.append(one_gpu(seq // gpus))
     out.append(one_gpu(seq))  # the whole sequence on one GPU, where it fits
     for job in out:
-        job["env"].update(SHAPE=shape, CKPT=ckpt)
+        job["env"].update(SHAPE=shape, CKPT=ckpt, **({"LAYERS": layers} if layers else {}))
     return out
 
 
@@ -223,16 +227,17 @@ def launch(job: dict, timeout: float, log: Path) -> dict:
     return row
 
 
-def flops_ratio(shape: str, seq: int) -> float:
-    """flops_per_token(S) / flops_per_token(S/4), causal attention counted half."""
+def flops_ratio(shape: str, seq: int, parts: int, layers: int | None = None) -> float:
+    """flops_per_token(S) / flops_per_token(S/parts), causal attention counted half."""
     m = SHAPES[shape]
     a, d = m["heads"] * (m["hidden"] // m["heads"]), m["hidden"]
     f = m.get("ffn_hidden", 4 * d)
     kv = m.get("kv_heads", m["heads"]) * (d // m["heads"])
     mlp = d * f * (3 if m.get("activation") == "swiglu" else 2)
-    fixed = 2 * (d * (a + 2 * kv) + a * d + mlp) * m["layers"] + 2 * d * m["vocab_size"]
-    per = lambda s: fixed + 2 * s * a * m["layers"]  # noqa: E731 - per token, forward; x3 cancels
-    return per(seq) / per(seq // 4)
+    n = layers or m["layers"]
+    fixed = 2 * (d * (a + 2 * kv) + a * d + mlp) * n + 2 * d * m["vocab_size"]
+    per = lambda s: fixed + 2 * s * a * n  # noqa: E731 - per token, forward; x3 cancels
+    return per(seq) / per(seq // parts)
 
 
 def compare(args) -> None:
@@ -242,16 +247,16 @@ def compare(args) -> None:
     for shape in args.shapes.split(","):
         for seq in map(int, args.seqs.split(",")):
             group = []
-            for job in jobs(shape, seq, args.recompute):
+            for job in jobs(shape, seq, args.recompute, args.gpus, args.layers):
                 left = deadline - time.time()
                 if left < 30:
                     group.append(dict(job, status="not run (budget spent)"))
                     continue
                 group.append(launch(job, min(args.job_timeout_s, left), log))
-            base = next((r for r in group if r["env"]["SEQ"] == seq // 4 and "step_ms" in r), None)
+            base = next((r for r in group if r["env"]["SEQ"] == seq // args.gpus and "step_ms" in r), None)
             for r in group:
-                if base and "step_ms" in r and r["env"]["CP"] * r["env"]["TP"] == 4:
-                    r["scaling"] = r["step_ms"] / (base["step_ms"] * flops_ratio(shape, seq))
+                if base and "step_ms" in r and r["env"]["CP"] * r["env"]["TP"] == args.gpus:
+                    r["scaling"] = r["step_ms"] / (base["step_ms"] * flops_ratio(shape, seq, args.gpus, args.layers))
             rows += [(shape, seq, r) for r in group]
     report(args, rows)
 
@@ -261,13 +266,15 @@ def report(args, rows) -> None:
     lines = [
         f"## Long context: tpframe CP vs torch's context_parallel, {device}, {datetime.date.today().isoformat()}",
         "",
-        f"Command: `python benchmarks/long_context.py --compare --shapes {args.shapes} --seqs {args.seqs} "
-        f"--recompute {args.recompute}` (one device call, every run a subprocess). torch {torch.__version__}, bf16, "
+        f"Command: `python benchmarks/long_context.py --compare --gpus {args.gpus} --shapes {args.shapes} --seqs "
+        f"{args.seqs} --recompute {args.recompute}" + (f" --layers {args.layers}" if args.layers else "") + "` "
+        f"(one device call, every run a subprocess). torch {torch.__version__}, bf16, "
         "one sequence per step, forward+backward (no optimizer), 2 warm-up then 3 timed steps, random tokens, "
         f"recompute {args.recompute}. TFLOP/s per GPU = (flops_per_token(S) - 6*L*S*A) * S / step / GPUs (causal "
         "attention counted half). 'vs torch ring' = tokens/s over torch's ring attention (rotate=alltoall) at the "
-        "same layout. 'scaling' = step time over (the one-GPU step at S/4) x flops_per_token(S)/flops_per_token(S/4): "
-        "1.00 is perfect, the target is <= 1.25 at CP=4. Peak GiB = torch.cuda.max_memory_allocated, rank 0.",
+        f"same layout. 'scaling' = step time over (the one-GPU step at S/{args.gpus}) x flops_per_token(S)/"
+        f"flops_per_token(S/{args.gpus}): 1.00 is perfect, the target is <= 1.25 at CP=4. Peak GiB = "
+        "torch.cuda.max_memory_allocated, rank 0.",
         "",
         "| shape | S | run | step ms | tokens/s | TFLOP/s per GPU | peak GiB | vs torch ring | scaling |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -369,7 +376,8 @@ def main() -> None:
     p.add_argument("--shapes", default="1.3b,llama3-8b", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--seqs", default="32768,65536,131072", help="sequence lengths, comma list")
     p.add_argument("--modes", default="all_gather,all_to_all", help="--train: parallel.cp_comm values")
-    p.add_argument("--gpus", type=int, default=4, help="--train: GPUs, all of them CP ranks (1: no CP)")
+    p.add_argument("--gpus", type=int, default=4, help="--train: GPUs, all CP ranks (1: no CP); --compare: 4 or 2")
+    p.add_argument("--layers", type=int, help="--compare: fewer of each shape's layers (model.layers)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="--train: more train.py overrides")
     p.add_argument("--recompute", default="full", choices=("full", "selective", "none"))
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting jobs after this many seconds")
@@ -377,6 +385,10 @@ def main() -> None:
     p.add_argument("--logs", default=os.environ.get("OUT", "/tmp"), help="folder for long_context_logs.txt")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = p.parse_args()
+    if args.compare and args.gpus not in (2, 4):
+        p.error(f"--compare lays runs out on 4 GPUs (CP=4, CP=2 x TP=2) or 2 (CP=2), not --gpus {args.gpus}")
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers must be at least 1, not {args.layers}")
     for key in args.shapes.split(","):
         if key not in SHAPES:
             p.error(f"--shapes: {key!r} is not one of {sorted(SHAPES)}")

@@ -467,6 +467,29 @@ def test_cuda_train_py_at_cp2_follows_dp2():
             assert abs(a - b) < 2e-2 * abs(a), (name, losses)
 
 
+def test_the_long_context_table_on_two_gpus_times_both_modes_and_scales_against_half_the_sequence(tmp_path):
+    """benchmarks/long_context.py --compare --gpus 2 (the CP=2 table) on CPU: both tpframe modes at CP=2 with a
+    scaling figure against one process at half the sequence, --layers passed to every run; --gpus 3 is refused."""
+    import subprocess
+    import sys
+
+    from tests.training_utils import REPO
+
+    results = tmp_path / "results.md"
+    cmd = [sys.executable, "benchmarks/long_context.py", "--compare", "--shapes", "tiny", "--seqs", "64"]
+    cmd += ["--layers", "1", "--results", str(results), "--logs", str(tmp_path)]
+    bad = subprocess.run([*cmd, "--gpus", "3"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "not --gpus 3" in bad.stderr, bad.stderr
+    done = subprocess.run([*cmd, "--gpus", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in results.read_text().splitlines() if r.startswith("| tiny")}
+    for mode in CP_COMM_MODES:
+        row = rows[f"CP=2, tpframe {mode}"]
+        assert float(row[4].replace(",", "")) > 0 and float(row[8].rstrip(" |")) > 0, row  # tokens/s, scaling
+    assert {"CP=1, one GPU, S=32", "CP=1, one GPU, S=64"} <= set(rows), rows
+    assert (tmp_path / "long_context_logs.txt").read_text().count("'LAYERS': 1") == len(rows)
+
+
 @pytest.mark.slow
 def test_the_long_context_benchmark_trains_each_cp_mode_and_takes_overrides(tmp_path):
     """benchmarks/long_context.py --train (train.py's peak against the pre-flight's estimate) at CP=2 on CPU: a row
