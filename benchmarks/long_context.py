@@ -92,6 +92,12 @@ def overrides(shape: str, seq: int, *, cp: int, tp: int, cp_comm: str, ckpt: str
     ]
 
 
+def replaced(keys: list[str], later: list[str]) -> list[str]:
+    """KEY=VALUE overrides `keys` with `later`'s keys replacing theirs (load_config refuses a key given twice)."""
+    names = {kv.split("=", 1)[0] for kv in later}
+    return [kv for kv in keys if kv.split("=", 1)[0] not in names] + list(later)
+
+
 # -- one run (under torchrun) ---------------------------------------------------------------------
 def run_one() -> None:
     from tpframe.layers.context import local_positions, shard_sequence
@@ -104,10 +110,8 @@ def run_one() -> None:
     e = os.environ.get
     shape, seq, cp, tp, impl = e("SHAPE", "1.3b"), int(e("SEQ", 32768)), int(e("CP", 4)), int(e("TP", 1)), e("IMPL")
     cp_comm, ckpt, steps = e("CP_COMM", "all_gather"), e("CKPT", "full"), int(e("STEPS", 3))
-    keys = overrides(shape, seq, cp=cp, tp=tp, cp_comm=cp_comm, ckpt=ckpt)
-    if e("LAYERS"):  # fewer of the shape's layers
-        keys = [k for k in keys if not k.startswith("model.layers=")] + [f"model.layers={e('LAYERS')}"]
-    cfg = load_config(None, keys)
+    layers = [f"model.layers={e('LAYERS')}"] if e("LAYERS") else []  # fewer of the shape's layers
+    cfg = load_config(None, replaced(overrides(shape, seq, cp=cp, tp=tp, cp_comm=cp_comm, ckpt=ckpt), layers))
     state = initialize_parallel(tp=tp, cp=cp)
     ours, cuda = impl != "torch", state.device.type == "cuda"
     sync, allocated = (torch.cuda.synchronize, torch.cuda.memory_allocated) if cuda else (lambda: None, lambda: 0)
@@ -342,9 +346,7 @@ def train_row(args, shape: str, seq: int, mode: str) -> str:
     n = args.gpus
     extra = ["parallel.dp_strategy=zero1", "data.source=synthetic", f"data.synthetic_tokens={64 * seq}"]
     extra += ["train.steps=3", "train.eval_interval=0", "logging.interval=1", "checkpoint.save_at_end=false"]
-    over = overrides(shape, seq, cp=n, tp=1, cp_comm=mode, ckpt="full") + extra
-    replaced = {kv.split("=", 1)[0] for kv in args.set}  # --set wins over the shape's own keys
-    over = [kv for kv in over if kv.split("=", 1)[0] not in replaced] + args.set
+    over = replaced(overrides(shape, seq, cp=n, tp=1, cp_comm=mode, ckpt="full") + extra, args.set)
     cfg = load_config(None, over)
     validate(cfg, n)
     est = estimate_for(cfg, n, dry_build(cfg), device_type="cuda")

@@ -316,7 +316,7 @@ class _CausalBlocks(torch.autograd.Function):
         for first, rows, chunks in blocks[1:]:
             kb, vb = _chunks(gathered, chunks, size)
             results.append(fwd(q[..., first : first + rows, :], kb, vb, False))
-        out, lse = _merge(q, [(first, o, lse) for (first, *_), (o, lse, _) in zip(blocks, results)])
+        out, lse = _merge(q, [(first, o, block_lse) for (first, *_), (o, block_lse, _) in zip(blocks, results)])
         ctx.save_for_backward(q, gathered, out, lse)  # the rank's own keys: gathered[rank]
         ctx.blocks, ctx.aux, ctx.comm, ctx.rank, ctx.size = blocks, [r[2] for r in results], comm, rank, size
         ctx.lse_shape, ctx.lse_dtype = results[0][1].shape, results[0][1].dtype
@@ -369,9 +369,8 @@ def _chunks(gathered: torch.Tensor, chunks, size: int) -> tuple[torch.Tensor, to
 
 
 def _unorder_chunks(t: torch.Tensor, size: int) -> torch.Tensor:
-    """`order_chunks` inverted: [..., S, d] in order -> [size, ..., 2c, d], rank j's chunks j and 2 size-1-j."""
-    chunks = t.chunk(2 * size, dim=-2)
-    return torch.stack([torch.cat([chunks[j], chunks[2 * size - 1 - j]], dim=-2) for j in range(size)])
+    """`order_chunks` inverted: [..., S, d] in order -> [size, ..., 2c, d], rank j's tokens (`shard_sequence`)."""
+    return torch.stack([shard_sequence(t, dim=-2, rank=j, size=size) for j in range(size)])
 
 
 def _merge(q: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor]:
