@@ -47,56 +47,6 @@ def test_fp8_linear_forward_and_gradients_match_fp64_within_float8_rounding(magn
         assert err < tol, f"{name}: relative error {err:.3g} at magnitude {magnitude:g}"
 
 
-def _float8_gather_vs_bf16_gather(compiled: bool = False):
-    """On each rank (its GPU under NCCL): a tensorwise column layer under SP through the float8 all-gather (compiled
-    with `compiled`) and through the bf16 one with the cast after it (each rank's tokens of another magnitude, so one
-    rank's own scale would differ). Returns the dtypes gathered (eager), both runs' y and gradients, fp64's."""
-    from tpframe.layers.linear import column_parallel_linear, enter_tp_region, local_linear
-    from tpframe.parallel import initialize_parallel
-
-    comm = initialize_parallel(tp=torch.distributed.get_world_size()).tp_comm
-    tp, r, gen, dev = comm.size, comm.rank, torch.Generator().manual_seed(0), comm.device
-    x = torch.randn(16 * tp, 2, 64, generator=gen) * torch.arange(1.0, tp + 1).repeat_interleave(16)[:, None, None]
-    w, b = torch.randn(32 * tp, 64, generator=gen) / 8, torch.randn(32 * tp, generator=gen)
-    dy = torch.randn(16 * tp, 2, 32 * tp, generator=gen)
-    runs, gathered, all_gather = [], [], comm.all_gather
-    if not compiled:
-        comm.all_gather = lambda t, dim=0: gathered.append(t.dtype) or all_gather(t, dim)
-    wire8 = torch.compile(column_parallel_linear) if compiled else column_parallel_linear
-    for float8_wire in (True, False):
-        xs, ws, bs = (t.chunk(tp, 0)[r].to(dev, torch.bfloat16).requires_grad_() for t in (x, w, b))
-        if float8_wire:
-            y = wire8(xs, ws, bs, comm, sequence_parallel=True, fp8="tensorwise")
-        else:
-            y = local_linear(enter_tp_region(xs, comm, True), ws, bs, fp8="tensorwise")
-        y.backward(dy.chunk(tp, -1)[r].to(dev, torch.bfloat16))
-        runs.append([t.detach().cpu() for t in (y, xs.grad, ws.grad, bs.grad)])
-    xr, wr, br = (t.double().requires_grad_() for t in (x, w, b))
-    yr = torch.nn.functional.linear(xr, wr, br)
-    yr.backward(dy.double())
-    ref = [t.chunk(tp, dim)[r] for t, dim in ((yr.detach(), -1), (xr.grad, 0), (wr.grad, 0), (br.grad, 0))]
-    return gathered, runs, ref
-
-
-def _check_float8_gather(results, *, bitwise: bool) -> None:
-    for _, (wire8, bf16), ref in results:
-        for name, a, b, want, tol in zip(("y", "dx", "dw", "db"), wire8, bf16, ref, (0.05, 0.08, 0.08, 0.01)):
-            assert torch.equal(a, b) if bitwise else _rel(a, b) < 0.03, name
-            assert _rel(a, want) < tol, (name, _rel(a, want))
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_the_sequence_parallel_all_gather_carries_float8_under_tensorwise(tp):
-    """TP + SP, tensorwise: the column layers' all-gather moves float8 bytes (one scale over the group, from the
-    all-reduced maximum) and gives bit for bit what gathering bf16 and casting after gives: output and gradients;
-    both within float8's rounding of fp64 (5% for y: the smaller ranks' tokens sit lower in the shared range)."""
-    from tests.dist_utils import run_distributed
-
-    results = run_distributed(_float8_gather_vs_bf16_gather, tp)
-    assert all(gathered == [torch.uint8, torch.bfloat16] for gathered, _, _ in results), results[0][0]
-    _check_float8_gather(results, bitwise=True)
-
-
 def _rows_through_e4m3(t: torch.Tensor) -> torch.Tensor:
     """t through e4m3 and back, one power-of-two scale per row (the rowwise rule, written row by row)."""
     t, out = t.float(), torch.empty(t.shape)
@@ -351,22 +301,6 @@ def test_fp8_training_on_cuda_follows_bf16(tmp_path, recipe):
     for step, (a, b) in enumerate(zip(fp8, bf16), 1):
         assert abs(a - b) <= 0.1 * abs(b), f"step {step}: fp8 {a:.4f} vs bf16 {b:.4f}"
     assert abs(sum(fp8[-5:]) - sum(bf16[-5:])) <= 0.01 * sum(bf16[-5:]), (fp8[-5:], bf16[-5:])
-
-
-@pytest.mark.gpu(count=2)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_float8_all_gather_on_two_gpus(compiled):
-    """The float8 sequence-parallel all-gather over NCCL with cuBLAS's float8 GEMMs: eager bit for bit the bf16
-    gather's result, compiled (Inductor's casts round in fp32 first) within 3% of it; both within float8's rounding
-    of fp64."""
-    from tests.dist_utils import run_distributed
-
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("float8 GEMMs need compute capability 8.9+")
-    results = run_distributed(_float8_gather_vs_bf16_gather, 2, compiled, backend="nccl", timeout=300)
-    if not compiled:
-        assert all(gathered == [torch.uint8, torch.bfloat16] for gathered, _, _ in results), results[0][0]
-    _check_float8_gather(results, bitwise=not compiled)
 
 
 @pytest.mark.parametrize(

@@ -41,13 +41,11 @@ def recipe_of(value) -> str | None:
     return "tensorwise" if value is True else (value or None)
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype, *, amax=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t * scale cast to `dtype`, 1 / scale): scale maps t's absolute maximum (or `amax`, fp32) to the format's
-    largest value. Eager torch runs this as four passes over t; inside a compiled block Inductor fuses it with its
-    neighbours, which is why train.fp8 asks for train.compile on GPUs."""
-    if amax is None:
-        amax = torch.linalg.vector_norm(t, float("inf")).float()  # max |t|, one pass
-    amax = amax.clamp(min=1e-12)
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t * scale cast to `dtype`, 1 / scale): scale maps t's absolute maximum to the format's largest value.
+    Eager torch runs this as four passes over t; inside a compiled block Inductor fuses it with its neighbours,
+    which is why train.fp8 asks for train.compile on GPUs."""
+    amax = torch.linalg.vector_norm(t, float("inf")).float().clamp(min=1e-12)  # max |t|, one pass
     scale = (_MAX[dtype] / amax).to(t.dtype)  # scaled in t's dtype: bf16's rounding is far finer than float8's
     t8 = (t * scale).clamp_(-_MAX[dtype], _MAX[dtype]).to(dtype)  # clamped: e4m3 has no infinity, only NaN
     return t8, scale.float().reciprocal()
@@ -63,15 +61,6 @@ def quantize(t: torch.Tensor, recipe: str, *, dtype=E4M3) -> tuple[torch.Tensor,
     scale = torch.exp2(torch.floor(torch.log2(_MAX[dtype] / amax.clamp(min=1e-12))))  # a power of two: exact
     t8 = (t * scale.to(t.dtype)).clamp_(-_MAX[dtype], _MAX[dtype]).to(dtype)
     return t8.contiguous(), scale.reciprocal()
-
-
-def gather_float8(x2: torch.Tensor, comm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's x2 [rows, K] all-gathered along rows over `comm` as tensorwise float8, with its inverse scale:
-    the sequence-parallel all-gather on half the bytes. One scale for the group, from the all-reduced maximum, so
-    the result is bit for bit the cast of the gathered bf16 x."""
-    amax = comm.all_reduce(torch.linalg.vector_norm(x2, float("inf")).float(), "max")
-    x8, inv = to_float8(x2, E4M3, amax=amax)
-    return comm.all_gather(x8.view(torch.uint8), dim=0).view(E4M3), inv
 
 
 def scaled_mm(a, b, recipe: str, *, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
@@ -102,18 +91,16 @@ def _weight_grad(g2, g8, x_kept, x_inv, recipe: str) -> torch.Tensor:
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, deferred, gather):
+    def forward(ctx, x, weight, bias, recipe, deferred):
         x2 = x.reshape(-1, x.shape[-1])
-        xq = quantize(x2, recipe) if gather is None else gather_float8(x2, gather)
-        wq = quantize(weight, recipe)
+        xq, wq = quantize(x2, recipe), quantize(weight, recipe)
         y = scaled_mm(xq, wq, recipe, out_dtype=x.dtype, bias=bias)
         # tensorwise keeps x's and w's float8 copies; rowwise x and w (bf16: rescaled along the other dim, and with
         # selective recompute x is the norm output it refills)
         x_kept, w_kept = (xq[0], wq[0]) if recipe == "tensorwise" else (x2, weight)
         ctx.save_for_backward(x_kept, xq[1], w_kept, wq[1])
         ctx.has_bias, ctx.x_shape, ctx.recipe, ctx.deferred = bias is not None, x.shape, recipe, deferred
-        ctx.gather = gather
-        return y.view(-1, *x.shape[1:-1], weight.shape[0])
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -123,8 +110,7 @@ class _Float8Linear(torch.autograd.Function):
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             wt = _transposed(w_kept, (w_kept, w_inv), recipe)
-            gx = scaled_mm(g8, wt, recipe, out_dtype=grad.dtype)
-            gx = (gx if ctx.gather is None else ctx.gather.reduce_scatter(gx, dim=0)).view(ctx.x_shape)
+            gx = scaled_mm(g8, wt, recipe, out_dtype=grad.dtype).view(ctx.x_shape)
         dw = functools.partial(_weight_grad, g2, g8, x_kept, x_inv, recipe)
         if ctx.deferred is not None:
             ctx.deferred.defer(dw)  # a zero-bubble schedule's W step computes it
@@ -132,18 +118,14 @@ class _Float8Linear(torch.autograd.Function):
             gw = dw()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, recipe: str = "tensorwise", gather=None):
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias=None, *, recipe: str = "tensorwise") -> torch.Tensor:
     """x W^T + b with the three GEMMs in float8 (see the module docstring); under a zero-bubble schedule's
-    capture the weight gradient is deferred (the weight enters detached, as in weight_grad.linear).
-    `gather` (tensorwise): the sequence-parallel group x [s/tp, ...] is all-gathered over, in float8
-    (`gather_float8`); backward reduce-scatters dx. Returns [s, ..., out]."""
-    if gather is not None and recipe != "tensorwise":
-        raise ValueError(f"fp8_linear: the float8 all-gather takes one scale per tensor (tensorwise), not {recipe}")
+    capture the weight gradient is deferred (the weight enters detached, as in weight_grad.linear)."""
     deferred = deferral(weight)
-    return _Float8Linear.apply(x, weight if deferred is None else weight.detach(), bias, recipe, deferred, gather)
+    return _Float8Linear.apply(x, weight if deferred is None else weight.detach(), bias, recipe, deferred)
 
 
 def fp8_pays(local_out: int, local_in: int, recipe: str) -> bool:

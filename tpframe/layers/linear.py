@@ -94,8 +94,6 @@ def column_parallel_linear(
     """
     if async_tp and sequence_parallel and not entered and async_tp_available(comm, x):
         y = ce_column(x, weight, bias, comm)  # computes its weight gradient itself (not deferred)
-    elif fp8 == "tensorwise" and sequence_parallel and not entered and comm.size > 1:
-        y = fp8_linear(x, weight, bias, recipe=fp8, gather=comm)  # the SP all-gather carries float8
     else:
         x = x if entered else enter_tp_region(x, comm, sequence_parallel)
         y = local_linear(x, weight, bias, fp8=fp8, decode_kernel=decode_kernel)
