@@ -20,6 +20,24 @@ from tpframe.parallel.recompute import RecomputedOutput
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of h = [gate | up], keeping only h for backward and computing silu(gate) again there (as
+    Megatron's fused SwiGLU does): autograd's own graph would also keep silu(gate), one more ffn-wide activation per
+    layer. The same ops as autograd's, so the same values."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
+
+
 class ParallelMLP(nn.Module):
     """[s, b, h] -> [s, b, h] (or [s/tp, b, h] in and out with sequence parallelism).
 
@@ -87,8 +105,7 @@ class ParallelMLP(nn.Module):
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return _SwiGLU.apply(h)
         if self.activation == "gelu":
             return F.gelu(h, approximate="tanh")
         return F.relu(h)
