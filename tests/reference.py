@@ -1,5 +1,5 @@
-"""Comparison helpers for parallel-vs-reference tests: errors against a reference, a TP model's full tensors, and
-the sequence-parallel slicing of an input."""
+"""Comparison helpers for parallel-vs-reference tests: errors against a reference, a TP model's full tensors, the
+sequence-parallel slicing of an input, and the bytes autograd keeps for backward."""
 
 from __future__ import annotations
 
@@ -88,3 +88,19 @@ def scatter_to_sp(x: torch.Tensor, comm) -> torch.Tensor:
     """[s, ...] -> [s/tp, ...]: this rank's sequence slice (a sequence-parallel layer's input); all-gather the
     gradient."""
     return x if comm.size == 1 else _ScatterToSP.apply(x, comm)
+
+
+def kept_for_backward(fn, *args, besides=frozenset()):
+    """fn(*args) and the bytes of the storages autograd keeps for its backward (an input's own included), counted
+    when fn returns (a storage freed by selective recompute reads 0 bytes until backward refills it), but for those
+    whose data pointers are in `besides` (a model's parameters)."""
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in besides:
+            kept[id(t.untyped_storage())] = t.untyped_storage()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, sum({st.data_ptr(): st.nbytes() for st in kept.values() if st.nbytes()}.values())

@@ -276,6 +276,7 @@ def _kept_and_estimated(common: list[str]):
     """(layout, bytes autograd saved in one forward, the pre-flight's activation estimate) on rank 0."""
     import torch.distributed as dist
 
+    from tests.reference import kept_for_backward
     from tests.training_utils import REPO
     from tpframe.layers.context import shard_sequence
     from tpframe.layers.mode import LayerMode
@@ -290,19 +291,11 @@ def _kept_and_estimated(common: list[str]):
         state = initialize_parallel(tp=1, cp=cfg.parallel.cp)
         ctx = BuildContext(state.tp_comm, seed=3, cp_comm=state.cp_comm, mode=LayerMode(cp_comm=cfg.parallel.cp_comm))
         model = build_model(cfg.model, ctx)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
         ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
-        kept = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         mine = shard_sequence(ids, dim=1, rank=state.cp_rank, size=state.cp)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(mine, mine)
-        out.append((layout, sum(kept.values()), activation_bytes(cfg, "cpu")))
+        _, kept = kept_for_backward(model, mine, mine, besides=params)
+        out.append((layout, kept, activation_bytes(cfg, "cpu")))
         dist.barrier()
         destroy_parallel()
     return out

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.reference import assert_close
+from tests.reference import assert_close, kept_for_backward
 
 S, B, H, FFN, STEPS = 8, 2, 16, 32, 5
 
@@ -85,20 +85,6 @@ def test_mlp_trained_five_adamw_steps_matches_dense(tp, activation):
             assert_close(g, e, 1e-5, f"{activation} tp={tp} sp={sp} {name} after {STEPS} AdamW steps")
 
 
-def _kept_bytes(fn, x: torch.Tensor, *, besides: frozenset = frozenset()) -> tuple[torch.Tensor, int]:
-    """fn(x) and the bytes of the storages autograd keeps for its backward (x's own included), but for those whose
-    data pointers are in `besides` (a model's parameters)."""
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in besides:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        return fn(x), sum(kept.values())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_keeps_only_its_input_and_equals_autograd_bit_for_bit(dtype):
     """The MLP's SwiGLU keeps h = [gate | up] alone for backward, where autograd's own graph also keeps silu(gate)
@@ -113,7 +99,7 @@ def test_swiglu_keeps_only_its_input_and_equals_autograd_bit_for_bit(dtype):
         return F.silu(gate) * up
 
     ours, ref = h.clone().requires_grad_(), h.clone().requires_grad_()
-    (y, kept), (y_ref, kept_ref) = _kept_bytes(_SwiGLU.apply, ours), _kept_bytes(autograd_swiglu, ref)
+    (y, kept), (y_ref, kept_ref) = kept_for_backward(_SwiGLU.apply, ours), kept_for_backward(autograd_swiglu, ref)
     y.backward(dy)
     y_ref.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(ours.grad, ref.grad)
@@ -133,7 +119,7 @@ def _swiglu_kept_and_estimated():
     model = build_model(cfg.model, BuildContext(initialize_parallel(tp=1).tp_comm, seed=3))
     params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len))
-    _, kept = _kept_bytes(lambda t: model(t, t), ids, besides=params)
+    _, kept = kept_for_backward(model, ids, ids, besides=params)
     return kept, activation_bytes(cfg, "cpu")
 
 

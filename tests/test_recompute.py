@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.reference import kept_for_backward
 from tests.training_utils import train_in_process
 
 S, B = 16, 2
@@ -42,20 +43,10 @@ def _model_case(
         model = build_model(
             cfg, BuildContext(state.tp_comm, sequence_parallel=sp, rng_tracker=tracker, seed=3, **fields)
         )
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        params = frozenset(p.untyped_storage().data_ptr() for p in model.parameters())
         if compiled:
             compile_model(model, fullgraph=True)
-        kept = {}
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                kept[id(t.untyped_storage())] = t.untyped_storage()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(ids, labels)
-        # a storage freed by selective recompute reads 0 bytes until backward refills it
-        kept_bytes = sum({st.data_ptr(): st.nbytes() for st in kept.values() if st.nbytes()}.values())
+        loss, kept_bytes = kept_for_backward(model, ids, labels, besides=params)
         loss.mean().backward()
         out[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()}, kept_bytes)
     tp, elem = state.tp, 4
