@@ -6,6 +6,8 @@ the sequence under SP) and the output leaves it (all-reduce, or reduce-scatter u
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,10 +22,23 @@ from tpframe.parallel.recompute import RecomputedOutput
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 
 
+def _swiglu_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """d(silu(gate) * up)/dh for h = [gate | up], with silu(gate) computed again: autograd's own ops."""
+    gate, up = h.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
+
+
+@functools.cache
+def _fused_swiglu_grad():
+    """_swiglu_grad as one Inductor kernel (eager runs on GPUs): eager's five passes over ffn-wide tensors made the
+    recompute cost 1.8% of an eager Llama-3-8B LoRA step (benchmarks/RESULTS.md, "SwiGLU keeps its input alone")."""
+    return torch.compile(_swiglu_grad, dynamic=None)
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up of h = [gate | up], keeping only h for backward and computing silu(gate) again there (as
     Megatron's fused SwiGLU does): autograd's own graph would also keep silu(gate), one more ffn-wide activation per
-    layer. The same ops as autograd's, so the same values."""
+    layer. The same ops as autograd's, so the same values; eager on a GPU they run as one compiled kernel."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
@@ -34,8 +49,9 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (h,) = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
+        if h.is_cuda and not torch.compiler.is_compiling():
+            return _fused_swiglu_grad()(grad, h)
+        return _swiglu_grad(grad, h)
 
 
 class ParallelMLP(nn.Module):
