@@ -606,6 +606,29 @@ def _is_step(n):
     return lambda line: line.replace(" ", "").startswith(f"step{n}/")
 
 
+def test_memory_estimate_counts_the_attention_copy_where_documents_run_the_varlen_kernel():
+    """Where the varlen Flash kernel runs documents' attention (CUDA, bf16, no dropout, CP=1) its output is written
+    token-major and the layer keeps the [s, b, h] copy the projection reads as well: 2 sbh/tp a layer. Measured: the
+    Llama-3-8B LoRA run's peak on one H200 was 57.0 GiB, the estimate 55.0 before this term and 57.0 with it
+    (benchmarks/RESULTS.md, "the document mask's attention copy")."""
+    from tpframe.run.memory import activation_bytes
+
+    s, b, h, L = 128, 8, 128, 2  # configs/tiny_cpu.yaml
+    base = ["train.micro_batch_size=8", "model.eod_id=10"]
+
+    def extra(*o, device="cuda", dtype="bfloat16"):
+        o = (*o, f"train.dtype={dtype}")
+        docs = activation_bytes(_cfg(*base, "model.attention_mask=document", *o), device)
+        return docs - activation_bytes(_cfg(*base, *o), device)
+
+    assert extra("parallel.tp=1") == L * s * b * h * 2
+    assert extra("parallel.tp=2", "parallel.sequence_parallel=true") == L * s * b * h * 2 / 2
+    assert extra("parallel.tp=1", device="cpu") == 0  # SDPA with a mask: its output is laid out [s, b, h]
+    assert extra("parallel.tp=1", "model.attention_dropout=0.1") == 0  # dropout: SDPA too
+    assert extra("parallel.tp=1", dtype="float32") == 0  # the kernel takes bf16 and fp16 only
+    assert extra("parallel.tp=1", "parallel.cp=2") == 0  # CP's chunks: the projection reads the output in place
+
+
 def test_sigterm_to_the_launcher_saves_exits_0_and_resumes_bit_for_bit(tmp_path):
     """The launch trains for 100,000 steps, so it is still running when the signal lands however late this test
     reads its output on a busy machine (an 8-step launch could finish first); after warmup its learning rate is

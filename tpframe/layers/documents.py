@@ -143,7 +143,7 @@ def context_parallel_document_attention(
     variable-length Flash attention per chunk; elsewhere SDPA with the [b, 1, 2c, S] mask of these queries' rows.
     A sliding `window` narrows it (varlen's left window where this torch takes one, else the mask)."""
     kv = gather_sequence(torch.stack([k, v]), comm)  # [2, b, nkv, S, d]
-    if docs.chunks is not None and _varlen_usable(q, dropout_p) and (window is None or "window_size" in _VARLEN_ARGS):
+    if docs.chunks is not None and varlen_runs(q.device.type, q.dtype, dropout_p, head_dim=q.shape[-1], window=window):
         return _varlen_chunks(q, kv, docs.chunks, enable_gqa, window)
     s = kv.shape[-2]
     rows = local_positions(q.shape[-2], rank=comm.rank, size=comm.size, device=q.device)  # global positions
@@ -162,20 +162,21 @@ def uses_varlen(
 ) -> bool:
     """Whether `document_attention` runs the variable-length Flash kernel for these inputs (q, or any tensor of
     its device and dtype with `head_dim`; with a sliding `window`, where this torch's varlen_attn takes one)."""
-    return (
-        docs.cu_seqlens is not None
-        and _varlen_usable(q, dropout_p, head_dim)
-        and (window is None or "window_size" in _VARLEN_ARGS)
+    return docs.cu_seqlens is not None and varlen_runs(
+        q.device.type, q.dtype, dropout_p, head_dim=head_dim or q.shape[-1], window=window
     )
 
 
-def _varlen_usable(q: torch.Tensor, dropout_p: float, head_dim: int | None = None) -> bool:
+def varlen_runs(device_type: str, dtype: torch.dtype, dropout_p: float, *, head_dim: int, window: int | None) -> bool:
+    """Whether the variable-length Flash kernel runs documents' attention on this device type and dtype (the
+    memory estimate asks too: its output is written token-major, so the layer keeps an [s, b, h] copy as well)."""
     return (
         _varlen_attn is not None
         and dropout_p == 0
-        and q.is_cuda
-        and q.dtype in VARLEN_DTYPES
-        and (head_dim or q.shape[-1]) <= 256
+        and device_type == "cuda"
+        and dtype in VARLEN_DTYPES
+        and head_dim <= 256
+        and (window is None or "window_size" in _VARLEN_ARGS)
     )
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from tpframe.errors import ConfigError
+from tpframe.layers.documents import varlen_runs
 from tpframe.layers.ulysses import kv_copies
 from tpframe.models.config import ffn_hidden_size, head_dim, moe_ffn_hidden_size, padded_vocab
 
@@ -88,6 +89,11 @@ def activation_bytes(cfg, device_type: str) -> float:
 
     width, kv_width = m.heads * head_dim(m), (m.kv_heads or m.heads) * head_dim(m)
     split = 4.0 * (width + kv_width) / h + mlp(ffn_hidden_size(m))  # inside the TP region: 24 at GPT's shapes
+    varlen = varlen_runs(
+        device_type, getattr(torch, t.dtype), m.attention_dropout, head_dim=head_dim(m), window=m.sliding_window
+    )
+    if m.attention_mask == "document" and p.cp == 1 and varlen:  # its output is token-major: the layer keeps the
+        split += 2.0 * width / h  # [s, b, h] copy the projection reads as well
     # selective recompute drops the two norm outputs (2 sbh each) and the activation output (8 sbh at ffn 4h)
     norms, act = (4.0, 2.0 * ffn_hidden_size(m) / h) if p.recompute == "selective" else (0.0, 0.0)
     if p.sequence_parallel:
