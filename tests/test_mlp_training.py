@@ -109,7 +109,7 @@ def test_swiglu_keeps_only_its_input_and_equals_autograd_bit_for_bit(dtype):
 @pytest.mark.gpu(count=1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_backward_on_a_gpu_runs_fused_eager_and_compiled_and_equals_autograd(dtype):
-    """On a GPU, eager, SwiGLU's backward runs as one compiled kernel; inside torch.compile the plain ops are traced
+    """On a GPU, eager, SwiGLU's backward runs compiled (Inductor); inside torch.compile the plain ops are traced
     into the caller's graph. Both give autograd's values within one rounding of the dtype."""
     from tpframe.layers.mlp import _SwiGLU
 

@@ -30,15 +30,16 @@ def _swiglu_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _fused_swiglu_grad():
-    """_swiglu_grad as one Inductor kernel (eager runs on GPUs): eager's five passes over ffn-wide tensors made the
-    recompute cost 1.8% of an eager Llama-3-8B LoRA step (benchmarks/RESULTS.md, "SwiGLU keeps its input alone")."""
+    """_swiglu_grad compiled, its passes fused by Inductor (eager runs on GPUs): eager's five passes over ffn-wide
+    tensors made the recompute cost 1.8% of an eager Llama-3-8B LoRA step (benchmarks/RESULTS.md, "SwiGLU keeps its
+    input alone")."""
     return torch.compile(_swiglu_grad, dynamic=None)
 
 
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up of h = [gate | up], keeping only h for backward and computing silu(gate) again there (as
     Megatron's fused SwiGLU does): autograd's own graph would also keep silu(gate), one more ffn-wide activation per
-    layer. The same ops as autograd's, so the same values; eager on a GPU they run as one compiled kernel."""
+    layer. The same ops as autograd's, so the same values; eager on a GPU they run compiled."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
