@@ -1519,3 +1519,56 @@ def test_the_launchers_pre_flight_runs_each_scripts_own_prepare(tmp_path, monkey
         preflight(
             os.path.join(REPO, "train.py"), with_overrides(BASE, ["parallel.tp=4", f"train.run_dir={tmp_path}/run"]), 2
         )
+
+
+def test_crc_check_names_the_first_corrupt_file_and_skips_only_what_the_launcher_verified(
+    tmp_path, saved_run, monkeypatch
+):
+    """verify reads the files in threads and names the first corrupt one in meta.json's order; a step directory
+    named by VERIFIED_ENV (tpframe.launch sets it once its own pre-flight has checked it) has its sizes checked
+    only, and no other directory does."""
+    from tpframe.checkpoint.files import VERIFIED_ENV, CheckpointError, verify
+
+    step = Path(_flipped(saved_run, tmp_path, "rng_0.pt"))
+    names = list(json.loads((step / "meta.json").read_text())["files"])
+    later = names[-1] if names[-1] != "rng_0.pt" else names[-2]
+    data = bytearray((step / later).read_bytes())
+    data[-1] ^= 0xFF
+    (step / later).write_bytes(bytes(data))
+    first = min(names.index("rng_0.pt"), names.index(later))
+    monkeypatch.delenv(VERIFIED_ENV, raising=False)
+    for env in (None, str(tmp_path / "elsewhere")):
+        if env:
+            monkeypatch.setenv(VERIFIED_ENV, env)
+        with pytest.raises(CheckpointError, match=f"{step / names[first]} fails its CRC32 check"):
+            verify(step, "crc")
+    monkeypatch.setenv(VERIFIED_ENV, str(step.resolve()))
+    assert verify(step, "crc")["train"]["step"] == 2
+
+
+def test_the_launcher_reads_a_checkpoint_once_and_its_workers_check_sizes_only(tmp_path, saved_run, monkeypatch):
+    """tpframe.launch's pre-flight at every world size of --nproc-per-node 1:2 reads each checkpoint file once (not
+    once per world size), and hands the checked step directory to its workers (VERIFIED_ENV)."""
+    from tpframe import launch
+    from tpframe.checkpoint import files
+
+    step = Path(_checkpoints_copy(saved_run, tmp_path)) / "step_00000002"
+    read = []
+    crc32 = files._crc32
+    monkeypatch.setattr(files, "_crc32", lambda p: read.append(p.name) or crc32(p))
+    monkeypatch.delenv(files.VERIFIED_ENV, raising=False)
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(REPO)
+    args = launch.parse_args(
+        [
+            "--nproc-per-node=1:2",
+            "--max-restarts=1",
+            *with_overrides(SCRIPT, ["parallel.tp=1", f"train.run_dir={tmp_path}/run", f"checkpoint.load={step}"]),
+        ]
+    )
+    sizes, _, start = launch.check_worlds(args)
+    assert sizes == [2, 1] and start == 2, (sizes, start)
+    recorded = json.loads((step / "meta.json").read_text())["files"]
+    assert sorted(read) == sorted(recorded), read  # each file once, over two pre-flights
+    assert os.environ[files.VERIFIED_ENV] == str(step.resolve())

@@ -219,6 +219,12 @@ def check_worlds(args) -> tuple[list[int], Path | None, int | None]:
     prepared = preflight(
         args.script, args.script_args, args.nodes[-1] * nproc, args.nodes[-1] * nproc - 1 if last else 0
     )
+    cfg = prepared[0] if isinstance(prepared, tuple) and hasattr(prepared[0], "checkpoint") else None
+    resume = prepared[-1] if cfg is not None else (None, None)  # train.py's: (checkpoint, its meta) or (None, None)
+    if resume[0] is not None:  # its files passed: the checks below and the workers need not read them again
+        from tpframe.checkpoint.files import VERIFIED_ENV
+
+        os.environ[VERIFIED_ENV] = str(Path(resume[0]).resolve())
     sizes = [nproc]
     for nodes in reversed(args.nodes[:-1]):  # every node count must train
         try:
@@ -231,13 +237,11 @@ def check_worlds(args) -> tuple[list[int], Path | None, int | None]:
             sizes.append(procs)
         except ConfigError:
             continue
-    cfg = prepared[0] if isinstance(prepared, tuple) and hasattr(prepared[0], "checkpoint") else None
     if cfg is None:
         return sizes, None, None
     from tpframe.checkpoint.files import checkpoint_root
 
-    meta = prepared[-1][1]  # train.py's `prepare` ends with (checkpoint, its meta) or (None, None)
-    return sizes, checkpoint_root(cfg), meta["train"]["step"] if meta else None
+    return sizes, checkpoint_root(cfg), resume[1]["train"]["step"] if resume[1] else None
 
 
 def main(argv: list[str] | None = None) -> int:
