@@ -164,13 +164,18 @@ def _checkpoints_copy(saved: Path, tmp: Path) -> str:
     return str(tmp / "ckpts")
 
 
+def _flip(file: Path) -> None:
+    """Byte 0 of `file` flipped: the recorded size, another CRC32."""
+    data = bytearray(file.read_bytes())
+    data[0] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 def _flipped(saved: Path, tmp: Path, name: str) -> str:
-    """A copy of the saved step with byte 0 of its file `name` flipped: the recorded size, another CRC32."""
+    """A copy of the saved step with byte 0 of its file `name` flipped (`_flip`)."""
     step = tmp / "step_00000002"
     shutil.copytree(saved / "checkpoints" / "step_00000002", step)
-    data = bytearray((step / name).read_bytes())
-    data[0] ^= 0xFF
-    (step / name).write_bytes(bytes(data))
+    _flip(step / name)
     return str(step)
 
 
@@ -993,9 +998,7 @@ def test_a_shard_that_cannot_be_read_when_loading_is_one_line_exit_2_and_writes_
     run = tmp_path / "run"
     shutil.copytree(saved_run, run)
     shard = run / "checkpoints" / "step_00000002" / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[0] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    _flip(shard)
     before = {p: b for p, b in _snapshot(run).items() if p.name != ".lock"}
     monkeypatch.chdir(REPO)
     _one_process_world(monkeypatch)
@@ -1532,9 +1535,7 @@ def test_crc_check_names_the_first_corrupt_file_and_skips_only_what_the_launcher
     step = Path(_flipped(saved_run, tmp_path, "rng_0.pt"))
     names = list(json.loads((step / "meta.json").read_text())["files"])
     later = names[-1] if names[-1] != "rng_0.pt" else names[-2]
-    data = bytearray((step / later).read_bytes())
-    data[-1] ^= 0xFF
-    (step / later).write_bytes(bytes(data))
+    _flip(step / later)
     first = min(names.index("rng_0.pt"), names.index(later))
     monkeypatch.delenv(VERIFIED_ENV, raising=False)
     for env in (None, str(tmp_path / "elsewhere")):
