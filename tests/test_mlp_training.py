@@ -85,6 +85,12 @@ def test_mlp_trained_five_adamw_steps_matches_dense(tp, activation):
             assert_close(g, e, 1e-5, f"{activation} tp={tp} sp={sp} {name} after {STEPS} AdamW steps")
 
 
+def autograd_swiglu(t):
+    """SwiGLU as autograd's own graph of silu(gate) * up (the reference `_SwiGLU` must equal)."""
+    gate, up = t.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_keeps_only_its_input_and_equals_autograd_bit_for_bit(dtype):
     """The MLP's SwiGLU keeps h = [gate | up] alone for backward, where autograd's own graph also keeps silu(gate)
@@ -93,10 +99,6 @@ def test_swiglu_keeps_only_its_input_and_equals_autograd_bit_for_bit(dtype):
 
     g = torch.Generator().manual_seed(0)
     h, dy = torch.randn(6, 4, 48, generator=g).to(dtype), torch.randn(6, 4, 24, generator=g).to(dtype)
-
-    def autograd_swiglu(t):
-        gate, up = t.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
     ours, ref = h.clone().requires_grad_(), h.clone().requires_grad_()
     (y, kept), (y_ref, kept_ref) = kept_for_backward(_SwiGLU.apply, ours), kept_for_backward(autograd_swiglu, ref)
@@ -118,8 +120,7 @@ def test_swiglu_backward_on_a_gpu_runs_fused_eager_and_compiled_and_equals_autog
         h, dy = torch.randn(shape, device="cuda", dtype=dtype), torch.randn(*shape[:-1], shape[-1] // 2, device="cuda")
         dy = dy.to(dtype)
         ref = h.clone().requires_grad_()
-        gate, up = ref.chunk(2, dim=-1)
-        (F.silu(gate) * up).backward(dy)
+        autograd_swiglu(ref).backward(dy)
         for fn in (_SwiGLU.apply, torch.compile(lambda t: _SwiGLU.apply(t) * 1.0, fullgraph=True)):
             ours = h.clone().requires_grad_()
             fn(ours).backward(dy)
